@@ -1,0 +1,1 @@
+"""One op per module: pure-JAX reference, CUDA custom call, and dispatcher."""

@@ -1,0 +1,198 @@
+"""FP8 recipes: which format each tensor uses and how its scale is chosen.
+
+A recipe is a frozen, validated dataclass. Pass one to
+:func:`te_jax.fp8_autocast`; the FP8 layers read it at trace time.
+
+Example::
+
+  from te_jax import recipe
+  r = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16)
+  r.fwd_dtype   # float8_e4m3fn
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import jax.numpy as jnp
+
+__all__ = [
+    "Format",
+    "Recipe",
+    "DelayedScaling",
+    "Float8CurrentScaling",
+    "Float8BlockScaling",
+    "fp8_max",
+]
+
+_E4M3 = jnp.float8_e4m3fn
+_E5M2 = jnp.float8_e5m2
+
+
+def fp8_max(dtype) -> float:
+  """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
+  dtype = jnp.dtype(dtype)
+  if dtype == jnp.dtype(_E4M3):
+    return 448.0
+  if dtype == jnp.dtype(_E5M2):
+    return 57344.0
+  raise TypeError(
+      f"dtype must be float8_e4m3fn or float8_e5m2, got {dtype}.")
+
+
+class Format(enum.Enum):
+  """Which FP8 format forward tensors and gradients use.
+
+  * ``E4M3``: every tensor in E4M3 (max 448, more mantissa).
+  * ``HYBRID``: forward tensors (activations, weights) in E4M3, gradients in
+    E5M2 (max 57344, more range).
+  """
+
+  E4M3 = "E4M3"
+  HYBRID = "HYBRID"
+
+  @property
+  def fwd_dtype(self):
+    return _E4M3
+
+  @property
+  def bwd_dtype(self):
+    return _E5M2 if self is Format.HYBRID else _E4M3
+
+
+def _check_format(value):
+  if not isinstance(value, Format):
+    raise TypeError(
+        f"fp8_format must be a te_jax.recipe.Format (Format.E4M3 or "
+        f"Format.HYBRID), got {value!r}.")
+
+
+def _check_bool(name, value):
+  if not isinstance(value, bool):
+    raise TypeError(f"{name} must be a bool, got {value!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+  """Base class of the recipes; use one of the subclasses."""
+
+  @property
+  def fwd_dtype(self):
+    return self.fp8_format.fwd_dtype
+
+  @property
+  def bwd_dtype(self):
+    return self.fp8_format.bwd_dtype
+
+  @property
+  def is_blockwise(self) -> bool:
+    return False
+
+  @property
+  def token_block(self) -> int:
+    """Multiple that FP8 GEMMs need along the token dimension."""
+    return 128 if self.is_blockwise else 16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _PerTensorGemmOptions:
+  """Per-GEMM accumulation choice shared by the per-tensor recipes.
+
+  ``fast_accum_*=True`` lets the Hopper tensor cores accumulate FP8 products
+  at their native, reduced precision (cuBLASLt ``FAST_ACCUM``): faster, with a
+  larger error on long contractions. ``False`` promotes partial sums to fp32
+  (split accumulation). Defaults follow the common practice: fast for the
+  forward GEMM, full fp32 for the two gradient GEMMs, whose contractions run
+  over tokens or the wide hidden dimension.
+  """
+
+  fast_accum_fprop: bool = True
+  fast_accum_dgrad: bool = False
+  fast_accum_wgrad: bool = False
+
+  def _check_accum(self):
+    for name in ("fast_accum_fprop", "fast_accum_dgrad", "fast_accum_wgrad"):
+      _check_bool(name, getattr(self, name))
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling(_PerTensorGemmOptions, Recipe):
+  """Per-tensor scaling whose scale comes from the amax of earlier steps.
+
+  At step t a tensor is cast with ``scale = fp8_max / reduce(history) /
+  2**margin``, where ``history`` holds the amaxes of steps before t; the amax
+  of step t is then pushed into the history.
+
+  Attributes:
+    fp8_format: ``Format.HYBRID`` (default) or ``Format.E4M3``.
+    margin: non-negative int; scales are divided by ``2**margin`` for headroom.
+    amax_history_len: positive int, number of past amaxes kept (default 1024).
+    amax_compute_algo: ``"max"`` (default, max over the history) or
+      ``"most_recent"`` (the newest entry).
+    fast_accum_fprop, fast_accum_dgrad, fast_accum_wgrad: see
+      ``_PerTensorGemmOptions``.
+  """
+
+  fp8_format: Format = Format.HYBRID
+  margin: int = 0
+  amax_history_len: int = 1024
+  amax_compute_algo: str = "max"
+
+  def __post_init__(self):
+    _check_format(self.fp8_format)
+    if not isinstance(self.margin, int) or isinstance(self.margin, bool) or self.margin < 0:
+      raise ValueError(f"margin must be a non-negative int, got {self.margin!r}.")
+    if (not isinstance(self.amax_history_len, int) or isinstance(self.amax_history_len, bool)
+        or self.amax_history_len < 1):
+      raise ValueError(
+          f"amax_history_len must be a positive int, got {self.amax_history_len!r}.")
+    if self.amax_compute_algo not in ("max", "most_recent"):
+      raise ValueError(
+          f"amax_compute_algo must be 'max' or 'most_recent', got "
+          f"{self.amax_compute_algo!r}.")
+    self._check_accum()
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8CurrentScaling(_PerTensorGemmOptions, Recipe):
+  """Per-tensor scaling from the amax of the tensor itself: ``fp8_max / amax(x)``.
+
+  Attributes:
+    fp8_format: ``Format.HYBRID`` (default) or ``Format.E4M3``.
+    fast_accum_fprop, fast_accum_dgrad, fast_accum_wgrad: see
+      ``_PerTensorGemmOptions``.
+  """
+
+  fp8_format: Format = Format.HYBRID
+
+  def __post_init__(self):
+    _check_format(self.fp8_format)
+    self._check_accum()
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8BlockScaling(Recipe):
+  """DeepSeek-V3-style blockwise scaling.
+
+  Activations and gradients get one scale per 1x128 tile along the
+  contraction dimension (128x1 tiles for the operands of the weight-gradient
+  GEMM, which contracts over tokens); weights one scale per 128x128 block.
+  GEMMs always accumulate in fp32.
+
+  Attributes:
+    fp8_format: ``Format.E4M3`` (default) or ``Format.HYBRID``.
+    power_2_scale: round every scale down to a power of two (default True),
+      so scaling is exact in the exponent and never overflows.
+  """
+
+  fp8_format: Format = Format.E4M3
+  power_2_scale: bool = True
+
+  def __post_init__(self):
+    _check_format(self.fp8_format)
+    _check_bool("power_2_scale", self.power_2_scale)
+
+  @property
+  def is_blockwise(self) -> bool:
+    return True
