@@ -1,0 +1,206 @@
+"""FP8 dense: ``x @ kernel (+ bias)`` with FP8 GEMMs forward and backward.
+
+Which tensor is quantized how (``recipe`` decides):
+
+=========  ==========================  =================================
+GEMM       a (M-side, K-major)         b (N-side, K-major)
+=========  ==========================  =================================
+fprop      x (M, K)                    kernel.T (N, K)
+dgrad      grad (M, N)                 kernel (K, N)
+wgrad      x.T (K, M)                  grad.T (N, M)
+=========  ==========================  =================================
+
+Per-tensor recipes quantize each tensor once and write its transposed copy in
+the same pass. ``Float8BlockScaling`` tiles x and grad 1x128 along their
+contraction dim for fprop/dgrad and 128x1 (1x128 of the transpose) for wgrad,
+and the kernel in 128x128 blocks. Forward tensors use ``recipe.fwd_dtype``,
+the gradient ``recipe.bwd_dtype``.
+
+Token counts (and K, N) that are not a multiple of the GEMM alignment (128 for
+blockwise, 16 per-tensor) are zero-padded here and the result sliced: zero
+rows add nothing to any product or amax, so padding never changes the result.
+
+Example::
+
+  import jax, jax.numpy as jnp
+  from te_jax import dense, recipe
+  x = jnp.ones((4, 100, 256), jnp.bfloat16); w = jnp.ones((256, 512), jnp.bfloat16)
+  y = dense.fp8_dense(x, w, recipe=recipe.Float8BlockScaling())   # (4, 100, 512)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from te_jax import fp8_state as state_lib
+from te_jax import recipe as recipe_lib
+from te_jax.ops import gemm as gemm_op
+from te_jax.ops import quantize as quantize_op
+from te_jax.scaled_tensor import ScaledTensor
+
+__all__ = ["fp8_dense", "dense"]
+
+
+class _Config(NamedTuple):
+  recipe: recipe_lib.Recipe
+  impl: str
+
+
+# -------------------------------------------------------------- quantizers --
+# Each returns (rowwise ScaledTensor, columnwise ScaledTensor, amax or None).
+
+def _quantize_per_tensor(x, dtype, cfg, scale=None):
+  if scale is None:  # current scaling
+    data, data_t, scale_inv, amax = quantize_op.quantize_current(
+        x, dtype, columnwise=True, impl=cfg.impl)
+  else:
+    data, data_t, amax = quantize_op.quantize_tensorwise(
+        x, scale, dtype, columnwise=True, impl=cfg.impl)
+    scale_inv = 1.0 / scale
+  return ScaledTensor(data, scale_inv), ScaledTensor(data_t, scale_inv), amax
+
+
+def _quantize_blocks(x, block, dtype, cfg):
+  data, s, data_t, s_t = quantize_op.quantize_blockwise(
+      x, block, dtype, cfg.recipe.power_2_scale, columnwise=True, impl=cfg.impl)
+  return ScaledTensor(data, s, block), ScaledTensor(data_t, s_t, block), None
+
+
+def _quantize(x, role, cfg, state=None):
+  """Quantizes ``x`` ("x", "kernel" or "grad") as the recipe says."""
+  r = cfg.recipe
+  dtype = r.bwd_dtype if role == "grad" else r.fwd_dtype
+  if r.is_blockwise:
+    block = (128, 128) if role == "kernel" else (1, 128)
+    return _quantize_blocks(x, block, dtype, cfg)
+  if isinstance(r, recipe_lib.DelayedScaling):
+    return _quantize_per_tensor(x, dtype, cfg, state_lib.scale_from_state(state[role]))
+  return _quantize_per_tensor(x, dtype, cfg)
+
+
+def _gemm(a, b, out_dtype, cfg, which, bias=None):
+  fast = getattr(cfg.recipe, f"fast_accum_{which}", False)
+  return gemm_op.gemm(a, b, out_dtype=out_dtype, bias=bias, fast_accum=fast,
+                      impl=cfg.impl)
+
+
+def _new_state(state, amaxes, cfg):
+  r = cfg.recipe
+  new = dict(state)
+  for role, amax in amaxes.items():
+    dtype = r.bwd_dtype if role == "grad" else r.fwd_dtype
+    new[role] = state_lib.update_tensor_state(state[role], amax, r, dtype)
+  return new
+
+
+# -------------------------------------------------------------- custom vjp --
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _dense_2d(x, kernel, bias, state, cfg):
+  y, _ = _dense_2d_fwd(x, kernel, bias, state, cfg)
+  return y
+
+
+def _dense_2d_fwd(x, kernel, bias, state, cfg):
+  qx, qx_t, amax_x = _quantize(x, "x", cfg, state)
+  qk, qk_t, amax_k = _quantize(kernel, "kernel", cfg, state)
+  y = _gemm(qx, qk_t, x.dtype, cfg, "fprop", bias)
+  new_state = None
+  if state is not None:
+    new_state = _new_state(state, {"x": amax_x, "kernel": amax_k}, cfg)
+  # Only the copies the backward GEMMs read are kept: x.T for wgrad and the
+  # kernel for dgrad, both FP8 (half the bytes of a bf16 activation).
+  res = (qx_t, qk, new_state, bias is not None, jnp.zeros((0,), x.dtype),
+         jnp.zeros((0,), kernel.dtype))
+  return y, res
+
+
+def _dense_2d_bwd(cfg, res, g):
+  qx_t, qk, new_state, has_bias, x_proto, k_proto = res
+  qg, qg_t, amax_g = _quantize(g, "grad", cfg, new_state)
+  dx = _gemm(qg, qk, x_proto.dtype, cfg, "dgrad")
+  dk = _gemm(qx_t, qg_t, k_proto.dtype, cfg, "wgrad")
+  dbias = jnp.sum(g.astype(jnp.float32), axis=0).astype(g.dtype) if has_bias else None
+  if new_state is not None:
+    new_state = _new_state(new_state, {"grad": amax_g}, cfg)
+  return dx, dk, dbias, new_state
+
+
+_dense_2d.defvjp(_dense_2d_fwd, _dense_2d_bwd)
+
+
+# ------------------------------------------------------------------ public --
+
+def _pad_to(x, axis, multiple):
+  size = x.shape[axis]
+  extra = -size % multiple
+  if not extra:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, extra)
+  return jnp.pad(x, pad)
+
+
+def fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
+              recipe: recipe_lib.Recipe, fp8_state=None, impl: str = "auto"
+              ) -> jax.Array:
+  """``x @ kernel + bias`` with every GEMM (fprop, dgrad, wgrad) in FP8.
+
+  Args:
+    x: (..., K) float32/bfloat16/float16 input.
+    kernel: (K, N) weight.
+    bias: optional (N,) bias.
+    recipe: a ``te_jax.recipe`` recipe.
+    fp8_state: for ``DelayedScaling``, the dict from
+      ``fp8_state.init_dense_state`` (its update comes back as its gradient);
+      must be None for the other recipes.
+    impl: "auto", "cuda" or "reference" for the quantize and GEMM ops.
+
+  Returns:
+    (..., N) array in ``x.dtype``.
+  """
+  if not isinstance(recipe, recipe_lib.Recipe):
+    raise TypeError(f"recipe must be a te_jax.recipe recipe, got {recipe!r}.")
+  quantize_op.check_input(x, "x")
+  quantize_op.check_input(kernel, "kernel", 2)
+  if x.shape[-1] != kernel.shape[0]:
+    raise ValueError(f"x's last dim ({x.shape[-1]}) must equal kernel's first dim "
+                     f"({kernel.shape[0]}); got x {x.shape}, kernel {kernel.shape}.")
+  n = kernel.shape[1]
+  if bias is not None and bias.shape != (n,):
+    raise ValueError(f"bias must have shape ({n},), got {bias.shape}.")
+  delayed = isinstance(recipe, recipe_lib.DelayedScaling)
+  if delayed and fp8_state is None:
+    raise ValueError("DelayedScaling needs fp8_state (see te_jax.fp8_state."
+                     "init_dense_state); the Flax modules create it for you.")
+  if not delayed and fp8_state is not None:
+    raise ValueError(f"fp8_state must be None for {type(recipe).__name__}.")
+
+  lead, k = x.shape[:-1], x.shape[-1]
+  x2d = x.reshape(-1, k)
+  m = x2d.shape[0]
+  align = recipe.token_block
+  xp = _pad_to(_pad_to(x2d, 0, align), 1, align)
+  kp = _pad_to(_pad_to(kernel, 0, align), 1, align)
+  bp = None if bias is None else _pad_to(bias.astype(x.dtype), 0, align)
+  cfg = _Config(recipe, impl)
+  y = _dense_2d(xp, kp, bp, fp8_state, cfg)
+  return y[:m, :n].reshape(*lead, n)
+
+
+def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
+          recipe: Optional[recipe_lib.Recipe] = None, fp8_state=None,
+          impl: str = "auto") -> jax.Array:
+  """``fp8_dense`` when ``recipe`` is given, else a plain dot in ``x.dtype``."""
+  if recipe is not None:
+    return fp8_dense(x, kernel, bias, recipe=recipe, fp8_state=fp8_state, impl=impl)
+  y = lax.dot_general(x, kernel.astype(x.dtype),
+                      (((x.ndim - 1,), (0,)), ((), ())))
+  if bias is not None:
+    y = y + bias.astype(y.dtype)
+  return y
