@@ -1,0 +1,31 @@
+"""Flax Linen modules of te_jax whose GEMMs run in FP8 under ``fp8_autocast``.
+
+Example::
+
+  import jax, jax.numpy as jnp
+  import te_jax
+  from te_jax import flax as tfx, recipe
+
+  layer = tfx.TransformerLayer(hidden_size=256, mlp_hidden_size=1024,
+                               num_attention_heads=4, layer_type="decoder")
+  x = jnp.ones((2, 128, 256), jnp.bfloat16)
+  with te_jax.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling()):
+    variables = layer.init(jax.random.key(0), x)
+    y = layer.apply(variables, x)
+
+The recipe is read when a module is traced, so ``init``/``apply`` (or the
+first call of a jitted step) must run inside the autocast. Under
+``DelayedScaling`` the variables hold a collection ``"_overwrite_with_gradient"``
+(``te_jax.fp8_state.FP8_COLLECTION``) that ``TrainState.apply_gradients``
+updates by itself.
+"""
+
+from te_jax.flax.norm import LayerNorm, RMSNorm
+from te_jax.flax.dense import DenseGeneral, LayerNormDenseGeneral
+
+__all__ = [
+    "LayerNorm",
+    "RMSNorm",
+    "DenseGeneral",
+    "LayerNormDenseGeneral",
+]

@@ -1,0 +1,225 @@
+"""``DenseGeneral`` and ``LayerNormDenseGeneral``: FP8-capable projections.
+
+Under ``te_jax.fp8_autocast(enabled=True, fp8_recipe=r)`` (active when the
+module is *traced*: ``init``/``apply`` or the first call of a jitted function)
+the GEMM and both of its gradients run in FP8 with recipe ``r`` through
+:func:`te_jax.dense.dense`. Otherwise the projection is a plain dot in the
+compute dtype.
+
+Under ``DelayedScaling`` each module keeps its amax histories and scales in
+the variable ``fp8_meta`` of collection ``"_overwrite_with_gradient"``
+(``te_jax.fp8_state.FP8_COLLECTION``); ``TrainState.apply_gradients`` replaces
+it by its "gradient", the updated state. The other recipes keep no state.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from te_jax.flax import _fp8
+from te_jax.flax.norm import apply_norm, norm_params
+
+__all__ = ["DenseGeneral", "LayerNormDenseGeneral", "default_kernel_axes",
+           "dense_general"]
+
+Dtype = Any
+Initializer = Callable[..., jax.Array]
+default_kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+
+_IN_NAMES = {1: ("embed",), 2: ("heads", "kv")}
+_OUT_NAMES = {1: ("mlp",), 2: ("heads", "kv"), 3: ("qkv", "heads", "kv")}
+
+
+def default_kernel_axes(n_in: int, n_out: int) -> Tuple[str, ...]:
+  """Logical names of a DenseGeneral kernel when none are given.
+
+  Contracting dims: ("embed",) for one, ("heads", "kv") for two; output dims:
+  ("mlp",), ("heads", "kv") or ("qkv", "heads", "kv"); ("embed",) for the
+  (heads, kv) -> one-dim output projection. Any other count (or a clash with
+  the contracting names) gets distinct placeholder names ``dense_in_i`` / ``dense_out_i`` (unmapped by
+  sharding rules, hence replicated).
+  """
+  ins = _IN_NAMES.get(n_in, tuple(f"dense_in_{i}" for i in range(n_in)))
+  outs = _OUT_NAMES.get(n_out, tuple(f"dense_out_{i}" for i in range(n_out)))
+  if n_in == 2 and n_out == 1:   # (heads, kv) -> embed: the output projection
+    outs = ("embed",)
+  if set(ins) & set(outs):       # a name may appear only once in a kernel
+    outs = tuple(f"dense_out_{i}" for i in range(n_out))
+  return ins + outs
+
+
+def _kernel_fan_in_init(init, n_in, n_out):
+  """Wraps ``init`` so fan-in/out are computed on the 2-D view of the kernel."""
+  def wrapped(key, shape, dtype=jnp.float32):
+    flat = (math.prod(shape[:n_in]), math.prod(shape[n_in:]))
+    return jnp.reshape(init(key, flat, dtype), shape)
+  return wrapped
+
+
+def dense_general(module: nn.Module, x: jax.Array, *, features, axis,
+                  use_bias: bool, dtype, param_dtype, kernel_init, bias_init,
+                  kernel_axes, bias_axes, kernel_name: str = "kernel",
+                  bias_name: str = "bias", fp8_name: str = _fp8.FP8_META):
+  """Declares the kernel/bias of a DenseGeneral on ``module`` and applies it."""
+  features = (features,) if isinstance(features, int) else tuple(features)
+  axis = _fp8.canonicalize_axes(axis, x.ndim)
+  n_in, n_out = len(axis), len(features)
+  in_shape = tuple(x.shape[a] for a in axis)
+  kernel_shape = in_shape + features
+  if kernel_axes is None or len(kernel_axes) == 0:
+    kernel_axes = default_kernel_axes(n_in, n_out)
+  kernel_axes = tuple(kernel_axes)
+  if len(kernel_axes) != len(kernel_shape):
+    raise ValueError(f"kernel_axes {kernel_axes} must name each of the "
+                     f"{len(kernel_shape)} kernel dims {kernel_shape}.")
+  kernel = module.param(
+      kernel_name,
+      nn.with_logical_partitioning(_kernel_fan_in_init(kernel_init, n_in, n_out),
+                                   kernel_axes),
+      kernel_shape, param_dtype)
+  bias = None
+  if use_bias:
+    if bias_axes is None or len(bias_axes) == 0:
+      bias_axes = kernel_axes[n_in:]
+    bias_axes = tuple(bias_axes)
+    if len(bias_axes) != n_out:
+      raise ValueError(f"bias_axes {bias_axes} must name each of the {n_out} "
+                       f"feature dims {features}.")
+    bias = module.param(bias_name, nn.with_logical_partitioning(bias_init, bias_axes),
+                        features, param_dtype)
+  compute = dtype if dtype is not None else jnp.result_type(x.dtype, param_dtype)
+  # Move the contracting axes to the end (in the order given), flatten to 2-D.
+  batch_axes = tuple(a for a in range(x.ndim) if a not in axis)
+  xt = jnp.transpose(x, batch_axes + axis) if batch_axes + axis != tuple(range(x.ndim)) else x
+  batch_shape = tuple(x.shape[a] for a in batch_axes)
+  k_in, n = math.prod(in_shape), math.prod(features)
+  x2d = xt.reshape(-1, k_in).astype(compute)
+  k2d = kernel.reshape(k_in, n).astype(compute)
+  b1d = None if bias is None else bias.reshape(n).astype(compute)
+  y = _fp8.fp8_gemm(module, x2d, k2d, b1d, recipe=_fp8.active_recipe(), name=fp8_name)
+  return y.reshape(batch_shape + features)
+
+
+class DenseGeneral(nn.Module):
+  """A linear map over one or more axes whose GEMMs run in FP8 under ``fp8_autocast``.
+
+  Shapes: ``inputs`` (..., *in_dims) with ``in_dims`` the ``axis`` dims ->
+  (..., *features) (the non-contracted axes keep their order, in front).
+
+  Parameters (logical axis names):
+    ``kernel`` (*in_dims, *features): ``kernel_axes``; default from
+      :func:`default_kernel_axes`, e.g. ("embed", "mlp") for a 2-D kernel,
+      ("embed", "heads", "kv") for features=(heads, kv), ("heads", "kv",
+      "embed") for axis=(-2, -1) and one feature dim.
+    ``bias`` (*features,), only with ``use_bias``: ``bias_axes``; default the
+      names of the feature dims of ``kernel_axes``.
+
+  FP8 state (``DelayedScaling`` only): ``fp8_meta`` in collection
+  ``"_overwrite_with_gradient"``, ``{"x"|"kernel"|"grad": {"amax_history",
+  "scale_inv"}}``.
+
+  Attributes:
+    features: int or tuple of ints, the output dims.
+    axis: int or tuple of ints, the input axes to contract (default -1).
+    use_bias: add a bias (default False).
+    dtype: compute/output dtype; None (default) promotes input and param dtype.
+    param_dtype: dtype of the parameters (default float32).
+    kernel_init: initializer of the kernel, applied to its 2-D (in, out) view
+      (default variance scaling 1.0, fan-in, truncated normal).
+    bias_init: initializer of the bias (default zeros).
+    kernel_axes: logical axis names of the kernel (default: see above).
+    bias_axes: logical axis names of the bias (default: see above).
+  """
+
+  features: Union[int, Sequence[int]]
+  axis: Union[int, Sequence[int]] = -1
+  use_bias: bool = False
+  dtype: Optional[Dtype] = None
+  param_dtype: Dtype = jnp.float32
+  kernel_init: Initializer = default_kernel_init
+  bias_init: Initializer = nn.initializers.zeros
+  kernel_axes: Tuple[Optional[str], ...] = ()
+  bias_axes: Tuple[Optional[str], ...] = ()
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array) -> jax.Array:
+    """Applies the projection; see the class docstring for shapes."""
+    return dense_general(
+        self, inputs, features=self.features, axis=self.axis, use_bias=self.use_bias,
+        dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+        bias_init=self.bias_init, kernel_axes=self.kernel_axes, bias_axes=self.bias_axes)
+
+
+class LayerNormDenseGeneral(nn.Module):
+  """LayerNorm (or RMSNorm) over the last axis followed by a ``DenseGeneral`` over it.
+
+  Shapes: ``inputs`` (..., embed) -> (..., *features); with
+  ``return_layernorm_output=True`` returns ``(y, ln_out)`` with ``ln_out``
+  (..., embed) in the compute dtype.
+
+  Parameters (logical axis names):
+    ``scale`` (embed,) ``ln_scale_axes`` = ("embed",).
+    ``ln_bias`` (embed,) ``ln_bias_axes`` = ("embed",) (layernorm only).
+    ``kernel`` (embed, *features) ``kernel_axes`` (default ("embed", "mlp") or
+      ("embed", "heads", "kv"), ...; see ``DenseGeneral``).
+    ``bias`` (*features,) with ``use_bias``.
+
+  FP8 state (``DelayedScaling`` only): ``fp8_meta`` as in ``DenseGeneral``.
+
+  Attributes:
+    features: int or tuple of ints, the output dims.
+    layernorm_type: "layernorm" (default) or "rmsnorm".
+    epsilon: norm epsilon (default 1e-6).
+    zero_centered_gamma: store gamma - 1, initialized to zeros.
+    return_layernorm_output: also return the normalized input.
+    use_bias: add a bias after the projection (default False).
+    dtype: compute/output dtype; None promotes input and param dtype.
+    param_dtype: parameter dtype (default float32).
+    kernel_init, bias_init: initializers of the projection.
+    scale_init, ln_bias_init: initializers of the norm (default ones/zeros,
+      zeros for the scale when zero-centered).
+    kernel_axes, bias_axes, ln_scale_axes, ln_bias_axes: logical axis names.
+  """
+
+  features: Union[int, Sequence[int]]
+  layernorm_type: str = "layernorm"
+  epsilon: float = 1e-6
+  zero_centered_gamma: bool = False
+  return_layernorm_output: bool = False
+  use_bias: bool = False
+  dtype: Optional[Dtype] = None
+  param_dtype: Dtype = jnp.float32
+  kernel_init: Initializer = default_kernel_init
+  bias_init: Initializer = nn.initializers.zeros
+  scale_init: Optional[Initializer] = None
+  ln_bias_init: Initializer = nn.initializers.zeros
+  kernel_axes: Tuple[Optional[str], ...] = ()
+  bias_axes: Tuple[Optional[str], ...] = ()
+  ln_scale_axes: Tuple[Optional[str], ...] = ("embed",)
+  ln_bias_axes: Tuple[Optional[str], ...] = ("embed",)
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array):
+    """Normalizes, then projects; see the class docstring for shapes."""
+    compute = self.dtype if self.dtype is not None else jnp.result_type(
+        inputs.dtype, self.param_dtype)
+    scale, ln_bias = norm_params(
+        self, inputs.shape[-1], norm_type=self.layernorm_type,
+        zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init,
+        bias_init=self.ln_bias_init, axes=tuple(self.ln_scale_axes),
+        param_dtype=self.param_dtype, bias_axes=tuple(self.ln_bias_axes))
+    ln_out = apply_norm(inputs, scale, ln_bias, norm_type=self.layernorm_type,
+                        epsilon=self.epsilon,
+                        zero_centered_gamma=self.zero_centered_gamma, dtype=compute)
+    y = dense_general(
+        self, ln_out, features=self.features, axis=-1, use_bias=self.use_bias,
+        dtype=compute, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+        bias_init=self.bias_init, kernel_axes=self.kernel_axes, bias_axes=self.bias_axes)
+    if self.return_layernorm_output:
+      return y, ln_out
+    return y

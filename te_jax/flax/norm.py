@@ -1,0 +1,146 @@
+"""Normalization layers: ``LayerNorm`` and ``RMSNorm``.
+
+Both compute in float32 and return the module ``dtype``. With
+``zero_centered_gamma=True`` the scale is stored as ``gamma - 1`` (initialized
+to zeros), which keeps weight decay from pulling gamma towards 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+__all__ = ["LayerNorm", "RMSNorm", "norm_params", "apply_norm"]
+
+Dtype = Any
+Initializer = Callable[..., jax.Array]
+_NORM_TYPES = ("layernorm", "rmsnorm")
+
+
+def check_norm_type(norm_type: str):
+  if norm_type not in _NORM_TYPES:
+    raise ValueError(f"layernorm_type must be one of {_NORM_TYPES}, got {norm_type!r}.")
+
+
+def norm_params(module: nn.Module, features: int, *, norm_type: str,
+                zero_centered_gamma: bool, scale_init: Optional[Initializer],
+                bias_init: Initializer, axes: Tuple[str, ...], param_dtype,
+                bias_axes: Optional[Tuple[str, ...]] = None,
+                scale_name: str = "scale", bias_name: str = "ln_bias"):
+  """Declares the scale (and, for LayerNorm, bias) of a norm on ``module``."""
+  check_norm_type(norm_type)
+  if scale_init is None:
+    scale_init = nn.initializers.zeros if zero_centered_gamma else nn.initializers.ones
+  scale = module.param(scale_name, nn.with_logical_partitioning(scale_init, axes),
+                       (features,), param_dtype)
+  bias = None
+  if norm_type == "layernorm":
+    bias_axes = axes if bias_axes is None else bias_axes
+    bias = module.param(bias_name, nn.with_logical_partitioning(bias_init, tuple(bias_axes)),
+                        (features,), param_dtype)
+  return scale, bias
+
+
+def apply_norm(x: jax.Array, scale: jax.Array, bias: Optional[jax.Array], *,
+               norm_type: str, epsilon: float, zero_centered_gamma: bool,
+               dtype) -> jax.Array:
+  """Normalizes ``x`` over its last axis in float32; returns ``dtype``."""
+  x32 = x.astype(jnp.float32)
+  if norm_type == "layernorm":
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    xc = x32 - mean
+    var = jnp.mean(jnp.square(xc), axis=-1, keepdims=True)
+  else:
+    xc = x32
+    var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
+  y = xc * jax.lax.rsqrt(var + epsilon)
+  gamma = scale.astype(jnp.float32)
+  if zero_centered_gamma:
+    gamma = gamma + 1.0
+  y = y * gamma
+  if bias is not None:
+    y = y + bias.astype(jnp.float32)
+  return y.astype(dtype)
+
+
+class _Norm(nn.Module):
+  epsilon: float = 1e-6
+  zero_centered_gamma: bool = False
+  dtype: Optional[Dtype] = None
+  param_dtype: Dtype = jnp.float32
+  scale_init: Optional[Initializer] = None
+  bias_init: Initializer = nn.initializers.zeros
+  scale_axes: Tuple[str, ...] = ("embed",)
+  bias_axes: Tuple[str, ...] = ("embed",)
+  _norm_type = "layernorm"
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    features = x.shape[-1]
+    check_norm_type(self._norm_type)
+    if self.scale_init is None:
+      init = nn.initializers.zeros if self.zero_centered_gamma else nn.initializers.ones
+    else:
+      init = self.scale_init
+    scale = self.param("scale", nn.with_logical_partitioning(init, self.scale_axes),
+                       (features,), self.param_dtype)
+    bias = None
+    if self._norm_type == "layernorm":
+      bias = self.param("bias", nn.with_logical_partitioning(self.bias_init, self.bias_axes),
+                        (features,), self.param_dtype)
+    dtype = self.dtype if self.dtype is not None else x.dtype
+    return apply_norm(x, scale, bias, norm_type=self._norm_type, epsilon=self.epsilon,
+                      zero_centered_gamma=self.zero_centered_gamma, dtype=dtype)
+
+
+class LayerNorm(_Norm):
+  """Layer normalization over the last axis: ``(x - mean) / sqrt(var + eps) * gamma + beta``.
+
+  Statistics and the affine transform are computed in float32; the output is
+  cast to ``dtype``.
+
+  Shapes: ``x`` (..., features) -> (..., features).
+
+  Parameters (logical axis names):
+    ``scale`` (features,) ``scale_axes`` = ("embed",): gamma, or gamma - 1 when
+      ``zero_centered_gamma``.
+    ``bias`` (features,) ``bias_axes`` = ("embed",): beta.
+
+  Attributes:
+    epsilon: added to the variance (default 1e-6).
+    zero_centered_gamma: store gamma - 1 (initialized to 0) instead of gamma.
+    dtype: output dtype; None (default) keeps the input's dtype.
+    param_dtype: dtype of the parameters (default float32).
+    scale_init: initializer of ``scale``; default ones (zeros when zero-centered).
+    bias_init: initializer of ``bias`` (default zeros).
+    scale_axes, bias_axes: logical axis names of the parameters.
+  """
+
+  _norm_type = "layernorm"
+
+
+class RMSNorm(_Norm):
+  """RMS normalization over the last axis: ``x / sqrt(mean(x**2) + eps) * gamma``.
+
+  Computed in float32; output cast to ``dtype``. No bias.
+
+  Shapes: ``x`` (..., features) -> (..., features).
+
+  Parameters (logical axis names):
+    ``scale`` (features,) ``scale_axes`` = ("embed",): gamma, or gamma - 1 when
+      ``zero_centered_gamma``.
+
+  Attributes:
+    epsilon: added to the mean square (default 1e-6).
+    zero_centered_gamma: store gamma - 1 (initialized to 0) instead of gamma.
+    dtype: output dtype; None (default) keeps the input's dtype.
+    param_dtype: dtype of the parameters (default float32).
+    scale_init: initializer of ``scale``; default ones (zeros when zero-centered).
+    scale_axes: logical axis names of ``scale``.
+    bias_init, bias_axes: unused (kept for a uniform signature).
+  """
+
+  _norm_type = "rmsnorm"
