@@ -1,0 +1,142 @@
+// XLA FFI handlers of te_jax/ops/quantize.py (Python side: quantize_cuda.py).
+//
+//   te_jax_quantize_tensorwise: given scale -> data, data_t, amax
+//   te_jax_quantize_current:    scale from this tensor's amax -> data, data_t,
+//                               scale_inv, amax
+//   te_jax_quantize_blockwise:  1x128 (+128x1) or 128x128 -> data, sinv,
+//                               data_t, sinv_t (scales in cuBLASLt layouts)
+//
+// The FP8 format is read off the element type of `data`; the columnwise copy
+// is written only when `columnwise` != 0 (Python then passes a real (K, M)
+// result, else a 0-element placeholder).
+#include "ffi/common.h"
+#include "kernels/quantize.h"
+
+namespace te_jax {
+namespace {
+
+namespace ffi = xla::ffi;
+
+ffi::Error GetInType(const ffi::AnyBuffer& x, InType* out) {
+  switch (x.element_type()) {
+    case ffi::F32: *out = InType::kF32; return ffi::Error::Success();
+    case ffi::BF16: *out = InType::kBF16; return ffi::Error::Success();
+    case ffi::F16: *out = InType::kF16; return ffi::Error::Success();
+    default: return ffi::Error::InvalidArgument("te_jax quantize: x must be float32, bfloat16 or float16");
+  }
+}
+
+ffi::Error GetOutType(ffi::DataType t, Fp8Type* out) {
+  if (t == ffi::F8E4M3FN) { *out = Fp8Type::kE4M3; return ffi::Error::Success(); }
+  if (t == ffi::F8E5M2) { *out = Fp8Type::kE5M2; return ffi::Error::Success(); }
+  return ffi::Error::InvalidArgument("te_jax quantize: data must be float8_e4m3fn or float8_e5m2");
+}
+
+// Fills the fields shared by every mode; checks that x is 2-D.
+ffi::Error Common(const ffi::AnyBuffer& x, const ffi::AnyBuffer& data, const ffi::AnyBuffer& data_t,
+                  int64_t columnwise, QuantizeArgs* a) {
+  auto dims = x.dimensions();
+  if (dims.size() != 2) return ffi::Error::InvalidArgument("te_jax quantize: x must be 2-D");
+  a->x = x.untyped_data();
+  a->M = dims[0];
+  a->K = dims[1];
+  if (auto e = GetInType(x, &a->in); e.failure()) return e;
+  if (auto e = GetOutType(data.element_type(), &a->out); e.failure()) return e;
+  a->data = static_cast<uint8_t*>(data.untyped_data());
+  if (columnwise) {
+    if (data_t.element_count() != static_cast<size_t>(a->M * a->K))
+      return ffi::Error::InvalidArgument("te_jax quantize: data_t must have K*M elements");
+    a->data_t = static_cast<uint8_t*>(data_t.untyped_data());
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error TensorwiseImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> scale,
+                          ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> data_t,
+                          ffi::Result<ffi::Buffer<ffi::F32>> amax, int64_t columnwise) {
+  QuantizeArgs a;
+  if (auto e = Common(x, *data, *data_t, columnwise, &a); e.failure()) return e;
+  a.mode = ScaleMode::kTensor;
+  a.scale = scale.typed_data();
+  a.amax_out = amax->typed_data();
+  return CudaError(LaunchQuantize(a, stream), "quantize_tensorwise");
+}
+
+ffi::Error CurrentImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> data,
+                       ffi::Result<ffi::AnyBuffer> data_t,
+                       ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
+                       ffi::Result<ffi::Buffer<ffi::F32>> amax, int64_t columnwise) {
+  QuantizeArgs a;
+  if (auto e = Common(x, *data, *data_t, columnwise, &a); e.failure()) return e;
+  // Pass 1 reduces amax; pass 2 derives the scale from it on the device and
+  // casts (so no host round trip and no XLA op in between).
+  if (auto e = CudaError(LaunchAmax(a.x, a.M * a.K, a.in, amax->typed_data(), stream),
+                         "quantize_current (amax)");
+      e.failure())
+    return e;
+  a.mode = ScaleMode::kTensor;
+  a.amax_in = amax->typed_data();
+  a.scale_inv = scale_inv->typed_data();
+  return CudaError(LaunchQuantize(a, stream), "quantize_current (cast)");
+}
+
+ffi::Error BlockwiseImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> data,
+                         ffi::Result<ffi::Buffer<ffi::F32>> sinv,
+                         ffi::Result<ffi::AnyBuffer> data_t,
+                         ffi::Result<ffi::Buffer<ffi::F32>> sinv_t, int64_t block_rows,
+                         int64_t power_2_scale, int64_t columnwise) {
+  QuantizeArgs a;
+  if (auto e = Common(x, *data, *data_t, columnwise, &a); e.failure()) return e;
+  if (block_rows != 1 && block_rows != 128)
+    return ffi::Error::InvalidArgument("te_jax quantize_blockwise: block_rows must be 1 or 128");
+  a.mode = block_rows == 1 ? ScaleMode::kVec128 : ScaleMode::kBlock128;
+  a.pow2 = power_2_scale != 0;
+  // The leading dimension of each native scale array is its last dim.
+  auto sd = sinv->dimensions();
+  if (sd.size() != 2) return ffi::Error::InvalidArgument("te_jax quantize_blockwise: sinv must be 2-D");
+  a.sinv = sinv->typed_data();
+  a.sinv_ld = sd[1];
+  if (columnwise) {
+    auto td = sinv_t->dimensions();
+    if (td.size() != 2) return ffi::Error::InvalidArgument("te_jax quantize_blockwise: sinv_t must be 2-D");
+    a.sinv_t = sinv_t->typed_data();
+    a.sinv_t_ld = td[1];
+  }
+  return CudaError(LaunchQuantize(a, stream), "quantize_blockwise");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxQuantizeTensorwise, TensorwiseImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()             // x (M, K)
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // scale ()
+                                  .Ret<ffi::AnyBuffer>()             // data (M, K) fp8
+                                  .Ret<ffi::AnyBuffer>()             // data_t (K, M) fp8 or empty
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // amax ()
+                                  .Attr<int64_t>("columnwise"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxQuantizeCurrent, CurrentImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()             // x (M, K)
+                                  .Ret<ffi::AnyBuffer>()             // data (M, K) fp8
+                                  .Ret<ffi::AnyBuffer>()             // data_t (K, M) fp8 or empty
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // scale_inv ()
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // amax ()
+                                  .Attr<int64_t>("columnwise"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxQuantizeBlockwise, BlockwiseImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()             // x (M, K)
+                                  .Ret<ffi::AnyBuffer>()             // data (M, K) fp8
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // sinv, native layout
+                                  .Ret<ffi::AnyBuffer>()             // data_t (K, M) fp8 or empty
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // sinv_t, native layout or empty
+                                  .Attr<int64_t>("block_rows")       // 1 (1x128) or 128 (128x128)
+                                  .Attr<int64_t>("power_2_scale")    // 0/1
+                                  .Attr<int64_t>("columnwise"));     // 0/1
+
+}  // namespace te_jax

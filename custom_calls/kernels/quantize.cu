@@ -1,0 +1,350 @@
+// FP8 quantize kernels: per-tensor (given or current scale) and blockwise
+// (1x128 + 128x1, or 128x128), each writing the rowwise copy and, in the same
+// pass, the transposed (columnwise) copy.
+//
+// Numerics follow te_jax/ops/quantize.py bit for bit:
+//   v = float(x) * scale        (fp32 multiply, RN)
+//   q = fp8(clip(v, -max, max)) (RNE; NaN stays NaN) == __nv_cvt_float_to_fp8
+//                                 with __NV_SATFINITE
+//   scale = fp8_max / amax, 1 when amax is 0 or not finite, <= FLT_MAX,
+//   optionally with the mantissa bits cleared (power of 2, rounded down).
+//
+// Work split: one 256-thread block per 128x128 tile of x. Thread t owns an
+// 8x8 sub-tile (rows 8*(t/16).., cols 8*(t%16)..) held in registers, so the
+// row amax is a shuffle over the 16 lanes that share rows and the column amax
+// a small shared-memory reduction. The transposed copy goes through a 16 KB
+// shared byte tile (XOR-swizzled in 8-byte chunks to avoid bank conflicts) so
+// that both FP8 outputs are written with coalesced stores.
+#include "kernels/quantize.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cfloat>
+
+namespace te_jax {
+namespace {
+
+constexpr int kTile = 128;
+constexpr int kThreads = 256;
+constexpr int kSub = 8;  // each thread owns kSub x kSub elements
+
+__device__ __forceinline__ float ToFloat(float v) { return v; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
+
+// Bits of |v|: for non-negative floats (and NaN after fabs) unsigned integer
+// order is float order with NaN above +inf, so a max over the bits is a
+// NaN-propagating float max (as jnp.max).
+__device__ __forceinline__ unsigned AbsBits(float v) { return __float_as_uint(fabsf(v)); }
+
+// compute_scale() of ops/quantize.py.
+__device__ __forceinline__ float ComputeScale(float amax, float fp8_max, bool pow2) {
+  const bool valid = isfinite(amax) && amax > 0.f;
+  float s = fp8_max / (valid ? amax : 1.f);  // IEEE division (-prec-div=true)
+  s = fminf(s, FLT_MAX);
+  if (pow2) s = __uint_as_float(__float_as_uint(s) & 0xFF800000u);
+  return valid ? s : 1.f;
+}
+
+__device__ __forceinline__ uint8_t Cast(float v, __nv_fp8_interpretation_t t) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(v, __NV_SATFINITE, t));
+}
+
+__device__ __forceinline__ unsigned WarpMaxU(unsigned v, int width) {
+  for (int o = width / 2; o > 0; o /= 2) v = max(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
+__device__ __forceinline__ int Swz(int c) { return ((c / 8) ^ (c % 8)) % 16; }
+
+template <typename InT, ScaleMode kMode, bool kCols>
+__global__ void __launch_bounds__(kThreads) QuantizeTileKernel(QuantizeArgs p) {
+  __shared__ unsigned col_part[kThreads / 16][kTile];  // per-row-group column amax
+  __shared__ float col_scale[kTile];
+  __shared__ unsigned warp_red[kThreads / 32];
+  __shared__ __align__(16) uint8_t tbuf[kCols ? kTile * kTile : 16];  // transposed bytes
+
+  const InT* __restrict__ x = static_cast<const InT*>(p.x);
+  const int64_t M = p.M, K = p.K;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t k0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int t = threadIdx.x, cg = t % 16, rg = t / 16;
+  const int r0 = rg * kSub, c0 = cg * kSub;
+  const int64_t gc = k0 + c0;
+  const bool e5m2 = p.out == Fp8Type::kE5M2;
+  const __nv_fp8_interpretation_t interp = e5m2 ? __NV_E5M2 : __NV_E4M3;
+  const float fp8_max = e5m2 ? 57344.f : 448.f;
+
+  // ---- load the 8x8 sub-tile (16-byte loads when the row allows it) ----
+  float v[kSub][kSub];
+  constexpr int kVec = 16 / sizeof(InT);
+  const bool vec_cols = (K % kVec == 0) && (gc + kSub <= K);
+#pragma unroll
+  for (int i = 0; i < kSub; ++i) {
+    const int64_t gr = m0 + r0 + i;
+    const InT* row = x + gr * K + gc;
+    if (gr < M && vec_cols) {
+#pragma unroll
+      for (int h = 0; h < kSub / kVec; ++h) {
+        uint4 raw = __ldg(reinterpret_cast<const uint4*>(row) + h);
+        const InT* e = reinterpret_cast<const InT*>(&raw);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) v[i][h * kVec + j] = ToFloat(e[j]);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < kSub; ++j)
+        v[i][j] = (gr < M && gc + j < K) ? ToFloat(row[j]) : 0.f;  // padding: |0| never raises an amax
+    }
+  }
+
+  // ---- amax and scales ----
+  float row_s[kSub];  // scale of each of my rows (rowwise copy)
+  float my_col_s[kSub];  // scale of each of my columns (columnwise copy)
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) my_col_s[j] = 1.f;
+  if constexpr (kMode == ScaleMode::kVec128) {
+    unsigned cmax[kSub];
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) cmax[j] = 0;
+#pragma unroll
+    for (int i = 0; i < kSub; ++i) {
+      unsigned rmax = 0;
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        const unsigned b = AbsBits(v[i][j]);
+        rmax = max(rmax, b);
+        cmax[j] = max(cmax[j], b);
+      }
+      rmax = WarpMaxU(rmax, 16);  // the 16 lanes sharing these rows
+      row_s[i] = ComputeScale(__uint_as_float(rmax), fp8_max, p.pow2);
+    }
+    if (kCols) {
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) col_part[rg][c0 + j] = cmax[j];
+      __syncthreads();
+      if (t < kTile) {
+        unsigned c = 0;
+#pragma unroll
+        for (int g = 0; g < kThreads / 16; ++g) c = max(c, col_part[g][t]);
+        const float s = ComputeScale(__uint_as_float(c), fp8_max, p.pow2);
+        col_scale[t] = s;
+        if (k0 + t < K)  // sinv_t native layout: (ceil(M/128), roundup(K, 4)), K contiguous
+          p.sinv_t[(m0 / kTile) * p.sinv_t_ld + k0 + t] = 1.f / s;
+      }
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) my_col_s[j] = col_scale[c0 + j];
+    }
+    // sinv native layout: (ceil(K/128), roundup(M, 4)), M contiguous.
+    if (cg == 0) {
+#pragma unroll
+      for (int i = 0; i < kSub; ++i)
+        if (m0 + r0 + i < M) p.sinv[(k0 / kTile) * p.sinv_ld + m0 + r0 + i] = 1.f / row_s[i];
+    }
+  } else {
+    // One scale for the tile (kBlock128) or the tensor (kTensor).
+    unsigned amax = 0;
+    if (kMode == ScaleMode::kBlock128 || p.amax_out != nullptr) {
+#pragma unroll
+      for (int i = 0; i < kSub; ++i)
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) amax = max(amax, AbsBits(v[i][j]));
+      amax = WarpMaxU(amax, 32);
+      if (t % 32 == 0) warp_red[t / 32] = amax;
+      __syncthreads();
+      amax = 0;
+#pragma unroll
+      for (int w = 0; w < kThreads / 32; ++w) amax = max(amax, warp_red[w]);
+    }
+    float s;
+    if constexpr (kMode == ScaleMode::kBlock128) {
+      s = ComputeScale(__uint_as_float(amax), fp8_max, p.pow2);
+      if (t == 0) {
+        // sinv: (ceil(M/128), roundup(ceil(K/128), 4)); sinv_t: the transpose
+        // grid (ceil(K/128), roundup(ceil(M/128), 4)).
+        p.sinv[(m0 / kTile) * p.sinv_ld + k0 / kTile] = 1.f / s;
+        if (kCols) p.sinv_t[(k0 / kTile) * p.sinv_t_ld + m0 / kTile] = 1.f / s;
+      }
+    } else {
+      if (p.amax_out != nullptr && t == 0)
+        atomicMax(reinterpret_cast<unsigned*>(p.amax_out), amax);
+      if (p.amax_in != nullptr) {
+        s = ComputeScale(*p.amax_in, fp8_max, false);
+        if (t == 0 && blockIdx.x == 0 && blockIdx.y == 0) *p.scale_inv = 1.f / s;
+      } else {
+        s = *p.scale;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kSub; ++i) row_s[i] = s;
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) my_col_s[j] = s;
+  }
+
+  // ---- rowwise copy: 8 bytes per row, 16 lanes cover 128 contiguous bytes ----
+  const bool vec_out = (K % 8 == 0) && (gc + kSub <= K);
+#pragma unroll
+  for (int i = 0; i < kSub; ++i) {
+    const int64_t gr = m0 + r0 + i;
+    if (gr >= M) break;
+    uint8_t q[kSub];
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) q[j] = Cast(v[i][j] * row_s[i], interp);
+    uint8_t* dst = p.data + gr * K + gc;
+    if (vec_out) {
+      *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(q);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kSub; ++j)
+        if (gc + j < K) dst[j] = q[j];
+    }
+  }
+
+  // ---- columnwise copy through the swizzled shared byte tile ----
+  if constexpr (kCols) {
+    // tbuf[c][m] for column c (a row of the transposed tile); the 8-byte
+    // chunk holding m in [8*g, 8*g+8) sits at chunk g ^ Swz(c). Swz(c) is
+    // distinct over the 16 lanes that write one j (c/8 varies) and spreads
+    // the 4 rows c that one warp reads (c%8 varies) over both chunk parities.
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      uint8_t q[kSub];
+#pragma unroll
+      for (int i = 0; i < kSub; ++i) q[i] = Cast(v[i][j] * my_col_s[j], interp);
+      const int c = c0 + j;
+      const int chunk = rg ^ Swz(c);
+      *reinterpret_cast<uint2*>(&tbuf[c * kTile + chunk * 8]) = *reinterpret_cast<const uint2*>(q);
+    }
+    __syncthreads();
+    // 128 rows x 8 16-byte pieces = 1024 stores, 4 per thread; 8 consecutive
+    // lanes write one 128-byte row of data_t.
+    const bool vec_t = (M % 16 == 0);
+#pragma unroll
+    for (int it = 0; it < (kTile * kTile / 16) / kThreads; ++it) {
+      const int idx = it * kThreads + t;
+      const int c = idx / 8, piece = idx % 8;  // row of the transposed tile, 16-byte piece
+      const int64_t gk = k0 + c, gm = m0 + piece * 16;
+      if (gk >= K || gm >= M) continue;
+      const int sw = Swz(c);
+      const uint2 lo = *reinterpret_cast<const uint2*>(&tbuf[c * kTile + ((2 * piece) ^ sw) * 8]);
+      const uint2 hi = *reinterpret_cast<const uint2*>(&tbuf[c * kTile + ((2 * piece + 1) ^ sw) * 8]);
+      uint8_t* dst = p.data_t + gk * M + gm;
+      if (vec_t && gm + 16 <= M) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+      } else {
+        const unsigned w[4] = {lo.x, lo.y, hi.x, hi.y};
+#pragma unroll
+        for (int e = 0; e < 16; ++e)
+          if (gm + e < M) dst[e] = static_cast<uint8_t>(w[e / 4] >> (8 * (e % 4)));
+      }
+    }
+  }
+}
+
+// max(|x|) over a flat array: 16-byte loads, 4 in flight per thread.
+template <typename InT>
+__global__ void __launch_bounds__(512) AmaxKernel(const InT* __restrict__ x, int64_t n,
+                                                  unsigned* __restrict__ out) {
+  constexpr int kVec = 16 / sizeof(InT);
+  constexpr int kUnroll = 4;
+  unsigned m = 0;
+  const int64_t nvec = n / kVec;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const uint4* xv = reinterpret_cast<const uint4*>(x);
+  int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  for (; i + (kUnroll - 1) * stride < nvec; i += kUnroll * stride) {
+    uint4 raw[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) raw[u] = __ldg(xv + i + u * stride);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const InT* e = reinterpret_cast<const InT*>(&raw[u]);
+#pragma unroll
+      for (int j = 0; j < kVec; ++j) m = max(m, AbsBits(ToFloat(e[j])));
+    }
+  }
+  for (; i < nvec; i += stride) {
+    uint4 raw = __ldg(xv + i);
+    const InT* e = reinterpret_cast<const InT*>(&raw);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) m = max(m, AbsBits(ToFloat(e[j])));
+  }
+  // Tail that does not fill a 16-byte vector.
+  for (int64_t j = nvec * kVec + static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+       j < n; j += stride)
+    m = max(m, AbsBits(ToFloat(x[j])));
+  __shared__ unsigned red[512 / 32];
+  m = WarpMaxU(m, 32);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    m = threadIdx.x < blockDim.x / 32 ? red[threadIdx.x] : 0u;
+    m = WarpMaxU(m, 32);
+    if (threadIdx.x == 0) atomicMax(out, m);
+  }
+}
+
+template <typename InT, ScaleMode kMode>
+cudaError_t LaunchTyped(const QuantizeArgs& a, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((a.K + kTile - 1) / kTile),
+                  static_cast<unsigned>((a.M + kTile - 1) / kTile));
+  if (a.data_t != nullptr) {
+    QuantizeTileKernel<InT, kMode, true><<<grid, kThreads, 0, stream>>>(a);
+  } else {
+    QuantizeTileKernel<InT, kMode, false><<<grid, kThreads, 0, stream>>>(a);
+  }
+  return cudaGetLastError();
+}
+
+template <typename InT>
+cudaError_t LaunchMode(const QuantizeArgs& a, cudaStream_t stream) {
+  switch (a.mode) {
+    case ScaleMode::kTensor: return LaunchTyped<InT, ScaleMode::kTensor>(a, stream);
+    case ScaleMode::kVec128: return LaunchTyped<InT, ScaleMode::kVec128>(a, stream);
+    case ScaleMode::kBlock128: return LaunchTyped<InT, ScaleMode::kBlock128>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t LaunchQuantize(const QuantizeArgs& a, cudaStream_t stream) {
+  if (a.M <= 0 || a.K <= 0) return cudaSuccess;
+  if ((a.M + kTile - 1) / kTile > 65535 || (a.K + kTile - 1) / kTile > 2147483647)
+    return cudaErrorInvalidConfiguration;
+  if (a.mode == ScaleMode::kTensor && a.amax_out != nullptr) {
+    cudaError_t e = cudaMemsetAsync(a.amax_out, 0, sizeof(float), stream);
+    if (e != cudaSuccess) return e;
+  }
+  switch (a.in) {
+    case InType::kF32: return LaunchMode<float>(a, stream);
+    case InType::kBF16: return LaunchMode<__nv_bfloat16>(a, stream);
+    case InType::kF16: return LaunchMode<__half>(a, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchAmax(const void* x, int64_t n, InType in, float* amax_out,
+                       cudaStream_t stream) {
+  cudaError_t e = cudaMemsetAsync(amax_out, 0, sizeof(float), stream);
+  if (e != cudaSuccess || n <= 0) return e;
+  int dev = 0, sms = 132;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  // Enough blocks to fill the GPU (4 x 512 threads per SM), no more: each
+  // block ends with one atomic.
+  const int64_t want = (n / 8 + 511) / 512 + 1;
+  const unsigned blocks = static_cast<unsigned>(want < 4 * sms ? want : 4 * sms);
+  unsigned* out = reinterpret_cast<unsigned*>(amax_out);
+  switch (in) {
+    case InType::kF32: AmaxKernel<float><<<blocks, 512, 0, stream>>>(static_cast<const float*>(x), n, out); break;
+    case InType::kBF16: AmaxKernel<__nv_bfloat16><<<blocks, 512, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), n, out); break;
+    case InType::kF16: AmaxKernel<__half><<<blocks, 512, 0, stream>>>(static_cast<const __half*>(x), n, out); break;
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace te_jax

@@ -1,0 +1,41 @@
+// The nanobind module te_jax._te_jax_ffi: hands the FFI handlers to Python,
+// where te_jax/ops/_native.py registers each with
+// jax.ffi.register_ffi_target(name, capsule, platform="CUDA").
+#include <nanobind/nanobind.h>
+
+#include <type_traits>
+
+#include "xla/ffi/api/c_api.h"
+
+namespace nb = nanobind;
+
+namespace te_jax {
+extern "C" {
+// Defined by XLA_FFI_DEFINE_HANDLER_SYMBOL in ffi/*.cc.
+XLA_FFI_Error* TeJaxQuantizeTensorwise(XLA_FFI_CallFrame*);
+XLA_FFI_Error* TeJaxQuantizeCurrent(XLA_FFI_CallFrame*);
+XLA_FFI_Error* TeJaxQuantizeBlockwise(XLA_FFI_CallFrame*);
+XLA_FFI_Error* TeJaxGemm(XLA_FFI_CallFrame*);
+}
+}  // namespace te_jax
+
+namespace {
+template <typename T>
+nb::capsule Capsule(T* fn) {
+  static_assert(std::is_invocable_r_v<XLA_FFI_Error*, T, XLA_FFI_CallFrame*>,
+                "handler must be an XLA FFI function");
+  return nb::capsule(reinterpret_cast<void*>(fn));
+}
+}  // namespace
+
+NB_MODULE(_te_jax_ffi, m) {
+  m.doc() = "te_jax CUDA custom calls (XLA FFI handlers for FP8 quantize and GEMM)";
+  m.def("registrations", []() {
+    nb::dict d;
+    d["te_jax_quantize_tensorwise"] = Capsule(te_jax::TeJaxQuantizeTensorwise);
+    d["te_jax_quantize_current"] = Capsule(te_jax::TeJaxQuantizeCurrent);
+    d["te_jax_quantize_blockwise"] = Capsule(te_jax::TeJaxQuantizeBlockwise);
+    d["te_jax_gemm"] = Capsule(te_jax::TeJaxGemm);
+    return d;
+  });
+}

@@ -1,0 +1,85 @@
+"""CUDA custom-call path of ``ops/gemm.py``: cuBLASLt FP8 GEMM ``a @ b.T``
+(FFI handler in ``custom_calls/ffi/gemm.cc``).
+
+Operands are ``ScaledTensor``s with the logical scale layout; the blockwise
+scales are put back into cuBLASLt's layout with the inverse of the
+transpose/slice that ``quantize_cuda.py`` applied, which XLA cancels under
+``jit``. Alignment rules are checked here, at trace time, so the handler never
+sees an operand cuBLASLt would reject: M, N and K multiples of 16 (FP8 tensor
+core GEMMs need 16-byte aligned leading dimensions; XLA's buffers themselves
+are always >= 64-byte aligned).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_jax.scaled_tensor import ScaledTensor
+
+__all__ = ["gemm", "native_scale"]
+
+_MODES = {None: 0, (1, 128): 1, (128, 128): 2}
+_BIAS_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+def _cdiv(a: int, b: int) -> int:
+  return -(-a // b)
+
+
+def native_scale(t: ScaledTensor, name: str):
+  """(mode, scale_inv in cuBLASLt's layout) for operand ``t`` (rows, K)."""
+  rows, k = t.shape
+  bs = None if t.block_shape is None else tuple(t.block_shape)
+  if bs not in _MODES:
+    raise ValueError(f"{name}.block_shape must be None, (1, 128) or (128, 128), got {bs}.")
+  s = jnp.asarray(t.scale_inv)
+  if s.dtype != jnp.float32:
+    raise TypeError(f"{name}.scale_inv must be float32, got {s.dtype}.")
+  if bs is None:
+    if s.shape != ():
+      raise ValueError(f"{name}.scale_inv must be a scalar for per-tensor scaling, got {s.shape}.")
+    return 0, s
+  want = (_cdiv(rows, bs[0]), _cdiv(k, bs[1]))
+  if s.shape != want:
+    raise ValueError(f"{name}.scale_inv must have shape {want} for block_shape {bs}, "
+                     f"got {s.shape}.")
+  if bs == (1, 128):
+    return 1, s.T  # (ceil(K/128), rows), rows contiguous; rows % 16 == 0 so no padding
+  kb = want[1]
+  pad = -kb % 4  # leading dimension of the BLK128x128 grid is a multiple of 4
+  return 2, (jnp.pad(s, ((0, 0), (0, pad))) if pad else s)
+
+
+def gemm(a: ScaledTensor, b: ScaledTensor, out_dtype, bias: Optional[jax.Array] = None,
+         fast_accum: bool = False) -> jax.Array:
+  """``a @ b.T`` with a (M, K), b (N, K) FP8 ScaledTensors; returns (M, N)."""
+  (m, k), (n, _) = a.shape, b.shape
+  for name, val in (("a", m), ("b", n)):
+    if val % 16:
+      raise ValueError(f"{name}.shape[0] must be a multiple of 16 for the cuBLASLt FP8 GEMM, "
+                       f"got {val} (pad the token dimension).")
+  if k % 16:
+    raise ValueError(f"a.shape[1] and b.shape[1] (K) must be multiples of 16 for the cuBLASLt "
+                     f"FP8 GEMM, got {k}.")
+  a_mode, a_s = native_scale(a, "a")
+  b_mode, b_s = native_scale(b, "b")
+  if (a_mode == 0) != (b_mode == 0) or (a_mode == 2 and b_mode == 2):
+    raise ValueError(f"unsupported scaling pair a.block_shape={a.block_shape}, "
+                     f"b.block_shape={b.block_shape}.")
+  if bias is None:
+    bias_arg = jnp.zeros((0,), jnp.bfloat16)
+  else:
+    if jnp.dtype(bias.dtype) not in _BIAS_DTYPES:
+      raise TypeError(f"bias must be bfloat16, float16 or float32, got {bias.dtype}.")
+    if bias.shape != (n,):
+      raise ValueError(f"bias must have shape ({n},), got {bias.shape}.")
+    bias_arg = bias
+  out = jax.ffi.ffi_call("te_jax_gemm", jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype)))(
+      a.data, b.data, a_s, b_s, bias_arg,
+      a_mode=np.int64(a_mode), b_mode=np.int64(b_mode),
+      fast_accum=np.int64(bool(fast_accum)), has_bias=np.int64(bias is not None))
+  return out
