@@ -22,10 +22,16 @@ updates by itself.
 
 from te_jax.flax.norm import LayerNorm, RMSNorm
 from te_jax.flax.dense import DenseGeneral, LayerNormDenseGeneral
+from te_jax.flax.mlp import LayerNormMLP
+from te_jax.flax.attention import MultiHeadAttention
+from te_jax.flax.transformer import TransformerLayer
 
 __all__ = [
     "LayerNorm",
     "RMSNorm",
     "DenseGeneral",
     "LayerNormDenseGeneral",
+    "LayerNormMLP",
+    "MultiHeadAttention",
+    "TransformerLayer",
 ]

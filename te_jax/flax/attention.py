@@ -1,0 +1,267 @@
+"""``MultiHeadAttention``: FP8 projections around a fused attention core.
+
+The Q/K/V and output projections are ``DenseGeneral`` modules, so they run in
+FP8 under ``fp8_autocast``; the attention core (softmax(QK^T)V) stays in the
+compute dtype and is computed by ``jax.nn.dot_product_attention``.
+
+Masking. ``attn_mask_type="causal"`` uses ``is_causal=True``. Packed
+sequences are given as ``segment_ids`` (B, S) int (1, 2, ... per document, 0 =
+padding, as made by ``te_jax.packing.pack_sequences``): a token attends only
+to tokens of its own segment, padding only to padding, so no token ever sees
+another document or padding. The installed ``jax.nn.dot_product_attention``
+has no segment-id argument (only ``query_seq_lengths`` /
+``key_value_seq_lengths``, which describe one right-padded document per row),
+so segments become one boolean mask of shape (B, 1, Sq, Skv) shared by all
+heads (never a per-head mask). An extra boolean ``mask`` (True = attend),
+broadcastable to (B, heads, Sq, Skv), can be given as well.
+
+Implementation choice (``attention_impl``): "xla", "cudnn" or "auto". "auto"
+picks cuDNN flash attention on GPU for bfloat16/float16 with head_dim <= 128
+and a multiple of 8, no attention dropout and no mask/segment ids (cuDNN in
+jax takes a mask only as a dense additive bias, which defeats flash attention;
+its packed-sequence offsets are private API); otherwise XLA. "cudnn" forces
+cuDNN (a mask is then passed through and jax converts it to a bias).
+Attention dropout (``attention_dropout > 0`` and ``deterministic=False``)
+uses an explicit softmax in float32.
+
+Rotary position embeddings (``enable_rotary_pos_emb``) rotate the two halves
+of each head's Q and K ("rotate-half"/GPT-NeoX layout) by angle
+``position * rotary_base ** (-2i / head_dim)``; positions default to
+``arange(S)`` and come from ``segment_positions`` for packed rows (restarting
+at 0 in each document), which makes a packed document see exactly the
+rotations it would see alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from te_jax.flax.dense import DenseGeneral, default_kernel_init
+
+__all__ = ["MultiHeadAttention", "apply_rotary", "segment_attention_mask"]
+
+Dtype = Any
+Initializer = Callable[..., jax.Array]
+_MASK_TYPES = ("causal", "no_mask")
+_IMPLS = ("auto", "xla", "cudnn")
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
+  """Rotates (B, S, H, D) ``x`` by (B, S) integer ``positions`` (rotate-half layout)."""
+  d = x.shape[-1]
+  if d % 2:
+    raise ValueError(f"rotary embeddings need an even head_dim, got {d}.")
+  half = d // 2
+  inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / d)
+  angle = positions.astype(jnp.float32)[..., None] * inv_freq     # (B, S, half)
+  sin = jnp.sin(angle)[:, :, None, :]
+  cos = jnp.cos(angle)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = x32[..., :half], x32[..., half:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def segment_attention_mask(q_segment_ids: Optional[jax.Array],
+                           kv_segment_ids: Optional[jax.Array]) -> Optional[jax.Array]:
+  """(B, 1, Sq, Skv) boolean mask: True where query and key share a segment.
+
+  With only ``kv_segment_ids`` given, every query may attend to every
+  non-padding key (segment id != 0).
+  """
+  if kv_segment_ids is None:
+    return None
+  kv = kv_segment_ids[:, None, None, :]
+  if q_segment_ids is None:
+    return jnp.broadcast_to(kv != 0, kv.shape)
+  return q_segment_ids[:, None, :, None] == kv
+
+
+def _and_masks(a, b):
+  if a is None:
+    return b
+  if b is None:
+    return a
+  return jnp.logical_and(a, b)
+
+
+def _reference_attention(q, k, v, mask, is_causal, dropout_rng, rate):
+  """Explicit attention (fp32 softmax) with dropout on the probabilities."""
+  h, g = q.shape[2], k.shape[2]
+  if h != g:
+    k = jnp.repeat(k, h // g, axis=2)
+    v = jnp.repeat(v, h // g, axis=2)
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k,
+                      preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+  if is_causal:
+    sq, sk = q.shape[1], k.shape[1]
+    causal = jnp.tril(jnp.ones((sq, sk), jnp.bool_))[None, None]
+    mask = _and_masks(mask, causal)
+  if mask is not None:
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1)
+  if rate > 0.0:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - rate, probs.shape)
+    probs = jnp.where(keep, probs / (1.0 - rate), 0.0)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
+
+
+class MultiHeadAttention(nn.Module):
+  """Multi-head (optionally grouped-query) self/cross attention with FP8 projections.
+
+  Shapes: ``inputs_q`` (B, Sq, E); ``inputs_kv`` (B, Skv, E_kv) or None for
+  self attention; output (B, Sq, out_features or E).
+
+  Parameters (logical axis names), as submodules:
+    self attention with ``num_gqa_groups == num_attention_heads`` and
+    ``fuse_qkv``: ``qkv/kernel`` (E, 3, heads, head_dim)
+    ("embed", "qkv", "heads", "kv"); otherwise ``query/kernel`` (E, heads,
+    head_dim) ("embed", "heads", "kv") and ``kv/kernel`` (E_kv, 2, groups,
+    head_dim) ("embed", "qkv", "heads", "kv"). ``out/kernel`` (heads,
+    head_dim, E) ("heads", "kv", "embed"). Biases (``use_bias``) carry the
+    names of the output dims.
+
+  FP8 state (``DelayedScaling`` only): ``fp8_meta`` of each projection
+  submodule, in collection ``"_overwrite_with_gradient"``.
+
+  Attributes:
+    num_attention_heads: number of query heads.
+    head_dim: size of each head; default ``E // num_attention_heads``.
+    num_gqa_groups: number of key/value heads (divides num_attention_heads);
+      default ``num_attention_heads`` (plain MHA); 1 = multi-query.
+    attn_mask_type: "causal" (default) or "no_mask"; segment ids / ``mask``
+      add padding and document masking on top of either.
+    attention_dropout: dropout rate on the attention probabilities.
+    enable_rotary_pos_emb: apply rotary embeddings to Q and K (default False).
+    rotary_base: rotary frequency base (default 10000).
+    fuse_qkv: one fused Q/K/V kernel for self attention (default True).
+    use_bias: biases on the projections (default False).
+    out_features: output width; default the width of ``inputs_q``.
+    attention_impl: "auto" (default), "xla" or "cudnn"; see the module docs.
+    dtype: compute/output dtype; None promotes input and param dtype.
+    param_dtype: parameter dtype (default float32).
+    kernel_init, bias_init: initializers of the projections.
+  """
+
+  num_attention_heads: int
+  head_dim: Optional[int] = None
+  num_gqa_groups: Optional[int] = None
+  attn_mask_type: str = "causal"
+  attention_dropout: float = 0.0
+  enable_rotary_pos_emb: bool = False
+  rotary_base: float = 10000.0
+  fuse_qkv: bool = True
+  use_bias: bool = False
+  out_features: Optional[int] = None
+  attention_impl: str = "auto"
+  dtype: Optional[Dtype] = None
+  param_dtype: Dtype = jnp.float32
+  kernel_init: Initializer = default_kernel_init
+  bias_init: Initializer = nn.initializers.zeros
+
+  def _dense(self, features, name, kernel_axes, axis=-1, dtype=None):
+    return DenseGeneral(features=features, axis=axis, use_bias=self.use_bias,
+                        dtype=dtype, param_dtype=self.param_dtype,
+                        kernel_init=self.kernel_init, bias_init=self.bias_init,
+                        kernel_axes=kernel_axes, name=name)
+
+  def _use_cudnn(self, q, has_mask, dropout) -> bool:
+    if self.attention_impl == "cudnn":
+      return True
+    if self.attention_impl == "xla":
+      return False
+    return (jax.default_backend() == "gpu" and not has_mask and not dropout
+            and q.dtype in (jnp.bfloat16, jnp.float16)
+            and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0)
+
+  @nn.compact
+  def __call__(self, inputs_q: jax.Array, inputs_kv: Optional[jax.Array] = None, *,
+               segment_ids: Optional[jax.Array] = None,
+               kv_segment_ids: Optional[jax.Array] = None,
+               segment_positions: Optional[jax.Array] = None,
+               kv_segment_positions: Optional[jax.Array] = None,
+               mask: Optional[jax.Array] = None,
+               deterministic: bool = True) -> jax.Array:
+    """Attends from ``inputs_q`` to ``inputs_kv`` (itself when None).
+
+    Args:
+      inputs_q: (B, Sq, E) queries.
+      inputs_kv: (B, Skv, E_kv) keys/values source; None = self attention.
+      segment_ids: (B, Sq) int document ids of the queries (0 = padding).
+      kv_segment_ids: (B, Skv) ids of the keys; defaults to ``segment_ids``
+        in self attention.
+      segment_positions: (B, Sq) positions of the queries for rotary
+        embeddings (default ``arange(Sq)``).
+      kv_segment_positions: (B, Skv) key positions; defaults to
+        ``segment_positions`` in self attention, else ``arange(Skv)``.
+      mask: optional boolean mask (True = attend), broadcastable to
+        (B, heads, Sq, Skv); prefer (B, 1, Sq, Skv).
+      deterministic: disables attention dropout when True.
+
+    Returns:
+      (B, Sq, out_features) in the compute dtype.
+    """
+    if self.attn_mask_type not in _MASK_TYPES:
+      raise ValueError(f"attn_mask_type must be one of {_MASK_TYPES}, got "
+                       f"{self.attn_mask_type!r}.")
+    if self.attention_impl not in _IMPLS:
+      raise ValueError(f"attention_impl must be one of {_IMPLS}, got "
+                       f"{self.attention_impl!r}.")
+    self_attn = inputs_kv is None
+    if self_attn:
+      inputs_kv = inputs_q
+      if kv_segment_ids is None:
+        kv_segment_ids = segment_ids
+      if kv_segment_positions is None:
+        kv_segment_positions = segment_positions
+    h = self.num_attention_heads
+    g = self.num_gqa_groups or h
+    if h % g:
+      raise ValueError(f"num_gqa_groups ({g}) must divide num_attention_heads ({h}).")
+    embed = inputs_q.shape[-1]
+    d = self.head_dim or embed // h
+    if not self.head_dim and embed % h:
+      raise ValueError(f"width {embed} is not divisible by {h} heads; set head_dim.")
+    compute = self.dtype if self.dtype is not None else jnp.result_type(
+        inputs_q.dtype, self.param_dtype)
+
+    if self_attn and g == h and self.fuse_qkv:
+      qkv = self._dense((3, h, d), "qkv", ("embed", "qkv", "heads", "kv"),
+                        dtype=compute)(inputs_q)
+      q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    else:
+      q = self._dense((h, d), "query", ("embed", "heads", "kv"), dtype=compute)(inputs_q)
+      kv = self._dense((2, g, d), "kv", ("embed", "qkv", "heads", "kv"),
+                       dtype=compute)(inputs_kv)
+      k, v = kv[:, :, 0], kv[:, :, 1]
+
+    if self.enable_rotary_pos_emb:
+      b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
+      qpos = segment_positions
+      if qpos is None:
+        qpos = jnp.broadcast_to(jnp.arange(sq)[None], (b, sq))
+      kpos = kv_segment_positions
+      if kpos is None:
+        kpos = jnp.broadcast_to(jnp.arange(skv)[None], (b, skv))
+      q = apply_rotary(q, qpos, self.rotary_base)
+      k = apply_rotary(k, kpos, self.rotary_base)
+
+    full_mask = _and_masks(segment_attention_mask(segment_ids, kv_segment_ids),
+                           None if mask is None else mask.astype(jnp.bool_))
+    is_causal = self.attn_mask_type == "causal"
+    dropout = self.attention_dropout > 0.0 and not deterministic
+    if dropout:
+      out = _reference_attention(q, k, v, full_mask, is_causal,
+                                 self.make_rng("dropout"), self.attention_dropout)
+    else:
+      impl = "cudnn" if self._use_cudnn(q, full_mask is not None, dropout) else "xla"
+      out = jax.nn.dot_product_attention(q, k, v, mask=full_mask, is_causal=is_causal,
+                                         implementation=impl)
+    out = out.astype(compute)
+    return self._dense(self.out_features or embed, "out", ("heads", "kv", "embed"),
+                       axis=(-2, -1), dtype=compute)(out)

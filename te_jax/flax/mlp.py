@@ -1,0 +1,165 @@
+"""``LayerNormMLP``: norm -> dense -> activation(s) -> dropout -> dense, in FP8.
+
+Both GEMMs (and their gradients) run in FP8 under ``fp8_autocast``. Gated
+activations (two entries such as ``("silu", "linear")`` = SwiGLU or
+``("gelu", "linear")`` = GeGLU) use one fused up-projection of shape
+(embed, n_act, mlp) computed as a single GEMM; the result is
+``act0(h[..., 0, :]) * act1(h[..., 1, :])``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from te_jax.flax import _fp8
+from te_jax.flax.dense import default_kernel_init, _kernel_fan_in_init
+from te_jax.flax.norm import apply_norm, norm_params
+
+__all__ = ["LayerNormMLP", "ACTIVATIONS"]
+
+Dtype = Any
+Initializer = Callable[..., jax.Array]
+
+ACTIVATIONS = {
+    "gelu": lambda x: nn.gelu(x, approximate=True),
+    "gelu_exact": lambda x: nn.gelu(x, approximate=False),
+    "relu": nn.relu,
+    "silu": nn.silu,
+    "swish": nn.silu,
+    "sigmoid": nn.sigmoid,
+    "tanh": jnp.tanh,
+    "quick_gelu": lambda x: x * nn.sigmoid(1.702 * x),
+    "linear": lambda x: x,
+}
+
+
+def _check_activations(acts):
+  acts = tuple(acts)
+  if not acts or len(acts) > 2:
+    raise ValueError(f"activations must hold one or two names, got {acts!r}.")
+  for a in acts:
+    if a not in ACTIVATIONS:
+      raise ValueError(f"unknown activation {a!r}; known: {sorted(ACTIVATIONS)}.")
+  return acts
+
+
+class LayerNormMLP(nn.Module):
+  """Pre-norm transformer MLP block whose two GEMMs run in FP8 under ``fp8_autocast``.
+
+  ``y = act(norm(x) @ wi + bi) @ wo + bo`` where ``act`` is one activation or,
+  for two entries, the gated product ``act0(h0) * act1(h1)``.
+
+  Shapes: ``inputs`` (..., embed) -> (..., embed); with
+  ``return_layernorm_output=True`` returns ``(y, ln_out)``.
+
+  Parameters (logical axis names):
+    ``scale`` (embed,) ("embed",); ``ln_bias`` (embed,) ("embed",) for layernorm.
+    ``wi_kernel`` (embed, n_act, mlp) ``kernel_axes_1`` = ("embed", "act", "mlp").
+    ``wo_kernel`` (mlp, embed) ``kernel_axes_2`` = ("mlp", "embed").
+    ``wi_bias`` (n_act, mlp) ("act", "mlp") and ``wo_bias`` (embed,) ("embed",)
+      with ``use_bias``.
+
+  FP8 state (``DelayedScaling`` only, collection ``"_overwrite_with_gradient"``):
+  ``wi_fp8_meta`` and ``wo_fp8_meta``.
+
+  Attributes:
+    intermediate_dim: width of the hidden layer ("mlp").
+    activations: one name, or two for a gated unit; names "gelu" (tanh
+      approximation), "gelu_exact", "relu", "silu"/"swish", "sigmoid", "tanh",
+      "quick_gelu", "linear". Default ("gelu",).
+    intermediate_dropout_rate: dropout on the activation output (default 0.0);
+      uses the "dropout" RNG when ``deterministic=False``.
+    layernorm_type: "layernorm" (default) or "rmsnorm".
+    epsilon: norm epsilon (default 1e-6).
+    zero_centered_gamma: store gamma - 1, initialized to zeros.
+    return_layernorm_output: also return the normalized input.
+    use_bias: biases on both projections (default False).
+    dtype: compute/output dtype; None promotes input and param dtype.
+    param_dtype: parameter dtype (default float32).
+    kernel_init, bias_init: initializers (kernels initialized on their 2-D view,
+      per activation branch for wi).
+    scale_init, ln_bias_init: norm initializers.
+    kernel_axes_1, kernel_axes_2, ln_scale_axes, ln_bias_axes: logical names.
+  """
+
+  intermediate_dim: int = 2048
+  activations: Sequence[str] = ("gelu",)
+  intermediate_dropout_rate: float = 0.0
+  layernorm_type: str = "layernorm"
+  epsilon: float = 1e-6
+  zero_centered_gamma: bool = False
+  return_layernorm_output: bool = False
+  use_bias: bool = False
+  dtype: Optional[Dtype] = None
+  param_dtype: Dtype = jnp.float32
+  kernel_init: Initializer = default_kernel_init
+  bias_init: Initializer = nn.initializers.zeros
+  scale_init: Optional[Initializer] = None
+  ln_bias_init: Initializer = nn.initializers.zeros
+  kernel_axes_1: Tuple[Optional[str], ...] = ("embed", "act", "mlp")
+  kernel_axes_2: Tuple[Optional[str], ...] = ("mlp", "embed")
+  ln_scale_axes: Tuple[Optional[str], ...] = ("embed",)
+  ln_bias_axes: Tuple[Optional[str], ...] = ("embed",)
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array, deterministic: bool = True):
+    """Applies the block; ``deterministic=False`` enables dropout."""
+    acts = _check_activations(self.activations)
+    n_act = len(acts)
+    embed = inputs.shape[-1]
+    compute = self.dtype if self.dtype is not None else jnp.result_type(
+        inputs.dtype, self.param_dtype)
+    recipe = _fp8.active_recipe()
+
+    scale, ln_bias = norm_params(
+        self, embed, norm_type=self.layernorm_type,
+        zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init,
+        bias_init=self.ln_bias_init, axes=tuple(self.ln_scale_axes),
+        bias_axes=tuple(self.ln_bias_axes), param_dtype=self.param_dtype)
+    ln_out = apply_norm(inputs, scale, ln_bias, norm_type=self.layernorm_type,
+                        epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
+                        dtype=compute)
+
+    def wi_init(key, shape, dtype=jnp.float32):
+      keys = jax.random.split(key, shape[1])
+      init = _kernel_fan_in_init(self.kernel_init, 1, 1)
+      return jnp.stack([init(k, (shape[0], shape[2]), dtype) for k in keys], axis=1)
+
+    wi = self.param("wi_kernel",
+                    nn.with_logical_partitioning(wi_init, tuple(self.kernel_axes_1)),
+                    (embed, n_act, self.intermediate_dim), self.param_dtype)
+    wo = self.param("wo_kernel",
+                    nn.with_logical_partitioning(self.kernel_init, tuple(self.kernel_axes_2)),
+                    (self.intermediate_dim, embed), self.param_dtype)
+    bi = bo = None
+    if self.use_bias:
+      bi = self.param("wi_bias", nn.with_logical_partitioning(
+          self.bias_init, tuple(self.kernel_axes_1[1:])), (n_act, self.intermediate_dim),
+                      self.param_dtype)
+      bo = self.param("wo_bias", nn.with_logical_partitioning(
+          self.bias_init, tuple(self.kernel_axes_2[1:])), (embed,), self.param_dtype)
+
+    lead = inputs.shape[:-1]
+    x2d = ln_out.reshape(-1, embed)
+    h = _fp8.fp8_gemm(self, x2d, wi.reshape(embed, -1).astype(compute),
+                      None if bi is None else bi.reshape(-1).astype(compute),
+                      recipe=recipe, name="wi_fp8_meta")
+    h = h.reshape(-1, n_act, self.intermediate_dim)
+    z = ACTIVATIONS[acts[0]](h[:, 0, :])
+    for i in range(1, n_act):
+      z = z * ACTIVATIONS[acts[i]](h[:, i, :])
+    z = z.astype(compute)
+    if self.intermediate_dropout_rate > 0.0:
+      z = nn.Dropout(rate=self.intermediate_dropout_rate, broadcast_dims=(),
+                     name="intermediate_dropout")(z, deterministic=deterministic)
+    y = _fp8.fp8_gemm(self, z, wo.astype(compute),
+                      None if bo is None else bo.astype(compute),
+                      recipe=recipe, name="wo_fp8_meta")
+    y = y.reshape(*lead, embed)
+    if self.return_layernorm_output:
+      return y, ln_out
+    return y

@@ -1,0 +1,170 @@
+"""``TransformerLayer``: a pre-LN transformer block whose GEMMs run in FP8."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from te_jax.flax.attention import MultiHeadAttention
+from te_jax.flax.dense import default_kernel_init
+from te_jax.flax.mlp import LayerNormMLP
+from te_jax.flax.norm import LayerNorm, RMSNorm
+
+__all__ = ["TransformerLayer"]
+
+Dtype = Any
+Initializer = Callable[..., jax.Array]
+_LAYER_TYPES = ("encoder", "decoder")
+
+
+class TransformerLayer(nn.Module):
+  """Pre-LN transformer block: attention and MLP sublayers with residuals, FP8 GEMMs.
+
+  ``encoder``: ``x = x + drop(SelfAttn(LN(x)))``; ``x = x + drop(MLP(x))``
+  (the MLP holds its own norm). ``decoder``: the self attention is causal
+  (``self_attn_mask_type`` default "causal"), and when ``encoded`` is given a
+  cross-attention sublayer ``x = x + drop(CrossAttn(LN(x), encoded))`` comes
+  between the two.
+
+  Shapes: ``inputs`` (B, S, hidden_size) -> (B, S, hidden_size); ``encoded``
+  (B, S_enc, E_enc).
+
+  Submodules (parameter names and logical axes as documented on each):
+  ``pre_attention_norm`` (LayerNorm/RMSNorm, ("embed",)), ``self_attention``
+  (MultiHeadAttention), ``pre_cross_attention_norm`` and ``cross_attention``
+  (decoder with ``encoded``), ``mlp`` (LayerNormMLP). Under ``DelayedScaling``
+  each projection keeps its FP8 state in collection
+  ``"_overwrite_with_gradient"``.
+
+  Attributes:
+    hidden_size: model width E (must equal the input's last dim).
+    mlp_hidden_size: MLP intermediate width.
+    num_attention_heads: query heads.
+    num_gqa_groups: key/value heads (default = num_attention_heads).
+    head_dim: per-head size (default hidden_size // num_attention_heads).
+    layer_type: "encoder" (default) or "decoder".
+    self_attn_mask_type: "causal" or "no_mask"; default "no_mask" for an
+      encoder, "causal" for a decoder. Segment ids add document/padding masks.
+    layernorm_type: "layernorm" (default) or "rmsnorm".
+    epsilon: norm epsilon (default 1e-6).
+    zero_centered_gamma: store norm scales as gamma - 1.
+    hidden_dropout: dropout on each sublayer output before the residual add.
+    attention_dropout: dropout on the attention probabilities.
+    intermediate_dropout: dropout after the MLP activation.
+    activations: MLP activations, e.g. ("gelu",) or ("silu", "linear").
+    enable_rotary_pos_emb: rotary embeddings in self attention (default False).
+    rotary_base: rotary frequency base.
+    use_bias: biases on every projection (default False).
+    attention_impl: "auto", "xla" or "cudnn" (see MultiHeadAttention).
+    dtype: compute/output dtype; None promotes input and param dtype.
+    param_dtype: parameter dtype (default float32).
+    kernel_init, bias_init: initializers of the projections.
+
+  Dropout uses the "dropout" RNG when ``deterministic=False``.
+  """
+
+  hidden_size: int
+  mlp_hidden_size: int
+  num_attention_heads: int
+  num_gqa_groups: Optional[int] = None
+  head_dim: Optional[int] = None
+  layer_type: str = "encoder"
+  self_attn_mask_type: Optional[str] = None
+  layernorm_type: str = "layernorm"
+  epsilon: float = 1e-6
+  zero_centered_gamma: bool = False
+  hidden_dropout: float = 0.0
+  attention_dropout: float = 0.0
+  intermediate_dropout: float = 0.0
+  activations: Sequence[str] = ("gelu",)
+  enable_rotary_pos_emb: bool = False
+  rotary_base: float = 10000.0
+  use_bias: bool = False
+  attention_impl: str = "auto"
+  dtype: Optional[Dtype] = None
+  param_dtype: Dtype = jnp.float32
+  kernel_init: Initializer = default_kernel_init
+  bias_init: Initializer = nn.initializers.zeros
+
+  def _norm(self, name, dtype):
+    cls = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}.get(self.layernorm_type)
+    if cls is None:
+      raise ValueError(f"layernorm_type must be 'layernorm' or 'rmsnorm', got "
+                       f"{self.layernorm_type!r}.")
+    return cls(epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
+               dtype=dtype, param_dtype=self.param_dtype, name=name)
+
+  def _attention(self, name, mask_type, rotary, dtype):
+    return MultiHeadAttention(
+        num_attention_heads=self.num_attention_heads, head_dim=self.head_dim,
+        num_gqa_groups=self.num_gqa_groups, attn_mask_type=mask_type,
+        attention_dropout=self.attention_dropout, enable_rotary_pos_emb=rotary,
+        rotary_base=self.rotary_base, use_bias=self.use_bias,
+        out_features=self.hidden_size, attention_impl=self.attention_impl,
+        dtype=dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+        bias_init=self.bias_init, name=name)
+
+  def _drop(self, x, deterministic):
+    if self.hidden_dropout > 0.0:
+      return nn.Dropout(rate=self.hidden_dropout)(x, deterministic=deterministic)
+    return x
+
+  @nn.compact
+  def __call__(self, inputs: jax.Array, encoded: Optional[jax.Array] = None, *,
+               segment_ids: Optional[jax.Array] = None,
+               segment_positions: Optional[jax.Array] = None,
+               encoder_segment_ids: Optional[jax.Array] = None,
+               deterministic: bool = True) -> jax.Array:
+    """Applies the block.
+
+    Args:
+      inputs: (B, S, hidden_size).
+      encoded: (B, S_enc, E_enc) encoder output for cross attention
+        (decoder only; None skips the cross-attention sublayer).
+      segment_ids: (B, S) document ids of packed rows (0 = padding).
+      segment_positions: (B, S) positions within each document (rotary).
+      encoder_segment_ids: (B, S_enc) document ids of ``encoded``.
+      deterministic: disables dropout when True.
+
+    Returns:
+      (B, S, hidden_size) in the compute dtype.
+    """
+    if self.layer_type not in _LAYER_TYPES:
+      raise ValueError(f"layer_type must be one of {_LAYER_TYPES}, got "
+                       f"{self.layer_type!r}.")
+    if inputs.shape[-1] != self.hidden_size:
+      raise ValueError(f"inputs' last dim ({inputs.shape[-1]}) must equal "
+                       f"hidden_size ({self.hidden_size}).")
+    if encoded is not None and self.layer_type != "decoder":
+      raise ValueError("encoded inputs (cross attention) need layer_type='decoder'.")
+    decoder = self.layer_type == "decoder"
+    mask_type = self.self_attn_mask_type or ("causal" if decoder else "no_mask")
+    compute = self.dtype if self.dtype is not None else jnp.result_type(
+        inputs.dtype, self.param_dtype)
+    x = inputs.astype(compute)
+
+    h = self._norm("pre_attention_norm", compute)(x)
+    h = self._attention("self_attention", mask_type, self.enable_rotary_pos_emb,
+                        compute)(h, segment_ids=segment_ids,
+                                 segment_positions=segment_positions,
+                                 deterministic=deterministic)
+    x = x + self._drop(h, deterministic)
+
+    if encoded is not None:
+      h = self._norm("pre_cross_attention_norm", compute)(x)
+      h = self._attention("cross_attention", "no_mask", False, compute)(
+          h, encoded, segment_ids=segment_ids if encoder_segment_ids is not None else None,
+          kv_segment_ids=encoder_segment_ids, deterministic=deterministic)
+      x = x + self._drop(h, deterministic)
+
+    h = LayerNormMLP(
+        intermediate_dim=self.mlp_hidden_size, activations=tuple(self.activations),
+        intermediate_dropout_rate=self.intermediate_dropout,
+        layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+        zero_centered_gamma=self.zero_centered_gamma, use_bias=self.use_bias,
+        dtype=compute, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+        bias_init=self.bias_init, name="mlp")(x, deterministic=deterministic)
+    return x + self._drop(h, deterministic)
