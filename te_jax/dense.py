@@ -147,8 +147,8 @@ def _pad_to(x, axis, multiple):
 
 
 def fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
-              recipe: recipe_lib.Recipe, fp8_state=None, impl: str = "auto"
-              ) -> jax.Array:
+              recipe: recipe_lib.Recipe, fp8_state=None, impl: str = "auto",
+              kernel_axes=None, mesh_resource=None, mesh=None) -> jax.Array:
   """``x @ kernel + bias`` with every GEMM (fprop, dgrad, wgrad) in FP8.
 
   Args:
@@ -160,6 +160,14 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
       ``fp8_state.init_dense_state`` (its update comes back as its gradient);
       must be None for the other recipes.
     impl: "auto", "cuda" or "reference" for the quantize and GEMM ops.
+    kernel_axes: optional logical axis names of the kernel's two dims (each a
+      name, None, or a tuple of names of a flattened dim). With them and a
+      ``mesh_resource`` (default: the one of the active ``fp8_autocast``) the
+      GEMMs run sharded over the mesh (``te_jax.distributed``): x is
+      (batch, seq, ..., K) or (tokens, K) with its batch on (dp, fsdp).
+    mesh_resource: a ``te_jax.sharding.MeshResource``; default from the
+      active ``fp8_autocast``.
+    mesh: the mesh; default the active one (``jax.set_mesh``/``with mesh:``).
 
   Returns:
     (..., N) array in ``x.dtype``.
@@ -181,6 +189,17 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
   if not delayed and fp8_state is not None:
     raise ValueError(f"fp8_state must be None for {type(recipe).__name__}.")
 
+  if kernel_axes is not None:
+    if mesh_resource is None:
+      from te_jax.autocast import get_fp8_context  # pylint: disable=import-outside-toplevel
+      mesh_resource = get_fp8_context().mesh_resource
+    if mesh_resource is not None:
+      from te_jax import distributed  # pylint: disable=import-outside-toplevel
+      y = distributed.sharded_fp8_dense(
+          x, kernel, bias, recipe=recipe, fp8_state=fp8_state, impl=impl,
+          kernel_axes=kernel_axes, mesh_resource=mesh_resource, mesh=mesh)
+      if y is not None:
+        return y
   lead, k = x.shape[:-1], x.shape[-1]
   x2d = x.reshape(-1, k)
   m = x2d.shape[0]
@@ -195,10 +214,16 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
 
 def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
           recipe: Optional[recipe_lib.Recipe] = None, fp8_state=None,
-          impl: str = "auto") -> jax.Array:
-  """``fp8_dense`` when ``recipe`` is given, else a plain dot in ``x.dtype``."""
+          impl: str = "auto", kernel_axes=None, mesh_resource=None,
+          mesh=None) -> jax.Array:
+  """``fp8_dense`` when ``recipe`` is given, else a plain dot in ``x.dtype``.
+
+  ``kernel_axes``/``mesh_resource``/``mesh``: see ``fp8_dense`` (they only
+  matter in FP8; the plain dot is partitioned by XLA).
+  """
   if recipe is not None:
-    return fp8_dense(x, kernel, bias, recipe=recipe, fp8_state=fp8_state, impl=impl)
+    return fp8_dense(x, kernel, bias, recipe=recipe, fp8_state=fp8_state, impl=impl,
+                     kernel_axes=kernel_axes, mesh_resource=mesh_resource, mesh=mesh)
   y = lax.dot_general(x, kernel.astype(x.dtype),
                       (((x.ndim - 1,), (0,)), ((), ())))
   if bias is not None:
