@@ -1,0 +1,235 @@
+"""Benchmarks of te_jax's CUDA quantize kernels and cuBLASLt FP8 GEMMs.
+
+Protocol (DESIGN.md): each function is jitted; one measurement is k=20
+back-to-back calls with one block at the end, rotating over 4 input sets (so
+inputs are not L2-resident); the median of 5 measurements is reported.
+Baselines are timed in the same run: XLA's reference quantize path
+(impl="reference" under jit), bf16 ``jnp.dot``, and XLA's own FP8 GEMM
+(``lax.dot_general`` on float8 inputs; precision DEFAULT lets XLA use fast
+accumulation, HIGHEST asks for split accumulation).
+
+Bytes for quantize are the minimal traffic (read x once, write every output),
+so a kernel that reads x twice (current scaling) is charged once.
+
+Usage: python3 benchmarks/bench_ops.py [--quick] [--only quantize|gemm|accuracy]
+Prints a table and, last, a markdown section for BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import subprocess
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from te_jax.ops import gemm as gemm_ops
+from te_jax.ops import quantize as q
+from te_jax.scaled_tensor import ScaledTensor
+
+E4M3, E5M2, BF16, F32 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16, jnp.float32
+K_CALLS, REPEATS, SETS = 20, 5, 4
+TN = (((1,), (1,)), ((), ()))
+
+
+def bench(fn, arg_sets, k=K_CALLS, reps=REPEATS):
+  """Median seconds per call of jitted `fn` over rotating `arg_sets`."""
+  jax.block_until_ready(fn(*arg_sets[0]))  # compile + warm up
+  jax.block_until_ready([fn(*a) for a in arg_sets])
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    out = None
+    for i in range(k):
+      out = fn(*arg_sets[i % len(arg_sets)])
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / k)
+  return statistics.median(times)
+
+
+def _rand(key, shape, dtype):
+  return jax.random.normal(key, shape, F32).astype(dtype)
+
+
+# ------------------------------------------------------------ quantize ---
+
+def quantize_rows(m=8192, k=8192):
+  keys = jax.random.split(jax.random.PRNGKey(0), SETS)
+  xs = [(_rand(kk, (m, k), BF16),) for kk in keys]
+  scale = jnp.float32(2.0)
+  n = m * k
+  cases = [
+      # name, fn(impl), bytes moved
+      ("tensorwise+T+amax", lambda impl: jax.jit(
+          lambda x: q.quantize_tensorwise(x, scale, E4M3, columnwise=True, impl=impl)),
+       2 * n + 2 * n + 4),
+      ("tensorwise+amax (rowwise)", lambda impl: jax.jit(
+          lambda x: q.quantize_tensorwise(x, scale, E4M3, impl=impl)), 2 * n + n + 4),
+      ("current scaling +T", lambda impl: jax.jit(
+          lambda x: q.quantize_current(x, E4M3, columnwise=True, impl=impl)), 2 * n + 2 * n + 8),
+      ("blockwise 1x128 row+col", lambda impl: jax.jit(
+          lambda x: q.quantize_blockwise(x, (1, 128), E4M3, True, columnwise=True, impl=impl)),
+       2 * n + 2 * n + 2 * 4 * n // 128),
+      ("blockwise 1x128 rowwise", lambda impl: jax.jit(
+          lambda x: q.quantize_blockwise(x, (1, 128), E4M3, True, impl=impl)),
+       2 * n + n + 4 * n // 128),
+      ("blockwise 128x128 row+col", lambda impl: jax.jit(
+          lambda x: q.quantize_blockwise(x, (128, 128), E4M3, True, columnwise=True, impl=impl)),
+       2 * n + 2 * n),
+  ]
+  rows = []
+  for name, make, nbytes in cases:
+    t_ref = bench(make("reference"), xs)
+    t_cuda = bench(make("cuda"), xs)
+    rows.append(dict(kind="quantize", name=f"{name} {m}x{k} bf16", ours_us=t_cuda * 1e6,
+                     ref_us=t_ref * 1e6, ours=nbytes / t_cuda / 1e12, ref=nbytes / t_ref / 1e12,
+                     unit="TB/s"))
+    print(f"  {rows[-1]['name']}: ours {rows[-1]['ours']:.2f} TB/s, XLA {rows[-1]['ref']:.2f} TB/s",
+          flush=True)
+  return rows
+
+
+# ---------------------------------------------------------------- gemm ---
+
+def _pt(key, shape, dtype):
+  x = _rand(key, shape, F32)
+  d, s, _ = q.quantize_current_reference(x, dtype)
+  return ScaledTensor(d, s)
+
+
+def _bw(key, shape, block):
+  x = _rand(key, shape, F32)
+  d, s = q.quantize_blockwise_reference(x, block, E4M3, True)
+  return ScaledTensor(d, s, block)
+
+
+def gemm_rows(shapes):
+  rows = []
+  for (m, n, k) in shapes:
+    flops = 2.0 * m * n * k
+    keys = jax.random.split(jax.random.PRNGKey(m + n + k), 2 * SETS)
+    res = {}
+    # bf16 baseline
+    sets = [(_rand(keys[2 * i], (m, k), BF16), _rand(keys[2 * i + 1], (n, k), BF16))
+            for i in range(SETS)]
+    res["bf16 jnp.dot"] = bench(jax.jit(lambda a, b: jnp.dot(a, b.T)), sets)
+    del sets
+    # per-tensor FP8 operands
+    sets = [(_pt(keys[2 * i], (m, k), E4M3), _pt(keys[2 * i + 1], (n, k), E4M3))
+            for i in range(SETS)]
+    for prec, tag in ((lax.Precision.DEFAULT, "fast"), (lax.Precision.HIGHEST, "split")):
+      res[f"XLA fp8 ({tag})"] = bench(jax.jit(
+          lambda a, b, prec=prec: (lax.dot_general(
+              a.data, b.data, TN, precision=prec, preferred_element_type=F32) *
+              (a.scale_inv * b.scale_inv)).astype(BF16)), sets)
+    for fast in (True, False):
+      res[f"te_jax fp8 ({'fast' if fast else 'split'})"] = bench(jax.jit(
+          lambda a, b, fast=fast: gemm_ops.gemm(a, b, out_dtype=BF16, fast_accum=fast,
+                                                impl="cuda")), sets)
+    del sets
+    sets = [(_bw(keys[2 * i], (m, k), (1, 128)), _bw(keys[2 * i + 1], (n, k), (128, 128)))
+            for i in range(SETS)]
+    res["te_jax blockwise 1x128/128x128"] = bench(jax.jit(
+        lambda a, b: gemm_ops.gemm(a, b, out_dtype=BF16, impl="cuda")), sets)
+    del sets
+    base = res["bf16 jnp.dot"]
+    for name, t in res.items():
+      rows.append(dict(kind="gemm", name=f"{name} {m}x{n}x{k}", ours_us=t * 1e6,
+                       ours=flops / t / 1e12, ratio=base / t, unit="TFLOP/s"))
+      print(f"  {rows[-1]['name']}: {rows[-1]['ours']:.0f} TFLOP/s, {base / t:.2f}x bf16",
+            flush=True)
+  return rows
+
+
+def accuracy_rows(m=1024, n=1024, k=16384):
+  """Fast vs split accumulation error vs the fp32 reference at long K."""
+  ka, kb = jax.random.split(jax.random.PRNGKey(7))
+  a, b = _pt(ka, (m, k), E4M3), _pt(kb, (n, k), E4M3)
+  want = np.asarray(gemm_ops.gemm_reference(a, b, F32), np.float64)
+  rows = []
+  def err(out):
+    return float(np.linalg.norm(np.asarray(out, np.float64) - want) / np.linalg.norm(want))
+  for fast in (False, True):
+    out = jax.jit(lambda a, b, fast=fast: gemm_ops.gemm(a, b, out_dtype=F32, fast_accum=fast,
+                                                        impl="cuda"))(a, b)
+    rows.append(dict(kind="accuracy", name=f"te_jax {'fast' if fast else 'split'} accum, "
+                     f"K={k}", err=err(out)))
+  for prec, tag in ((lax.Precision.DEFAULT, "DEFAULT"), (lax.Precision.HIGHEST, "HIGHEST")):
+    out = jax.jit(lambda a, b, prec=prec: lax.dot_general(
+        a.data, b.data, TN, precision=prec, preferred_element_type=F32) *
+        (a.scale_inv * b.scale_inv))(a, b)
+    rows.append(dict(kind="accuracy", name=f"XLA fp8 precision={tag}, K={k}", err=err(out)))
+  for r in rows:
+    print(f"  {r['name']}: rel. Frobenius error {r['err']:.2e}", flush=True)
+  return rows
+
+
+# -------------------------------------------------------------- report ---
+
+def _cuda_version():
+  try:
+    out = subprocess.run(["nvidia-smi"], capture_output=True, text=True, timeout=20).stdout
+    for line in out.splitlines():
+      if "CUDA Version" in line:
+        return line.split("CUDA Version:")[1].strip(" |")
+  except Exception:  # pylint: disable=broad-except
+    pass
+  return "unknown"
+
+
+def report(rows):
+  dev = jax.devices()[0]
+  print("\n" + "=" * 100)
+  print(f"{'benchmark':<58} {'ours':>12} {'baseline':>12} {'ratio':>8}")
+  for r in rows:
+    if r["kind"] == "quantize":
+      print(f"{r['name']:<58} {r['ours']:>8.2f} TB/s {r['ref']:>7.2f} TB/s "
+            f"{r['ours'] / r['ref']:>7.2f}x")
+    elif r["kind"] == "gemm":
+      print(f"{r['name']:<58} {r['ours']:>6.0f} TFLOP/s {'(bf16=1)':>12} {r['ratio']:>7.2f}x")
+    else:
+      print(f"{r['name']:<58} rel.err {r['err']:.2e}")
+  md = [f"## te_jax ops ({datetime.date.today().isoformat()})", "",
+        f"GPU {dev.device_kind}, jax {jax.__version__}, CUDA (driver) {_cuda_version()}; "
+        f"jit, {K_CALLS} back-to-back calls, median of {REPEATS}, {SETS} rotating input sets.", "",
+        "| quantize (8192x8192 bf16 -> e4m3) | te_jax TB/s | XLA reference TB/s | ratio |",
+        "|---|---|---|---|"]
+  for r in rows:
+    if r["kind"] == "quantize":
+      md.append(f"| {r['name']} | {r['ours']:.2f} | {r['ref']:.2f} | {r['ours'] / r['ref']:.2f}x |")
+  md += ["", "| GEMM (MxNxK), bf16 output | TFLOP/s | vs bf16 jnp.dot |", "|---|---|---|"]
+  for r in rows:
+    if r["kind"] == "gemm":
+      md.append(f"| {r['name']} | {r['ours']:.0f} | {r['ratio']:.2f}x |")
+  acc = [r for r in rows if r["kind"] == "accuracy"]
+  if acc:
+    md += ["", "| accumulation (fp32 out, e4m3 per-tensor) | rel. Frobenius error vs fp32 |",
+           "|---|---|"]
+    md += [f"| {r['name']} | {r['err']:.2e} |" for r in acc]
+  print("\n" + "\n".join(md))
+
+
+def main():
+  p = argparse.ArgumentParser()
+  p.add_argument("--quick", action="store_true", help="small GEMM shapes only")
+  p.add_argument("--only", choices=["quantize", "gemm", "accuracy"], default=None)
+  args = p.parse_args()
+  shapes = [(4096, 4096, 4096)] if args.quick else [
+      (4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192), (4096, 7168, 16384)]
+  rows = []
+  if args.only in (None, "quantize"):
+    rows += quantize_rows()
+  if args.only in (None, "gemm"):
+    rows += gemm_rows(shapes)
+  if args.only in (None, "accuracy"):
+    rows += accuracy_rows()
+  report(rows)
+
+
+if __name__ == "__main__":
+  main()

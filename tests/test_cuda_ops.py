@@ -1,0 +1,259 @@
+"""CUDA custom calls vs the pure-JAX reference (run on the H200).
+
+Quantize: bit-exact (FP8 bytes, scale_inv and amax; NaN compared as NaN).
+GEMM: relative Frobenius error against ``gemm_reference`` (dequantized
+operands, fp32 HIGHEST dot). The FP8 operands are exact inputs to both, so the
+error is only accumulation order plus the output rounding: tolerances are a
+few units of the output format's epsilon (bf16 2^-8 -> 1e-2, fp16 2^-11 ->
+4e-3) and 1e-4 for fp32 output with split (fp32) accumulation; fast
+accumulation (Hopper's reduced-precision FP8 accumulator) gets 5e-3.
+"""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from te_jax.ops import _native
+from te_jax.ops import gemm as gemm_ops
+from te_jax.ops import quantize as q
+from te_jax.scaled_tensor import ScaledTensor
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _native.cuda_available(),
+                       reason="needs a GPU and the te_jax CUDA custom calls"),
+]
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+
+
+# ------------------------------------------------------------- helpers ---
+
+def _bits_equal(got, want, what):
+  """Bitwise equality; positions where `want` is NaN only need a NaN."""
+  g, w = np.asarray(got), np.asarray(want)
+  assert g.shape == w.shape, f"{what}: shape {g.shape} != {w.shape}"
+  assert g.dtype == w.dtype, f"{what}: dtype {g.dtype} != {w.dtype}"
+  gf, wf = g.astype(np.float32), w.astype(np.float32)
+  nan = np.isnan(wf)
+  np.testing.assert_array_equal(np.isnan(gf), nan, err_msg=f"{what}: NaN positions")
+  ui = {1: np.uint8, 2: np.uint16, 4: np.uint32}[g.dtype.itemsize]
+  gb, wb = g.view(ui)[~nan], w.view(ui)[~nan]
+  bad = np.flatnonzero(gb != wb)
+  assert bad.size == 0, (f"{what}: {bad.size} of {gb.size} differ, first at flat index "
+                         f"{bad[0]}: got {gf[~nan][bad[0]]} want {wf[~nan][bad[0]]}")
+
+
+def _input(shape, dtype, seed, special=False, spread=False):
+  """Random input; `spread` varies magnitudes per row and column block,
+  `special` adds inf, -inf, NaN, huge values and an all-zero 128x128 tile."""
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal(shape).astype(np.float32) * 50.0
+  m, k = shape
+  if spread:
+    x *= 10.0 ** rng.uniform(-3, 3, size=(m, 1))
+    x *= 10.0 ** rng.uniform(-2, 2, size=(1, -(-k // 128))).repeat(128, axis=1)[:, :k]
+  if special:
+    if m >= 256 and k >= 256:
+      x[128:256, 128:256] = 0.0
+    x[0, 0] = np.inf
+    x[min(3, m - 1), k // 2] = -np.inf
+    x[m // 2, min(5, k - 1)] = 1e6
+    x[m - 1, k - 1] = -3e5
+  x = jnp.asarray(x, dtype)
+  if special and m > 1:
+    x = x.at[m // 3, k // 3].set(jnp.nan)
+  return x
+
+
+SHAPES = [(256, 512), (200, 72), (130, 300), (16, 16), (1, 7), (384, 1040)]
+
+
+# ------------------------------------------------------------ quantize ---
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("in_dtype", [BF16, F32, F16])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("special", [False, True])
+def test_quantize_tensorwise(shape, in_dtype, fp8, special):
+  x = _input(shape, in_dtype, 1, special=special)
+  scale = jnp.float32(3.0 if fp8 == E4M3 else 300.0)  # pushes some values past the max
+  f = lambda impl: jax.jit(lambda x, s: q.quantize_tensorwise(
+      x, s, fp8, columnwise=True, impl=impl))(x, scale)
+  got, want = f("cuda"), f("reference")
+  _bits_equal(got[0], want[0], "data")
+  _bits_equal(got[1], want[1], "data_t")
+  _bits_equal(got[2], want[2], "amax")
+  # Rowwise only.
+  g = jax.jit(lambda x, s: q.quantize_tensorwise(x, s, fp8, impl="cuda"))(x, scale)
+  assert g[1] is None
+  _bits_equal(g[0], want[0], "data (rowwise only)")
+  _bits_equal(g[2], want[2], "amax (rowwise only)")
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("in_dtype", [BF16, F32])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("case", ["normal", "special", "zeros", "tiny"])
+def test_quantize_current(shape, in_dtype, fp8, case):
+  if case == "zeros":
+    x = jnp.zeros(shape, in_dtype)
+  elif case == "tiny":  # amax so small that fp8_max/amax overflows: scale clips to f32 max
+    x = _input(shape, F32, 2)
+    x = (x / jnp.max(jnp.abs(x)) * 1e-36).astype(in_dtype)
+  else:
+    x = _input(shape, in_dtype, 2, special=case == "special")
+  for columnwise in (True, False):
+    f = lambda impl: jax.jit(lambda x: q.quantize_current(
+        x, fp8, columnwise=columnwise, impl=impl))(x)
+    got, want = f("cuda"), f("reference")
+    _bits_equal(got[0], want[0], "data")
+    if columnwise:
+      _bits_equal(got[1], want[1], "data_t")
+    else:
+      assert got[1] is None
+    _bits_equal(got[2], want[2], "scale_inv")
+    _bits_equal(got[3], want[3], "amax")
+
+
+BLOCK_SHAPES = [(256, 512), (300, 200), (128, 128), (17, 1000), (1000, 17), (1, 130), (640, 384)]
+
+
+@pytest.mark.parametrize("shape", BLOCK_SHAPES)
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
+@pytest.mark.parametrize("in_dtype", [BF16, F32])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+@pytest.mark.parametrize("pow2", [False, True])
+def test_quantize_blockwise(shape, block, in_dtype, fp8, pow2):
+  x = _input(shape, in_dtype, 3, spread=True)
+  _check_blockwise(x, block, fp8, pow2)
+
+
+@pytest.mark.parametrize("block", [(1, 128), (128, 128)])
+@pytest.mark.parametrize("shape", [(256, 384), (300, 260)])
+def test_quantize_blockwise_special(block, shape):
+  x = _input(shape, BF16, 4, special=True, spread=True)
+  _check_blockwise(x, block, E4M3, True)
+  _check_blockwise(x, block, E5M2, False)
+
+
+def _check_blockwise(x, block, fp8, pow2):
+  f = lambda impl, cw: jax.jit(lambda x: q.quantize_blockwise(
+      x, block, fp8, pow2, columnwise=cw, impl=impl))(x)
+  got, want = f("cuda", True), f("reference", True)
+  for i, name in enumerate(("data", "scale_inv", "data_t", "scale_inv_t")):
+    _bits_equal(got[i], want[i], name)
+  got = f("cuda", False)
+  assert got[2] is None and got[3] is None
+  _bits_equal(got[0], want[0], "data (rowwise only)")
+  _bits_equal(got[1], want[1], "scale_inv (rowwise only)")
+
+
+def test_quantize_blockwise_bad_block_shape():
+  x = jnp.ones((128, 128), BF16)
+  with pytest.raises(ValueError, match="block_shape"):
+    q.quantize_blockwise(x, (1, 64), impl="cuda")
+
+
+# ---------------------------------------------------------------- gemm ---
+
+def _rel_err(got, want):
+  g, w = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.linalg.norm(g - w) / np.linalg.norm(w)
+
+
+def _operand(shape, dtype, block, seed):
+  x = _input(shape, F32, seed, spread=block is not None) / 50.0
+  if block is None:
+    data, scale_inv, _ = q.quantize_current_reference(x, dtype)
+    return ScaledTensor(data, scale_inv)
+  data, scale_inv = q.quantize_blockwise_reference(x, block, dtype, power_2_scale=True)
+  return ScaledTensor(data, scale_inv, block)
+
+
+_TOL = {BF16: 1e-2, F16: 4e-3, F32: 1e-4}
+GEMM_SHAPES = [(128, 256, 512), (256, 128, 384), (96, 160, 1024), (384, 256, 640)]
+
+
+@pytest.mark.parametrize("mnk", GEMM_SHAPES)
+@pytest.mark.parametrize("dtypes", [(E4M3, E4M3), (E4M3, E5M2), (E5M2, E4M3)])
+@pytest.mark.parametrize("out_dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_gemm_per_tensor(mnk, dtypes, out_dtype, fast_accum):
+  m, n, k = mnk
+  a, b = _operand((m, k), dtypes[0], None, 5), _operand((n, k), dtypes[1], None, 6)
+  got = jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=out_dtype, fast_accum=fast_accum,
+                                           impl="cuda"))(a, b)
+  want = gemm_ops.gemm_reference(a, b, F32)
+  assert got.shape == (m, n) and got.dtype == out_dtype
+  tol = max(_TOL[out_dtype], 5e-3) if fast_accum else _TOL[out_dtype]
+  err = _rel_err(got, want)
+  assert err < tol, f"relative error {err:.3g} >= {tol}"
+
+
+BLOCK_PAIRS = [((1, 128), (128, 128)), ((1, 128), (1, 128)), ((128, 128), (1, 128))]
+
+
+@pytest.mark.parametrize("mnk", [(128, 256, 512), (256, 384, 640), (384, 128, 1024),
+                                 (144, 272, 512), (256, 256, 400)])
+@pytest.mark.parametrize("blocks", BLOCK_PAIRS)
+@pytest.mark.parametrize("out_dtype", [BF16, F32])
+def test_gemm_blockwise(mnk, blocks, out_dtype):
+  m, n, k = mnk
+  a, b = _operand((m, k), E4M3, blocks[0], 7), _operand((n, k), E4M3, blocks[1], 8)
+  got = jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=out_dtype, impl="cuda"))(a, b)
+  want = gemm_ops.gemm_reference(a, b, F32)
+  err = _rel_err(got, want)
+  assert err < _TOL[out_dtype], f"relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("out_dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("bias_dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("blocks", [None, ((1, 128), (128, 128))])
+def test_gemm_bias(out_dtype, bias_dtype, blocks):
+  m, n, k = 128, 384, 512
+  ba, bb = blocks if blocks else (None, None)
+  a, b = _operand((m, k), E4M3, ba, 9), _operand((n, k), E4M3, bb, 10)
+  bias = jnp.asarray(np.random.default_rng(11).standard_normal(n) * 4, bias_dtype)
+  got = jax.jit(lambda a, b, c: gemm_ops.gemm(a, b, out_dtype=out_dtype, bias=c,
+                                              impl="cuda"))(a, b, bias)
+  want = gemm_ops.gemm_reference(a, b, F32, bias)
+  err = _rel_err(got, want)
+  assert err < _TOL[out_dtype] * 2, f"relative error {err:.3g}"
+
+
+def test_gemm_alignment_errors():
+  a = _operand((100, 256), E4M3, None, 12)
+  b = _operand((128, 256), E4M3, None, 13)
+  with pytest.raises(ValueError, match=r"a\.shape\[0\]"):
+    gemm_ops.gemm(a, b, impl="cuda")
+  with pytest.raises(ValueError, match=r"b\.shape\[0\]"):
+    gemm_ops.gemm(b, a, impl="cuda")
+  a = _operand((128, 264), E4M3, None, 12)
+  b = _operand((128, 264), E4M3, None, 13)
+  with pytest.raises(ValueError, match="K"):
+    gemm_ops.gemm(a, b, impl="cuda")
+
+
+def test_quantize_gemm_layout_cancels():
+  """Under jit the logical<->cuBLASLt scale layout round trip leaves no
+  transpose/pad between the quantize custom call and the GEMM."""
+  x = _input((256, 512), BF16, 14)
+  w = _input((384, 512), BF16, 15)
+
+  def f(x, w):
+    xa = q.quantize_blockwise(x, (1, 128), E4M3, True, impl="cuda")
+    wb = q.quantize_blockwise(w, (128, 128), E4M3, True, impl="cuda")
+    return gemm_ops.gemm(ScaledTensor(xa[0], xa[1], (1, 128)),
+                         ScaledTensor(wb[0], wb[1], (128, 128)), impl="cuda")
+
+  hlo = jax.jit(f).lower(x, w).compile().as_text()
+  ops = [l for l in hlo.splitlines() if "=" in l and ("transpose(" in l or " pad(" in l)]
+  assert not ops, "scale layout ops left between quantize and gemm:\n" + "\n".join(ops)
+  want = gemm_ops.gemm_reference(
+      ScaledTensor(*q.quantize_blockwise_reference(x, (1, 128), E4M3, True), (1, 128)),
+      ScaledTensor(*q.quantize_blockwise_reference(w, (128, 128), E4M3, True), (128, 128)), F32)
+  assert _rel_err(jax.jit(f)(x, w), want) < 1e-2
