@@ -1,0 +1,211 @@
+"""te_jax.flax.MultiHeadAttention: reference, masks, packing, GQA, rotary, FP8."""
+
+import math
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import te_jax
+from te_jax import fp8_state, recipe
+from te_jax import flax as tfx
+from te_jax.flax import attention as attn_lib
+
+# Q/K/V and output projections are FP8 GEMMs (~3.5 % each, see
+# test_flax_dense.py); the softmax can amplify logit errors slightly, so the
+# forward bound is 0.1 and the gradient bound 0.2 (E5M2 gradients).
+FWD_TOL = 0.1
+GRAD_TOL = 0.2
+RECIPES = {
+    "delayed": lambda: recipe.DelayedScaling(amax_history_len=4),
+    "current": recipe.Float8CurrentScaling,
+    "block": recipe.Float8BlockScaling,
+}
+E, H, D = 32, 4, 8
+
+
+def rel(a, b):
+  return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
+
+
+def rand(key, shape):
+  return jax.random.normal(jax.random.key(key), shape, jnp.float32)
+
+
+def reference_self_attention(p, x, causal):
+  qkv = jnp.einsum("bse,ethd->bsthd", x, p["qkv"]["kernel"])
+  q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(D)
+  if causal:
+    s = x.shape[1]
+    logits = jnp.where(jnp.tril(jnp.ones((s, s), bool)), logits, -1e30)
+  w = jax.nn.softmax(logits, axis=-1)
+  o = jnp.einsum("bhqk,bkhd->bqhd", w, v)
+  return jnp.einsum("bqhd,hde->bqe", o, p["out"]["kernel"])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_self_attention_matches_reference(causal):
+  x = rand(0, (2, 12, E))
+  m = tfx.MultiHeadAttention(H, attn_mask_type="causal" if causal else "no_mask")
+  v = nn.unbox(m.init(jax.random.key(1), x))
+  ref = reference_self_attention(v["params"], x, causal)
+  np.testing.assert_allclose(jax.jit(m.apply)(v, x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_every_param_has_logical_names():
+  x = rand(0, (2, 8, E)); enc = rand(1, (2, 5, 16))
+  for m, args in [(tfx.MultiHeadAttention(H, use_bias=True), (x,)),
+                  (tfx.MultiHeadAttention(H, num_gqa_groups=2, use_bias=True), (x, enc))]:
+    boxed = m.init(jax.random.key(0), *args)["params"]
+    leaves = jax.tree.leaves(boxed, is_leaf=lambda l: isinstance(l, nn.Partitioned))
+    assert len(leaves) >= 4
+    for leaf in leaves:
+      assert isinstance(leaf, nn.LogicallyPartitioned), leaf
+      assert len(leaf.names) == leaf.value.ndim and None not in leaf.names
+
+
+def test_causal_mask_blocks_future():
+  x = rand(0, (1, 10, E))
+  m = tfx.MultiHeadAttention(H, attn_mask_type="causal")
+  v = m.init(jax.random.key(1), x)
+  f = jax.jit(m.apply)
+  x2 = x.at[:, 6:].set(rand(5, (1, 4, E)))
+  y1, y2 = f(v, x), f(v, x2)
+  np.testing.assert_allclose(y1[:, :6], y2[:, :6], rtol=1e-6, atol=1e-6)
+  assert float(jnp.abs(y1[:, 6:] - y2[:, 6:]).max()) > 1e-3
+  mb = tfx.MultiHeadAttention(H, attn_mask_type="no_mask")
+  yb1, yb2 = jax.jit(mb.apply)(v, x), jax.jit(mb.apply)(v, x2)
+  assert float(jnp.abs(yb1[:, :6] - yb2[:, :6]).max()) > 1e-3   # control
+
+
+def _pack(docs, seq_len):
+  """docs: list of rows, each a list of (B=1, L, E) arrays -> packed arrays."""
+  rows, segs, poss = [], [], []
+  for row in docs:
+    parts, seg, pos = [], [], []
+    for i, d in enumerate(row):
+      parts.append(d[0]); seg += [i + 1] * d.shape[1]; pos += list(range(d.shape[1]))
+    pad = seq_len - len(seg)
+    parts.append(rand(99, (pad, E)) * 5.0)   # garbage in the padding
+    rows.append(jnp.concatenate(parts)); segs.append(seg + [0] * pad)
+    poss.append(pos + [0] * pad)
+  return (jnp.stack(rows), jnp.asarray(segs, jnp.int32), jnp.asarray(poss, jnp.int32))
+
+
+@pytest.mark.parametrize("mask_type,groups", [("causal", 2), ("no_mask", None)])
+def test_packed_equals_separate_documents(mask_type, groups):
+  lens = [[5, 7, 3], [10, 4]]
+  docs = [[rand(10 * r + i, (1, n, E)) for i, n in enumerate(row)]
+          for r, row in enumerate(lens)]
+  x, seg, pos = _pack(docs, 16)
+  m = tfx.MultiHeadAttention(H, num_gqa_groups=groups, attn_mask_type=mask_type,
+                             enable_rotary_pos_emb=True, attention_impl="xla")
+  v = m.init(jax.random.key(1), x)
+  packed = jax.jit(lambda v, x, s, p: m.apply(v, x, segment_ids=s, segment_positions=p))(
+      v, x, seg, pos)
+  assert bool(jnp.all(jnp.isfinite(packed)))
+  for r, row in enumerate(docs):
+    start = 0
+    for d in row:
+      alone = m.apply(v, d)            # positions default to arange: 0..L-1
+      n = d.shape[1]
+      np.testing.assert_allclose(packed[r, start:start + n], alone[0], rtol=2e-5, atol=2e-5)
+      start += n
+  # control: without segment ids the packed rows do mix documents
+  mixed = m.apply(v, x, segment_positions=pos)
+  assert float(jnp.abs(mixed[0, 5:12] - packed[0, 5:12]).max()) > 1e-3
+
+
+def test_rotary_relative_and_changes_output():
+  x = rand(0, (1, 8, E))
+  m = tfx.MultiHeadAttention(H, attn_mask_type="no_mask", enable_rotary_pos_emb=True)
+  v = m.init(jax.random.key(1), x)
+  pos = jnp.arange(8)[None]
+  y0 = m.apply(v, x, segment_positions=pos)
+  y_shift = m.apply(v, x, segment_positions=pos + 7)    # RoPE is relative
+  np.testing.assert_allclose(y0, y_shift, rtol=1e-4, atol=1e-5)
+  y_plain = tfx.MultiHeadAttention(H, attn_mask_type="no_mask").apply(v, x)
+  assert rel(y0, y_plain) > 1e-3
+  # rotation preserves norms
+  q = rand(3, (1, 8, H, D))
+  np.testing.assert_allclose(jnp.linalg.norm(attn_lib.apply_rotary(q, pos), axis=-1),
+                             jnp.linalg.norm(q, axis=-1), rtol=1e-5)
+
+
+def test_gqa_equals_mha_with_repeated_kv_heads():
+  x = rand(0, (2, 9, E))
+  g = 2
+  gqa = tfx.MultiHeadAttention(H, num_gqa_groups=g, enable_rotary_pos_emb=True)
+  vg = nn.unbox(gqa.init(jax.random.key(1), x))
+  assert vg["params"]["kv"]["kernel"].shape == (E, 2, g, D)
+  mha = tfx.MultiHeadAttention(H, fuse_qkv=False, enable_rotary_pos_emb=True)
+  p = jax.tree.map(lambda a: a, vg["params"])
+  p["kv"] = {"kernel": jnp.repeat(vg["params"]["kv"]["kernel"], H // g, axis=2)}
+  assert set(nn.unbox(mha.init(jax.random.key(1), x))["params"]) == {"query", "kv", "out"}
+  np.testing.assert_allclose(gqa.apply(vg, x), mha.apply({"params": p}, x),
+                             rtol=1e-5, atol=1e-5)
+
+
+def test_cross_attention_ignores_padded_keys():
+  x = rand(0, (2, 6, E)); enc = rand(1, (2, 7, 16))
+  kv_seg = jnp.array([[1] * 5 + [0] * 2, [1] * 7], jnp.int32)
+  m = tfx.MultiHeadAttention(H, attn_mask_type="no_mask")
+  v = m.init(jax.random.key(1), x, enc)
+  y1 = m.apply(v, x, enc, kv_segment_ids=kv_seg)
+  enc2 = enc.at[0, 5:].set(100.0)
+  y2 = m.apply(v, x, enc2, kv_segment_ids=kv_seg)
+  np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-5)
+  assert float(jnp.abs(m.apply(v, x, enc) - m.apply(v, x, enc2))[0].max()) > 1e-3
+  y_trim = m.apply(v, x[:1], enc[:1, :5])
+  np.testing.assert_allclose(y1[:1], y_trim, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_dropout_and_explicit_core():
+  x = rand(0, (2, 8, E))
+  m = tfx.MultiHeadAttention(H, attention_dropout=0.5)
+  v = m.init(jax.random.key(1), x)
+  y_det = m.apply(v, x)
+  np.testing.assert_allclose(y_det, tfx.MultiHeadAttention(H).apply(v, x), rtol=1e-6)
+  y_drop = m.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(3)})
+  assert rel(y_drop, y_det) > 0.05
+  # the explicit core used for dropout equals jax.nn.dot_product_attention
+  q, k, vv = rand(1, (2, 8, 4, 8)), rand(2, (2, 8, 2, 8)), rand(3, (2, 8, 2, 8))
+  mask = attn_lib.segment_attention_mask(jnp.array([[1] * 5 + [2] * 3] * 2),
+                                         jnp.array([[1] * 5 + [2] * 3] * 2))
+  ref = jax.nn.dot_product_attention(q, k, vv, mask=mask, is_causal=True)
+  got = attn_lib._reference_attention(q, k, vv, mask, True, None, 0.0)
+  np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_attention_fp8_close_to_fp32(name):
+  x = rand(0, (2, 16, E)); cot = rand(5, (2, 16, E))
+  m = tfx.MultiHeadAttention(H, num_gqa_groups=2, enable_rotary_pos_emb=True)
+  v = nn.unbox(m.init(jax.random.key(1), x))
+
+  def run(v):
+    # A fresh function per call: the recipe is read at trace time, so a
+    # cached trace from outside the autocast must not be reused.
+    def f(v):
+      y, vjp = jax.vjp(lambda v, x: m.apply(v, x), v, x)
+      return y, vjp(cot)
+    return jax.jit(f)(v)
+
+  ry, (rgv, rgx) = run(v)
+  with te_jax.fp8_autocast(True, RECIPES[name]()):
+    init = m.init(jax.random.key(1), x)
+    if name == "delayed":
+      v = dict(v, **{fp8_state.FP8_COLLECTION: init[fp8_state.FP8_COLLECTION]})
+      _, (g, _) = run(v)
+      v = fp8_state.apply_fp8_updates(v, g)
+    else:
+      assert fp8_state.FP8_COLLECTION not in init
+    y, (gv, gx) = run(v)
+  assert 1e-4 < rel(y, ry) < FWD_TOL, rel(y, ry)
+  assert rel(gx, rgx) < GRAD_TOL, rel(gx, rgx)
+  for sub in ("query", "kv", "out"):
+    e = rel(gv["params"][sub]["kernel"], rgv["params"][sub]["kernel"])
+    assert e < GRAD_TOL, (sub, e)
