@@ -288,7 +288,8 @@ def _bwd_body(plan, res, g, new_state):
   qg, qg_t, amax_g = _quantize(g2, "grad", plan, new_state, columnwise=True)
   if plan.mode == "row" and nt > 1:   # SP: all-gather the FP8 gradient over tp
     qg = _gather(qg, (plan.tp,), 0)
-    qg_t = _gather(qg_t, (plan.tp,), 1)
+    # Per-tensor: the transpose of the gathered copy; 128x1 tiles: their own.
+    qg_t = _t(qg) if qg.block_shape is None else _gather(qg_t, (plan.tp,), 1)
   if plan.mode == "col" and nt > 1:
     qx_t = _gather(qx_t, (plan.tp,), 1)
   qk_full = _gather(_gather(qk, plan.k_gather, 0), plan.n_gather, 1)
