@@ -1,6 +1,12 @@
 """CUDA custom calls vs the pure-JAX reference (run on the H200).
 
-Quantize: bit-exact (FP8 bytes, scale_inv and amax; NaN compared as NaN).
+Quantize: bit-exact (FP8 bytes, scale_inv and amax; NaN compared as NaN)
+against the reference evaluated on the CPU backend. Not against the reference
+compiled for the GPU: XLA:GPU's float32 division is not correctly rounded
+(seen on the H200, jax 0.11.2: 1/1.8211383 -> 0.54910707 instead of the IEEE
+0.54910713), so its `fp8_max / amax` and `1 / scale` can be 1 ulp off, which
+flips FP8 roundings near ties. The kernels divide with IEEE rounding, like the
+CPU and numpy.
 GEMM: relative Frobenius error against ``gemm_reference`` (dequantized
 operands, fp32 HIGHEST dot). The FP8 operands are exact inputs to both, so the
 error is only accumulation order plus the output rounding: tolerances are a
@@ -31,6 +37,14 @@ BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 
 
 # ------------------------------------------------------------- helpers ---
+
+_CPU = jax.devices("cpu")[0]
+
+
+def _jit_cpu(fn, *args):
+  """Runs jit(fn) on the CPU backend (IEEE division; see module doc)."""
+  return jax.jit(fn)(*jax.device_put(args, _CPU))
+
 
 def _bits_equal(got, want, what):
   """Bitwise equality; positions where `want` is NaN only need a NaN."""
@@ -69,7 +83,7 @@ def _input(shape, dtype, seed, special=False, spread=False):
   return x
 
 
-SHAPES = [(256, 512), (200, 72), (130, 300), (16, 16), (1, 7), (384, 1040)]
+SHAPES = [(256, 512), (200, 72), (130, 300), (1, 7), (384, 1040)]
 
 
 # ------------------------------------------------------------ quantize ---
@@ -81,17 +95,17 @@ SHAPES = [(256, 512), (200, 72), (130, 300), (16, 16), (1, 7), (384, 1040)]
 def test_quantize_tensorwise(shape, in_dtype, fp8, special):
   x = _input(shape, in_dtype, 1, special=special)
   scale = jnp.float32(3.0 if fp8 == E4M3 else 300.0)  # pushes some values past the max
-  f = lambda impl: jax.jit(lambda x, s: q.quantize_tensorwise(
-      x, s, fp8, columnwise=True, impl=impl))(x, scale)
-  got, want = f("cuda"), f("reference")
+  # One jit per impl holding both the columnwise and the rowwise-only call.
+  f = lambda impl: lambda x, s: (
+      q.quantize_tensorwise(x, s, fp8, columnwise=True, impl=impl),
+      q.quantize_tensorwise(x, s, fp8, impl=impl))
+  (got, got_r), (want, _) = jax.jit(f("cuda"))(x, scale), _jit_cpu(f("reference"), x, scale)
   _bits_equal(got[0], want[0], "data")
   _bits_equal(got[1], want[1], "data_t")
   _bits_equal(got[2], want[2], "amax")
-  # Rowwise only.
-  g = jax.jit(lambda x, s: q.quantize_tensorwise(x, s, fp8, impl="cuda"))(x, scale)
-  assert g[1] is None
-  _bits_equal(g[0], want[0], "data (rowwise only)")
-  _bits_equal(g[2], want[2], "amax (rowwise only)")
+  assert got_r[1] is None
+  _bits_equal(got_r[0], want[0], "data (rowwise only)")
+  _bits_equal(got_r[2], want[2], "amax (rowwise only)")
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -102,21 +116,24 @@ def test_quantize_current(shape, in_dtype, fp8, case):
   if case == "zeros":
     x = jnp.zeros(shape, in_dtype)
   elif case == "tiny":  # amax so small that fp8_max/amax overflows: scale clips to f32 max
-    x = _input(shape, F32, 2)
-    x = (x / jnp.max(jnp.abs(x)) * 1e-36).astype(in_dtype)
+    rng = np.random.default_rng(2)  # normal floats only (CPU XLA flushes denormals)
+    x = jnp.asarray(rng.uniform(0.5, 1.0, shape) * rng.choice([-1.0, 1.0], shape) * 1e-36,
+                    in_dtype)
   else:
     x = _input(shape, in_dtype, 2, special=case == "special")
-  for columnwise in (True, False):
-    f = lambda impl: jax.jit(lambda x: q.quantize_current(
-        x, fp8, columnwise=columnwise, impl=impl))(x)
-    got, want = f("cuda"), f("reference")
-    _bits_equal(got[0], want[0], "data")
-    if columnwise:
-      _bits_equal(got[1], want[1], "data_t")
-    else:
-      assert got[1] is None
-    _bits_equal(got[2], want[2], "scale_inv")
-    _bits_equal(got[3], want[3], "amax")
+  f = lambda impl: lambda x: (q.quantize_current(x, fp8, columnwise=True, impl=impl),
+                              q.quantize_current(x, fp8, impl=impl))
+  (got, got_r), (want, _) = jax.jit(f("cuda"))(x), _jit_cpu(f("reference"), x)
+  if case == "tiny":
+    # scale = f32 max, so scale_inv = 1/f32max is a denormal, which the CPU
+    # backend flushes to 0: compare with numpy's IEEE result instead.
+    want = (want[0], want[1], np.float32(1) / np.finfo(np.float32).max, want[3])
+  for g, tag in ((got, ""), (got_r, " (rowwise only)")):
+    _bits_equal(g[0], want[0], "data" + tag)
+    _bits_equal(g[2], want[2], "scale_inv" + tag)
+    _bits_equal(g[3], want[3], "amax" + tag)
+  _bits_equal(got[1], want[1], "data_t")
+  assert got_r[1] is None
 
 
 BLOCK_SHAPES = [(256, 512), (300, 200), (128, 128), (17, 1000), (1000, 17), (1, 130), (640, 384)]
@@ -125,8 +142,7 @@ BLOCK_SHAPES = [(256, 512), (300, 200), (128, 128), (17, 1000), (1000, 17), (1, 
 @pytest.mark.parametrize("shape", BLOCK_SHAPES)
 @pytest.mark.parametrize("block", [(1, 128), (128, 128)])
 @pytest.mark.parametrize("in_dtype", [BF16, F32])
-@pytest.mark.parametrize("fp8", [E4M3, E5M2])
-@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("fp8,pow2", [(E4M3, True), (E4M3, False), (E5M2, False)])
 def test_quantize_blockwise(shape, block, in_dtype, fp8, pow2):
   x = _input(shape, in_dtype, 3, spread=True)
   _check_blockwise(x, block, fp8, pow2)
@@ -141,12 +157,13 @@ def test_quantize_blockwise_special(block, shape):
 
 
 def _check_blockwise(x, block, fp8, pow2):
-  f = lambda impl, cw: jax.jit(lambda x: q.quantize_blockwise(
-      x, block, fp8, pow2, columnwise=cw, impl=impl))(x)
-  got, want = f("cuda", True), f("reference", True)
+  f = lambda impl: lambda x: (
+      q.quantize_blockwise(x, block, fp8, pow2, columnwise=True, impl=impl),
+      q.quantize_blockwise(x, block, fp8, pow2, impl=impl))
+  (got, got_r), (want, _) = jax.jit(f("cuda"))(x), _jit_cpu(f("reference"), x)
   for i, name in enumerate(("data", "scale_inv", "data_t", "scale_inv_t")):
     _bits_equal(got[i], want[i], name)
-  got = f("cuda", False)
+  got = got_r
   assert got[2] is None and got[3] is None
   _bits_equal(got[0], want[0], "data (rowwise only)")
   _bits_equal(got[1], want[1], "scale_inv (rowwise only)")
@@ -175,7 +192,7 @@ def _operand(shape, dtype, block, seed):
 
 
 _TOL = {BF16: 1e-2, F16: 4e-3, F32: 1e-4}
-GEMM_SHAPES = [(128, 256, 512), (256, 128, 384), (96, 160, 1024), (384, 256, 640)]
+GEMM_SHAPES = [(128, 256, 512), (96, 160, 1024), (384, 256, 640)]
 
 
 @pytest.mark.parametrize("mnk", GEMM_SHAPES)

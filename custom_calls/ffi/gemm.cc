@@ -16,7 +16,6 @@
 #include <cublasLt.h>
 
 #include <cstdint>
-#include <optional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -72,6 +71,10 @@ struct State {
   std::mutex mu;
   std::map<int, cublasLtHandle_t> handles;
   std::map<Key, Plan> plans;
+  // 32 MiB workspace per (device, stream), allocated once: XLA's FFI scratch
+  // allocator refused 32 MiB on the H200 (jax 0.11.2), and one buffer per
+  // stream keeps GEMMs on different streams from sharing a workspace.
+  std::map<std::pair<int, cudaStream_t>, void*> workspaces;
 };
 State& GetState() {
   static State* s = new State;  // leaked on purpose: no teardown-order issues
@@ -103,7 +106,7 @@ cublasStatus_t Set(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, 
   return cublasLtMatmulDescSetAttribute(d, attr, &v, sizeof(v));
 }
 
-ffi::Error GemmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer a,
+ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a,
                     ffi::AnyBuffer b, ffi::Buffer<ffi::F32> a_sinv, ffi::Buffer<ffi::F32> b_sinv,
                     ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int64_t a_mode,
                     int64_t b_mode, int64_t fast_accum, int64_t has_bias) {
@@ -132,6 +135,7 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
 
   State& st = GetState();
   cublasLtHandle_t handle;
+  void* workspace = nullptr;
   {
     std::lock_guard<std::mutex> lock(st.mu);
     auto it = st.handles.find(dev);
@@ -141,6 +145,15 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
     } else {
       handle = it->second;
     }
+    void*& ws = st.workspaces[{dev, stream}];
+    if (ws == nullptr) {
+      if (auto e = CudaError(cudaMalloc(&ws, kWorkspaceBytes), "gemm (32 MiB workspace)");
+          e.failure()) {
+        ws = nullptr;
+        return e;
+      }
+    }
+    workspace = ws;
   }
 
   // Descriptors are cheap host objects: build them per call (the pointers
@@ -218,14 +231,10 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
 
   Desc desc;
   if (auto e = make_desc(plan.fused_bias, &desc); e.failure()) return e;
-  // Workspace from XLA's allocator for the duration of this call.
-  std::optional<void*> ws = scratch.Allocate(kWorkspaceBytes, 256);
-  if (!ws.has_value())
-    return ffi::Error::Internal("te_jax gemm: could not allocate the 32 MiB cuBLASLt workspace");
   const float alpha = 1.f, beta = 0.f;
   void* d = out->untyped_data();
   TE_LT(cublasLtMatmul(handle, desc.d, &alpha, b.untyped_data(), la.l, a.untyped_data(), lb.l,
-                       &beta, d, lc.l, d, lc.l, &plan.algo, *ws, kWorkspaceBytes, stream),
+                       &beta, d, lc.l, d, lc.l, &plan.algo, workspace, kWorkspaceBytes, stream),
         "cublasLtMatmul");
   if (has_bias && !plan.fused_bias) {
     return CudaError(LaunchAddBias(d, BiasCode(td), bias.untyped_data(), BiasCode(tbias), M, N,
@@ -240,7 +249,6 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Any
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxGemm, GemmImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<ffi::ScratchAllocator>()
                                   .Arg<ffi::AnyBuffer>()          // a (M, K) fp8
                                   .Arg<ffi::AnyBuffer>()          // b (N, K) fp8
                                   .Arg<ffi::Buffer<ffi::F32>>()   // a_sinv: () or native block layout

@@ -60,7 +60,10 @@ __device__ __forceinline__ unsigned WarpMaxU(unsigned v, int width) {
 __device__ __forceinline__ int Swz(int c) { return ((c / 8) ^ (c % 8)) % 16; }
 
 template <typename InT, ScaleMode kMode, bool kCols>
-__global__ void __launch_bounds__(kThreads) QuantizeTileKernel(QuantizeArgs p) {
+// Min blocks per SM: 3 for 16-bit inputs caps registers at 80 (no spills);
+// fp32 inputs (not the hot path) need up to ~150 registers in the 1x128 mode.
+__global__ void __launch_bounds__(kThreads, sizeof(InT) == 4 ? 1 : 3)
+    QuantizeTileKernel(QuantizeArgs p) {
   __shared__ unsigned col_part[kThreads / 16][kTile];  // per-row-group column amax
   __shared__ float col_scale[kTile];
   __shared__ unsigned warp_red[kThreads / 32];
@@ -78,8 +81,11 @@ __global__ void __launch_bounds__(kThreads) QuantizeTileKernel(QuantizeArgs p) {
   const float fp8_max = e5m2 ? 57344.f : 448.f;
 
   // ---- load the 8x8 sub-tile (16-byte loads when the row allows it) ----
-  float v[kSub][kSub];
-  constexpr int kVec = 16 / sizeof(InT);
+  // Kept as the raw input bits (32 registers for 16-bit inputs) and widened
+  // on use: fewer registers -> more resident blocks -> more loads in flight.
+  constexpr int kVec = 16 / sizeof(InT);  // elements per 16-byte vector
+  constexpr int kVpr = kSub / kVec;        // vectors per sub-tile row
+  uint4 raw[kSub][kVpr];
   const bool vec_cols = (K % kVec == 0) && (gc + kSub <= K);
 #pragma unroll
   for (int i = 0; i < kSub; ++i) {
@@ -87,18 +93,18 @@ __global__ void __launch_bounds__(kThreads) QuantizeTileKernel(QuantizeArgs p) {
     const InT* row = x + gr * K + gc;
     if (gr < M && vec_cols) {
 #pragma unroll
-      for (int h = 0; h < kSub / kVec; ++h) {
-        uint4 raw = __ldg(reinterpret_cast<const uint4*>(row) + h);
-        const InT* e = reinterpret_cast<const InT*>(&raw);
-#pragma unroll
-        for (int j = 0; j < kVec; ++j) v[i][h * kVec + j] = ToFloat(e[j]);
-      }
+      for (int h = 0; h < kVpr; ++h) raw[i][h] = __ldg(reinterpret_cast<const uint4*>(row) + h);
     } else {
+      InT tmp[kSub];
 #pragma unroll
-      for (int j = 0; j < kSub; ++j)
-        v[i][j] = (gr < M && gc + j < K) ? ToFloat(row[j]) : 0.f;  // padding: |0| never raises an amax
+      for (int j = 0; j < kSub; ++j)  // padding: |0| never raises an amax
+        tmp[j] = (gr < M && gc + j < K) ? row[j] : InT(0.f);
+      memcpy(&raw[i][0], tmp, sizeof(tmp));
     }
   }
+  auto v = [&](int i, int j) -> float {
+    return ToFloat(reinterpret_cast<const InT*>(&raw[i][j / kVec])[j % kVec]);
+  };
 
   // ---- amax and scales ----
   float row_s[kSub];  // scale of each of my rows (rowwise copy)
@@ -114,7 +120,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeTileKernel(QuantizeArgs p) {
       unsigned rmax = 0;
 #pragma unroll
       for (int j = 0; j < kSub; ++j) {
-        const unsigned b = AbsBits(v[i][j]);
+        const unsigned b = AbsBits(v(i, j));
         rmax = max(rmax, b);
         cmax[j] = max(cmax[j], b);
       }
@@ -151,7 +157,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeTileKernel(QuantizeArgs p) {
 #pragma unroll
       for (int i = 0; i < kSub; ++i)
 #pragma unroll
-        for (int j = 0; j < kSub; ++j) amax = max(amax, AbsBits(v[i][j]));
+        for (int j = 0; j < kSub; ++j) amax = max(amax, AbsBits(v(i, j)));
       amax = WarpMaxU(amax, 32);
       if (t % 32 == 0) warp_red[t / 32] = amax;
       __syncthreads();
@@ -192,7 +198,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeTileKernel(QuantizeArgs p) {
     if (gr >= M) break;
     uint8_t q[kSub];
 #pragma unroll
-    for (int j = 0; j < kSub; ++j) q[j] = Cast(v[i][j] * row_s[i], interp);
+    for (int j = 0; j < kSub; ++j) q[j] = Cast(v(i, j) * row_s[i], interp);
     uint8_t* dst = p.data + gr * K + gc;
     if (vec_out) {
       *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(q);
@@ -213,7 +219,7 @@ __global__ void __launch_bounds__(kThreads) QuantizeTileKernel(QuantizeArgs p) {
     for (int j = 0; j < kSub; ++j) {
       uint8_t q[kSub];
 #pragma unroll
-      for (int i = 0; i < kSub; ++i) q[i] = Cast(v[i][j] * my_col_s[j], interp);
+      for (int i = 0; i < kSub; ++i) q[i] = Cast(v(i, j) * my_col_s[j], interp);
       const int c = c0 + j;
       const int chunk = rg ^ Swz(c);
       *reinterpret_cast<uint2*>(&tbuf[c * kTile + chunk * 8]) = *reinterpret_cast<const uint2*>(q);
