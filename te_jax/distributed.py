@@ -150,7 +150,9 @@ def _gather(t: ScaledTensor, axes, axis) -> ScaledTensor:
   if not axes:
     return t
   name = axes[0] if len(axes) == 1 else tuple(axes)
-  data = lax.all_gather(t.data, name, axis=axis, tiled=True)
+  # The barrier keeps XLA from sinking a later transpose into a second
+  # all-gather of the transposed operand (twice the bytes on the wire).
+  data = lax.optimization_barrier(lax.all_gather(t.data, name, axis=axis, tiled=True))
   s = t.scale_inv
   if t.block_shape is not None:
     s = lax.all_gather(s, name, axis=axis, tiled=True)
@@ -312,8 +314,6 @@ def _bwd_body(plan, res, g, new_state):
   dk = _gemm(qx_t, qg_t, plan.k_dtype, plan, "wgrad")
   gathered = set(plan.k_gather) | set(plan.n_gather)
   rest = tuple(ax for ax in plan.gemm_tok_axes if ax not in gathered)
-  if rest:
-    dk = lax.psum(dk, _axis_name(rest))
   for dim, axes in ((0, plan.k_gather), (1, plan.n_gather)):
     if not axes:
       continue
@@ -327,6 +327,8 @@ def _bwd_body(plan, res, g, new_state):
       idx = lax.axis_index(_axis_name(axes))
       size = dk.shape[dim] // n
       dk = lax.dynamic_slice_in_dim(dk, idx * size, size, axis=dim)
+  if rest:   # e.g. dp: the weight is replicated there; sum the (smaller) shard
+    dk = lax.psum(dk, _axis_name(rest))
   dk = _unpad_chunks(_unpad_chunks(dk, 0, 1, plan.k_local[0]), 1, 1, plan.k_local[1])
 
   dbias = None
