@@ -31,6 +31,7 @@ Example::
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple, Optional
 
 import jax
@@ -43,7 +44,7 @@ from te_jax.ops import gemm as gemm_op
 from te_jax.ops import quantize as quantize_op
 from te_jax.scaled_tensor import ScaledTensor
 
-__all__ = ["fp8_dense", "dense"]
+__all__ = ["fp8_dense", "dense", "dense_general"]
 
 
 class _Config(NamedTuple):
@@ -229,3 +230,58 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
   if bias is not None:
     y = y + bias.astype(y.dtype)
   return y
+
+
+def dense_general(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
+                  contract_ndim: int = 1, recipe: Optional[recipe_lib.Recipe] = None,
+                  fp8_state=None, impl: str = "auto", kernel_axes=None,
+                  mesh_resource=None, mesh=None) -> jax.Array:
+  """``dense`` over the last ``contract_ndim`` dims of ``x`` with an N-D kernel.
+
+  ``x`` is (*lead, *in_dims) (contracting dims last), ``kernel`` is
+  (*in_dims, *out_dims), ``bias`` (*out_dims); the result is (*lead, *out_dims).
+  The leading dims of ``x`` are kept (not flattened), so a (batch, seq) layout
+  sharded for sequence parallelism reaches the sharded GEMM as it is.
+
+  With ``kernel_axes`` (the kernel's logical names, one per dim) and an active
+  mesh resource (FP8 on), the dims of each group are reordered so that those
+  mapped to mesh axes come first before the 2-D view is taken (a flattened
+  dim is then sharded exactly as its major dims are: no resharding); the
+  output is permuted back. Without sharding this is a plain reshape.
+  """
+  n_in = contract_ndim
+  in_dims, out_dims = kernel.shape[:n_in], kernel.shape[n_in:]
+  if tuple(x.shape[x.ndim - n_in:]) != tuple(in_dims):
+    raise ValueError(f"x's last {n_in} dims {x.shape[x.ndim - n_in:]} must equal the "
+                     f"kernel's first {n_in} dims {in_dims}.")
+  lead = x.shape[:x.ndim - n_in]
+  in_perm, out_perm = tuple(range(n_in)), tuple(range(len(out_dims)))
+  axes2d = None
+  if kernel_axes is not None and recipe is not None:
+    if len(kernel_axes) != kernel.ndim:
+      raise ValueError(f"kernel_axes {kernel_axes} must name each of the {kernel.ndim} "
+                       f"kernel dims {kernel.shape}.")
+    from te_jax import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
+    if mesh_resource is None:
+      from te_jax.autocast import get_fp8_context  # pylint: disable=import-outside-toplevel
+      mesh_resource = get_fp8_context().mesh_resource
+    m = sharding_lib.get_mesh(mesh)
+    if mesh_resource is not None and m is not None:
+      mapped = sharding_lib.logical_to_mesh_axes(
+          [(n,) for n in kernel_axes], mesh_resource=mesh_resource, mesh=m)
+      is_sh = [bool(a) for a in mapped]
+      in_perm = tuple(sorted(range(n_in), key=lambda i: not is_sh[i]))
+      out_perm = tuple(sorted(range(len(out_dims)), key=lambda i: not is_sh[n_in + i]))
+      axes2d = (tuple(kernel_axes[i] for i in in_perm),
+                tuple(kernel_axes[n_in + i] for i in out_perm))
+  k = jnp.transpose(kernel, in_perm + tuple(n_in + i for i in out_perm))
+  k2d = k.reshape(math.prod(in_dims), math.prod(out_dims))
+  nl = len(lead)
+  xp = jnp.transpose(x, tuple(range(nl)) + tuple(nl + i for i in in_perm))
+  xnd = xp.reshape(lead + (math.prod(in_dims),)) if lead else xp.reshape(1, -1)
+  b = None if bias is None else jnp.transpose(bias, out_perm).reshape(-1)
+  y = dense(xnd, k2d, b, recipe=recipe, fp8_state=fp8_state, impl=impl,
+            kernel_axes=axes2d, mesh_resource=mesh_resource, mesh=mesh)
+  y = y.reshape(lead + tuple(out_dims[i] for i in out_perm))
+  inv = tuple(out_perm.index(i) for i in range(len(out_dims)))
+  return jnp.transpose(y, tuple(range(nl)) + tuple(nl + i for i in inv))

@@ -185,7 +185,9 @@ def logical_to_mesh_axes(names: Sequence[Union[None, str, Sequence[Optional[str]
   Follows Flax: a dim takes the first rule for its name whose mesh axes are
   all still unused in this spec. An entry of ``names`` may itself be a tuple
   of names (the dims of a flattened view, major first): the flattened dim is
-  sharded as its major dims are, and only the first mapped name counts.
+  sharded over the axes of its leading mapped names (put the sharded dims
+  first, as ``te_jax.dense.dense_general`` does; unmapped names before them
+  are assumed to be of size 1).
 
   Mesh axes absent from ``mesh`` (when given) or of size 1 are dropped.
 
@@ -207,19 +209,21 @@ def logical_to_mesh_axes(names: Sequence[Union[None, str, Sequence[Optional[str]
     group = (entry,) if entry is None or isinstance(entry, str) else tuple(entry)
     axes: Tuple[str, ...] = ()
     for name in group:
-      if name is None:
-        continue
-      for rule_name, rule_axes in rules:
-        if rule_name != name:
-          continue
-        cand = _as_tuple(rule_axes)
-        if mesh is not None:
-          cand = tuple(a for a in cand if mesh_axis_size(mesh, a) > 1)
-        if any(a in used for a in cand):
-          continue
-        axes = cand
-        break
-      if axes:
+      found: Tuple[str, ...] = ()
+      if name is not None:
+        for rule_name, rule_axes in rules:
+          if rule_name != name:
+            continue
+          cand = _as_tuple(rule_axes)
+          if mesh is not None:
+            cand = tuple(a for a in cand if mesh_axis_size(mesh, a) > 1)
+          if any(a in used or a in axes for a in cand):
+            continue
+          found = cand
+          break
+      if found:
+        axes += found
+      elif axes:   # the sharded dims of a flattened group must lead it
         break
     used.update(axes)
     out.append(axes)

@@ -82,10 +82,41 @@ def _shim_fp8_gemm(module, x2d, kernel2d, bias=None, *, recipe=None, name=_fp8.F
                          kernel_axes=_kernel_axes_of(module, name))
 
 
+def _shim_dense_general(module, x, *, features, axis, use_bias, dtype, param_dtype,
+                        kernel_init, bias_init, kernel_axes, bias_axes,
+                        kernel_name="kernel", bias_name="bias", fp8_name=_fp8.FP8_META):
+  """te_jax.flax.dense.dense_general, calling te_jax.dense.dense_general (N-D)."""
+  from te_jax.flax import dense as fdense
+  features = (features,) if isinstance(features, int) else tuple(features)
+  axis = _fp8.canonicalize_axes(axis, x.ndim)
+  n_in = len(axis)
+  kernel_shape = tuple(x.shape[a] for a in axis) + features
+  kernel_axes = tuple(kernel_axes) or fdense.default_kernel_axes(n_in, len(features))
+  kernel = module.param(kernel_name, nn.with_logical_partitioning(
+      fdense._kernel_fan_in_init(kernel_init, n_in, len(features)), kernel_axes),
+                        kernel_shape, param_dtype)
+  bias = None
+  if use_bias:
+    bias = module.param(bias_name, nn.with_logical_partitioning(
+        bias_init, tuple(bias_axes) or kernel_axes[n_in:]), features, param_dtype)
+  compute = dtype if dtype is not None else jnp.result_type(x.dtype, param_dtype)
+  batch_axes = tuple(a for a in range(x.ndim) if a not in axis)
+  xt = jnp.transpose(x, batch_axes + axis).astype(compute)
+  recipe = _fp8.active_recipe()
+  state = None
+  if isinstance(recipe, te_jax.recipe.DelayedScaling):
+    state = _fp8._fp8_state(module, fp8_name, recipe)  # pylint: disable=protected-access
+  return dense_lib.dense_general(
+      xt, kernel.astype(compute), None if bias is None else bias.astype(compute),
+      contract_ndim=n_in, recipe=recipe, fp8_state=state, kernel_axes=kernel_axes)
+
+
 @pytest.fixture(autouse=True)
 def _module_shim(monkeypatch):
   if "kernel_axes" not in inspect.signature(_fp8.fp8_gemm).parameters:
+    from te_jax.flax import dense as fdense
     monkeypatch.setattr(_fp8, "fp8_gemm", _shim_fp8_gemm)
+    monkeypatch.setattr(fdense, "dense_general", _shim_dense_general)
   yield
 
 
