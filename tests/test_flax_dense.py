@@ -38,16 +38,24 @@ def rel(a, b):
 
 
 def rand(key, shape, scale=1.0):
-  return scale * jax.random.normal(jax.random.key(key), shape, jnp.float32)
+  """Gaussian test data from numpy (jax.random would compile per shape)."""
+  return jnp.asarray(scale * np.random.default_rng(key).standard_normal(shape), jnp.float32)
 
 
 def fwd_and_grads(module, variables, x, cot):
-  """Output and gradients (params, input) of sum(module(x) * cot)."""
-  def loss(v, x):
-    return jnp.sum(module.apply(v, x) * cot)
-  y = module.apply(variables, x)
-  g = jax.grad(loss, argnums=(0, 1))(variables, x)
-  return y, g
+  """Output and gradients (params, input) of sum(module(x) * cot), jitted.
+
+  A fresh function is jitted at every call: the FP8 recipe is read at trace
+  time, so a trace cached under another autocast must never be reused.
+  """
+  def f(v, x):
+    y, vjp = jax.vjp(module.apply, v, x)
+    return y, vjp(cot)
+  return jax.jit(f)(variables, x)
+
+
+def jit_init(module, *args):
+  return jax.jit(module.init)(jax.random.key(1), *args)
 
 
 # ------------------------------------------------------------------ norms --
@@ -84,7 +92,7 @@ def test_rmsnorm_matches_flax_and_dtype():
 def test_norm_partition_names():
   x = rand(0, (2, 8))
   for m in (tfx.LayerNorm(), tfx.RMSNorm()):
-    specs = nn.get_partition_spec(m.init(jax.random.key(0), x))["params"]
+    specs = nn.get_partition_spec(jax.eval_shape(m.init, jax.random.key(0), x))["params"]
     assert specs and all(tuple(s) == ("embed",) for s in specs.values()), specs
 
 
@@ -93,7 +101,7 @@ def test_norm_partition_names():
 def _dense_case(use_bias=True):
   x = rand(0, (2, 24, 64))
   m = tfx.DenseGeneral(96, use_bias=use_bias)
-  v = nn.unbox(m.init(jax.random.key(1), x))
+  v = nn.unbox(jit_init(m, x))
   if use_bias:
     v["params"]["bias"] = rand(3, (96,)) * 0.1
   ref_m = nn.Dense(96, use_bias=use_bias)
@@ -112,22 +120,22 @@ def test_dense_fp8_off_exact():
   # An explicitly disabled autocast is the same as none.
   with te_jax.fp8_autocast(enabled=False, fp8_recipe=recipe.Float8CurrentScaling()):
     np.testing.assert_allclose(m.apply(v, x), ry, rtol=1e-6, atol=1e-6)
-    assert COLL not in m.init(jax.random.key(1), x)
+    assert COLL not in jax.eval_shape(m.init, jax.random.key(1), x)
 
 
 def test_dense_general_multi_axis_matches_einsum():
   x = rand(0, (2, 6, 4, 8))  # (batch, seq, heads, kv)
   m = tfx.DenseGeneral(features=(3, 5), axis=(-2, -1), use_bias=True)
-  v = m.init(jax.random.key(1), x)
+  v = jit_init(m, x)
   p = nn.unbox(v)["params"]
   assert p["kernel"].shape == (4, 8, 3, 5) and p["bias"].shape == (3, 5)
   ref = jnp.einsum("bshd,hdef->bsef", x, p["kernel"]) + p["bias"]
-  np.testing.assert_allclose(m.apply(v, x), ref, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(jax.jit(m.apply)(v, x), ref, rtol=1e-5, atol=1e-5)
   # contracting a non-trailing axis keeps the others in order
   m2 = tfx.DenseGeneral(features=7, axis=1)
-  v2 = m2.init(jax.random.key(1), x)
+  v2 = jit_init(m2, x)
   k2 = nn.unbox(v2)["params"]["kernel"]
-  np.testing.assert_allclose(m2.apply(v2, x), jnp.einsum("bshd,sf->bhdf", x, k2),
+  np.testing.assert_allclose(jax.jit(m2.apply)(v2, x), jnp.einsum("bshd,sf->bhdf", x, k2),
                              rtol=1e-5, atol=1e-5)
   specs = nn.get_partition_spec(v)["params"]
   assert tuple(specs["kernel"]) == ("heads", "kv", "dense_out_0", "dense_out_1")
@@ -137,7 +145,7 @@ def test_dense_general_multi_axis_matches_einsum():
 def test_dense_partition_names_custom():
   x = rand(0, (2, 16))
   m = tfx.DenseGeneral((4, 8), use_bias=True, kernel_axes=("embed", "heads", "kv"))
-  specs = nn.get_partition_spec(m.init(jax.random.key(0), x))["params"]
+  specs = nn.get_partition_spec(jax.eval_shape(m.init, jax.random.key(0), x))["params"]
   assert tuple(specs["kernel"]) == ("embed", "heads", "kv")
   assert tuple(specs["bias"]) == ("heads", "kv")
   with pytest.raises(ValueError, match="kernel_axes"):
@@ -150,7 +158,7 @@ def test_dense_fp8_close_to_reference(name):
   cot = rand(7, (2, 24, 96))
   ry, (rgv, rgx) = fwd_and_grads(ref_m, v, x, cot)
   with te_jax.fp8_autocast(enabled=True, fp8_recipe=RECIPES[name]()):
-    init = m.init(jax.random.key(1), x)
+    init = jit_init(m, x)
     if name == "delayed":
       v = dict(v, **{COLL: init[COLL]})
       # one step so that the scales come from real amaxes, not the initial 1.0
@@ -171,13 +179,13 @@ def test_delayed_state_only_under_delayed():
   x = rand(0, (4, 32))
   m = tfx.DenseGeneral(16)
   with te_jax.fp8_autocast(True, recipe.DelayedScaling(amax_history_len=8)):
-    v = m.init(jax.random.key(0), x)
+    v = jit_init(m, x)
   st = v[COLL]["fp8_meta"]
   assert set(st) == {"x", "kernel", "grad"}
   assert st["x"]["amax_history"].shape == (8,)
   for r in (recipe.Float8CurrentScaling(), recipe.Float8BlockScaling()):
     with te_jax.fp8_autocast(True, r):
-      assert COLL not in m.init(jax.random.key(0), x)
+      assert COLL not in jit_init(m, x)
   # applying under DelayedScaling without the state is an error with a hint
   with te_jax.fp8_autocast(True, recipe.DelayedScaling()):
     with pytest.raises(Exception, match="fp8_autocast"):
@@ -186,7 +194,7 @@ def test_delayed_state_only_under_delayed():
 
 def _train_two_steps(model, x, target, r):
   with te_jax.fp8_autocast(True, r):
-    variables = model.init(jax.random.key(0), x)
+    variables = jax.jit(model.init)(jax.random.key(0), x)
     params = nn.unbox(variables)
     state = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                           tx=optax.sgd(0.1))
@@ -262,7 +270,7 @@ def test_layernorm_dense(norm, name):
   x = rand(0, (2, 16, 64)) + 0.5
   m = tfx.LayerNormDenseGeneral(48, layernorm_type=norm, use_bias=True,
                                 return_layernorm_output=True)
-  v = nn.unbox(m.init(jax.random.key(1), x))
+  v = nn.unbox(jit_init(m, x))
   v["params"]["scale"] = v["params"]["scale"] + rand(2, (64,)) * 0.1
   v["params"]["bias"] = rand(3, (48,)) * 0.1
   ref_m, rv = _RefLnDense(48, norm), _to_ref(v["params"], norm)
@@ -270,8 +278,10 @@ def test_layernorm_dense(norm, name):
   ry, (rgv, rgx) = fwd_and_grads(ref_m, rv, x, cot)
   with te_jax.fp8_autocast(enabled=name is not None,
                            fp8_recipe=RECIPES[name]() if name else None):
-    (y, ln_out) = m.apply(v, x)
-    gv, gx = jax.grad(lambda v, x: jnp.sum(m.apply(v, x)[0] * cot), argnums=(0, 1))(v, x)
+    def f(v, x):
+      (y, ln_out), vjp = jax.vjp(m.apply, v, x)
+      return y, ln_out, vjp((cot, jnp.zeros_like(ln_out)))
+    y, ln_out, (gv, gx) = jax.jit(f)(v, x)
   ref_ln = (nn.LayerNorm(epsilon=1e-6) if norm == "layernorm" else nn.RMSNorm(epsilon=1e-6)
             ).apply({"params": rv["params"]["ln"]}, x)
   np.testing.assert_allclose(ln_out, ref_ln, rtol=1e-5, atol=1e-5)
@@ -285,6 +295,6 @@ def test_layernorm_dense(norm, name):
   else:
     assert rel(y, ry) < FWD_TOL and rel(y, ry) > 1e-4
     assert rel(gx, rgx) < GRAD_TOL and rel(gk, rgk) < GRAD_TOL and rel(gs, rgs) < GRAD_TOL
-  specs = nn.get_partition_spec(m.init(jax.random.key(1), x))["params"]
+  specs = nn.get_partition_spec(jax.eval_shape(m.init, jax.random.key(1), x))["params"]
   assert tuple(specs["kernel"]) == ("embed", "mlp") and tuple(specs["scale"]) == ("embed",)
   assert all(len(tuple(s)) > 0 for s in specs.values())

@@ -1,0 +1,273 @@
+"""Layer benchmarks of te_jax.flax: LayerNormMLP and TransformerLayer, fwd+bwd.
+
+Each configuration runs in a fresh subprocess of this script (``--config
+NAME``), so that its peak device memory (``memory_stats()["peak_bytes_in_use"]``)
+is its own; the parent collects one JSON line per configuration and prints a
+markdown table for BENCHMARKS.md.
+
+(a) LayerNormMLP 4096 -> 16384 -> 4096, gelu, 16384 tokens (8 x 2048), bf16
+    params and activations: te_jax with FP8 off / DelayedScaling /
+    Float8CurrentScaling / Float8BlockScaling, the same block built from
+    flax.linen LayerNorm + Dense with Flax's FP8 op
+    (``dot_general_cls=flax.linen.fp8_ops.Fp8DirectDotGeneralOp``, or
+    ``Fp8DotGeneralOp`` where the direct op does not exist: the label says
+    which), and plain bf16 flax.
+(b) TransformerLayer (hidden 4096, 32 heads, mlp 16384, causal decoder) for
+    each recipe vs FP8 off, plus the attention core alone
+    (``jax.nn.dot_product_attention`` fwd+bwd, same implementation choice as
+    the module) and the whole MultiHeadAttention module with FP8 off, to give
+    attention's share of the step.
+
+Timed step: ``jit(value_and_grad(loss, argnums=(params, input)))`` with loss
+``mean(y**2)`` in fp32. Protocol: warmup, then k back-to-back steps with one
+block at the end (inputs rotated between two buffers), time / k; median of
+``--repeats`` such measurements. FLOP counts are the matmul FLOPs of fwd+bwd
+(3x forward).
+
+Usage::
+
+  python benchmarks/bench_layer.py                # full sizes (H200)
+  python benchmarks/bench_layer.py --small        # tiny sizes, CPU smoke test
+  python benchmarks/bench_layer.py --config mlp/te_block --small   # one config
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(_HERE))
+
+MLP_CONFIGS = ["mlp/te_off", "mlp/te_delayed", "mlp/te_current", "mlp/te_block",
+               "mlp/flax_fp8", "mlp/flax_bf16"]
+LAYER_CONFIGS = ["layer/te_off", "layer/te_delayed", "layer/te_current", "layer/te_block",
+                 "attn/core", "attn/module_off"]
+CONFIGS = MLP_CONFIGS + LAYER_CONFIGS
+BASELINE = {"mlp": "mlp/te_off", "layer": "layer/te_off", "attn": "layer/te_off"}
+
+
+def sizes(small: bool):
+  if small:
+    return dict(batch=2, seq=128, hidden=256, mlp=1024, heads=4)
+  return dict(batch=8, seq=2048, hidden=4096, mlp=16384, heads=32)
+
+
+def _recipe(name):
+  from te_jax import recipe
+  return {"off": None, "delayed": recipe.DelayedScaling(),
+          "current": recipe.Float8CurrentScaling(),
+          "block": recipe.Float8BlockScaling()}[name]
+
+
+def _flax_fp8_op():
+  from flax.linen import fp8_ops
+  if hasattr(fp8_ops, "Fp8DirectDotGeneralOp"):
+    return fp8_ops.Fp8DirectDotGeneralOp, "Fp8DirectDotGeneralOp"
+  return fp8_ops.Fp8DotGeneralOp, "Fp8DotGeneralOp"
+
+
+def _build(config, sz):
+  """Returns (apply(variables, x) -> y, variables, xs, flops, label)."""
+  import jax
+  import jax.numpy as jnp
+  import flax.linen as nn
+  import te_jax
+  from te_jax import flax as tfx
+
+  bf16 = jnp.bfloat16
+  b, s, e, m, h = sz["batch"], sz["seq"], sz["hidden"], sz["mlp"], sz["heads"]
+  t = b * s
+  kx = jax.random.split(jax.random.key(1), 2)
+  xs = [jax.random.normal(k, (b, s, e), bf16) for k in kx]
+  group, kind = config.split("/")
+  label = config
+  mlp_flops = 3 * 2 * t * e * m * 2
+  attn_core_flops = 3 * 2 * b * s * s * e      # causal: half of 4*b*s*s*e, x3 fwd+bwd
+  proj_flops = 3 * 2 * t * e * e * 4
+
+  if config == "attn/core":
+    d = e // h
+    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    qkv = [jax.random.normal(jax.random.key(i), (b, s, h, d), bf16) for i in range(3)]
+
+    def apply(variables, x):  # x unused: the core's inputs are q, k, v
+      del x
+      q, k, v = variables["qkv"]
+      return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+    return apply, {"qkv": qkv}, xs, attn_core_flops, f"{config} ({impl})"
+
+  if kind.startswith("te_") or kind == "module_off":
+    r = _recipe(kind[3:]) if kind.startswith("te_") else None
+    if group == "mlp":
+      module = tfx.LayerNormMLP(intermediate_dim=m, activations=("gelu",),
+                                dtype=bf16, param_dtype=bf16)
+      flops = mlp_flops
+    elif group == "layer":
+      module = tfx.TransformerLayer(e, m, h, layer_type="decoder", dtype=bf16,
+                                    param_dtype=bf16)
+      flops = mlp_flops + proj_flops + attn_core_flops
+    else:
+      module = tfx.MultiHeadAttention(h, attn_mask_type="causal", dtype=bf16,
+                                      param_dtype=bf16)
+      flops = proj_flops + attn_core_flops
+    with te_jax.fp8_autocast(enabled=r is not None, fp8_recipe=r):
+      variables = nn.unbox(jax.jit(module.init)(jax.random.key(0), xs[0]))
+
+    def apply(variables, x, module=module, r=r):
+      with te_jax.fp8_autocast(enabled=r is not None, fp8_recipe=r):
+        return module.apply(variables, x)
+    return apply, variables, xs, flops, label
+
+  # Flax reference blocks (mlp group only)
+  op, op_name = _flax_fp8_op()
+  fp8 = kind == "flax_fp8"
+  if fp8:
+    label = f"{config} ({op_name})"
+
+  class FlaxMLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      kw = {"dot_general_cls": op} if fp8 else {}
+      y = nn.LayerNorm(epsilon=1e-6, dtype=bf16, param_dtype=bf16)(x)
+      y = nn.Dense(m, use_bias=False, dtype=bf16, param_dtype=bf16, **kw)(y)
+      y = nn.gelu(y, approximate=True)
+      return nn.Dense(e, use_bias=False, dtype=bf16, param_dtype=bf16, **kw)(y)
+
+  module = FlaxMLP()
+  variables = jax.jit(module.init)(jax.random.key(0), xs[0])
+  return module.apply, variables, xs, mlp_flops, label
+
+
+def run_one(config, small, k, repeats):
+  import jax
+  import jax.numpy as jnp
+
+  sz = sizes(small)
+  apply, variables, xs, flops, label = _build(config, sz)
+
+  def loss(variables, x):
+    y = apply(variables, x)
+    return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+  step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+  for i in range(2):                      # warmup (compile + one run)
+    jax.block_until_ready(step(variables, xs[i % 2]))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    out = None
+    for i in range(k):
+      out = step(variables, xs[i % 2])
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / k)
+  ms = statistics.median(times) * 1e3
+  stats = None
+  try:
+    stats = jax.devices()[0].memory_stats()
+  except Exception:  # pylint: disable=broad-except
+    stats = None
+  peak = stats.get("peak_bytes_in_use") if stats else None
+  return {"config": config, "label": label, "ms": ms,
+          "tflops": flops / (ms * 1e-3) / 1e12, "peak_bytes": peak,
+          "times_ms": [x * 1e3 for x in times]}
+
+
+def _env():
+  import jax
+  import flax
+  dev = jax.devices()[0]
+  return {"date": datetime.date.today().isoformat(),
+          "device": getattr(dev, "device_kind", str(dev)), "platform": dev.platform,
+          "jax": jax.__version__, "flax": flax.__version__}
+
+
+def table(results, env, sz, k, repeats):
+  lines = [
+      f"### te_jax.flax layers, {env['date']}, {env['device']}, "
+      f"jax {env['jax']}, flax {env['flax']}",
+      "",
+      f"Tokens {sz['batch']}x{sz['seq']}, hidden {sz['hidden']}, mlp {sz['mlp']}, "
+      f"heads {sz['heads']}, bf16 params/activations, fwd+bwd (value_and_grad wrt "
+      f"params and input); k={k} back-to-back steps, median of {repeats}.",
+      "",
+      "| config | ms / step | vs FP8-off | TFLOP/s | peak mem (MiB) |",
+      "|---|---:|---:|---:|---:|",
+  ]
+  by = {r["config"]: r for r in results if "ms" in r}
+  for r in results:
+    if "ms" not in r:
+      lines.append(f"| {r['config']} | failed: {r.get('error', '?')[:80]} | | | |")
+      continue
+    base = by.get(BASELINE[r["config"].split("/")[0]])
+    ratio = f"{r['ms'] / base['ms']:.2f}x" if base else "-"
+    peak = f"{r['peak_bytes'] / 2**20:.0f}" if r.get("peak_bytes") else "n/a"
+    lines.append(f"| {r['label']} | {r['ms']:.3f} | {ratio} | {r["tflops"]:.3g} | {peak} |")
+  core, layer = by.get("attn/core"), by.get("layer/te_off")
+  module = by.get("attn/module_off")
+  if core and layer:
+    lines.append("")
+    share = f"Attention share of the FP8-off TransformerLayer step: core " \
+            f"{100 * core['ms'] / layer['ms']:.0f}%"
+    if module:
+      share += f", whole attention module {100 * module['ms'] / layer['ms']:.0f}%"
+    lines.append(share + ".")
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke test)")
+  p.add_argument("--config", help="run one configuration and print one JSON line")
+  p.add_argument("--configs", default=",".join(CONFIGS),
+                 help="comma-separated configurations to run (default: all)")
+  p.add_argument("--k", type=int, default=10, help="back-to-back steps per timing")
+  p.add_argument("--repeats", type=int, default=5, help="timings; the median is kept")
+  p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
+  p.add_argument("--json-out", help="also write all results to this JSON file")
+  args = p.parse_args(argv)
+
+  if args.config:
+    if args.config not in CONFIGS:
+      p.error(f"unknown config {args.config}; known: {CONFIGS}")
+    print("JSON " + json.dumps(run_one(args.config, args.small, args.k, args.repeats)),
+          flush=True)
+    return 0
+
+  results = []
+  for config in [c for c in args.configs.split(",") if c]:
+    cmd = [sys.executable, os.path.abspath(__file__), "--config", config,
+           "--k", str(args.k), "--repeats", str(args.repeats)]
+    if args.small:
+      cmd.append("--small")
+    try:
+      proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+      line = [l for l in proc.stdout.splitlines() if l.startswith("JSON ")]
+      if line:
+        res = json.loads(line[-1][5:])
+      else:
+        res = {"config": config, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    except subprocess.TimeoutExpired:
+      res = {"config": config, "error": f"timeout after {args.timeout}s"}
+    results.append(res)
+    msg = (f"{res['label']}: {res['ms']:.3f} ms" if "ms" in res
+           else f"{config}: FAILED {res['error']}")
+    print(msg, file=sys.stderr, flush=True)
+
+  env = _env()
+  out = table(results, env, sizes(args.small), args.k, args.repeats)
+  print(out)
+  if args.json_out:
+    with open(args.json_out, "w") as f:
+      json.dump({"env": env, "results": results}, f, indent=1)
+  return 0 if all("ms" in r for r in results) else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())
