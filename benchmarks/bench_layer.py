@@ -208,7 +208,7 @@ def table(results, env, sz, k, repeats):
     base = by.get(BASELINE[r["config"].split("/")[0]])
     ratio = f"{r['ms'] / base['ms']:.2f}x" if base else "-"
     peak = f"{r['peak_bytes'] / 2**20:.0f}" if r.get("peak_bytes") else "n/a"
-    lines.append(f"| {r['label']} | {r['ms']:.3f} | {ratio} | {r["tflops"]:.3g} | {peak} |")
+    lines.append(f"| {r['label']} | {r['ms']:.3f} | {ratio} | {r['tflops']:.3g} | {peak} |")
   core, layer = by.get("attn/core"), by.get("layer/te_off")
   module = by.get("attn/module_off")
   if core and layer:
