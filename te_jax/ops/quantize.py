@@ -76,9 +76,14 @@ def check_block_shape(block_shape):
 # ------------------------------------------------------------- references ---
 
 def saturating_cast(x_f32: jax.Array, dtype) -> jax.Array:
-  """Casts to FP8 with values beyond the max clipped to +-max (NaN stays NaN)."""
+  """Casts to FP8 with values beyond the max clipped to +-max (NaN stays NaN).
+
+  The optimization barrier keeps XLA:GPU from folding a later
+  ``convert(convert(x, f8), f32)`` back into ``x`` (it may, under its default
+  excess-precision setting), which would silently skip the FP8 rounding.
+  """
   m = fp8_max(dtype)
-  return jnp.clip(x_f32, -m, m).astype(dtype)
+  return lax.optimization_barrier(jnp.clip(x_f32, -m, m).astype(dtype))
 
 
 def round_down_power_of_2(scale: jax.Array) -> jax.Array:
