@@ -141,10 +141,10 @@ def test_train_gpt_cli_smoke(tmp_path):
   """The CLI end to end in a fresh process: blockwise recipe, 2 steps, plot + sample."""
   proc = subprocess.run(
       [sys.executable, os.path.join(EXAMPLES, "train_gpt.py"), "--preset", "tiny",
-       "--recipe", "blockwise", "--steps", "2", "--sample_chars", "3", "--eval_batches", "1",
+       "--recipe", "blockwise", "--steps", "2", "--sample_chars", "2", "--eval_batches", "0",
        "--no_progress", "--out_dir", str(tmp_path)],
       env=_env(), capture_output=True, text=True, timeout=600, check=False)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "done: 2 steps" in proc.stdout and "sample:" in proc.stdout
   metrics = json.loads((tmp_path / "metrics.json").read_text())
-  assert len(metrics["losses"]) == 2 and np.isfinite(metrics["eval_loss"])
+  assert len(metrics["losses"]) == 2 and np.all(np.isfinite(metrics["losses"]))
