@@ -51,7 +51,7 @@ def reference_self_attention(p, x, causal):
 def test_self_attention_matches_reference(causal):
   x = rand(0, (2, 12, E))
   m = tfx.MultiHeadAttention(H, attn_mask_type="causal" if causal else "no_mask")
-  v = nn.unbox(m.init(jax.random.key(1), x))
+  v = nn.unbox(jax.jit(m.init)(jax.random.key(1), x))
   ref = reference_self_attention(v["params"], x, causal)
   np.testing.assert_allclose(jax.jit(m.apply)(v, x), ref, rtol=1e-5, atol=1e-5)
 
@@ -60,18 +60,18 @@ def test_every_param_has_logical_names():
   x = rand(0, (2, 8, E)); enc = rand(1, (2, 5, 16))
   for m, args in [(tfx.MultiHeadAttention(H, use_bias=True), (x,)),
                   (tfx.MultiHeadAttention(H, num_gqa_groups=2, use_bias=True), (x, enc))]:
-    boxed = m.init(jax.random.key(0), *args)["params"]
+    boxed = jax.eval_shape(m.init, jax.random.key(0), *args)["params"]
     leaves = jax.tree.leaves(boxed, is_leaf=lambda l: isinstance(l, nn.Partitioned))
     assert len(leaves) >= 4
     for leaf in leaves:
       assert isinstance(leaf, nn.LogicallyPartitioned), leaf
-      assert len(leaf.names) == leaf.value.ndim and None not in leaf.names
+      assert len(leaf.names) == len(leaf.value.shape) and None not in leaf.names
 
 
 def test_causal_mask_blocks_future():
   x = rand(0, (1, 10, E))
   m = tfx.MultiHeadAttention(H, attn_mask_type="causal")
-  v = m.init(jax.random.key(1), x)
+  v = jax.jit(m.init)(jax.random.key(1), x)
   f = jax.jit(m.apply)
   x2 = x.at[:, 6:].set(rand(5, (1, 4, E)))
   y1, y2 = f(v, x), f(v, x2)
@@ -98,37 +98,38 @@ def _pack(docs, seq_len):
 
 @pytest.mark.parametrize("mask_type,groups", [("causal", 2), ("no_mask", None)])
 def test_packed_equals_separate_documents(mask_type, groups):
-  lens = [[5, 7, 3], [10, 4]]
+  lens = [[5, 7, 4], [7, 5]]     # two rows, padding at the end of each
   docs = [[rand(10 * r + i, (1, n, E)) for i, n in enumerate(row)]
           for r, row in enumerate(lens)]
   x, seg, pos = _pack(docs, 16)
   m = tfx.MultiHeadAttention(H, num_gqa_groups=groups, attn_mask_type=mask_type,
                              enable_rotary_pos_emb=True, attention_impl="xla")
-  v = m.init(jax.random.key(1), x)
-  packed = jax.jit(lambda v, x, s, p: m.apply(v, x, segment_ids=s, segment_positions=p))(
-      v, x, seg, pos)
+  v = jax.jit(m.init)(jax.random.key(1), x)
+  f = jax.jit(m.apply)
+  packed = f(v, x, segment_ids=seg, segment_positions=pos)
   assert bool(jnp.all(jnp.isfinite(packed)))
   for r, row in enumerate(docs):
     start = 0
     for d in row:
-      alone = m.apply(v, d)            # positions default to arange: 0..L-1
+      alone = f(v, d)                  # positions default to arange: 0..L-1
       n = d.shape[1]
       np.testing.assert_allclose(packed[r, start:start + n], alone[0], rtol=2e-5, atol=2e-5)
       start += n
   # control: without segment ids the packed rows do mix documents
-  mixed = m.apply(v, x, segment_positions=pos)
+  mixed = f(v, x, segment_positions=pos)
   assert float(jnp.abs(mixed[0, 5:12] - packed[0, 5:12]).max()) > 1e-3
 
 
 def test_rotary_relative_and_changes_output():
   x = rand(0, (1, 8, E))
   m = tfx.MultiHeadAttention(H, attn_mask_type="no_mask", enable_rotary_pos_emb=True)
-  v = m.init(jax.random.key(1), x)
+  v = jax.jit(m.init)(jax.random.key(1), x)
   pos = jnp.arange(8)[None]
-  y0 = m.apply(v, x, segment_positions=pos)
-  y_shift = m.apply(v, x, segment_positions=pos + 7)    # RoPE is relative
+  f = jax.jit(m.apply)
+  y0 = f(v, x, segment_positions=pos)
+  y_shift = f(v, x, segment_positions=pos + 7)    # RoPE is relative
   np.testing.assert_allclose(y0, y_shift, rtol=1e-4, atol=1e-5)
-  y_plain = tfx.MultiHeadAttention(H, attn_mask_type="no_mask").apply(v, x)
+  y_plain = jax.jit(tfx.MultiHeadAttention(H, attn_mask_type="no_mask").apply)(v, x)
   assert rel(y0, y_plain) > 1e-3
   # rotation preserves norms
   q = rand(3, (1, 8, H, D))
@@ -140,13 +141,13 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
   x = rand(0, (2, 9, E))
   g = 2
   gqa = tfx.MultiHeadAttention(H, num_gqa_groups=g, enable_rotary_pos_emb=True)
-  vg = nn.unbox(gqa.init(jax.random.key(1), x))
+  vg = nn.unbox(jax.jit(gqa.init)(jax.random.key(1), x))
   assert vg["params"]["kv"]["kernel"].shape == (E, 2, g, D)
   mha = tfx.MultiHeadAttention(H, fuse_qkv=False, enable_rotary_pos_emb=True)
   p = jax.tree.map(lambda a: a, vg["params"])
   p["kv"] = {"kernel": jnp.repeat(vg["params"]["kv"]["kernel"], H // g, axis=2)}
-  assert set(nn.unbox(mha.init(jax.random.key(1), x))["params"]) == {"query", "kv", "out"}
-  np.testing.assert_allclose(gqa.apply(vg, x), mha.apply({"params": p}, x),
+  assert set(jax.eval_shape(mha.init, jax.random.key(1), x)["params"]) == {"query", "kv", "out"}
+  np.testing.assert_allclose(jax.jit(gqa.apply)(vg, x), jax.jit(mha.apply)({"params": p}, x),
                              rtol=1e-5, atol=1e-5)
 
 
@@ -154,30 +155,34 @@ def test_cross_attention_ignores_padded_keys():
   x = rand(0, (2, 6, E)); enc = rand(1, (2, 7, 16))
   kv_seg = jnp.array([[1] * 5 + [0] * 2, [1] * 7], jnp.int32)
   m = tfx.MultiHeadAttention(H, attn_mask_type="no_mask")
-  v = m.init(jax.random.key(1), x, enc)
-  y1 = m.apply(v, x, enc, kv_segment_ids=kv_seg)
+  v = jax.jit(m.init)(jax.random.key(1), x, enc)
+  f = jax.jit(m.apply)
+  y1 = f(v, x, enc, kv_segment_ids=kv_seg)
   enc2 = enc.at[0, 5:].set(100.0)
-  y2 = m.apply(v, x, enc2, kv_segment_ids=kv_seg)
+  y2 = f(v, x, enc2, kv_segment_ids=kv_seg)
   np.testing.assert_allclose(y1, y2, rtol=1e-5, atol=1e-5)
-  assert float(jnp.abs(m.apply(v, x, enc) - m.apply(v, x, enc2))[0].max()) > 1e-3
-  y_trim = m.apply(v, x[:1], enc[:1, :5])
+  assert float(jnp.abs(f(v, x, enc) - f(v, x, enc2))[0].max()) > 1e-3
+  y_trim = f(v, x[:1], enc[:1, :5])
   np.testing.assert_allclose(y1[:1], y_trim, rtol=1e-5, atol=1e-5)
 
 
 def test_attention_dropout_and_explicit_core():
   x = rand(0, (2, 8, E))
   m = tfx.MultiHeadAttention(H, attention_dropout=0.5)
-  v = m.init(jax.random.key(1), x)
-  y_det = m.apply(v, x)
-  np.testing.assert_allclose(y_det, tfx.MultiHeadAttention(H).apply(v, x), rtol=1e-6)
-  y_drop = m.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(3)})
+  v = jax.jit(m.init)(jax.random.key(1), x)
+  y_det = jax.jit(m.apply)(v, x)
+  np.testing.assert_allclose(y_det, jax.jit(tfx.MultiHeadAttention(H).apply)(v, x), rtol=1e-6)
+  y_drop = jax.jit(lambda v, x, k: m.apply(v, x, deterministic=False, rngs={"dropout": k}))(
+      v, x, jax.random.key(3))
   assert rel(y_drop, y_det) > 0.05
   # the explicit core used for dropout equals jax.nn.dot_product_attention
   q, k, vv = rand(1, (2, 8, 4, 8)), rand(2, (2, 8, 2, 8)), rand(3, (2, 8, 2, 8))
   mask = attn_lib.segment_attention_mask(jnp.array([[1] * 5 + [2] * 3] * 2),
                                          jnp.array([[1] * 5 + [2] * 3] * 2))
-  ref = jax.nn.dot_product_attention(q, k, vv, mask=mask, is_causal=True)
-  got = attn_lib._reference_attention(q, k, vv, mask, True, None, 0.0)
+  ref = jax.jit(lambda q, k, v, m: jax.nn.dot_product_attention(
+      q, k, v, mask=m, is_causal=True))(q, k, vv, mask)
+  got = jax.jit(lambda q, k, v, m: attn_lib._reference_attention(
+      q, k, v, m, True, None, 0.0))(q, k, vv, mask)
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -185,7 +190,7 @@ def test_attention_dropout_and_explicit_core():
 def test_attention_fp8_close_to_fp32(name):
   x = rand(0, (2, 16, E)); cot = rand(5, (2, 16, E))
   m = tfx.MultiHeadAttention(H, num_gqa_groups=2, enable_rotary_pos_emb=True)
-  v = nn.unbox(m.init(jax.random.key(1), x))
+  v = nn.unbox(jax.jit(m.init)(jax.random.key(1), x))
 
   def run(v):
     # A fresh function per call: the recipe is read at trace time, so a
@@ -197,10 +202,12 @@ def test_attention_fp8_close_to_fp32(name):
 
   ry, (rgv, rgx) = run(v)
   with te_jax.fp8_autocast(True, RECIPES[name]()):
-    init = m.init(jax.random.key(1), x)
+    init = jax.eval_shape(m.init, jax.random.key(1), x)
     if name == "delayed":
-      v = dict(v, **{fp8_state.FP8_COLLECTION: init[fp8_state.FP8_COLLECTION]})
-      _, (g, _) = run(v)
+      v = dict(v, **{fp8_state.FP8_COLLECTION: jax.tree.map(
+          jnp.zeros_like, init[fp8_state.FP8_COLLECTION])})
+      step = jax.jit(lambda v: jax.vjp(lambda v, x: m.apply(v, x), v, x)[1](cot))
+      g, _ = step(v)          # zero state = scale 1; one step gives real scales
       v = fp8_state.apply_fp8_updates(v, g)
     else:
       assert fp8_state.FP8_COLLECTION not in init

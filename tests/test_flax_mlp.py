@@ -59,7 +59,7 @@ def _case(acts, use_bias=False, norm="layernorm"):
   x = rand(0, (2, 16, 64)) + 0.3
   m = tfx.LayerNormMLP(intermediate_dim=128, activations=acts, use_bias=use_bias,
                        layernorm_type=norm)
-  v = nn.unbox(m.init(jax.random.key(1), x))
+  v = nn.unbox(jax.jit(m.init)(jax.random.key(1), x))
   v["params"]["scale"] = v["params"]["scale"] + 0.1 * rand(2, (64,))
   if use_bias:
     v["params"]["wi_bias"] = 0.1 * rand(3, v["params"]["wi_bias"].shape)
@@ -105,10 +105,10 @@ def test_mlp_fp8_close_to_reference(name):
   cot = rand(9, (2, 16, 64))
   ry, (rgp, rgx) = _run_ref(v["params"], x, cot, acts, "layernorm")
   with te_jax.fp8_autocast(True, RECIPES[name]()):
-    init = m.init(jax.random.key(1), x)
+    init = jax.eval_shape(m.init, jax.random.key(1), x)
     if name == "delayed":
       assert set(init[COLL]) == {"wi_fp8_meta", "wo_fp8_meta"}
-      v = dict(v, **{COLL: init[COLL]})
+      v = dict(v, **{COLL: jax.tree.map(jnp.zeros_like, init[COLL])})
       _, (g, _) = _run(m, v, x, cot)        # one step: scales from real amaxes
       v = fp8_state.apply_fp8_updates(v, g)
     else:
@@ -124,15 +124,17 @@ def test_mlp_partition_names_and_dropout():
   x = rand(0, (2, 8, 32))
   m = tfx.LayerNormMLP(intermediate_dim=48, activations=("gelu", "linear"),
                        use_bias=True, intermediate_dropout_rate=0.5)
-  v = m.init(jax.random.key(0), x)
+  v = jax.jit(m.init)(jax.random.key(0), x)
   specs = {k: tuple(s) for k, s in nn.get_partition_spec(v)["params"].items()}
   assert specs == {"scale": ("embed",), "ln_bias": ("embed",),
                    "wi_kernel": ("embed", "act", "mlp"), "wi_bias": ("act", "mlp"),
                    "wo_kernel": ("mlp", "embed"), "wo_bias": ("embed",)}
-  y_det = m.apply(v, x)
-  np.testing.assert_allclose(m.apply(v, x, deterministic=True), y_det)
-  y1 = m.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(1)})
-  y2 = m.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(2)})
+  y_det = jax.jit(m.apply)(v, x)
+  np.testing.assert_allclose(jax.jit(lambda v, x: m.apply(v, x, deterministic=True))(v, x),
+                             y_det, rtol=1e-6)
+  drop = jax.jit(lambda v, x, k: m.apply(v, x, deterministic=False, rngs={"dropout": k}))
+  y1 = drop(v, x, jax.random.key(1))
+  y2 = drop(v, x, jax.random.key(2))
   assert rel(y1, y_det) > 0.1 and rel(y1, y2) > 0.1
   with pytest.raises(ValueError, match="activation"):
     tfx.LayerNormMLP(8, activations=("nope",)).init(jax.random.key(0), x)

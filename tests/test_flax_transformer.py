@@ -28,12 +28,14 @@ def test_encoder_layer_is_pre_ln_composition():
   v = jax.jit(layer.init)(jax.random.key(1), x)
   p = nn.unbox(v)["params"]
   assert set(p) == {"pre_attention_norm", "self_attention", "mlp"}
-  h = tfx.RMSNorm().apply({"params": p["pre_attention_norm"]}, x)
-  h = tfx.MultiHeadAttention(H, attn_mask_type="no_mask").apply(
-      {"params": p["self_attention"]}, h)
-  x1 = x + h
-  ref = x1 + tfx.LayerNormMLP(MLP, activations=("silu", "linear"),
-                              layernorm_type="rmsnorm").apply({"params": p["mlp"]}, x1)
+  def composed(p, x):
+    h = tfx.RMSNorm().apply({"params": p["pre_attention_norm"]}, x)
+    h = tfx.MultiHeadAttention(H, attn_mask_type="no_mask").apply(
+        {"params": p["self_attention"]}, h)
+    x1 = x + h
+    return x1 + tfx.LayerNormMLP(MLP, activations=("silu", "linear"),
+                                 layernorm_type="rmsnorm").apply({"params": p["mlp"]}, x1)
+  ref = jax.jit(composed)(p, x)
   np.testing.assert_allclose(jax.jit(layer.apply)(v, x), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -81,10 +83,11 @@ def test_hidden_dropout_deterministic_flag():
   layer = tfx.TransformerLayer(E, MLP, H, hidden_dropout=0.5, attention_dropout=0.2,
                                intermediate_dropout=0.2)
   v = jax.jit(layer.init)(jax.random.key(0), x)
-  det = layer.apply(v, x)
-  np.testing.assert_allclose(det, tfx.TransformerLayer(E, MLP, H).apply(v, x),
+  det = jax.jit(layer.apply)(v, x)
+  np.testing.assert_allclose(det, jax.jit(tfx.TransformerLayer(E, MLP, H).apply)(v, x),
                              rtol=1e-5, atol=1e-5)
-  drop = layer.apply(v, x, deterministic=False, rngs={"dropout": jax.random.key(4)})
+  drop = jax.jit(lambda v, x, k: layer.apply(v, x, deterministic=False,
+                                             rngs={"dropout": k}))(v, x, jax.random.key(4))
   assert float(jnp.abs(drop - det).max()) > 1e-2
 
 
@@ -101,9 +104,9 @@ class TwoLayerModel(nn.Module):
     return tfx.DenseGeneral(8, kernel_axes=("embed", "vocab"), name="head")(x)
 
 
-@pytest.mark.parametrize("name", [None, "delayed", "current", "block"])
+@pytest.mark.parametrize("name", ["delayed", "current", "block"])
 def test_two_layer_model_trains(name):
-  r = {None: None, "delayed": recipe.DelayedScaling(amax_history_len=4),
+  r = {"delayed": recipe.DelayedScaling(amax_history_len=4),
        "current": recipe.Float8CurrentScaling(), "block": recipe.Float8BlockScaling()}[name]
   x = rand(0, (4, 16, E))
   # a learnable target: a fixed causal function of the inputs
