@@ -41,7 +41,14 @@ MESHES = {
     "dp2_fsdp2_tp2": (("dp", "fsdp", "tp"), (2, 2, 2),
                       dict(dp_resource="dp", fsdp_resource="fsdp", tp_resource="tp")),
 }
-TOL = 0.05   # max |sharded - single| / max |single|, per leaf (FP8 tolerance ~0.25)
+# Per gradient leaf: max|sharded - single| / max|single| <= TOL and
+# mean|sharded - single| / mean|single| <= TOL_MEAN. Sharded and single-device
+# runs use identical scales; they differ by bf16 rounding (partial sums
+# reduced across devices), which FP8 rounding amplifies: a 0.2% perturbation
+# of the input of one single-device TransformerLayer moves its grads as much
+# (up to ~0.06 / ~0.04), while FP8 vs bf16 differ by ~0.05-0.12.
+TOL, TOL_MEAN = 0.1, 0.06
+FULL = os.environ.get("TE_JAX_FULL_SHARDING_TESTS", "0") == "1"
 
 HIDDEN, MLP, HEADS = 256, 512, 4
 
@@ -178,7 +185,7 @@ def _reference(kind, rname, rows, seq_len, nb):
   x, seg, w_out = _inputs(rows, seq_len, nb)
   model = _model(kind)
   with te_jax.fp8_autocast(True, rec):
-    variables = nn.meta.unbox(model.init(jax.random.PRNGKey(0), x[:1]))
+    variables = nn.meta.unbox(jax.jit(model.init)(jax.random.PRNGKey(0), x[:1]))
     f = jax.jit(jax.value_and_grad(_loss_fn(model, kind), argnums=(0, 1)))
     loss, grads = f(variables, x, seg, w_out)
   return variables, (loss, grads)
@@ -206,8 +213,11 @@ def _sharded_run(kind, rname, mesh_name, sp, rows, seq_len, nb, hlo=False):
   with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.logical_axis_rules(mr)), \
        te_jax.fp8_autocast(True, rec, mesh_resource=mr):
     f = jax.jit(jax.value_and_grad(_loss_fn(model, kind), argnums=(0, 1)))
-    out = f(variables, xs, segs, w_out)
-    text = _partitioned_hlo(f.lower(variables, xs, segs, w_out)) if hlo else None
+    if hlo:
+      text, compiled = _partitioned_hlo(f.lower(variables, xs, segs, w_out))
+      out = compiled(variables, xs, segs, w_out)
+    else:
+      text, out = None, f(variables, xs, segs, w_out)
   return ref, out, text
 
 
@@ -218,12 +228,12 @@ def _partitioned_hlo(lowered):
   f32 and rewrites reduce-scatters, which GPUs do not.)
   """
   with tempfile.TemporaryDirectory() as d:
-    lowered.compile(compiler_options={"xla_dump_to": d,
-                                      "xla_dump_hlo_pass_re": "spmd-partitioning"})
+    compiled = lowered.compile(compiler_options={
+        "xla_dump_to": d, "xla_dump_hlo_pass_re": "spmd-partitioning"})
     names = [n for n in os.listdir(d) if "after_spmd-partitioning" in n]
     assert names, os.listdir(d)
     with open(os.path.join(d, sorted(names)[-1])) as fh:
-      return fh.read()
+      return fh.read(), compiled
 
 
 _COLL = re.compile(r"=\s*(\(?[^=]*?\)?)\s+(all-gather|reduce-scatter|all-reduce|"
@@ -246,20 +256,25 @@ def collectives(hlo_text):
   return out
 
 
-def _compare(ref, out, tol=TOL):
+def _compare(ref, out, tol=TOL, tol_mean=TOL_MEAN):
   (l0, g0), (l1, g1) = ref, out
   assert np.isfinite(float(l1))
   assert abs(float(l0) - float(l1)) <= tol * abs(float(l0)) + 1e-3, (float(l0), float(l1))
   flat0 = jax.tree_util.tree_leaves_with_path(g0)
   flat1 = jax.tree.leaves(g1)
   assert len(flat0) == len(flat1)
+  bad = []
   for (path, a), b in zip(flat0, flat1):
     a = np.asarray(a, np.float32)
     b = np.asarray(b, np.float32)
     assert a.shape == b.shape, jax.tree_util.keystr(path)
     scale = max(float(np.abs(a).max()), 1e-6)
     err = float(np.abs(a - b).max()) / scale
-    assert err <= tol, f"{jax.tree_util.keystr(path)}: rel err {err:.4f}"
+    mean_err = float(np.abs(a - b).mean()) / max(float(np.abs(a).mean()), 1e-6)
+    if err > tol or mean_err > tol_mean:
+      bad.append(f"{jax.tree_util.keystr(path)}: max err/max {err:.4f}, "
+                 f"mean err/mean {mean_err:.4f}")
+  assert not bad, "\n".join(bad)
 
 
 # ------------------------------------------------------------ tests --------
@@ -329,19 +344,23 @@ def _chain_sharded(rname, mesh_name, sp, x_shape, mr=None, hlo=False):
   with jax.set_mesh(mesh), te_jax.fp8_autocast(True, RECIPES[rname], mesh_resource=mr):
     f = jax.jit(jax.value_and_grad(functools.partial(_chain_loss, sharded=True),
                                    argnums=(0, 1, 2, 3, 4, 5, 6)))
-    out = f(*args)
-    text = _partitioned_hlo(f.lower(*args)) if hlo else None
+    if hlo:
+      text, compiled = _partitioned_hlo(f.lower(*args))
+      out = compiled(*args)
+    else:
+      text, out = None, f(*args)
   return out, text
 
 
 @pytest.mark.parametrize("rname", list(RECIPES))
-@pytest.mark.parametrize("mesh_name,sp", CASES)
+@pytest.mark.parametrize("mesh_name,sp", CASES if FULL else [
+    ("fsdp8", False), ("fsdp4_tp2", True), ("dp2_fsdp2_tp2", True)])
 def test_functional_mlp_matches_single_device(mesh_name, sp, rname):
   # 8 rows of 128 tokens: 2 rows per batch shard on the 4-way meshes, so the
   # sequence-parallel chunks interleave rows (exercises the chunk order).
   shape = (8, 128)
   out, _ = _chain_sharded(rname, mesh_name, sp, shape)
-  _compare(_chain_reference(rname, shape), out, tol=0.03)
+  _compare(_chain_reference(rname, shape), out, tol=0.03, tol_mean=0.03)
 
 
 def test_misaligned_tokens_raise_at_trace_time():
@@ -363,8 +382,15 @@ def test_misaligned_tokens_padded_on_request():
   _compare(_chain_reference("block", shape), out, tol=0.03)
 
 
-@pytest.mark.parametrize("rname", list(RECIPES))
-@pytest.mark.parametrize("mesh_name,sp", CASES)
+# Every mesh and SP setting, each recipe on the 3-axis mesh; the full
+# mesh x SP x recipe product with TE_JAX_FULL_SHARDING_TESTS=1 (~3x longer).
+_LAYER_CASES = [(m, sp, r) for (m, sp) in CASES for r in RECIPES] if FULL else [
+    ("fsdp8", False, "delayed"), ("fsdp4_tp2", False, "current"),
+    ("fsdp4_tp2", True, "block"), ("dp2_fsdp2_tp2", False, "block"),
+    ("dp2_fsdp2_tp2", True, "delayed"), ("dp2_fsdp2_tp2", True, "current")]
+
+
+@pytest.mark.parametrize("mesh_name,sp,rname", _LAYER_CASES)
 def test_transformer_layer_matches_single_device(mesh_name, sp, rname):
   ref, out, _ = _sharded_run("layer", rname, mesh_name, sp, ROWS, SEQ, 8)
   _compare(ref, out)
