@@ -234,6 +234,26 @@ def test_delayed_state_updates_with_train_state():
   assert float(jnp.abs(s2.params["params"]["kernel"] - s0.params["params"]["kernel"]).max()) > 0
 
 
+@pytest.mark.parametrize("other", [None, "current"])
+def test_delayed_state_untouched_when_recipe_unused(other):
+  """State made under DelayedScaling survives steps run with FP8 off / another recipe."""
+  x = rand(0, (8, 32)) * 3.0; target = rand(1, (8, 16))
+  m = tfx.DenseGeneral(16)
+  r = recipe.DelayedScaling(amax_history_len=4)
+  s0, s1, _ = _train_two_steps(m, x, target, r)       # state with real amaxes
+  with te_jax.fp8_autocast(enabled=other is not None,
+                           fp8_recipe=RECIPES[other]() if other else None):
+    @jax.jit
+    def step(state):
+      grads = jax.grad(lambda p: jnp.mean((state.apply_fn(p, x) - target) ** 2))(state.params)
+      return state.apply_gradients(grads=grads)
+    s2 = step(s1)
+  before, after = s1.params[COLL], s2.params[COLL]
+  jax.tree.map(np.testing.assert_array_equal, after, before)
+  assert float(before["fp8_meta"]["x"]["amax_history"][0]) > 0   # not a trivial state
+  assert float(jnp.abs(s2.params["params"]["kernel"] - s1.params["params"]["kernel"]).max()) > 0
+
+
 @pytest.mark.parametrize("name", ["current", "block"])
 def test_no_state_other_recipes_train_state(name):
   x = rand(0, (8, 32)); target = rand(1, (8, 16))

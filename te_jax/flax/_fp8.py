@@ -10,6 +10,11 @@ Every GEMM of a te_jax Linen module goes through :func:`fp8_gemm`, which
   ``fp8_state.init_dense_state(recipe.amax_history_len)``; no FP8 state exists
   with FP8 off or with the other recipes;
 * calls :func:`te_jax.dense.dense` on the 2-D view of the operands.
+
+When the variables hold delayed-scaling state but the active recipe does not
+use it (FP8 switched off for a step, or another recipe), the state's
+"gradient" is the state itself, so ``TrainState.apply_gradients`` leaves it
+untouched.
 """
 
 from __future__ import annotations
@@ -71,23 +76,63 @@ def _fp8_state(module: nn.Module, name: str, recipe):
   return state
 
 
-def fp8_gemm(module: nn.Module, x2d: jax.Array, kernel2d: jax.Array,
+@jax.custom_vjp
+def _keep_state(y, state):
+  """Identity on ``y`` whose backward returns ``state`` as the state's gradient.
+
+  Used when a module holds delayed-scaling state but the active recipe does
+  not use it (FP8 off, or another recipe): the "gradient" that
+  ``TrainState.apply_gradients`` writes back is then the state itself, so the
+  state is left untouched instead of being overwritten by zeros.
+  """
+  del state
+  return y
+
+
+def _keep_state_fwd(y, state):
+  return y, state
+
+
+def _keep_state_bwd(state, g):
+  return g, state
+
+
+_keep_state.defvjp(_keep_state_fwd, _keep_state_bwd)
+
+
+def fp8_gemm(module: nn.Module, x: jax.Array, kernel: jax.Array,
              bias: Optional[jax.Array] = None, *, recipe=None,
-             name: str = FP8_META) -> jax.Array:
-  """``x2d @ kernel2d (+ bias)`` with the recipe given (None = no FP8).
+             name: str = FP8_META, contract_ndim: int = 1,
+             kernel_axes: Optional[Sequence[Optional[str]]] = None) -> jax.Array:
+  """``x @ kernel (+ bias)`` over the last ``contract_ndim`` dims of ``x``.
+
+  Calls :func:`te_jax.dense.dense_general`, which keeps the leading dims of
+  ``x`` (a (batch, seq) layout sharded for sequence parallelism reaches the
+  GEMM as it is) and, with ``kernel_axes`` and an active mesh resource, runs
+  the FP8 GEMMs sharded.
 
   Args:
     module: the Linen module that owns the GEMM (and its FP8 state).
-    x2d: (M, K) input in the compute dtype.
-    kernel2d: (K, N) kernel in the compute dtype.
-    bias: optional (N,) bias.
-    recipe: a te_jax recipe, or None for a plain dot in ``x2d.dtype``.
+    x: (*lead, *in_dims) input in the compute dtype, contracting dims last.
+    kernel: (*in_dims, *out_dims) kernel in the compute dtype.
+    bias: optional (*out_dims) bias.
+    recipe: a te_jax recipe, or None for a plain dot in ``x.dtype``.
     name: name of the FP8 state variable (one per GEMM of the module).
+    contract_ndim: number of contracting dims (``len(in_dims)``).
+    kernel_axes: logical axis names of the kernel, one per dim.
 
   Returns:
-    (M, N) array in ``x2d.dtype``.
+    (*lead, *out_dims) array in ``x.dtype``.
   """
-  state = None
+  kernel_axes = None if kernel_axes is None else tuple(kernel_axes)
   if isinstance(recipe, recipe_lib.DelayedScaling):
     state = _fp8_state(module, name, recipe)
-  return dense_lib.dense(x2d, kernel2d, bias, recipe=recipe, fp8_state=state)
+    return dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim,
+                                   recipe=recipe, fp8_state=state,
+                                   kernel_axes=kernel_axes)
+  y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim,
+                              recipe=recipe, kernel_axes=kernel_axes)
+  if module.has_variable(state_lib.FP8_COLLECTION, name):
+    # State from a DelayedScaling init, unused now: keep it as it is.
+    y = _keep_state(y, module.get_variable(state_lib.FP8_COLLECTION, name))
+  return y

@@ -93,16 +93,15 @@ def dense_general(module: nn.Module, x: jax.Array, *, features, axis,
     bias = module.param(bias_name, nn.with_logical_partitioning(bias_init, bias_axes),
                         features, param_dtype)
   compute = dtype if dtype is not None else jnp.result_type(x.dtype, param_dtype)
-  # Move the contracting axes to the end (in the order given), flatten to 2-D.
+  # Move the contracting axes to the end, in the order given; the leading
+  # (batch) dims are kept as they are (not flattened).
   batch_axes = tuple(a for a in range(x.ndim) if a not in axis)
-  xt = jnp.transpose(x, batch_axes + axis) if batch_axes + axis != tuple(range(x.ndim)) else x
-  batch_shape = tuple(x.shape[a] for a in batch_axes)
-  k_in, n = math.prod(in_shape), math.prod(features)
-  x2d = xt.reshape(-1, k_in).astype(compute)
-  k2d = kernel.reshape(k_in, n).astype(compute)
-  b1d = None if bias is None else bias.reshape(n).astype(compute)
-  y = _fp8.fp8_gemm(module, x2d, k2d, b1d, recipe=_fp8.active_recipe(), name=fp8_name)
-  return y.reshape(batch_shape + features)
+  if batch_axes + axis != tuple(range(x.ndim)):
+    x = jnp.transpose(x, batch_axes + axis)
+  return _fp8.fp8_gemm(
+      module, x.astype(compute), kernel.astype(compute),
+      None if bias is None else bias.astype(compute), recipe=_fp8.active_recipe(),
+      name=fp8_name, contract_ndim=n_in, kernel_axes=kernel_axes)
 
 
 class DenseGeneral(nn.Module):

@@ -143,23 +143,19 @@ class LayerNormMLP(nn.Module):
       bo = self.param("wo_bias", nn.with_logical_partitioning(
           self.bias_init, tuple(self.kernel_axes_2[1:])), (embed,), self.param_dtype)
 
-    lead = inputs.shape[:-1]
-    x2d = ln_out.reshape(-1, embed)
-    h = _fp8.fp8_gemm(self, x2d, wi.reshape(embed, -1).astype(compute),
-                      None if bi is None else bi.reshape(-1).astype(compute),
-                      recipe=recipe, name="wi_fp8_meta")
-    h = h.reshape(-1, n_act, self.intermediate_dim)
-    z = ACTIVATIONS[acts[0]](h[:, 0, :])
+    h = _fp8.fp8_gemm(self, ln_out, wi.astype(compute),
+                      None if bi is None else bi.astype(compute), recipe=recipe,
+                      name="wi_fp8_meta", kernel_axes=self.kernel_axes_1)
+    z = ACTIVATIONS[acts[0]](h[..., 0, :])      # h: (..., n_act, mlp)
     for i in range(1, n_act):
-      z = z * ACTIVATIONS[acts[i]](h[:, i, :])
+      z = z * ACTIVATIONS[acts[i]](h[..., i, :])
     z = z.astype(compute)
     if self.intermediate_dropout_rate > 0.0:
       z = nn.Dropout(rate=self.intermediate_dropout_rate, broadcast_dims=(),
                      name="intermediate_dropout")(z, deterministic=deterministic)
     y = _fp8.fp8_gemm(self, z, wo.astype(compute),
-                      None if bo is None else bo.astype(compute),
-                      recipe=recipe, name="wo_fp8_meta")
-    y = y.reshape(*lead, embed)
+                      None if bo is None else bo.astype(compute), recipe=recipe,
+                      name="wo_fp8_meta", kernel_axes=self.kernel_axes_2)
     if self.return_layernorm_output:
       return y, ln_out
     return y
