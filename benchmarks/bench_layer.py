@@ -43,7 +43,10 @@ import sys
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(_HERE))
+try:  # an installed te_jax (with its CUDA module) wins over the source tree
+  import te_jax  # pylint: disable=unused-import
+except ImportError:
+  sys.path.insert(0, os.path.dirname(_HERE))
 
 MLP_CONFIGS = ["mlp/te_off", "mlp/te_delayed", "mlp/te_current", "mlp/te_block",
                "mlp/flax_fp8", "mlp/flax_bf16"]
@@ -174,7 +177,9 @@ def run_one(config, small, k, repeats):
   except Exception:  # pylint: disable=broad-except
     stats = None
   peak = stats.get("peak_bytes_in_use") if stats else None
-  return {"config": config, "label": label, "ms": ms,
+  from te_jax.ops import _native  # pylint: disable=import-outside-toplevel
+  native = _native.resolve_impl("auto")
+  return {"config": config, "label": label, "ms": ms, "impl": native,
           "tflops": flops / (ms * 1e-3) / 1e12, "peak_bytes": peak,
           "times_ms": [x * 1e3 for x in times]}
 
@@ -195,7 +200,8 @@ def table(results, env, sz, k, repeats):
       "",
       f"Tokens {sz['batch']}x{sz['seq']}, hidden {sz['hidden']}, mlp {sz['mlp']}, "
       f"heads {sz['heads']}, bf16 params/activations, fwd+bwd (value_and_grad wrt "
-      f"params and input); k={k} back-to-back steps, median of {repeats}.",
+      f"params and input); k={k} back-to-back steps, median of {repeats}; te_jax "
+      f"quantize/GEMM ops: {', '.join(sorted({r.get('impl', '?') for r in results}))}.",
       "",
       "| config | ms / step | vs FP8-off | TFLOP/s | peak mem (MiB) |",
       "|---|---:|---:|---:|---:|",
