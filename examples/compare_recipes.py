@@ -32,9 +32,47 @@ def final_loss(losses, frac: float = 0.1) -> float:
   return float(np.mean(losses[-n:]))
 
 
-def compare(recipes, base: train_gpt.Config, out_dir: str, tolerance: float = 0.02) -> dict:
+def plot_runs(runs: dict, path: str, title: str, ref_name: str = "none") -> bool:
+  """Loss curves (left) and their ratio to the FP8-off run (right); False without matplotlib."""
+  try:
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    print(f"matplotlib is not installed: skipping {path} (python3 -m pip install matplotlib)")
+    return False
+  n = len(next(iter(runs.values()))["losses"])
+  window = max(1, n // 30)
+  fig, (ax, axr) = plt.subplots(1, 2, figsize=(12, 4.2))
+  ref = runs.get("none")
+  for name, r in runs.items():
+    label = ref_name if name == "none" else name
+    sm = train_gpt.smooth(r["losses"], window)
+    ax.plot(r["steps"], sm, label=label, linewidth=1.2)
+    if ref is not None:
+      m = min(len(sm), len(ref["losses"]))
+      ratio = sm[:m] / train_gpt.smooth(ref["losses"], window)[:m]
+      axr.plot(r["steps"][:m], ratio, label=label, linewidth=1.2)
+  ax.set(xlabel="step", ylabel="training loss (nats/char)", yscale="log",
+         title=f"{title}, {window}-step mean")
+  axr.set(xlabel="step", ylabel="loss / loss of FP8 off", title="ratio to FP8 off")
+  axr.axhspan(0.98, 1.02, color="grey", alpha=0.15, label="+-2%")
+  axr.set_ylim(0.8, 1.2)
+  for a in (ax, axr):
+    a.grid(alpha=0.3)
+    a.legend()
+  fig.tight_layout()
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
+def compare(recipes, base: train_gpt.Config, out_dir: str, tolerance: float = 0.02,
+            merge: bool = False) -> dict:
   """Runs ``train_gpt.train`` once per recipe; writes the figure and summaries."""
   runs = {}
+  os.makedirs(out_dir, exist_ok=True)
   for name in recipes:
     print(f"\n=== recipe {name} ===", flush=True)
     cfg = train_gpt.Config(**{**base.__dict__, "recipe": name, "out_dir": None,
@@ -42,6 +80,19 @@ def compare(recipes, base: train_gpt.Config, out_dir: str, tolerance: float = 0.
     res = train_gpt.train(cfg)
     res.pop("state", None)
     runs[name] = res
+    with open(os.path.join(out_dir, f"run_{name}.json"), "w") as fh:   # saved as it finishes
+      json.dump(res, fh)
+  if merge:
+    # Earlier runs of other recipes in out_dir (same config) join the summary.
+    for name in train_gpt.RECIPES:
+      path = os.path.join(out_dir, f"run_{name}.json")
+      if name not in runs and os.path.exists(path):
+        with open(path) as fh:
+          old = json.load(fh)
+        if old["config"] == {**runs[recipes[0]]["config"], "recipe": name}:
+          runs[name] = old
+          print(f"merged the earlier {name} run from {path}")
+  runs = {n: runs[n] for n in train_gpt.RECIPES if n in runs}
 
   ref = runs.get("none")
   rows = []
@@ -83,12 +134,8 @@ def compare(recipes, base: train_gpt.Config, out_dir: str, tolerance: float = 0.
     fh.write("\n".join(md) + "\n")
   print("\n" + "\n".join(md))
 
-  window = max(1, len(next(iter(runs.values()))["losses"]) // 30)
-  curves = {(ref_name if n == "none" else n): (r["steps"], train_gpt.smooth(r["losses"], window))
-            for n, r in runs.items()}
   png = os.path.join(out_dir, "loss_curves.png")
-  if train_gpt.save_loss_plot(png, curves, f"te_jax recipes vs FP8 off ({cfg0.preset} preset, "
-                              f"{window}-step mean)"):
+  if plot_runs(runs, png, f"te_jax recipes vs FP8 off ({cfg0.preset} preset)", ref_name):
     print(f"wrote {png}")
   return summary
 
@@ -102,6 +149,9 @@ def main(argv=None):
   parser.add_argument("--tolerance", type=float, default=0.02,
                       help="relative final-loss tolerance vs the FP8-off run")
   parser.add_argument("--eval_batches", type=int, default=2)
+  parser.add_argument("--merge", action="store_true",
+                      help="also summarize earlier runs (run_<recipe>.json) of other recipes "
+                           "with the same config in --out_dir")
   args = parser.parse_args(argv)
   recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
   for r in recipes:
@@ -110,10 +160,10 @@ def main(argv=None):
   base = train_gpt.Config(
       preset=args.preset, hidden=args.hidden, layers=args.layers, heads=args.heads,
       mlp=args.mlp, seq_len=args.seq_len, batch=args.batch, steps=args.steps, lr=args.lr,
-      warmup=args.warmup, dtype=args.dtype, fsdp=args.fsdp, tp=args.tp, dp=args.dp,
+      warmup=args.warmup, num_docs=args.num_docs, dtype=args.dtype, fsdp=args.fsdp, tp=args.tp, dp=args.dp,
       amax_history_len=args.amax_history_len, seed=args.seed, remat=args.remat,
       sample_chars=0, eval_batches=args.eval_batches, progress=not args.no_progress, log_every=args.log_every)
-  return compare(recipes, base, args.out_dir, args.tolerance)
+  return compare(recipes, base, args.out_dir, args.tolerance, args.merge)
 
 
 if __name__ == "__main__":
