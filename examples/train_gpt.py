@@ -318,7 +318,10 @@ class Trainer:
 
   def _build(self):
     cfg, model = self.cfg, self.model
-    dummy = tuple(jnp.zeros((self.batch_shards, cfg.seq_len), jnp.int32) for _ in range(3))
+    # The smallest batch that shards evenly with FP8-aligned tokens per device.
+    zeros = np.zeros((1, cfg.seq_len), np.int32)
+    dummy = tuple(jnp.asarray(a) for a in packing.pad_batch(
+        zeros, zeros, zeros, block=self.block, num_shards=self.batch_shards))
 
     def init_state(rng):
       variables = model.init(rng, *dummy)
@@ -516,8 +519,8 @@ def train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
   }
   if losses and cfg.eval_batches:
     result["eval_loss"] = trainer.evaluate(state, cfg.eval_batches)
-    if cfg.sample_chars:
-      result["sample"] = trainer.sample(state, "the cat ", cfg.sample_chars)
+  if losses and cfg.sample_chars:
+    result["sample"] = trainer.sample(state, "the cat ", cfg.sample_chars)
   result["state"] = state
   if losses:
     print(f"done: {len(losses)} steps in {wall:.1f} s | loss {losses[0]:.3f} -> "
