@@ -4,7 +4,6 @@ Tiny sizes only (the whole file is a CI budget item): a 2-layer, hidden-64
 GPT on 4 x 128 packed tokens.
 """
 
-import dataclasses
 import json
 import os
 import shutil
@@ -79,19 +78,16 @@ def test_checkpoint_numpy_backend_roundtrip_exact(tmp_path):
 
 
 def test_resume_gives_bit_identical_next_step_loss(tmp_path):
-  """4 uninterrupted steps (checkpoint at 2 and 4) vs a run resumed from step 2.
+  """4 uninterrupted steps (checkpoint at 2 and 4) vs a fresh process resuming at 2.
 
-  The resumed run starts from a freshly initialized state (new random
-  parameters, empty FP8 state) and gets everything else from the checkpoint.
-  It reuses the compiled step of the first run: a new process would only
-  compile the same program again (see train_gpt.py --resume for the CLI).
+  The resumed process initializes a new state (new random parameters, empty
+  FP8 state) and gets everything else from the orbax checkpoint.
   """
   ckpt = str(tmp_path / "ckpt")
   cfg = train_gpt.Config(recipe="delayed", preset="tiny", steps=4, ckpt_dir=ckpt,
                          ckpt_every=2, out_dir=str(tmp_path / "a"), sample_chars=0,
                          eval_batches=0, progress=False)
-  trainer = train_gpt.Trainer(cfg)
-  full = train_gpt.train(cfg, trainer)
+  full = train_gpt.train(cfg)
   assert full["steps"] == [0, 1, 2, 3]
   assert all(np.isfinite(full["losses"]))
   assert checkpoint.available_steps(ckpt) == [2, 4]
@@ -103,13 +99,21 @@ def test_resume_gives_bit_identical_next_step_loss(tmp_path):
   assert hist and any(np.any(h[:2] > 0) for h in hist if h.ndim)
 
   shutil.rmtree(os.path.join(ckpt, "4"))
-  trainer.cfg = dataclasses.replace(trainer.cfg, resume=True, out_dir=str(tmp_path / "b"))
-  resumed = train_gpt.train(trainer.cfg, trainer)
+  out_b = tmp_path / "b"
+  proc = subprocess.run(
+      [sys.executable, os.path.join(EXAMPLES, "train_gpt.py"), "--preset", "tiny",
+       "--recipe", "delayed", "--steps", "4", "--ckpt_dir", ckpt, "--resume",
+       "--sample_chars", "2", "--eval_batches", "0", "--no_progress", "--out_dir", str(out_b)],
+      env=_env(), capture_output=True, text=True, timeout=600, check=False)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+  assert "resumed from" in proc.stdout and "done: 2 steps" in proc.stdout
+  assert "sample:" in proc.stdout
+  resumed = json.loads((out_b / "metrics.json").read_text())
   assert resumed["steps"] == [2, 3]
-  # Exact equality: same data, same parameters, optimizer and FP8 state.
+  # Exact equality (JSON floats round-trip): same data, parameters, optimizer
+  # and FP8 state.
   assert resumed["losses"] == full["losses"][2:], (resumed["losses"], full["losses"])
-  saved = json.loads((tmp_path / "b" / "metrics.json").read_text())
-  assert saved["losses"] == resumed["losses"]      # JSON floats round-trip exactly
+  assert (out_b / "loss_curve.png").exists() or "matplotlib is not installed" in proc.stdout
 
 
 def test_compare_recipes_writes_summary(tmp_path, monkeypatch):
@@ -135,16 +139,3 @@ def test_compare_recipes_writes_summary(tmp_path, monkeypatch):
     assert (tmp_path / "loss_curves.png").stat().st_size > 1000
   except ImportError:
     pass
-
-
-def test_train_gpt_cli_smoke(tmp_path):
-  """The CLI end to end in a fresh process: blockwise recipe, 2 steps, plot + sample."""
-  proc = subprocess.run(
-      [sys.executable, os.path.join(EXAMPLES, "train_gpt.py"), "--preset", "tiny",
-       "--recipe", "blockwise", "--steps", "2", "--sample_chars", "2", "--eval_batches", "0",
-       "--no_progress", "--out_dir", str(tmp_path)],
-      env=_env(), capture_output=True, text=True, timeout=600, check=False)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  assert "done: 2 steps" in proc.stdout and "sample:" in proc.stdout
-  metrics = json.loads((tmp_path / "metrics.json").read_text())
-  assert len(metrics["losses"]) == 2 and np.all(np.isfinite(metrics["losses"]))
