@@ -154,10 +154,10 @@ class GPT(nn.Module):
 
   @nn.compact
   def __call__(self, tokens, segment_ids, positions):
+    # The (tiny) embedding table is replicated: sharding it ("vocab", "embed")
+    # would make XLA re-shard the gathered activations to the batch layout.
     embed = nn.Embed(self.vocab_size, self.hidden, dtype=self.dtype,
-                     embedding_init=nn.with_logical_partitioning(
-                         nn.initializers.normal(1.0), ("vocab", "embed")),
-                     name="embed")
+                     embedding_init=nn.initializers.normal(1.0), name="embed")
     x = embed(tokens)
     block = nn.remat(tfx.TransformerLayer) if self.remat else tfx.TransformerLayer
     for i in range(self.layers):
