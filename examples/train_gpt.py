@@ -459,6 +459,9 @@ def train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
   cfg = trainer.cfg
   state = trainer.init()
   start = 0
+  if cfg.ckpt_dir and not checkpoint.orbax_available():
+    print("orbax-checkpoint is not installed: checkpoints are written as .npz files "
+          "(single host; python3 -m pip install orbax-checkpoint for orbax)")
   if cfg.resume:
     if not cfg.ckpt_dir:
       raise ValueError("--resume needs --ckpt_dir.")
