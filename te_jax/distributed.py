@@ -44,9 +44,11 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from te_jax import fp8_state as state_lib
+# The per-GEMM accumulation choice and the delayed-scaling update are the
+# same as on the unsharded path (``plan`` has the fields of its config).
+from te_jax.dense import _gemm, _new_state  # pylint: disable=protected-access
 from te_jax import recipe as recipe_lib
 from te_jax import sharding as sharding_lib
-from te_jax.ops import gemm as gemm_op
 from te_jax.ops import quantize as quantize_op
 from te_jax.scaled_tensor import ScaledTensor
 
@@ -205,21 +207,6 @@ def _quantize(x, role, plan, state, columnwise):
   row = ScaledTensor(data, s_inv)
   col = ScaledTensor(data_t, s_inv) if columnwise else None
   return row, col, amax
-
-
-def _gemm(a, b, out_dtype, plan, which, bias=None):
-  fast = getattr(plan.recipe, f"fast_accum_{which}", False)
-  return gemm_op.gemm(a, b, out_dtype=out_dtype, bias=bias, fast_accum=fast,
-                      impl=plan.impl)
-
-
-def _new_state(state, amaxes, plan):
-  r = plan.recipe
-  new = dict(state)
-  for role, amax in amaxes.items():
-    dtype = r.bwd_dtype if role == "grad" else r.fwd_dtype
-    new[role] = state_lib.update_tensor_state(state[role], amax, r, dtype)
-  return new
 
 
 def _axis_name(axes):
