@@ -6,7 +6,6 @@ in a process with fewer devices every test here skips.
 """
 
 import functools
-import inspect
 import os
 import re
 import tempfile
@@ -21,7 +20,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import te_jax
 from te_jax import dense as dense_lib
 from te_jax import fp8_state, packing, recipe, sharding
-from te_jax.flax import _fp8
 from te_jax import flax as tfx
 
 pytestmark = pytest.mark.skipif(
@@ -60,71 +58,6 @@ def _mesh(name):
 
 def _mr(name, sp):
   return sharding.MeshResource(**MESHES[name][2], sequence_parallel=sp)
-
-
-# ------------------------------------------------------ module shim --------
-# The Linen modules must tell te_jax.dense.dense the logical names of the 2-D
-# kernel (kernel_axes=...). Until te_jax/flax passes them itself, this shim
-# wraps _fp8.fp8_gemm and derives them from the module's attributes.
-
-def _kernel_axes_of(module, name):
-  if isinstance(module, tfx.LayerNormMLP):
-    ax = tuple(module.kernel_axes_1 if name.startswith("wi") else module.kernel_axes_2)
-    return (ax[0], tuple(ax[1:]))
-  if isinstance(module, (tfx.DenseGeneral, tfx.LayerNormDenseGeneral)):
-    from te_jax.flax.dense import default_kernel_axes
-    features = (module.features,) if isinstance(module.features, int) else tuple(
-        module.features)
-    n_in = 1 if isinstance(getattr(module, "axis", -1), int) else len(module.axis)
-    axes = tuple(module.kernel_axes) or default_kernel_axes(n_in, len(features))
-    return (tuple(axes[:n_in]), tuple(axes[n_in:]))
-  return None
-
-
-def _shim_fp8_gemm(module, x2d, kernel2d, bias=None, *, recipe=None, name=_fp8.FP8_META):
-  state = None
-  if isinstance(recipe, te_jax.recipe.DelayedScaling):
-    state = _fp8._fp8_state(module, name, recipe)  # pylint: disable=protected-access
-  return dense_lib.dense(x2d, kernel2d, bias, recipe=recipe, fp8_state=state,
-                         kernel_axes=_kernel_axes_of(module, name))
-
-
-def _shim_dense_general(module, x, *, features, axis, use_bias, dtype, param_dtype,
-                        kernel_init, bias_init, kernel_axes, bias_axes,
-                        kernel_name="kernel", bias_name="bias", fp8_name=_fp8.FP8_META):
-  """te_jax.flax.dense.dense_general, calling te_jax.dense.dense_general (N-D)."""
-  from te_jax.flax import dense as fdense
-  features = (features,) if isinstance(features, int) else tuple(features)
-  axis = _fp8.canonicalize_axes(axis, x.ndim)
-  n_in = len(axis)
-  kernel_shape = tuple(x.shape[a] for a in axis) + features
-  kernel_axes = tuple(kernel_axes) or fdense.default_kernel_axes(n_in, len(features))
-  kernel = module.param(kernel_name, nn.with_logical_partitioning(
-      fdense._kernel_fan_in_init(kernel_init, n_in, len(features)), kernel_axes),
-                        kernel_shape, param_dtype)
-  bias = None
-  if use_bias:
-    bias = module.param(bias_name, nn.with_logical_partitioning(
-        bias_init, tuple(bias_axes) or kernel_axes[n_in:]), features, param_dtype)
-  compute = dtype if dtype is not None else jnp.result_type(x.dtype, param_dtype)
-  batch_axes = tuple(a for a in range(x.ndim) if a not in axis)
-  xt = jnp.transpose(x, batch_axes + axis).astype(compute)
-  recipe = _fp8.active_recipe()
-  state = None
-  if isinstance(recipe, te_jax.recipe.DelayedScaling):
-    state = _fp8._fp8_state(module, fp8_name, recipe)  # pylint: disable=protected-access
-  return dense_lib.dense_general(
-      xt, kernel.astype(compute), None if bias is None else bias.astype(compute),
-      contract_ndim=n_in, recipe=recipe, fp8_state=state, kernel_axes=kernel_axes)
-
-
-@pytest.fixture(autouse=True)
-def _module_shim(monkeypatch):
-  if "kernel_axes" not in inspect.signature(_fp8.fp8_gemm).parameters:
-    from te_jax.flax import dense as fdense
-    monkeypatch.setattr(_fp8, "fp8_gemm", _shim_fp8_gemm)
-    monkeypatch.setattr(fdense, "dense_general", _shim_dense_general)
-  yield
 
 
 # ------------------------------------------------------------- data --------

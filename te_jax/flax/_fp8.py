@@ -22,7 +22,6 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple
 
 import jax
-import jax.numpy as jnp
 import flax.linen as nn
 
 from te_jax import dense as dense_lib
