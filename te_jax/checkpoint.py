@@ -28,6 +28,7 @@ import shutil
 from typing import Any, Optional
 
 import jax
+import ml_dtypes
 import numpy as np
 
 __all__ = ["save", "restore", "latest_step", "available_steps", "orbax_available"]
@@ -179,8 +180,11 @@ def restore(directory: str, step: Optional[int] = None, *, target: Any,
       out = []
       for i, (leaf, dt) in enumerate(zip(leaves, meta["dtypes"])):
         a = data[f"leaf_{i}"]
-        if a.dtype.name != dt:
-          a = a.view(np.dtype(leaf.dtype))
+        if a.dtype.name != dt:  # saved as raw bytes (e.g. bfloat16, float8)
+          a = a.view(np.dtype(getattr(ml_dtypes, dt, dt)))
+        if a.dtype != np.dtype(leaf.dtype):
+          raise ValueError(f"leaf {i}: checkpoint dtype {a.dtype} != target "
+                           f"{np.dtype(leaf.dtype)}.")
         if a.shape != tuple(leaf.shape):
           raise ValueError(f"leaf {i}: checkpoint shape {a.shape} != target {leaf.shape}.")
         sh = getattr(leaf, "sharding", None)

@@ -50,6 +50,7 @@ __all__ = ["fp8_dense", "dense", "dense_general"]
 class _Config(NamedTuple):
   recipe: recipe_lib.Recipe
   impl: str
+  has_bias: bool = False  # static: a Python bool residual may become a tracer
 
 
 # -------------------------------------------------------------- quantizers --
@@ -116,17 +117,16 @@ def _dense_2d_fwd(x, kernel, bias, state, cfg):
     new_state = _new_state(state, {"x": amax_x, "kernel": amax_k}, cfg)
   # Only the copies the backward GEMMs read are kept: x.T for wgrad and the
   # kernel for dgrad, both FP8 (half the bytes of a bf16 activation).
-  res = (qx_t, qk, new_state, bias is not None, jnp.zeros((0,), x.dtype),
-         jnp.zeros((0,), kernel.dtype))
+  res = (qx_t, qk, new_state, jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))
   return y, res
 
 
 def _dense_2d_bwd(cfg, res, g):
-  qx_t, qk, new_state, has_bias, x_proto, k_proto = res
+  qx_t, qk, new_state, x_proto, k_proto = res
   qg, qg_t, amax_g = _quantize(g, "grad", cfg, new_state)
   dx = _gemm(qg, qk, x_proto.dtype, cfg, "dgrad")
   dk = _gemm(qx_t, qg_t, k_proto.dtype, cfg, "wgrad")
-  dbias = jnp.sum(g.astype(jnp.float32), axis=0).astype(g.dtype) if has_bias else None
+  dbias = jnp.sum(g.astype(jnp.float32), axis=0).astype(g.dtype) if cfg.has_bias else None
   if new_state is not None:
     new_state = _new_state(new_state, {"grad": amax_g}, cfg)
   return dx, dk, dbias, new_state
@@ -208,7 +208,7 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
   xp = _pad_to(_pad_to(x2d, 0, align), 1, align)
   kp = _pad_to(_pad_to(kernel, 0, align), 1, align)
   bp = None if bias is None else _pad_to(bias.astype(x.dtype), 0, align)
-  cfg = _Config(recipe, impl)
+  cfg = _Config(recipe, impl, bias is not None)
   y = _dense_2d(xp, kp, bp, fp8_state, cfg)
   return y[:m, :n].reshape(*lead, n)
 

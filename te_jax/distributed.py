@@ -35,6 +35,7 @@ to the natural (batch, seq) order locally.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -207,6 +208,13 @@ def _quantize(x, role, plan, state, columnwise):
   row = ScaledTensor(data, s_inv)
   col = ScaledTensor(data_t, s_inv) if columnwise else None
   return row, col, amax
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_no_mesh():
+  logging.getLogger("te_jax").warning(
+      "te_jax: a mesh_resource is set but no mesh is active (jax.set_mesh or "
+      "`with mesh:`); FP8 GEMMs run unsharded.")
 
 
 def _axis_name(axes):
@@ -489,8 +497,13 @@ def sharded_fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array]
     ``recipe.token_block`` (and ``mesh_resource.pad_tokens`` is False), or a
     dim does not divide over its mesh axes.
   """
+  if len(kernel_axes) != 2:
+    raise ValueError(f"kernel_axes must name the 2 dims of the 2-D kernel "
+                     f"{tuple(kernel.shape)} (each a name, None or a tuple of names), "
+                     f"got {kernel_axes!r}.")
   mesh = sharding_lib.get_mesh(mesh)
-  if mesh is None or len(kernel_axes) != 2:
+  if mesh is None:
+    _warn_no_mesh()
     return None
   plan = make_plan(tuple(x.shape), tuple(kernel.shape), x_dtype=x.dtype,
                    k_dtype=kernel.dtype, has_bias=bias is not None, recipe=recipe,

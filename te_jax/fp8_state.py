@@ -4,7 +4,8 @@ Each FP8 GEMM under ``DelayedScaling`` keeps, for its input ``x``, its
 ``kernel`` and its output gradient ``grad``, a dict::
 
   {"amax_history": float32[amax_history_len],  # newest first
-   "scale_inv":    float32[]}                   # 1 / scale used this step
+   "scale_inv":    float32[]}                   # 1 / scale used this step;
+                                                # 0 means scale 1
 
 The state lives in the Flax collection ``FP8_COLLECTION``
 (``"_overwrite_with_gradient"``, the name Flax's own FP8 ops use). The
@@ -91,7 +92,12 @@ def update_tensor_state(state, amax: jax.Array, recipe, dtype):
   else:
     reduced = history[0]
   scale = compute_scale(reduced, dtype, margin=recipe.margin)
-  scale_inv = jnp.where(finite, 1.0 / scale, state["scale_inv"])
+  # An all-zero history means scale 1, stored as scale_inv 0 (which
+  # scale_from_state reads as 1): storing 1 would break the max-merge, since
+  # 1 / scale is otherwise monotone in the amax and 1 could exceed a real
+  # microbatch's scale_inv.
+  scale_inv = jnp.where(reduced > 0, 1.0 / scale, 0.0)
+  scale_inv = jnp.where(finite, scale_inv, state["scale_inv"])
   return {"amax_history": history, "scale_inv": scale_inv.astype(jnp.float32)}
 
 

@@ -260,3 +260,16 @@ def test_bad_inputs_name_the_argument():
     dense.fp8_dense(x, w, recipe=r, fp8_state=fp8_state.init_dense_state(2))
   with pytest.raises(TypeError, match="recipe must be"):
     dense.fp8_dense(x, w, recipe="delayed")
+
+
+def test_zero_amax_state_merges_exactly():
+  """A microbatch whose amax is 0 must not win the max-merge with scale 1."""
+  r = recipe.DelayedScaling(amax_history_len=1, amax_compute_algo="most_recent")
+  st = fp8_state.init_tensor_state(1)
+  upd = lambda a: fp8_state.update_tensor_state(st, jnp.float32(a), r, jnp.float8_e5m2)
+  zero, real = upd(0.0), upd(5.0)
+  assert float(fp8_state.scale_from_state(zero)) == 1.0  # amax 0 -> scale 1
+  merged = jax.tree.map(jnp.maximum, zero, real)
+  for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(real)):
+    np.testing.assert_array_equal(a, b)
+  assert float(fp8_state.scale_from_state(merged)) == pytest.approx(57344.0 / 5.0)

@@ -139,3 +139,15 @@ def test_compare_recipes_writes_summary(tmp_path, monkeypatch):
     assert (tmp_path / "loss_curves.png").stat().st_size > 1000
   except ImportError:
     pass
+
+
+def test_npz_restore_refuses_a_different_dtype(tmp_path):
+  """Raw-byte leaves (bfloat16) are never reinterpreted as the target's dtype."""
+  from te_jax import checkpoint
+  tree = {"w": jnp.arange(8, dtype=jnp.bfloat16)}
+  checkpoint.save(str(tmp_path), 1, tree, backend="numpy")
+  back = checkpoint.restore(str(tmp_path), 1, target=tree, backend="numpy")
+  np.testing.assert_array_equal(np.asarray(back["w"], np.float32), np.arange(8))
+  with pytest.raises(ValueError, match="dtype"):
+    checkpoint.restore(str(tmp_path), 1, target={"w": jnp.zeros(8, jnp.float16)},
+                       backend="numpy")

@@ -217,3 +217,11 @@ def test_attention_fp8_close_to_fp32(name):
   for sub in ("query", "kv", "out"):
     e = rel(gv["params"][sub]["kernel"], rgv["params"][sub]["kernel"])
     assert e < GRAD_TOL, (sub, e)
+
+
+def test_query_segment_ids_without_key_segment_ids_raise():
+  from te_jax.flax.attention import segment_attention_mask
+  ids = jnp.ones((1, 4), jnp.int32)
+  with pytest.raises(ValueError, match="kv_segment_ids"):
+    segment_attention_mask(ids, None)
+  assert segment_attention_mask(None, None) is None

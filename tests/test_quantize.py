@@ -182,3 +182,12 @@ def test_bad_inputs_name_the_argument():
     q.dequantize_blockwise(data, s_inv[:, :0])
   with pytest.raises(ValueError, match="impl"):
     q.quantize_blockwise(x, impl="triton")
+
+
+def test_gemm_rejects_non_fp8_operands():
+  from te_jax import ScaledTensor
+  from te_jax.ops import gemm as gemm_op
+  a = ScaledTensor(jnp.ones((16, 32), jnp.bfloat16), jnp.float32(1.0))
+  b = ScaledTensor(jnp.ones((16, 32), jnp.float8_e4m3fn), jnp.float32(1.0))
+  with pytest.raises(TypeError, match="a.data must be float8"):
+    gemm_op.gemm(a, b)

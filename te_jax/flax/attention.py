@@ -75,6 +75,9 @@ def segment_attention_mask(q_segment_ids: Optional[jax.Array],
   non-padding key (segment id != 0).
   """
   if kv_segment_ids is None:
+    if q_segment_ids is not None:
+      raise ValueError("q_segment_ids were given without kv_segment_ids: pass the "
+                       "key/value segment ids too (for self-attention, the same ids).")
     return None
   kv = kv_segment_ids[:, None, None, :]
   if q_segment_ids is None:

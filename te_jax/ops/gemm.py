@@ -28,6 +28,7 @@ from te_jax.scaled_tensor import ScaledTensor
 __all__ = ["gemm_reference", "gemm"]
 
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))
+_FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _BLOCK_PAIRS = (((1, 128), (128, 128)), ((1, 128), (1, 128)), ((128, 128), (1, 128)))
 
 
@@ -49,6 +50,8 @@ def _check(a, b, out_dtype, bias):
       raise TypeError(f"{name} must be a te_jax ScaledTensor, got {type(t).__name__}.")
     if t.data.ndim != 2:
       raise ValueError(f"{name}.data must be 2-D, got shape {t.data.shape}.")
+    if jnp.dtype(t.dtype) not in _FP8_DTYPES:
+      raise TypeError(f"{name}.data must be float8_e4m3fn or float8_e5m2, got {t.dtype}.")
   if a.shape[1] != b.shape[1]:
     raise ValueError(
         f"a and b must share the contraction dim (TN layout: a (M, K), b (N, K)), "

@@ -179,6 +179,11 @@ def dequantize_blockwise_reference(data: jax.Array, scale_inv: jax.Array,
 
 # ------------------------------------------------------------ dispatchers ---
 
+def _as_2d(x):
+  """The (rows, last dim) view the per-tensor kernels take; any rank works."""
+  return x if x.ndim == 2 else x.reshape(-1, x.shape[-1] if x.ndim else 1)
+
+
 def quantize_tensorwise(x: jax.Array, scale: jax.Array, dtype=jnp.float8_e4m3fn,
                         *, columnwise: bool = False, impl: str = "auto"
                         ) -> Tuple[jax.Array, Optional[jax.Array], jax.Array]:
@@ -198,9 +203,11 @@ def quantize_tensorwise(x: jax.Array, scale: jax.Array, dtype=jnp.float8_e4m3fn,
   dtype = check_fp8_dtype(dtype)
   if jnp.shape(scale) != ():
     raise ValueError(f"scale must be a scalar, got shape {jnp.shape(scale)}.")
-  if _native.resolve_impl(impl) == "cuda" and x.ndim == 2:
+  if _native.resolve_impl(impl) == "cuda":
     from te_jax.ops import quantize_cuda  # pylint: disable=import-outside-toplevel
-    return quantize_cuda.quantize_tensorwise(x, scale, dtype, columnwise)
+    data, data_t, amax = quantize_cuda.quantize_tensorwise(_as_2d(x), scale, dtype,
+                                                            columnwise)
+    return data.reshape(x.shape), data_t, amax
   data, amax = quantize_tensorwise_reference(x, scale, dtype)
   return data, (data.T if columnwise else None), amax
 
@@ -215,9 +222,11 @@ def quantize_current(x: jax.Array, dtype=jnp.float8_e4m3fn, *,
   """
   check_input(x, "x", 2 if columnwise else None)
   dtype = check_fp8_dtype(dtype)
-  if _native.resolve_impl(impl) == "cuda" and x.ndim == 2:
+  if _native.resolve_impl(impl) == "cuda":
     from te_jax.ops import quantize_cuda  # pylint: disable=import-outside-toplevel
-    return quantize_cuda.quantize_current(x, dtype, columnwise)
+    data, data_t, scale_inv, amax = quantize_cuda.quantize_current(_as_2d(x), dtype,
+                                                                   columnwise)
+    return data.reshape(x.shape), data_t, scale_inv, amax
   data, scale_inv, amax = quantize_current_reference(x, dtype)
   return data, (data.T if columnwise else None), scale_inv, amax
 

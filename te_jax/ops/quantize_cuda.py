@@ -30,6 +30,13 @@ def _round_up(a: int, b: int) -> int:
   return _cdiv(a, b) * b
 
 
+def _check_grid(m: int, name="x"):
+  # The kernels put 128-row tiles on grid.y, which CUDA caps at 65535.
+  if _cdiv(m, 128) > 65535:
+    raise ValueError(f"{name} has {m} rows; the CUDA quantize kernels take at most "
+                     f"{65535 * 128}: split the tensor or use impl='reference'.")
+
+
 def _sds(shape, dtype):
   return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
 
@@ -37,6 +44,7 @@ def _sds(shape, dtype):
 def quantize_tensorwise(x, scale, dtype, columnwise: bool):
   """Per-tensor quantize with a given scale: ``(data, data_t | None, amax)``."""
   m, k = x.shape
+  _check_grid(m)
   outs = (_sds((m, k), dtype), _sds((k, m) if columnwise else (0, 0), dtype), _sds((), _F32))
   data, data_t, amax = jax.ffi.ffi_call("te_jax_quantize_tensorwise", outs)(
       x, jnp.asarray(scale, _F32), columnwise=np.int64(bool(columnwise)))
@@ -46,6 +54,7 @@ def quantize_tensorwise(x, scale, dtype, columnwise: bool):
 def quantize_current(x, dtype, columnwise: bool):
   """Current scaling: ``(data, data_t | None, scale_inv, amax)``; two reads of x."""
   m, k = x.shape
+  _check_grid(m)
   outs = (_sds((m, k), dtype), _sds((k, m) if columnwise else (0, 0), dtype),
           _sds((), _F32), _sds((), _F32))
   data, data_t, scale_inv, amax = jax.ffi.ffi_call("te_jax_quantize_current", outs)(
@@ -80,6 +89,7 @@ def quantize_blockwise(x, block_shape, dtype, power_2_scale: bool, columnwise: b
     raise ValueError(f"block_shape must be (1, 128) or (128, 128) for the CUDA path, "
                      f"got {block_shape!r}; use impl='reference' for other tiles.")
   m, k = x.shape
+  _check_grid(m)
   s_shape, st_shape = native_scale_shapes(m, k, block_shape)
   outs = (_sds((m, k), dtype), _sds(s_shape, _F32),
           _sds((k, m) if columnwise else (0, 0), dtype),
