@@ -32,18 +32,25 @@ def _loss(variables, model, x, y):
   return jnp.mean((model.apply(variables, x) - y) ** 2)
 
 
+def _state_and_step(model, x, y, lr=1e-2):
+  """A TrainState of ``model`` and a jitted step; call inside fp8_autocast."""
+  variables = model.init(jax.random.PRNGKey(1), x)
+  state = train_state.TrainState.create(apply_fn=model.apply, params=variables,
+                                        tx=optax.adam(lr))
+
+  @jax.jit
+  def step(state):
+    loss, grads = jax.value_and_grad(_loss)(state.params, model, x, y)
+    return state.apply_gradients(grads=grads), loss
+
+  return state, step
+
+
 def test_trainstate_apply_gradients_overwrites_fp8_state():
   r = recipe.DelayedScaling(amax_history_len=8)
   model, (x, y) = _MLP(), _data()
   with te_jax.fp8_autocast(enabled=True, fp8_recipe=r):
-    variables = model.init(jax.random.PRNGKey(1), x)
-    state = train_state.TrainState.create(apply_fn=model.apply, params=variables,
-                                          tx=optax.adam(1e-2))
-
-    @jax.jit
-    def step(state):
-      loss, grads = jax.value_and_grad(_loss)(state.params, model, x, y)
-      return state.apply_gradients(grads=grads), loss
+    state, step = _state_and_step(model, x, y)
 
     losses, hist0 = [], None
     for i in range(3):
@@ -94,14 +101,7 @@ def test_plain_grad_optax_loop_matches_trainstate():
 def test_loss_falls_for_every_recipe(r):
   model, (x, y) = _MLP(), _data()
   with te_jax.fp8_autocast(enabled=r is not None, fp8_recipe=r):
-    variables = model.init(jax.random.PRNGKey(1), x)
-    state = train_state.TrainState.create(apply_fn=model.apply, params=variables,
-                                          tx=optax.adam(1e-2))
-
-    @jax.jit
-    def step(state):
-      loss, grads = jax.value_and_grad(_loss)(state.params, model, x, y)
-      return state.apply_gradients(grads=grads), loss
+    state, step = _state_and_step(model, x, y)
 
     losses = [float(step(state)[1])]
     for _ in range(30):
