@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 
 import te_jax
-from te_jax import fp8_state, recipe
+from te_jax import fp8_state
 from te_jax import flax as tfx
+
+from flax_cases import RECIPES, rel
 from te_jax.flax import attention as attn_lib
 
 # Q/K/V and output projections are FP8 GEMMs (~3.5 % each, see
@@ -18,16 +20,7 @@ from te_jax.flax import attention as attn_lib
 # forward bound is 0.1 and the gradient bound 0.2 (E5M2 gradients).
 FWD_TOL = 0.1
 GRAD_TOL = 0.2
-RECIPES = {
-    "delayed": lambda: recipe.DelayedScaling(amax_history_len=4),
-    "current": recipe.Float8CurrentScaling,
-    "block": recipe.Float8BlockScaling,
-}
 E, H, D = 32, 4, 8
-
-
-def rel(a, b):
-  return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
 
 
 def rand(key, shape):

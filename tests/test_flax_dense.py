@@ -22,19 +22,11 @@ import te_jax
 from te_jax import fp8_state, recipe
 from te_jax import flax as tfx
 
+from flax_cases import RECIPES, rel
+
 FWD_TOL = 0.08
 GRAD_TOL = 0.15
-RECIPES = {
-    "delayed": lambda: recipe.DelayedScaling(amax_history_len=4),
-    "current": recipe.Float8CurrentScaling,
-    "block": recipe.Float8BlockScaling,
-}
 COLL = fp8_state.FP8_COLLECTION
-
-
-def rel(a, b):
-  a = jnp.asarray(a, jnp.float32); b = jnp.asarray(b, jnp.float32)
-  return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
 
 
 def rand(key, shape, scale=1.0):

@@ -13,23 +13,16 @@ import numpy as np
 import pytest
 
 import te_jax
-from te_jax import fp8_state, recipe
+from te_jax import fp8_state
 from te_jax import flax as tfx
+
+from flax_cases import RECIPES, rel
 
 FWD_TOL = 0.08
 GRAD_TOL = 0.15
-RECIPES = {
-    "delayed": lambda: recipe.DelayedScaling(amax_history_len=4),
-    "current": recipe.Float8CurrentScaling,
-    "block": recipe.Float8BlockScaling,
-}
 ACT = {"gelu": lambda x: nn.gelu(x, approximate=True), "relu": nn.relu,
        "silu": nn.silu, "linear": lambda x: x}
 COLL = fp8_state.FP8_COLLECTION
-
-
-def rel(a, b):
-  return float(jnp.linalg.norm((a - b).ravel()) / jnp.linalg.norm(b.ravel()))
 
 
 def rand(key, shape):
