@@ -13,13 +13,18 @@
 // tiles along K; scales (ceil(K/128), rows) with rows contiguous), 2
 // BLK128x128 (scales (ceil(rows/128), roundup(ceil(K/128), 4)), K-blocks
 // contiguous). quantize_blockwise writes exactly these layouts.
+//
+// gemm_cuda.py checks all of this at trace time; the handler checks it again
+// because the target can be called directly (jax.ffi.ffi_call) and a wrong
+// buffer would otherwise reach cuBLASLt as an out-of-bounds read or garbage.
 #include <cublasLt.h>
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <mutex>
 #include <string>
-#include <tuple>
+#include <utility>
 
 #include "ffi/common.h"
 #include "kernels/bias.h"
@@ -41,6 +46,20 @@ ffi::Error LtError(cublasStatus_t s, const char* what) {
   do {                                                            \
     if (auto _e = LtError((expr), what); _e.failure()) return _e; \
   } while (0)
+#define TE_TRY(expr)                                \
+  do {                                              \
+    if (auto _e = (expr); _e.failure()) return _e;  \
+  } while (0)
+
+ffi::Error Invalid(const std::string& msg) {
+  return ffi::Error::InvalidArgument("te_jax gemm: " + msg);
+}
+
+std::string Dims(ffi::Span<const int64_t> d) {
+  std::string s = "(";
+  for (size_t i = 0; i < d.size(); ++i) s += (i ? ", " : "") + std::to_string(d[i]);
+  return s + (d.size() == 1 ? ",)" : ")");
+}
 
 // Descriptor owners so that every early return frees them.
 struct Desc {
@@ -56,24 +75,62 @@ struct Pref {
   ~Pref() { if (p) cublasLtMatmulPreferenceDestroy(p); }
 };
 
-// Everything the heuristic's answer depends on (pointers are always XLA
-// buffers, aligned to >= 64 bytes, so alignment is not part of the key).
-using Key = std::tuple<int, int64_t, int64_t, int64_t, int, int, int, int64_t, int64_t, int64_t,
-                       int>;  // dev, m, n, k, A type, B type, D type, modes, fast, bias type
+// Makes `dev` current for the handler's scope. XLA already runs the handler
+// with the stream's device current; the guard only matters if it did not, so
+// that cudaMalloc, the handle and the launches all land on the stream's device.
+struct DeviceGuard {
+  int prev = -1;
+  ffi::Error Enter(int dev) {
+    TE_TRY(CudaError(cudaGetDevice(&prev), "gemm (cudaGetDevice)"));
+    if (prev == dev) { prev = -1; return ffi::Error::Success(); }
+    return CudaError(cudaSetDevice(dev), "gemm (cudaSetDevice)");
+  }
+  ~DeviceGuard() { if (prev >= 0) cudaSetDevice(prev); }
+};
+
+// The device that owns `stream`: the caches below are per device, so take it
+// from the stream itself where the runtime can tell (cudaStreamGetDevice, CUDA
+// >= 12.8; only used from 13.0 on so that a 12.x build never needs a newer
+// libcudart.so.12 than the one jax loaded), else the current device.
+ffi::Error StreamDevice(cudaStream_t stream, int* dev) {
+#if CUDART_VERSION >= 13000
+  return CudaError(cudaStreamGetDevice(stream, dev), "gemm (cudaStreamGetDevice)");
+#else
+  (void)stream;
+  return CudaError(cudaGetDevice(dev), "gemm (cudaGetDevice)");
+#endif
+}
+
+// Largest power of two (<= 256, cuBLASLt's default assumption) dividing p.
+// cuBLASLt cannot see pointers when it picks an algorithm, so it must be told.
+uint32_t Alignment(const void* p) {
+  const uintptr_t v = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t low = v & (~v + 1);  // lowest set bit; 0 for a null pointer
+  return (low == 0 || low > 256) ? 256u : static_cast<uint32_t>(low);
+}
+
+// Everything the heuristic's answer depends on: device, m, n, k, A/B/D types,
+// modes, fast accumulation, bias type (-1 none), whether the fused epilogue
+// may be tried, and the A/B/D pointer alignments.
+using Key = std::array<int64_t, 14>;
 struct Plan {
   cublasLtMatmulAlgo_t algo;
   bool fused_bias;  // false: bias (if any) added by the fallback kernel
 };
 
-// One handle per device and one plan per key, created on first use. The
-// mutex guards the maps only; the plans are copied out before the matmul.
+// One handle per device, one plan per key and one workspace per (device,
+// stream), created on first use. The mutex guards the maps only; a handle is
+// thread-safe for cublasLtMatmul (stream and workspace are per call) and plans
+// are copied out before use. A workspace is only ever used on its own stream,
+// so stream order serializes the GEMMs that share it. (The handler is not
+// declared command-buffer compatible, so XLA never captures it in a CUDA graph,
+// where the per-stream reasoning and the cudaMalloc would not hold.)
 struct State {
   std::mutex mu;
   std::map<int, cublasLtHandle_t> handles;
   std::map<Key, Plan> plans;
-  // 32 MiB workspace per (device, stream), allocated once: XLA's FFI scratch
-  // allocator refused 32 MiB on the H200 (jax 0.11.2), and one buffer per
-  // stream keeps GEMMs on different streams from sharing a workspace.
+  // Own cudaMalloc, never freed: XLA's FFI scratch allocator refused 32 MiB
+  // on the H200 (jax 0.11.2).
   std::map<std::pair<int, cudaStream_t>, void*> workspaces;
 };
 State& GetState() {
@@ -81,19 +138,45 @@ State& GetState() {
   return *s;
 }
 
-ffi::Error CudaType(ffi::DataType t, cudaDataType_t* out) {
+bool IsFp8(ffi::DataType t) { return t == ffi::F8E4M3FN || t == ffi::F8E5M2; }
+
+// Output / bias types the GEMM and the fallback bias kernel handle
+// (codes of kernels/bias.h: 0 float32, 1 bfloat16, 2 float16).
+bool Float(ffi::DataType t, cudaDataType_t* cuda, int* code) {
   switch (t) {
-    case ffi::F8E4M3FN: *out = CUDA_R_8F_E4M3; break;
-    case ffi::F8E5M2: *out = CUDA_R_8F_E5M2; break;
-    case ffi::BF16: *out = CUDA_R_16BF; break;
-    case ffi::F16: *out = CUDA_R_16F; break;
-    case ffi::F32: *out = CUDA_R_32F; break;
-    default: return ffi::Error::InvalidArgument("te_jax gemm: unsupported dtype");
+    case ffi::F32: *cuda = CUDA_R_32F; *code = 0; return true;
+    case ffi::BF16: *cuda = CUDA_R_16BF; *code = 1; return true;
+    case ffi::F16: *cuda = CUDA_R_16F; *code = 2; return true;
+    default: return false;
   }
-  return ffi::Error::Success();
 }
 
-int BiasCode(cudaDataType_t t) { return t == CUDA_R_32F ? 0 : t == CUDA_R_16BF ? 1 : 2; }
+// scale_inv of an operand with `rows` rows must be float32 of the layout its
+// mode implies (see the header); anything else would be read out of bounds.
+ffi::Error CheckScale(const char* name, const ffi::AnyBuffer& s, int64_t mode, int64_t rows,
+                      int64_t K) {
+  if (s.element_type() != ffi::F32) return Invalid(std::string(name) + "_sinv must be float32");
+  const int64_t kb = (K + 127) / 128;
+  if (mode == 0) {
+    if (s.element_count() != 1)
+      return Invalid(std::string(name) + "_sinv must hold 1 float for per-tensor scaling (mode 0)" +
+                     ", got shape " + Dims(s.dimensions()));
+    return ffi::Error::Success();
+  }
+  const int64_t want0 = mode == 1 ? kb : (rows + 127) / 128;
+  const int64_t want1 = mode == 1 ? rows : (kb + 3) / 4 * 4;
+  auto d = s.dimensions();
+  if (d.size() != 2 || d[0] != want0 || d[1] != want1)
+    return Invalid(std::string(name) + "_sinv must have shape (" + std::to_string(want0) + ", " +
+                   std::to_string(want1) + ") for " + (mode == 1 ? "VEC128" : "BLK128x128") +
+                   " scaling with rows=" + std::to_string(rows) + " K=" + std::to_string(K) +
+                   ", got " + Dims(d));
+  // Conservative: cuBLASLt does not document what block-scale loads accept,
+  // and XLA's buffers are >= 16-byte aligned anyway.
+  if (Alignment(s.untyped_data()) < 16)
+    return Invalid(std::string(name) + "_sinv must be 16-byte aligned for block scaling");
+  return ffi::Error::Success();
+}
 
 cublasLtMatmulMatrixScale_t ScaleMode(int64_t mode) {
   return mode == 1 ? CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F
@@ -105,34 +188,83 @@ template <typename T>
 cublasStatus_t Set(cublasLtMatmulDesc_t d, cublasLtMatmulDescAttributes_t attr, const T& v) {
   return cublasLtMatmulDescSetAttribute(d, attr, &v, sizeof(v));
 }
+cublasStatus_t SetPref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAttributes_t attr,
+                       uint32_t v) {
+  return cublasLtMatmulPreferenceSetAttribute(p, attr, &v, sizeof(v));
+}
 
-ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a,
-                    ffi::AnyBuffer b, ffi::Buffer<ffi::F32> a_sinv, ffi::Buffer<ffi::F32> b_sinv,
-                    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out, int64_t a_mode,
-                    int64_t b_mode, int64_t fast_accum, int64_t has_bias) {
-  auto ad = a.dimensions(), bd = b.dimensions();
+ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_sinv,
+                    ffi::AnyBuffer b_sinv, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
+                    int64_t a_mode, int64_t b_mode, int64_t fast_accum, int64_t has_bias) {
+  // ---- validation: every buffer against the (M, N, K) of a and b ----
+  auto ad = a.dimensions(), bd = b.dimensions(), od = out->dimensions();
   if (ad.size() != 2 || bd.size() != 2 || ad[1] != bd[1])
-    return ffi::Error::InvalidArgument("te_jax gemm: a (M, K) and b (N, K) must be 2-D with equal K");
+    return Invalid("a (M, K) and b (N, K) must be 2-D with equal K, got a " + Dims(ad) + " and b " +
+                   Dims(bd));
   const int64_t M = ad[0], K = ad[1], N = bd[0];
+  if (od.size() != 2 || od[0] != M || od[1] != N)
+    return Invalid("out must have shape (M, N) = (" + std::to_string(M) + ", " + std::to_string(N) +
+                   "), got " + Dims(od));
+  // 16-element multiples: FP8 leading dimensions must be 16-byte multiples
+  // and the VEC128 scale grid is unpadded only for rows % 4 == 0.
+  if (M % 16 || N % 16 || K % 16)
+    return Invalid("M, N and K must be multiples of 16, got M=" + std::to_string(M) +
+                   " N=" + std::to_string(N) + " K=" + std::to_string(K));
+  if (!IsFp8(a.element_type()) || !IsFp8(b.element_type()))
+    return Invalid("a and b must be float8_e4m3fn or float8_e5m2");
+  if (a.element_type() == ffi::F8E5M2 && b.element_type() == ffi::F8E5M2)
+    return Invalid("E5M2 x E5M2 is not a supported FP8 GEMM");
+  const cudaDataType_t ta = a.element_type() == ffi::F8E4M3FN ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
+  const cudaDataType_t tb = b.element_type() == ffi::F8E4M3FN ? CUDA_R_8F_E4M3 : CUDA_R_8F_E5M2;
+  cudaDataType_t td, tbias = CUDA_R_16BF;
+  int out_code = 0, bias_code = 0;
+  if (!Float(out->element_type(), &td, &out_code))
+    return Invalid("out must be bfloat16, float16 or float32");
+  if (a_mode < 0 || a_mode > 2 || b_mode < 0 || b_mode > 2 || (a_mode == 0) != (b_mode == 0) ||
+      (a_mode == 2 && b_mode == 2))
+    return Invalid("unsupported scale modes a_mode=" + std::to_string(a_mode) +
+                   " b_mode=" + std::to_string(b_mode) +
+                   " (both 0, or VEC128/BLK128x128 pairs other than BLK x BLK)");
+  TE_TRY(CheckScale("a", a_sinv, a_mode, M, K));
+  TE_TRY(CheckScale("b", b_sinv, b_mode, N, K));
+  if ((fast_accum != 0 && fast_accum != 1) || (has_bias != 0 && has_bias != 1))
+    return Invalid("fast_accum and has_bias must be 0 or 1");
+  if (has_bias) {
+    if (bias.dimensions().size() != 1 || bias.dimensions()[0] != N)
+      return Invalid("bias must have shape (" + std::to_string(N) + ",), got " +
+                     Dims(bias.dimensions()));
+    if (!Float(bias.element_type(), &tbias, &bias_code))
+      return Invalid("bias must be bfloat16, float16 or float32");
+  }
   if (M == 0 || N == 0) return ffi::Error::Success();
-  cudaDataType_t ta, tb, td, tbias = CUDA_R_16BF;
-  if (auto e = CudaType(a.element_type(), &ta); e.failure()) return e;
-  if (auto e = CudaType(b.element_type(), &tb); e.failure()) return e;
-  if (auto e = CudaType(out->element_type(), &td); e.failure()) return e;
-  if (has_bias && (bias.element_count() != static_cast<size_t>(N)))
-    return ffi::Error::InvalidArgument("te_jax gemm: bias must have N elements");
-  if (has_bias)
-    if (auto e = CudaType(bias.element_type(), &tbias); e.failure()) return e;
-  const bool blockwise = a_mode != 0 || b_mode != 0;
-  // cuBLASLt's FP8 BIAS epilogue takes a bf16 bias for bf16/fp32 output and an
-  // fp16 bias for fp16 output; any other combination uses the fallback.
-  const cudaDataType_t lt_bias = td == CUDA_R_16F ? CUDA_R_16F : CUDA_R_16BF;
-  const bool try_fused = has_bias && tbias == lt_bias;
-  const int8_t fast = (fast_accum && !blockwise) ? 1 : 0;  // fast accum is per-tensor only
-
   int dev = 0;
-  if (auto e = CudaError(cudaGetDevice(&dev), "gemm (cudaGetDevice)"); e.failure()) return e;
+  TE_TRY(StreamDevice(stream, &dev));
+  DeviceGuard guard;
+  TE_TRY(guard.Enter(dev));
+  void* d = out->untyped_data();
+  if (K == 0) {  // empty sum: cuBLASLt does not take k = 0
+    TE_TRY(CudaError(cudaMemsetAsync(d, 0, out->size_bytes(), stream), "gemm (K=0 zero fill)"));
+    if (!has_bias) return ffi::Error::Success();
+    return CudaError(LaunchAddBias(d, out_code, bias.untyped_data(), bias_code, M, N, stream),
+                     "gemm (bias, K=0)");
+  }
 
+  const bool blockwise = a_mode != 0;
+  // cuBLASLt's FP8 BIAS epilogue takes a bf16 bias for bf16/fp32 output and an
+  // fp16 bias for fp16 output; any other combination uses the fallback, as
+  // does a bias pointer below 16-byte alignment (the epilogue's requirement is
+  // not documented; the fallback kernel reads element by element).
+  const cudaDataType_t lt_bias = td == CUDA_R_16F ? CUDA_R_16F : CUDA_R_16BF;
+  const bool try_fused = has_bias && tbias == lt_bias && Alignment(bias.untyped_data()) >= 16;
+  const int8_t fast = (fast_accum && !blockwise) ? 1 : 0;  // fast accum is per-tensor only
+  // Real pointer alignments (C is D: beta = 0, same buffer). cuBLASLt assumes
+  // 256 bytes by default, but XLA promises only 16 for entry parameters and
+  // 128 for its own buffers, and dynamic-slice fusion can pass a sub-buffer.
+  const uint32_t align_a = Alignment(b.untyped_data());  // cuBLAS A is our b
+  const uint32_t align_b = Alignment(a.untyped_data());
+  const uint32_t align_d = Alignment(d);
+
+  // ---- per-device state ----
   State& st = GetState();
   cublasLtHandle_t handle;
   void* workspace = nullptr;
@@ -145,15 +277,13 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a,
     } else {
       handle = it->second;
     }
-    void*& ws = st.workspaces[{dev, stream}];
-    if (ws == nullptr) {
-      if (auto e = CudaError(cudaMalloc(&ws, kWorkspaceBytes), "gemm (32 MiB workspace)");
-          e.failure()) {
-        ws = nullptr;
-        return e;
-      }
+    auto ws = st.workspaces.find({dev, stream});
+    if (ws == st.workspaces.end()) {
+      TE_TRY(CudaError(cudaMalloc(&workspace, kWorkspaceBytes), "gemm (32 MiB workspace)"));
+      st.workspaces[{dev, stream}] = workspace;
+    } else {
+      workspace = ws->second;
     }
-    workspace = ws;
   }
 
   // Descriptors are cheap host objects: build them per call (the pointers
@@ -188,9 +318,8 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a,
   TE_LT(cublasLtMatrixLayoutCreate(&lb.l, ta, K, M, K), "layout B");  // our a
   TE_LT(cublasLtMatrixLayoutCreate(&lc.l, td, N, M, N), "layout C/D");
 
-  const Key key{dev, M, N, K, static_cast<int>(ta), static_cast<int>(tb), static_cast<int>(td),
-                a_mode * 4 + b_mode, static_cast<int64_t>(fast), has_bias ? 1 : 0,
-                has_bias ? static_cast<int>(tbias) : -1};
+  const Key key{dev, M, N, K, ta, tb, td, a_mode * 4 + b_mode, fast,
+                has_bias ? static_cast<int64_t>(tbias) : -1, try_fused, align_a, align_b, align_d};
   Plan plan;
   bool cached = false;
   {
@@ -205,12 +334,16 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a,
     TE_LT(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                &ws, sizeof(ws)),
           "set MAX_WORKSPACE_BYTES");
+    TE_LT(SetPref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a), "set ALIGNMENT_A");
+    TE_LT(SetPref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b), "set ALIGNMENT_B");
+    TE_LT(SetPref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d), "set ALIGNMENT_C");
+    TE_LT(SetPref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d), "set ALIGNMENT_D");
     int found = 0;
     cublasLtMatmulHeuristicResult_t res = {};
     for (bool fused : {true, false}) {
       if (fused && !try_fused) continue;
       Desc desc;
-      if (auto e = make_desc(fused, &desc); e.failure()) return e;
+      TE_TRY(make_desc(fused, &desc));
       cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle, desc.d, la.l, lb.l, lc.l, lc.l,
                                                         pref.p, 1, &res, &found);
       if (s == CUBLAS_STATUS_SUCCESS && found > 0) {
@@ -221,8 +354,9 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a,
         return ffi::Error::Internal(
             "te_jax gemm: cuBLASLt found no algorithm for M=" + std::to_string(M) +
             " N=" + std::to_string(N) + " K=" + std::to_string(K) + " a_mode=" +
-            std::to_string(a_mode) + " b_mode=" + std::to_string(b_mode) +
-            " (status " + cublasLtGetStatusName(s) + ")");
+            std::to_string(a_mode) + " b_mode=" + std::to_string(b_mode) + " pointer alignment a=" +
+            std::to_string(align_b) + " b=" + std::to_string(align_a) + " out=" +
+            std::to_string(align_d) + " (status " + cublasLtGetStatusName(s) + ")");
       }
     }
     std::lock_guard<std::mutex> lock(st.mu);
@@ -230,15 +364,13 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a,
   }
 
   Desc desc;
-  if (auto e = make_desc(plan.fused_bias, &desc); e.failure()) return e;
+  TE_TRY(make_desc(plan.fused_bias, &desc));
   const float alpha = 1.f, beta = 0.f;
-  void* d = out->untyped_data();
   TE_LT(cublasLtMatmul(handle, desc.d, &alpha, b.untyped_data(), la.l, a.untyped_data(), lb.l,
                        &beta, d, lc.l, d, lc.l, &plan.algo, workspace, kWorkspaceBytes, stream),
         "cublasLtMatmul");
   if (has_bias && !plan.fused_bias) {
-    return CudaError(LaunchAddBias(d, BiasCode(td), bias.untyped_data(), BiasCode(tbias), M, N,
-                                   stream),
+    return CudaError(LaunchAddBias(d, out_code, bias.untyped_data(), bias_code, M, N, stream),
                      "gemm (bias fallback)");
   }
   return ffi::Error::Success();
@@ -251,8 +383,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxGemm, GemmImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()          // a (M, K) fp8
                                   .Arg<ffi::AnyBuffer>()          // b (N, K) fp8
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // a_sinv: () or native block layout
-                                  .Arg<ffi::Buffer<ffi::F32>>()   // b_sinv: () or native block layout
+                                  .Arg<ffi::AnyBuffer>()          // a_sinv f32: () or block layout
+                                  .Arg<ffi::AnyBuffer>()          // b_sinv f32: () or block layout
                                   .Arg<ffi::AnyBuffer>()          // bias (N,) or (0,) placeholder
                                   .Ret<ffi::AnyBuffer>()          // out (M, N) bf16/fp16/fp32
                                   .Attr<int64_t>("a_mode")        // 0 tensor, 1 VEC128, 2 BLK128x128

@@ -4,10 +4,13 @@
 Operands are ``ScaledTensor``s with the logical scale layout; the blockwise
 scales are put back into cuBLASLt's layout with the inverse of the
 transpose/slice that ``quantize_cuda.py`` applied, which XLA cancels under
-``jit``. Alignment rules are checked here, at trace time, so the handler never
-sees an operand cuBLASLt would reject: M, N and K multiples of 16 (FP8 tensor
-core GEMMs need 16-byte aligned leading dimensions; XLA's buffers themselves
-are always >= 64-byte aligned).
+``jit``. Everything the handler validates is checked here first, at trace
+time, with an error naming the argument: FP8 operand dtypes (not E5M2 x E5M2),
+2-D operands sharing K, M, N and K multiples of 16 (FP8 tensor core GEMMs need
+16-byte aligned leading dimensions), the output dtype, scale dtypes and
+layouts, the scaling pair and the bias. The handler repeats these checks for
+direct ``ffi_call`` users; pointer alignment is the handler's alone (it tells
+cuBLASLt the real alignment).
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ __all__ = ["gemm", "native_scale"]
 
 _MODES = {None: 0, (1, 128): 1, (128, 128): 2}
 _BIAS_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_OUT_DTYPES = _BIAS_DTYPES
+_E4M3, _E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -57,6 +62,17 @@ def native_scale(t: ScaledTensor, name: str):
 def gemm(a: ScaledTensor, b: ScaledTensor, out_dtype, bias: Optional[jax.Array] = None,
          fast_accum: bool = False) -> jax.Array:
   """``a @ b.T`` with a (M, K), b (N, K) FP8 ScaledTensors; returns (M, N)."""
+  for name, t in (("a", a), ("b", b)):
+    if len(t.shape) != 2:
+      raise ValueError(f"{name}.data must be 2-D, got shape {t.shape}.")
+    if jnp.dtype(t.dtype) not in (_E4M3, _E5M2):
+      raise TypeError(f"{name}.data must be float8_e4m3fn or float8_e5m2, got {t.dtype}.")
+  if jnp.dtype(a.dtype) == _E5M2 and jnp.dtype(b.dtype) == _E5M2:
+    raise TypeError("E5M2 x E5M2 is not a supported FP8 GEMM; quantize one operand as E4M3.")
+  if a.shape[1] != b.shape[1]:
+    raise ValueError(f"a (M, K) and b (N, K) must share K, got a {a.shape} and b {b.shape}.")
+  if jnp.dtype(out_dtype) not in _OUT_DTYPES:
+    raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}.")
   (m, k), (n, _) = a.shape, b.shape
   for name, val in (("a", m), ("b", n)):
     if val % 16:
