@@ -49,7 +49,8 @@ except ImportError:
   sys.path.insert(0, os.path.dirname(_HERE))
 
 MLP_CONFIGS = ["mlp/te_off", "mlp/te_delayed", "mlp/te_current", "mlp/te_block",
-               "mlp/flax_fp8", "mlp/flax_bf16"]
+               "mlp/flax_fp8", "mlp/flax_bf16", "mlp/te_delayed_unfused",
+               "mlp/te_current_unfused", "mlp/te_block_unfused"]
 LAYER_CONFIGS = ["layer/te_off", "layer/te_delayed", "layer/te_current", "layer/te_block",
                  "attn/core", "attn/module_off"]
 CONFIGS = MLP_CONFIGS + LAYER_CONFIGS
@@ -106,6 +107,10 @@ def _build(config, sz):
       return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     return apply, {"qkv": qkv}, xs, attn_core_flops, f"{config} ({impl})"
 
+  if kind.endswith("_unfused"):   # LayerNormMLP as two FP8 dense layers + XLA act
+    from te_jax import fused_mlp  # pylint: disable=import-outside-toplevel
+    fused_mlp.supported = lambda *a, **k: False
+    kind = kind[:-len("_unfused")]
   if kind.startswith("te_") or kind == "module_off":
     r = _recipe(kind[3:]) if kind.startswith("te_") else None
     if group == "mlp":
@@ -148,7 +153,46 @@ def _build(config, sz):
   return module.apply, variables, xs, mlp_flops, label
 
 
-def run_one(config, small, k, repeats):
+def kernel_profile(step, args, steps=3, top=25):
+  """GPU kernel time per step by kernel name, from a jax.profiler trace.
+
+  Returns [(name, ms per step, launches per step)], largest first, and the
+  total kernel ms per step.
+  """
+  import glob
+  import gzip
+  import tempfile
+  import jax
+  with tempfile.TemporaryDirectory() as d:
+    jax.profiler.start_trace(d)
+    for _ in range(steps):
+      jax.block_until_ready(step(*args))
+    jax.profiler.stop_trace()
+    files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
+    if not files:
+      return [], 0.0
+    with gzip.open(files[0]) as fh:
+      trace = json.load(fh)
+  events = trace.get("traceEvents", [])
+  pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+          and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+  streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
+             and e.get("name") == "thread_name" and e.get("pid") in pids
+             and "stream" in str(e.get("args", {}).get("name", "")).lower()}
+  agg = {}
+  for e in events:
+    if e.get("ph") != "X" or e.get("pid") not in pids:
+      continue
+    if streams and (e["pid"], e.get("tid")) not in streams:
+      continue   # XLA op/module summary lines duplicate the kernels' time
+    ms, n = agg.get(e["name"], (0.0, 0))
+    agg[e["name"]] = (ms + e.get("dur", 0) / 1e3, n + 1)
+  rows = sorted(((k, v[0] / steps, v[1] / steps) for k, v in agg.items()),
+                key=lambda r: -r[1])
+  return rows[:top], sum(r[1] for r in rows)
+
+
+def run_one(config, small, k, repeats, profile=False):
   import jax
   import jax.numpy as jnp
 
@@ -177,11 +221,15 @@ def run_one(config, small, k, repeats):
   except Exception:  # pylint: disable=broad-except
     stats = None
   peak = stats.get("peak_bytes_in_use") if stats else None
+  kernels = total = None
+  if profile:
+    kernels, total = kernel_profile(step, (variables, xs[0]))
   from te_jax.ops import _native  # pylint: disable=import-outside-toplevel
   native = _native.resolve_impl("auto")
   return {"config": config, "label": label, "ms": ms, "impl": native,
           "tflops": flops / (ms * 1e-3) / 1e12, "peak_bytes": peak,
-          "times_ms": [x * 1e3 for x in times]}
+          "times_ms": [x * 1e3 for x in times], "kernels": kernels,
+          "kernel_ms_total": total}
 
 
 def _env():
@@ -203,7 +251,7 @@ def table(results, env, sz, k, repeats):
       f"params and input); k={k} back-to-back steps, median of {repeats}; te_jax "
       f"quantize/GEMM ops: {', '.join(sorted({r.get('impl', '?') for r in results}))}.",
       "",
-      "| config | ms / step | vs FP8-off | TFLOP/s | peak mem (MiB) |",
+      "| config | ms / step | speed-up vs FP8 off | TFLOP/s | peak mem (MiB) |",
       "|---|---:|---:|---:|---:|",
   ]
   by = {r["config"]: r for r in results if "ms" in r}
@@ -212,7 +260,7 @@ def table(results, env, sz, k, repeats):
       lines.append(f"| {r['config']} | failed: {r.get('error', '?')[:80]} | | | |")
       continue
     base = by.get(BASELINE[r["config"].split("/")[0]])
-    ratio = f"{r['ms'] / base['ms']:.2f}x" if base else "-"
+    ratio = f"{base['ms'] / r['ms']:.2f}x" if base else "-"
     peak = f"{r['peak_bytes'] / 2**20:.0f}" if r.get("peak_bytes") else "n/a"
     lines.append(f"| {r['label']} | {r['ms']:.3f} | {ratio} | {r['tflops']:.3g} | {peak} |")
   core, layer = by.get("attn/core"), by.get("layer/te_off")
@@ -237,13 +285,15 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=5, help="timings; the median is kept")
   p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
   p.add_argument("--json-out", help="also write all results to this JSON file")
+  p.add_argument("--profile", action="store_true",
+                 help="also trace 3 steps and list GPU kernel time by kernel")
   args = p.parse_args(argv)
 
   if args.config:
     if args.config not in CONFIGS:
       p.error(f"unknown config {args.config}; known: {CONFIGS}")
-    print("JSON " + json.dumps(run_one(args.config, args.small, args.k, args.repeats)),
-          flush=True)
+    print("JSON " + json.dumps(run_one(args.config, args.small, args.k, args.repeats,
+                                       args.profile)), flush=True)
     return 0
 
   results = []
@@ -252,6 +302,8 @@ def main(argv=None):
            "--k", str(args.k), "--repeats", str(args.repeats)]
     if args.small:
       cmd.append("--small")
+    if args.profile:
+      cmd.append("--profile")
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
       line = [l for l in proc.stdout.splitlines() if l.startswith("JSON ")]
@@ -269,6 +321,11 @@ def main(argv=None):
   env = _env()
   out = table(results, env, sizes(args.small), args.k, args.repeats)
   print(out)
+  for r in results:
+    if r.get("kernels"):
+      print(f"\nkernels of {r['config']}: {r['kernel_ms_total']:.3f} ms of GPU kernels per step")
+      for name, ms, n in r["kernels"][:15]:
+        print(f"  {ms:8.3f} ms  x{n:4.0f}  {name[:110]}")
   if args.json_out:
     with open(args.json_out, "w") as f:
       json.dump({"env": env, "results": results}, f, indent=1)

@@ -159,9 +159,8 @@ def main(argv=None):
         runs.append({"name": m, "recipe": r, "error": f"needs {sizes[m]} GPUs"})
         continue
       runs.append(_collect(_launch(spec, None, fake), spec, args.timeout))
-    for res in runs:
-      print("JSON " + json.dumps({k: v for k, v in res.items() if k != "losses"}),
-            file=sys.stderr, flush=True)
+    for res in runs:   # the whole record, so a log cut short by a time limit keeps it
+      print("JSON " + json.dumps(res), file=sys.stderr, flush=True)
     results.extend(runs)
 
   by = {(x["recipe"], x["name"]): x for x in results if "error" not in x}

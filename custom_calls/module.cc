@@ -15,6 +15,9 @@ extern "C" {
 XLA_FFI_Error* TeJaxQuantizeTensorwise(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxQuantizeCurrent(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxQuantizeBlockwise(XLA_FFI_CallFrame*);
+XLA_FFI_Error* TeJaxActQuantizeTensorwise(XLA_FFI_CallFrame*);
+XLA_FFI_Error* TeJaxActQuantizeCurrent(XLA_FFI_CallFrame*);
+XLA_FFI_Error* TeJaxActQuantizeBlockwise(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxGemm(XLA_FFI_CallFrame*);
 }
 }  // namespace te_jax
@@ -29,12 +32,15 @@ nb::capsule Capsule(T* fn) {
 }  // namespace
 
 NB_MODULE(_te_jax_ffi, m) {
-  m.doc() = "te_jax CUDA custom calls (XLA FFI handlers for FP8 quantize and GEMM)";
+  m.doc() = "te_jax CUDA custom calls (XLA FFI handlers for FP8 quantize, activation + quantize, GEMM)";
   m.def("registrations", []() {
     nb::dict d;
     d["te_jax_quantize_tensorwise"] = Capsule(te_jax::TeJaxQuantizeTensorwise);
     d["te_jax_quantize_current"] = Capsule(te_jax::TeJaxQuantizeCurrent);
     d["te_jax_quantize_blockwise"] = Capsule(te_jax::TeJaxQuantizeBlockwise);
+    d["te_jax_act_quantize_tensorwise"] = Capsule(te_jax::TeJaxActQuantizeTensorwise);
+    d["te_jax_act_quantize_current"] = Capsule(te_jax::TeJaxActQuantizeCurrent);
+    d["te_jax_act_quantize_blockwise"] = Capsule(te_jax::TeJaxActQuantizeBlockwise);
     d["te_jax_gemm"] = Capsule(te_jax::TeJaxGemm);
     return d;
   });

@@ -16,6 +16,7 @@ dtype). Writes to ``--out_dir``:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -83,15 +84,26 @@ def compare(recipes, base: train_gpt.Config, out_dir: str, tolerance: float = 0.
     with open(os.path.join(out_dir, f"run_{name}.json"), "w") as fh:   # saved as it finishes
       json.dump(res, fh)
   if merge:
-    # Earlier runs of other recipes in out_dir (same config) join the summary.
+    # Earlier runs of other recipes in out_dir (same config) join the summary;
+    # with no recipes to run this only summarizes (e.g. after runs made side
+    # by side on several GPUs).
+    def same(a, b):
+      skip = ("recipe", "progress", "log_every")
+      return {k: v for k, v in a.items() if k not in skip} == {
+          k: v for k, v in b.items() if k not in skip}
+    want = dataclasses.asdict(train_gpt.Config(**{
+        **base.__dict__, "out_dir": None, "ckpt_dir": None, "resume": False}).resolved())
     for name in train_gpt.RECIPES:
       path = os.path.join(out_dir, f"run_{name}.json")
       if name not in runs and os.path.exists(path):
         with open(path) as fh:
           old = json.load(fh)
-        if old["config"] == {**runs[recipes[0]]["config"], "recipe": name}:
+        if same(old["config"], want):
           runs[name] = old
           print(f"merged the earlier {name} run from {path}")
+  if not runs:
+    raise ValueError(f"no runs to summarize in {out_dir} (pass --recipes, or --merge "
+                     "with run_<recipe>.json files of the same config there).")
   runs = {n: runs[n] for n in train_gpt.RECIPES if n in runs}
 
   ref = runs.get("none")
@@ -154,6 +166,8 @@ def main(argv=None):
                            "with the same config in --out_dir")
   args = parser.parse_args(argv)
   recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
+  if not recipes and not args.merge:
+    parser.error("--recipes is empty; pass recipes, or --merge to only summarize")
   for r in recipes:
     if r not in train_gpt.RECIPES:
       parser.error(f"unknown recipe {r!r}; choose from {train_gpt.RECIPES}")

@@ -9,28 +9,12 @@
 // The FP8 format is read off the element type of `data`; the columnwise copy
 // is written only when `columnwise` != 0 (Python then passes a real (K, M)
 // result, else a 0-element placeholder).
-#include "ffi/common.h"
-#include "kernels/quantize.h"
+#include "ffi/quantize_common.h"
 
 namespace te_jax {
 namespace {
 
 namespace ffi = xla::ffi;
-
-ffi::Error GetInType(const ffi::AnyBuffer& x, InType* out) {
-  switch (x.element_type()) {
-    case ffi::F32: *out = InType::kF32; return ffi::Error::Success();
-    case ffi::BF16: *out = InType::kBF16; return ffi::Error::Success();
-    case ffi::F16: *out = InType::kF16; return ffi::Error::Success();
-    default: return ffi::Error::InvalidArgument("te_jax quantize: x must be float32, bfloat16 or float16");
-  }
-}
-
-ffi::Error GetOutType(ffi::DataType t, Fp8Type* out) {
-  if (t == ffi::F8E4M3FN) { *out = Fp8Type::kE4M3; return ffi::Error::Success(); }
-  if (t == ffi::F8E5M2) { *out = Fp8Type::kE5M2; return ffi::Error::Success(); }
-  return ffi::Error::InvalidArgument("te_jax quantize: data must be float8_e4m3fn or float8_e5m2");
-}
 
 // Fills the fields shared by every mode; checks that x is 2-D.
 ffi::Error Common(const ffi::AnyBuffer& x, const ffi::AnyBuffer& data, const ffi::AnyBuffer& data_t,
@@ -40,7 +24,7 @@ ffi::Error Common(const ffi::AnyBuffer& x, const ffi::AnyBuffer& data, const ffi
   a->x = x.untyped_data();
   a->M = dims[0];
   a->K = dims[1];
-  if (auto e = GetInType(x, &a->in); e.failure()) return e;
+  if (auto e = GetInType(x, &a->in, "x"); e.failure()) return e;
   if (auto e = GetOutType(data.element_type(), &a->out); e.failure()) return e;
   a->data = static_cast<uint8_t*>(data.untyped_data());
   if (columnwise) {

@@ -15,6 +15,12 @@
 // a small shared-memory reduction. The transposed copy goes through a 16 KB
 // shared byte tile (XOR-swizzled in 8-byte chunks to avoid bank conflicts) so
 // that both FP8 outputs are written with coalesced stores.
+//
+// With a prologue (Prologue::kAct / kDAct, kernels/prologue.h) the same
+// kernel quantizes v = act(h) or dact(dz, h), computed from the inputs it
+// loads, so the fused MLP never writes v in bf16. The prologue is a template
+// parameter (it changes what a thread holds); the activations are runtime
+// ids (a switch that is uniform across the block).
 #include "kernels/quantize.h"
 
 #include <cuda_bf16.h>
@@ -23,16 +29,15 @@
 
 #include <cfloat>
 
+#include "kernels/prologue.h"
+
 namespace te_jax {
 namespace {
 
 constexpr int kTile = 128;
 constexpr int kThreads = 256;
-constexpr int kSub = 8;  // each thread owns kSub x kSub elements
-
-__device__ __forceinline__ float ToFloat(float v) { return v; }
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
+constexpr int kSub = prologue::kSub;  // each thread owns kSub x kSub elements
+using prologue::ToFloat;
 
 // Bits of |v|: for non-negative floats (and NaN after fabs) unsigned integer
 // order is float order with NaN above +inf, so a max over the bits is a
@@ -59,17 +64,62 @@ __device__ __forceinline__ unsigned WarpMaxU(unsigned v, int width) {
 
 __device__ __forceinline__ int Swz(int c) { return ((c / 8) ^ (c % 8)) % 16; }
 
-template <typename InT, ScaleMode kMode, bool kCols>
+// Max over the block of one value per thread, returned to every thread.
+__device__ __forceinline__ unsigned BlockMaxU(unsigned v, unsigned* warp_red) {
+  v = WarpMaxU(v, 32);
+  if (threadIdx.x % 32 == 0) warp_red[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = 0;
+#pragma unroll
+  for (int w = 0; w < kThreads / 32; ++w) v = max(v, warp_red[w]);
+  return v;
+}
+
+// A prologue computes its 8 rows one at a time (prologue::ComputeRows) and
+// parks them in a thread-private slice of dynamic shared memory, read back
+// into registers with static indices. 16 float4 + 1 of padding per thread:
+// the 272-byte stride puts the 8 lanes of each 16-byte access phase on
+// distinct banks.
+constexpr int kScratchF4 = kSub * kSub / 4 + 1;
+constexpr int kScratchBytes = kThreads * kScratchF4 * 16;  // 68 KB: 2 blocks/SM
+extern __shared__ float4 act_scratch[];
+
+// A prologue's 8x8 values v[row + i][col + j] for a thread, as float32 in
+// registers (the 64 that fp32 inputs take): redoing tanh/exp/erfc for the
+// amax and for both casts would cost more than the registers.
+template <typename InT, Prologue kPro>
+__device__ __forceinline__ void LoadActTile(const QuantizeArgs& p, const PrologueArgs& q,
+                                            int64_t row, int64_t col, float (&v)[kSub][kSub]) {
+  float4* mine = act_scratch + threadIdx.x * kScratchF4;
+  prologue::ComputeRows<InT, kPro>(q, p.M, row, col, [&](int i, const float (&y)[kSub]) {
+    mine[2 * i] = make_float4(y[0], y[1], y[2], y[3]);
+    mine[2 * i + 1] = make_float4(y[4], y[5], y[6], y[7]);
+  });
+#pragma unroll
+  for (int i = 0; i < kSub; ++i) {
+    const float4 lo = mine[2 * i], hi = mine[2 * i + 1];
+    v[i][0] = lo.x; v[i][1] = lo.y; v[i][2] = lo.z; v[i][3] = lo.w;
+    v[i][4] = hi.x; v[i][5] = hi.y; v[i][6] = hi.z; v[i][7] = hi.w;
+  }
+}
+
 // Min blocks per SM: 3 for 16-bit inputs caps registers at 80 (no spills);
 // fp32 inputs (not the hot path) need up to ~150 registers in the 1x128 mode.
-__global__ void __launch_bounds__(kThreads, sizeof(InT) == 4 ? 1 : 3)
-    QuantizeTileKernel(QuantizeArgs p) {
+// A prologue holds 64 floats like fp32 inputs; its scratch limits it to 2
+// blocks/SM anyway, hence 128 registers.
+template <typename InT, Prologue kPro>
+constexpr int MinBlocks() {
+  return kPro != Prologue::kNone ? 2 : sizeof(InT) == 4 ? 1 : 3;
+}
+
+template <typename InT, ScaleMode kMode, bool kCols, Prologue kPro>
+__global__ void __launch_bounds__(kThreads, MinBlocks<InT, kPro>())
+    QuantizeTileKernel(QuantizeArgs p, PrologueArgs q) {
   __shared__ unsigned col_part[kThreads / 16][kTile];  // per-row-group column amax
   __shared__ float col_scale[kTile];
   __shared__ unsigned warp_red[kThreads / 32];
   __shared__ __align__(16) uint8_t tbuf[kCols ? kTile * kTile : 16];  // transposed bytes
 
-  const InT* __restrict__ x = static_cast<const InT*>(p.x);
   const int64_t M = p.M, K = p.K;
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile;
   const int64_t k0 = static_cast<int64_t>(blockIdx.x) * kTile;
@@ -81,29 +131,41 @@ __global__ void __launch_bounds__(kThreads, sizeof(InT) == 4 ? 1 : 3)
   const float fp8_max = e5m2 ? 57344.f : 448.f;
 
   // ---- load the 8x8 sub-tile (16-byte loads when the row allows it) ----
-  // Kept as the raw input bits (32 registers for 16-bit inputs) and widened
-  // on use: fewer registers -> more resident blocks -> more loads in flight.
+  // Without a prologue, kept as the raw input bits (32 registers for 16-bit
+  // inputs) and widened on use: fewer registers -> more resident blocks ->
+  // more loads in flight. (Inline here: moving it into a struct or helper
+  // made ptxas spill the 16-bit 1x128 kernels at their 80-register cap.)
   constexpr int kVec = 16 / sizeof(InT);  // elements per 16-byte vector
   constexpr int kVpr = kSub / kVec;        // vectors per sub-tile row
   uint4 raw[kSub][kVpr];
-  const bool vec_cols = (K % kVec == 0) && (gc + kSub <= K);
+  float act[kSub][kSub];  // the prologue's values (unused without one)
+  if constexpr (kPro == Prologue::kNone) {
+    const InT* __restrict__ x = static_cast<const InT*>(p.x);
+    const bool vec_cols = (K % kVec == 0) && (gc + kSub <= K);
 #pragma unroll
-  for (int i = 0; i < kSub; ++i) {
-    const int64_t gr = m0 + r0 + i;
-    const InT* row = x + gr * K + gc;
-    if (gr < M && vec_cols) {
+    for (int i = 0; i < kSub; ++i) {
+      const int64_t gr = m0 + r0 + i;
+      const InT* row = x + gr * K + gc;
+      if (gr < M && vec_cols) {
 #pragma unroll
-      for (int h = 0; h < kVpr; ++h) raw[i][h] = __ldg(reinterpret_cast<const uint4*>(row) + h);
-    } else {
-      InT tmp[kSub];
+        for (int h = 0; h < kVpr; ++h) raw[i][h] = __ldg(reinterpret_cast<const uint4*>(row) + h);
+      } else {
+        InT tmp[kSub];
 #pragma unroll
-      for (int j = 0; j < kSub; ++j)  // padding: |0| never raises an amax
-        tmp[j] = (gr < M && gc + j < K) ? row[j] : InT(0.f);
-      memcpy(&raw[i][0], tmp, sizeof(tmp));
+        for (int j = 0; j < kSub; ++j)  // padding: |0| never raises an amax
+          tmp[j] = (gr < M && gc + j < K) ? row[j] : InT(0.f);
+        memcpy(&raw[i][0], tmp, sizeof(tmp));
+      }
     }
+  } else {
+    LoadActTile<InT, kPro>(p, q, m0 + r0, gc, act);
   }
   auto v = [&](int i, int j) -> float {
-    return ToFloat(reinterpret_cast<const InT*>(&raw[i][j / kVec])[j % kVec]);
+    if constexpr (kPro == Prologue::kNone) {
+      return ToFloat(reinterpret_cast<const InT*>(&raw[i][j / kVec])[j % kVec]);
+    } else {
+      return act[i][j];
+    }
   };
 
   // ---- amax and scales ----
@@ -158,12 +220,7 @@ __global__ void __launch_bounds__(kThreads, sizeof(InT) == 4 ? 1 : 3)
       for (int i = 0; i < kSub; ++i)
 #pragma unroll
         for (int j = 0; j < kSub; ++j) amax = max(amax, AbsBits(v(i, j)));
-      amax = WarpMaxU(amax, 32);
-      if (t % 32 == 0) warp_red[t / 32] = amax;
-      __syncthreads();
-      amax = 0;
-#pragma unroll
-      for (int w = 0; w < kThreads / 32; ++w) amax = max(amax, warp_red[w]);
+      amax = BlockMaxU(amax, warp_red);
     }
     float s;
     if constexpr (kMode == ScaleMode::kBlock128) {
@@ -177,12 +234,10 @@ __global__ void __launch_bounds__(kThreads, sizeof(InT) == 4 ? 1 : 3)
     } else {
       if (p.amax_out != nullptr && t == 0)
         atomicMax(reinterpret_cast<unsigned*>(p.amax_out), amax);
-      if (p.amax_in != nullptr) {
-        s = ComputeScale(*p.amax_in, fp8_max, false);
-        if (t == 0 && blockIdx.x == 0 && blockIdx.y == 0) *p.scale_inv = 1.f / s;
-      } else {
-        s = *p.scale;
-      }
+      s = p.amax_in != nullptr ? ComputeScale(*p.amax_in, fp8_max, p.pow2) : *p.scale;
+      // IEEE 1/s on the device (XLA:GPU's division is not correctly rounded).
+      if (p.scale_inv != nullptr && t == 0 && blockIdx.x == 0 && blockIdx.y == 0)
+        *p.scale_inv = 1.f / s;
     }
 #pragma unroll
     for (int i = 0; i < kSub; ++i) row_s[i] = s;
@@ -293,42 +348,137 @@ __global__ void __launch_bounds__(512) AmaxKernel(const InT* __restrict__ x, int
   }
 }
 
-template <typename InT, ScaleMode kMode>
-cudaError_t LaunchTyped(const QuantizeArgs& a, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>((a.K + kTile - 1) / kTile),
-                  static_cast<unsigned>((a.M + kTile - 1) / kTile));
-  if (a.data_t != nullptr) {
-    QuantizeTileKernel<InT, kMode, true><<<grid, kThreads, 0, stream>>>(a);
-  } else {
-    QuantizeTileKernel<InT, kMode, false><<<grid, kThreads, 0, stream>>>(a);
-  }
+// max|v| of a prologue's output, computed by the same prologue::ComputeRows
+// (so the same values bit for bit) on the same tiles, without the scratch;
+// one atomicMax per 128x128 tile.
+template <typename InT, Prologue kPro>
+__global__ void __launch_bounds__(kThreads) TileAmaxKernel(QuantizeArgs p, PrologueArgs q) {
+  __shared__ unsigned warp_red[kThreads / 32];
+  const int t = threadIdx.x;
+  unsigned amax = 0;
+  prologue::ComputeRows<InT, kPro>(
+      q, p.M, static_cast<int64_t>(blockIdx.y) * kTile + (t / 16) * kSub,
+      static_cast<int64_t>(blockIdx.x) * kTile + (t % 16) * kSub,
+      [&](int, const float (&y)[kSub]) {
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) amax = max(amax, AbsBits(y[j]));
+      });
+  amax = BlockMaxU(amax, warp_red);
+  if (t == 0) atomicMax(reinterpret_cast<unsigned*>(p.amax_out), amax);
+}
+
+dim3 TileGrid(const QuantizeArgs& a) {
+  return dim3(static_cast<unsigned>((a.K + kTile - 1) / kTile),
+              static_cast<unsigned>((a.M + kTile - 1) / kTile));
+}
+
+template <typename InT, ScaleMode kMode, Prologue kPro>
+cudaError_t LaunchWithPrologue(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
+  auto* kernel = QuantizeTileKernel<InT, kMode, true, kPro>;
+  // More than 48 KB of dynamic shared memory needs an opt-in, which holds per
+  // device: set it at every launch (a host-side call) instead of tracking
+  // devices.
+  cudaError_t e =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kScratchBytes);
+  if (e != cudaSuccess) return e;
+  kernel<<<TileGrid(a), kThreads, kScratchBytes, stream>>>(a, q);
   return cudaGetLastError();
 }
 
-template <typename InT>
-cudaError_t LaunchMode(const QuantizeArgs& a, cudaStream_t stream) {
-  switch (a.mode) {
-    case ScaleMode::kTensor: return LaunchTyped<InT, ScaleMode::kTensor>(a, stream);
-    case ScaleMode::kVec128: return LaunchTyped<InT, ScaleMode::kVec128>(a, stream);
-    case ScaleMode::kBlock128: return LaunchTyped<InT, ScaleMode::kBlock128>(a, stream);
+template <typename InT, ScaleMode kMode>
+cudaError_t LaunchTyped(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
+  const dim3 grid = TileGrid(a);
+  switch (q.kind) {
+    case Prologue::kNone:
+      if (a.data_t != nullptr) {
+        QuantizeTileKernel<InT, kMode, true, Prologue::kNone><<<grid, kThreads, 0, stream>>>(a, q);
+      } else {
+        QuantizeTileKernel<InT, kMode, false, Prologue::kNone><<<grid, kThreads, 0, stream>>>(a, q);
+      }
+      return cudaGetLastError();
+    case Prologue::kAct:
+    case Prologue::kDAct:
+      // The fused MLP always wants the columnwise copy and never 128x128
+      // blocks: only those variants are built (12 kernels, not 36).
+      if constexpr (kMode == ScaleMode::kBlock128) {
+        return cudaErrorInvalidValue;
+      } else {
+        if (a.data_t == nullptr) return cudaErrorInvalidValue;
+        return q.kind == Prologue::kAct ? LaunchWithPrologue<InT, kMode, Prologue::kAct>(a, q, stream)
+                                        : LaunchWithPrologue<InT, kMode, Prologue::kDAct>(a, q, stream);
+      }
   }
   return cudaErrorInvalidValue;
 }
 
+template <typename InT>
+cudaError_t LaunchMode(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
+  switch (a.mode) {
+    case ScaleMode::kTensor: return LaunchTyped<InT, ScaleMode::kTensor>(a, q, stream);
+    case ScaleMode::kVec128: return LaunchTyped<InT, ScaleMode::kVec128>(a, q, stream);
+    case ScaleMode::kBlock128: return LaunchTyped<InT, ScaleMode::kBlock128>(a, q, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+bool GridValid(const QuantizeArgs& a) {
+  return (a.M + kTile - 1) / kTile <= 65535 && (a.K + kTile - 1) / kTile <= 2147483647;
+}
+
+// Host-side guard of the prologue fields. The FFI handlers check them first
+// with messages; this keeps any other caller from reading out of bounds.
+bool PrologueValid(const QuantizeArgs& a, const PrologueArgs& q) {
+  if (q.kind == Prologue::kNone) return true;
+  const bool gated = q.act1 >= 0;
+  if (q.h == nullptr || q.F <= 0 || q.act0 < 0 || q.act0 >= kNumAct || q.act1 >= kNumAct)
+    return false;
+  if (gated && q.F % 8 != 0) return false;
+  if (q.kind == Prologue::kAct) return a.K == q.F;
+  return q.dz != nullptr && a.K == (gated ? 2 : 1) * q.F;
+}
+
 }  // namespace
 
-cudaError_t LaunchQuantize(const QuantizeArgs& a, cudaStream_t stream) {
+cudaError_t LaunchQuantize(const QuantizeArgs& a, cudaStream_t stream, const PrologueArgs& q) {
   if (a.M <= 0 || a.K <= 0) return cudaSuccess;
-  if ((a.M + kTile - 1) / kTile > 65535 || (a.K + kTile - 1) / kTile > 2147483647)
-    return cudaErrorInvalidConfiguration;
+  if (!GridValid(a)) return cudaErrorInvalidConfiguration;
+  if (!PrologueValid(a, q)) return cudaErrorInvalidValue;
   if (a.mode == ScaleMode::kTensor && a.amax_out != nullptr) {
     cudaError_t e = cudaMemsetAsync(a.amax_out, 0, sizeof(float), stream);
     if (e != cudaSuccess) return e;
   }
   switch (a.in) {
-    case InType::kF32: return LaunchMode<float>(a, stream);
-    case InType::kBF16: return LaunchMode<__nv_bfloat16>(a, stream);
-    case InType::kF16: return LaunchMode<__half>(a, stream);
+    case InType::kF32: return LaunchMode<float>(a, q, stream);
+    case InType::kBF16: return LaunchMode<__nv_bfloat16>(a, q, stream);
+    case InType::kF16: return LaunchMode<__half>(a, q, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchPrologueAmax(const QuantizeArgs& a, const PrologueArgs& q, float* amax_out,
+                               cudaStream_t stream) {
+  if (q.kind == Prologue::kNone) return cudaErrorInvalidValue;  // flat x: LaunchAmax
+  cudaError_t e = cudaMemsetAsync(amax_out, 0, sizeof(float), stream);
+  if (e != cudaSuccess || a.M <= 0 || a.K <= 0) return e;
+  if (!GridValid(a)) return cudaErrorInvalidConfiguration;
+  if (!PrologueValid(a, q)) return cudaErrorInvalidValue;
+  QuantizeArgs b = a;
+  b.amax_out = amax_out;
+  const dim3 grid = TileGrid(a);
+  const bool act = q.kind == Prologue::kAct;
+  switch (a.in) {
+    case InType::kF32:
+      if (act) TileAmaxKernel<float, Prologue::kAct><<<grid, kThreads, 0, stream>>>(b, q);
+      else TileAmaxKernel<float, Prologue::kDAct><<<grid, kThreads, 0, stream>>>(b, q);
+      return cudaGetLastError();
+    case InType::kBF16:
+      if (act) TileAmaxKernel<__nv_bfloat16, Prologue::kAct><<<grid, kThreads, 0, stream>>>(b, q);
+      else TileAmaxKernel<__nv_bfloat16, Prologue::kDAct><<<grid, kThreads, 0, stream>>>(b, q);
+      return cudaGetLastError();
+    case InType::kF16:
+      if (act) TileAmaxKernel<__half, Prologue::kAct><<<grid, kThreads, 0, stream>>>(b, q);
+      else TileAmaxKernel<__half, Prologue::kDAct><<<grid, kThreads, 0, stream>>>(b, q);
+      return cudaGetLastError();
   }
   return cudaErrorInvalidValue;
 }

@@ -10,6 +10,32 @@ namespace te_jax {
 enum class InType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 enum class Fp8Type : int { kE4M3 = 0, kE5M2 = 1 };
 
+// Elementwise prologue of the tile kernel: what is quantized.
+//   kNone: x itself.
+//   kAct:  v = act0(h0) (not gated) or act0(h0) * act1(h1) (gated), (M, F).
+//   kDAct: v = dz * act0'(h0) (not gated) or, gated, the (M, 2F) concatenation
+//          [dz * act0'(h0) * act1(h1), dz * act0(h0) * act1'(h1)].
+// h is (M, n_act*F) with h0 = h[:, :F], h1 = h[:, F:] (the layout of a fused
+// up-projection); dz is (M, F). Activations: kernels/activation.h.
+enum class Prologue : int { kNone = 0, kAct = 1, kDAct = 2 };
+
+// Activation ids (device code: kernels/activation.h), shared with
+// te_jax/ops/act_quantize_cuda.py (_ACT_IDS), which sends "swish" as kActSilu.
+// Runtime values, not template parameters: one kernel serves every
+// activation (a switch that is uniform across the block costs a few
+// instructions per element, nothing next to the memory traffic).
+enum ActId : int {
+  kActLinear = 0,
+  kActGelu = 1,       // tanh approximation (flax nn.gelu(approximate=True))
+  kActGeluExact = 2,  // 0.5 x erfc(-x / sqrt 2)
+  kActRelu = 3,
+  kActSilu = 4,       // x sigmoid(x), also "swish"
+  kActSigmoid = 5,
+  kActTanh = 6,
+  kActQuickGelu = 7,  // x sigmoid(1.702 x)
+  kNumAct = 8,
+};
+
 // How scales are chosen; each CUDA block handles one 128x128 tile of x.
 enum class ScaleMode : int {
   kTensor = 0,    // one scale for the whole tensor (given or from amax_in)
@@ -18,12 +44,12 @@ enum class ScaleMode : int {
 };
 
 struct QuantizeArgs {
-  const void* x = nullptr;  // (M, K) row-major
-  int64_t M = 0, K = 0;
+  const void* x = nullptr;  // (M, K) row-major; unused with a prologue
+  int64_t M = 0, K = 0;     // shape of the quantized tensor (x, or v of the prologue)
   InType in = InType::kBF16;
   Fp8Type out = Fp8Type::kE4M3;
   ScaleMode mode = ScaleMode::kTensor;
-  bool pow2 = false;             // blockwise: round scales down to 2^n
+  bool pow2 = false;             // blockwise, or kTensor with amax_in: round scales down to 2^n
   uint8_t* data = nullptr;       // (M, K) FP8
   uint8_t* data_t = nullptr;     // (K, M) FP8, or null for no columnwise copy
   // kTensor: exactly one of `scale` (given) or `amax_in` (current scaling:
@@ -31,15 +57,37 @@ struct QuantizeArgs {
   const float* scale = nullptr;
   const float* amax_in = nullptr;
   float* amax_out = nullptr;     // kTensor: atomicMax target (zeroed by caller)
-  float* scale_inv = nullptr;    // kTensor+amax_in: 1/scale written by block 0
+  float* scale_inv = nullptr;    // kTensor: 1/scale written by block 0 (optional)
   // Blockwise scale_inv in the layouts cuBLASLt reads (see quantize.cu).
   float* sinv = nullptr;
   float* sinv_t = nullptr;
   int64_t sinv_ld = 0, sinv_t_ld = 0;
 };
 
-// Launches the tiled quantize (+ transpose) kernel on `stream`.
-cudaError_t LaunchQuantize(const QuantizeArgs& args, cudaStream_t stream);
+// Inputs of the prologue. A separate kernel parameter rather than more
+// QuantizeArgs fields: growing QuantizeArgs alone made ptxas spill in the
+// existing 16-bit 1x128 kernels (seen with nvcc 13.0), which sit at their
+// 80-register cap.
+struct PrologueArgs {
+  Prologue kind = Prologue::kNone;
+  const void* h = nullptr;   // (M, n_act*F), element type QuantizeArgs::in
+  const void* dz = nullptr;  // (M, F), same type; kDAct only
+  int64_t F = 0;
+  int act0 = 0, act1 = -1;   // ActId (activation.h); act1 < 0: not gated
+};
+
+// Launches the tiled quantize (+ transpose) kernel on `stream`. With a
+// prologue only ScaleMode kTensor and kVec128 exist, with the columnwise copy
+// (data_t set), and gated units need F % 8 == 0; anything else returns
+// cudaErrorInvalidValue.
+cudaError_t LaunchQuantize(const QuantizeArgs& args, cudaStream_t stream,
+                           const PrologueArgs& pro = PrologueArgs());
+
+// amax_out = max|v| over the (args.M, args.K) tensor v of the prologue `pro`
+// (NaN-propagating), exactly the values LaunchQuantize(args, stream, pro)
+// quantizes; zeroes it first. The first pass of current scaling.
+cudaError_t LaunchPrologueAmax(const QuantizeArgs& args, const PrologueArgs& pro,
+                               float* amax_out, cudaStream_t stream);
 
 // amax_out = max(|x|) over n elements (NaN-propagating); zeroes it first.
 cudaError_t LaunchAmax(const void* x, int64_t n, InType in, float* amax_out,

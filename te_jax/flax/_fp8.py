@@ -26,10 +26,13 @@ import flax.linen as nn
 
 from te_jax import dense as dense_lib
 from te_jax import fp8_state as state_lib
+from te_jax import fused_mlp
 from te_jax import recipe as recipe_lib
+from te_jax import sharding as sharding_lib
 from te_jax.autocast import get_fp8_context
 
-__all__ = ["active_recipe", "fp8_gemm", "canonicalize_axes", "FP8_META"]
+__all__ = ["active_recipe", "fp8_gemm", "fp8_mlp_core", "unsharded",
+           "canonicalize_axes", "FP8_META"]
 
 FP8_META = "fp8_meta"
 
@@ -134,4 +137,41 @@ def fp8_gemm(module: nn.Module, x: jax.Array, kernel: jax.Array,
   if module.has_variable(state_lib.FP8_COLLECTION, name):
     # State from a DelayedScaling init, unused now: keep it as it is.
     y = _keep_state(y, module.get_variable(state_lib.FP8_COLLECTION, name))
+  return y
+
+
+def unsharded() -> bool:
+  """True when no mesh axis named by the active mesh resource has size > 1.
+
+  The fused FP8 MLP core has no sharding rule of its own, so it is only used
+  when the GEMMs would not be sharded anyway.
+  """
+  mr = get_fp8_context().mesh_resource
+  if mr is None:
+    return True
+  mesh = sharding_lib.get_mesh()
+  if mesh is None:
+    return True
+  axes = [a for role in (mr.dp_resource, mr.fsdp_resource, mr.tp_resource)
+          for a in ((role,) if isinstance(role, str) else (role or ()))]
+  return sharding_lib.mesh_axis_size(mesh, tuple(a for a in axes
+                                                 if a in mesh.axis_names)) == 1
+
+
+def fp8_mlp_core(module: nn.Module, x2d, wi2d, bi, wo, bo, *, recipe, activations,
+                 names=("wi_fp8_meta", "wo_fp8_meta")):
+  """``te_jax.fused_mlp.fp8_mlp`` with the module's delayed-scaling state.
+
+  Uses (and updates) the same state variables as two :func:`fp8_gemm` calls
+  named ``names`` would, so a model can switch between the fused and the
+  unfused path without touching its variables.
+  """
+  if isinstance(recipe, recipe_lib.DelayedScaling):
+    si, so = (_fp8_state(module, n, recipe) for n in names)
+    return fused_mlp.fp8_mlp(x2d, wi2d, wo, bi, bo, activations=activations,
+                             recipe=recipe, wi_state=si, wo_state=so)
+  y = fused_mlp.fp8_mlp(x2d, wi2d, wo, bi, bo, activations=activations, recipe=recipe)
+  for n in names:
+    if module.has_variable(state_lib.FP8_COLLECTION, n):
+      y = _keep_state(y, module.get_variable(state_lib.FP8_COLLECTION, n))
   return y

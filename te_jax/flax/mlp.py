@@ -1,6 +1,11 @@
 """``LayerNormMLP``: norm -> dense -> activation(s) -> dropout -> dense, in FP8.
 
-Both GEMMs (and their gradients) run in FP8 under ``fp8_autocast``. Gated
+Both GEMMs (and their gradients) run in FP8 under ``fp8_autocast``. When
+the GEMMs are not sharded, dropout is off and the shapes allow it (tokens a
+multiple of the recipe's ``token_block``, embed and mlp multiples of 128),
+the block runs as one fused core (``te_jax.fused_mlp``): the activation and
+the quantization of its output are one pass over memory, forward and
+backward; otherwise as two FP8 dense layers around an XLA activation. Gated
 activations (two entries such as ``("silu", "linear")`` = SwiGLU or
 ``("gelu", "linear")`` = GeGLU) use one fused up-projection of shape
 (embed, n_act, mlp) computed as a single GEMM; the result is
@@ -9,12 +14,14 @@ activations (two entries such as ``("silu", "linear")`` = SwiGLU or
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from te_jax import fused_mlp
 from te_jax.flax import _fp8
 from te_jax.flax.dense import default_kernel_init, _kernel_fan_in_init
 from te_jax.flax.norm import apply_norm, norm_params
@@ -142,6 +149,20 @@ class LayerNormMLP(nn.Module):
                       self.param_dtype)
       bo = self.param("wo_bias", nn.with_logical_partitioning(
           self.bias_init, tuple(self.kernel_axes_2[1:])), (embed,), self.param_dtype)
+
+    lead, f = ln_out.shape[:-1], self.intermediate_dim
+    m = math.prod(lead)
+    dropout = self.intermediate_dropout_rate > 0.0 and not deterministic
+    if (recipe is not None and not dropout and _fp8.unsharded()
+        and fused_mlp.supported(m, embed, f, embed, recipe, acts)):
+      # One custom VJP for both GEMMs: the activation is computed and
+      # quantized in one pass, forward and backward (te_jax.fused_mlp).
+      y = _fp8.fp8_mlp_core(
+          self, ln_out.reshape(m, embed), wi.astype(compute).reshape(embed, n_act * f),
+          None if bi is None else bi.astype(compute).reshape(-1), wo.astype(compute),
+          None if bo is None else bo.astype(compute), recipe=recipe, activations=acts)
+      y = y.reshape(*lead, embed)
+      return (y, ln_out) if self.return_layernorm_output else y
 
     h = _fp8.fp8_gemm(self, ln_out, wi.astype(compute),
                       None if bi is None else bi.astype(compute), recipe=recipe,

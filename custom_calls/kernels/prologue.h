@@ -1,0 +1,117 @@
+// The elementwise prologue of the quantize tile kernel (kernels/quantize.cu):
+// computes a thread's 8x8 values of v = act(h) or dact(dz, h) from the
+// inputs, one row of 8 at a time. Device code, included by quantize.cu only.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/activation.h"
+#include "kernels/quantize.h"
+
+namespace te_jax {
+namespace prologue {
+
+constexpr int kSub = 8;  // a thread's sub-tile is kSub x kSub (quantize.cu)
+
+__device__ __forceinline__ float ToFloat(float v) { return v; }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float ToFloat(__half v) { return __half2float(v); }
+
+// Raw bits of 8 consecutive elements of one row of a row-major InT matrix.
+template <typename InT>
+struct RawRow {
+  static constexpr int kVec = 16 / sizeof(InT);  // elements per 16-byte vector
+  uint4 w[kSub / kVec];
+
+  // Row `row` of `base` (`ld` elements per row, `rows` rows), columns
+  // [col, col + 8); elements at row >= rows or column >= col_end read 0.
+  // `col` is a multiple of 8 (and XLA buffers are >= 16-byte aligned), so
+  // ld % kVec == 0 makes the 16-byte loads aligned.
+  __device__ __forceinline__ void Load(const InT* __restrict__ base, int64_t ld, int64_t rows,
+                                       int64_t row, int64_t col, int64_t col_end) {
+    const InT* p = base + row * ld + col;
+    if (row < rows && ld % kVec == 0 && col + kSub <= col_end) {
+#pragma unroll
+      for (int v = 0; v < kSub / kVec; ++v) w[v] = __ldg(reinterpret_cast<const uint4*>(p) + v);
+    } else {
+      InT tmp[kSub];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) tmp[j] = (row < rows && col + j < col_end) ? p[j] : InT(0.f);
+      memcpy(w, tmp, sizeof(tmp));
+    }
+  }
+  __device__ __forceinline__ float operator[](int j) const {
+    return ToFloat(reinterpret_cast<const InT*>(&w[j / kVec])[j % kVec]);
+  }
+};
+
+// One row of a thread's inputs: h0 (a), h1 (b, gated only), dz (d, kDAct).
+template <typename InT>
+struct RowInputs {
+  RawRow<InT> a, b, d;
+};
+
+// Calls emit(i, y) for i = 0..7 where y[j] = v[row + i][col + j] in float32,
+// v being the (M, K) output of the prologue (K = F for kAct, n_act*F for
+// kDAct), and 0 outside it (padding must not raise an amax, and act(0) need
+// not be 0: sigmoid).
+//
+// A rolled loop over the rows, with the inputs of the next two rows in
+// flight: the activation code is emitted for 8 elements instead of 64
+// (nvcc took minutes on the fully unrolled kernels), and at most three rows
+// of inputs occupy registers (fully unrolled, the three 8x8 inputs of a gated
+// backward alone need 96 registers and the kernels spilled).
+template <typename InT, Prologue kPro, typename Emit>
+__device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, int64_t row,
+                                            int64_t col, Emit&& emit) {
+  static_assert(kPro == Prologue::kAct || kPro == Prologue::kDAct, "needs a prologue");
+  const InT* h = static_cast<const InT*>(q.h);
+  const InT* dz = static_cast<const InT*>(q.dz);
+  const bool gated = q.act1 >= 0;
+  const int64_t F = q.F, ldh = gated ? 2 * F : F;
+  // Output columns [F, 2F) of the gated backward are the act1' branch and
+  // read dz, h0, h1 at column col - F. The host guarantees F % 8 == 0 when
+  // gated, so a thread's 8 columns never straddle the two halves.
+  const bool right = kPro == Prologue::kDAct && gated && col >= F;
+  const int64_t sc = right ? col - F : col;
+
+  auto load = [&](int i, RowInputs<InT>& r) {
+    r.a.Load(h, ldh, M, row + i, sc, F);
+    if (gated) r.b.Load(h, ldh, M, row + i, F + sc, 2 * F);
+    if (kPro == Prologue::kDAct) r.d.Load(dz, F, M, row + i, sc, F);
+  };
+  RowInputs<InT> cur, nxt;
+  load(0, cur);
+  load(1, nxt);
+#pragma unroll 1
+  for (int i = 0; i < kSub; ++i) {
+    RowInputs<InT> next2;
+    if (i + 2 < kSub) load(i + 2, next2);
+    const bool row_in = row + i < M;
+    float y[kSub];
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      float f0, d0, f1 = 1.f, d1 = 0.f;
+      Activate(q.act0, cur.a[j], &f0, &d0);
+      if (gated) Activate(q.act1, cur.b[j], &f1, &d1);
+      float val;
+      if (kPro == Prologue::kAct) {
+        val = gated ? __fmul_rn(f0, f1) : f0;
+      } else {  // (dz * g0) * g1: the association of ops/act_quantize.py
+        const float g = __fmul_rn(cur.d[j], right ? f0 : d0);
+        val = gated ? __fmul_rn(g, right ? d1 : f1) : g;
+      }
+      y[j] = (row_in && sc + j < F) ? val : 0.f;
+    }
+    emit(i, y);
+    cur = nxt;
+    nxt = next2;
+  }
+}
+
+}  // namespace prologue
+}  // namespace te_jax

@@ -1,0 +1,343 @@
+"""Fused activation + FP8 quantize for the FP8 MLP.
+
+Forward: ``z = act(h)`` is quantized in the pass that reads ``h``; backward:
+``dh = dz * act'(h)`` is quantized in the pass that reads ``dz`` and ``h``.
+On the CUDA path neither ``z`` nor ``dh`` is ever written in 16 or 32 bits
+(``custom_calls/ffi/act_quantize.cc``, ``act_quantize_cuda.py``).
+
+Layout: ``h`` is (M, n_act*F), the fused up-projection (M, n_act, F)
+flattened, with ``h0 = h[:, :F]`` and ``h1 = h[:, F:]``; ``activations`` holds
+one name (``z = act0(h0)``) or two, a gated unit (``z = act0(h0) * act1(h1)``,
+e.g. ("silu", "linear") = SwiGLU, ("gelu", "linear") = GeGLU).
+
+The pure-JAX functions below are the spec. Activations and their derivatives
+are written out in float32 (not ``jax.grad``) so that the CUDA kernels
+(``custom_calls/kernels/activation.h``) can mirror them operation for
+operation; the two paths then differ only where ``tanh``/``exp``/``erfc``
+differ by float32 ulps, which moves an FP8 value by at most one step on rare
+elements. Quantization is exactly ``ops/quantize.py``'s, applied to the
+float32 result (no bf16 rounding in between).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from te_jax.ops import _native
+from te_jax.ops.quantize import (check_fp8_dtype, check_input, compute_scale,
+                                 quantize_blockwise_reference,
+                                 quantize_tensorwise_reference, saturating_cast)
+
+__all__ = [
+    "ACTIVATION_NAMES",
+    "MODES",
+    "activation_forward",
+    "activation_backward",
+    "act_quantize_reference",
+    "dact_quantize_reference",
+    "act_quantize",
+    "dact_quantize",
+    "act_quantize_supported",
+]
+
+ACTIVATION_NAMES = ("linear", "gelu", "gelu_exact", "relu", "silu", "swish",
+                    "sigmoid", "tanh", "quick_gelu")
+MODES = ("tensorwise", "current", "blockwise")
+
+# (data, scale_inv, data_t, scale_inv_t, amax); amax is None for blockwise.
+QuantizedAct = Tuple[jax.Array, jax.Array, jax.Array, jax.Array, Optional[jax.Array]]
+
+_F32 = jnp.float32
+_ONE, _HALF = np.float32(1.0), np.float32(0.5)
+# float32 roundings of the constants; activation.h spells the same values.
+_SQRT_2_OVER_PI = np.float32(np.sqrt(2.0 / np.pi))  # as in jax.nn.gelu
+_GELU_C = np.float32(0.044715)
+_GELU_C3 = np.float32(0.134145)  # 3 * 0.044715, rounded once
+_SQRT_HALF = np.float32(np.sqrt(0.5))
+_INV_SQRT_2PI = np.float32(1.0 / np.sqrt(2.0 * np.pi))
+_QUICK = np.float32(1.702)
+_CUDA_MAX_ROWS = 65535 * 128  # 128-row tiles on grid.y, which CUDA caps at 65535
+
+
+# ------------------------------------------------------------ activations ---
+
+def _sigmoid(x):
+  # exp(-x) overflows to inf for x < -88: 1 / inf = 0 exactly, no NaN.
+  return _ONE / (_ONE + jnp.exp(-x))
+
+
+def _act_fwd_bwd(name: str, x: jax.Array) -> Tuple[jax.Array, jax.Array]:
+  """``(act(x), act'(x))`` for float32 ``x``; the unused one is dead code under jit."""
+  if name == "linear":
+    return x, jnp.ones_like(x)
+  if name == "gelu":  # the op order of jax.nn.gelu(approximate=True)
+    x2 = x * x
+    u = _SQRT_2_OVER_PI * (x + _GELU_C * (x2 * x))
+    t = jnp.tanh(u)
+    cdf = _HALF * (_ONE + t)
+    du = _SQRT_2_OVER_PI * (_ONE + _GELU_C3 * x2)
+    # (1 - t)(1 + t) keeps 1 - t^2 accurate where t is near +-1.
+    return x * cdf, cdf + (x * (_HALF * ((_ONE - t) * (_ONE + t)))) * du
+  if name == "gelu_exact":  # erfc form (as jax.nn.gelu): accurate for x << 0
+    cdf = _HALF * lax.erfc(-x * _SQRT_HALF)
+    pdf = jnp.exp((x * x) * np.float32(-0.5)) * _INV_SQRT_2PI
+    return x * cdf, cdf + x * pdf
+  if name == "relu":  # NaN stays NaN; relu'(0) = 0 as jax.nn.relu
+    return (jnp.where(x < 0, np.float32(0), x),
+            jnp.where(x > 0, _ONE, np.float32(0)))
+  if name in ("silu", "swish"):
+    s = _sigmoid(x)
+    return x * s, s * (_ONE + x * (_ONE - s))
+  if name == "sigmoid":
+    s = _sigmoid(x)
+    return s, s * (_ONE - s)
+  if name == "tanh":
+    t = jnp.tanh(x)
+    return t, (_ONE - t) * (_ONE + t)
+  if name == "quick_gelu":
+    a = _QUICK * x
+    s = _sigmoid(a)
+    return x * s, s * (_ONE + a * (_ONE - s))
+  raise ValueError(f"unknown activation {name!r}; known: {ACTIVATION_NAMES}.")
+
+
+# ----------------------------------------------------------------- checks ---
+
+def _check_activations(activations) -> Tuple[str, ...]:
+  if isinstance(activations, str) or not isinstance(activations, (tuple, list)):
+    raise TypeError(f"activations must be a tuple of one or two names such as "
+                    f"('gelu',) or ('silu', 'linear'), got {activations!r}.")
+  acts = tuple(activations)
+  if len(acts) not in (1, 2):
+    raise ValueError(f"activations must hold one or two names, got {acts!r}.")
+  for a in acts:
+    if a not in ACTIVATION_NAMES:
+      raise ValueError(f"unknown activation {a!r} in activations; known: "
+                       f"{ACTIVATION_NAMES}.")
+  return acts
+
+
+def _check_h(h, n_act: int) -> int:
+  """Checks h (M, n_act*F); returns F."""
+  check_input(h, "h", 2)
+  if h.shape[1] % n_act:
+    raise ValueError(f"h.shape[1] ({h.shape[1]}) must be n_act * F with n_act = "
+                     f"len(activations) = {n_act}; h has shape {h.shape}.")
+  return h.shape[1] // n_act
+
+
+def _check_dz(dz, h, n_act: int):
+  check_input(dz, "dz", 2)
+  if h.shape[0] != dz.shape[0] or h.shape[1] != n_act * dz.shape[1]:
+    raise ValueError(f"h.shape ({h.shape}) must be (dz.shape[0], n_act * dz.shape[1]) "
+                     f"with dz.shape = {dz.shape} and n_act = len(activations) = {n_act}.")
+
+
+def _check_quant_args(mode, dtype, scale, power_2_scale):
+  """Validates the quantization arguments; returns (dtype, scale as f32 or None)."""
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+  dtype = check_fp8_dtype(dtype)
+  if not isinstance(power_2_scale, (bool, np.bool_)):
+    raise TypeError(f"power_2_scale must be a Python bool (it is static), got "
+                    f"{power_2_scale!r}.")
+  if mode == "tensorwise":
+    if scale is None:
+      raise ValueError("scale is required for mode='tensorwise' (delayed scaling: a "
+                       "float32 scalar).")
+    if power_2_scale:
+      raise ValueError("power_2_scale applies to modes 'current' and 'blockwise'; "
+                       "with mode='tensorwise' the scale is given.")
+    if not jnp.issubdtype(jnp.result_type(scale), jnp.floating):
+      raise TypeError(f"scale must be a float scalar, got dtype {jnp.result_type(scale)}.")
+    if jnp.shape(scale) != ():
+      raise ValueError(f"scale must be a scalar, got shape {jnp.shape(scale)}.")
+    return dtype, jnp.asarray(scale, _F32)
+  if scale is not None:
+    raise ValueError(f"scale must be None for mode={mode!r}: the scale comes from "
+                     f"the amax of this tensor ('current') or of each tile "
+                     f"('blockwise').")
+  return dtype, None
+
+
+# ------------------------------------------------------------- references ---
+
+def activation_forward(h: jax.Array, activations: Sequence[str]) -> jax.Array:
+  """``act0(h0)`` or ``act0(h0) * act1(h1)`` in float32.
+
+  Args:
+    h: (M, n_act*F) float32/bfloat16/float16; h0 = h[:, :F], h1 = h[:, F:].
+    activations: tuple of one or two names from ``ACTIVATION_NAMES``.
+
+  Returns:
+    (M, F) float32.
+  """
+  acts = _check_activations(activations)
+  f = _check_h(h, len(acts))
+  hf = h.astype(_F32)
+  f0, _ = _act_fwd_bwd(acts[0], hf[:, :f])
+  if len(acts) == 1:
+    return f0
+  f1, _ = _act_fwd_bwd(acts[1], hf[:, f:])
+  return f0 * f1
+
+
+def activation_backward(dz: jax.Array, h: jax.Array,
+                        activations: Sequence[str]) -> jax.Array:
+  """Gradient of ``activation_forward`` w.r.t. h, in float32.
+
+  Args:
+    dz: (M, F) gradient of the activation output.
+    h: (M, n_act*F) the activation input.
+    activations: tuple of one or two names from ``ACTIVATION_NAMES``.
+
+  Returns:
+    (M, n_act*F) float32: ``dz * act0'(h0)`` (one activation) or
+    ``[(dz * act0'(h0)) * act1(h1), (dz * act0(h0)) * act1'(h1)]``
+    concatenated on the last dim (gated; this association is the spec).
+  """
+  acts = _check_activations(activations)
+  _check_dz(dz, h, len(acts))
+  f = dz.shape[1]
+  hf, dzf = h.astype(_F32), dz.astype(_F32)
+  f0, d0 = _act_fwd_bwd(acts[0], hf[:, :f])
+  if len(acts) == 1:
+    return dzf * d0
+  f1, d1 = _act_fwd_bwd(acts[1], hf[:, f:])
+  return jnp.concatenate([(dzf * d0) * f1, (dzf * f0) * d1], axis=1)
+
+
+# jit: called eagerly, one compilation instead of one per op (inlined under an
+# outer jit).
+@functools.partial(jax.jit, static_argnames=("mode", "dtype", "power_2_scale"))
+def _quantize_v(v: jax.Array, mode: str, dtype, scale, power_2_scale: bool
+                ) -> QuantizedAct:
+  """Quantizes the float32 (M, W) ``v`` as ops/quantize.py's references do."""
+  if mode == "blockwise":
+    data, s = quantize_blockwise_reference(v, (1, 128), dtype, power_2_scale)
+    data_t, s_t = quantize_blockwise_reference(v.T, (1, 128), dtype, power_2_scale)
+    return data, s, data_t, s_t, None
+  if mode == "tensorwise":
+    data, amax = quantize_tensorwise_reference(v, scale, dtype)
+  else:  # current
+    amax = jnp.max(jnp.abs(v))
+    scale = compute_scale(amax, dtype, power_2_scale=power_2_scale)
+    data = saturating_cast(v * scale, dtype)
+  scale_inv = _F32(1.0) / scale
+  return data, scale_inv, data.T, scale_inv, amax
+
+
+def act_quantize_reference(h: jax.Array, activations: Sequence[str], *, mode: str,
+                           dtype, scale=None, power_2_scale: bool = False
+                           ) -> QuantizedAct:
+  """Pure-JAX ``act_quantize``: quantizes ``activation_forward(h, activations)``."""
+  acts = _check_activations(activations)
+  _check_h(h, len(acts))
+  dtype, scale = _check_quant_args(mode, dtype, scale, power_2_scale)
+  return _quantize_v(activation_forward(h, acts), mode=mode, dtype=dtype, scale=scale,
+                     power_2_scale=power_2_scale)
+
+
+def dact_quantize_reference(dz: jax.Array, h: jax.Array, activations: Sequence[str], *,
+                            mode: str, dtype, scale=None, power_2_scale: bool = False
+                            ) -> QuantizedAct:
+  """Pure-JAX ``dact_quantize``: quantizes ``activation_backward(dz, h, activations)``."""
+  acts = _check_activations(activations)
+  _check_dz(dz, h, len(acts))
+  dtype, scale = _check_quant_args(mode, dtype, scale, power_2_scale)
+  return _quantize_v(activation_backward(dz, h, acts), mode=mode, dtype=dtype,
+                     scale=scale, power_2_scale=power_2_scale)
+
+
+# ------------------------------------------------------------ dispatchers ---
+
+def act_quantize_supported(m: int, f: int, n_act: int) -> bool:
+  """Whether the CUDA path takes h (m, n_act*f) (and dz (m, f)).
+
+  Any m up to 65535*128 and any f for one activation; gated units (n_act=2)
+  need f % 8 == 0 (a thread's 8 output columns must not straddle h0 and h1).
+  This checks shapes only, not whether a GPU or the native module is present
+  (``impl="auto"`` falls back to the reference there by itself).
+  """
+  ints = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+             for v in (m, f, n_act))
+  return (ints and n_act in (1, 2) and 1 <= m <= _CUDA_MAX_ROWS and f >= 1 and
+          (n_act == 1 or f % 8 == 0))
+
+
+def _check_cuda_shape(m: int, f: int, n_act: int):
+  if not act_quantize_supported(m, f, n_act):
+    raise ValueError(
+        f"the CUDA act_quantize kernels do not take M={m}, F={f}, n_act={n_act}: they "
+        f"need M <= {_CUDA_MAX_ROWS} and, for a gated unit, F % 8 == 0. Check "
+        f"act_quantize_supported(m, f, n_act) first, or pass impl='reference'.")
+
+
+def act_quantize(h: jax.Array, activations: Sequence[str], *, mode: str, dtype,
+                 scale=None, power_2_scale: bool = False, impl: str = "auto"
+                 ) -> QuantizedAct:
+  """FP8 quantization of ``z = activation_forward(h, activations)`` in one pass.
+
+  Args:
+    h: (M, n_act*F) float32/bfloat16/float16, the (fused) up-projection output.
+    activations: tuple of one or two names from ``ACTIVATION_NAMES``.
+    mode: "tensorwise" (given ``scale``, delayed scaling), "current" (scale
+      from max|z|) or "blockwise" (1x128 tiles, plus 128x1 tiles for the
+      columnwise copy, as ``quantize_blockwise(z, (1, 128), columnwise=True)``).
+    dtype: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``.
+    scale: float32 scalar for "tensorwise"; None otherwise.
+    power_2_scale: round scales down to powers of two ("current", "blockwise").
+    impl: "auto", "cuda" or "reference" (see ``ops/_native.py``).
+
+  Returns:
+    ``(data, scale_inv, data_t, scale_inv_t, amax)``: data (M, F) FP8 and
+    data_t (F, M) the quantization of z.T. Per-tensor modes: scale_inv =
+    scale_inv_t = 1/scale (float32 scalar), amax = max|z| (float32 scalar).
+    "blockwise": scale_inv (M, ceil(F/128)), scale_inv_t (F, ceil(M/128))
+    (the logical layout of ``quantize_blockwise``), amax None.
+
+  Raises:
+    ValueError/TypeError for bad arguments; ValueError when the CUDA path is
+    chosen and ``act_quantize_supported(M, F, n_act)`` is False.
+  """
+  acts = _check_activations(activations)
+  f = _check_h(h, len(acts))
+  dtype, scale = _check_quant_args(mode, dtype, scale, power_2_scale)
+  if _native.resolve_impl(impl) == "cuda":
+    _check_cuda_shape(h.shape[0], f, len(acts))
+    from te_jax.ops import act_quantize_cuda  # pylint: disable=import-outside-toplevel
+    return act_quantize_cuda.act_quantize(h, None, acts, mode, dtype, scale, power_2_scale)
+  return _quantize_v(activation_forward(h, acts), mode=mode, dtype=dtype, scale=scale,
+                     power_2_scale=power_2_scale)
+
+
+def dact_quantize(dz: jax.Array, h: jax.Array, activations: Sequence[str], *, mode: str,
+                  dtype, scale=None, power_2_scale: bool = False, impl: str = "auto"
+                  ) -> QuantizedAct:
+  """FP8 quantization of ``dh = activation_backward(dz, h, activations)`` in one pass.
+
+  Args:
+    dz: (M, F) float32/bfloat16/float16 gradient of the activation output.
+    h: (M, n_act*F) the activation input saved from the forward pass.
+    activations, mode, dtype, scale, power_2_scale, impl: as ``act_quantize``.
+
+  Returns:
+    ``(data, scale_inv, data_t, scale_inv_t, amax)`` as ``act_quantize`` with
+    W = n_act*F columns: data (M, W), data_t (W, M); blockwise scale_inv
+    (M, ceil(W/128)), scale_inv_t (W, ceil(M/128)).
+  """
+  acts = _check_activations(activations)
+  _check_dz(dz, h, len(acts))
+  dtype, scale = _check_quant_args(mode, dtype, scale, power_2_scale)
+  if _native.resolve_impl(impl) == "cuda":
+    _check_cuda_shape(dz.shape[0], dz.shape[1], len(acts))
+    from te_jax.ops import act_quantize_cuda  # pylint: disable=import-outside-toplevel
+    return act_quantize_cuda.act_quantize(h, dz, acts, mode, dtype, scale, power_2_scale)
+  return _quantize_v(activation_backward(dz, h, acts), mode=mode, dtype=dtype,
+                     scale=scale, power_2_scale=power_2_scale)

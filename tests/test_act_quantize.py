@@ -1,0 +1,503 @@
+"""Fused activation + FP8 quantize (te_jax/ops/act_quantize.py).
+
+CPU (CI): the pure-JAX spec against independent oracles:
+  * activations in float64 numpy (their textbook formulas) and derivatives
+    by central finite differences of those, within float32 accuracy;
+  * the quantized outputs bit for bit against a numpy float32 + ml_dtypes
+    quantizer applied to the reference's float32 v (so no bf16 rounding of v
+    sneaks in), and within half an FP8 ulp of the float64 v;
+  * argument errors.
+GPU (``gpu`` marker, skipped elsewhere): the CUDA path against the reference
+evaluated on the CPU backend (IEEE division; see test_cuda_ops.py).
+"""
+
+import math
+import zlib
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+import ml_dtypes
+import numpy as np
+import pytest
+
+from te_jax.ops import _native
+from te_jax.ops import act_quantize as aq
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
+FMAX = {E4M3: 448.0, E5M2: 57344.0}
+NP_FP8 = {E4M3: ml_dtypes.float8_e4m3fn, E5M2: ml_dtypes.float8_e5m2}
+# Half an FP8 ulp relative to the value (normal range) and half the subnormal
+# step below the smallest normal.
+HALF_ULP = {E4M3: 2.0 ** -4, E5M2: 2.0 ** -3}
+MIN_NORMAL = {E4M3: 2.0 ** -6, E5M2: 2.0 ** -14}
+SUB_HALF_STEP = {E4M3: 2.0 ** -10, E5M2: 2.0 ** -17}
+# float32 reference vs float64 oracle over [-9, 9], measured: values within
+# 1.2e-6 absolute (silu(9) = 9: 1.3e-7 relative), derivatives within 3.5e-6
+# (gelu' near x = -5, where 1 + tanh(u) cancels in float32 as it does in
+# jax.nn.gelu) and 2.6e-5 relative where they are small (tanh', 1 - t^2).
+# Formula mistakes show up orders of magnitude above these bounds.
+RTOL, ATOL = 3e-5, 5e-6
+
+NAMES = aq.ACTIVATION_NAMES
+# Gated pairs that put every activation in both positions.
+PAIRS = [("silu", "linear"), ("gelu", "linear"), ("gelu_exact", "sigmoid"),
+         ("relu", "tanh"), ("quick_gelu", "gelu"), ("linear", "swish"),
+         ("sigmoid", "gelu_exact"), ("tanh", "relu"), ("swish", "quick_gelu")]
+
+
+# ------------------------------------------------------------- oracles ---
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def _np_act(name, x):
+  """float64 textbook formulas (independent of the float32 spec's)."""
+  x = np.asarray(x, np.float64)
+  if name == "linear":
+    return x
+  if name == "gelu":
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+  if name == "gelu_exact":
+    return 0.5 * x * (1.0 + _erf(x / np.sqrt(2.0)))
+  if name == "relu":
+    return np.maximum(x, 0.0)
+  if name in ("silu", "swish"):
+    return x / (1.0 + np.exp(-x))
+  if name == "sigmoid":
+    return 1.0 / (1.0 + np.exp(-x))
+  if name == "tanh":
+    return np.tanh(x)
+  if name == "quick_gelu":
+    return x / (1.0 + np.exp(-1.702 * x))
+  raise AssertionError(name)
+
+
+def _np_dact(name, x):
+  """Central finite difference of the float64 oracle (truncation ~1e-10)."""
+  x = np.asarray(x, np.float64)
+  e = 1e-5
+  return (_np_act(name, x + e) - _np_act(name, x - e)) / (2 * e)
+
+
+def _np_forward(h, acts):
+  h = np.asarray(h, np.float64)
+  f = h.shape[1] // len(acts)
+  z = _np_act(acts[0], h[:, :f])
+  return z if len(acts) == 1 else z * _np_act(acts[1], h[:, f:])
+
+
+def _np_backward(dz, h, acts):
+  dz, h = np.asarray(dz, np.float64), np.asarray(h, np.float64)
+  f = dz.shape[1]
+  if len(acts) == 1:
+    return dz * _np_dact(acts[0], h)
+  h0, h1 = h[:, :f], h[:, f:]
+  return np.concatenate([dz * _np_dact(acts[0], h0) * _np_act(acts[1], h1),
+                         dz * _np_act(acts[0], h0) * _np_dact(acts[1], h1)], axis=1)
+
+
+def _np_scale(amax, dtype, pow2):
+  """compute_scale() in numpy float32 (IEEE division)."""
+  amax = np.asarray(amax, np.float32)
+  valid = np.isfinite(amax) & (amax > 0)
+  with np.errstate(divide="ignore", over="ignore"):
+    s = np.float32(FMAX[dtype]) / np.where(valid, amax, np.float32(1))
+  s = np.minimum(s, np.finfo(np.float32).max).astype(np.float32)
+  if pow2:
+    s = (s.view(np.uint32) & np.uint32(0xFF800000)).view(np.float32)
+  return np.where(valid, s, np.float32(1)).astype(np.float32)
+
+
+def _np_cast(v32, dtype):
+  m = np.float32(FMAX[dtype])
+  return np.clip(v32, -m, m).astype(NP_FP8[dtype])
+
+
+def _np_blockwise_1x128(v32, dtype, pow2):
+  """1x128 tiles along the last dim: (data, scale_inv (M, ceil(W/128)), scale)."""
+  m, w = v32.shape
+  wt = -(-w // 128)
+  vp = np.zeros((m, wt * 128), np.float32)
+  vp[:, :w] = v32
+  tiles = vp.reshape(m, wt, 128)
+  scale = _np_scale(np.max(np.abs(tiles), axis=2), dtype, pow2)
+  data = _np_cast(tiles * scale[:, :, None], dtype).reshape(m, -1)[:, :w]
+  return data, (np.float32(1) / scale).astype(np.float32), scale
+
+
+def _bits(a):
+  return np.asarray(a).view(np.uint8)
+
+
+def _check_half_ulp(data, scale, v64, slack, dtype):
+  """|fp8 - v * scale| <= half an FP8 ulp (+ the float32 error of v), with v
+  clipped to the FP8 range; `scale` broadcasts against v64."""
+  scale = np.asarray(scale, np.float64)
+  x = np.clip(v64 * scale, -FMAX[dtype], FMAX[dtype])
+  got = np.asarray(data, np.float64)
+  bound = np.where(np.abs(x) >= MIN_NORMAL[dtype], np.abs(x) * HALF_ULP[dtype],
+                   SUB_HALF_STEP[dtype]) + slack * scale
+  err = np.abs(got - x)
+  assert np.all(err <= bound * (1 + 1e-6)), float(np.max(err - bound))
+
+
+# --------------------------------------------------- activation formulas ---
+
+M, F = 72, 200  # partial 1x128 tiles along both dims; every test uses these
+# shapes so that the op-by-op (eager) compilations are shared across tests.
+
+
+def _points():
+  """(M, F): a dense grid over [-9, 9] (where every activation saturates) plus
+  tiny values and 0 (the last element)."""
+  x = np.concatenate([np.linspace(-9.0, 9.0, M * F - 5), [1e-30, -1e-30, 1e-6, -1e-6, 0.0]])
+  return x.astype(np.float32).reshape(M, F)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_activation_values_and_derivatives(name):
+  x = _points()
+  got = np.asarray(aq.activation_forward(jnp.asarray(x), (name,)), np.float64)
+  np.testing.assert_allclose(got, _np_act(name, x), rtol=RTOL, atol=ATOL)
+
+  dgot = np.asarray(aq.activation_backward(jnp.ones_like(x), jnp.asarray(x), (name,)),
+                    np.float64)
+  keep = np.ones_like(x, bool) if name != "relu" else np.abs(x) > 1e-3  # kink at 0
+  np.testing.assert_allclose(dgot[keep], _np_dact(name, x)[keep], rtol=RTOL, atol=ATOL)
+  if name == "relu":
+    assert float(dgot[-1, -1]) == 0.0  # relu'(0) = 0, as jax.nn.relu
+
+
+def test_activations_match_flax():
+  """The names mean what flax's do (LayerNormMLP's table)."""
+  x = jnp.asarray(_points())
+  flax_fns = {"gelu": lambda v: nn.gelu(v, approximate=True),
+              "gelu_exact": lambda v: nn.gelu(v, approximate=False),
+              "relu": nn.relu, "silu": nn.silu, "swish": nn.silu, "sigmoid": nn.sigmoid,
+              "tanh": jnp.tanh, "quick_gelu": lambda v: v * nn.sigmoid(1.702 * v),
+              "linear": lambda v: v}
+  assert set(flax_fns) == set(NAMES)
+  for name, fn in flax_fns.items():
+    np.testing.assert_allclose(np.asarray(aq.activation_forward(x, (name,))),
+                               np.asarray(fn(x)), rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_activation_nonfinite_inputs():
+  """The spec's behaviour on inf/NaN (the kernels mirror the formulas)."""
+  x = np.zeros((M, F), np.float32)
+  x[0, :5] = [np.inf, -np.inf, np.nan, -100.0, 100.0]
+  x = jnp.asarray(x)
+  f = lambda n: np.asarray(aq.activation_forward(x, (n,)))
+  np.testing.assert_array_equal(f("sigmoid")[0, :2], [1.0, 0.0])
+  np.testing.assert_array_equal(f("tanh")[0, :2], [1.0, -1.0])
+  assert np.isnan(f("relu")[0, 2])  # relu keeps NaN (as jnp.maximum)
+  d = np.asarray(aq.activation_backward(jnp.ones_like(x), x, ("silu",)))
+  assert np.all(np.isfinite(d[0, 3:5]))  # no inf * 0 for large finite |x|
+
+
+@pytest.mark.parametrize("acts", PAIRS[:5])
+def test_gated_forward_backward(acts):
+  rng = np.random.default_rng(0)
+  h = (rng.standard_normal((M, 2 * F)) * 3).astype(np.float32)
+  dz = rng.standard_normal((M, F)).astype(np.float32)
+  z = np.asarray(aq.activation_forward(jnp.asarray(h), acts), np.float64)
+  assert z.shape == (M, F)
+  np.testing.assert_allclose(z, _np_forward(h, acts), rtol=2 * RTOL, atol=4 * ATOL)
+  dh = np.asarray(aq.activation_backward(jnp.asarray(dz), jnp.asarray(h), acts), np.float64)
+  assert dh.shape == (M, 2 * F)
+  keep = ~_relu_kink(acts, h)  # finite differences straddle relu's kink
+  np.testing.assert_allclose(dh[keep], _np_backward(dz, h, acts)[keep],
+                             rtol=4 * RTOL, atol=8 * ATOL)
+
+
+def test_backward_is_the_gradient():
+  """activation_backward == jax.vjp of activation_forward (another oracle)."""
+  rng = np.random.default_rng(1)
+  h = jnp.asarray(rng.standard_normal((M, 2 * F)) * 3, F32)
+  dz = jnp.asarray(rng.standard_normal((M, F)), F32)
+  sets = (("gelu", "linear"), ("gelu_exact", "silu"), ("quick_gelu", "tanh"))
+  # One jit for the three (eager vjp compiles op by op).
+  got, want = jax.jit(lambda dz, h: (
+      [aq.activation_backward(dz, h, a) for a in sets],
+      [jax.vjp(lambda v, a=a: aq.activation_forward(v, a), h)[1](dz)[0] for a in sets]))(dz, h)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=RTOL, atol=ATOL)
+
+
+# ---------------------------------------------------------- quantization ---
+
+
+def _inputs(acts, seed, h_dtype=BF16, dz_dtype=BF16):
+  rng = np.random.default_rng(seed)
+  h = jnp.asarray(rng.standard_normal((M, len(acts) * F)) * 3, h_dtype)
+  dz = jnp.asarray(rng.standard_normal((M, F)), dz_dtype)
+  return h, dz
+
+
+def _relu_kink(acts, h):
+  """(M, n_act*F) mask of the dh elements that take relu' within 1e-4 of 0."""
+  f = h.shape[1] // len(acts)
+  parts = [h[:, i * f:(i + 1) * f] for i in range(len(acts))]
+  return np.concatenate([(np.abs(parts[i]) < 1e-4) & (a == "relu")
+                         for i, a in enumerate(acts)], axis=1)
+
+
+def _call(direction, acts, h, dz, **kw):
+  if direction == "fwd":
+    return aq.act_quantize(h, acts, impl="reference", **kw)
+  return aq.dact_quantize(dz, h, acts, impl="reference", **kw)
+
+
+def _v(direction, acts, h, dz):
+  """(v as the reference's float32, v as the float64 oracle)."""
+  if direction == "fwd":
+    return np.asarray(aq.activation_forward(h, acts)), _np_forward(h, acts)
+  return np.asarray(aq.activation_backward(dz, h, acts)), _np_backward(dz, h, acts)
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("mode", aq.MODES)
+@pytest.mark.parametrize("gated", [False, True])
+def test_quantize_matches_numpy_and_half_ulp(direction, mode, gated):
+  dtype = E4M3 if direction == "fwd" else E5M2
+  pow2 = mode != "tensorwise" and not gated  # both settings of power_2_scale
+  act_sets = PAIRS if gated else [(n,) for n in NAMES]
+  for k, acts in enumerate(act_sets):
+    h, dz = _inputs(acts, k, *((F32, BF16) if k == 1 else (BF16, BF16)))
+    v32, v64 = _v(direction, acts, h, dz)
+    if direction == "bwd":  # finite differences are off at relu's kink: skip it
+      kink = _relu_kink(acts, np.asarray(h, np.float32))
+      v64 = np.where(kink, v32, v64)
+    w = v32.shape[1]
+    slack = RTOL * 8 * np.abs(v64) + ATOL * 8
+    kw = dict(mode=mode, dtype=dtype, power_2_scale=pow2)
+    if mode == "tensorwise":  # saturate the top half of the range
+      kw["scale"] = _np_scale(np.max(np.abs(v32)) / 2, dtype, False)
+    data, s, data_t, s_t, amax = _call(direction, acts, h, dz, **kw)
+    tag = f"{acts} {direction} {mode}"
+    assert data.shape == (M, w) and data_t.shape == (w, M) and data.dtype == dtype, tag
+    if mode == "blockwise":
+      assert amax is None
+      want, want_s, scale = _np_blockwise_1x128(v32, dtype, pow2)
+      want_t, want_s_t, scale_t = _np_blockwise_1x128(v32.T, dtype, pow2)
+      np.testing.assert_array_equal(np.asarray(s), want_s, err_msg=tag)
+      np.testing.assert_array_equal(np.asarray(s_t), want_s_t, err_msg=tag)
+      np.testing.assert_array_equal(_bits(data_t), _bits(want_t), err_msg=tag)
+      _check_half_ulp(data, np.repeat(scale, 128, axis=1)[:, :w], v64, slack, dtype)
+      _check_half_ulp(data_t, np.repeat(scale_t, 128, axis=1)[:, :M], v64.T, slack.T,
+                      dtype)
+    else:
+      assert s.shape == s_t.shape == amax.shape == (), tag
+      assert float(amax) == np.max(np.abs(v32)), tag
+      scale = kw.get("scale", _np_scale(np.max(np.abs(v32)), dtype, pow2))
+      want = _np_cast(v32 * scale, dtype)
+      assert float(s) == float(s_t) == np.float32(1) / scale, tag
+      np.testing.assert_array_equal(_bits(data_t), _bits(data).T, err_msg=tag)
+      _check_half_ulp(data, scale, v64, slack, dtype)
+    np.testing.assert_array_equal(_bits(data), _bits(want), err_msg=tag)
+
+
+def test_jit_with_traced_scale():
+  h, dz = _inputs(("silu", "linear"), 3)
+  f = jax.jit(lambda dz, h, s: aq.dact_quantize(dz, h, ("silu", "linear"), mode="tensorwise",
+                                                 dtype=E5M2, scale=s, impl="reference"))
+  got = f(dz, h, jnp.float32(100.0))
+  want = _call("bwd", ("silu", "linear"), h, dz, mode="tensorwise", dtype=E5M2,
+               scale=np.float32(100.0))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g).reshape(-1).view(np.uint8),
+                                  np.asarray(w).reshape(-1).view(np.uint8))
+
+
+# ---------------------------------------------------------------- errors ---
+
+def test_argument_errors():
+  h, dz = _inputs(("gelu",), 4)
+  fwd = lambda **kw: aq.act_quantize(**{"h": h, "activations": ("gelu",), "mode": "current",
+                                        "dtype": E4M3, **kw})
+  bwd = lambda **kw: aq.dact_quantize(**{"dz": dz, "h": h, "activations": ("gelu",),
+                                         "mode": "current", "dtype": E4M3, **kw})
+  with pytest.raises(ValueError, match="unknown activation 'swiglu'"):
+    fwd(activations=("swiglu",))
+  with pytest.raises(TypeError, match="activations must be a tuple"):
+    fwd(activations="gelu")
+  with pytest.raises(ValueError, match="one or two names"):
+    fwd(activations=("gelu", "gelu", "gelu"))
+  with pytest.raises(ValueError, match="mode must be one of"):
+    fwd(mode="delayed")
+  with pytest.raises(ValueError, match="scale is required"):
+    fwd(mode="tensorwise")
+  with pytest.raises(ValueError, match="scale must be None"):
+    fwd(scale=1.0)
+  with pytest.raises(ValueError, match="scale must be a scalar"):
+    fwd(mode="tensorwise", scale=jnp.ones((2,)))
+  with pytest.raises(TypeError, match="scale must be a float"):
+    fwd(mode="tensorwise", scale=3)
+  with pytest.raises(ValueError, match="power_2_scale applies"):
+    fwd(mode="tensorwise", scale=1.0, power_2_scale=True)
+  with pytest.raises(TypeError, match="power_2_scale must be a Python bool"):
+    fwd(power_2_scale=1)
+  with pytest.raises(TypeError, match="dtype must be"):
+    fwd(dtype=BF16)
+  with pytest.raises(TypeError, match="h must be a float32"):
+    fwd(h=h.astype(jnp.int32))
+  with pytest.raises(ValueError, match="h must be 2-D"):
+    fwd(h=h[0])
+  with pytest.raises(ValueError, match=r"h.shape\[1\] \(199\) must be n_act \* F"):
+    fwd(activations=("silu", "linear"), h=h[:, :199])
+  with pytest.raises(ValueError, match=r"must be \(dz.shape\[0\], n_act \* dz.shape\[1\]\)"):
+    bwd(activations=("silu", "linear"))  # h has F, not 2F, columns
+  with pytest.raises(ValueError, match=r"must be \(dz.shape\[0\]"):
+    bwd(dz=dz[:-1])
+  with pytest.raises(TypeError, match="dz must be a float32"):
+    bwd(dz=dz.astype(jnp.int8))
+  with pytest.raises(ValueError, match="impl must be one of"):
+    fwd(impl="triton")
+  with pytest.raises(ValueError, match="unknown activation"):
+    aq.activation_forward(h, ("elu",))
+
+
+def test_cuda_shape_support(monkeypatch):
+  assert aq.act_quantize_supported(256, 384, 1)
+  assert aq.act_quantize_supported(200, 136, 2)
+  assert aq.act_quantize_supported(7, 13, 1)        # any F for one activation
+  assert not aq.act_quantize_supported(256, 12, 2)  # gated: F % 8
+  assert not aq.act_quantize_supported(256, 128, 3)
+  assert not aq.act_quantize_supported(65535 * 128 + 1, 128, 1)
+  assert not aq.act_quantize_supported(0, 128, 1)
+  # With the CUDA path chosen, an unsupported shape is a ValueError at trace
+  # time (before any custom call is built).
+  monkeypatch.setattr(aq._native, "resolve_impl", lambda impl: "cuda")
+  h = jnp.zeros((16, 24), BF16)
+  with pytest.raises(ValueError, match="F % 8 == 0"):
+    aq.act_quantize(h, ("silu", "linear"), mode="current", dtype=E4M3)
+  with pytest.raises(ValueError, match="act_quantize_supported"):
+    aq.dact_quantize(jnp.zeros((16, 12), BF16), h, ("silu", "linear"), mode="blockwise",
+                     dtype=E5M2)
+
+
+# ---------------------------------------------------------- GPU vs ref ---
+# CUDA's tanhf/expf/erfcf and XLA's own tanh/exp/erfc may differ by a float32
+# ulp or two (and XLA may contract a multiply-add into an FMA where the
+# kernels round twice), so v can differ in its last bits. That moves amax and
+# the scales by ~1e-7 relative and flips an FP8 rounding only for the rare
+# element within a few float32 ulps of a rounding tie: we require scales and
+# amax within 1e-6 relative, fewer than 0.1% of the FP8 elements different,
+# and every difference exactly one FP8 step.
+
+_CPU = jax.devices("cpu")[0]
+_GPU_SHAPES = [(256, 384), (1024, 512), (200, 136)]  # (M, F); 200x136: edge tiles
+_GPU_ACTS = [(n,) for n in NAMES] + PAIRS
+
+
+def _ordinal(a):
+  """FP8 bytes -> signed ordinal: adjacent FP8 values differ by exactly 1."""
+  b = np.asarray(a).view(np.uint8).astype(np.int32)
+  return np.where(b & 0x80, -(b & 0x7F), b & 0x7F)
+
+
+def _close_fp8(got, want, what):
+  g, w = _ordinal(got), _ordinal(want)
+  assert g.shape == w.shape, what
+  diff = np.abs(g - w)
+  assert diff.max(initial=0) <= 1, f"{what}: an FP8 value is {diff.max()} steps off"
+  assert np.count_nonzero(diff) <= 1e-3 * diff.size, (
+      f"{what}: {np.count_nonzero(diff)} of {diff.size} FP8 values differ")
+
+
+def _close_f32(got, want, what, rtol=1e-6):
+  np.testing.assert_allclose(np.asarray(got, np.float64), np.asarray(want, np.float64),
+                             rtol=rtol, atol=0, err_msg=what)
+
+
+def _gpu_case(direction, acts, mode, shape, h_dtype=BF16, dz_dtype=BF16, dtype=None,
+              pow2=False):
+  m, f = shape
+  rng = np.random.default_rng(zlib.crc32(repr((direction, acts, mode, shape)).encode()))
+  h = jnp.asarray(rng.standard_normal((m, len(acts) * f)) * 3, h_dtype)
+  dz = jnp.asarray(rng.standard_normal((m, f)), dz_dtype)
+  dtype = dtype or (E4M3 if direction == "fwd" else E5M2)
+  kw = dict(mode=mode, dtype=dtype, power_2_scale=pow2)
+  args = (h,) if direction == "fwd" else (dz, h)
+  if mode == "tensorwise":  # a scale that saturates some values
+    v = (aq.activation_forward(h, acts) if direction == "fwd"
+         else aq.activation_backward(dz, h, acts))
+    kw["scale"] = jnp.float32(FMAX[dtype] / (0.5 * float(jnp.max(jnp.abs(v)))))
+    args = args + (kw.pop("scale"),)
+
+  def fn(impl):
+    def run(*a):
+      extra = dict(kw, scale=a[-1]) if mode == "tensorwise" else kw
+      a = a[:-1] if mode == "tensorwise" else a
+      if direction == "fwd":
+        return aq.act_quantize(a[0], acts, impl=impl, **extra)
+      return aq.dact_quantize(a[0], a[1], acts, impl=impl, **extra)
+    return run
+
+  got = jax.jit(fn("cuda"))(*args)
+  want = jax.jit(fn("reference"))(*jax.device_put(args, _CPU))
+  tag = f"{direction} {acts} {mode} {shape}"
+  data, s, data_t, s_t, amax = got
+  _close_fp8(data, want[0], f"data {tag}")
+  _close_fp8(data_t, want[2], f"data_t {tag}")
+  _close_f32(s, want[1], f"scale_inv {tag}")
+  _close_f32(s_t, want[3], f"scale_inv_t {tag}")
+  if mode == "blockwise":
+    assert amax is None and want[4] is None
+    assert s.shape == want[1].shape and s_t.shape == want[3].shape
+  else:
+    _close_f32(amax, want[4], f"amax {tag}")
+    np.testing.assert_array_equal(_ordinal(data_t), _ordinal(data).T, err_msg=tag)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _native.cuda_available(),
+                    reason="needs a GPU and the te_jax CUDA custom calls")
+@pytest.mark.parametrize("shape", _GPU_SHAPES)
+@pytest.mark.parametrize("mode", aq.MODES)
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("acts", _GPU_ACTS, ids=lambda a: "-".join(a))
+def test_cuda_matches_reference(acts, direction, mode, shape):
+  _gpu_case(direction, acts, mode, shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _native.cuda_available(),
+                    reason="needs a GPU and the te_jax CUDA custom calls")
+@pytest.mark.parametrize("case", [
+    dict(h_dtype=F32, dz_dtype=F32), dict(h_dtype=F16, dz_dtype=F16),
+    dict(h_dtype=BF16, dz_dtype=F32),  # mixed: widened to f32 before the call
+    dict(dtype=E4M3, pow2=True), dict(dtype=E5M2, pow2=True)])
+@pytest.mark.parametrize("mode", ["current", "blockwise"])
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_cuda_dtypes(case, mode, direction):
+  for acts in (("silu", "linear"), ("gelu",)):
+    _gpu_case(direction, acts, mode, (256, 384), **case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _native.cuda_available(),
+                    reason="needs a GPU and the te_jax CUDA custom calls")
+@pytest.mark.parametrize("shape", [(130, 100), (1, 7)])  # one activation: any F
+def test_cuda_odd_shapes(shape):
+  for mode in aq.MODES:
+    for direction in ("fwd", "bwd"):
+      _gpu_case(direction, ("gelu",), mode, shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _native.cuda_available(),
+                    reason="needs a GPU and the te_jax CUDA custom calls")
+def test_cuda_writes_no_activation_tensor():
+  """The compiled CUDA path is the custom call alone: no XLA op computes the
+  activation (or a bf16 copy of it) around it."""
+  h = jnp.zeros((256, 2 * 384), BF16)
+  dz = jnp.zeros((256, 384), BF16)
+  f = jax.jit(lambda dz, h: aq.dact_quantize(dz, h, ("silu", "linear"), mode="blockwise",
+                                             dtype=E5M2, impl="cuda"))
+  hlo = f.lower(dz, h).compile().as_text()
+  assert "te_jax_act_quantize_blockwise" in hlo
+  for op in ("exponential(", "tanh(", "logistic(", " erf("):
+    assert op not in hlo, f"{op} in the compiled HLO"
