@@ -49,8 +49,8 @@ except ImportError:
   sys.path.insert(0, os.path.dirname(_HERE))
 
 MLP_CONFIGS = ["mlp/te_off", "mlp/te_delayed", "mlp/te_current", "mlp/te_block",
-               "mlp/flax_fp8", "mlp/flax_bf16", "mlp/te_delayed_unfused",
-               "mlp/te_current_unfused", "mlp/te_block_unfused"]
+               "mlp/flax_fp8", "mlp/flax_bf16", "mlp/te_delayed_fused",
+               "mlp/te_current_fused", "mlp/te_block_fused"]
 LAYER_CONFIGS = ["layer/te_off", "layer/te_delayed", "layer/te_current", "layer/te_block",
                  "attn/core", "attn/module_off"]
 CONFIGS = MLP_CONFIGS + LAYER_CONFIGS
@@ -107,15 +107,15 @@ def _build(config, sz):
       return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     return apply, {"qkv": qkv}, xs, attn_core_flops, f"{config} ({impl})"
 
-  if kind.endswith("_unfused"):   # LayerNormMLP as two FP8 dense layers + XLA act
-    from te_jax import fused_mlp  # pylint: disable=import-outside-toplevel
-    fused_mlp.supported = lambda *a, **k: False
-    kind = kind[:-len("_unfused")]
+  fused = kind.endswith("_fused")   # LayerNormMLP(fuse_activation_quantize=True)
+  if fused:
+    kind = kind[:-len("_fused")]
   if kind.startswith("te_") or kind == "module_off":
     r = _recipe(kind[3:]) if kind.startswith("te_") else None
     if group == "mlp":
       module = tfx.LayerNormMLP(intermediate_dim=m, activations=("gelu",),
-                                dtype=bf16, param_dtype=bf16)
+                                fuse_activation_quantize=fused, dtype=bf16,
+                                param_dtype=bf16)
       flops = mlp_flops
     elif group == "layer":
       module = tfx.TransformerLayer(e, m, h, layer_type="decoder", dtype=bf16,

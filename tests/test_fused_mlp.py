@@ -90,7 +90,8 @@ def test_fused_matches_two_dense_layers(rname, acts, bias):
 @pytest.mark.parametrize("rname", sorted(RECIPES))
 def test_layernorm_mlp_takes_the_fused_path(rname, monkeypatch):
   x = _rand(6, (2, 128, K)) + 0.3
-  m = tfx.LayerNormMLP(intermediate_dim=F, activations=("silu", "linear"))
+  m = tfx.LayerNormMLP(intermediate_dim=F, activations=("silu", "linear"),
+                       fuse_activation_quantize=True)
   r = RECIPES[rname]()
   with te_jax.fp8_autocast(True, r):
     v = nn.unbox(jax.jit(m.init)(jax.random.key(1), x))
@@ -125,18 +126,30 @@ def test_layernorm_mlp_takes_the_fused_path(rname, monkeypatch):
                                st0["wi_fp8_meta"]["x"]["amax_history"], rtol=1e-6)
 
 
+def test_fused_path_is_opt_in(monkeypatch):
+  calls = []
+  real = fused_mlp.fp8_mlp
+  monkeypatch.setattr(fused_mlp, "fp8_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
+  x = _rand(10, (2, 128, K))
+  m = tfx.LayerNormMLP(intermediate_dim=F)
+  with te_jax.fp8_autocast(True, recipe.Float8CurrentScaling()):
+    m.apply(nn.unbox(m.init(jax.random.key(0), x)), x)
+  assert not calls
+
+
 def test_unaligned_or_dropout_use_the_unfused_path(monkeypatch):
   calls = []
   real = fused_mlp.fp8_mlp
   monkeypatch.setattr(fused_mlp, "fp8_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
   r = recipe.Float8CurrentScaling()
   x = _rand(8, (2, 100, K))          # 200 tokens: not a multiple of 16
-  m = tfx.LayerNormMLP(intermediate_dim=F)
+  m = tfx.LayerNormMLP(intermediate_dim=F, fuse_activation_quantize=True)
   with te_jax.fp8_autocast(True, r):
     v = nn.unbox(m.init(jax.random.key(0), x))
     y = m.apply(v, x)
   assert y.shape == x.shape and not calls
-  m2 = tfx.LayerNormMLP(intermediate_dim=F, intermediate_dropout_rate=0.1)
+  m2 = tfx.LayerNormMLP(intermediate_dim=F, intermediate_dropout_rate=0.1,
+                        fuse_activation_quantize=True)
   x2 = _rand(9, (2, 128, K))
   with te_jax.fp8_autocast(True, r):
     v2 = nn.unbox(m2.init(jax.random.key(0), x2))
