@@ -8,7 +8,7 @@ is off and the shapes allow it (tokens a multiple of the recipe's
 fused core (``te_jax.fused_mlp``): the activation and the quantization of
 its output are one pass over memory, forward and backward, and no bf16
 activation gradient is materialized. On the H200 (BENCHMARKS.md) that lowers
-the peak memory of a 4096 -> 16384 -> 4096 block by 15% below FP8 off, but
+the peak memory of a 4096 -> 16384 -> 4096 block to 12-14% below FP8 off, but
 today's fused kernels make the step 3-14% slower, hence not the default. Gated
 activations (two entries such as ``("silu", "linear")`` = SwiGLU or
 ``("gelu", "linear")`` = GeGLU) use one fused up-projection of shape
