@@ -95,7 +95,8 @@ def save(directory: str, step: int, tree: Any, *, keep: Optional[int] = 3,
 
   Args:
     directory: checkpoint root (created if needed).
-    step: int step number; an existing checkpoint of that step is replaced.
+    step: int step number; an existing checkpoint of that step is replaced
+      only once the new one is completely written.
     tree: pytree of arrays (a TrainState, a variables dict, ...).
     keep: keep only the newest ``keep`` steps (None keeps all).
     backend: "auto" (orbax if installed, else npz), "orbax" or "numpy".
@@ -109,14 +110,19 @@ def save(directory: str, step: int, tree: Any, *, keep: Optional[int] = 3,
   directory = os.path.abspath(directory)
   os.makedirs(directory, exist_ok=True)
   path = os.path.join(directory, str(step))
-  if os.path.exists(path):
-    shutil.rmtree(path)
+  # Written beside the final name and swapped in only when complete, so a
+  # save that fails (or is killed) never costs the checkpoint already there.
+  tmp = path + ".tmp"
+  if os.path.exists(tmp):
+    shutil.rmtree(tmp)
   ocp = _backend(backend)
   if ocp is not None:
     ckptr = ocp.StandardCheckpointer()
-    ckptr.save(path, tree)
-    ckptr.wait_until_finished()
-    ckptr.close()
+    try:
+      ckptr.save(tmp, tree)
+      ckptr.wait_until_finished()
+    finally:
+      ckptr.close()
   else:
     leaves = jax.tree.leaves(tree)
     arrays, dtypes = {}, []
@@ -126,12 +132,17 @@ def save(directory: str, step: int, tree: Any, *, keep: Optional[int] = 3,
       if a.dtype.kind == "V" or a.dtype.name not in np.sctypeDict:
         a = a.view(f"u{a.dtype.itemsize}")      # bfloat16 / float8: keep the bytes
       arrays[f"leaf_{i}"] = a
-    tmp = path + ".tmp"
-    os.makedirs(tmp, exist_ok=True)
+    os.makedirs(tmp)
     np.savez(os.path.join(tmp, _NPZ), **arrays)
     with open(os.path.join(tmp, _META), "w") as fh:
       json.dump({"num_leaves": len(leaves), "dtypes": dtypes}, fh)
-    os.replace(tmp, path)
+  old = path + ".old"
+  if os.path.exists(path):
+    if os.path.exists(old):
+      shutil.rmtree(old)
+    os.replace(path, old)
+  os.replace(tmp, path)
+  shutil.rmtree(old, ignore_errors=True)
   _prune(directory, keep)
   return path
 

@@ -59,9 +59,8 @@ __all__ = ["fp8_mlp", "supported"]
 def _warn_experimental():
   logging.getLogger("te_jax").warning(
       "te_jax: the fused activation-quantize CUDA kernels (fuse_activation_quantize"
-      "=True) are experimental: on the H200 their GPU tests do not all pass yet for "
-      "tanh-based activations (gelu, tanh) and they are slower than the unfused "
-      "path; see BENCHMARKS.md.")
+      "=True) are experimental: slower than the unfused path on the H200, and their "
+      "activation formulas changed after their last GPU test run; see BENCHMARKS.md.")
 
 
 class _MlpConfig(NamedTuple):

@@ -151,3 +151,26 @@ def test_npz_restore_refuses_a_different_dtype(tmp_path):
   with pytest.raises(ValueError, match="dtype"):
     checkpoint.restore(str(tmp_path), 1, target={"w": jnp.zeros(8, jnp.float16)},
                        backend="numpy")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "orbax"])
+def test_failed_save_keeps_the_existing_step(tmp_path, backend):
+  from te_jax import checkpoint
+  if backend == "orbax" and not checkpoint.orbax_available():
+    pytest.skip("orbax-checkpoint not installed")
+  good = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+  checkpoint.save(str(tmp_path), 5, good, backend=backend)
+
+  class Unsaveable:   # a leaf neither backend can write
+    def __array__(self, *a, **k):
+      raise RuntimeError("cannot convert")
+
+  with pytest.raises(Exception):
+    checkpoint.save(str(tmp_path), 5, {"w": Unsaveable()}, backend=backend)
+  assert checkpoint.latest_step(str(tmp_path)) == 5
+  restored = checkpoint.restore(str(tmp_path), 5, target=good, backend=backend)
+  np.testing.assert_array_equal(restored["w"], good["w"])
+  # and a successful save replaces it
+  checkpoint.save(str(tmp_path), 5, {"w": good["w"] + 1}, backend=backend)
+  np.testing.assert_array_equal(
+      checkpoint.restore(str(tmp_path), 5, target=good, backend=backend)["w"], good["w"] + 1)

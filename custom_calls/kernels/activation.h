@@ -4,9 +4,10 @@
 // These mirror te_jax/ops/act_quantize.py (`_act_fwd_bwd`) operation for
 // operation. Every multiply/add is an explicit __f*_rn intrinsic so that nvcc
 // cannot contract it into an FMA: the result then differs from the JAX
-// reference only where the math library differs (tanhf, expf, erfcf vs XLA's
-// own approximations, a few float32 ulps), not by how the formula was
-// associated.
+// reference only where the math library differs (expf, expm1f, erfcf vs
+// XLA's own approximations, a few float32 ulps), not by how the formula was
+// associated. No tanhf and no 1 - sigmoid by subtraction: near +-1 those turn
+// ulp differences between implementations into large relative errors.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -21,9 +22,16 @@ __device__ __forceinline__ float Mul(float a, float b) { return __fmul_rn(a, b);
 __device__ __forceinline__ float Add(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b); }
 
-// 1 / (1 + exp(-x)): exp overflows to inf for x < -88, giving exactly 0.
-__device__ __forceinline__ float Sigmoid(float x) {
-  return __fdiv_rn(1.f, Add(1.f, expf(-x)));
+// (sigmoid(x), 1 - sigmoid(x)) from e = exp(-|x|): 1/(1+e) and e/(1+e).
+// Never 1 - s by subtraction: near s = 1 that loses all relative accuracy,
+// and the derivatives multiply by the complement (see act_quantize.py).
+__device__ __forceinline__ void SigmoidPair(float x, float* s, float* s_c) {
+  const float e = expf(-fabsf(x));
+  const float r = __fdiv_rn(1.f, Add(1.f, e));
+  const float er = Mul(e, r);
+  const bool pos = x >= 0.f;  // false for NaN, as jnp.where(x >= 0, ...)
+  *s = pos ? r : er;
+  *s_c = pos ? er : r;
 }
 
 }  // namespace act_detail
@@ -40,16 +48,16 @@ __device__ __forceinline__ void Activate(int id, float x, float* f, float* df) {
   constexpr float kInvSqrt2Pi = 0.3989422804014327f;
   constexpr float kQuick = 1.702f;
   switch (id) {
-    case kActGelu: {
+    case kActGelu: {  // 0.5 (1 + tanh u) = sigmoid(2u)
       const float x2 = Mul(x, x);
       const float u = Mul(kSqrt2OverPi, Add(x, Mul(kGeluC, Mul(x2, x))));
-      const float t = tanhf(u);
-      const float cdf = Mul(0.5f, Add(1.f, t));
+      float cdf, cdf_c;
+      SigmoidPair(Mul(2.f, u), &cdf, &cdf_c);
       *f = Mul(x, cdf);
-      // d/dx: cdf + x * 0.5 (1 - t^2) u'(x); (1 - t)(1 + t) keeps 1 - t^2
-      // accurate where t is near +-1.
+      // d/dx: cdf + x * 0.5 (1 - tanh(u)^2) u'(x), with
+      // 0.5 (1 - tanh(u)^2) = 2 sigmoid(2u) (1 - sigmoid(2u)).
       const float du = Mul(kSqrt2OverPi, Add(1.f, Mul(kGeluC3, x2)));
-      *df = Add(cdf, Mul(Mul(x, Mul(0.5f, Mul(Sub(1.f, t), Add(1.f, t)))), du));
+      *df = Add(cdf, Mul(Mul(x, Mul(2.f, Mul(cdf, cdf_c))), du));
       return;
     }
     case kActGeluExact: {
@@ -64,28 +72,34 @@ __device__ __forceinline__ void Activate(int id, float x, float* f, float* df) {
       *df = x > 0.f ? 1.f : 0.f;
       return;
     case kActSilu: {
-      const float s = Sigmoid(x);
+      float s, s_c;
+      SigmoidPair(x, &s, &s_c);
       *f = Mul(x, s);
-      *df = Mul(s, Add(1.f, Mul(x, Sub(1.f, s))));
+      *df = Mul(s, Add(1.f, Mul(x, s_c)));
       return;
     }
     case kActSigmoid: {
-      const float s = Sigmoid(x);
+      float s, s_c;
+      SigmoidPair(x, &s, &s_c);
       *f = s;
-      *df = Mul(s, Sub(1.f, s));
+      *df = Mul(s, s_c);
       return;
     }
-    case kActTanh: {
-      const float t = tanhf(x);
-      *f = t;
-      *df = Mul(Sub(1.f, t), Add(1.f, t));
+    case kActTanh: {  // (1 - e) / (1 + e), e = exp(-2|x|), 1 - e by expm1
+      const float a = Mul(2.f, fabsf(x));
+      const float e = expf(-a);
+      const float r = __fdiv_rn(1.f, Add(1.f, e));
+      const float t = Mul(-expm1f(-a), r);
+      *f = x < 0.f ? -t : t;
+      *df = Mul(4.f, Mul(e, Mul(r, r)));
       return;
     }
     case kActQuickGelu: {
       const float a = Mul(kQuick, x);
-      const float s = Sigmoid(a);
+      float s, s_c;
+      SigmoidPair(a, &s, &s_c);
       *f = Mul(x, s);
-      *df = Mul(s, Add(1.f, Mul(a, Sub(1.f, s))));
+      *df = Mul(s, Add(1.f, Mul(a, s_c)));
       return;
     }
     default:  // kActLinear (ids are validated on the host)
