@@ -14,6 +14,7 @@ extern "C" {
 // Defined by XLA_FFI_DEFINE_HANDLER_SYMBOL in ffi/*.cc.
 XLA_FFI_Error* TeJaxQuantizeTensorwise(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxQuantizeCurrent(XLA_FFI_CallFrame*);
+XLA_FFI_Error* TeJaxQuantizeFromAmax(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxQuantizeBlockwise(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxActQuantizeTensorwise(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxActQuantizeCurrent(XLA_FFI_CallFrame*);
@@ -37,6 +38,7 @@ NB_MODULE(_te_jax_ffi, m) {
     nb::dict d;
     d["te_jax_quantize_tensorwise"] = Capsule(te_jax::TeJaxQuantizeTensorwise);
     d["te_jax_quantize_current"] = Capsule(te_jax::TeJaxQuantizeCurrent);
+    d["te_jax_quantize_from_amax"] = Capsule(te_jax::TeJaxQuantizeFromAmax);
     d["te_jax_quantize_blockwise"] = Capsule(te_jax::TeJaxQuantizeBlockwise);
     d["te_jax_act_quantize_tensorwise"] = Capsule(te_jax::TeJaxActQuantizeTensorwise);
     d["te_jax_act_quantize_current"] = Capsule(te_jax::TeJaxActQuantizeCurrent);

@@ -199,12 +199,12 @@ def _quantize(x, role, plan, state, columnwise):
     data, data_t, amax = quantize_op.quantize_tensorwise(
         x, scale, dtype, columnwise=columnwise, impl=plan.impl)
     amax = _global_amax(amax, plan)
-  else:  # current scaling: the global amax first, then one scale everywhere
+    s_inv = (1.0 / scale).astype(jnp.float32)
+  else:  # current scaling: the global amax first, then one scale everywhere,
+    # derived where the unsharded quantize_current derives it (bit-identical)
     amax = _global_amax(jnp.max(jnp.abs(x.astype(jnp.float32))), plan)
-    scale = quantize_op.compute_scale(amax, dtype)
-    data, data_t, _ = quantize_op.quantize_tensorwise(
-        x, scale, dtype, columnwise=columnwise, impl=plan.impl)
-  s_inv = (1.0 / scale).astype(jnp.float32)
+    data, data_t, s_inv = quantize_op.quantize_from_amax(
+        x, amax, dtype, columnwise=columnwise, impl=plan.impl)
   row = ScaledTensor(data, s_inv)
   col = ScaledTensor(data_t, s_inv) if columnwise else None
   return row, col, amax

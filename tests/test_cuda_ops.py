@@ -175,6 +175,28 @@ def test_quantize_current(shape, in_dtype, fp8, case):
   assert got_r[1] is None
 
 
+@pytest.mark.parametrize("shape", [(256, 512), (300, 200)])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_quantize_from_amax_equals_current(shape, fp8):
+  """The sharded current-scaling path (amax max-reduced elsewhere) must
+  quantize exactly as the unsharded quantize_current, and a larger amax must
+  give the scale the reference derives from it."""
+  x = _input(shape, BF16, 3)
+  amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+  cur = jax.jit(lambda x: q.quantize_current(x, fp8, columnwise=True, impl="cuda"))(x)
+  got = jax.jit(lambda x, a: q.quantize_from_amax(x, a, fp8, columnwise=True,
+                                                  impl="cuda"))(x, amax)
+  for i, tag in ((0, "data"), (1, "data_t"), (2, "scale_inv")):
+    _bits_equal(got[i], cur[i], tag)
+  big = amax * 3.0
+  got3 = jax.jit(lambda x, a: q.quantize_from_amax(x, a, fp8, columnwise=True,
+                                                   impl="cuda"))(x, big)
+  want3 = _jit_cpu(lambda x, a: q.quantize_from_amax(x, a, fp8, columnwise=True,
+                                                     impl="reference"), x, big)
+  for i, tag in ((0, "data"), (1, "data_t"), (2, "scale_inv")):
+    _bits_equal(got3[i], want3[i], tag + " (amax x3)")
+
+
 BLOCK_SHAPES = [(256, 512), (300, 200), (128, 128), (17, 1000), (1000, 17), (1, 130), (640, 384)]
 
 

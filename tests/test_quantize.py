@@ -191,3 +191,22 @@ def test_gemm_rejects_non_fp8_operands():
   b = ScaledTensor(jnp.ones((16, 32), jnp.float8_e4m3fn), jnp.float32(1.0))
   with pytest.raises(TypeError, match="a.data must be float8"):
     gemm_op.gemm(a, b)
+
+
+def test_quantize_from_amax_reference():
+  x = jnp.asarray(np.random.default_rng(4).standard_normal((64, 96)) * 3, jnp.bfloat16)
+  amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
+  for dtype in (E4M3, E5M2):
+    d, dt, s_inv, _ = qop.quantize_current(x, dtype, columnwise=True,
+                                                   impl="reference")
+    d2, dt2, s_inv2 = qop.quantize_from_amax(x, amax, dtype, columnwise=True,
+                                                     impl="reference")
+    np.testing.assert_array_equal(np.asarray(d2, np.float32), np.asarray(d, np.float32))
+    np.testing.assert_array_equal(np.asarray(dt2, np.float32), np.asarray(dt, np.float32))
+    assert float(s_inv2) == float(s_inv)
+  # a larger (e.g. mesh-wide) amax gives a smaller scale
+  _, _, s_one = qop.quantize_from_amax(x, amax, E4M3, impl="reference")
+  _, _, s_big = qop.quantize_from_amax(x, 4 * amax, E4M3, impl="reference")
+  assert float(s_big) == pytest.approx(4 * float(s_one), rel=1e-6)
+  with pytest.raises(ValueError, match="amax must be a scalar"):
+    qop.quantize_from_amax(x, jnp.ones((2,)), E4M3)

@@ -269,15 +269,7 @@ def test_functional_mlp_matches_single_device(mesh_name, sp, rname):
   # sequence-parallel chunks interleave rows (exercises the chunk order).
   shape = (8, 128)
   out, _ = _chain_sharded(rname, mesh_name, sp, shape)
-  tol = 0.03
-  if rname == "current" and jax.default_backend() == "gpu":
-    # On a GPU the unsharded reference gets its current scale from the CUDA
-    # kernel (IEEE division) and the sharded run from XLA:GPU's division of
-    # the pmax-ed amax, which may differ by an ulp. This loss is a sum of
-    # random-sign terms: on the CPU, moving every scale by 2 ulps moves it by
-    # 18% and the grads by 4.5% (max/max); measured here on 2 H200s: 3.4%.
-    tol = TOL
-  _compare(_chain_reference(rname, shape), out, tol=tol, tol_mean=0.03)
+  _compare(_chain_reference(rname, shape), out, tol=0.03, tol_mean=0.03)
 
 
 @needs8

@@ -64,6 +64,23 @@ ffi::Error CurrentImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::A
   return CudaError(LaunchQuantize(a, stream), "quantize_current (cast)");
 }
 
+// Current scaling with an amax computed elsewhere (te_jax.distributed
+// max-reduces it over the mesh first): the scale is derived on the device
+// exactly as CurrentImpl derives it, so sharded and unsharded GEMMs quantize
+// with bit-identical scales.
+ffi::Error FromAmaxImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
+                        ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> data_t,
+                        ffi::Result<ffi::Buffer<ffi::F32>> scale_inv, int64_t columnwise) {
+  if (amax.element_count() != 1)
+    return ffi::Error::InvalidArgument("te_jax quantize_from_amax: amax must be a scalar");
+  QuantizeArgs a;
+  if (auto e = Common(x, *data, *data_t, columnwise, &a); e.failure()) return e;
+  a.mode = ScaleMode::kTensor;
+  a.amax_in = amax.typed_data();
+  a.scale_inv = scale_inv->typed_data();
+  return CudaError(LaunchQuantize(a, stream), "quantize_from_amax");
+}
+
 ffi::Error BlockwiseImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> data,
                          ffi::Result<ffi::Buffer<ffi::F32>> sinv,
                          ffi::Result<ffi::AnyBuffer> data_t,
@@ -110,6 +127,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxQuantizeCurrent, CurrentImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()      // scale_inv ()
                                   .Ret<ffi::Buffer<ffi::F32>>()      // amax ()
                                   .Attr<int64_t>("columnwise"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxQuantizeFromAmax, FromAmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()             // x (M, K)
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // amax ()
+                                  .Ret<ffi::AnyBuffer>()             // data (M, K) fp8
+                                  .Ret<ffi::AnyBuffer>()             // data_t (K, M) fp8 or empty
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // scale_inv ()
+                                  .Attr<int64_t>("columnwise"));     // 0/1
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxQuantizeBlockwise, BlockwiseImpl,
                               ffi::Ffi::Bind()

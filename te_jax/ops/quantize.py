@@ -36,6 +36,7 @@ __all__ = [
     "dequantize_blockwise_reference",
     "quantize_tensorwise",
     "quantize_current",
+    "quantize_from_amax",
     "quantize_blockwise",
 ]
 
@@ -229,6 +230,40 @@ def quantize_current(x: jax.Array, dtype=jnp.float8_e4m3fn, *,
     return data.reshape(x.shape), data_t, scale_inv, amax
   data, scale_inv, amax = quantize_current_reference(x, dtype)
   return data, (data.T if columnwise else None), scale_inv, amax
+
+
+def quantize_from_amax(x: jax.Array, amax: jax.Array, dtype=jnp.float8_e4m3fn, *,
+                       columnwise: bool = False, impl: str = "auto"
+                       ) -> Tuple[jax.Array, Optional[jax.Array], jax.Array]:
+  """Current scaling with a given amax (e.g. one max-reduced over a mesh).
+
+  The scale is ``compute_scale(amax, dtype)``, derived where
+  :func:`quantize_current` derives it (in the CUDA kernel on the CUDA path),
+  so ``quantize_from_amax(x, max|x|)`` equals ``quantize_current(x)`` bit for
+  bit on either path.
+
+  Args:
+    x: float array; 2-D (M, K) when ``columnwise``.
+    amax: float32 scalar.
+    dtype: FP8 dtype.
+    columnwise: also return the (K, M) transposed FP8 copy.
+    impl: "auto", "cuda" or "reference".
+
+  Returns:
+    (data, data_t or None, scale_inv float32 scalar).
+  """
+  check_input(x, "x", 2 if columnwise else None)
+  dtype = check_fp8_dtype(dtype)
+  if jnp.shape(amax) != ():
+    raise ValueError(f"amax must be a scalar, got shape {jnp.shape(amax)}.")
+  if _native.resolve_impl(impl) == "cuda":
+    from te_jax.ops import quantize_cuda  # pylint: disable=import-outside-toplevel
+    data, data_t, scale_inv = quantize_cuda.quantize_from_amax(_as_2d(x), amax, dtype,
+                                                               columnwise)
+    return data.reshape(x.shape), data_t, scale_inv
+  scale = compute_scale(jnp.asarray(amax, jnp.float32), dtype)
+  data, _ = quantize_tensorwise_reference(x, scale, dtype)
+  return data, (data.T if columnwise else None), 1.0 / scale
 
 
 def quantize_blockwise(x: jax.Array, block_shape=(1, 128), dtype=jnp.float8_e4m3fn,

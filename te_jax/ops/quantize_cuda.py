@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["quantize_tensorwise", "quantize_current", "quantize_blockwise",
-           "native_scale_shapes"]
+__all__ = ["quantize_tensorwise", "quantize_current", "quantize_from_amax",
+           "quantize_blockwise", "native_scale_shapes"]
 
 _F32 = jnp.float32
 _BLOCK_SHAPES = ((1, 128), (128, 128))
@@ -60,6 +60,16 @@ def quantize_current(x, dtype, columnwise: bool):
   data, data_t, scale_inv, amax = jax.ffi.ffi_call("te_jax_quantize_current", outs)(
       x, columnwise=np.int64(bool(columnwise)))
   return data, (data_t if columnwise else None), scale_inv, amax
+
+
+def quantize_from_amax(x, amax, dtype, columnwise: bool):
+  """Current scaling from a given amax: ``(data, data_t | None, scale_inv)``."""
+  m, k = x.shape
+  _check_grid(m)
+  outs = (_sds((m, k), dtype), _sds((k, m) if columnwise else (0, 0), dtype), _sds((), _F32))
+  data, data_t, scale_inv = jax.ffi.ffi_call("te_jax_quantize_from_amax", outs)(
+      x, jnp.asarray(amax, _F32), columnwise=np.int64(bool(columnwise)))
+  return data, (data_t if columnwise else None), scale_inv
 
 
 def native_scale_shapes(m: int, k: int, block_shape):
