@@ -180,8 +180,13 @@ def test_activations_match_flax():
               "linear": lambda v: v}
   assert set(flax_fns) == set(NAMES)
   for name, fn in flax_fns.items():
+    # flax evaluates gelu as 0.5 x (1 + tanh u) in float32, which cancels to
+    # exactly 0 where tanh u rounds to -1; ours (x * sigmoid(2u)) keeps the
+    # tiny true value there. Both are within |x| * 2**-24 (< 6e-7 for the
+    # |x| <= 9 tested) of each other, hence atol 6e-7 for gelu only.
+    atol = 6e-7 if name == "gelu" else 1e-7
     np.testing.assert_allclose(np.asarray(aq.activation_forward(x, (name,))),
-                               np.asarray(fn(x)), rtol=1e-6, atol=1e-7, err_msg=name)
+                               np.asarray(fn(x)), rtol=1e-6, atol=atol, err_msg=name)
 
 
 def test_activation_nonfinite_inputs():
