@@ -32,6 +32,7 @@ __all__ = [
     "saturating_cast",
     "quantize_tensorwise_reference",
     "quantize_current_reference",
+    "quantize_from_amax_reference",
     "quantize_blockwise_reference",
     "dequantize_blockwise_reference",
     "quantize_tensorwise",
@@ -129,9 +130,16 @@ def quantize_current_reference(x: jax.Array, dtype
                                ) -> Tuple[jax.Array, jax.Array, jax.Array]:
   """Current scaling: returns ``(data, scale_inv, amax)`` with scale from max|x|."""
   amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
-  scale = compute_scale(amax, dtype)
+  data, scale_inv = quantize_from_amax_reference(x, amax, dtype)
+  return data, scale_inv, amax
+
+
+def quantize_from_amax_reference(x: jax.Array, amax: jax.Array, dtype
+                                 ) -> Tuple[jax.Array, jax.Array]:
+  """Current scaling with a given amax: ``(data, scale_inv)``."""
+  scale = compute_scale(jnp.asarray(amax, jnp.float32), dtype)
   data, _ = quantize_tensorwise_reference(x, scale, dtype)
-  return data, 1.0 / scale, amax
+  return data, 1.0 / scale
 
 
 def _tile(x: jax.Array, block_shape):
@@ -261,9 +269,8 @@ def quantize_from_amax(x: jax.Array, amax: jax.Array, dtype=jnp.float8_e4m3fn, *
     data, data_t, scale_inv = quantize_cuda.quantize_from_amax(_as_2d(x), amax, dtype,
                                                                columnwise)
     return data.reshape(x.shape), data_t, scale_inv
-  scale = compute_scale(jnp.asarray(amax, jnp.float32), dtype)
-  data, _ = quantize_tensorwise_reference(x, scale, dtype)
-  return data, (data.T if columnwise else None), 1.0 / scale
+  data, scale_inv = quantize_from_amax_reference(x, amax, dtype)
+  return data, (data.T if columnwise else None), scale_inv
 
 
 def quantize_blockwise(x: jax.Array, block_shape=(1, 128), dtype=jnp.float8_e4m3fn,
