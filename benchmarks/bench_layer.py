@@ -19,9 +19,12 @@ markdown table for BENCHMARKS.md.
     attention's share of the step.
 
 Timed step: ``jit(value_and_grad(loss, argnums=(params, input)))`` with loss
-``mean(y**2)`` in fp32. Protocol: warmup, then k back-to-back steps with one
-block at the end (inputs rotated between two buffers), time / k; median of
-``--repeats`` such measurements. FLOP counts are the matmul FLOPs of fwd+bwd
+``mean(y**2)`` in fp32, the delayed-scaling state carried from each step to
+the next as in training (``_fp8_carry.py``; a config name ending in
+``_frozen`` times the initial state every step instead, which makes the
+backward GEMMs multiply zeros). Protocol: 3 warmup steps, then k
+back-to-back steps with one block at the end (inputs rotated between two
+buffers), time / k; median of ``--repeats`` such measurements. FLOP counts are the matmul FLOPs of fwd+bwd
 (3x forward).
 
 Usage::
@@ -54,6 +57,9 @@ MLP_CONFIGS = ["mlp/te_off", "mlp/te_delayed", "mlp/te_current", "mlp/te_block",
 LAYER_CONFIGS = ["layer/te_off", "layer/te_delayed", "layer/te_current", "layer/te_block",
                  "attn/core", "attn/module_off"]
 CONFIGS = MLP_CONFIGS + LAYER_CONFIGS
+# Suffix of a configuration timed with its initial FP8 state every step, as
+# this script did before 2026-11-30 (see _fp8_carry.py): kept to show the gap.
+FROZEN = "_frozen"
 BASELINE = {"mlp": "mlp/te_off", "layer": "layer/te_off", "attn": "layer/te_off"}
 
 
@@ -195,26 +201,39 @@ def kernel_profile(step, args, steps=3, top=25):
 def run_one(config, small, k, repeats, profile=False):
   import jax
   import jax.numpy as jnp
+  from _fp8_carry import carry_fp8_state  # pylint: disable=import-outside-toplevel
 
+  frozen = config.endswith(FROZEN)      # the initial FP8 state every step
   sz = sizes(small)
-  apply, variables, xs, flops, label = _build(config, sz)
+  apply, variables, xs, flops, label = _build(config[:-len(FROZEN)] if frozen else config, sz)
 
   def loss(variables, x):
     y = apply(variables, x)
     return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-  for i in range(2):                      # warmup (compile + one run)
-    jax.block_until_ready(step(variables, xs[i % 2]))
+
+  def run(variables, n, start=0):
+    """n steps, the delayed-scaling state carried from each to the next."""
+    out = None
+    for i in range(start, start + n):
+      out = step(variables, xs[i % 2])
+      if not frozen:
+        variables = carry_fp8_state(variables, out[1][0])
+    return variables, out
+
+  variables, out = run(variables, 3)     # warmup: compile, then scales from real amaxes
+  jax.block_until_ready(out)
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    out = None
-    for i in range(k):
-      out = step(variables, xs[i % 2])
+    variables, out = run(variables, k)
     jax.block_until_ready(out)
     times.append((time.perf_counter() - t0) / k)
   ms = statistics.median(times) * 1e3
+  # How much gradient reaches the input: 0 means every backward GEMM
+  # multiplied zeros (a frozen delayed-scaling state does that).
+  dx_abs_max = float(jnp.max(jnp.abs(out[1][1].astype(jnp.float32))))
   stats = None
   try:
     stats = jax.devices()[0].memory_stats()
@@ -223,10 +242,11 @@ def run_one(config, small, k, repeats, profile=False):
   peak = stats.get("peak_bytes_in_use") if stats else None
   kernels = total = None
   if profile:
-    kernels, total = kernel_profile(step, (variables, xs[0]))
+    kernels, total = kernel_profile(lambda v, x: run(v, 1)[1], (variables, xs[0]))
   from te_jax.ops import _native  # pylint: disable=import-outside-toplevel
   native = _native.resolve_impl("auto")
-  return {"config": config, "label": label, "ms": ms, "impl": native,
+  return {"config": config, "label": label + (" [frozen FP8 state]" if frozen else ""),
+          "ms": ms, "impl": native, "frozen_fp8_state": frozen, "dx_abs_max": dx_abs_max,
           "tflops": flops / (ms * 1e-3) / 1e12, "peak_bytes": peak,
           "times_ms": [x * 1e3 for x in times], "kernels": kernels,
           "kernel_ms_total": total}
@@ -251,18 +271,19 @@ def table(results, env, sz, k, repeats):
       f"params and input); k={k} back-to-back steps, median of {repeats}; te_jax "
       f"quantize/GEMM ops: {', '.join(sorted({r.get('impl', '?') for r in results}))}.",
       "",
-      "| config | ms / step | speed-up vs FP8 off | TFLOP/s | peak mem (MiB) |",
-      "|---|---:|---:|---:|---:|",
+      "| config | ms / step | speed-up vs FP8 off | TFLOP/s | peak mem (MiB) | max abs dx |",
+      "|---|---:|---:|---:|---:|---:|",
   ]
   by = {r["config"]: r for r in results if "ms" in r}
   for r in results:
     if "ms" not in r:
-      lines.append(f"| {r['config']} | failed: {r.get('error', '?')[:80]} | | | |")
+      lines.append(f"| {r['config']} | failed: {r.get('error', '?')[:80]} | | | | |")
       continue
     base = by.get(BASELINE[r["config"].split("/")[0]])
     ratio = f"{base['ms'] / r['ms']:.2f}x" if base else "-"
     peak = f"{r['peak_bytes'] / 2**20:.0f}" if r.get("peak_bytes") else "n/a"
-    lines.append(f"| {r['label']} | {r['ms']:.3f} | {ratio} | {r['tflops']:.3g} | {peak} |")
+    dx = f"{r['dx_abs_max']:.3g}" if r.get("dx_abs_max") is not None else "-"
+    lines.append(f"| {r['label']} | {r['ms']:.3f} | {ratio} | {r['tflops']:.3g} | {peak} | {dx} |")
   core, layer = by.get("attn/core"), by.get("layer/te_off")
   module = by.get("attn/module_off")
   if core and layer:
@@ -290,7 +311,7 @@ def main(argv=None):
   args = p.parse_args(argv)
 
   if args.config:
-    if args.config not in CONFIGS:
+    if args.config.removesuffix(FROZEN) not in CONFIGS:
       p.error(f"unknown config {args.config}; known: {CONFIGS}")
     print("JSON " + json.dumps(run_one(args.config, args.small, args.k, args.repeats,
                                        args.profile)), flush=True)

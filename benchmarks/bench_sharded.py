@@ -6,9 +6,11 @@ by the logical axis rules; ``fp8_autocast(..., mesh_resource=...)``), at
 benchmark sizes, on whatever devices exist. For each (mesh, kind, recipe):
 
 * step time (``jit(value_and_grad)`` w.r.t. params and input; k back-to-back
-  steps, median of ``--repeats``);
+  steps after 3 warmup steps, median of ``--repeats``; the delayed-scaling
+  state carried from step to step as in training, see ``_fp8_carry.py``);
 * parity: loss and gradients against the same step run unsharded on one
-  device (max |diff| / max |ref| over every gradient leaf);
+  device (max |diff| / max |ref| over every gradient leaf), compared at the
+  last timed step, which both runs reach in the same number of steps;
 * what moved between devices: every collective of the partitioned HLO,
   counted and summed in bytes per device (``te_jax.hlo_inspect``).
 
@@ -49,6 +51,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import te_jax
 from te_jax import hlo_inspect, packing, recipe as recipe_lib, sharding
 from te_jax import flax as tfx
+from _fp8_carry import carry_fp8_state
 
 # name -> (axes, shape, MeshResource kwargs)
 MESHES = {
@@ -117,14 +120,20 @@ def loss_fn(model, kind):
 
 
 def _time(f, args, k, repeats):
-  for _ in range(2):
-    jax.block_until_ready(f(*args))
+  """Median ms/step of k back-to-back steps, the FP8 state carried between steps."""
+  def steps(args, n):
+    out = None
+    for _ in range(n):
+      out = f(*args)
+      args = (carry_fp8_state(args[0], out[1][0]),) + tuple(args[1:])
+    return args, out
+
+  args, out = steps(args, 3)
+  jax.block_until_ready(out)
   times = []
   for _ in range(repeats):
     t0 = time.perf_counter()
-    out = None
-    for _ in range(k):
-      out = f(*args)
+    args, out = steps(args, k)
     jax.block_until_ready(out)
     times.append((time.perf_counter() - t0) / k * 1e3)
   return statistics.median(times), out

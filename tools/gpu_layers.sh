@@ -1,28 +1,49 @@
 #!/usr/bin/env bash
-# One device call on a 2-GPU machine: build, then side by side the GPU tests
-# (GPU 1) and the layer benchmarks with kernel profiles (GPU 0, alone on its
-# GPU so its timings are undisturbed). Logs under $OUT; a summary last.
-#   env: BENCH_CONFIGS (default: all of bench_layer.py), TEST_LIMIT, BENCH_LIMIT
+# One device call on a 2-GPU machine: build; then side by side GPU tests (GPU 1)
+# and the layer benchmarks with kernel profiles (GPU 0, alone on its GPU so
+# its timings are undisturbed); then, optionally, tests/test_sharding_mesh.py
+# on both GPUs. Logs under $OUT (at most 6 files: the device returns 8); a
+# summary last.
+#   env: TEST_SETS     ';'-separated pytest argument lists run one after the
+#                      other on GPU 1 into one log (default: "-m gpu tests")
+#        BENCH_CONFIGS bench_layer.py --configs (default: all)
+#        TEST_LIMIT, BENCH_LIMIT, SHARDING_LIMIT (seconds; SHARDING_LIMIT=0 skips)
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-/tmp/te_jax_out}"; mkdir -p "$OUT"; cd "$REPO"
 export PYTHONUNBUFFERED=1
-bash tools/gpu_check.sh build > "$OUT/build_step.log" 2>&1; tail -n 3 "$OUT/build_step.log"
+t0=$(date +%s)
+bash tools/gpu_check.sh build > /tmp/build_step.log 2>&1; tail -n 3 /tmp/build_step.log
 (
   cd /tmp
   export CUDA_VISIBLE_DEVICES=1
-  timeout "${TEST_LIMIT:-330}" python3 -m pytest -q -p no:cacheprovider -m gpu "$REPO/tests" \
-    > "$OUT/pytest_gpu.log" 2>&1
-  timeout 150 python3 -m pytest -q -p no:cacheprovider "$REPO"/tests/test_flax_*.py \
-    "$REPO/tests/test_fused_mlp.py" > "$OUT/pytest_flax_gpu.log" 2>&1
+  end=$(( $(date +%s) + ${TEST_LIMIT:-330} ))
+  IFS=';' read -ra sets <<< "${TEST_SETS:--m gpu tests/}"
+  for s in "${sets[@]}"; do
+    left=$(( end - $(date +%s) ))
+    (( left > 10 )) || { echo "== SKIPPED (time): $s"; continue; }
+    echo "== pytest $s"
+    # From /tmp, so the installed te_jax (with its .so) is imported, not the
+    # source tree; test paths in the set are relative to the repo.
+    # shellcheck disable=SC2086  # each set is a word list on purpose
+    timeout "$left" python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
+      ${s//tests\//$REPO/tests/} 2>&1 | sed "s#$REPO/##g"
+  done > "$OUT/tests.log" 2>&1
 ) &
 tests=$!
 cfg=()
 [[ -n "${BENCH_CONFIGS:-}" ]] && cfg=(--configs "$BENCH_CONFIGS")
 CUDA_VISIBLE_DEVICES=0 timeout "${BENCH_LIMIT:-450}" python3 benchmarks/bench_layer.py \
   "${cfg[@]}" --k 10 --repeats 5 --profile --json-out "$OUT/layer.json" \
-  > "$OUT/bench_layer.log" 2> "$OUT/bench_layer.err"
+  > "$OUT/bench_layer.log" 2>&1
 wait $tests
-echo "== GPU tests";  tail -n 12 "$OUT/pytest_gpu.log" | grep -E "passed|failed|FAILED|error" | tail -n 12
-echo "== Flax module tests on the GPU"; tail -n 6 "$OUT/pytest_flax_gpu.log" | grep -E "passed|failed|FAILED" 
-echo "== bench_layer"; grep '^|' "$OUT/bench_layer.log"; tail -n 3 "$OUT/bench_layer.err"
+if (( ${SHARDING_LIMIT:-150} > 0 )); then
+  (cd /tmp && timeout "${SHARDING_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider \
+     --tb=short -rf "$REPO/tests/test_sharding_mesh.py" > "$OUT/sharding_tests.log" 2>&1)
+fi
+echo "== GPU tests (GPU 1)"; grep -E "^== |passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | cut -c1-160
+if [[ -f "$OUT/sharding_tests.log" ]]; then
+  echo "== sharding tests (all GPUs)"; grep -E "passed|failed|^FAILED" "$OUT/sharding_tests.log" | cut -c1-160
+fi
+echo "== bench_layer (GPU 0)"; grep '^|' "$OUT/bench_layer.log"
+echo "total $(( $(date +%s) - t0 )) s"
