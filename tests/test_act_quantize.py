@@ -447,13 +447,21 @@ def _gpu_case(direction, acts, mode, shape, h_dtype=BF16, dz_dtype=BF16, dtype=N
   data, s, data_t, s_t, amax = got
   _close_fp8(data, want[0], f"data {tag}")
   _close_fp8(data_t, want[2], f"data_t {tag}")
-  _close_f32(s, want[1], f"scale_inv {tag}")
-  _close_f32(s_t, want[3], f"scale_inv_t {tag}")
+  # Scales follow the amax of float32 activation values, which CUDA's and
+  # XLA's expf/expm1f round differently by an ulp. Forward values keep that
+  # ulp. The derivatives cancel: gelu'(x) = cdf(x) + x*pdf(x) for x << 0 and
+  # silu'(x) are differences of nearly equal terms, which turn one ulp into
+  # tens of ulps of a small result (measured on the H200: 2.6e-6 = 22 ulps in
+  # a 1x128 tile of gelu' values ~1e-3). 3e-5 (250 ulps) is still 2000x
+  # below the 6% of one E5M2 step, and the FP8 data are checked above.
+  rtol = 1e-6 if direction == "fwd" else 3e-5
+  _close_f32(s, want[1], f"scale_inv {tag}", rtol)
+  _close_f32(s_t, want[3], f"scale_inv_t {tag}", rtol)
   if mode == "blockwise":
     assert amax is None and want[4] is None
     assert s.shape == want[1].shape and s_t.shape == want[3].shape
   else:
-    _close_f32(amax, want[4], f"amax {tag}")
+    _close_f32(amax, want[4], f"amax {tag}", rtol)
     np.testing.assert_array_equal(_ordinal(data_t), _ordinal(data).T, err_msg=tag)
 
 

@@ -164,10 +164,12 @@ def _sharded_run(kind, rname, mesh_name, sp, rows, seq_len, nb, hlo=False):
   return ref, out, text
 
 
-def _compare(ref, out, tol=TOL, tol_mean=TOL_MEAN):
+def _compare(ref, out, tol=TOL, tol_mean=TOL_MEAN, loss_atol=None):
+  """Loss within tol (relative) or loss_atol; every grad leaf within tol / tol_mean."""
   (l0, g0), (l1, g1) = ref, out
   assert np.isfinite(float(l1))
-  assert abs(float(l0) - float(l1)) <= tol * abs(float(l0)) + 1e-3, (float(l0), float(l1))
+  bound = tol * abs(float(l0)) + 1e-3 if loss_atol is None else loss_atol
+  assert abs(float(l0) - float(l1)) <= bound, (float(l0), float(l1), bound)
   flat0 = jax.tree_util.tree_leaves_with_path(g0)
   flat1 = jax.tree.leaves(g1)
   assert len(flat0) == len(flat1)
@@ -203,14 +205,16 @@ def test_layernorm_mlp_matches_single_device(mesh_name, sp, rname):
 
 # ------------------------------------------- functional column -> row MLP --
 
-def _chain_loss(x, w1, b1, w2, b2, s1, s2, gy, sharded):
+def _chain_loss(x, w1, b1, w2, b2, s1, s2, gy, sharded, squares=False):
+  """sum(y * gy); with squares=True sum((y * gy)**2), for its rounding noise."""
   kw1 = dict(kernel_axes=("embed", "mlp")) if sharded else {}
   kw2 = dict(kernel_axes=("mlp", "embed")) if sharded else {}
   rec = te_jax.get_fp8_context().recipe
   h = dense_lib.dense(x, w1, b1, recipe=rec, fp8_state=s1, **kw1)
   h = jax.nn.gelu(h.astype(jnp.float32)).astype(x.dtype)
   y = dense_lib.dense(h, w2, b2, recipe=rec, fp8_state=s2, **kw2)
-  return jnp.sum(y.astype(jnp.float32) * gy)
+  terms = y.astype(jnp.float32) * gy
+  return jnp.sum(jnp.square(terms)) if squares else jnp.sum(terms)
 
 
 def _chain_args(rname, x_shape):
@@ -236,6 +240,27 @@ def _chain_reference(rname, x_shape):
     f = jax.jit(jax.value_and_grad(functools.partial(_chain_loss, sharded=False),
                                    argnums=(0, 1, 2, 3, 4, 5, 6)))
     return f(*args)
+
+
+@functools.lru_cache(maxsize=None)
+def _chain_loss_atol(rname, x_shape):
+  """How far the sharded loss may be from the unsharded one.
+
+  The loss sums random-sign terms t_i = y_i * gy_i and cancels to ~3e-4 of
+  sum|t_i|, so the bf16 rounding of y alone moves it by percents. The
+  row-parallel GEMM's output is rounded to bf16 on each tp shard and again
+  after the psum over tp (bf16 on the wire, as Megatron and Transformer
+  Engine do): two more roundings of every y_i, each a relative error of at
+  most u = 2**-8, independent across i, std u / sqrt(3). So the loss moves
+  by a sum of independent terms with std sqrt(2/3) * u * sqrt(sum t_i**2);
+  allowed: 5 of those. Measured (CPU, tp=2): the loss moved 2-3% with the
+  bf16 psum and 1e-5 of itself with an f32 one, i.e. identical FP8 scales
+  and tiles (what the sharded code guarantees) leave only this rounding.
+  """
+  args = _chain_args(rname, x_shape)
+  with te_jax.fp8_autocast(True, RECIPES[rname]):
+    sq = jax.jit(functools.partial(_chain_loss, sharded=False, squares=True))(*args)
+  return 5 * (2 / 3) ** 0.5 * 2.0 ** -8 * float(sq) ** 0.5
 
 
 def _chain_sharded(rname, mesh_name, sp, x_shape, mr=None, hlo=False):
@@ -269,7 +294,8 @@ def test_functional_mlp_matches_single_device(mesh_name, sp, rname):
   # sequence-parallel chunks interleave rows (exercises the chunk order).
   shape = (8, 128)
   out, _ = _chain_sharded(rname, mesh_name, sp, shape)
-  _compare(_chain_reference(rname, shape), out, tol=0.03, tol_mean=0.03)
+  _compare(_chain_reference(rname, shape), out, tol=0.03, tol_mean=0.03,
+           loss_atol=_chain_loss_atol(rname, shape))
 
 
 @needs8
