@@ -37,6 +37,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -53,7 +54,8 @@ except ImportError:
 
 MLP_CONFIGS = ["mlp/te_off", "mlp/te_delayed", "mlp/te_current", "mlp/te_block",
                "mlp/flax_fp8", "mlp/flax_bf16", "mlp/te_delayed_fused",
-               "mlp/te_current_fused", "mlp/te_block_fused"]
+               "mlp/te_current_fused", "mlp/te_block_fused", "mlp/te_delayed_fastacc",
+               "mlp/te_current_fastacc"]
 LAYER_CONFIGS = ["layer/te_off", "layer/te_delayed", "layer/te_current", "layer/te_block",
                  "attn/core", "attn/module_off"]
 CONFIGS = MLP_CONFIGS + LAYER_CONFIGS
@@ -113,11 +115,17 @@ def _build(config, sz):
       return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     return apply, {"qkv": qkv}, xs, attn_core_flops, f"{config} ({impl})"
 
+  fast = kind.endswith("_fastacc")  # fast accumulation in every GEMM (TE-JAX default, GPU.md)
+  if fast:
+    kind = kind[:-len("_fastacc")]
   fused = kind.endswith("_fused")   # LayerNormMLP(fuse_activation_quantize=True)
   if fused:
     kind = kind[:-len("_fused")]
   if kind.startswith("te_") or kind == "module_off":
     r = _recipe(kind[3:]) if kind.startswith("te_") else None
+    if fast:
+      r = dataclasses.replace(r, fast_accum_fprop=True, fast_accum_dgrad=True,
+                              fast_accum_wgrad=True)
     if group == "mlp":
       module = tfx.LayerNormMLP(intermediate_dim=m, activations=("gelu",),
                                 fuse_activation_quantize=fused, dtype=bf16,
@@ -226,6 +234,7 @@ def run_one(config, small, k, repeats, profile=False):
   jax.block_until_ready(out)
   times = []
   for _ in range(repeats):
+    out = None   # else the last step's gradients stay alive and count in the peak
     t0 = time.perf_counter()
     variables, out = run(variables, k)
     jax.block_until_ready(out)

@@ -8,6 +8,8 @@
 #                      other on GPU 1 into one log (default: "-m gpu tests")
 #        BENCH_CONFIGS bench_layer.py --configs (default: all)
 #        TEST_LIMIT, BENCH_LIMIT, SHARDING_LIMIT (seconds; SHARDING_LIMIT=0 skips)
+#        SCALING_ARGS  if set: benchmarks/bench_train_scaling.py with these
+#                      arguments last, on all GPUs (limit SCALING_LIMIT, 150 s)
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-/tmp/te_jax_out}"; mkdir -p "$OUT"; cd "$REPO"
@@ -41,9 +43,17 @@ if (( ${SHARDING_LIMIT:-150} > 0 )); then
   (cd /tmp && timeout "${SHARDING_LIMIT:-150}" python3 -m pytest -q -p no:cacheprovider \
      --tb=short -rf "$REPO/tests/test_sharding_mesh.py" > "$OUT/sharding_tests.log" 2>&1)
 fi
+if [[ -n "${SCALING_ARGS:-}" ]]; then
+  # shellcheck disable=SC2086
+  timeout "${SCALING_LIMIT:-150}" python3 benchmarks/bench_train_scaling.py $SCALING_ARGS \
+    > "$OUT/train_scaling.log" 2>&1
+fi
 echo "== GPU tests (GPU 1)"; grep -E "^== |passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | cut -c1-160
 if [[ -f "$OUT/sharding_tests.log" ]]; then
   echo "== sharding tests (all GPUs)"; grep -E "passed|failed|^FAILED" "$OUT/sharding_tests.log" | cut -c1-160
 fi
 echo "== bench_layer (GPU 0)"; grep '^|' "$OUT/bench_layer.log"
+if [[ -f "$OUT/train_scaling.log" ]]; then
+  echo "== train scaling"; grep -v '^JSON' "$OUT/train_scaling.log" | grep '^|' | tail -n 12
+fi
 echo "total $(( $(date +%s) - t0 )) s"
