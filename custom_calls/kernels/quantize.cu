@@ -112,6 +112,49 @@ constexpr int MinBlocks() {
   return kPro != Prologue::kNone ? 2 : sizeof(InT) == 4 ? 1 : 3;
 }
 
+// Stores a thread's 8 FP8 bytes of one row at dst: one 8-byte store when
+// `vec` (all 8 columns exist and dst is 8-byte aligned), else the first
+// `valid` bytes one by one.
+__device__ __forceinline__ void StoreRowBytes(uint8_t* dst, const uint8_t (&q)[kSub], bool vec,
+                                              int64_t valid) {
+  if (vec) {
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(q);
+  } else {
+#pragma unroll
+    for (int j = 0; j < kSub; ++j)
+      if (j < valid) dst[j] = q[j];
+  }
+}
+
+// Writes the transposed 128x128 byte tile `tbuf` (filled as described in
+// QuantizeTileKernel, after a __syncthreads) to data_t: 128 rows x 8
+// 16-byte pieces = 1024 stores, 4 per thread; 8 consecutive lanes write one
+// 128-byte row of data_t.
+__device__ __forceinline__ void StoreTransposedTile(const QuantizeArgs& p, const uint8_t* tbuf,
+                                                    int64_t m0, int64_t k0, int t) {
+  const int64_t M = p.M, K = p.K;
+  const bool vec_t = (M % 16 == 0);
+#pragma unroll
+  for (int it = 0; it < (kTile * kTile / 16) / kThreads; ++it) {
+    const int idx = it * kThreads + t;
+    const int c = idx / 8, piece = idx % 8;  // row of the transposed tile, 16-byte piece
+    const int64_t gk = k0 + c, gm = m0 + piece * 16;
+    if (gk >= K || gm >= M) continue;
+    const int sw = Swz(c);
+    const uint2 lo = *reinterpret_cast<const uint2*>(&tbuf[c * kTile + ((2 * piece) ^ sw) * 8]);
+    const uint2 hi = *reinterpret_cast<const uint2*>(&tbuf[c * kTile + ((2 * piece + 1) ^ sw) * 8]);
+    uint8_t* dst = p.data_t + gk * M + gm;
+    if (vec_t && gm + 16 <= M) {
+      *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
+    } else {
+      const unsigned w[4] = {lo.x, lo.y, hi.x, hi.y};
+#pragma unroll
+      for (int e = 0; e < 16; ++e)
+        if (gm + e < M) dst[e] = static_cast<uint8_t>(w[e / 4] >> (8 * (e % 4)));
+    }
+  }
+}
+
 template <typename InT, ScaleMode kMode, bool kCols, Prologue kPro>
 __global__ void __launch_bounds__(kThreads, MinBlocks<InT, kPro>())
     QuantizeTileKernel(QuantizeArgs p, PrologueArgs q) {
@@ -254,14 +297,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<InT, kPro>())
     uint8_t q[kSub];
 #pragma unroll
     for (int j = 0; j < kSub; ++j) q[j] = Cast(v(i, j) * row_s[i], interp);
-    uint8_t* dst = p.data + gr * K + gc;
-    if (vec_out) {
-      *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(q);
-    } else {
-#pragma unroll
-      for (int j = 0; j < kSub; ++j)
-        if (gc + j < K) dst[j] = q[j];
-    }
+    StoreRowBytes(p.data + gr * K + gc, q, vec_out, K - gc);
   }
 
   // ---- columnwise copy through the swizzled shared byte tile ----
@@ -280,29 +316,73 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<InT, kPro>())
       *reinterpret_cast<uint2*>(&tbuf[c * kTile + chunk * 8]) = *reinterpret_cast<const uint2*>(q);
     }
     __syncthreads();
-    // 128 rows x 8 16-byte pieces = 1024 stores, 4 per thread; 8 consecutive
-    // lanes write one 128-byte row of data_t.
-    const bool vec_t = (M % 16 == 0);
-#pragma unroll
-    for (int it = 0; it < (kTile * kTile / 16) / kThreads; ++it) {
-      const int idx = it * kThreads + t;
-      const int c = idx / 8, piece = idx % 8;  // row of the transposed tile, 16-byte piece
-      const int64_t gk = k0 + c, gm = m0 + piece * 16;
-      if (gk >= K || gm >= M) continue;
-      const int sw = Swz(c);
-      const uint2 lo = *reinterpret_cast<const uint2*>(&tbuf[c * kTile + ((2 * piece) ^ sw) * 8]);
-      const uint2 hi = *reinterpret_cast<const uint2*>(&tbuf[c * kTile + ((2 * piece + 1) ^ sw) * 8]);
-      uint8_t* dst = p.data_t + gk * M + gm;
-      if (vec_t && gm + 16 <= M) {
-        *reinterpret_cast<uint4*>(dst) = make_uint4(lo.x, lo.y, hi.x, hi.y);
-      } else {
-        const unsigned w[4] = {lo.x, lo.y, hi.x, hi.y};
-#pragma unroll
-        for (int e = 0; e < 16; ++e)
-          if (gm + e < M) dst[e] = static_cast<uint8_t>(w[e / 4] >> (8 * (e % 4)));
-      }
-    }
+    StoreTransposedTile(p, tbuf, m0, k0, t);
   }
+}
+
+// The prologue kernel of ScaleMode::kTensor (delayed and current scaling):
+// one scale for everything is known before the tile is read, so each row of
+// v is cast and stored as soon as the prologue computes it, and its bytes
+// for the columnwise copy are collected in registers (8 columns x 8 rows =
+// 16 words). Unlike the kVec128 prologue kernel (which needs all 64 values
+// for its 128x1 column scales, parked in 68 KB of scratch), it holds no
+// float tile and no dynamic shared memory: 3 blocks per SM for the 16-bit
+// forward (72 registers); the backward, which keeps three inputs of two rows
+// in flight, spilled at that cap (80 registers) and gets 2.
+// Same bytes as QuantizeTileKernel<InT, kTensor, true, kPro>.
+template <typename InT, Prologue kPro>
+constexpr int ActMinBlocks() {
+  return kPro == Prologue::kAct && sizeof(InT) == 2 ? 3 : 2;
+}
+
+template <typename InT, Prologue kPro>
+__global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro>())
+    ActQuantizeTensorKernel(QuantizeArgs p, PrologueArgs q) {
+  __shared__ unsigned warp_red[kThreads / 32];
+  __shared__ __align__(16) uint8_t tbuf[kTile * kTile];  // transposed bytes
+
+  const int64_t M = p.M, K = p.K;
+  const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kTile;
+  const int64_t k0 = static_cast<int64_t>(blockIdx.x) * kTile;
+  const int t = threadIdx.x, cg = t % 16, rg = t / 16;
+  const int r0 = rg * kSub, c0 = cg * kSub;
+  const int64_t gc = k0 + c0;
+  const bool e5m2 = p.out == Fp8Type::kE5M2;
+  const __nv_fp8_interpretation_t interp = e5m2 ? __NV_E5M2 : __NV_E4M3;
+  const float s = p.amax_in != nullptr ? ComputeScale(*p.amax_in, e5m2 ? 57344.f : 448.f, p.pow2)
+                                       : *p.scale;
+  if (p.scale_inv != nullptr && t == 0 && blockIdx.x == 0 && blockIdx.y == 0)
+    *p.scale_inv = 1.f / s;
+
+  const bool vec_out = (K % 8 == 0) && (gc + kSub <= K);
+  unsigned amax = 0;
+  unsigned col_lo[kSub], col_hi[kSub];  // column j: bytes of rows 0-3 / 4-7
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) col_lo[j] = col_hi[j] = 0;
+  prologue::ComputeRows<InT, kPro>(q, M, m0 + r0, gc, [&](int i, const float (&y)[kSub]) {
+    uint8_t b[kSub];
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      amax = max(amax, AbsBits(y[j]));
+      b[j] = Cast(y[j] * s, interp);
+      const unsigned w = static_cast<unsigned>(b[j]) << (8 * (i % 4));
+      if (i < 4) col_lo[j] |= w; else col_hi[j] |= w;
+    }
+    const int64_t gr = m0 + r0 + i;
+    if (gr < M) StoreRowBytes(p.data + gr * K + gc, b, vec_out, K - gc);
+  });
+  if (p.amax_out != nullptr) {
+    amax = BlockMaxU(amax, warp_red);
+    if (t == 0) atomicMax(reinterpret_cast<unsigned*>(p.amax_out), amax);
+  }
+  // The columnwise copy: as in QuantizeTileKernel.
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) {
+    const int c = c0 + j;
+    *reinterpret_cast<uint2*>(&tbuf[c * kTile + (rg ^ Swz(c)) * 8]) = make_uint2(col_lo[j], col_hi[j]);
+  }
+  __syncthreads();
+  StoreTransposedTile(p, tbuf, m0, k0, t);
 }
 
 // max(|x|) over a flat array: 16-byte loads, 4 in flight per thread.
@@ -374,14 +454,18 @@ dim3 TileGrid(const QuantizeArgs& a) {
 
 template <typename InT, ScaleMode kMode, Prologue kPro>
 cudaError_t LaunchWithPrologue(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
-  auto* kernel = QuantizeTileKernel<InT, kMode, true, kPro>;
-  // More than 48 KB of dynamic shared memory needs an opt-in, which holds per
-  // device: set it at every launch (a host-side call) instead of tracking
-  // devices.
-  cudaError_t e =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kScratchBytes);
-  if (e != cudaSuccess) return e;
-  kernel<<<TileGrid(a), kThreads, kScratchBytes, stream>>>(a, q);
+  if constexpr (kMode == ScaleMode::kTensor) {
+    ActQuantizeTensorKernel<InT, kPro><<<TileGrid(a), kThreads, 0, stream>>>(a, q);
+  } else {
+    auto* kernel = QuantizeTileKernel<InT, kMode, true, kPro>;
+    // More than 48 KB of dynamic shared memory needs an opt-in, which holds
+    // per device: set it at every launch (a host-side call) instead of
+    // tracking devices.
+    cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kScratchBytes);
+    if (e != cudaSuccess) return e;
+    kernel<<<TileGrid(a), kThreads, kScratchBytes, stream>>>(a, q);
+  }
   return cudaGetLastError();
 }
 
