@@ -57,6 +57,7 @@ MLP_CONFIGS = ["mlp/te_off", "mlp/te_delayed", "mlp/te_current", "mlp/te_block",
                "mlp/te_current_fused", "mlp/te_block_fused", "mlp/te_delayed_fastacc",
                "mlp/te_current_fastacc"]
 LAYER_CONFIGS = ["layer/te_off", "layer/te_delayed", "layer/te_current", "layer/te_block",
+                 "layer/te_delayed_fused", "layer/te_current_fused", "layer/te_block_fused",
                  "attn/core", "attn/module_off"]
 CONFIGS = MLP_CONFIGS + LAYER_CONFIGS
 # Suffix of a configuration timed with its initial FP8 state every step, as
@@ -118,7 +119,7 @@ def _build(config, sz):
   fast = kind.endswith("_fastacc")  # fast accumulation in every GEMM (TE-JAX default, GPU.md)
   if fast:
     kind = kind[:-len("_fastacc")]
-  fused = kind.endswith("_fused")   # LayerNormMLP(fuse_activation_quantize=True)
+  fused = kind.endswith("_fused")   # fuse_activation_quantize=True (the MLP's)
   if fused:
     kind = kind[:-len("_fused")]
   if kind.startswith("te_") or kind == "module_off":
@@ -133,7 +134,7 @@ def _build(config, sz):
       flops = mlp_flops
     elif group == "layer":
       module = tfx.TransformerLayer(e, m, h, layer_type="decoder", dtype=bf16,
-                                    param_dtype=bf16)
+                                    param_dtype=bf16, fuse_activation_quantize=fused)
       flops = mlp_flops + proj_flops + attn_core_flops
     else:
       module = tfx.MultiHeadAttention(h, attn_mask_type="causal", dtype=bf16,

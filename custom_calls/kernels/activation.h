@@ -27,7 +27,7 @@ __device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b);
 // and the derivatives multiply by the complement (see act_quantize.py).
 __device__ __forceinline__ void SigmoidPair(float x, float* s, float* s_c) {
   const float e = expf(-fabsf(x));
-  const float r = __fdiv_rn(1.f, Add(1.f, e));
+  const float r = __frcp_rn(Add(1.f, e));  // == 1 / (1 + e), IEEE
   const float er = Mul(e, r);
   const bool pos = x >= 0.f;  // false for NaN, as jnp.where(x >= 0, ...)
   *s = pos ? r : er;
@@ -88,7 +88,7 @@ __device__ __forceinline__ void Activate(int id, float x, float* f, float* df) {
     case kActTanh: {  // (1 - e) / (1 + e), e = exp(-2|x|), 1 - e by expm1
       const float a = Mul(2.f, fabsf(x));
       const float e = expf(-a);
-      const float r = __fdiv_rn(1.f, Add(1.f, e));
+      const float r = __frcp_rn(Add(1.f, e));  // == 1 / (1 + e), IEEE
       const float t = Mul(-expm1f(-a), r);
       *f = x < 0.f ? -t : t;
       *df = Mul(4.f, Mul(e, Mul(r, r)));

@@ -65,9 +65,9 @@ struct RowInputs {
 // (nvcc took minutes on the fully unrolled kernels), and at most three rows
 // of inputs occupy registers (fully unrolled, the three 8x8 inputs of a gated
 // backward alone need 96 registers and the kernels spilled).
-template <typename InT, Prologue kPro, typename Emit>
-__device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, int64_t row,
-                                            int64_t col, Emit&& emit) {
+template <typename InT, Prologue kPro, int kAct0, typename Emit>
+__device__ __forceinline__ void ComputeRowsWith(const PrologueArgs& q, int64_t M, int64_t row,
+                                                int64_t col, Emit&& emit) {
   static_assert(kPro == Prologue::kAct || kPro == Prologue::kDAct, "needs a prologue");
   const InT* h = static_cast<const InT*>(q.h);
   const InT* dz = static_cast<const InT*>(q.dz);
@@ -96,7 +96,7 @@ __device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, in
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
       float f0, d0, f1 = 1.f, d1 = 0.f;
-      Activate(q.act0, cur.a[j], &f0, &d0);
+      Activate(kAct0 == kActAny ? q.act0 : kAct0, cur.a[j], &f0, &d0);
       if (gated) Activate(q.act1, cur.b[j], &f1, &d1);
       float val;
       if (kPro == Prologue::kAct) {
@@ -110,6 +110,26 @@ __device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, in
     emit(i, y);
     cur = nxt;
     nxt = next2;
+  }
+}
+
+// ComputeRowsWith for the block's act0, chosen once for the common
+// activations: with the activation a runtime value inside the loop, every
+// element of the unrolled row went through a switch over all 8 activations
+// (~6700 PTX instructions for one kernel), and the loop ran from a code
+// footprint larger than the instruction cache (measured on the H200: an
+// amax-only pass over gelu(h) took 0.92 ms for 512 MB, 6x its memory time).
+// The rarer activations share one copy with the runtime switch (kActAny):
+// specializing all 8 made quantize.cu take 4 minutes to compile. act1
+// (gated units, usually "linear") stays a runtime switch.
+template <typename InT, Prologue kPro, typename Emit>
+__device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, int64_t row,
+                                            int64_t col, Emit&& emit) {
+  switch (q.act0) {
+    case kActGelu: return ComputeRowsWith<InT, kPro, kActGelu>(q, M, row, col, emit);
+    case kActSilu: return ComputeRowsWith<InT, kPro, kActSilu>(q, M, row, col, emit);
+    case kActRelu: return ComputeRowsWith<InT, kPro, kActRelu>(q, M, row, col, emit);
+    default: return ComputeRowsWith<InT, kPro, kActAny>(q, M, row, col, emit);
   }
 }
 

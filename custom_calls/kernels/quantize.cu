@@ -326,17 +326,11 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<InT, kPro>())
 // for the columnwise copy are collected in registers (8 columns x 8 rows =
 // 16 words). Unlike the kVec128 prologue kernel (which needs all 64 values
 // for its 128x1 column scales, parked in 68 KB of scratch), it holds no
-// float tile and no dynamic shared memory: 3 blocks per SM for the 16-bit
-// forward (72 registers); the backward, which keeps three inputs of two rows
-// in flight, spilled at that cap (80 registers) and gets 2.
+// float tile and no dynamic shared memory (2 blocks per SM by registers: at
+// the 80-register cap of 3 blocks the specialized activation loops spilled).
 // Same bytes as QuantizeTileKernel<InT, kTensor, true, kPro>.
 template <typename InT, Prologue kPro>
-constexpr int ActMinBlocks() {
-  return kPro == Prologue::kAct && sizeof(InT) == 2 ? 3 : 2;
-}
-
-template <typename InT, Prologue kPro>
-__global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro>())
+__global__ void __launch_bounds__(kThreads, 2)
     ActQuantizeTensorKernel(QuantizeArgs p, PrologueArgs q) {
   __shared__ unsigned warp_red[kThreads / 32];
   __shared__ __align__(16) uint8_t tbuf[kTile * kTile];  // transposed bytes

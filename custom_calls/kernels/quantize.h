@@ -34,6 +34,7 @@ enum ActId : int {
   kActTanh = 6,
   kActQuickGelu = 7,  // x sigmoid(1.702 x)
   kNumAct = 8,
+  kActAny = -2,       // device code only: "the runtime id", see prologue.h
 };
 
 // How scales are chosen; each CUDA block handles one 128x128 tile of x.
