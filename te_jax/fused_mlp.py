@@ -39,7 +39,6 @@ Example::
 from __future__ import annotations
 
 import functools
-import logging
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import jax
@@ -48,19 +47,10 @@ import jax.numpy as jnp
 from te_jax import dense as dense_lib
 from te_jax import fp8_state as state_lib
 from te_jax import recipe as recipe_lib
-from te_jax.ops import _native
 from te_jax.ops import act_quantize as act_op
 from te_jax.scaled_tensor import ScaledTensor
 
 __all__ = ["fp8_mlp", "supported"]
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_experimental():
-  logging.getLogger("te_jax").warning(
-      "te_jax: the fused activation-quantize CUDA kernels (fuse_activation_quantize"
-      "=True) are experimental: slower than the unfused path on the H200, and their "
-      "activation formulas changed after their last GPU test run; see BENCHMARKS.md.")
 
 
 class _MlpConfig(NamedTuple):
@@ -211,8 +201,6 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
   if delayed != (wi_state is not None) or (wi_state is None) != (wo_state is None):
     raise ValueError("wi_state and wo_state must both be given for DelayedScaling and "
                      "both be None otherwise.")
-  if _native.resolve_impl(impl) == "cuda":
-    _warn_experimental()
   cfg = _MlpConfig(recipe, impl, acts, bi is not None, bo is not None)
   cast = lambda b: None if b is None else b.astype(x.dtype)
   states = (wi_state, wo_state) if delayed else None
