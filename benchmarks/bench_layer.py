@@ -24,8 +24,8 @@ the next as in training (``_fp8_carry.py``; a config name ending in
 ``_frozen`` times the initial state every step instead, which makes the
 backward GEMMs multiply zeros). Protocol: 3 warmup steps, then k
 back-to-back steps with one block at the end (inputs rotated between two
-buffers), time / k; median of ``--repeats`` such measurements. FLOP counts are the matmul FLOPs of fwd+bwd
-(3x forward).
+buffers), time / k; median of ``--repeats`` such measurements. FLOP counts
+are the matmul FLOPs of fwd+bwd (3x forward).
 
 Usage::
 
@@ -222,10 +222,10 @@ def run_one(config, small, k, repeats, profile=False):
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
-  def run(variables, n, start=0):
+  def run(variables, n):
     """n steps, the delayed-scaling state carried from each to the next."""
     out = None
-    for i in range(start, start + n):
+    for i in range(n):
       out = step(variables, xs[i % 2])
       if not frozen:
         variables = carry_fp8_state(variables, out[1][0])

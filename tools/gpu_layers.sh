@@ -2,10 +2,10 @@
 # One device call on a 2-GPU machine: build; then side by side GPU tests (GPU 1)
 # and the layer benchmarks with kernel profiles (GPU 0, alone on its GPU so
 # its timings are undisturbed); then, optionally, tests/test_sharding_mesh.py
-# on both GPUs. Logs under $OUT (at most 6 files: the device returns 8); a
-# summary last.
+# and bench_train_scaling.py on all GPUs. Logs under $OUT (at most 7 files:
+# the device returns 8); a summary last.
 #   env: TEST_SETS     ';'-separated pytest argument lists run one after the
-#                      other on GPU 1 into one log (default: "-m gpu tests")
+#                      other on GPU 1 into one log (default: "-m gpu tests/")
 #        BENCH_CONFIGS bench_layer.py --configs (default: all)
 #        TEST_LIMIT, BENCH_LIMIT, SHARDING_LIMIT (seconds; SHARDING_LIMIT=0 skips)
 #        SCALING_ARGS  if set: benchmarks/bench_train_scaling.py with these
