@@ -16,11 +16,12 @@
 // shared byte tile (XOR-swizzled in 8-byte chunks to avoid bank conflicts) so
 // that both FP8 outputs are written with coalesced stores.
 //
-// With a prologue (Prologue::kAct / kDAct, kernels/prologue.h) the same
-// kernel quantizes v = act(h) or dact(dz, h), computed from the inputs it
-// loads, so the fused MLP never writes v in bf16. The prologue is a template
-// parameter (it changes what a thread holds); the activations are runtime
-// ids (a switch that is uniform across the block).
+// With a prologue (Prologue::kAct / kDAct, kernels/prologue.h) these kernels
+// quantize v = act(h) or dact(dz, h), computed from the inputs they load, so
+// the fused MLP never writes v in bf16: the tile kernel for 1x128 scales and
+// ActQuantizeTensorKernel (streaming, no float tile) for one scale. The
+// prologue is a template parameter (it changes what a thread holds); the
+// activation is a runtime id, dispatched once per block in prologue.h.
 #include "kernels/quantize.h"
 
 #include <cuda_bf16.h>
@@ -477,7 +478,9 @@ cudaError_t LaunchTyped(const QuantizeArgs& a, const PrologueArgs& q, cudaStream
     case Prologue::kAct:
     case Prologue::kDAct:
       // The fused MLP always wants the columnwise copy and never 128x128
-      // blocks: only those variants are built (12 kernels, not 36).
+      // blocks: only those variants are built (per input type: the tile
+      // kernel for kVec128 and ActQuantizeTensorKernel for kTensor, each
+      // forward and backward; 12 kernels, not 36).
       if constexpr (kMode == ScaleMode::kBlock128) {
         return cudaErrorInvalidValue;
       } else {
