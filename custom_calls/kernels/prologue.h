@@ -55,23 +55,68 @@ struct RowInputs {
   RawRow<InT> a, b, d;
 };
 
+// Which activation loop a prologue kernel is compiled for. Kernels take it as
+// a template parameter and the host picks it (ChooseLoop), so that every
+// kernel's registers are those of its own loop: with the choice made inside
+// one kernel, all loops shared the register budget of the largest (the
+// runtime switch over 8 activations for a gated pair): 90 registers, 2
+// blocks per SM, and an amax pass over gelu(h) ran 2.5x slower than the same
+// math in a kernel of its own (benchmarks/act_math.cu, H200: 0.757 vs 0.305 ms
+// for 512 MB).
+enum class ActLoop : int {
+  kGelu,    // act0 = gelu, not gated
+  kSilu,    // act0 = silu, not gated
+  kRelu,    // act0 = relu, not gated
+  kSwiGlu,  // ("silu", "linear"), gated
+  kAny,     // any act0/act1, gated or not: runtime switches
+};
+
+// kLoop -> (act0 id or kActAny, gated: 1 yes / 0 no / -1 runtime, act1 id or kActAny).
+template <ActLoop kLoop>
+struct LoopSpec {
+  static constexpr int kAct0 = kLoop == ActLoop::kGelu ? kActGelu
+                               : kLoop == ActLoop::kRelu ? kActRelu
+                               : kLoop == ActLoop::kAny  ? kActAny
+                                                         : kActSilu;
+  static constexpr int kGated = kLoop == ActLoop::kSwiGlu ? 1 : kLoop == ActLoop::kAny ? -1 : 0;
+  static constexpr int kAct1 = kLoop == ActLoop::kSwiGlu ? kActLinear : kActAny;
+};
+
+// The specialized loop for `q`, or kAny. 32-bit inputs always take kAny:
+// they are not the hot path and each loop is another set of kernels to
+// compile.
+inline ActLoop ChooseLoop(const PrologueArgs& q, bool sixteen_bit) {
+  if (!sixteen_bit) return ActLoop::kAny;
+  if (q.act1 < 0) {
+    if (q.act0 == kActGelu) return ActLoop::kGelu;
+    if (q.act0 == kActSilu) return ActLoop::kSilu;
+    if (q.act0 == kActRelu) return ActLoop::kRelu;
+  } else if (q.act0 == kActSilu && q.act1 == kActLinear) {
+    return ActLoop::kSwiGlu;
+  }
+  return ActLoop::kAny;
+}
+
 // Calls emit(i, y) for i = 0..7 where y[j] = v[row + i][col + j] in float32,
 // v being the (M, K) output of the prologue (K = F for kAct, n_act*F for
 // kDAct), and 0 outside it (padding must not raise an amax, and act(0) need
-// not be 0: sigmoid).
+// not be 0: sigmoid). `q` must match kLoop (ChooseLoop).
 //
 // A rolled loop over the rows, with the inputs of the next two rows in
 // flight: the activation code is emitted for 8 elements instead of 64
 // (nvcc took minutes on the fully unrolled kernels), and at most three rows
 // of inputs occupy registers (fully unrolled, the three 8x8 inputs of a gated
 // backward alone need 96 registers and the kernels spilled).
-template <typename InT, Prologue kPro, int kAct0, typename Emit>
-__device__ __forceinline__ void ComputeRowsWith(const PrologueArgs& q, int64_t M, int64_t row,
-                                                int64_t col, Emit&& emit) {
+template <typename InT, Prologue kPro, ActLoop kLoop, typename Emit>
+__device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, int64_t row,
+                                            int64_t col, Emit&& emit) {
   static_assert(kPro == Prologue::kAct || kPro == Prologue::kDAct, "needs a prologue");
+  using Spec = LoopSpec<kLoop>;
   const InT* h = static_cast<const InT*>(q.h);
   const InT* dz = static_cast<const InT*>(q.dz);
-  const bool gated = q.act1 >= 0;
+  const bool gated = Spec::kGated < 0 ? q.act1 >= 0 : Spec::kGated == 1;
+  const int act0 = Spec::kAct0 == kActAny ? q.act0 : Spec::kAct0;
+  const int act1 = Spec::kAct1 == kActAny ? q.act1 : Spec::kAct1;
   const int64_t F = q.F, ldh = gated ? 2 * F : F;
   // Output columns [F, 2F) of the gated backward are the act1' branch and
   // read dz, h0, h1 at column col - F. The host guarantees F % 8 == 0 when
@@ -96,8 +141,8 @@ __device__ __forceinline__ void ComputeRowsWith(const PrologueArgs& q, int64_t M
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
       float f0, d0, f1 = 1.f, d1 = 0.f;
-      Activate(kAct0 == kActAny ? q.act0 : kAct0, cur.a[j], &f0, &d0);
-      if (gated) Activate(q.act1, cur.b[j], &f1, &d1);
+      Activate(act0, cur.a[j], &f0, &d0);
+      if (gated) Activate(act1, cur.b[j], &f1, &d1);
       float val;
       if (kPro == Prologue::kAct) {
         val = gated ? __fmul_rn(f0, f1) : f0;
@@ -110,26 +155,6 @@ __device__ __forceinline__ void ComputeRowsWith(const PrologueArgs& q, int64_t M
     emit(i, y);
     cur = nxt;
     nxt = next2;
-  }
-}
-
-// ComputeRowsWith for the block's act0, chosen once for the common
-// activations: with the activation a runtime value inside the loop, every
-// element of the unrolled row went through a switch over all 8 activations
-// (~6700 PTX instructions for one kernel), and the loop ran from a code
-// footprint larger than the instruction cache (measured on the H200: an
-// amax-only pass over gelu(h) took 0.92 ms for 512 MB, 6x its memory time).
-// The rarer activations share one copy with the runtime switch (kActAny):
-// specializing all 8 made quantize.cu take 4 minutes to compile. act1
-// (gated units, usually "linear") stays a runtime switch.
-template <typename InT, Prologue kPro, typename Emit>
-__device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, int64_t row,
-                                            int64_t col, Emit&& emit) {
-  switch (q.act0) {
-    case kActGelu: return ComputeRowsWith<InT, kPro, kActGelu>(q, M, row, col, emit);
-    case kActSilu: return ComputeRowsWith<InT, kPro, kActSilu>(q, M, row, col, emit);
-    case kActRelu: return ComputeRowsWith<InT, kPro, kActRelu>(q, M, row, col, emit);
-    default: return ComputeRowsWith<InT, kPro, kActAny>(q, M, row, col, emit);
   }
 }
 

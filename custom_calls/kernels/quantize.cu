@@ -20,8 +20,9 @@
 // quantize v = act(h) or dact(dz, h), computed from the inputs they load, so
 // the fused MLP never writes v in bf16: the tile kernel for 1x128 scales and
 // ActQuantizeTensorKernel (streaming, no float tile) for one scale. The
-// prologue is a template parameter (it changes what a thread holds); the
-// activation is a runtime id, dispatched once per block in prologue.h.
+// prologue and the activation loop (prologue::ActLoop: gelu, silu, relu,
+// SwiGLU, or any by runtime switches) are template parameters chosen on the
+// host, so that each kernel gets the registers of its own loop.
 #include "kernels/quantize.h"
 
 #include <cuda_bf16.h>
@@ -29,6 +30,7 @@
 #include <cuda_fp8.h>
 
 #include <cfloat>
+#include <type_traits>
 
 #include "kernels/prologue.h"
 
@@ -88,11 +90,11 @@ extern __shared__ float4 act_scratch[];
 // A prologue's 8x8 values v[row + i][col + j] for a thread, as float32 in
 // registers (the 64 that fp32 inputs take): redoing tanh/exp/erfc for the
 // amax and for both casts would cost more than the registers.
-template <typename InT, Prologue kPro>
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
 __device__ __forceinline__ void LoadActTile(const QuantizeArgs& p, const PrologueArgs& q,
                                             int64_t row, int64_t col, float (&v)[kSub][kSub]) {
   float4* mine = act_scratch + threadIdx.x * kScratchF4;
-  prologue::ComputeRows<InT, kPro>(q, p.M, row, col, [&](int i, const float (&y)[kSub]) {
+  prologue::ComputeRows<InT, kPro, kLoop>(q, p.M, row, col, [&](int i, const float (&y)[kSub]) {
     mine[2 * i] = make_float4(y[0], y[1], y[2], y[3]);
     mine[2 * i + 1] = make_float4(y[4], y[5], y[6], y[7]);
   });
@@ -156,7 +158,8 @@ __device__ __forceinline__ void StoreTransposedTile(const QuantizeArgs& p, const
   }
 }
 
-template <typename InT, ScaleMode kMode, bool kCols, Prologue kPro>
+template <typename InT, ScaleMode kMode, bool kCols, Prologue kPro,
+          prologue::ActLoop kLoop = prologue::ActLoop::kAny>  // kLoop: with a prologue only
 __global__ void __launch_bounds__(kThreads, MinBlocks<InT, kPro>())
     QuantizeTileKernel(QuantizeArgs p, PrologueArgs q) {
   __shared__ unsigned col_part[kThreads / 16][kTile];  // per-row-group column amax
@@ -202,7 +205,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<InT, kPro>())
       }
     }
   } else {
-    LoadActTile<InT, kPro>(p, q, m0 + r0, gc, act);
+    LoadActTile<InT, kPro, kLoop>(p, q, m0 + r0, gc, act);
   }
   auto v = [&](int i, int j) -> float {
     if constexpr (kPro == Prologue::kNone) {
@@ -330,7 +333,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<InT, kPro>())
 // float tile and no dynamic shared memory (2 blocks per SM by registers: at
 // the 80-register cap of 3 blocks the specialized activation loops spilled).
 // Same bytes as QuantizeTileKernel<InT, kTensor, true, kPro>.
-template <typename InT, Prologue kPro>
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
 __global__ void __launch_bounds__(kThreads, 2)
     ActQuantizeTensorKernel(QuantizeArgs p, PrologueArgs q) {
   __shared__ unsigned warp_red[kThreads / 32];
@@ -354,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   unsigned col_lo[kSub], col_hi[kSub];  // column j: bytes of rows 0-3 / 4-7
 #pragma unroll
   for (int j = 0; j < kSub; ++j) col_lo[j] = col_hi[j] = 0;
-  prologue::ComputeRows<InT, kPro>(q, M, m0 + r0, gc, [&](int i, const float (&y)[kSub]) {
+  prologue::ComputeRows<InT, kPro, kLoop>(q, M, m0 + r0, gc, [&](int i, const float (&y)[kSub]) {
     uint8_t b[kSub];
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
@@ -426,12 +429,12 @@ __global__ void __launch_bounds__(512) AmaxKernel(const InT* __restrict__ x, int
 // max|v| of a prologue's output, computed by the same prologue::ComputeRows
 // (so the same values bit for bit) on the same tiles, without the scratch;
 // one atomicMax per 128x128 tile.
-template <typename InT, Prologue kPro>
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
 __global__ void __launch_bounds__(kThreads) TileAmaxKernel(QuantizeArgs p, PrologueArgs q) {
   __shared__ unsigned warp_red[kThreads / 32];
   const int t = threadIdx.x;
   unsigned amax = 0;
-  prologue::ComputeRows<InT, kPro>(
+  prologue::ComputeRows<InT, kPro, kLoop>(
       q, p.M, static_cast<int64_t>(blockIdx.y) * kTile + (t / 16) * kSub,
       static_cast<int64_t>(blockIdx.x) * kTile + (t % 16) * kSub,
       [&](int, const float (&y)[kSub]) {
@@ -447,12 +450,31 @@ dim3 TileGrid(const QuantizeArgs& a) {
               static_cast<unsigned>((a.M + kTile - 1) / kTile));
 }
 
-template <typename InT, ScaleMode kMode, Prologue kPro>
-cudaError_t LaunchWithPrologue(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
-  if constexpr (kMode == ScaleMode::kTensor) {
-    ActQuantizeTensorKernel<InT, kPro><<<TileGrid(a), kThreads, 0, stream>>>(a, q);
+// Calls launch(std::integral_constant<ActLoop, L>) for the loop L that
+// prologue::ChooseLoop picks for q; only kAny is instantiated for fp32 inputs.
+template <typename InT, typename Launch>
+cudaError_t WithLoop(const PrologueArgs& q, Launch&& launch) {
+  using prologue::ActLoop;
+  if constexpr (sizeof(InT) == 4) {
+    return launch(std::integral_constant<ActLoop, ActLoop::kAny>{});
   } else {
-    auto* kernel = QuantizeTileKernel<InT, kMode, true, kPro>;
+    switch (prologue::ChooseLoop(q, true)) {
+      case ActLoop::kGelu: return launch(std::integral_constant<ActLoop, ActLoop::kGelu>{});
+      case ActLoop::kSilu: return launch(std::integral_constant<ActLoop, ActLoop::kSilu>{});
+      case ActLoop::kRelu: return launch(std::integral_constant<ActLoop, ActLoop::kRelu>{});
+      case ActLoop::kSwiGlu: return launch(std::integral_constant<ActLoop, ActLoop::kSwiGlu>{});
+      case ActLoop::kAny: break;
+    }
+    return launch(std::integral_constant<ActLoop, ActLoop::kAny>{});
+  }
+}
+
+template <typename InT, ScaleMode kMode, Prologue kPro, prologue::ActLoop kLoop>
+cudaError_t LaunchWithLoop(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
+  if constexpr (kMode == ScaleMode::kTensor) {
+    ActQuantizeTensorKernel<InT, kPro, kLoop><<<TileGrid(a), kThreads, 0, stream>>>(a, q);
+  } else {
+    auto* kernel = QuantizeTileKernel<InT, kMode, true, kPro, kLoop>;
     // More than 48 KB of dynamic shared memory needs an opt-in, which holds
     // per device: set it at every launch (a host-side call) instead of
     // tracking devices.
@@ -462,6 +484,13 @@ cudaError_t LaunchWithPrologue(const QuantizeArgs& a, const PrologueArgs& q, cud
     kernel<<<TileGrid(a), kThreads, kScratchBytes, stream>>>(a, q);
   }
   return cudaGetLastError();
+}
+
+template <typename InT, ScaleMode kMode, Prologue kPro>
+cudaError_t LaunchWithPrologue(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
+  return WithLoop<InT>(q, [&](auto loop) {
+    return LaunchWithLoop<InT, kMode, kPro, decltype(loop)::value>(a, q, stream);
+  });
 }
 
 template <typename InT, ScaleMode kMode>
@@ -518,6 +547,18 @@ bool PrologueValid(const QuantizeArgs& a, const PrologueArgs& q) {
   return q.dz != nullptr && a.K == (gated ? 2 : 1) * q.F;
 }
 
+template <typename InT>
+cudaError_t LaunchTileAmax(const QuantizeArgs& b, const PrologueArgs& q, cudaStream_t stream) {
+  return WithLoop<InT>(q, [&](auto loop) {
+    constexpr prologue::ActLoop kLoop = decltype(loop)::value;
+    if (q.kind == Prologue::kAct)
+      TileAmaxKernel<InT, Prologue::kAct, kLoop><<<TileGrid(b), kThreads, 0, stream>>>(b, q);
+    else
+      TileAmaxKernel<InT, Prologue::kDAct, kLoop><<<TileGrid(b), kThreads, 0, stream>>>(b, q);
+    return cudaGetLastError();
+  });
+}
+
 }  // namespace
 
 cudaError_t LaunchQuantize(const QuantizeArgs& a, cudaStream_t stream, const PrologueArgs& q) {
@@ -545,21 +586,10 @@ cudaError_t LaunchPrologueAmax(const QuantizeArgs& a, const PrologueArgs& q, flo
   if (!PrologueValid(a, q)) return cudaErrorInvalidValue;
   QuantizeArgs b = a;
   b.amax_out = amax_out;
-  const dim3 grid = TileGrid(a);
-  const bool act = q.kind == Prologue::kAct;
   switch (a.in) {
-    case InType::kF32:
-      if (act) TileAmaxKernel<float, Prologue::kAct><<<grid, kThreads, 0, stream>>>(b, q);
-      else TileAmaxKernel<float, Prologue::kDAct><<<grid, kThreads, 0, stream>>>(b, q);
-      return cudaGetLastError();
-    case InType::kBF16:
-      if (act) TileAmaxKernel<__nv_bfloat16, Prologue::kAct><<<grid, kThreads, 0, stream>>>(b, q);
-      else TileAmaxKernel<__nv_bfloat16, Prologue::kDAct><<<grid, kThreads, 0, stream>>>(b, q);
-      return cudaGetLastError();
-    case InType::kF16:
-      if (act) TileAmaxKernel<__half, Prologue::kAct><<<grid, kThreads, 0, stream>>>(b, q);
-      else TileAmaxKernel<__half, Prologue::kDAct><<<grid, kThreads, 0, stream>>>(b, q);
-      return cudaGetLastError();
+    case InType::kF32: return LaunchTileAmax<float>(b, q, stream);
+    case InType::kBF16: return LaunchTileAmax<__nv_bfloat16>(b, q, stream);
+    case InType::kF16: return LaunchTileAmax<__half>(b, q, stream);
   }
   return cudaErrorInvalidValue;
 }
