@@ -71,6 +71,63 @@ struct Variant {
   }
 };
 using FastRcp = Variant<false, true, false>;
+
+// Candidates for activation.h. RcpOnePlus(d) for d in [1, 2]: the hardware
+// reciprocal estimate and one Newton step with FMA, no special cases (d is
+// never 0, subnormal, huge or infinite there); checked against __frcp_rn on
+// every float in [1, 2] below. ExpNonPos(a) for a <= 0: ex2.approx of the
+// rounded a*log2(e), corrected by the rounding residual (exact by FMA) so the
+// error stays a few ulps at a = -80 (plain __expf's grows with |a|).
+__device__ __forceinline__ float RcpOnePlus(float d) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
+  return fmaf(r, fmaf(-d, r, 1.f), r);
+}
+__device__ __forceinline__ float ExpNonPos(float a) {
+  constexpr float kLog2e = 1.44269502f, kLog2eLo = 1.925963e-8f, kLn2 = 0.693147182f;
+  const float t = a * kLog2e;
+  const float c = fmaf(a, kLog2e, -t) + a * kLog2eLo;
+  float r;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(t));
+  return fmaf(r, c * kLn2, r);
+}
+template <int kExp, bool kNewton>  // kExp: 0 expf, 1 __expf, 2 ExpNonPos
+struct Candidate {
+  __device__ float operator()(float x) const {
+    const float u = __fmul_rn(0.7978845608028654f, __fadd_rn(x, __fmul_rn(0.044715f, __fmul_rn(__fmul_rn(x, x), x))));
+    const float a = -fabsf(__fmul_rn(2.f, u));
+    const float e = kExp == 0 ? expf(a) : kExp == 1 ? __expf(a) : ExpNonPos(a);
+    const float den = __fadd_rn(1.f, e);
+    const float r = kNewton ? RcpOnePlus(den) : __frcp_rn(den);
+    return __fmul_rn(x, u >= 0.f ? r : __fmul_rn(e, r));
+  }
+};
+
+// Every float d in [1, 2]: RcpOnePlus(d) != __frcp_rn(d) counted.
+__global__ void CheckRcp(unsigned* mismatches) {
+  const unsigned n = 1u << 23;
+  for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i <= n; i += gridDim.x * blockDim.x) {
+    const float d = __uint_as_float(0x3F800000u + i);  // 1 .. 2 inclusive
+    if (__float_as_uint(RcpOnePlus(d)) != __float_as_uint(__frcp_rn(d))) atomicAdd(mismatches, 1u);
+  }
+}
+
+// Max error in ulps of expf, __expf and ExpNonPos against double exp over
+// 2^24 points of [-104, 0] (exp underflows below); out[0..2].
+__global__ void CheckExp(unsigned* out) {
+  const unsigned n = 1u << 24;
+  for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
+    const float a = -104.f * (i / static_cast<float>(n));
+    const double want = exp(static_cast<double>(a));
+    const float got[3] = {expf(a), __expf(a), ExpNonPos(a)};
+    for (int k = 0; k < 3; ++k) {
+      const double ulp = want < 1.17549435e-38 ? 1.40129846e-45
+                                                : ldexp(1.0, ilogb(want) - 23);
+      const unsigned err = static_cast<unsigned>(fmin(fabs(got[k] - want) / ulp * 100.0, 4e9));
+      atomicMax(out + k, err);  // in hundredths of an ulp
+    }
+  }
+}
 using FastExp = Variant<true, false, false>;
 using Fast = Variant<true, true, true>;
 
@@ -194,8 +251,22 @@ int main() {
   Time("tile<fast_rcp>", [&] { Tile<FastRcp><<<tiles, kThreads>>>(h, out); }, out);
   Time("tile<fast_exp>", [&] { Tile<FastExp><<<tiles, kThreads>>>(h, out); }, out);
   Time("tile<fast>", [&] { Tile<Fast><<<tiles, kThreads>>>(h, out); }, out);
+  Time("tile<expf,newton>", [&] { Tile<Candidate<0, true>><<<tiles, kThreads>>>(h, out); }, out);
+  Time("tile<ex2c,frcp_rn>", [&] { Tile<Candidate<2, false>><<<tiles, kThreads>>>(h, out); }, out);
+  Time("tile<ex2c,newton>", [&] { Tile<Candidate<2, true>><<<tiles, kThreads>>>(h, out); }, out);
+  Time("tile<__expf,newton>", [&] { Tile<Candidate<1, true>><<<tiles, kThreads>>>(h, out); }, out);
   Time("flat<identity>", [&] { Flat<Identity><<<flat_blocks, kThreads>>>(h, out); }, out);
   Time("flat<ship>", [&] { Flat<Ship><<<flat_blocks, kThreads>>>(h, out); }, out);
   Time("flat<fast>", [&] { Flat<Fast><<<flat_blocks, kThreads>>>(h, out); }, out);
+  unsigned* counts;
+  CHECK_CUDA(cudaMalloc(&counts, 4 * sizeof(unsigned)));
+  CHECK_CUDA(cudaMemset(counts, 0, 4 * sizeof(unsigned)));
+  CheckRcp<<<1024, 256>>>(counts);
+  CheckExp<<<1024, 256>>>(counts + 1);
+  unsigned c[4];
+  CHECK_CUDA(cudaMemcpy(c, counts, sizeof(c), cudaMemcpyDeviceToHost));
+  std::printf("RcpOnePlus vs __frcp_rn on all of [1, 2]: %u mismatches\n", c[0]);
+  std::printf("max error vs double exp on [-104, 0], ulps: expf %.2f  __expf %.2f  ExpNonPos %.2f\n",
+              c[1] / 100.0, c[2] / 100.0, c[3] / 100.0);
   return 0;
 }
