@@ -1,14 +1,15 @@
-// What bounds the fused activation kernels: an amax-only pass over gelu(h)
-// (the first pass of current scaling, kernels/quantize.cu TileAmaxKernel)
-// over a 16384 x 16384 bf16 h, timed in variants that change one thing at a
-// time:
-//   real_tile<L>  the te_jax prologue (prologue::ComputeRows) with its gelu
-//                 loop (L = gelu) or the runtime-switch loop (L = any);
+// What bounds the fused activation kernels, on a 16384 x 16384 bf16 h (and
+// dz): first the shipped kernels of kernels/quantize.cu (included below)
+// for gelu (amax pass, per-tensor and 1x128 quantize, forward and backward);
+// then an amax-only pass over gelu(h) (the first pass of current scaling)
+// in variants that change one thing at a time:
 //   tile<M>       the same 8x8-per-thread tiling written plainly, gelu math M;
 //   flat<M>       a grid-stride loop over 16-byte vectors, gelu math M;
 // with M one of
 //   identity      no activation: the memory-bound floor;
-//   ship          te_jax::Activate (expf, __frcp_rn, no FMA contraction);
+//   ship          te_jax::Activate as shipped (expf, RcpOnePlus, no FMA
+//                 contraction; it used __frcp_rn until the Candidate
+//                 variants below showed the cost);
 //   fast_rcp      as ship with 1/(1+e) by the approximate reciprocal;
 //   fast_exp      as ship with __expf;
 //   fast          both, and FMA contraction allowed.
@@ -22,8 +23,9 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "kernels/activation.h"
-#include "kernels/prologue.h"
+// The kernels themselves (one translation unit: they live in an anonymous
+// namespace there).
+#include "kernels/quantize.cu"
 
 namespace {
 
@@ -142,19 +144,6 @@ __device__ void BlockMaxAtomic(unsigned v, unsigned* out) {
   }
 }
 
-template <te_jax::prologue::ActLoop kLoop>
-__global__ void __launch_bounds__(kThreads) RealTile(te_jax::PrologueArgs q, unsigned* out) {
-  unsigned amax = 0;
-  const int t = threadIdx.x;
-  te_jax::prologue::ComputeRows<__nv_bfloat16, te_jax::Prologue::kAct, kLoop>(
-      q, kM, static_cast<int64_t>(blockIdx.y) * kTile + (t / 16) * kSub,
-      static_cast<int64_t>(blockIdx.x) * kTile + (t % 16) * kSub,
-      [&](int, const float (&y)[kSub]) {
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) amax = max(amax, AbsBits(y[j]));
-      });
-  BlockMaxAtomic(amax, out);
-}
 
 template <typename Math>
 __global__ void __launch_bounds__(kThreads) Tile(const __nv_bfloat16* h, unsigned* out) {
@@ -239,13 +228,61 @@ int main() {
   q.h = h;
   q.F = kF;
   q.act0 = te_jax::kActGelu;
+  te_jax::PrologueArgs qd = q;  // backward: dz * gelu'(h)
+  qd.kind = te_jax::Prologue::kDAct;
+  __nv_bfloat16* dz;
+  CHECK_CUDA(cudaMalloc(&dz, kM * kF * 2));
+  Fill<<<4096, 256>>>(dz, kM * kF);
+  qd.dz = dz;
   const dim3 tiles(kF / kTile, kM / kTile);
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int flat_blocks = sms * 8;
+
+  // The shipped kernels, gelu, both row loops (M = F = 16384, bf16 in).
+  te_jax::QuantizeArgs a;
+  a.M = kM;
+  a.K = kF;
+  float* scalars;  // scale 1, amax out
+  CHECK_CUDA(cudaMalloc(&scalars, 2 * sizeof(float)));
+  const float one = 1.f;
+  CHECK_CUDA(cudaMemcpy(scalars, &one, sizeof(one), cudaMemcpyHostToDevice));
+  CHECK_CUDA(cudaMalloc(&a.data, kM * kF));
+  CHECK_CUDA(cudaMalloc(&a.data_t, kM * kF));
+  CHECK_CUDA(cudaMalloc(&a.sinv, kM * (kF / 128) * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&a.sinv_t, kM * (kF / 128) * sizeof(float)));
+  a.sinv_ld = kM;
+  a.sinv_t_ld = kF;
+  a.scale = scalars;
+  a.amax_out = scalars + 1;
+  te_jax::QuantizeArgs ad = a;
+  ad.out = te_jax::Fp8Type::kE5M2;
+  te_jax::QuantizeArgs av = a, avd = ad;
+  av.mode = avd.mode = te_jax::ScaleMode::kVec128;
+  av.scale = avd.scale = nullptr;
+  av.amax_out = avd.amax_out = nullptr;
+  using te_jax::Prologue;
   using te_jax::prologue::ActLoop;
-  Time("real_tile<gelu>", [&] { RealTile<ActLoop::kGelu><<<tiles, kThreads>>>(q, out); }, out);
-  Time("real_tile<any>", [&] { RealTile<ActLoop::kAny><<<tiles, kThreads>>>(q, out); }, out);
+  using Bf = __nv_bfloat16;
+  constexpr ActLoop G = ActLoop::kGelu;
+  unsigned* amax_bits = reinterpret_cast<unsigned*>(scalars + 1);
+#define TIME_KERNEL(name, kernel, smem, args, pro) \
+  Time(name, [&] { kernel<<<tiles, 256, smem>>>(args, pro); }, amax_bits)
+  TIME_KERNEL("amax fwd", (te_jax::TileAmaxKernel<Bf, Prologue::kAct, G>), 0, a, q);
+  TIME_KERNEL("amax bwd", (te_jax::TileAmaxKernel<Bf, Prologue::kDAct, G>), 0, ad, qd);
+  TIME_KERNEL("tensor fwd", (te_jax::ActQuantizeTensorKernel<Bf, Prologue::kAct, G>), 0, a, q);
+  TIME_KERNEL("tensor bwd", (te_jax::ActQuantizeTensorKernel<Bf, Prologue::kDAct, G>), 0, ad, qd);
+  auto vec = [&](auto kernel) {
+    CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                    te_jax::kScratchBytes));
+    return kernel;
+  };
+  auto vf = vec(te_jax::QuantizeTileKernel<Bf, te_jax::ScaleMode::kVec128, true, Prologue::kAct, G>);
+  auto vb = vec(te_jax::QuantizeTileKernel<Bf, te_jax::ScaleMode::kVec128, true, Prologue::kDAct, G>);
+  TIME_KERNEL("1x128 fwd", vf, te_jax::kScratchBytes, av, q);
+  TIME_KERNEL("1x128 bwd", vb, te_jax::kScratchBytes, avd, qd);
+#undef TIME_KERNEL
+
   Time("tile<identity>", [&] { Tile<Identity><<<tiles, kThreads>>>(h, out); }, out);
   Time("tile<ship>", [&] { Tile<Ship><<<tiles, kThreads>>>(h, out); }, out);
   Time("tile<fast_rcp>", [&] { Tile<FastRcp><<<tiles, kThreads>>>(h, out); }, out);

@@ -53,11 +53,12 @@ except ImportError:
   sys.path.insert(0, os.path.dirname(_HERE))
 
 MLP_CONFIGS = ["mlp/te_off", "mlp/te_delayed", "mlp/te_current", "mlp/te_block",
-               "mlp/flax_fp8", "mlp/flax_bf16", "mlp/te_delayed_fused",
-               "mlp/te_current_fused", "mlp/te_block_fused", "mlp/te_delayed_fastacc",
+               "mlp/flax_fp8", "mlp/flax_bf16", "mlp/te_delayed_unfused",
+               "mlp/te_current_unfused", "mlp/te_block_unfused", "mlp/te_delayed_fastacc",
                "mlp/te_current_fastacc"]
 LAYER_CONFIGS = ["layer/te_off", "layer/te_delayed", "layer/te_current", "layer/te_block",
-                 "layer/te_delayed_fused", "layer/te_current_fused", "layer/te_block_fused",
+                 "layer/te_delayed_unfused", "layer/te_current_unfused",
+                 "layer/te_block_unfused",
                  "attn/core", "attn/module_off"]
 CONFIGS = MLP_CONFIGS + LAYER_CONFIGS
 # Suffix of a configuration timed with its initial FP8 state every step, as
@@ -119,9 +120,11 @@ def _build(config, sz):
   fast = kind.endswith("_fastacc")  # fast accumulation in every GEMM (TE-JAX default, GPU.md)
   if fast:
     kind = kind[:-len("_fastacc")]
-  fused = kind.endswith("_fused")   # fuse_activation_quantize=True (the MLP's)
-  if fused:
-    kind = kind[:-len("_fused")]
+  # The MLP's fuse_activation_quantize: the module default (True) unless the
+  # name ends in "_unfused" (two FP8 dense layers around an XLA activation).
+  fused = not kind.endswith("_unfused")
+  if not fused:
+    kind = kind[:-len("_unfused")]
   if kind.startswith("te_") or kind == "module_off":
     r = _recipe(kind[3:]) if kind.startswith("te_") else None
     if fast:

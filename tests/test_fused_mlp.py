@@ -126,14 +126,22 @@ def test_layernorm_mlp_takes_the_fused_path(rname, monkeypatch):
                                st0["wi_fp8_meta"]["x"]["amax_history"], rtol=1e-6)
 
 
-def test_fused_path_is_opt_in(monkeypatch):
+def test_fused_path_is_the_default_and_can_be_turned_off(monkeypatch):
   calls = []
   real = fused_mlp.fp8_mlp
   monkeypatch.setattr(fused_mlp, "fp8_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
   x = _rand(10, (2, 128, K))
+  for fuse, want in ((None, True), (True, True), (False, False)):
+    kw = {} if fuse is None else {"fuse_activation_quantize": fuse}
+    m = tfx.LayerNormMLP(intermediate_dim=F, **kw)
+    calls.clear()
+    with te_jax.fp8_autocast(True, recipe.Float8CurrentScaling()):
+      m.apply(nn.unbox(m.init(jax.random.key(0), x)), x)
+    assert bool(calls) == want, f"fuse_activation_quantize={fuse}"
+  # FP8 off: never the fused core.
+  calls.clear()
   m = tfx.LayerNormMLP(intermediate_dim=F)
-  with te_jax.fp8_autocast(True, recipe.Float8CurrentScaling()):
-    m.apply(nn.unbox(m.init(jax.random.key(0), x)), x)
+  m.apply(nn.unbox(m.init(jax.random.key(0), x)), x)
   assert not calls
 
 

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "kernels/activation.h"
 #include "kernels/quantize.h"
@@ -110,9 +111,12 @@ inline ActLoop ChooseLoop(const PrologueArgs& q, bool sixteen_bit) {
 // kDAct), and 0 outside it (padding must not raise an amax, and act(0) need
 // not be 0: sigmoid). `q` must match kLoop (ChooseLoop).
 //
-// Interior sub-tiles take a plain loop without bounds checks (below). Edge
-// sub-tiles take a rolled loop over the rows, with the inputs of the next two
-// rows in flight: the activation code is emitted for 8 elements instead of 64
+// A rolled loop over the rows with the inputs of the next two rows in
+// flight; interior sub-tiles (all but the edges of a large tensor) run it
+// without bounds checks. (Unrolling by two and letting the compiler schedule
+// the loads instead was 2% faster in the amax pass but 20% slower in the
+// per-tensor quantize kernel: custom_calls/NOTES.md.) Rolled: the activation
+// code is emitted for 8 elements instead of 64
 // (nvcc took minutes on the fully unrolled kernels), and at most three rows
 // of inputs occupy registers (fully unrolled, the three 8x8 inputs of a gated
 // backward alone need 96 registers and the kernels spilled).
@@ -150,41 +154,41 @@ __device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, in
       y[j] = in(j) ? val : 0.f;
     }
   };
-  auto load = [&](int i, RowInputs<InT>& r) {
-    r.a.Load(h, ldh, M, row + i, sc, F);
-    if (gated) r.b.Load(h, ldh, M, row + i, F + sc, 2 * F);
-    if (kPro == Prologue::kDAct) r.d.Load(dz, F, M, row + i, sc, F);
+  // kChecked: bounds-checked loads and values (edge sub-tiles).
+  auto prefetch_loop = [&](auto checked) {
+    constexpr bool kChecked = decltype(checked)::value;
+    auto load = [&](int i, RowInputs<InT>& r) {
+      if constexpr (kChecked) {
+        r.a.Load(h, ldh, M, row + i, sc, F);
+        if (gated) r.b.Load(h, ldh, M, row + i, F + sc, 2 * F);
+        if (kPro == Prologue::kDAct) r.d.Load(dz, F, M, row + i, sc, F);
+      } else {
+        r.a.LoadVec(h, ldh, row + i, sc);
+        if (gated) r.b.LoadVec(h, ldh, row + i, F + sc);
+        if (kPro == Prologue::kDAct) r.d.LoadVec(dz, F, row + i, sc);
+      }
+    };
+    RowInputs<InT> cur, nxt;
+    load(0, cur);
+    load(1, nxt);
+#pragma unroll 1
+    for (int i = 0; i < kSub; ++i) {
+      RowInputs<InT> next2;
+      if (i + 2 < kSub) load(i + 2, next2);
+      const bool row_in = row + i < M;
+      float y[kSub];
+      compute(cur, [&](int j) { return !kChecked || (row_in && sc + j < F); }, y);
+      emit(i, y);
+      cur = nxt;
+      nxt = next2;
+    }
   };
 
-  // Interior sub-tiles (all but the edges of a large tensor): no bounds
-  // checks, and the compiler overlaps a row's loads with the previous row's
-  // math by itself (unroll 2).
-  if (row + kSub <= M && sc + kSub <= F && F % RawRow<InT>::kVec == 0) {
-#pragma unroll 2
-    for (int i = 0; i < kSub; ++i) {
-      RowInputs<InT> r;
-      r.a.LoadVec(h, ldh, row + i, sc);
-      if (gated) r.b.LoadVec(h, ldh, row + i, F + sc);
-      if (kPro == Prologue::kDAct) r.d.LoadVec(dz, F, row + i, sc);
-      float y[kSub];
-      compute(r, [](int) { return true; }, y);
-      emit(i, y);
-    }
-    return;
-  }
-  RowInputs<InT> cur, nxt;
-  load(0, cur);
-  load(1, nxt);
-#pragma unroll 1
-  for (int i = 0; i < kSub; ++i) {
-    RowInputs<InT> next2;
-    if (i + 2 < kSub) load(i + 2, next2);
-    const bool row_in = row + i < M;
-    float y[kSub];
-    compute(cur, [&](int j) { return row_in && sc + j < F; }, y);
-    emit(i, y);
-    cur = nxt;
-    nxt = next2;
+  const bool interior = row + kSub <= M && sc + kSub <= F && F % RawRow<InT>::kVec == 0;
+  if (interior) {
+    prefetch_loop(std::false_type{});
+  } else {
+    prefetch_loop(std::true_type{});
   }
 }
 

@@ -330,8 +330,9 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<InT, kPro>())
 // for the columnwise copy are collected in registers (8 columns x 8 rows =
 // 16 words). Unlike the kVec128 prologue kernel (which needs all 64 values
 // for its 128x1 column scales, parked in 68 KB of scratch), it holds no
-// float tile and no dynamic shared memory (2 blocks per SM by registers: at
-// the 80-register cap of 3 blocks the specialized activation loops spilled).
+// float tile and no dynamic shared memory. Launch bound: 2 blocks per SM,
+// i.e. up to 128 registers (the loops take 71-115 for 16-bit inputs; a cap
+// of 80 for 3 blocks made the larger ones spill).
 // Same bytes as QuantizeTileKernel<InT, kTensor, true, kPro>.
 template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
 __global__ void __launch_bounds__(kThreads, 2)

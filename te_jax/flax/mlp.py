@@ -1,15 +1,16 @@
 """``LayerNormMLP``: norm -> dense -> activation(s) -> dropout -> dense, in FP8.
 
-Both GEMMs (and their gradients) run in FP8 under ``fp8_autocast``, by
-default as two FP8 dense layers around an XLA activation. With
-``fuse_activation_quantize=True`` -- when the GEMMs are not sharded, dropout
-is off and the shapes allow it (tokens a multiple of the recipe's
-``token_block``, embed and mlp multiples of 128) -- the block runs as one
-fused core (``te_jax.fused_mlp``): the activation and the quantization of
-its output are one pass over memory, forward and backward, and no bf16
-activation gradient is materialized. On the H200 (BENCHMARKS.md) that lowers
-the peak memory of a 4096 -> 16384 -> 4096 block to 12-14% below FP8 off, but
-today's fused kernels make the step 3-14% slower, hence not the default. Gated
+Both GEMMs (and their gradients) run in FP8 under ``fp8_autocast``. By
+default (``fuse_activation_quantize=True``) -- when the GEMMs are not
+sharded, dropout is off and the shapes allow it (tokens a multiple of the
+recipe's ``token_block``, embed and mlp multiples of 128) -- the block runs
+as one fused core (``te_jax.fused_mlp``): the activation and the
+quantization of its output are one pass over memory, forward and backward,
+and no bf16 activation gradient is materialized. On the H200 (BENCHMARKS.md)
+that lowers the peak memory of a 4096 -> 16384 -> 4096 block to 12-14% below
+FP8 off, at equal or better step time than the unfused path. Otherwise (or
+with ``fuse_activation_quantize=False``) the block is two FP8 dense layers
+around an XLA activation; the two paths use the same variables. Gated
 activations (two entries such as ``("silu", "linear")`` = SwiGLU or
 ``("gelu", "linear")`` = GeGLU) use one fused up-projection of shape
 (embed, n_act, mlp) computed as a single GEMM; the result is
@@ -89,7 +90,7 @@ class LayerNormMLP(nn.Module):
     zero_centered_gamma: store gamma - 1, initialized to zeros.
     return_layernorm_output: also return the normalized input.
     fuse_activation_quantize: run the block as one fused FP8 core where it
-      can (see above): less memory, currently slower. Default False.
+      can (see above). Default True; False always takes the unfused path.
     use_bias: biases on both projections (default False).
     dtype: compute/output dtype; None promotes input and param dtype.
     param_dtype: parameter dtype (default float32).
@@ -106,7 +107,7 @@ class LayerNormMLP(nn.Module):
   epsilon: float = 1e-6
   zero_centered_gamma: bool = False
   return_layernorm_output: bool = False
-  fuse_activation_quantize: bool = False
+  fuse_activation_quantize: bool = True
   use_bias: bool = False
   dtype: Optional[Dtype] = None
   param_dtype: Dtype = jnp.float32

@@ -55,7 +55,7 @@ class TransformerLayer(nn.Module):
     attention_dropout: dropout on the attention probabilities.
     intermediate_dropout: dropout after the MLP activation.
     activations: MLP activations, e.g. ("gelu",) or ("silu", "linear").
-    fuse_activation_quantize: see ``LayerNormMLP`` (default False).
+    fuse_activation_quantize: see ``LayerNormMLP`` (default True).
     enable_rotary_pos_emb: rotary embeddings in self attention (default False).
     rotary_base: rotary frequency base.
     use_bias: biases on every projection (default False).
@@ -81,7 +81,7 @@ class TransformerLayer(nn.Module):
   attention_dropout: float = 0.0
   intermediate_dropout: float = 0.0
   activations: Sequence[str] = ("gelu",)
-  fuse_activation_quantize: bool = False
+  fuse_activation_quantize: bool = True
   enable_rotary_pos_emb: bool = False
   rotary_base: float = 10000.0
   use_bias: bool = False
