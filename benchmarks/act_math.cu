@@ -26,21 +26,13 @@
 // The kernels themselves (one translation unit: they live in an anonymous
 // namespace there).
 #include "kernels/quantize.cu"
+#include "check_cuda.h"
 
 namespace {
 
 using te_jax::prologue::kSub;
 constexpr int kThreads = 256, kTile = 128;
 constexpr long kM = 16384, kF = 16384;
-
-#define CHECK_CUDA(x)                                                    \
-  do {                                                                   \
-    cudaError_t e_ = (x);                                                \
-    if (e_ != cudaSuccess) {                                             \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));      \
-      std::exit(1);                                                      \
-    }                                                                    \
-  } while (0)
 
 __device__ __forceinline__ unsigned AbsBits(float v) { return __float_as_uint(fabsf(v)); }
 

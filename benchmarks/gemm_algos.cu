@@ -20,14 +20,8 @@
 #include <random>
 #include <vector>
 
-#define CHECK_CUDA(x)                                                          \
-  do {                                                                         \
-    cudaError_t e_ = (x);                                                      \
-    if (e_ != cudaSuccess) {                                                   \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));            \
-      std::exit(1);                                                            \
-    }                                                                          \
-  } while (0)
+#include "check_cuda.h"
+
 #define CHECK_LT(x)                                                            \
   do {                                                                         \
     cublasStatus_t s_ = (x);                                                   \
