@@ -114,8 +114,8 @@ inline ActLoop ChooseLoop(const PrologueArgs& q, bool sixteen_bit) {
 // A rolled loop over the rows with the inputs of the next two rows in
 // flight; interior sub-tiles (all but the edges of a large tensor) run it
 // without bounds checks. (Unrolling by two and letting the compiler schedule
-// the loads instead was 2% faster in the amax pass but 20% slower in the
-// per-tensor quantize kernel: custom_calls/NOTES.md.) Rolled: the activation
+// the loads instead was up to 2% faster in the amax pass but 20-25% slower
+// in the per-tensor quantize kernels: custom_calls/NOTES.md.) Rolled: the activation
 // code is emitted for 8 elements instead of 64
 // (nvcc took minutes on the fully unrolled kernels), and at most three rows
 // of inputs occupy registers (fully unrolled, the three 8x8 inputs of a gated

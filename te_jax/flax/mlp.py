@@ -7,8 +7,10 @@ recipe's ``token_block``, embed and mlp multiples of 128) -- the block runs
 as one fused core (``te_jax.fused_mlp``): the activation and the
 quantization of its output are one pass over memory, forward and backward,
 and no bf16 activation gradient is materialized. On the H200 (BENCHMARKS.md)
-that lowers the peak memory of a 4096 -> 16384 -> 4096 block to 12-14% below
-FP8 off, at equal or better step time than the unfused path. Otherwise (or
+that lowers the peak memory of a 4096 -> 16384 -> 4096 block to 12-13% below
+FP8 off, and the step is 3% faster than the unfused path with delayed and
+blockwise scaling, 2% slower with current scaling (which reads the
+activations twice, for the amax and to quantize). Otherwise (or
 with ``fuse_activation_quantize=False``) the block is two FP8 dense layers
 around an XLA activation; the two paths use the same variables. Gated
 activations (two entries such as ``("silu", "linear")`` = SwiGLU or
