@@ -7,6 +7,8 @@ formula in the fused op, autodiff in the emulation: float32 differences of a
 few ulps that can move an FP8 rounding by one step, hence a tolerance).
 """
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -145,7 +147,10 @@ def test_fused_path_is_the_default_and_can_be_turned_off(monkeypatch):
   assert not calls
 
 
-def test_unaligned_or_dropout_use_the_unfused_path(monkeypatch):
+def test_unaligned_or_dropout_use_the_unfused_path(monkeypatch, caplog):
+  from te_jax.flax import mlp as mlp_module  # pylint: disable=import-outside-toplevel
+  mlp_module._log_unfused.cache_clear()  # pylint: disable=protected-access
+  caplog.set_level(logging.INFO, logger="te_jax")
   calls = []
   real = fused_mlp.fp8_mlp
   monkeypatch.setattr(fused_mlp, "fp8_mlp", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -156,6 +161,7 @@ def test_unaligned_or_dropout_use_the_unfused_path(monkeypatch):
     v = nn.unbox(m.init(jax.random.key(0), x))
     y = m.apply(v, x)
   assert y.shape == x.shape and not calls
+  assert "200 tokens" in caplog.text and "tokens % 16 == 0" in caplog.text, caplog.text
   m2 = tfx.LayerNormMLP(intermediate_dim=F, intermediate_dropout_rate=0.1,
                         fuse_activation_quantize=True)
   x2 = _rand(9, (2, 128, K))
@@ -164,6 +170,7 @@ def test_unaligned_or_dropout_use_the_unfused_path(monkeypatch):
     calls.clear()
     m2.apply(v2, x2, deterministic=False, rngs={"dropout": jax.random.key(2)})
     assert not calls
+    assert "dropout is active" in caplog.text, caplog.text
     m2.apply(v2, x2, deterministic=True)
   assert calls
 

@@ -12,7 +12,9 @@ FP8 off, and the step is 3% faster than the unfused path with delayed and
 blockwise scaling, 2% slower with current scaling (which reads the
 activations twice, for the amax and to quantize). Otherwise (or
 with ``fuse_activation_quantize=False``) the block is two FP8 dense layers
-around an XLA activation; the two paths use the same variables. Gated
+around an XLA activation; the two paths use the same variables. When the
+fused core was asked for but cannot run, the ``te_jax`` logger says why
+(INFO, once per reason). Gated
 activations (two entries such as ``("silu", "linear")`` = SwiGLU or
 ``("gelu", "linear")`` = GeGLU) use one fused up-projection of shape
 (embed, n_act, mlp) computed as a single GEMM; the result is
@@ -21,6 +23,8 @@ activations (two entries such as ``("silu", "linear")`` = SwiGLU or
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from typing import Any, Callable, Optional, Sequence, Tuple
 
@@ -49,6 +53,26 @@ ACTIVATIONS = {
     "quick_gelu": lambda x: x * nn.sigmoid(1.702 * x),
     "linear": lambda x: x,
 }
+
+
+@functools.lru_cache(maxsize=None)
+def _log_unfused(reason: str):
+  """Says once per reason why a LayerNormMLP took the unfused FP8 path."""
+  logging.getLogger("te_jax").info(
+      "te_jax: LayerNormMLP runs as two FP8 dense layers (not the fused "
+      "activation-quantize core, which holds less memory): %s", reason)
+
+
+def _fused_blocker(m, embed, f, recipe, acts, dropout) -> Optional[str]:
+  """Why the fused core cannot run (None when it can)."""
+  if dropout:
+    return "intermediate dropout is active"
+  if not _fp8.unsharded():
+    return "its GEMMs are sharded (the fused core has no sharding rule)"
+  if not fused_mlp.supported(m, embed, f, embed, recipe, acts):
+    return (f"{m} tokens, embed {embed}, mlp {f}: it needs tokens % "
+            f"{recipe.token_block} == 0 and embed, mlp % 128 == 0")
+  return None
 
 
 def _check_activations(acts):
@@ -163,9 +187,12 @@ class LayerNormMLP(nn.Module):
     lead, f = ln_out.shape[:-1], self.intermediate_dim
     m = math.prod(lead)
     dropout = self.intermediate_dropout_rate > 0.0 and not deterministic
-    if (self.fuse_activation_quantize and recipe is not None and not dropout
-        and _fp8.unsharded()
-        and fused_mlp.supported(m, embed, f, embed, recipe, acts)):
+    blocker = None
+    if self.fuse_activation_quantize and recipe is not None:
+      blocker = _fused_blocker(m, embed, f, recipe, acts, dropout)
+      if blocker is not None:
+        _log_unfused(blocker)
+    if self.fuse_activation_quantize and recipe is not None and blocker is None:
       # One custom VJP for both GEMMs: the activation is computed and
       # quantized in one pass, forward and backward (te_jax.fused_mlp).
       y = _fp8.fp8_mlp_core(
