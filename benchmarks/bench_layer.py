@@ -27,6 +27,10 @@ back-to-back steps with one block at the end (inputs rotated between two
 buffers), time / k; median of ``--repeats`` such measurements. FLOP counts
 are the matmul FLOPs of fwd+bwd (3x forward).
 
+Name suffixes: ``_unfused`` sets ``fuse_activation_quantize=False`` (the
+modules' default is the fused MLP core); ``_fastacc`` turns on fast
+accumulation in all three GEMMs (TE-JAX's default, not ours).
+
 Usage::
 
   python benchmarks/bench_layer.py                # full sizes (H200)
