@@ -187,12 +187,13 @@ class LayerNormMLP(nn.Module):
     lead, f = ln_out.shape[:-1], self.intermediate_dim
     m = math.prod(lead)
     dropout = self.intermediate_dropout_rate > 0.0 and not deterministic
-    blocker = None
+    fused = False
     if self.fuse_activation_quantize and recipe is not None:
       blocker = _fused_blocker(m, embed, f, recipe, acts, dropout)
-      if blocker is not None:
+      fused = blocker is None
+      if not fused:
         _log_unfused(blocker)
-    if self.fuse_activation_quantize and recipe is not None and blocker is None:
+    if fused:
       # One custom VJP for both GEMMs: the activation is computed and
       # quantized in one pass, forward and backward (te_jax.fused_mlp).
       y = _fp8.fp8_mlp_core(
