@@ -8,7 +8,7 @@
 // with M one of
 //   identity      no activation: the memory-bound floor;
 //   ship          te_jax::Activate as shipped (expf, RcpOnePlus, no FMA
-//                 contraction; it used __frcp_rn until the Candidate
+//                 contraction; it used __frcp_rn until the Gelu
 //                 variants below showed the cost);
 //   fast_rcp      as ship with 1/(1+e) by the approximate reciprocal;
 //   fast_exp      as ship with __expf;
@@ -46,27 +46,7 @@ struct Ship {
     return f;
   }
 };
-// gelu(x) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), as activation.h.
-template <bool kFastExp, bool kFastRcp, bool kContract>
-struct Variant {
-  __device__ float operator()(float x) const {
-    float u, e;
-    if (kContract) {
-      u = 0.7978845608028654f * (x + 0.044715f * (x * x * x));
-    } else {
-      u = __fmul_rn(0.7978845608028654f, __fadd_rn(x, __fmul_rn(0.044715f, __fmul_rn(__fmul_rn(x, x), x))));
-    }
-    const float a = -fabsf(2.f * u);
-    e = kFastExp ? __expf(a) : expf(a);
-    const float den = 1.f + e;
-    const float r = kFastRcp ? __fdividef(1.f, den) : __frcp_rn(den);
-    const float er = kContract ? e * r : __fmul_rn(e, r);
-    return kContract ? x * (u >= 0.f ? r : er) : __fmul_rn(x, u >= 0.f ? r : er);
-  }
-};
-using FastRcp = Variant<false, true, false>;
-
-// Candidates for activation.h. RcpOnePlus(d) for d in [1, 2]: the hardware
+// Considered for activation.h: RcpOnePlus(d) for d in [1, 2]: the hardware
 // reciprocal estimate and one Newton step with FMA, no special cases (d is
 // never 0, subnormal, huge or infinite there); checked against __frcp_rn on
 // every float in [1, 2] below. ExpNonPos(a) for a <= 0: ex2.approx of the
@@ -85,17 +65,30 @@ __device__ __forceinline__ float ExpNonPos(float a) {
   asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(t));
   return fmaf(r, c * kLn2, r);
 }
-template <int kExp, bool kNewton>  // kExp: 0 expf, 1 __expf, 2 ExpNonPos
-struct Candidate {
+// gelu(x) = x * sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3), as
+// activation.h, with a choice of exp and reciprocal; kContract lets nvcc
+// form FMAs (plain operators) where the rest rounds every operation.
+enum class Exp { kExpf, kFast, kNonPos };   // expf, __expf, ExpNonPos
+enum class Rcp { kIeee, kApprox, kNewton };  // __frcp_rn, __fdividef, RcpOnePlus
+template <Exp kExp, Rcp kRcp, bool kContract = false>
+struct Gelu {
   __device__ float operator()(float x) const {
-    const float u = __fmul_rn(0.7978845608028654f, __fadd_rn(x, __fmul_rn(0.044715f, __fmul_rn(__fmul_rn(x, x), x))));
-    const float a = -fabsf(__fmul_rn(2.f, u));
-    const float e = kExp == 0 ? expf(a) : kExp == 1 ? __expf(a) : ExpNonPos(a);
-    const float den = __fadd_rn(1.f, e);
-    const float r = kNewton ? RcpOnePlus(den) : __frcp_rn(den);
-    return __fmul_rn(x, u >= 0.f ? r : __fmul_rn(e, r));
+    const float u = kContract ? 0.7978845608028654f * (x + 0.044715f * (x * x * x))
+                              : __fmul_rn(0.7978845608028654f,
+                                          __fadd_rn(x, __fmul_rn(0.044715f, __fmul_rn(__fmul_rn(x, x), x))));
+    const float a = -fabsf(2.f * u);
+    const float e = kExp == Exp::kExpf ? expf(a) : kExp == Exp::kFast ? __expf(a) : ExpNonPos(a);
+    const float den = 1.f + e;
+    const float r = kRcp == Rcp::kIeee     ? __frcp_rn(den)
+                    : kRcp == Rcp::kApprox ? __fdividef(1.f, den)
+                                           : RcpOnePlus(den);
+    const float er = kContract ? e * r : __fmul_rn(e, r);
+    return kContract ? x * (u >= 0.f ? r : er) : __fmul_rn(x, u >= 0.f ? r : er);
   }
 };
+using FastRcp = Gelu<Exp::kExpf, Rcp::kApprox>;
+using FastExp = Gelu<Exp::kFast, Rcp::kIeee>;
+using Fast = Gelu<Exp::kFast, Rcp::kApprox, true>;
 
 // Every float d in [1, 2]: RcpOnePlus(d) != __frcp_rn(d) counted.
 __global__ void CheckRcp(unsigned* mismatches) {
@@ -122,8 +115,6 @@ __global__ void CheckExp(unsigned* out) {
     }
   }
 }
-using FastExp = Variant<true, false, false>;
-using Fast = Variant<true, true, true>;
 
 __device__ void BlockMaxAtomic(unsigned v, unsigned* out) {
   __shared__ unsigned red[kThreads / 32];
@@ -280,10 +271,10 @@ int main() {
   Time("tile<fast_rcp>", [&] { Tile<FastRcp><<<tiles, kThreads>>>(h, out); }, out);
   Time("tile<fast_exp>", [&] { Tile<FastExp><<<tiles, kThreads>>>(h, out); }, out);
   Time("tile<fast>", [&] { Tile<Fast><<<tiles, kThreads>>>(h, out); }, out);
-  Time("tile<expf,newton>", [&] { Tile<Candidate<0, true>><<<tiles, kThreads>>>(h, out); }, out);
-  Time("tile<ex2c,frcp_rn>", [&] { Tile<Candidate<2, false>><<<tiles, kThreads>>>(h, out); }, out);
-  Time("tile<ex2c,newton>", [&] { Tile<Candidate<2, true>><<<tiles, kThreads>>>(h, out); }, out);
-  Time("tile<__expf,newton>", [&] { Tile<Candidate<1, true>><<<tiles, kThreads>>>(h, out); }, out);
+  Time("tile<expf,newton>", [&] { Tile<Gelu<Exp::kExpf, Rcp::kNewton>><<<tiles, kThreads>>>(h, out); }, out);
+  Time("tile<ex2c,frcp_rn>", [&] { Tile<Gelu<Exp::kNonPos, Rcp::kIeee>><<<tiles, kThreads>>>(h, out); }, out);
+  Time("tile<ex2c,newton>", [&] { Tile<Gelu<Exp::kNonPos, Rcp::kNewton>><<<tiles, kThreads>>>(h, out); }, out);
+  Time("tile<__expf,newton>", [&] { Tile<Gelu<Exp::kFast, Rcp::kNewton>><<<tiles, kThreads>>>(h, out); }, out);
   Time("flat<identity>", [&] { Flat<Identity><<<flat_blocks, kThreads>>>(h, out); }, out);
   Time("flat<ship>", [&] { Flat<Ship><<<flat_blocks, kThreads>>>(h, out); }, out);
   Time("flat<fast>", [&] { Flat<Fast><<<flat_blocks, kThreads>>>(h, out); }, out);
