@@ -260,8 +260,8 @@ int main() {
                                     te_jax::kScratchBytes));
     return kernel;
   };
-  auto vf = vec(te_jax::QuantizeTileKernel<Bf, te_jax::ScaleMode::kVec128, true, Prologue::kAct, G>);
-  auto vb = vec(te_jax::QuantizeTileKernel<Bf, te_jax::ScaleMode::kVec128, true, Prologue::kDAct, G>);
+  auto vf = vec(te_jax::ActQuantizeVec128Kernel<Bf, Prologue::kAct, G>);
+  auto vb = vec(te_jax::ActQuantizeVec128Kernel<Bf, Prologue::kDAct, G>);
   TIME_KERNEL("1x128 fwd", vf, te_jax::kScratchBytes, av, q);
   TIME_KERNEL("1x128 bwd", vb, te_jax::kScratchBytes, avd, qd);
 #undef TIME_KERNEL

@@ -106,7 +106,7 @@ inline ActLoop ChooseLoop(const PrologueArgs& q, bool sixteen_bit) {
   return ActLoop::kAny;
 }
 
-// Calls emit(i, y) for i = 0..7 where y[j] = v[row + i][col + j] in float32,
+// Calls emit(i, y) for i = 0..7 in order, where y[j] = v[row + i][col + j] in float32,
 // v being the (M, K) output of the prologue (K = F for kAct, n_act*F for
 // kDAct), and 0 outside it (padding must not raise an amax, and act(0) need
 // not be 0: sigmoid). `q` must match kLoop (ChooseLoop).
@@ -184,7 +184,11 @@ __device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, in
     }
   };
 
-  const bool interior = row + kSub <= M && sc + kSub <= F && F % RawRow<InT>::kVec == 0;
+  // Decided per warp, so that every lane runs the same loop and emit may use
+  // warp shuffles (ActQuantizeVec128Kernel): a warp with any edge sub-tile
+  // takes the checked loop. All 32 lanes of a warp must call ComputeRows.
+  const bool interior = __all_sync(0xffffffffu, row + kSub <= M && sc + kSub <= F &&
+                                                    F % RawRow<InT>::kVec == 0);
   if (interior) {
     prefetch_loop(std::false_type{});
   } else {
