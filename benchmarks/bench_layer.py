@@ -175,11 +175,16 @@ def _build(config, sz):
   return module.apply, variables, xs, mlp_flops, label
 
 
-def kernel_profile(step, args, steps=3, top=25):
+def kernel_profile(run_steps, steps=3, top=25):
   """GPU kernel time per step by kernel name, from a jax.profiler trace.
 
-  Returns [(name, ms per step, launches per step)], largest first, and the
-  total kernel ms per step.
+  ``run_steps(steps)`` dispatches ``steps`` steps back to back (as the timed
+  loop does) and returns something to block on.
+
+  Returns ([(name, ms per step, launches per step)] largest first, total
+  kernel ms per step, span ms per step): the span runs from the first
+  kernel's start to the last one's end, so span - total is the time per step
+  the GPU sat idle between kernels.
   """
   import glob
   import gzip
@@ -187,12 +192,11 @@ def kernel_profile(step, args, steps=3, top=25):
   import jax
   with tempfile.TemporaryDirectory() as d:
     jax.profiler.start_trace(d)
-    for _ in range(steps):
-      jax.block_until_ready(step(*args))
+    jax.block_until_ready(run_steps(steps))
     jax.profiler.stop_trace()
     files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
     if not files:
-      return [], 0.0
+      return [], 0.0, 0.0
     with gzip.open(files[0]) as fh:
       trace = json.load(fh)
   events = trace.get("traceEvents", [])
@@ -202,6 +206,7 @@ def kernel_profile(step, args, steps=3, top=25):
              and e.get("name") == "thread_name" and e.get("pid") in pids
              and "stream" in str(e.get("args", {}).get("name", "")).lower()}
   agg = {}
+  start, end = float("inf"), float("-inf")
   for e in events:
     if e.get("ph") != "X" or e.get("pid") not in pids:
       continue
@@ -209,9 +214,12 @@ def kernel_profile(step, args, steps=3, top=25):
       continue   # XLA op/module summary lines duplicate the kernels' time
     ms, n = agg.get(e["name"], (0.0, 0))
     agg[e["name"]] = (ms + e.get("dur", 0) / 1e3, n + 1)
+    start = min(start, e["ts"])
+    end = max(end, e["ts"] + e.get("dur", 0))
   rows = sorted(((k, v[0] / steps, v[1] / steps) for k, v in agg.items()),
                 key=lambda r: -r[1])
-  return rows[:top], sum(r[1] for r in rows)
+  span = (end - start) / 1e3 / steps if rows else 0.0
+  return rows[:top], sum(r[1] for r in rows), span
 
 
 def run_one(config, small, k, repeats, profile=False):
@@ -257,16 +265,16 @@ def run_one(config, small, k, repeats, profile=False):
   except Exception:  # pylint: disable=broad-except
     stats = None
   peak = stats.get("peak_bytes_in_use") if stats else None
-  kernels = total = None
+  kernels = total = span = None
   if profile:
-    kernels, total = kernel_profile(lambda v, x: run(v, 1)[1], (variables, xs[0]))
+    kernels, total, span = kernel_profile(lambda n: run(variables, n)[1])
   from te_jax.ops import _native  # pylint: disable=import-outside-toplevel
   native = _native.resolve_impl("auto")
   return {"config": config, "label": label + (" [frozen FP8 state]" if frozen else ""),
           "ms": ms, "impl": native, "frozen_fp8_state": frozen, "dx_abs_max": dx_abs_max,
           "tflops": flops / (ms * 1e-3) / 1e12, "peak_bytes": peak,
           "times_ms": [x * 1e3 for x in times], "kernels": kernels,
-          "kernel_ms_total": total}
+          "kernel_ms_total": total, "kernel_span_ms": span}
 
 
 def _env():
@@ -361,7 +369,8 @@ def main(argv=None):
   print(out)
   for r in results:
     if r.get("kernels"):
-      print(f"\nkernels of {r['config']}: {r['kernel_ms_total']:.3f} ms of GPU kernels per step")
+      print(f"\nkernels of {r['config']}: {r['kernel_ms_total']:.3f} ms of GPU kernels per step, "
+            f"first start to last end {r['kernel_span_ms']:.3f} ms per step (back to back)")
       for name, ms, n in r["kernels"][:15]:
         print(f"  {ms:8.3f} ms  x{n:4.0f}  {name[:110]}")
   if args.json_out:
