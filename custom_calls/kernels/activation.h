@@ -1,5 +1,5 @@
 // Activation functions and their derivatives in float32, for the fused
-// "activation + FP8 quantize" prologue of kernels/quantize.cu.
+// "activation + FP8 quantize" prologue of kernels/act_quantize.cu.
 //
 // These mirror te_jax/ops/act_quantize.py (`_act_fwd_bwd`) operation for
 // operation. Every multiply/add is an explicit __f*_rn intrinsic so that nvcc

@@ -1,6 +1,7 @@
-// The elementwise prologue of the quantize tile kernel (kernels/quantize.cu):
+// The elementwise prologue of the fused kernels (kernels/act_quantize.cu):
 // computes a thread's 8x8 values of v = act(h) or dact(dz, h) from the
-// inputs, one row of 8 at a time. Device code, included by quantize.cu only.
+// inputs, one row of 8 at a time. Device code, included by act_quantize.cu
+// (and tile.cuh, for kSub).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -16,7 +17,7 @@
 namespace te_jax {
 namespace prologue {
 
-constexpr int kSub = 8;  // a thread's sub-tile is kSub x kSub (quantize.cu)
+constexpr int kSub = 8;  // a thread's sub-tile is kSub x kSub (tile.cuh)
 
 __device__ __forceinline__ float ToFloat(float v) { return v; }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 v) { return __bfloat162float(v); }

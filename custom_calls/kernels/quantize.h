@@ -84,6 +84,11 @@ struct PrologueArgs {
 cudaError_t LaunchQuantize(const QuantizeArgs& args, cudaStream_t stream,
                            const PrologueArgs& pro = PrologueArgs());
 
+// The prologue part of LaunchQuantize (kernels/act_quantize.cu), which calls
+// it after its grid check and amax_out zeroing.
+cudaError_t LaunchActQuantize(const QuantizeArgs& args, const PrologueArgs& pro,
+                              cudaStream_t stream);
+
 // amax_out = max|v| over the (args.M, args.K) tensor v of the prologue `pro`
 // (NaN-propagating), exactly the values LaunchQuantize(args, stream, pro)
 // quantizes; zeroes it first. The first pass of current scaling.

@@ -1,0 +1,339 @@
+// Fused activation + FP8 quantize kernels of the FP8 MLP (ffi/act_quantize.cc):
+// they quantize v = act(h) or dact(dz, h) (kernels/prologue.h), computed
+// from the inputs they load, so the fused MLP never writes v in 16 or 32
+// bits: ActQuantizeTensorKernel for one scale (delayed and current scaling),
+// ActQuantizeVec128Kernel for 1x128 + 128x1 scales, and TileAmaxKernel for
+// current scaling's amax pass. The activation loop (prologue::ActLoop:
+// gelu, silu, relu, SwiGLU, or any by runtime switches) is a template
+// parameter chosen on the host, so that each kernel gets the registers of
+// its own loop. Same tiles, casts and bytes as the quantize kernels
+// (kernels/quantize.cu, kernels/tile.cuh) would give for v.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <type_traits>
+
+#include "kernels/prologue.h"
+#include "kernels/quantize.h"
+#include "kernels/tile.cuh"
+
+namespace te_jax {
+namespace {
+
+// The prologue kernels. Both compute v = act(h) or dact(dz, h) one row of
+// a thread's 8x8 sub-tile at a time (prologue::ComputeRows) and cast and
+// store each row of the rowwise copy as soon as it is computed; they differ
+// in what the columnwise copy needs. Same bytes as QuantizeTileKernel would
+// write for v. They issue an instruction on 77-91% of cycles (Nsight
+// Compute, H200), so the casts go two per cvt (Cast2) and bytes are placed
+// by byte_perm: per-element casts, shifts and selects took ~7 of the ~46
+// instructions per element (per-tensor gelu forward 0.510 -> 0.415 ms on
+// 16384^2 bf16, benchmarks/act_math.cu).
+
+// Launch bound of ActQuantizeTensorKernel: 3 blocks per SM (at most 80
+// registers) for the 16-bit forward kernels of one activation, which fit
+// that without spilling; 2 (up to 128 registers) for the rest, whose loops
+// take up to 115 and spilled under a cap of 80.
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
+constexpr int TensorMinBlocks() {
+  return sizeof(InT) == 2 && kPro == Prologue::kAct && kLoop != prologue::ActLoop::kSwiGlu &&
+                 kLoop != prologue::ActLoop::kAny
+             ? 3
+             : 2;
+}
+
+// ScaleMode::kTensor (delayed and current scaling): the one scale is known
+// before the tile is read, so the bytes for the columnwise copy are collected
+// in registers as well (8 columns x 8 rows = 16 words): no float tile, no
+// dynamic shared memory.
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
+__global__ void __launch_bounds__(kThreads, TensorMinBlocks<InT, kPro, kLoop>())
+    ActQuantizeTensorKernel(QuantizeArgs p, PrologueArgs q) {
+  __shared__ unsigned warp_red[kThreads / 32];
+  __shared__ __align__(16) uint8_t tbuf[kTile * kTile];  // transposed bytes
+
+  const int64_t M = p.M, K = p.K;
+  const SubTile st = ThisSubTile();
+  const Fp8Out fmt = OutFormat(p);
+  const float s = p.amax_in != nullptr ? ComputeScale(*p.amax_in, fmt.max, p.pow2) : *p.scale;
+  if (p.scale_inv != nullptr && st.t == 0 && blockIdx.x == 0 && blockIdx.y == 0)
+    *p.scale_inv = 1.f / s;
+
+  const bool vec_out = (K % 8 == 0) && (st.gc + kSub <= K);
+  unsigned amax = 0;
+  unsigned col_lo[kSub], col_hi[kSub];  // column j: bytes of rows 0-3 / 4-7
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) col_lo[j] = col_hi[j] = 0;
+  prologue::ComputeRows<InT, kPro, kLoop>(
+      q, M, st.m0 + st.r0, st.gc, [&](int i, const float (&y)[kSub]) {
+        unsigned pair[kSub / 2];  // columns 2k (bits 0-7) and 2k + 1 (bits 8-15)
+#pragma unroll
+        for (int k = 0; k < kSub / 2; ++k) {
+          amax = max(amax, max(AbsBits(y[2 * k]), AbsBits(y[2 * k + 1])));
+          pair[k] = Cast2(y[2 * k] * s, y[2 * k + 1] * s, fmt.interp);
+        }
+        const int64_t gr = st.m0 + st.r0 + i;
+        if (gr < M)
+          StoreRowWords(p.data + gr * K + st.gc,
+                        make_uint2(PackPairs(pair[0], pair[1]), PackPairs(pair[2], pair[3])),
+                        vec_out, K - st.gc);
+        // Column j's byte of this row goes to byte i % 4 of col_hi[j] (a
+        // byte_perm keeping the other three); after row 3, rows 0-3 move to
+        // col_lo and rows 4-7 overwrite them in col_hi.
+        const unsigned keep = 0x3210u & ~(0xFu << (4 * (i % 4)));
+        const unsigned sel_even = keep | (4u << (4 * (i % 4)));  // byte 0 of the pair
+        const unsigned sel_odd = keep | (5u << (4 * (i % 4)));   // byte 1 of the pair
+#pragma unroll
+        for (int k = 0; k < kSub / 2; ++k) {
+          col_hi[2 * k] = __byte_perm(col_hi[2 * k], pair[k], sel_even);
+          col_hi[2 * k + 1] = __byte_perm(col_hi[2 * k + 1], pair[k], sel_odd);
+        }
+        if (i == 3) {
+#pragma unroll
+          for (int j = 0; j < kSub; ++j) col_lo[j] = col_hi[j];
+        }
+      });
+  if (p.amax_out != nullptr) {
+    amax = BlockMaxU(amax, warp_red);
+    if (st.t == 0) atomicMax(reinterpret_cast<unsigned*>(p.amax_out), amax);
+  }
+  // The columnwise copy, through tbuf as in QuantizeTileKernel.
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) {
+    const int c = st.c0 + j;
+    *reinterpret_cast<uint2*>(&tbuf[c * kTile + (st.rg ^ Swz(c)) * 8]) =
+        make_uint2(col_lo[j], col_hi[j]);
+  }
+  __syncthreads();
+  StoreTransposedTile(p, tbuf, st.m0, st.k0, st.t);
+}
+
+// ScaleMode::kVec128 (blockwise): a row's 1x128 scale is a max over the 16
+// lanes that share the row, available in the row loop; a column's 128x1
+// scale needs all 128 rows of the tile. So the rowwise copy is stored from
+// the row loop, and the values are parked in the thread's slice of dynamic
+// shared memory (16 float4 + 1 of padding per thread: the 272-byte stride
+// puts the 8 lanes of each 16-byte access phase on distinct banks; 68 KB
+// per block) until the column scales are known. Launch bound: 2 blocks per
+// SM, which the scratch allows anyway. (Casting both copies after the tile
+// was complete, as QuantizeTileKernel does, took 0.625 / 0.749 ms on a
+// 16384^2 bf16 gelu forward / backward on the H200, this kernel 0.620 /
+// 0.725 with one cast per element and 0.582 / 0.696 with Cast2.)
+constexpr int kScratchF4 = kSub * kSub / 4 + 1;
+constexpr int kScratchBytes = kThreads * kScratchF4 * 16;
+extern __shared__ float4 act_scratch[];
+
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
+__global__ void __launch_bounds__(kThreads, 2)
+    ActQuantizeVec128Kernel(QuantizeArgs p, PrologueArgs q) {
+  __shared__ unsigned col_part[kThreads / 16][kTile];  // per-row-group column amax
+  __shared__ float col_scale[kTile];
+  __shared__ __align__(16) uint8_t tbuf[kTile * kTile];  // transposed bytes
+
+  const int64_t M = p.M, K = p.K;
+  const SubTile st = ThisSubTile();
+  const Fp8Out fmt = OutFormat(p);
+  float4* mine = act_scratch + st.t * kScratchF4;
+
+  const bool vec_out = (K % 8 == 0) && (st.gc + kSub <= K);
+  unsigned cmax[kSub];
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) cmax[j] = 0;
+  // ComputeRows runs its row loop warp-uniformly (prologue.h), so the
+  // 16-lane shuffle below is reached by all 32 lanes together.
+  prologue::ComputeRows<InT, kPro, kLoop>(
+      q, M, st.m0 + st.r0, st.gc, [&](int i, const float (&y)[kSub]) {
+        unsigned rmax = 0;
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) {
+          const unsigned b = AbsBits(y[j]);
+          rmax = max(rmax, b);
+          cmax[j] = max(cmax[j], b);
+        }
+        const float s = ComputeScale(__uint_as_float(WarpMaxU(rmax, 16)), fmt.max, p.pow2);
+        const int64_t gr = st.m0 + st.r0 + i;
+        if (gr < M) {
+          // sinv native layout: (ceil(K/128), roundup(M, 4)), M contiguous.
+          if (st.cg == 0) p.sinv[(st.k0 / kTile) * p.sinv_ld + gr] = 1.f / s;
+          unsigned pair[kSub / 2];
+#pragma unroll
+          for (int k = 0; k < kSub / 2; ++k)
+            pair[k] = Cast2(y[2 * k] * s, y[2 * k + 1] * s, fmt.interp);
+          StoreRowWords(p.data + gr * K + st.gc,
+                        make_uint2(PackPairs(pair[0], pair[1]), PackPairs(pair[2], pair[3])),
+                        vec_out, K - st.gc);
+        }
+        mine[2 * i] = make_float4(y[0], y[1], y[2], y[3]);
+        mine[2 * i + 1] = make_float4(y[4], y[5], y[6], y[7]);
+      });
+
+  // Column scales: block-wide max over the 16 row groups.
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) col_part[st.rg][st.c0 + j] = cmax[j];
+  __syncthreads();
+  if (st.t < kTile) {
+    unsigned c = 0;
+#pragma unroll
+    for (int g = 0; g < kThreads / 16; ++g) c = max(c, col_part[g][st.t]);
+    const float s = ComputeScale(__uint_as_float(c), fmt.max, p.pow2);
+    col_scale[st.t] = s;
+    if (st.k0 + st.t < K)  // sinv_t native layout: (ceil(M/128), roundup(K, 4)), K contiguous
+      p.sinv_t[(st.m0 / kTile) * p.sinv_t_ld + st.k0 + st.t] = 1.f / s;
+  }
+  __syncthreads();
+
+  // The columnwise copy from the parked values, through tbuf as in
+  // QuantizeTileKernel.
+  float v[kSub][kSub];
+#pragma unroll
+  for (int i = 0; i < kSub; ++i) {
+    const float4 lo = mine[2 * i], hi = mine[2 * i + 1];
+    v[i][0] = lo.x; v[i][1] = lo.y; v[i][2] = lo.z; v[i][3] = lo.w;
+    v[i][4] = hi.x; v[i][5] = hi.y; v[i][6] = hi.z; v[i][7] = hi.w;
+  }
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) {
+    const float cs = col_scale[st.c0 + j];
+    unsigned pair[kSub / 2];  // rows 2k and 2k + 1 of column j
+#pragma unroll
+    for (int k = 0; k < kSub / 2; ++k)
+      pair[k] = Cast2(v[2 * k][j] * cs, v[2 * k + 1][j] * cs, fmt.interp);
+    const int c = st.c0 + j;
+    *reinterpret_cast<uint2*>(&tbuf[c * kTile + (st.rg ^ Swz(c)) * 8]) =
+        make_uint2(PackPairs(pair[0], pair[1]), PackPairs(pair[2], pair[3]));
+  }
+  __syncthreads();
+  StoreTransposedTile(p, tbuf, st.m0, st.k0, st.t);
+}
+
+// max|v| of a prologue's output, computed by the same prologue::ComputeRows
+// (so the same values bit for bit) on the same tiles, without the scratch;
+// one atomicMax per 128x128 tile.
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
+__global__ void __launch_bounds__(kThreads) TileAmaxKernel(QuantizeArgs p, PrologueArgs q) {
+  __shared__ unsigned warp_red[kThreads / 32];
+  const int t = threadIdx.x;
+  unsigned amax = 0;
+  prologue::ComputeRows<InT, kPro, kLoop>(
+      q, p.M, static_cast<int64_t>(blockIdx.y) * kTile + (t / 16) * kSub,
+      static_cast<int64_t>(blockIdx.x) * kTile + (t % 16) * kSub,
+      [&](int, const float (&y)[kSub]) {
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) amax = max(amax, AbsBits(y[j]));
+      });
+  amax = BlockMaxU(amax, warp_red);
+  if (t == 0) atomicMax(reinterpret_cast<unsigned*>(p.amax_out), amax);
+}
+
+// Calls launch(std::integral_constant<ActLoop, L>) for the loop L that
+// prologue::ChooseLoop picks for q; only kAny is instantiated for fp32 inputs.
+template <typename InT, typename Launch>
+cudaError_t WithLoop(const PrologueArgs& q, Launch&& launch) {
+  using prologue::ActLoop;
+  if constexpr (sizeof(InT) == 4) {
+    return launch(std::integral_constant<ActLoop, ActLoop::kAny>{});
+  } else {
+    switch (prologue::ChooseLoop(q, true)) {
+      case ActLoop::kGelu: return launch(std::integral_constant<ActLoop, ActLoop::kGelu>{});
+      case ActLoop::kSilu: return launch(std::integral_constant<ActLoop, ActLoop::kSilu>{});
+      case ActLoop::kRelu: return launch(std::integral_constant<ActLoop, ActLoop::kRelu>{});
+      case ActLoop::kSwiGlu: return launch(std::integral_constant<ActLoop, ActLoop::kSwiGlu>{});
+      case ActLoop::kAny: break;
+    }
+    return launch(std::integral_constant<ActLoop, ActLoop::kAny>{});
+  }
+}
+
+template <typename InT, ScaleMode kMode, Prologue kPro, prologue::ActLoop kLoop>
+cudaError_t LaunchWithLoop(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
+  if constexpr (kMode == ScaleMode::kTensor) {
+    ActQuantizeTensorKernel<InT, kPro, kLoop><<<TileGrid(a), kThreads, 0, stream>>>(a, q);
+  } else {
+    auto* kernel = ActQuantizeVec128Kernel<InT, kPro, kLoop>;
+    // More than 48 KB of dynamic shared memory needs an opt-in, which holds
+    // per device: set it at every launch (a host-side call) instead of
+    // tracking devices.
+    cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kScratchBytes);
+    if (e != cudaSuccess) return e;
+    kernel<<<TileGrid(a), kThreads, kScratchBytes, stream>>>(a, q);
+  }
+  return cudaGetLastError();
+}
+
+template <typename InT, ScaleMode kMode, Prologue kPro>
+cudaError_t LaunchWithPrologue(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
+  return WithLoop<InT>(q, [&](auto loop) {
+    return LaunchWithLoop<InT, kMode, kPro, decltype(loop)::value>(a, q, stream);
+  });
+}
+
+// Host-side guard of the prologue fields. The FFI handlers check them first
+// with messages; this keeps any other caller from reading out of bounds.
+bool PrologueValid(const QuantizeArgs& a, const PrologueArgs& q) {
+  if (q.kind == Prologue::kNone) return true;
+  const bool gated = q.act1 >= 0;
+  if (q.h == nullptr || q.F <= 0 || q.act0 < 0 || q.act0 >= kNumAct || q.act1 >= kNumAct)
+    return false;
+  if (gated && q.F % 8 != 0) return false;
+  if (q.kind == Prologue::kAct) return a.K == q.F;
+  return q.dz != nullptr && a.K == (gated ? 2 : 1) * q.F;
+}
+
+template <typename InT>
+cudaError_t LaunchTileAmax(const QuantizeArgs& b, const PrologueArgs& q, cudaStream_t stream) {
+  return WithLoop<InT>(q, [&](auto loop) {
+    constexpr prologue::ActLoop kLoop = decltype(loop)::value;
+    if (q.kind == Prologue::kAct)
+      TileAmaxKernel<InT, Prologue::kAct, kLoop><<<TileGrid(b), kThreads, 0, stream>>>(b, q);
+    else
+      TileAmaxKernel<InT, Prologue::kDAct, kLoop><<<TileGrid(b), kThreads, 0, stream>>>(b, q);
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace
+
+cudaError_t LaunchActQuantize(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
+  if (q.kind == Prologue::kNone || !PrologueValid(a, q)) return cudaErrorInvalidValue;
+  // The fused MLP always wants the columnwise copy and never 128x128 blocks:
+  // only those variants are built (per input type and activation loop,
+  // each forward and backward).
+  if (a.data_t == nullptr || a.mode == ScaleMode::kBlock128) return cudaErrorInvalidValue;
+  auto typed = [&](auto in) {
+    using InT = decltype(in);
+    if (a.mode == ScaleMode::kTensor) {
+      return q.kind == Prologue::kAct
+                 ? LaunchWithPrologue<InT, ScaleMode::kTensor, Prologue::kAct>(a, q, stream)
+                 : LaunchWithPrologue<InT, ScaleMode::kTensor, Prologue::kDAct>(a, q, stream);
+    }
+    return q.kind == Prologue::kAct
+               ? LaunchWithPrologue<InT, ScaleMode::kVec128, Prologue::kAct>(a, q, stream)
+               : LaunchWithPrologue<InT, ScaleMode::kVec128, Prologue::kDAct>(a, q, stream);
+  };
+  switch (a.in) {
+    case InType::kF32: return typed(float{});
+    case InType::kBF16: return typed(__nv_bfloat16{});
+    case InType::kF16: return typed(__half{});
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchPrologueAmax(const QuantizeArgs& a, const PrologueArgs& q, float* amax_out,
+                               cudaStream_t stream) {
+  if (q.kind == Prologue::kNone) return cudaErrorInvalidValue;  // flat x: LaunchAmax
+  cudaError_t e = cudaMemsetAsync(amax_out, 0, sizeof(float), stream);
+  if (e != cudaSuccess || a.M <= 0 || a.K <= 0) return e;
+  if (!GridValid(a)) return cudaErrorInvalidConfiguration;
+  if (!PrologueValid(a, q)) return cudaErrorInvalidValue;
+  QuantizeArgs b = a;
+  b.amax_out = amax_out;
+  switch (a.in) {
+    case InType::kF32: return LaunchTileAmax<float>(b, q, stream);
+    case InType::kBF16: return LaunchTileAmax<__nv_bfloat16>(b, q, stream);
+    case InType::kF16: return LaunchTileAmax<__half>(b, q, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+}  // namespace te_jax
