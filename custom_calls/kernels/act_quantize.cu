@@ -299,7 +299,8 @@ cudaError_t LaunchActQuantize(const QuantizeArgs& a, const PrologueArgs& q, cuda
   // The fused MLP always wants the columnwise copy and never 128x128 blocks:
   // only those variants are built (per input type and activation loop,
   // each forward and backward).
-  if (a.data_t == nullptr || a.mode == ScaleMode::kBlock128) return cudaErrorInvalidValue;
+  if (a.data_t == nullptr || (a.mode != ScaleMode::kTensor && a.mode != ScaleMode::kVec128))
+    return cudaErrorInvalidValue;
   auto typed = [&](auto in) {
     using InT = decltype(in);
     if (a.mode == ScaleMode::kTensor) {
