@@ -75,7 +75,7 @@ __global__ void __launch_bounds__(kThreads, TensorMinBlocks<InT, kPro, kLoop>())
         const int64_t gr = st.m0 + st.r0 + i;
         if (gr < M)
           StoreRowWords(p.data + gr * K + st.gc,
-                        make_uint2(PackPairs(pair[0], pair[1]), PackPairs(pair[2], pair[3])),
+                        PackPairs(pair),
                         vec_out, K - st.gc);
         // Column j's byte of this row goes to byte i % 4 of col_hi[j] (a
         // byte_perm keeping the other three); after row 3, rows 0-3 move to
@@ -101,8 +101,7 @@ __global__ void __launch_bounds__(kThreads, TensorMinBlocks<InT, kPro, kLoop>())
 #pragma unroll
   for (int j = 0; j < kSub; ++j) {
     const int c = st.c0 + j;
-    *reinterpret_cast<uint2*>(&tbuf[c * kTile + (st.rg ^ Swz(c)) * 8]) =
-        make_uint2(col_lo[j], col_hi[j]);
+    TileChunk(tbuf, c, st.rg) = make_uint2(col_lo[j], col_hi[j]);
   }
   __syncthreads();
   StoreTransposedTile(p, tbuf, st.m0, st.k0, st.t);
@@ -160,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 2)
           for (int k = 0; k < kSub / 2; ++k)
             pair[k] = Cast2(y[2 * k] * s, y[2 * k + 1] * s, fmt.interp);
           StoreRowWords(p.data + gr * K + st.gc,
-                        make_uint2(PackPairs(pair[0], pair[1]), PackPairs(pair[2], pair[3])),
+                        PackPairs(pair),
                         vec_out, K - st.gc);
         }
         mine[2 * i] = make_float4(y[0], y[1], y[2], y[3]);
@@ -199,8 +198,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int k = 0; k < kSub / 2; ++k)
       pair[k] = Cast2(v[2 * k][j] * cs, v[2 * k + 1][j] * cs, fmt.interp);
     const int c = st.c0 + j;
-    *reinterpret_cast<uint2*>(&tbuf[c * kTile + (st.rg ^ Swz(c)) * 8]) =
-        make_uint2(PackPairs(pair[0], pair[1]), PackPairs(pair[2], pair[3]));
+    TileChunk(tbuf, c, st.rg) = PackPairs(pair);
   }
   __syncthreads();
   StoreTransposedTile(p, tbuf, st.m0, st.k0, st.t);

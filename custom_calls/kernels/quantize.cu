@@ -173,18 +173,14 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<InT>()) QuantizeTileKernel
 
   // ---- columnwise copy through the swizzled shared byte tile ----
   if constexpr (kCols) {
-    // tbuf[c][m] for column c (a row of the transposed tile); the 8-byte
-    // chunk holding m in [8*g, 8*g+8) sits at chunk g ^ Swz(c). Swz(c) is
-    // distinct over the 16 lanes that write one j (c/8 varies) and spreads
-    // the 4 rows c that one warp reads (c%8 varies) over both chunk parities.
+    // tbuf[c][m] for column c (a row of the transposed tile), placed by
+    // TileChunk (tile.cuh).
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
       uint8_t q[kSub];
 #pragma unroll
       for (int i = 0; i < kSub; ++i) q[i] = Cast(v(i, j) * my_col_s[j], interp);
-      const int c = c0 + j;
-      const int chunk = rg ^ Swz(c);
-      *reinterpret_cast<uint2*>(&tbuf[c * kTile + chunk * 8]) = *reinterpret_cast<const uint2*>(q);
+      TileChunk(tbuf, c0 + j, rg) = *reinterpret_cast<const uint2*>(q);
     }
     __syncthreads();
     StoreTransposedTile(p, tbuf, m0, k0, t);

@@ -49,9 +49,9 @@ __device__ __forceinline__ unsigned Cast2(float a, float b, __nv_fp8_interpretat
   return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, t);
 }
 
-// The 4 bytes of two Cast2 pairs: lo's in bytes 0-1, hi's in bytes 2-3.
-__device__ __forceinline__ unsigned PackPairs(unsigned lo, unsigned hi) {
-  return __byte_perm(lo, hi, 0x5410);
+// The 8 bytes of four Cast2 pairs, in order (pair k in bytes 2k, 2k + 1).
+__device__ __forceinline__ uint2 PackPairs(const unsigned (&pair)[kSub / 2]) {
+  return make_uint2(__byte_perm(pair[0], pair[1], 0x5410), __byte_perm(pair[2], pair[3], 0x5410));
 }
 
 __device__ __forceinline__ unsigned WarpMaxU(unsigned v, int width) {
@@ -120,6 +120,15 @@ __device__ __forceinline__ void StoreRowWords(uint8_t* dst, uint2 w, bool vec, i
 __device__ __forceinline__ void StoreRowBytes(uint8_t* dst, const uint8_t (&q)[kSub], bool vec,
                                               int64_t valid) {
   StoreRowWords(dst, *reinterpret_cast<const uint2*>(q), vec, valid);
+}
+
+// The 8 bytes of the transposed byte tile `tbuf` that hold rows 8*rg ..
+// 8*rg + 7 of column c (a row of the transposed tile): chunk rg ^ Swz(c) of
+// its 16. Swz(c) is distinct over the 16 lanes that write one sub-tile
+// column (c/8 varies) and spreads the 4 rows c that one warp reads (c%8
+// varies) over both chunk parities.
+__device__ __forceinline__ uint2& TileChunk(uint8_t* tbuf, int c, int rg) {
+  return *reinterpret_cast<uint2*>(&tbuf[c * kTile + (rg ^ Swz(c)) * 8]);
 }
 
 // Writes the transposed 128x128 byte tile `tbuf` (filled as described in
