@@ -62,7 +62,8 @@ MLP_CONFIGS = ["mlp/te_off", "mlp/te_delayed", "mlp/te_current", "mlp/te_block",
                "mlp/te_current_fastacc"]
 LAYER_CONFIGS = ["layer/te_off", "layer/te_delayed", "layer/te_current", "layer/te_block",
                  "layer/te_delayed_unfused", "layer/te_current_unfused",
-                 "layer/te_block_unfused",
+                 "layer/te_block_unfused", "layer/te_delayed_fastacc",
+                 "layer/te_current_fastacc",
                  "attn/core", "attn/module_off"]
 CONFIGS = MLP_CONFIGS + LAYER_CONFIGS
 # Suffix of a configuration timed with its initial FP8 state every step, as

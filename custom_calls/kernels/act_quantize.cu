@@ -60,37 +60,32 @@ __global__ void __launch_bounds__(kThreads, TensorMinBlocks<InT, kPro, kLoop>())
     *p.scale_inv = 1.f / s;
 
   const bool vec_out = (K % 8 == 0) && (st.gc + kSub <= K);
-  unsigned amax = 0;
+  const int64_t first_row = st.m0 + st.r0;
+  uint8_t* out_row = p.data + first_row * K + st.gc;  // advanced by a row per emit
+  unsigned amax = 0;  // bits: two elements per 3-input integer max (MaxAbs took more here)
   unsigned col_lo[kSub], col_hi[kSub];  // column j: bytes of rows 0-3 / 4-7
 #pragma unroll
   for (int j = 0; j < kSub; ++j) col_lo[j] = col_hi[j] = 0;
   prologue::ComputeRows<InT, kPro, kLoop>(
-      q, M, st.m0 + st.r0, st.gc, [&](int i, const float (&y)[kSub]) {
+      q, M, first_row, st.gc, [&](int i, const float (&y)[kSub]) {
         unsigned pair[kSub / 2];  // columns 2k (bits 0-7) and 2k + 1 (bits 8-15)
 #pragma unroll
         for (int k = 0; k < kSub / 2; ++k) {
           amax = max(amax, max(AbsBits(y[2 * k]), AbsBits(y[2 * k + 1])));
           pair[k] = Cast2(y[2 * k] * s, y[2 * k + 1] * s, fmt.interp);
         }
-        const int64_t gr = st.m0 + st.r0 + i;
-        if (gr < M)
-          StoreRowWords(p.data + gr * K + st.gc,
-                        PackPairs(pair),
-                        vec_out, K - st.gc);
-        // Column j's byte of this row goes to byte i % 4 of col_hi[j] (a
-        // byte_perm keeping the other three); after row 3, rows 0-3 move to
-        // col_lo and rows 4-7 overwrite them in col_hi.
-        const unsigned keep = 0x3210u & ~(0xFu << (4 * (i % 4)));
-        const unsigned sel_even = keep | (4u << (4 * (i % 4)));  // byte 0 of the pair
-        const unsigned sel_odd = keep | (5u << (4 * (i % 4)));   // byte 1 of the pair
+        if (first_row + i < M) StoreRowWords(out_row, PackPairs(pair), vec_out, K - st.gc);
+        out_row += K;
+        // Column j's bytes move down one place per row: the oldest of col_hi[j]
+        // to the top of col_lo[j], this row's byte into the top of col_hi[j]
+        // (constant byte_perm selectors, whatever the row). After the 8 rows
+        // byte r % 4 of col_lo[j] / col_hi[j] holds row r / r + 4.
 #pragma unroll
         for (int k = 0; k < kSub / 2; ++k) {
-          col_hi[2 * k] = __byte_perm(col_hi[2 * k], pair[k], sel_even);
-          col_hi[2 * k + 1] = __byte_perm(col_hi[2 * k + 1], pair[k], sel_odd);
-        }
-        if (i == 3) {
-#pragma unroll
-          for (int j = 0; j < kSub; ++j) col_lo[j] = col_hi[j];
+          col_lo[2 * k] = __byte_perm(col_lo[2 * k], col_hi[2 * k], 0x4321);
+          col_lo[2 * k + 1] = __byte_perm(col_lo[2 * k + 1], col_hi[2 * k + 1], 0x4321);
+          col_hi[2 * k] = __byte_perm(col_hi[2 * k], pair[k], 0x4321);          // pair byte 0
+          col_hi[2 * k + 1] = __byte_perm(col_hi[2 * k + 1], pair[k], 0x5321);  // pair byte 1
         }
       });
   if (p.amax_out != nullptr) {
@@ -135,22 +130,24 @@ __global__ void __launch_bounds__(kThreads, 2)
   float4* mine = act_scratch + st.t * kScratchF4;
 
   const bool vec_out = (K % 8 == 0) && (st.gc + kSub <= K);
-  unsigned cmax[kSub];
+  const int64_t first_row = st.m0 + st.r0;
+  uint8_t* out_row = p.data + first_row * K + st.gc;  // advanced by a row per emit
+  float cmax[kSub];
 #pragma unroll
-  for (int j = 0; j < kSub; ++j) cmax[j] = 0;
+  for (int j = 0; j < kSub; ++j) cmax[j] = 0.f;
   // ComputeRows runs its row loop warp-uniformly (prologue.h), so the
   // 16-lane shuffle below is reached by all 32 lanes together.
   prologue::ComputeRows<InT, kPro, kLoop>(
-      q, M, st.m0 + st.r0, st.gc, [&](int i, const float (&y)[kSub]) {
-        unsigned rmax = 0;
+      q, M, first_row, st.gc, [&](int i, const float (&y)[kSub]) {
+        float rmax = 0.f;
 #pragma unroll
         for (int j = 0; j < kSub; ++j) {
-          const unsigned b = AbsBits(y[j]);
-          rmax = max(rmax, b);
-          cmax[j] = max(cmax[j], b);
+          rmax = MaxAbs(rmax, y[j]);
+          cmax[j] = MaxAbs(cmax[j], y[j]);
         }
-        const float s = ComputeScale(__uint_as_float(WarpMaxU(rmax, 16)), fmt.max, p.pow2);
-        const int64_t gr = st.m0 + st.r0 + i;
+        const float s =
+            ComputeScale(__uint_as_float(WarpMaxU(__float_as_uint(rmax), 16)), fmt.max, p.pow2);
+        const int64_t gr = first_row + i;
         if (gr < M) {
           // sinv native layout: (ceil(K/128), roundup(M, 4)), M contiguous.
           if (st.cg == 0) p.sinv[(st.k0 / kTile) * p.sinv_ld + gr] = 1.f / s;
@@ -158,17 +155,16 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
           for (int k = 0; k < kSub / 2; ++k)
             pair[k] = Cast2(y[2 * k] * s, y[2 * k + 1] * s, fmt.interp);
-          StoreRowWords(p.data + gr * K + st.gc,
-                        PackPairs(pair),
-                        vec_out, K - st.gc);
+          StoreRowWords(out_row, PackPairs(pair), vec_out, K - st.gc);
         }
+        out_row += K;
         mine[2 * i] = make_float4(y[0], y[1], y[2], y[3]);
         mine[2 * i + 1] = make_float4(y[4], y[5], y[6], y[7]);
       });
 
   // Column scales: block-wide max over the 16 row groups.
 #pragma unroll
-  for (int j = 0; j < kSub; ++j) col_part[st.rg][st.c0 + j] = cmax[j];
+  for (int j = 0; j < kSub; ++j) col_part[st.rg][st.c0 + j] = __float_as_uint(cmax[j]);
   __syncthreads();
   if (st.t < kTile) {
     unsigned c = 0;
@@ -211,16 +207,16 @@ template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
 __global__ void __launch_bounds__(kThreads) TileAmaxKernel(QuantizeArgs p, PrologueArgs q) {
   __shared__ unsigned warp_red[kThreads / 32];
   const int t = threadIdx.x;
-  unsigned amax = 0;
+  float amax = 0.f;
   prologue::ComputeRows<InT, kPro, kLoop>(
       q, p.M, static_cast<int64_t>(blockIdx.y) * kTile + (t / 16) * kSub,
       static_cast<int64_t>(blockIdx.x) * kTile + (t % 16) * kSub,
       [&](int, const float (&y)[kSub]) {
 #pragma unroll
-        for (int j = 0; j < kSub; ++j) amax = max(amax, AbsBits(y[j]));
+        for (int j = 0; j < kSub; ++j) amax = MaxAbs(amax, y[j]);
       });
-  amax = BlockMaxU(amax, warp_red);
-  if (t == 0) atomicMax(reinterpret_cast<unsigned*>(p.amax_out), amax);
+  const unsigned block_amax = BlockMaxU(__float_as_uint(amax), warp_red);
+  if (t == 0) atomicMax(reinterpret_cast<unsigned*>(p.amax_out), block_amax);
 }
 
 // Calls launch(std::integral_constant<ActLoop, L>) for the loop L that

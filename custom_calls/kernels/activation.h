@@ -62,9 +62,12 @@ __device__ __forceinline__ void Activate(int id, float x, float* f, float* df) {
   switch (id) {
     case kActGelu: {  // 0.5 (1 + tanh u) = sigmoid(2u)
       const float x2 = Mul(x, x);
-      const float u = Mul(kSqrt2OverPi, Add(x, Mul(kGeluC, Mul(x2, x))));
+      // 2u in one rounding: round(2c * t) == 2 * round(c * t) for every t
+      // (scaling by 2 is exact; where c * t would be subnormal, 2u is far
+      // too small to move exp(-|2u|) from 1, and both overflow together).
+      const float two_u = Mul(2.f * kSqrt2OverPi, Add(x, Mul(kGeluC, Mul(x2, x))));
       float cdf, cdf_c;
-      SigmoidPair(Mul(2.f, u), &cdf, &cdf_c);
+      SigmoidPair(two_u, &cdf, &cdf_c);
       *f = Mul(x, cdf);
       // d/dx: cdf + x * 0.5 (1 - tanh(u)^2) u'(x), with
       // 0.5 (1 - tanh(u)^2) = 2 sigmoid(2u) (1 - sigmoid(2u)).

@@ -46,16 +46,22 @@ struct RawRow {
       memcpy(w, tmp, sizeof(tmp));
     }
   }
-  // Load without checks: the caller knows the row and columns are in bounds
-  // and ld % kVec == 0.
-  __device__ __forceinline__ void LoadVec(const InT* __restrict__ base, int64_t ld, int64_t row,
-                                          int64_t col) {
+  // Load without checks from `p`, 16-byte aligned: the caller knows the row
+  // and columns are in bounds.
+  __device__ __forceinline__ void LoadVec(const InT* __restrict__ p) {
 #pragma unroll
-    for (int v = 0; v < kSub / kVec; ++v)
-      w[v] = __ldg(reinterpret_cast<const uint4*>(base + row * ld + col) + v);
+    for (int v = 0; v < kSub / kVec; ++v) w[v] = __ldg(reinterpret_cast<const uint4*>(p) + v);
   }
   __device__ __forceinline__ float operator[](int j) const {
-    return ToFloat(reinterpret_cast<const InT*>(&w[j / kVec])[j % kVec]);
+    if constexpr (std::is_same_v<InT, __nv_bfloat16>) {
+      // bf16 -> f32 is a bit placement: the high half of a word by a mask,
+      // the low half by a shift (one instruction each; the conversion
+      // intrinsic took a byte permute and a shift for the high half).
+      const unsigned word = reinterpret_cast<const unsigned*>(&w[j / kVec])[(j % kVec) / 2];
+      return __uint_as_float(j % 2 ? word & 0xFFFF0000u : word << 16);
+    } else {
+      return ToFloat(reinterpret_cast<const InT*>(&w[j / kVec])[j % kVec]);
+    }
   }
 };
 
@@ -158,15 +164,23 @@ __device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, in
   // kChecked: bounds-checked loads and values (edge sub-tiles).
   auto prefetch_loop = [&](auto checked) {
     constexpr bool kChecked = decltype(checked)::value;
+    // Unchecked loads walk pointers down the rows (one add per row and
+    // input instead of a 64-bit row * ld + col each time).
+    const InT* pa = h + row * ldh + sc;
+    const InT* pd = kPro == Prologue::kDAct ? dz + row * F + sc : nullptr;
     auto load = [&](int i, RowInputs<InT>& r) {
       if constexpr (kChecked) {
         r.a.Load(h, ldh, M, row + i, sc, F);
         if (gated) r.b.Load(h, ldh, M, row + i, F + sc, 2 * F);
         if (kPro == Prologue::kDAct) r.d.Load(dz, F, M, row + i, sc, F);
-      } else {
-        r.a.LoadVec(h, ldh, row + i, sc);
-        if (gated) r.b.LoadVec(h, ldh, row + i, F + sc);
-        if (kPro == Prologue::kDAct) r.d.LoadVec(dz, F, row + i, sc);
+      } else {  // rows are loaded in order 0, 1, ..., 7
+        r.a.LoadVec(pa);
+        if (gated) r.b.LoadVec(pa + F);
+        pa += ldh;
+        if (kPro == Prologue::kDAct) {
+          r.d.LoadVec(pd);
+          pd += F;
+        }
       }
     };
     RowInputs<InT> cur, nxt;

@@ -30,6 +30,16 @@ using prologue::ToFloat;
 // NaN-propagating float max (as jnp.max).
 __device__ __forceinline__ unsigned AbsBits(float v) { return __float_as_uint(fabsf(v)); }
 
+// max(m, |v|) for m >= 0 (or NaN), NaN-propagating like the max over AbsBits:
+// one float max with an |operand| (max.NaN, sm_80+) instead of a sign mask
+// and an integer max. A NaN result is the canonical NaN 0x7FFFFFFF, still
+// above +inf as bits, so AbsBits-style unsigned reductions may follow.
+__device__ __forceinline__ float MaxAbs(float m, float v) {
+  float r;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(m), "f"(fabsf(v)));
+  return r;
+}
+
 // compute_scale() of ops/quantize.py.
 __device__ __forceinline__ float ComputeScale(float amax, float fp8_max, bool pow2) {
   const bool valid = isfinite(amax) && amax > 0.f;
