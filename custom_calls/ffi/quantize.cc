@@ -46,28 +46,35 @@ ffi::Error TensorwiseImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi
   return CudaError(LaunchQuantize(a, stream), "quantize_tensorwise");
 }
 
+// The cast of current scaling: the kernel derives scale = fp8_max / amax on
+// the device (no host round trip, no XLA op between the passes) and writes
+// 1 / scale to scale_inv.
+ffi::Error CastFromAmax(QuantizeArgs a, const float* amax, float* scale_inv,
+                        cudaStream_t stream, const char* what) {
+  a.mode = ScaleMode::kTensor;
+  a.amax_in = amax;
+  a.scale_inv = scale_inv;
+  return CudaError(LaunchQuantize(a, stream), what);
+}
+
 ffi::Error CurrentImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> data,
                        ffi::Result<ffi::AnyBuffer> data_t,
                        ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
                        ffi::Result<ffi::Buffer<ffi::F32>> amax, int64_t columnwise) {
   QuantizeArgs a;
   if (auto e = Common(x, *data, *data_t, columnwise, &a); e.failure()) return e;
-  // Pass 1 reduces amax; pass 2 derives the scale from it on the device and
-  // casts (so no host round trip and no XLA op in between).
+  // Pass 1 reduces amax, pass 2 casts with the scale derived from it.
   if (auto e = CudaError(LaunchAmax(a.x, a.M * a.K, a.in, amax->typed_data(), stream),
                          "quantize_current (amax)");
       e.failure())
     return e;
-  a.mode = ScaleMode::kTensor;
-  a.amax_in = amax->typed_data();
-  a.scale_inv = scale_inv->typed_data();
-  return CudaError(LaunchQuantize(a, stream), "quantize_current (cast)");
+  return CastFromAmax(a, amax->typed_data(), scale_inv->typed_data(), stream,
+                      "quantize_current (cast)");
 }
 
 // Current scaling with an amax computed elsewhere (te_jax.distributed
-// max-reduces it over the mesh first): the scale is derived on the device
-// exactly as CurrentImpl derives it, so sharded and unsharded GEMMs quantize
-// with bit-identical scales.
+// max-reduces it over the mesh first): the same CastFromAmax as CurrentImpl,
+// so sharded and unsharded GEMMs quantize with bit-identical scales.
 ffi::Error FromAmaxImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> amax,
                         ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> data_t,
                         ffi::Result<ffi::Buffer<ffi::F32>> scale_inv, int64_t columnwise) {
@@ -75,10 +82,8 @@ ffi::Error FromAmaxImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::
     return ffi::Error::InvalidArgument("te_jax quantize_from_amax: amax must be a scalar");
   QuantizeArgs a;
   if (auto e = Common(x, *data, *data_t, columnwise, &a); e.failure()) return e;
-  a.mode = ScaleMode::kTensor;
-  a.amax_in = amax.typed_data();
-  a.scale_inv = scale_inv->typed_data();
-  return CudaError(LaunchQuantize(a, stream), "quantize_from_amax");
+  return CastFromAmax(a, amax.typed_data(), scale_inv->typed_data(), stream,
+                      "quantize_from_amax");
 }
 
 ffi::Error BlockwiseImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> data,
