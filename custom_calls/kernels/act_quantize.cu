@@ -162,20 +162,10 @@ __global__ void __launch_bounds__(kThreads, 2)
         mine[2 * i + 1] = make_float4(y[4], y[5], y[6], y[7]);
       });
 
-  // Column scales: block-wide max over the 16 row groups.
+  unsigned cmax_bits[kSub];
 #pragma unroll
-  for (int j = 0; j < kSub; ++j) col_part[st.rg][st.c0 + j] = __float_as_uint(cmax[j]);
-  __syncthreads();
-  if (st.t < kTile) {
-    unsigned c = 0;
-#pragma unroll
-    for (int g = 0; g < kThreads / 16; ++g) c = max(c, col_part[g][st.t]);
-    const float s = ComputeScale(__uint_as_float(c), fmt.max, p.pow2);
-    col_scale[st.t] = s;
-    if (st.k0 + st.t < K)  // sinv_t native layout: (ceil(M/128), roundup(K, 4)), K contiguous
-      p.sinv_t[(st.m0 / kTile) * p.sinv_t_ld + st.k0 + st.t] = 1.f / s;
-  }
-  __syncthreads();
+  for (int j = 0; j < kSub; ++j) cmax_bits[j] = __float_as_uint(cmax[j]);
+  ColumnScales(p, st, cmax_bits, fmt.max, col_part, col_scale);
 
   // The columnwise copy from the parked values, through tbuf as in
   // QuantizeTileKernel.

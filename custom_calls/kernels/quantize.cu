@@ -104,19 +104,7 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<InT>()) QuantizeTileKernel
       row_s[i] = ComputeScale(__uint_as_float(rmax), fp8_max, p.pow2);
     }
     if (kCols) {
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) col_part[rg][c0 + j] = cmax[j];
-      __syncthreads();
-      if (t < kTile) {
-        unsigned c = 0;
-#pragma unroll
-        for (int g = 0; g < kThreads / 16; ++g) c = max(c, col_part[g][t]);
-        const float s = ComputeScale(__uint_as_float(c), fp8_max, p.pow2);
-        col_scale[t] = s;
-        if (k0 + t < K)  // sinv_t native layout: (ceil(M/128), roundup(K, 4)), K contiguous
-          p.sinv_t[(m0 / kTile) * p.sinv_t_ld + k0 + t] = 1.f / s;
-      }
-      __syncthreads();
+      ColumnScales(p, st, cmax, fp8_max, col_part, col_scale);
 #pragma unroll
       for (int j = 0; j < kSub; ++j) my_col_s[j] = col_scale[c0 + j];
     }

@@ -104,6 +104,29 @@ __device__ __forceinline__ SubTile ThisSubTile() {
   return st;
 }
 
+// The 128x1 column scales of a tile (blockwise 1x128 mode, columnwise copy):
+// each thread passes the AbsBits maxima of its 8 columns; the max over the 16
+// row groups goes through `col_part`, and thread c < 128 writes column c's
+// ComputeScale to `col_scale` (for the whole block to read after the return)
+// and 1/scale to sinv_t (native layout: (ceil(M/128), roundup(K, 4)), K
+// contiguous). Two __syncthreads: every thread of the block must call it.
+__device__ __forceinline__ void ColumnScales(const QuantizeArgs& p, const SubTile& st,
+                                             const unsigned (&cmax)[kSub], float fp8_max,
+                                             unsigned (*col_part)[kTile], float* col_scale) {
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) col_part[st.rg][st.c0 + j] = cmax[j];
+  __syncthreads();
+  if (st.t < kTile) {
+    unsigned c = 0;
+#pragma unroll
+    for (int g = 0; g < kThreads / 16; ++g) c = max(c, col_part[g][st.t]);
+    const float s = ComputeScale(__uint_as_float(c), fp8_max, p.pow2);
+    col_scale[st.t] = s;
+    if (st.k0 + st.t < p.K) p.sinv_t[(st.m0 / kTile) * p.sinv_t_ld + st.k0 + st.t] = 1.f / s;
+  }
+  __syncthreads();
+}
+
 // The FP8 format of the output: cvt interpretation and largest finite value.
 struct Fp8Out {
   __nv_fp8_interpretation_t interp;
