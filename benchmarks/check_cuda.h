@@ -7,11 +7,15 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define CHECK_CUDA(x)                                                \
-  do {                                                               \
-    cudaError_t e_ = (x);                                            \
-    if (e_ != cudaSuccess) {                                         \
-      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));  \
-      std::exit(1);                                                  \
-    }                                                                \
+// CHECK_STATUS(call, ok, name): exit(1) with the call's text and name(status)
+// when the call's status is not `ok`; one shape for every status type.
+#define CHECK_STATUS(x, ok, name)                                   \
+  do {                                                              \
+    const auto s_ = (x);                                            \
+    if (s_ != (ok)) {                                               \
+      std::fprintf(stderr, "%s: %s\n", #x, name(s_));               \
+      std::exit(1);                                                 \
+    }                                                               \
   } while (0)
+
+#define CHECK_CUDA(x) CHECK_STATUS(x, cudaSuccess, cudaGetErrorString)

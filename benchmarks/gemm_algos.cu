@@ -22,14 +22,7 @@
 
 #include "check_cuda.h"
 
-#define CHECK_LT(x)                                                            \
-  do {                                                                         \
-    cublasStatus_t s_ = (x);                                                   \
-    if (s_ != CUBLAS_STATUS_SUCCESS) {                                         \
-      std::fprintf(stderr, "%s: %s\n", #x, cublasLtGetStatusName(s_));         \
-      std::exit(1);                                                            \
-    }                                                                          \
-  } while (0)
+#define CHECK_LT(x) CHECK_STATUS(x, CUBLAS_STATUS_SUCCESS, cublasLtGetStatusName)
 
 namespace {
 
