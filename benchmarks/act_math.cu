@@ -7,9 +7,9 @@
 //   flat<M>       a grid-stride loop over 16-byte vectors, gelu math M;
 // with M one of
 //   identity      no activation: the memory-bound floor;
-//   ship          te_jax::Activate as shipped (expf, RcpOnePlus, no FMA
-//                 contraction; it used __frcp_rn until the Gelu
-//                 variants below showed the cost);
+//   ship          te_jax::Activate as shipped (ExpNegAbs, RcpOnePlus, no
+//                 FMA contraction; it used __frcp_rn until the Gelu
+//                 variants below showed the cost, expf until 2026-12-01);
 //   fast_rcp      as ship with 1/(1+e) by the approximate reciprocal;
 //   fast_exp      as ship with __expf;
 //   fast          both, and FMA contraction allowed.
@@ -100,14 +100,17 @@ __global__ void CheckRcp(unsigned* mismatches) {
 }
 
 // Max error in ulps of expf, __expf and ExpNonPos against double exp over
-// 2^24 points of [-104, 0] (exp underflows below); out[0..2].
+// 2^24 points of [-104, 0] (exp underflows below); out[0..2]. out[3]: the
+// shipped te_jax::act_detail::ExpNegAbs on [-87, 0], where exp is a normal
+// float (below, it returns 0 by design: activation.h).
 __global__ void CheckExp(unsigned* out) {
   const unsigned n = 1u << 24;
   for (unsigned i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) {
     const float a = -104.f * (i / static_cast<float>(n));
     const double want = exp(static_cast<double>(a));
-    const float got[3] = {expf(a), __expf(a), ExpNonPos(a)};
-    for (int k = 0; k < 3; ++k) {
+    const float got[4] = {expf(a), __expf(a), ExpNonPos(a), te_jax::act_detail::ExpNegAbs(a)};
+    for (int k = 0; k < 4; ++k) {
+      if (k == 3 && a < -87.f) continue;
       const double ulp = want < 1.17549435e-38 ? 1.40129846e-45
                                                 : ldexp(1.0, ilogb(want) - 23);
       const unsigned err = static_cast<unsigned>(fmin(fabs(got[k] - want) / ulp * 100.0, 4e9));
@@ -258,6 +261,12 @@ int main() {
   auto vec = [&](auto kernel) {
     CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                     te_jax::kScratchBytes));
+    CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                    cudaSharedmemCarveoutMaxShared));  // as LaunchWithLoop
+    int blocks = 0;
+    CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads,
+                                                             te_jax::kScratchBytes));
+    std::printf("1x128 kernel: %d blocks per SM\n", blocks);
     return kernel;
   };
   auto vf = vec(te_jax::ActQuantizeVec128Kernel<Bf, Prologue::kAct, G>);
@@ -279,14 +288,15 @@ int main() {
   Time("flat<ship>", [&] { Flat<Ship><<<flat_blocks, kThreads>>>(h, out); }, out);
   Time("flat<fast>", [&] { Flat<Fast><<<flat_blocks, kThreads>>>(h, out); }, out);
   unsigned* counts;
-  CHECK_CUDA(cudaMalloc(&counts, 4 * sizeof(unsigned)));
-  CHECK_CUDA(cudaMemset(counts, 0, 4 * sizeof(unsigned)));
+  CHECK_CUDA(cudaMalloc(&counts, 5 * sizeof(unsigned)));
+  CHECK_CUDA(cudaMemset(counts, 0, 5 * sizeof(unsigned)));
   CheckRcp<<<1024, 256>>>(counts);
   CheckExp<<<1024, 256>>>(counts + 1);
-  unsigned c[4];
+  unsigned c[5];
   CHECK_CUDA(cudaMemcpy(c, counts, sizeof(c), cudaMemcpyDeviceToHost));
   std::printf("RcpOnePlus vs __frcp_rn on all of [1, 2]: %u mismatches\n", c[0]);
   std::printf("max error vs double exp on [-104, 0], ulps: expf %.2f  __expf %.2f  ExpNonPos %.2f\n",
               c[1] / 100.0, c[2] / 100.0, c[3] / 100.0);
+  std::printf("max error vs double exp on [-87, 0], ulps: ExpNegAbs (shipped) %.2f\n", c[4] / 100.0);
   return 0;
 }

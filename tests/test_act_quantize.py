@@ -417,11 +417,21 @@ def _close_f32(got, want, what, rtol=1e-6):
                              rtol=rtol, atol=0, err_msg=what)
 
 
+# Large |h| for the kernels' exp(-|x|) (activation.h ExpNegAbs): below
+# 2^-126 (|x| > 87.3) it returns 0 where the reference's exp is subnormal,
+# and |x| is capped at 128 inside it; the values around those points.
+_LARGE_H = [30.0, -30.0, 87.0, -87.0, 88.0, -88.0, 100.0, -100.0, 1000.0, -1000.0]
+
+
 def _gpu_case(direction, acts, mode, shape, h_dtype=BF16, dz_dtype=BF16, dtype=None,
-              pow2=False):
+              pow2=False, large=False):
   m, f = shape
   rng = np.random.default_rng(zlib.crc32(repr((direction, acts, mode, shape)).encode()))
-  h = jnp.asarray(rng.standard_normal((m, len(acts) * f)) * 3, h_dtype)
+  h = rng.standard_normal((m, len(acts) * f)) * 3
+  if large:  # in the first row of every 128-column tile, among ordinary values
+    for c in range(0, h.shape[1], 128):
+      h[0, c:c + len(_LARGE_H)] = _LARGE_H[:h.shape[1] - c]
+  h = jnp.asarray(h, h_dtype)
   dz = jnp.asarray(rng.standard_normal((m, f)), dz_dtype)
   dtype = dtype or (E4M3 if direction == "fwd" else E5M2)
   kw = dict(mode=mode, dtype=dtype, power_2_scale=pow2)
@@ -498,6 +508,16 @@ def test_cuda_odd_shapes(shape):
   for mode in aq.MODES:
     for direction in ("fwd", "bwd"):
       _gpu_case(direction, ("gelu",), mode, shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _native.cuda_available(),
+                    reason="needs a GPU and the te_jax CUDA custom calls")
+@pytest.mark.parametrize("mode", aq.MODES)
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+def test_cuda_large_inputs(direction, mode):
+  for acts in (("gelu",), ("silu",), ("sigmoid",), ("quick_gelu",), ("silu", "linear")):
+    _gpu_case(direction, acts, mode, (256, 384), large=True)
 
 
 @pytest.mark.gpu

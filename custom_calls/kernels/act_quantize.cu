@@ -105,29 +105,47 @@ __global__ void __launch_bounds__(kThreads, TensorMinBlocks<InT, kPro, kLoop>())
 // ScaleMode::kVec128 (blockwise): a row's 1x128 scale is a max over the 16
 // lanes that share the row, available in the row loop; a column's 128x1
 // scale needs all 128 rows of the tile. So the rowwise copy is stored from
-// the row loop, and the values are parked in the thread's slice of dynamic
-// shared memory (16 float4 + 1 of padding per thread: the 272-byte stride
-// puts the 8 lanes of each 16-byte access phase on distinct banks; 68 KB
-// per block) until the column scales are known. Launch bound: 2 blocks per
-// SM, which the scratch allows anyway. (Casting both copies after the tile
-// was complete, as QuantizeTileKernel does, took 0.625 / 0.749 ms on a
-// 16384^2 bf16 gelu forward / backward on the H200, this kernel 0.620 /
-// 0.725 with one cast per element and 0.582 / 0.696 with Cast2.)
-constexpr int kScratchF4 = kSub * kSub / 4 + 1;
+// the row loop, and the values are parked in the thread's 256-byte slice of
+// dynamic shared memory (16 float4 slots, 64 KB per block) until the column
+// scales are known; the slot index is XOR-swizzled by the lane's low 3 bits
+// so that the 8 lanes of each 16-byte access phase hit distinct banks (the
+// 256-byte stride alone would put all 8 on the same ones). Once every thread
+// has read its values back, the transposed bytes reuse that memory: 64 KB +
+// 8.5 KB static fit 3 blocks per SM (Vec128MinBlocks). 16384^2 bf16 gelu
+// forward on the H200 (benchmarks/act_math.cu): 0.548 ms at 2 blocks per SM
+// with a 16 KB byte tile of its own, 0.469 ms at 3. (Before: casting both
+// copies after the tile was complete, as QuantizeTileKernel does, took
+// 0.625 / 0.749 ms forward / backward, this kernel 0.620 / 0.725 with one
+// cast per element, 0.582 / 0.696 with Cast2.)
+constexpr int kScratchF4 = kSub * kSub / 4;
 constexpr int kScratchBytes = kThreads * kScratchF4 * 16;
+static_assert(kScratchBytes >= kTile * kTile, "the transposed bytes reuse the scratch");
 extern __shared__ float4 act_scratch[];
 
+// Launch bound of ActQuantizeVec128Kernel: 3 blocks per SM (at most 80
+// registers) wherever the loop fits that without spilling (ptxas -v, nvcc
+// 13.0): every 16-bit loop except "any" and the fp16 SwiGLU backward (36
+// bytes of spills at 80 registers).
 template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
-__global__ void __launch_bounds__(kThreads, 2)
+constexpr int Vec128MinBlocks() {
+  if (sizeof(InT) != 2 || kLoop == prologue::ActLoop::kAny) return 2;
+  if (std::is_same_v<InT, __half> && kPro == Prologue::kDAct &&
+      kLoop == prologue::ActLoop::kSwiGlu)
+    return 2;
+  return 3;
+}
+
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
+__global__ void __launch_bounds__(kThreads, Vec128MinBlocks<InT, kPro, kLoop>())
     ActQuantizeVec128Kernel(QuantizeArgs p, PrologueArgs q) {
   __shared__ unsigned col_part[kThreads / 16][kTile];  // per-row-group column amax
   __shared__ float col_scale[kTile];
-  __shared__ __align__(16) uint8_t tbuf[kTile * kTile];  // transposed bytes
 
   const int64_t M = p.M, K = p.K;
   const SubTile st = ThisSubTile();
   const Fp8Out fmt = OutFormat(p);
   float4* mine = act_scratch + st.t * kScratchF4;
+  const int swz = st.t & 7;  // slot k of this thread is mine[k ^ swz]
 
   const bool vec_out = (K % 8 == 0) && (st.gc + kSub <= K);
   const int64_t first_row = st.m0 + st.r0;
@@ -158,8 +176,8 @@ __global__ void __launch_bounds__(kThreads, 2)
           StoreRowWords(out_row, PackPairs(pair), vec_out, K - st.gc);
         }
         out_row += K;
-        mine[2 * i] = make_float4(y[0], y[1], y[2], y[3]);
-        mine[2 * i + 1] = make_float4(y[4], y[5], y[6], y[7]);
+        mine[(2 * i) ^ swz] = make_float4(y[0], y[1], y[2], y[3]);
+        mine[(2 * i + 1) ^ swz] = make_float4(y[4], y[5], y[6], y[7]);
       });
 
   unsigned cmax_bits[kSub];
@@ -168,14 +186,17 @@ __global__ void __launch_bounds__(kThreads, 2)
   ColumnScales(p, st, cmax_bits, fmt.max, col_part, col_scale);
 
   // The columnwise copy from the parked values, through tbuf as in
-  // QuantizeTileKernel.
+  // QuantizeTileKernel; tbuf is the scratch, free once all threads have
+  // read their values.
   float v[kSub][kSub];
 #pragma unroll
   for (int i = 0; i < kSub; ++i) {
-    const float4 lo = mine[2 * i], hi = mine[2 * i + 1];
+    const float4 lo = mine[(2 * i) ^ swz], hi = mine[(2 * i + 1) ^ swz];
     v[i][0] = lo.x; v[i][1] = lo.y; v[i][2] = lo.z; v[i][3] = lo.w;
     v[i][4] = hi.x; v[i][5] = hi.y; v[i][6] = hi.z; v[i][7] = hi.w;
   }
+  __syncthreads();
+  uint8_t* tbuf = reinterpret_cast<uint8_t*>(act_scratch);
 #pragma unroll
   for (int j = 0; j < kSub; ++j) {
     const float cs = col_scale[st.c0 + j];
@@ -239,6 +260,10 @@ cudaError_t LaunchWithLoop(const QuantizeArgs& a, const PrologueArgs& q, cudaStr
     // tracking devices.
     cudaError_t e =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kScratchBytes);
+    // Ask for the largest shared-memory carveout: 3 blocks take ~220 KB.
+    if (e == cudaSuccess)
+      e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
     if (e != cudaSuccess) return e;
     kernel<<<TileGrid(a), kThreads, kScratchBytes, stream>>>(a, q);
   }

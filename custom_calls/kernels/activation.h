@@ -34,11 +34,35 @@ __device__ __forceinline__ float RcpOnePlus(float d) {
   return fmaf(r, fmaf(-d, r, 1.f), r);
 }
 
+// exp(-|x|) in six instructions where expf takes eight (its split into an
+// integer and a fraction of a power of 2): t = -|x| log2(e) rounded, 2^t by
+// the hardware ex2 (MUFU.EX2), and the part of -|x| that the rounding of t
+// dropped, r = -|x| - t ln2 (two FMAs, ln 2 in a high and a low part),
+// added back as 2^t (1 + r). Measured against double exp on [-87, 0]:
+// benchmarks/act_math.cu. |x| is capped at 128 first (NaN kept), so that
+// x = +-inf gives 0 and not inf - inf. Where exp(-|x|) is below 2^-126
+// (|x| > 87.3) the result is 0, where expf returns a subnormal: ex2 without
+// flush-to-zero costs three more instructions, and such values become FP8
+// zeros unless their whole 1x128 tile or tensor is below ~1e-30.
+__device__ __forceinline__ float ExpNegAbs(float x) {
+  constexpr float kLog2e = 1.44269502f;
+  constexpr float kLn2Hi = 0.693145752f;  // 0x3f317200: ln 2 = kLn2Hi + kLn2Lo
+  constexpr float kLn2Lo = 1.42860677e-06f;
+  float m;
+  asm("min.NaN.f32 %0, %1, 0f43000000;" : "=f"(m) : "f"(fabsf(x)));  // min(|x|, 128)
+  const float a = -m;
+  const float t = Mul(a, kLog2e);
+  const float r = fmaf(-t, kLn2Lo, fmaf(-t, kLn2Hi, a));
+  float p;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(p) : "f"(t));
+  return fmaf(p, r, p);
+}
+
 // (sigmoid(x), 1 - sigmoid(x)) from e = exp(-|x|): 1/(1+e) and e/(1+e).
 // Never 1 - s by subtraction: near s = 1 that loses all relative accuracy,
 // and the derivatives multiply by the complement (see act_quantize.py).
 __device__ __forceinline__ void SigmoidPair(float x, float* s, float* s_c) {
-  const float e = expf(-fabsf(x));
+  const float e = ExpNegAbs(x);
   const float r = RcpOnePlus(Add(1.f, e));  // == 1 / (1 + e), IEEE
   const float er = Mul(e, r);
   const bool pos = x >= 0.f;  // false for NaN, as jnp.where(x >= 0, ...)
