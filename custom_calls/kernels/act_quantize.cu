@@ -30,16 +30,18 @@ namespace {
 // instructions per element (per-tensor gelu forward 0.510 -> 0.415 ms on
 // 16384^2 bf16, benchmarks/act_math.cu).
 
-// Launch bound of ActQuantizeTensorKernel: 3 blocks per SM (at most 80
-// registers) for the 16-bit forward kernels of one activation, which fit
-// that without spilling; 2 (up to 128 registers) for the rest, whose loops
-// take up to 115 and spilled under a cap of 80.
+// Launch bound of ActQuantizeTensorKernel and ActQuantizeVec128Kernel: 3
+// blocks per SM (at most 80 registers) wherever the loop fits that without
+// spilling (ptxas -v, nvcc 13.0): every 16-bit loop except "any" (up to 110
+// registers) and the fp16 SwiGLU backward (36-40 bytes of spills at 80).
+// 2 blocks (up to 128 registers) for those and for fp32 inputs.
 template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
-constexpr int TensorMinBlocks() {
-  return sizeof(InT) == 2 && kPro == Prologue::kAct && kLoop != prologue::ActLoop::kSwiGlu &&
-                 kLoop != prologue::ActLoop::kAny
-             ? 3
-             : 2;
+constexpr int ActMinBlocks() {
+  if (sizeof(InT) != 2 || kLoop == prologue::ActLoop::kAny) return 2;
+  if (std::is_same_v<InT, __half> && kPro == Prologue::kDAct &&
+      kLoop == prologue::ActLoop::kSwiGlu)
+    return 2;
+  return 3;
 }
 
 // ScaleMode::kTensor (delayed and current scaling): the one scale is known
@@ -47,7 +49,7 @@ constexpr int TensorMinBlocks() {
 // in registers as well (8 columns x 8 rows = 16 words): no float tile, no
 // dynamic shared memory.
 template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
-__global__ void __launch_bounds__(kThreads, TensorMinBlocks<InT, kPro, kLoop>())
+__global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop>())
     ActQuantizeTensorKernel(QuantizeArgs p, PrologueArgs q) {
   __shared__ unsigned warp_red[kThreads / 32];
   __shared__ __align__(16) uint8_t tbuf[kTile * kTile];  // transposed bytes
@@ -111,7 +113,7 @@ __global__ void __launch_bounds__(kThreads, TensorMinBlocks<InT, kPro, kLoop>())
 // so that the 8 lanes of each 16-byte access phase hit distinct banks (the
 // 256-byte stride alone would put all 8 on the same ones). Once every thread
 // has read its values back, the transposed bytes reuse that memory: 64 KB +
-// 8.5 KB static fit 3 blocks per SM (Vec128MinBlocks). 16384^2 bf16 gelu
+// 8.5 KB static fit 3 blocks per SM (ActMinBlocks). 16384^2 bf16 gelu
 // forward on the H200 (benchmarks/act_math.cu): 0.548 ms at 2 blocks per SM
 // with a 16 KB byte tile of its own, 0.469 ms at 3. (Before: casting both
 // copies after the tile was complete, as QuantizeTileKernel does, took
@@ -122,21 +124,8 @@ constexpr int kScratchBytes = kThreads * kScratchF4 * 16;
 static_assert(kScratchBytes >= kTile * kTile, "the transposed bytes reuse the scratch");
 extern __shared__ float4 act_scratch[];
 
-// Launch bound of ActQuantizeVec128Kernel: 3 blocks per SM (at most 80
-// registers) wherever the loop fits that without spilling (ptxas -v, nvcc
-// 13.0): every 16-bit loop except "any" and the fp16 SwiGLU backward (36
-// bytes of spills at 80 registers).
 template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
-constexpr int Vec128MinBlocks() {
-  if (sizeof(InT) != 2 || kLoop == prologue::ActLoop::kAny) return 2;
-  if (std::is_same_v<InT, __half> && kPro == Prologue::kDAct &&
-      kLoop == prologue::ActLoop::kSwiGlu)
-    return 2;
-  return 3;
-}
-
-template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
-__global__ void __launch_bounds__(kThreads, Vec128MinBlocks<InT, kPro, kLoop>())
+__global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop>())
     ActQuantizeVec128Kernel(QuantizeArgs p, PrologueArgs q) {
   __shared__ unsigned col_part[kThreads / 16][kTile];  // per-row-group column amax
   __shared__ float col_scale[kTile];
