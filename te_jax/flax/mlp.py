@@ -9,14 +9,14 @@ quantization of its output are one pass over memory, forward and backward,
 and no bf16 activation gradient is materialized. On the H200 (BENCHMARKS.md)
 that lowers the peak memory of a 4096 -> 16384 -> 4096 block to 12-13% below
 FP8 off, and the step is 3% faster than the unfused path with delayed and
-blockwise scaling, 2% slower with current scaling (which reads the
-activations twice, for the amax and to quantize). Otherwise (or
-with ``fuse_activation_quantize=False``) the block is two FP8 dense layers
-around an XLA activation; the two paths use the same variables. When the
-fused core was asked for but cannot run, the ``te_jax`` logger says why
-(INFO, once per reason). Gated
-activations (two entries such as ``("silu", "linear")`` = SwiGLU or
-``("gelu", "linear")`` = GeGLU) use one fused up-projection of shape
+blockwise scaling and as fast with current scaling (which reads the
+activations twice, for the amax and to quantize; BENCHMARKS.md run J).
+Otherwise (or with ``fuse_activation_quantize=False``) the block is two FP8
+dense layers around an XLA activation; the two paths use the same
+variables. When the fused core was asked for but cannot run, the ``te_jax``
+logger says why (INFO, once per reason). Gated activations (two entries
+such as ``("silu", "linear")`` = SwiGLU or ``("gelu", "linear")`` = GeGLU)
+use one fused up-projection of shape
 (embed, n_act, mlp) computed as a single GEMM; the result is
 ``act0(h[..., 0, :]) * act1(h[..., 1, :])``.
 """

@@ -16,8 +16,9 @@ are written out in float32 (not ``jax.grad``) so that the CUDA kernels
 operation; the two paths then differ only where ``tanh``/``exp``/``erfc``
 differ by float32 ulps (the kernels' exp(-|x|) is within 2.5 ulps of the
 exact value and returns 0 below 2^-126), which moves an FP8 value by at
-most one step on rare elements. Quantization is exactly ``ops/quantize.py``'s, applied to the
-float32 result (no bf16 rounding in between).
+most one step on rare elements. Quantization is exactly
+``ops/quantize.py``'s, applied to the float32 result (no bf16 rounding in
+between).
 """
 
 from __future__ import annotations
