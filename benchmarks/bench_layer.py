@@ -29,7 +29,12 @@ are the matmul FLOPs of fwd+bwd (3x forward).
 
 Name suffixes: ``_unfused`` sets ``fuse_activation_quantize=False`` (the
 modules' default is the fused MLP core); ``_fastacc`` turns on fast
-accumulation in all three GEMMs (TE-JAX's default, not ours).
+accumulation in all three GEMMs (TE-JAX's default, not ours); ``_packed``
+feeds the TransformerLayer packed rows (``segment_ids``: documents of 700,
+500, 400, 300 and 148 tokens in a row-dependent order, the last row ending
+in 148 tokens of padding), which on GPU run in cuDNN's packed layout;
+``_packed_xla`` the same rows with ``attention_impl="xla"`` (masked XLA
+attention, the only packed path before 2026-12-01).
 
 Usage::
 
@@ -63,7 +68,8 @@ MLP_CONFIGS = ["mlp/te_off", "mlp/te_delayed", "mlp/te_current", "mlp/te_block",
 LAYER_CONFIGS = ["layer/te_off", "layer/te_delayed", "layer/te_current", "layer/te_block",
                  "layer/te_delayed_unfused", "layer/te_current_unfused",
                  "layer/te_block_unfused", "layer/te_delayed_fastacc",
-                 "layer/te_current_fastacc",
+                 "layer/te_current_fastacc", "layer/te_off_packed", "layer/te_block_packed",
+                 "layer/te_block_packed_xla",
                  "attn/core", "attn/module_off"]
 CONFIGS = MLP_CONFIGS + LAYER_CONFIGS
 # Suffix of a configuration timed with its initial FP8 state every step, as
@@ -90,6 +96,23 @@ def _flax_fp8_op():
   if hasattr(fp8_ops, "Fp8DirectDotGeneralOp"):
     return fp8_ops.Fp8DirectDotGeneralOp, "Fp8DirectDotGeneralOp"
   return fp8_ops.Fp8DotGeneralOp, "Fp8DotGeneralOp"
+
+
+def _packed_segment_ids(b, s):
+  """(b, s) int32 rows of documents (700, 500, 400, 300, 148 tokens, scaled
+  to s, order rotated per row); the last row ends in 148 tokens of padding."""
+  import numpy as np
+  lens = [max(1, s * n // 2048) for n in (700, 500, 400, 300)]
+  lens.append(s - sum(lens))
+  rows = []
+  for r in range(b):
+    order = lens[r % 5:] + lens[:r % 5]
+    row = np.concatenate([np.full(n, i + 1) for i, n in enumerate(order)])
+    if r == b - 1:
+      row[s - lens[-1]:] = 0
+    rows.append(row)
+  import jax.numpy as jnp
+  return jnp.asarray(np.stack(rows), jnp.int32)
 
 
 def _build(config, sz):
@@ -122,6 +145,11 @@ def _build(config, sz):
       return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
     return apply, {"qkv": qkv}, xs, attn_core_flops, f"{config} ({impl})"
 
+  packed = None       # attention_impl for packed rows (None: no segment ids)
+  for suffix, impl in (("_packed_xla", "xla"), ("_packed", "auto")):
+    if kind.endswith(suffix):
+      packed, kind = impl, kind[:-len(suffix)]
+      break
   fast = kind.endswith("_fastacc")  # fast accumulation in every GEMM (TE-JAX default, GPU.md)
   if fast:
     kind = kind[:-len("_fastacc")]
@@ -142,7 +170,8 @@ def _build(config, sz):
       flops = mlp_flops
     elif group == "layer":
       module = tfx.TransformerLayer(e, m, h, layer_type="decoder", dtype=bf16,
-                                    param_dtype=bf16, fuse_activation_quantize=fused)
+                                    param_dtype=bf16, fuse_activation_quantize=fused,
+                                    attention_impl=packed or "auto")
       flops = mlp_flops + proj_flops + attn_core_flops
     else:
       module = tfx.MultiHeadAttention(h, attn_mask_type="causal", dtype=bf16,
@@ -151,9 +180,11 @@ def _build(config, sz):
     with te_jax.fp8_autocast(enabled=r is not None, fp8_recipe=r):
       variables = nn.unbox(jax.jit(module.init)(jax.random.key(0), xs[0]))
 
+    kwargs = {"segment_ids": _packed_segment_ids(b, s)} if packed else {}
+
     def apply(variables, x, module=module, r=r):
       with te_jax.fp8_autocast(enabled=r is not None, fp8_recipe=r):
-        return module.apply(variables, x)
+        return module.apply(variables, x, **kwargs)
     return apply, variables, xs, flops, label
 
   # Flax reference blocks (mlp group only)
@@ -305,7 +336,10 @@ def table(results, env, sz, k, repeats):
     if "ms" not in r:
       lines.append(f"| {r['config']} | failed: {r.get('error', '?')[:80]} | | | | |")
       continue
-    base = by.get(BASELINE[r["config"].split("/")[0]])
+    base_name = BASELINE[r["config"].split("/")[0]]
+    if "_packed" in r["config"]:   # packed rows against FP8 off on the same rows
+      base_name += "_packed"
+    base = by.get(base_name)
     ratio = f"{base['ms'] / r['ms']:.2f}x" if base else "-"
     peak = f"{r['peak_bytes'] / 2**20:.0f}" if r.get("peak_bytes") else "n/a"
     dx = f"{r['dx_abs_max']:.3g}" if r.get("dx_abs_max") is not None else "-"

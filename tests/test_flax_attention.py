@@ -228,3 +228,179 @@ def test_query_segment_ids_without_key_segment_ids_raise():
   with pytest.raises(ValueError, match="kv_segment_ids"):
     segment_attention_mask(ids, None)
   assert segment_attention_mask(None, None) is None
+
+
+# --- packed rows in cuDNN's packed layout (te_jax.flax.packed_attention) ---
+
+def _well_formed_ids(seed, b, s):
+  """Rows of contiguous documents with increasing (gappy) ids, padding between/after."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for _ in range(b):
+    row, next_id = [], 1
+    while len(row) < s:
+      row += [0] * int(rng.integers(0, 3))                 # padding between documents
+      row += [next_id] * int(rng.integers(1, 9))
+      next_id += int(rng.integers(1, 3))                   # ids need not be consecutive
+    rows.append(row[:s - 2] + [0, 0])                      # padding at the end
+  return jnp.asarray(rows, jnp.int32)
+
+
+def _documents_of_layout(seqlens, offsets, s):
+  """(B, S) document index of each token under (seqlens, offsets), -1 outside."""
+  pos = jnp.arange(s)[None, None, :]
+  start, n = offsets[:, :-1, None], seqlens[:, :, None]
+  inside = (n > 0) & (pos >= start) & (pos < start + n)     # (B, M, S)
+  assert int(inside.sum(axis=1).max()) <= 1                 # documents do not overlap
+  return jnp.where(inside.any(axis=1), jnp.argmax(inside, axis=1), -1)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_segment_layout_reproduces_the_segment_mask(seed):
+  from te_jax.flax.packed_attention import segment_layout
+  ids = _well_formed_ids(seed, 3, 40)
+  m = int(max(len(set(np.asarray(r).tolist()) - {0}) for r in ids))
+  seqlens, offsets, fits = jax.jit(segment_layout, static_argnums=1)(ids, m)
+  assert bool(fits)
+  assert seqlens.shape == (3, m) and offsets.shape == (3, m + 1)
+  doc = _documents_of_layout(seqlens, offsets, 40)
+  np.testing.assert_array_equal(doc >= 0, ids != 0)
+  same_doc = (doc[:, :, None] == doc[:, None, :]) & (doc[:, :, None] >= 0)
+  same_id = (ids[:, :, None] == ids[:, None, :]) & (ids[:, :, None] != 0)
+  np.testing.assert_array_equal(same_doc, same_id)
+  # one document fewer than the fullest row holds: does not fit
+  assert not bool(segment_layout(ids, m - 1)[2])
+
+
+def test_segment_layout_rejects_ids_in_two_runs_and_checks_arguments():
+  from te_jax.flax.packed_attention import segment_layout
+  ok = jnp.array([[1, 1, 0, 2, 2, 0], [0, 0, 0, 0, 0, 0]], jnp.int32)
+  seqlens, offsets, fits = segment_layout(ok, 2)
+  assert bool(fits)
+  np.testing.assert_array_equal(seqlens, [[2, 2], [-1, -1]])
+  np.testing.assert_array_equal(offsets, [[0, 3, -1], [-1, -1, -1]])
+  for bad in ([1, 1, 0, 1, 0, 0],        # id 1 split by padding
+              [2, 2, 1, 1, 0, 0],        # decreasing: 2 could reappear unseen
+              [1, 2, 1, 0, 0, 0]):       # id 1 in two runs
+    assert not bool(segment_layout(jnp.array([bad], jnp.int32), 4)[2]), bad
+  with pytest.raises(ValueError, match="max_segments"):
+    segment_layout(ok, 0)
+  with pytest.raises(TypeError, match="integers"):
+    segment_layout(ok.astype(jnp.float32), 2)
+  with pytest.raises(ValueError, match="batch, seq"):
+    segment_layout(ok[0], 2)
+
+
+def test_padding_queries_output_zero():
+  x = rand(0, (1, 8, E))
+  seg = jnp.array([[1, 1, 1, 2, 2, 0, 0, 0]], jnp.int32)
+  m = tfx.MultiHeadAttention(H, attention_impl="xla")
+  v = jax.jit(m.init)(jax.random.key(1), x)
+  y = jax.jit(m.apply)(v, x, segment_ids=seg)
+  assert float(jnp.abs(y[0, 5:]).max()) == 0.0
+  assert float(jnp.abs(y[0, :5]).max(axis=-1).min()) > 0.0      # real tokens are not
+
+
+def test_packed_routing(monkeypatch):
+  """Which calls take the packed cuDNN path (stubbed: no cuDNN on the CPU)."""
+  from te_jax.flax import packed_attention as pa
+  calls = []
+  def spy(q, k, v, segment_ids, *, is_causal, max_segments, scale):
+    calls.append((is_causal, max_segments, scale))
+    return jnp.zeros_like(q)
+  monkeypatch.setattr(pa, "log_if_unavailable", lambda: True)
+  monkeypatch.setattr(pa, "packed_self_attention", spy)
+  xla_attention = jax.nn.dot_product_attention        # the other paths, on the CPU
+  monkeypatch.setattr(jax.nn, "dot_product_attention", lambda *a, implementation=None, **k:
+                      xla_attention(*a, implementation="xla", **k))
+  x = rand(0, (1, 8, E)); enc = rand(1, (1, 8, E))
+  seg = jnp.array([[1, 1, 1, 2, 2, 0, 0, 0]], jnp.int32)
+  m = tfx.MultiHeadAttention(H, attention_impl="cudnn", max_segments_per_seq=3)
+  v = m.init(jax.random.key(1), x)
+  m.apply(v, x, segment_ids=seg)
+  assert calls == [(True, 3, D ** -0.5)]
+  m.apply(v, x, segment_ids=seg, kv_segment_ids=seg + 0)     # other key ids: not packed self
+  m.apply(m.init(jax.random.key(1), x, enc), x, enc, segment_ids=seg,
+          kv_segment_ids=seg)                                  # cross attention
+  m.apply(v, x, segment_ids=seg, mask=jnp.ones((1, 1, 8, 8), bool))
+  tfx.MultiHeadAttention(H, attention_impl="xla").apply(v, x, segment_ids=seg)
+  assert len(calls) == 1
+  with pytest.raises(ValueError, match="max_segments_per_seq"):
+    tfx.MultiHeadAttention(H, max_segments_per_seq=0).apply(v, x, segment_ids=seg)
+
+
+def _packed_case(groups, s=256, b=2, heads=4, d=64):
+  rng = np.random.default_rng(7)
+  q = jnp.asarray(rng.standard_normal((b, s, heads, d)), jnp.bfloat16)
+  k, v = (jnp.asarray(rng.standard_normal((b, s, groups, d)), jnp.bfloat16) for _ in "kv")
+  cot = jnp.asarray(rng.standard_normal((b, s, heads, d)), jnp.bfloat16)
+  ids = np.zeros((b, s), np.int32)
+  ids[0, 0:100], ids[0, 103:163], ids[0, 163:213] = 1, 2, 4   # a gap, a skipped id
+  ids[1, 0:128], ids[1, 128:248] = 1, 2
+  return q, k, v, cot, jnp.asarray(ids)
+
+
+def _masked_reference(q, k, v, cot, ids, causal):
+  """float32 XLA attention under the segment mask: the same as each document
+  alone (test_packed_equals_separate_documents), in one jit."""
+  f32 = lambda t: t.astype(jnp.float32)
+  def attend(q, k, v):
+    same = ids[:, None, :, None] == ids[:, None, None, :]
+    return jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=causal,
+                                        implementation="xla")
+  y, vjp = jax.vjp(attend, f32(q), f32(k), f32(v))
+  return y, vjp(f32(cot))
+
+
+def _rel_on(a, b, where):
+  a, b = np.asarray(a, np.float64)[where], np.asarray(b, np.float64)[where]
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal,groups", [(True, 4), (False, 2), (True, 1)])
+@pytest.mark.parametrize("branch", ["packed", "fallback", "cond"])
+def test_cuda_packed_attention_equals_documents_alone(causal, groups, branch):
+  from te_jax.flax import packed_attention as pa
+  assert pa.packed_cudnn_available(), pa._unavailable_reason()
+  q, k, v, cot, ids = _packed_case(groups)
+  scale = q.shape[-1] ** -0.5
+  valid = ids != 0
+
+  def attend(q, k, v):
+    if branch == "packed":     # the cuDNN packed-layout branch alone
+      seqlens, offsets, fits = pa.segment_layout(ids, 4)
+      out = pa._cudnn_packed(q, k, v, seqlens, offsets, valid, is_causal=causal, scale=scale)
+      return jnp.where(valid[:, :, None, None], out, 0)
+    # max_segments=1 cannot hold these rows: the masked fallback runs
+    return pa.packed_self_attention(q, k, v, ids, is_causal=causal, scale=scale,
+                                    max_segments=1 if branch == "fallback" else 4)
+
+  y, vjp = jax.jit(lambda *a: jax.vjp(attend, *a))(q, k, v)
+  grads = jax.jit(vjp)(cot)
+  ref_y, ref_grads = jax.jit(_masked_reference, static_argnums=5)(q, k, v, cot, ids, causal)
+  # bf16 inputs; cuDNN rounds the probabilities to bf16 for P.V: ~0.5% error.
+  assert _rel_on(y, ref_y, np.asarray(valid)) < 2e-2
+  pad = ~np.asarray(valid)
+  assert float(np.abs(np.asarray(y, np.float32)[pad]).max()) == 0.0
+  for name, g, rg in zip("qkv", grads, ref_grads):
+    # gradients go through two bf16 GEMMs more than the output: 2x the bound
+    assert _rel_on(g, rg, np.asarray(valid)) < 4e-2, name
+    assert float(np.abs(np.asarray(g, np.float32)[pad]).max()) == 0.0, name
+
+
+@pytest.mark.gpu
+def test_cuda_module_runs_packed_layout_and_matches_xla():
+  x = rand(0, (2, 256, 256)).astype(jnp.bfloat16)
+  ids = _packed_case(4)[-1]
+  auto = tfx.MultiHeadAttention(4, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+  xla = tfx.MultiHeadAttention(4, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+                               attention_impl="xla")
+  v = jax.jit(auto.init)(jax.random.key(1), x)
+  hlo = jax.jit(lambda v, x: auto.apply(v, x, segment_ids=ids)).lower(v, x).compile().as_text()
+  assert "cudnn" in hlo and "fmha" in hlo, "no cuDNN attention in the compiled module"
+  y = jax.jit(lambda v, x: auto.apply(v, x, segment_ids=ids))(v, x)
+  y_xla = jax.jit(lambda v, x: xla.apply(v, x, segment_ids=ids))(v, x)
+  # both bf16; the XLA path keeps the softmax in f32: ~1% apart
+  assert rel(y, y_xla) < 2e-2
+  assert float(jnp.abs(y[0, 213:]).max()) == 0.0

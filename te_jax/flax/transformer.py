@@ -60,6 +60,8 @@ class TransformerLayer(nn.Module):
     rotary_base: rotary frequency base.
     use_bias: biases on every projection (default False).
     attention_impl: "auto", "xla" or "cudnn" (see MultiHeadAttention).
+    max_segments_per_seq: documents per packed row in cuDNN's packed layout
+      (default 8; see MultiHeadAttention).
     dtype: compute/output dtype; None promotes input and param dtype.
     param_dtype: parameter dtype (default float32).
     kernel_init, bias_init: initializers of the projections.
@@ -86,6 +88,7 @@ class TransformerLayer(nn.Module):
   rotary_base: float = 10000.0
   use_bias: bool = False
   attention_impl: str = "auto"
+  max_segments_per_seq: int = 8
   dtype: Optional[Dtype] = None
   param_dtype: Dtype = jnp.float32
   kernel_init: Initializer = default_kernel_init
@@ -106,6 +109,7 @@ class TransformerLayer(nn.Module):
         attention_dropout=self.attention_dropout, enable_rotary_pos_emb=rotary,
         rotary_base=self.rotary_base, use_bias=self.use_bias,
         out_features=self.hidden_size, attention_impl=self.attention_impl,
+        max_segments_per_seq=self.max_segments_per_seq,
         dtype=dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
         bias_init=self.bias_init, name=name)
 

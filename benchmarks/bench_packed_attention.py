@@ -1,0 +1,106 @@
+"""Packed-row self attention on the GPU: time and memory per path.
+
+Attention core only (q, k, v given), fwd+bwd, bf16, causal, B x S tokens,
+heads x head_dim; the rows hold documents of 700, 500, 400, 300 and 148
+tokens (scaled to S; ``bench_layer._packed_segment_ids``). Paths:
+
+- ``plain``: cuDNN flash attention, causal, no segments (what an unpacked
+  batch costs; the documents are not separated).
+- ``packed_mN``: ``te_jax.flax.packed_attention.packed_self_attention``
+  with ``max_segments=N`` (cuDNN's packed layout behind ``lax.cond``).
+- ``packed_m1``: the same with room for 1 document per row, so the
+  device-side check fails and the masked cuDNN fallback runs.
+- ``xla``: XLA attention under the (B, 1, S, S) segment mask (the packed
+  path before 2026-12-01, and the path off GPU).
+
+Protocol: 3 warmup calls, then k back-to-back calls, median of repeats;
+"temp MiB" is XLA's compiled temporary allocation for the step
+(``memory_analysis().temp_size_in_bytes``), which holds cuDNN's workspace.
+
+  python benchmarks/bench_packed_attention.py             # H200 sizes
+  python benchmarks/bench_packed_attention.py --small     # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+try:  # an installed te_jax wins over the source tree
+  import te_jax  # pylint: disable=unused-import
+except ImportError:
+  sys.path.insert(0, os.path.dirname(_HERE))
+sys.path.insert(0, _HERE)
+
+
+def _step(path, ids, causal=True):
+  import jax
+  import jax.numpy as jnp
+  from te_jax.flax import packed_attention as pa
+
+  def attend(q, k, v):
+    scale = q.shape[-1] ** -0.5
+    if path == "plain":
+      return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
+    if path == "xla":
+      same = ids[:, None, :, None] == ids[:, None, None, :]
+      out = jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=causal,
+                                         implementation="xla")
+      return jnp.where((ids != 0)[:, :, None, None], out, 0)
+    m = int(path.removeprefix("packed_m"))
+    return pa.packed_self_attention(q, k, v, ids, is_causal=causal, max_segments=m,
+                                    scale=scale)
+
+  def loss(q, k, v):
+    return jnp.sum(jnp.square(attend(q, k, v).astype(jnp.float32)))
+
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))
+
+
+def main(argv=None):
+  import jax
+  import jax.numpy as jnp
+  from bench_layer import _packed_segment_ids
+
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--small", action="store_true")
+  p.add_argument("--paths", default="plain,packed_m4,packed_m8,packed_m16,packed_m32,"
+                 "packed_m1,xla")
+  p.add_argument("--k", type=int, default=10)
+  p.add_argument("--repeats", type=int, default=3)
+  args = p.parse_args(argv)
+  b, s, h, d = (2, 256, 4, 64) if args.small else (8, 2048, 32, 128)
+  ids = _packed_segment_ids(b, s)
+  keys = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys)
+  print(f"B {b}, S {s}, heads {h}, head_dim {d}, causal, bf16, fwd+bwd; "
+        f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
+  print("| path | ms | temp MiB |\n|---|---:|---:|")
+  for path in [x for x in args.paths.split(",") if x]:
+    step = _step(path, ids)
+    try:
+      compiled = step.lower(q, k, v).compile()
+      temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
+    except Exception as e:  # pylint: disable=broad-except
+      print(f"| {path} | failed: {str(e).splitlines()[0][:80]} | |")
+      continue
+    for _ in range(3):
+      out = compiled(q, k, v)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(args.repeats):
+      t0 = time.perf_counter()
+      for _ in range(args.k):
+        out = compiled(q, k, v)
+      jax.block_until_ready(out)
+      times.append((time.perf_counter() - t0) / args.k * 1e3)
+    print(f"| {path} | {statistics.median(times):.3f} | {temp:.0f} |", flush=True)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
