@@ -18,12 +18,13 @@ broadcastable to (B, heads, Sq, Skv), can be given as well.
 Implementation choice (``attention_impl``): "xla", "cudnn" or "auto". "auto"
 picks cuDNN flash attention on GPU for bfloat16/float16 with head_dim <= 128
 and a multiple of 8 and no attention dropout. Packed self attention
-(``segment_ids``, no extra ``mask``) then runs in cuDNN's packed layout
-(``te_jax.flax.packed_attention``): per-document offsets instead of a mask,
-for rows of at most ``max_segments_per_seq`` documents, each one contiguous
-run of its id; a batch that breaks either rule is detected on the device
-and runs cuDNN attention under the (B, 1, S, S) segment mask instead (same
-answer, slower). Other masks (cross attention with segment ids, an explicit
+(``segment_ids`` alone: no ``kv_segment_ids`` of its own, no ``mask``) then
+runs in cuDNN's packed layout (``te_jax.flax.packed_attention``):
+per-document offsets instead of a mask, for rows of at most
+``max_segments_per_seq`` documents, each one contiguous run of its id; a
+batch that breaks either rule is detected on the device and runs cuDNN
+attention under the (B, 1, S, S) segment mask instead (same answer,
+slower). Other masks (cross attention with segment ids, an explicit
 ``mask``) take XLA under "auto" (cuDNN in jax takes a mask only as a dense
 additive bias); "cudnn" forces cuDNN (the mask then becomes that bias).
 Attention dropout (``attention_dropout > 0`` and ``deterministic=False``)

@@ -155,8 +155,9 @@ def log_if_unavailable() -> bool:
 def _gradient_only_where(keep: jax.Array, x: jax.Array) -> jax.Array:
   """``x`` unchanged; its gradient zeroed where ``keep`` is False.
 
-  cuDNN's packed kernel does not write dq/dk/dv at positions outside every
-  document (padding), so their contents are not defined; this makes them 0.
+  cuDNN's packed layout does not specify dq/dk/dv at positions outside every
+  document (padding; jax's own tests mask them before comparing); this makes
+  them 0, so no garbage reaches the projections' weight gradients.
   """
   keep = keep[:, :, None, None]
   return jnp.where(keep, x, lax.stop_gradient(x))
