@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["pack_sequences", "padded_token_count", "pad_batch",
-           "segment_mask", "masked_mean", "next_token_targets"]
+           "segment_mask", "documents_per_row", "masked_mean", "next_token_targets"]
 
 _STRATEGIES = ("first_fit", "best_fit")
 _SPLIT_LONG = ("chunk", "error")
@@ -380,6 +380,25 @@ def segment_mask(segment_ids):
     [[True, True, True, False]]
   """
   return _xp(segment_ids).asarray(segment_ids) != 0
+
+
+def documents_per_row(segment_ids):
+  """Number of documents (runs of one nonzero segment id) in each row.
+
+  Packed attention in cuDNN's layout needs room for the fullest row:
+  size ``MultiHeadAttention.max_segments_per_seq`` /
+  ``TransformerLayer.max_segments_per_seq`` from batches like yours.
+
+  Example:
+    >>> documents_per_row(np.array([[1, 1, 2, 0], [1, 1, 1, 1]])).tolist()
+    [2, 1]
+  """
+  xp = _xp(segment_ids)
+  ids = xp.asarray(segment_ids)
+  if ids.ndim != 2:
+    raise ValueError(f"segment_ids must be (rows, seq_len), got shape {ids.shape}.")
+  prev = xp.concatenate([xp.zeros_like(ids[:, :1]), ids[:, :-1]], axis=1)
+  return xp.sum((ids != 0) & (ids != prev), axis=1)
 
 
 def masked_mean(values, segment_ids=None, *, mask=None):

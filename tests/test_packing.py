@@ -263,6 +263,19 @@ def test_segment_mask():
   assert np.asarray(packing.segment_mask(jnp.asarray(seg))).tolist() == expected
 
 
+def test_documents_per_row_counts_runs():
+  rows = [[1, 1, 0, 2, 2, 2, 0, 0], [3, 3, 3, 3, 3, 3, 3, 3], [0] * 8, [1, 2, 3, 0, 4, 0, 5, 5]]
+  np.testing.assert_array_equal(packing.documents_per_row(np.array(rows)), [2, 1, 0, 5])
+  got = jax.jit(packing.documents_per_row)(jnp.asarray(rows, jnp.int32))
+  np.testing.assert_array_equal(got, [2, 1, 0, 5])
+  # what pack_sequences makes: one run per document
+  tokens, seg, _ = packing.pack_sequences([np.arange(n) + 1 for n in (5, 3, 7, 2, 6)], 12)
+  want = [len(set(r.tolist()) - {0}) for r in seg]
+  np.testing.assert_array_equal(packing.documents_per_row(seg), want)
+  with pytest.raises(ValueError, match="rows, seq_len"):
+    packing.documents_per_row(np.array([1, 2]))
+
+
 def test_masked_mean_ignores_padding():
   rng = np.random.default_rng(2)
   _, seg, _ = packing.pack_sequences(_random_docs(rng, 40, 30), 32)

@@ -155,8 +155,8 @@ class MultiHeadAttention(nn.Module):
     out_features: output width; default the width of ``inputs_q``.
     attention_impl: "auto" (default), "xla" or "cudnn"; see the module docs.
     max_segments_per_seq: documents a packed row may hold in cuDNN's packed
-      layout (default 8); a batch with a fuller row takes the masked cuDNN
-      fallback. jax sizes cuDNN's buffers by it: each unit adds a float32
+      layout (default 8; ``te_jax.packing.documents_per_row`` counts them); a
+      batch with a fuller row takes the masked cuDNN fallback. jax sizes cuDNN's buffers by it: each unit adds a float32
       (B, S, heads, head_dim) gradient accumulator to the backward pass's
       scratch memory and some time (H200, 8 x 2048 tokens, 32 x 128 heads,
       5 documents per row, fwd+bwd: 8 -> 1.67 ms and 2.3 GB of scratch, 16
