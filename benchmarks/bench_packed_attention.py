@@ -19,6 +19,10 @@ Protocol: 3 warmup calls, then k back-to-back calls, median of repeats;
 
   python benchmarks/bench_packed_attention.py             # H200 sizes
   python benchmarks/bench_packed_attention.py --small     # smoke test
+  python benchmarks/bench_packed_attention.py --gpt-rows  # train_gpt's h200 batches
+
+``--gpt-rows``: the rows of ``examples/train_gpt.py``'s "h200" preset
+(16 x 2048 tokens of short documents, up to ~60 per row; 12 heads x 128).
 """
 
 from __future__ import annotations
@@ -70,11 +74,21 @@ def main(argv=None):
   p.add_argument("--small", action="store_true")
   p.add_argument("--paths", default="plain,packed_m4,packed_m8,packed_m16,packed_m32,"
                  "packed_m1,xla")
+  p.add_argument("--gpt-rows", action="store_true",
+                 help="the packed batches of examples/train_gpt.py's h200 preset")
   p.add_argument("--k", type=int, default=10)
   p.add_argument("--repeats", type=int, default=3)
   args = p.parse_args(argv)
   b, s, h, d = (2, 256, 4, 64) if args.small else (8, 2048, 32, 128)
   ids = _packed_segment_ids(b, s)
+  if args.gpt_rows:
+    sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "examples"))
+    import train_gpt  # pylint: disable=import-outside-toplevel
+    from te_jax import packing  # pylint: disable=import-outside-toplevel
+    b, s, h, d = 16, 2048, 12, 128
+    ids = jnp.asarray(train_gpt.make_batch(train_gpt.make_corpus(20000), 0, b, s)[1])
+    print(f"documents per row: max {int(packing.documents_per_row(ids).max())}, "
+          f"mean {float(packing.documents_per_row(ids).mean()):.1f}")
   keys = jax.random.split(jax.random.key(0), 3)
   q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys)
   print(f"B {b}, S {s}, heads {h}, head_dim {d}, causal, bf16, fwd+bwd; "
