@@ -51,7 +51,7 @@ def _step(path, ids, causal=True):
     if path == "plain":
       return jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")
     if path == "xla":
-      same = ids[:, None, :, None] == ids[:, None, None, :]
+      same = pa.segment_attention_mask(ids, ids)
       out = jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=causal,
                                          implementation="xla")
       return jnp.where((ids != 0)[:, :, None, None], out, 0)

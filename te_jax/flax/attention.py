@@ -49,6 +49,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from te_jax.flax import packed_attention
+from te_jax.flax.packed_attention import segment_attention_mask
 from te_jax.flax.dense import DenseGeneral, default_kernel_init
 
 __all__ = ["MultiHeadAttention", "apply_rotary", "segment_attention_mask"]
@@ -73,24 +74,6 @@ def apply_rotary(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> j
   x1, x2 = x32[..., :half], x32[..., half:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
-
-
-def segment_attention_mask(q_segment_ids: Optional[jax.Array],
-                           kv_segment_ids: Optional[jax.Array]) -> Optional[jax.Array]:
-  """(B, 1, Sq, Skv) boolean mask: True where query and key share a segment.
-
-  With only ``kv_segment_ids`` given, every query may attend to every
-  non-padding key (segment id != 0).
-  """
-  if kv_segment_ids is None:
-    if q_segment_ids is not None:
-      raise ValueError("q_segment_ids were given without kv_segment_ids: pass the "
-                       "key/value segment ids too (for self-attention, the same ids).")
-    return None
-  kv = kv_segment_ids[:, None, None, :]
-  if q_segment_ids is None:
-    return jnp.broadcast_to(kv != 0, kv.shape)
-  return q_segment_ids[:, None, :, None] == kv
 
 
 def _and_masks(a, b):

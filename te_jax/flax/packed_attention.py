@@ -31,16 +31,35 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from typing import Tuple
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["segment_layout", "packed_cudnn_available", "packed_self_attention"]
+__all__ = ["segment_attention_mask", "segment_layout", "packed_cudnn_available",
+           "packed_self_attention"]
 
 # cuDNN's ragged (packed) layout in flash attention: 9.6.0 and later.
 _MIN_CUDNN = 90600
+
+
+def segment_attention_mask(q_segment_ids: Optional[jax.Array],
+                           kv_segment_ids: Optional[jax.Array]) -> Optional[jax.Array]:
+  """(B, 1, Sq, Skv) boolean mask: True where query and key share a segment.
+
+  With only ``kv_segment_ids`` given, every query may attend to every
+  non-padding key (segment id != 0).
+  """
+  if kv_segment_ids is None:
+    if q_segment_ids is not None:
+      raise ValueError("q_segment_ids were given without kv_segment_ids: pass the "
+                       "key/value segment ids too (for self-attention, the same ids).")
+    return None
+  kv = kv_segment_ids[:, None, None, :]
+  if q_segment_ids is None:
+    return jnp.broadcast_to(kv != 0, kv.shape)
+  return q_segment_ids[:, None, :, None] == kv
 
 
 def segment_layout(segment_ids: jax.Array,
@@ -178,7 +197,7 @@ def _cudnn_packed(q, k, v, seqlens, offsets, valid, *, is_causal, scale):
 
 def _cudnn_masked(q, k, v, segment_ids, *, is_causal, scale):
   """cuDNN attention under the segment mask, as a (B, 1, S, S) bias."""
-  same = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+  same = segment_attention_mask(segment_ids, segment_ids)
   return jax.nn.dot_product_attention(q, k, v, mask=same, scale=scale,
                                       is_causal=is_causal, implementation="cudnn")
 
