@@ -373,14 +373,16 @@ def test_cuda_shape_support(monkeypatch):
   assert not aq.act_quantize_supported(65535 * 128 + 1, 128, 1)
   assert not aq.act_quantize_supported(0, 128, 1)
   # With the CUDA path chosen, an unsupported shape is a ValueError at trace
-  # time (before any custom call is built).
+  # time (before any custom call is built). Under jit "auto" traces the CUDA
+  # branch too (_native.dispatch), whatever platform it is compiled for.
   monkeypatch.setattr(aq._native, "resolve_impl", lambda impl: "cuda")
   h = jnp.zeros((16, 24), BF16)
+  fwd = jax.jit(lambda h: aq.act_quantize(h, ("silu", "linear"), mode="current", dtype=E4M3))
   with pytest.raises(ValueError, match="F % 8 == 0"):
-    aq.act_quantize(h, ("silu", "linear"), mode="current", dtype=E4M3)
+    fwd(h)
   with pytest.raises(ValueError, match="act_quantize_supported"):
     aq.dact_quantize(jnp.zeros((16, 12), BF16), h, ("silu", "linear"), mode="blockwise",
-                     dtype=E5M2)
+                     dtype=E5M2, impl="cuda")
 
 
 # ---------------------------------------------------------- GPU vs ref ---

@@ -8,9 +8,10 @@ Each FP8 result is compared with
     FWD_TOL = 0.08 (E4M3 GEMMs, ~3.5 % each) and GRAD_TOL = 0.15 (E5M2 output
     gradients, ~6-8 %); the bf16 compute used here adds < 0.5 %;
 (b) the same module and variables jitted on the CPU with every te_jax op on
-    the pure-JAX reference path. ``TE_JAX_IMPL=reference`` forces it: on a GPU
-    host "auto" means CUDA even for CPU arrays. The reference runs on the CPU
-    because XLA:GPU's float32 division is not correctly rounded (test_gpu_dense).
+    the pure-JAX reference path (``TE_JAX_IMPL=reference`` forces it; "auto"
+    takes it too for a CPU computation: test_cpu_arrays_on_gpu_host). The
+    reference runs on the CPU because XLA:GPU's float32 division is not
+    correctly rounded (test_gpu_dense).
 
 Modules compute in bfloat16 with float32 params; tokens, embed and mlp are
 multiples of 128, so GEMMs are unpadded and LayerNormMLP takes its fused core.
@@ -278,3 +279,45 @@ def test_two_layer_model_trains(name):
     for t in ("x", "kernel", "grad"):
       assert float(meta[t]["scale_inv"]) != float(
           s0.params[COLL]["layer_1"]["mlp"]["wo_fp8_meta"][t]["scale_inv"]), t
+
+
+# ---------------------------------------------- CPU arrays on a GPU host --
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_cpu_arrays_on_gpu_host(name):
+  """impl="auto" decides per compiled platform (te_jax.ops._native.dispatch).
+
+  A layer jitted for arrays on the host CPU runs the reference ops and XLA
+  attention: the same program, bit for bit, as with TE_JAX_IMPL=reference
+  (until 2026-12-01 "auto" chose the custom calls by the default backend and
+  such a program failed to compile). The GPU program holds only the CUDA
+  path: te_jax custom calls, cuDNN attention, and no conditional left over
+  from staging both.
+  """
+  layer = tfx.TransformerLayer(E, MLP, H, layer_type="decoder", dtype=BF16)
+  x = rand(0, (B, S, E)).astype(BF16)
+  cot = rand(7, (B, S, E)).astype(BF16)
+  seg = jnp.asarray(np.repeat([[1] * (S // 2) + [2] * (S // 4) + [0] * (S // 4)], B, 0),
+                    jnp.int32)
+
+  def step(v, x, seg, cot):
+    y, vjp = jax.vjp(lambda v, x: layer.apply(v, x, segment_ids=seg), v, x)
+    return y, vjp(cot)
+
+  def plain(v, x, cot):   # no segment ids: no packed-attention lax.cond either
+    y, vjp = jax.vjp(layer.apply, v, x)
+    return y, vjp(cot)
+
+  with te_jax.fp8_autocast(enabled=True, fp8_recipe=RECIPES[name]()):
+    v = nn.unbox(jax.jit(layer.init)(jax.random.key(1), x))
+    gpu = compile_gpu(plain, v, x, cot).as_text()
+    got = jax.jit(step)(*jax.device_put((v, x, seg, cot), CPU))
+    want = run_cpu(step, v, x, seg, cot)
+  assert_custom_call(gpu, "te_jax_gemm")
+  assert "cudnn" in gpu and "fmha" in gpu, "no cuDNN attention in the GPU program"
+  assert "conditional(" not in gpu
+  leaves = jax.tree.leaves(got)
+  assert all(leaf.devices() == {CPU} for leaf in leaves)
+  for a, b in zip(leaves, jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a, F32), np.asarray(b, F32))
+  assert float(jnp.abs(got[1][1].astype(F32)).max()) > 0   # gradients reach x

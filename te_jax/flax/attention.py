@@ -27,8 +27,10 @@ attention under the (B, 1, S, S) segment mask instead (same answer,
 slower). Other masks (cross attention with segment ids, an explicit
 ``mask``) take XLA under "auto" (cuDNN in jax takes a mask only as a dense
 additive bias); "cudnn" forces cuDNN (the mask then becomes that bias).
-Attention dropout (``attention_dropout > 0`` and ``deterministic=False``)
-uses an explicit softmax in float32. With ``segment_ids``, queries at
+Under "auto" the choice of cuDNN is staged with ``jax.lax.platform_dependent``
+beside the XLA path, so a computation compiled for a GPU host's CPU (arrays
+placed there) runs XLA attention. Attention dropout (``attention_dropout >
+0`` and ``deterministic=False``) uses an explicit softmax in float32. With ``segment_ids``, queries at
 padding positions (id 0) output 0 on every path.
 
 Rotary position embeddings (``enable_rotary_pos_emb``) rotate the two halves
@@ -180,20 +182,47 @@ class MultiHeadAttention(nn.Module):
     return (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
             and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0)
 
-  def _use_cudnn(self, q, has_mask, dropout) -> bool:
+  def _use_cudnn(self, q, has_mask) -> bool:
     if self.attention_impl == "cudnn":
       return True
     if self.attention_impl == "xla":
       return False
-    return not has_mask and not dropout and self._flash_shapes(q)
+    return not has_mask and self._flash_shapes(q)
 
-  def _use_packed(self, q, packed_self, extra_mask, dropout) -> bool:
+  def _use_packed(self, q, packed_self, extra_mask) -> bool:
     """Packed self attention in cuDNN's packed layout (see the module docs)."""
-    if not packed_self or extra_mask or dropout or self.attention_impl == "xla":
+    if not packed_self or extra_mask or self.attention_impl == "xla":
       return False
     if self.attention_impl == "auto" and not self._flash_shapes(q):
       return False
     return packed_attention.log_if_unavailable()
+
+  def _fused_or_xla(self, q, k, v, segment_ids, kv_segment_ids, self_attn, mask,
+                    full_mask, is_causal, head_dim):
+    """Attention without dropout: cuDNN (packed or not) where chosen, else XLA.
+
+    With attention_impl="auto" the cuDNN path is staged beside the XLA one by
+    ``lax.platform_dependent``, so that a computation compiled for the host
+    CPU of a GPU machine (CPU arrays) lowers the XLA path instead of failing.
+    """
+    def xla():
+      return jax.nn.dot_product_attention(q, k, v, mask=full_mask, is_causal=is_causal,
+                                          implementation="xla")
+    packed_self = segment_ids is not None and self_attn and kv_segment_ids is segment_ids
+    if self._use_packed(q, packed_self, mask is not None):
+      def fused():
+        return packed_attention.packed_self_attention(
+            q, k, v, segment_ids, is_causal=is_causal,
+            max_segments=self.max_segments_per_seq, scale=head_dim ** -0.5)
+    elif self._use_cudnn(q, full_mask is not None):
+      def fused():
+        return jax.nn.dot_product_attention(q, k, v, mask=full_mask, is_causal=is_causal,
+                                            implementation="cudnn")
+    else:
+      return xla()
+    if self.attention_impl == "auto":
+      return jax.lax.platform_dependent(cuda=fused, default=xla)
+    return fused()
 
   @nn.compact
   def __call__(self, inputs_q: jax.Array, inputs_kv: Optional[jax.Array] = None, *,
@@ -277,16 +306,8 @@ class MultiHeadAttention(nn.Module):
       out = _reference_attention(q, k, v, full_mask, is_causal,
                                  self.make_rng("dropout"), self.attention_dropout)
     else:
-      packed_self = (segment_ids is not None and self_attn
-                     and kv_segment_ids is segment_ids)
-      if self._use_packed(q, packed_self, mask is not None, dropout):
-        out = packed_attention.packed_self_attention(
-            q, k, v, segment_ids, is_causal=is_causal,
-            max_segments=self.max_segments_per_seq, scale=d ** -0.5)
-      else:
-        impl = "cudnn" if self._use_cudnn(q, full_mask is not None, dropout) else "xla"
-        out = jax.nn.dot_product_attention(q, k, v, mask=full_mask, is_causal=is_causal,
-                                           implementation=impl)
+      out = self._fused_or_xla(q, k, v, segment_ids, kv_segment_ids, self_attn, mask,
+                               full_mask, is_causal, d)
     if segment_ids is not None:      # padding queries output 0 on every path
       out = jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
     out = out.astype(compute)

@@ -5,7 +5,9 @@ built with nvcc and cuBLASLt. Every op takes ``impl``:
 
 * ``"auto"`` (default): CUDA when the module loaded and the default backend
   is a GPU, else the pure-JAX reference. On a GPU without the module a warning
-  is logged once.
+  is logged once. With the module on a GPU host, ``dispatch`` stages both
+  paths and the platform a computation is compiled for picks one: arrays
+  placed on the host CPU of a GPU machine get the reference.
 * ``"cuda"``: the custom call, or a ``RuntimeError`` saying why not.
 * ``"reference"``: the pure-JAX spec.
 
@@ -18,13 +20,15 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from typing import Callable, TypeVar
 
 import jax
 
-__all__ = ["cuda_available", "resolve_impl", "IMPLS"]
+__all__ = ["cuda_available", "dispatch", "resolve_impl", "IMPLS"]
 
 IMPLS = ("auto", "cuda", "reference")
 _log = logging.getLogger("te_jax")
+T = TypeVar("T")
 
 
 @functools.lru_cache(maxsize=None)
@@ -61,17 +65,23 @@ def _warn_once(reason: str):
                "reference path: %s", reason)
 
 
-def resolve_impl(impl: str) -> str:
-  """Maps ``impl`` ("auto", "cuda", "reference") to "cuda" or "reference"."""
+def _requested(impl: str) -> str:
+  """``impl`` checked, with ``TE_JAX_IMPL`` standing in for "auto"."""
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
-  if impl == "auto":
-    env = os.environ.get("TE_JAX_IMPL", "")
-    if env:
-      if env not in ("cuda", "reference"):
-        raise ValueError(
-            f"TE_JAX_IMPL must be 'cuda' or 'reference', got {env!r}.")
-      impl = env
+  env = os.environ.get("TE_JAX_IMPL", "") if impl == "auto" else ""
+  if env and env not in ("cuda", "reference"):
+    raise ValueError(f"TE_JAX_IMPL must be 'cuda' or 'reference', got {env!r}.")
+  return env or impl
+
+
+def resolve_impl(impl: str) -> str:
+  """Maps ``impl`` ("auto", "cuda", "reference") to "cuda" or "reference".
+
+  This is the choice for computations on the default backend; ``dispatch``
+  refines "auto" per computation.
+  """
+  impl = _requested(impl)
   if impl == "reference":
     return "reference"
   native, reason = _load_native()
@@ -85,3 +95,27 @@ def resolve_impl(impl: str) -> str:
   if gpu:  # a GPU user expects the kernels: say that they are not used
     _warn_once(reason)
   return "reference"
+
+
+def dispatch(impl: str, cuda_fn: Callable[[], T], reference_fn: Callable[[], T]) -> T:
+  """``cuda_fn()`` or ``reference_fn()``, as ``impl`` chooses.
+
+  Both take no arguments (close over the operands) and must return the same
+  pytree of shapes and dtypes. "cuda" (asked for, or by ``TE_JAX_IMPL``)
+  always calls ``cuda_fn``; "auto" where ``resolve_impl`` says "cuda" stages
+  both with ``jax.lax.platform_dependent`` and lowering keeps the one for the
+  platform being compiled for: the custom calls on a GPU, the reference for
+  a computation placed on the host CPU of a GPU machine. (A Python choice by
+  the default backend would send that CPU computation to custom calls that
+  have no CPU implementation: it would fail to compile.) Only the kept
+  branch is lowered, so a GPU program is the same as with ``cuda_fn`` alone.
+
+  Example::
+
+    y = dispatch("auto", lambda: kernel(x), lambda: reference(x))
+  """
+  if resolve_impl(impl) == "reference":
+    return reference_fn()
+  if _requested(impl) == "cuda":
+    return cuda_fn()
+  return jax.lax.platform_dependent(cuda=cuda_fn, default=reference_fn)

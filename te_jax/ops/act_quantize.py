@@ -332,12 +332,13 @@ def act_quantize(h: jax.Array, activations: Sequence[str], *, mode: str, dtype,
   acts = _check_activations(activations)
   f = _check_h(h, len(acts))
   dtype, scale = _check_quant_args(mode, dtype, scale, power_2_scale)
-  if _native.resolve_impl(impl) == "cuda":
+  def cuda():
     _check_cuda_shape(h.shape[0], f, len(acts))
     from te_jax.ops import act_quantize_cuda  # pylint: disable=import-outside-toplevel
     return act_quantize_cuda.act_quantize(h, None, acts, mode, dtype, scale, power_2_scale)
-  return _quantize_v(activation_forward(h, acts), mode=mode, dtype=dtype, scale=scale,
-                     power_2_scale=power_2_scale)
+  return _native.dispatch(impl, cuda, lambda: _quantize_v(
+      activation_forward(h, acts), mode=mode, dtype=dtype, scale=scale,
+      power_2_scale=power_2_scale))
 
 
 def dact_quantize(dz: jax.Array, h: jax.Array, activations: Sequence[str], *, mode: str,
@@ -358,9 +359,10 @@ def dact_quantize(dz: jax.Array, h: jax.Array, activations: Sequence[str], *, mo
   acts = _check_activations(activations)
   _check_dz(dz, h, len(acts))
   dtype, scale = _check_quant_args(mode, dtype, scale, power_2_scale)
-  if _native.resolve_impl(impl) == "cuda":
+  def cuda():
     _check_cuda_shape(dz.shape[0], dz.shape[1], len(acts))
     from te_jax.ops import act_quantize_cuda  # pylint: disable=import-outside-toplevel
     return act_quantize_cuda.act_quantize(h, dz, acts, mode, dtype, scale, power_2_scale)
-  return _quantize_v(activation_backward(dz, h, acts), mode=mode, dtype=dtype,
-                     scale=scale, power_2_scale=power_2_scale)
+  return _native.dispatch(impl, cuda, lambda: _quantize_v(
+      activation_backward(dz, h, acts), mode=mode, dtype=dtype, scale=scale,
+      power_2_scale=power_2_scale))

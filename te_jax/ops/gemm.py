@@ -90,7 +90,7 @@ def gemm(a: ScaledTensor, b: ScaledTensor, *, out_dtype=jnp.bfloat16,
     (M, N) array of ``out_dtype``.
   """
   _check(a, b, out_dtype, bias)
-  if _native.resolve_impl(impl) == "cuda":
+  def cuda():
     from te_jax.ops import gemm_cuda  # pylint: disable=import-outside-toplevel
     return gemm_cuda.gemm(a, b, jnp.dtype(out_dtype), bias, fast_accum)
-  return gemm_reference(a, b, out_dtype, bias)
+  return _native.dispatch(impl, cuda, lambda: gemm_reference(a, b, out_dtype, bias))

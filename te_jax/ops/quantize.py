@@ -212,13 +212,16 @@ def quantize_tensorwise(x: jax.Array, scale: jax.Array, dtype=jnp.float8_e4m3fn,
   dtype = check_fp8_dtype(dtype)
   if jnp.shape(scale) != ():
     raise ValueError(f"scale must be a scalar, got shape {jnp.shape(scale)}.")
-  if _native.resolve_impl(impl) == "cuda":
+  def cuda():
     from te_jax.ops import quantize_cuda  # pylint: disable=import-outside-toplevel
     data, data_t, amax = quantize_cuda.quantize_tensorwise(_as_2d(x), scale, dtype,
                                                             columnwise)
     return data.reshape(x.shape), data_t, amax
-  data, amax = quantize_tensorwise_reference(x, scale, dtype)
-  return data, (data.T if columnwise else None), amax
+
+  def reference():
+    data, amax = quantize_tensorwise_reference(x, scale, dtype)
+    return data, (data.T if columnwise else None), amax
+  return _native.dispatch(impl, cuda, reference)
 
 
 def quantize_current(x: jax.Array, dtype=jnp.float8_e4m3fn, *,
@@ -231,13 +234,16 @@ def quantize_current(x: jax.Array, dtype=jnp.float8_e4m3fn, *,
   """
   check_input(x, "x", 2 if columnwise else None)
   dtype = check_fp8_dtype(dtype)
-  if _native.resolve_impl(impl) == "cuda":
+  def cuda():
     from te_jax.ops import quantize_cuda  # pylint: disable=import-outside-toplevel
     data, data_t, scale_inv, amax = quantize_cuda.quantize_current(_as_2d(x), dtype,
                                                                    columnwise)
     return data.reshape(x.shape), data_t, scale_inv, amax
-  data, scale_inv, amax = quantize_current_reference(x, dtype)
-  return data, (data.T if columnwise else None), scale_inv, amax
+
+  def reference():
+    data, scale_inv, amax = quantize_current_reference(x, dtype)
+    return data, (data.T if columnwise else None), scale_inv, amax
+  return _native.dispatch(impl, cuda, reference)
 
 
 def quantize_from_amax(x: jax.Array, amax: jax.Array, dtype=jnp.float8_e4m3fn, *,
@@ -264,13 +270,16 @@ def quantize_from_amax(x: jax.Array, amax: jax.Array, dtype=jnp.float8_e4m3fn, *
   dtype = check_fp8_dtype(dtype)
   if jnp.shape(amax) != ():
     raise ValueError(f"amax must be a scalar, got shape {jnp.shape(amax)}.")
-  if _native.resolve_impl(impl) == "cuda":
+  def cuda():
     from te_jax.ops import quantize_cuda  # pylint: disable=import-outside-toplevel
     data, data_t, scale_inv = quantize_cuda.quantize_from_amax(_as_2d(x), amax, dtype,
                                                                columnwise)
     return data.reshape(x.shape), data_t, scale_inv
-  data, scale_inv = quantize_from_amax_reference(x, amax, dtype)
-  return data, (data.T if columnwise else None), scale_inv
+
+  def reference():
+    data, scale_inv = quantize_from_amax_reference(x, amax, dtype)
+    return data, (data.T if columnwise else None), scale_inv
+  return _native.dispatch(impl, cuda, reference)
 
 
 def quantize_blockwise(x: jax.Array, block_shape=(1, 128), dtype=jnp.float8_e4m3fn,
@@ -286,15 +295,18 @@ def quantize_blockwise(x: jax.Array, block_shape=(1, 128), dtype=jnp.float8_e4m3
   check_input(x, "x", 2)
   block_shape = check_block_shape(block_shape)
   dtype = check_fp8_dtype(dtype)
-  if _native.resolve_impl(impl) == "cuda":
+  def cuda():
     from te_jax.ops import quantize_cuda  # pylint: disable=import-outside-toplevel
     return quantize_cuda.quantize_blockwise(x, block_shape, dtype, power_2_scale,
                                             columnwise)
-  data, scale_inv = quantize_blockwise_reference(x, block_shape, dtype, power_2_scale)
-  if not columnwise:
-    return data, scale_inv, None, None
-  if block_shape[0] == block_shape[1]:  # square blocks: the transpose is exact
-    return data, scale_inv, data.T, scale_inv.T
-  data_t, scale_inv_t = quantize_blockwise_reference(x.T, block_shape, dtype,
-                                                     power_2_scale)
-  return data, scale_inv, data_t, scale_inv_t
+
+  def reference():
+    data, scale_inv = quantize_blockwise_reference(x, block_shape, dtype, power_2_scale)
+    if not columnwise:
+      return data, scale_inv, None, None
+    if block_shape[0] == block_shape[1]:  # square blocks: the transpose is exact
+      return data, scale_inv, data.T, scale_inv.T
+    data_t, scale_inv_t = quantize_blockwise_reference(x.T, block_shape, dtype,
+                                                       power_2_scale)
+    return data, scale_inv, data_t, scale_inv_t
+  return _native.dispatch(impl, cuda, reference)

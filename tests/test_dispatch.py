@@ -1,0 +1,114 @@
+"""impl="auto" and the platform a computation is compiled for (_native.dispatch).
+
+On a GPU machine with the CUDA module built, "auto" stages the custom calls
+and the pure-JAX reference side by side (``jax.lax.platform_dependent``);
+lowering keeps the custom calls for a GPU and the reference for the CPU. The
+CPU tests stand in for such a machine by making ``resolve_impl`` answer
+"cuda" for "auto" (``gpu_host``), then lower the same step for both
+platforms: the CPU program must be the reference path exactly, the GPU
+program must hold the te_jax custom calls and no reference arithmetic
+branch. (On the H200 the same is checked with real CPU arrays:
+tests/test_gpu_flax.py::test_cpu_arrays_on_gpu_host.)
+"""
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from te_jax import dense as dense_lib
+from te_jax import fp8_state
+from te_jax import fused_mlp
+from te_jax import recipe as recipe_lib
+from te_jax.ops import _native
+
+RECIPES = {"delayed": recipe_lib.DelayedScaling, "current": recipe_lib.Float8CurrentScaling,
+           "block": recipe_lib.Float8BlockScaling}
+M, K, F = 128, 256, 384
+
+
+@pytest.fixture
+def gpu_host(monkeypatch):
+  """resolve_impl as on a GPU machine with the module built: "auto" -> "cuda"."""
+  real = _native.resolve_impl
+  monkeypatch.delenv("TE_JAX_IMPL", raising=False)
+  monkeypatch.setattr(_native, "resolve_impl",
+                      lambda impl: "cuda" if _native._requested(impl) == "auto" else real(impl))
+
+
+def _operands():
+  """x, wi, wo on the CPU (also on a GPU machine: the CPU program is tested)."""
+  rng = np.random.default_rng(0)
+  x = rng.standard_normal((M, K))
+  wi = rng.standard_normal((K, F)) * K ** -0.5
+  wo = rng.standard_normal((F, K)) * F ** -0.5
+  return jax.device_put(tuple(jnp.asarray(a, jnp.bfloat16) for a in (x, wi, wo)),
+                        jax.devices("cpu")[0])
+
+
+def _step(name, impl="auto"):
+  """fwd+bwd of an FP8 dense followed by the fused FP8 MLP (every op kind:
+  quantize, act_quantize, dact_quantize, GEMM)."""
+  r = RECIPES[name]()
+  delayed = name == "delayed"
+  st = [fp8_state.init_dense_state(r.amax_history_len) if delayed else None for _ in "123"]
+
+  def loss(x, wi, wo):
+    y = dense_lib.fp8_dense(x, wi[:, :K], recipe=r, fp8_state=st[0], impl=impl)
+    z = fused_mlp.fp8_mlp(y, wi, wo, activations=("gelu",), recipe=r, wi_state=st[1],
+                          wo_state=st[2], impl=impl)
+    return jnp.sum(jnp.square(z.astype(jnp.float32)))
+  return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
+def _custom_calls(text):
+  return {t for t in ("te_jax_gemm", "te_jax_quantize", "te_jax_act_quantize") if t in text}
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_auto_on_gpu_host_lowers_per_platform(gpu_host, name):  # pylint: disable=unused-argument
+  args = _operands()
+  traced = jax.jit(_step(name)).trace(*args)
+  assert "platform_index" in str(traced.jaxpr)       # both paths were staged
+  gpu_text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert _custom_calls(gpu_text) == {"te_jax_gemm", "te_jax_quantize", "te_jax_act_quantize"}
+  cpu = jax.jit(_step(name)).lower(*args).compile()
+  assert not _custom_calls(cpu.as_text())
+  # The CPU program is the reference path: the same numbers, bit for bit.
+  got = cpu(*args)
+  want = jax.jit(_step(name, impl="reference"))(*args)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  assert float(jnp.abs(got[1][0]).max()) > 0      # a real step: gradients reach x
+
+
+def test_reference_is_never_staged(gpu_host, monkeypatch):  # pylint: disable=unused-argument
+  args = _operands()
+  traced = jax.jit(_step("current", impl="reference")).trace(*args)
+  assert "platform_index" not in str(traced.jaxpr)
+  assert not _custom_calls(traced.lower(lowering_platforms=("cuda",)).as_text())
+  monkeypatch.setenv("TE_JAX_IMPL", "reference")   # "auto" under the env variable
+  assert "platform_index" not in str(jax.jit(_step("current")).trace(*args).jaxpr)
+
+
+def test_auto_without_gpu_is_the_reference_alone(monkeypatch):
+  monkeypatch.delenv("TE_JAX_IMPL", raising=False)
+  if _native.cuda_available():
+    pytest.skip("a GPU with the module: 'auto' stages both paths here")
+  traced = jax.jit(_step("delayed")).trace(*_operands())
+  assert "platform_index" not in str(traced.jaxpr)
+
+
+def test_impl_errors(monkeypatch):
+  with pytest.raises(ValueError, match="impl must be one of"):
+    _native.dispatch("gpu", lambda: 0, lambda: 1)
+  monkeypatch.setenv("TE_JAX_IMPL", "fast")
+  with pytest.raises(ValueError, match="TE_JAX_IMPL must be"):
+    _native.dispatch("auto", lambda: 0, lambda: 1)
+  monkeypatch.setenv("TE_JAX_IMPL", "reference")
+  assert _native.dispatch("auto", lambda: 0, lambda: 1) == 1
+  if not _native.cuda_available():
+    monkeypatch.delenv("TE_JAX_IMPL")
+    with pytest.raises(RuntimeError, match="impl='cuda' was requested"):
+      _native.dispatch("cuda", lambda: 0, lambda: 1)
