@@ -15,8 +15,10 @@ markdown table for BENCHMARKS.md.
 (b) TransformerLayer (hidden 4096, 32 heads, mlp 16384, causal decoder) for
     each recipe vs FP8 off, plus the attention core alone
     (``jax.nn.dot_product_attention`` fwd+bwd, same implementation choice as
-    the module) and the whole MultiHeadAttention module with FP8 off, to give
-    attention's share of the step.
+    the module) and the whole MultiHeadAttention module with FP8 off and
+    under each recipe (``attn/te_<recipe>``, ratios against ``attn/module_off``);
+    a last table splits each layer step into MLP block, attention core,
+    attention projections and the rest, from those rows (``step_shares``).
 
 Timed step: ``jit(value_and_grad(loss, argnums=(params, input)))`` with loss
 ``mean(y**2)`` in fp32, the delayed-scaling state carried from each step to
@@ -70,12 +72,13 @@ LAYER_CONFIGS = ["layer/te_off", "layer/te_delayed", "layer/te_current", "layer/
                  "layer/te_block_unfused", "layer/te_delayed_fastacc",
                  "layer/te_current_fastacc", "layer/te_off_packed", "layer/te_block_packed",
                  "layer/te_block_packed_xla",
-                 "attn/core", "attn/module_off"]
+                 "attn/core", "attn/module_off", "attn/te_delayed", "attn/te_current",
+                 "attn/te_block"]
 CONFIGS = MLP_CONFIGS + LAYER_CONFIGS
 # Suffix of a configuration timed with its initial FP8 state every step, as
 # this script did before 2026-11-30 (see _fp8_carry.py): kept to show the gap.
 FROZEN = "_frozen"
-BASELINE = {"mlp": "mlp/te_off", "layer": "layer/te_off", "attn": "layer/te_off"}
+BASELINE = {"mlp": "mlp/te_off", "layer": "layer/te_off", "attn": "attn/module_off"}
 
 
 def sizes(small: bool):
@@ -339,7 +342,7 @@ def table(results, env, sz, k, repeats):
     base_name = BASELINE[r["config"].split("/")[0]]
     if "_packed" in r["config"]:   # packed rows against FP8 off on the same rows
       base_name += "_packed"
-    base = by.get(base_name)
+    base = by.get(base_name) if r["config"] != "attn/core" else None
     ratio = f"{base['ms'] / r['ms']:.2f}x" if base else "-"
     peak = f"{r['peak_bytes'] / 2**20:.0f}" if r.get("peak_bytes") else "n/a"
     dx = f"{r['dx_abs_max']:.3g}" if r.get("dx_abs_max") is not None else "-"
@@ -353,7 +356,37 @@ def table(results, env, sz, k, repeats):
     if module:
       share += f", whole attention module {100 * module['ms'] / layer['ms']:.0f}%"
     lines.append(share + ".")
+  lines += step_shares(by)
   return "\n".join(lines)
+
+
+def step_shares(by):
+  """Table lines splitting each TransformerLayer step into its parts.
+
+  From the rows that time each part alone, in its own process: the MLP block
+  (``mlp/te_<recipe>``, LayerNorm included), the attention core
+  (``attn/core``: bf16 cuDNN in every recipe), the attention projections
+  (the MultiHeadAttention module, ``attn/module_off`` or ``attn/te_<recipe>``,
+  minus the core) and the rest (the layer minus those: the attention's
+  LayerNorm, residual adds, and whatever the parts do not share when fused).
+  """
+  core = by.get("attn/core")
+  rows = []
+  for recipe in ("off", "delayed", "current", "block"):
+    layer, mlp = by.get(f"layer/te_{recipe}"), by.get(f"mlp/te_{recipe}")
+    module = by.get("attn/module_off" if recipe == "off" else f"attn/te_{recipe}")
+    if not (core and layer and mlp and module):
+      continue
+    total = layer["ms"]
+    parts = (mlp["ms"], core["ms"], module["ms"] - core["ms"],
+             total - mlp["ms"] - module["ms"])
+    rows.append(f"| {recipe} | {total:.3f} | "
+                + " | ".join(f"{v:.2f} ({100 * v / total:.0f}%)" for v in parts) + " |")
+  if not rows:
+    return []
+  return ["", "TransformerLayer step by part (ms and share; each part timed alone):", "",
+          "| recipe | layer ms | MLP block | attention core (bf16) | attention projections "
+          "| rest |", "|---|---:|---:|---:|---:|---:|"] + rows
 
 
 def main(argv=None):

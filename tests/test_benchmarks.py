@@ -14,6 +14,7 @@ from te_jax import recipe as recipe_lib
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
 from _fp8_carry import carry_fp8_state  # noqa: E402  pylint: disable=wrong-import-position
+import bench_layer  # noqa: E402  pylint: disable=wrong-import-position
 
 
 def _scale_invs(variables):
@@ -44,3 +45,17 @@ def test_carry_advances_delayed_state_and_leaves_params():
 def test_carry_without_fp8_collection_is_identity():
   variables = {"params": {"w": jnp.ones(3)}}
   assert carry_fp8_state(variables, {"params": {"w": jnp.zeros(3)}}) is variables
+
+
+def test_step_shares_split_each_layer_step():
+  ms = {"layer/te_off": 30.0, "mlp/te_off": 18.0, "attn/module_off": 10.0, "attn/core": 2.5,
+        "layer/te_block": 20.0, "mlp/te_block": 12.0, "attn/te_block": 6.5,
+        "layer/te_delayed": 19.0, "mlp/te_delayed": 11.0}       # no attn/te_delayed row
+  by = {name: {"ms": v} for name, v in ms.items()}
+  rows = [line for line in bench_layer.step_shares(by) if line.startswith("| off")
+          or line.startswith("| block") or line.startswith("| delayed")]
+  assert rows == [
+      "| off | 30.000 | 18.00 (60%) | 2.50 (8%) | 7.50 (25%) | 2.00 (7%) |",
+      "| block | 20.000 | 12.00 (60%) | 2.50 (12%) | 4.00 (20%) | 1.50 (8%) |"]
+  del by["attn/core"]
+  assert bench_layer.step_shares(by) == []
