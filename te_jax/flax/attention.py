@@ -27,11 +27,12 @@ attention under the (B, 1, S, S) segment mask instead (same answer,
 slower). Other masks (cross attention with segment ids, an explicit
 ``mask``) take XLA under "auto" (cuDNN in jax takes a mask only as a dense
 additive bias); "cudnn" forces cuDNN (the mask then becomes that bias).
-Under "auto" the choice of cuDNN is staged with ``jax.lax.platform_dependent``
-beside the XLA path, so a computation compiled for a GPU host's CPU (arrays
-placed there) runs XLA attention. Attention dropout (``attention_dropout >
-0`` and ``deterministic=False``) uses an explicit softmax in float32. With ``segment_ids``, queries at
-padding positions (id 0) output 0 on every path.
+Under "auto" the cuDNN path is staged beside the XLA one with
+``jax.lax.platform_dependent``, so a computation compiled for a GPU host's
+CPU (arrays placed there) runs XLA attention. Attention dropout
+(``attention_dropout > 0`` and ``deterministic=False``) uses an explicit
+softmax in float32. With ``segment_ids``, queries at padding positions (id
+0) output 0 on every path.
 
 Rotary position embeddings (``enable_rotary_pos_emb``) rotate the two halves
 of each head's Q and K ("rotate-half"/GPT-NeoX layout) by angle
@@ -141,7 +142,8 @@ class MultiHeadAttention(nn.Module):
     attention_impl: "auto" (default), "xla" or "cudnn"; see the module docs.
     max_segments_per_seq: documents a packed row may hold in cuDNN's packed
       layout (default 8; ``te_jax.packing.documents_per_row`` counts them); a
-      batch with a fuller row takes the masked cuDNN fallback. jax sizes cuDNN's buffers by it: each unit adds a float32
+      batch with a fuller row takes the masked cuDNN fallback. jax sizes
+      cuDNN's buffers by it: each unit adds a float32
       (B, S, heads, head_dim) gradient accumulator to the backward pass's
       scratch memory and some time (H200, 8 x 2048 tokens, 32 x 128 heads,
       5 documents per row, fwd+bwd: 8 -> 1.67 ms and 2.3 GB of scratch, 16

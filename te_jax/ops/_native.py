@@ -108,7 +108,9 @@ def dispatch(impl: str, cuda_fn: Callable[[], T], reference_fn: Callable[[], T])
   a computation placed on the host CPU of a GPU machine. (A Python choice by
   the default backend would send that CPU computation to custom calls that
   have no CPU implementation: it would fail to compile.) Only the kept
-  branch is lowered, so a GPU program is the same as with ``cuda_fn`` alone.
+  branch is lowered, so a GPU program is the same as with ``cuda_fn`` alone;
+  both are traced, so checks in ``cuda_fn`` (shapes the kernels take) raise
+  for a CPU computation too.
 
   Example::
 
