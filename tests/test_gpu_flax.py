@@ -304,13 +304,10 @@ def test_cpu_arrays_on_gpu_host(name):
     y, vjp = jax.vjp(lambda v, x: layer.apply(v, x, segment_ids=seg), v, x)
     return y, vjp(cot)
 
-  def plain(v, x, cot):   # no segment ids: no packed-attention lax.cond either
-    y, vjp = jax.vjp(layer.apply, v, x)
-    return y, vjp(cot)
-
   with te_jax.fp8_autocast(enabled=True, fp8_recipe=RECIPES[name]()):
     v = nn.unbox(jax.jit(layer.init)(jax.random.key(1), x))
-    gpu = compile_gpu(plain, v, x, cot).as_text()
+    # no segment ids here: no packed-attention lax.cond either
+    gpu = compile_gpu(vjp_fn(layer.apply), v, x, cot).as_text()
     got = jax.jit(step)(*jax.device_put((v, x, seg, cot), CPU))
     want = run_cpu(step, v, x, seg, cot)
   assert_custom_call(gpu, "te_jax_gemm")
