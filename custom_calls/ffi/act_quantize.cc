@@ -17,6 +17,10 @@
 // (kernels/quantize.h), act1 = -1 when not gated. The columnwise copy (the
 // quantization of v.T) is always written. The FP8 format is read off the
 // element type of `data`.
+//
+// Every handler here is declared command-buffer compatible: it only launches
+// kernels and memsets on XLA's stream into the buffers XLA passes (XLA may
+// record it once in a CUDA graph and replay it).
 #include "ffi/quantize_common.h"
 
 namespace te_jax {
@@ -147,7 +151,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxActQuantizeTensorwise, TensorwiseImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()      // amax () = max|v|
                                   .Attr<int64_t>("backward")         // 0: act, 1: dact
                                   .Attr<int64_t>("act0")             // ActId
-                                  .Attr<int64_t>("act1"));           // ActId or -1
+                                  .Attr<int64_t>("act1"),            // ActId or -1
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxActQuantizeCurrent, CurrentImpl,
                               ffi::Ffi::Bind()
@@ -161,7 +166,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxActQuantizeCurrent, CurrentImpl,
                                   .Attr<int64_t>("backward")         // 0: act, 1: dact
                                   .Attr<int64_t>("act0")             // ActId
                                   .Attr<int64_t>("act1")             // ActId or -1
-                                  .Attr<int64_t>("power_2_scale"));  // 0/1
+                                  .Attr<int64_t>("power_2_scale"),   // 0/1
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxActQuantizeBlockwise, BlockwiseImpl,
                               ffi::Ffi::Bind()
@@ -175,6 +181,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxActQuantizeBlockwise, BlockwiseImpl,
                                   .Attr<int64_t>("backward")         // 0: act, 1: dact
                                   .Attr<int64_t>("act0")             // ActId
                                   .Attr<int64_t>("act1")             // ActId or -1
-                                  .Attr<int64_t>("power_2_scale"));  // 0/1
+                                  .Attr<int64_t>("power_2_scale"),   // 0/1
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax

@@ -17,6 +17,13 @@
 // gemm_cuda.py checks all of this at trace time; the handler checks it again
 // because the target can be called directly (jax.ffi.ffi_call) and a wrong
 // buffer would otherwise reach cuBLASLt as an out-of-bounds read or garbage.
+//
+// Command buffers. The handler is declared kCmdBufferCompatible, so XLA may
+// run it under stream capture and replay the recorded CUDA graph. Hence it
+// touches only the buffers XLA hands it: cuBLASLt's workspace is a second
+// result (a scratch buffer XLA allocates and frees like any temporary, so
+// concurrent GEMMs never share one), and the only one-time host work (the
+// cuBLASLt handle, the heuristic) runs in relaxed capture mode.
 #include <cublasLt.h>
 
 #include <array>
@@ -34,7 +41,10 @@ namespace {
 
 namespace ffi = xla::ffi;
 
-constexpr size_t kWorkspaceBytes = 32u << 20;  // what cuBLASLt's Hopper kernels may use
+// cuBLASLt wants a 256-byte aligned workspace; XLA guarantees 16 bytes for
+// any buffer, so the handler skips up to this many leading bytes (the Python
+// side allocates 32 MiB + 256, what cuBLASLt's Hopper kernels may use).
+constexpr uintptr_t kWorkspaceAlign = 256;
 
 ffi::Error LtError(cublasStatus_t s, const char* what) {
   if (s == CUBLAS_STATUS_SUCCESS) return ffi::Error::Success();
@@ -75,30 +85,11 @@ struct Pref {
   ~Pref() { if (p) cublasLtMatmulPreferenceDestroy(p); }
 };
 
-// Makes `dev` current for the handler's scope. XLA already runs the handler
-// with the stream's device current; the guard only matters if it did not, so
-// that cudaMalloc, the handle and the launches all land on the stream's device.
-struct DeviceGuard {
-  int prev = -1;
-  ffi::Error Enter(int dev) {
-    TE_TRY(CudaError(cudaGetDevice(&prev), "gemm (cudaGetDevice)"));
-    if (prev == dev) { prev = -1; return ffi::Error::Success(); }
-    return CudaError(cudaSetDevice(dev), "gemm (cudaSetDevice)");
-  }
-  ~DeviceGuard() { if (prev >= 0) cudaSetDevice(prev); }
-};
-
-// The device that owns `stream`: the caches below are per device, so take it
-// from the stream itself where the runtime can tell (cudaStreamGetDevice, CUDA
-// >= 12.8; only used from 13.0 on so that a 12.x build never needs a newer
-// libcudart.so.12 than the one jax loaded), else the current device.
-ffi::Error StreamDevice(cudaStream_t stream, int* dev) {
-#if CUDART_VERSION >= 13000
-  return CudaError(cudaStreamGetDevice(stream, dev), "gemm (cudaStreamGetDevice)");
-#else
-  (void)stream;
+// The device the handler runs on: XLA makes the stream's device current
+// before it calls a handler. (cudaStreamGetDevice would name it exactly, but
+// a capturing stream may not be queried: it fails under command buffers.)
+ffi::Error CurrentDevice(int* dev) {
   return CudaError(cudaGetDevice(dev), "gemm (cudaGetDevice)");
-#endif
 }
 
 // Largest power of two (<= 256, cuBLASLt's default assumption) dividing p.
@@ -111,27 +102,30 @@ uint32_t Alignment(const void* p) {
 
 // Everything the heuristic's answer depends on: device, m, n, k, A/B/D types,
 // modes, fast accumulation, bias type (-1 none), whether the fused epilogue
-// may be tried, and the A/B/D pointer alignments.
-using Key = std::array<int64_t, 14>;
+// may be tried, the A/B/D pointer alignments and the workspace size.
+using Key = std::array<int64_t, 15>;
 struct Plan {
   cublasLtMatmulAlgo_t algo;
   bool fused_bias;  // false: bias (if any) added by the fallback kernel
 };
 
-// One handle per device, one plan per key and one workspace per (device,
-// stream), created on first use. The mutex guards the maps only; a handle is
-// thread-safe for cublasLtMatmul (stream and workspace are per call) and plans
-// are copied out before use. A workspace is only ever used on its own stream,
-// so stream order serializes the GEMMs that share it. (The handler is not
-// declared command-buffer compatible, so XLA never captures it in a CUDA graph,
-// where the per-stream reasoning and the cudaMalloc would not hold.)
+// Relaxed stream-capture mode for this thread during the scope. Under XLA's
+// (thread-local) capture, calls that may synchronize or allocate are errors
+// and invalidate the capture; cublasLtCreate may allocate. Relaxed mode lets
+// them run without being recorded; nothing in the scope touches the stream.
+struct RelaxedCapture {
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode); }
+  ~RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode); }
+};
+
+// One handle per device and one plan per key, created on first use. The
+// mutex guards the maps only; a handle is thread-safe for cublasLtMatmul
+// (stream and workspace are per call) and plans are copied out before use.
 struct State {
   std::mutex mu;
   std::map<int, cublasLtHandle_t> handles;
   std::map<Key, Plan> plans;
-  // Own cudaMalloc, never freed: XLA's FFI scratch allocator refused 32 MiB
-  // on the H200 (jax 0.11.2).
-  std::map<std::pair<int, cudaStream_t>, void*> workspaces;
 };
 State& GetState() {
   static State* s = new State;  // leaked on purpose: no teardown-order issues
@@ -195,7 +189,7 @@ cublasStatus_t SetPref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAtt
 
 ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_sinv,
                     ffi::AnyBuffer b_sinv, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
-                    int64_t a_mode, int64_t b_mode, int64_t fast_accum, int64_t has_bias) {
+                    ffi::Result<ffi::AnyBuffer> workspace_buf, int64_t a_mode, int64_t b_mode, int64_t fast_accum, int64_t has_bias) {
   // ---- validation: every buffer against the (M, N, K) of a and b ----
   auto ad = a.dimensions(), bd = b.dimensions(), od = out->dimensions();
   if (ad.size() != 2 || bd.size() != 2 || ad[1] != bd[1])
@@ -238,9 +232,7 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   }
   if (M == 0 || N == 0) return ffi::Error::Success();
   int dev = 0;
-  TE_TRY(StreamDevice(stream, &dev));
-  DeviceGuard guard;
-  TE_TRY(guard.Enter(dev));
+  TE_TRY(CurrentDevice(&dev));
   void* d = out->untyped_data();
   if (K == 0) {  // empty sum: cuBLASLt does not take k = 0
     TE_TRY(CudaError(cudaMemsetAsync(d, 0, out->size_bytes(), stream), "gemm (K=0 zero fill)"));
@@ -264,25 +256,26 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   const uint32_t align_b = Alignment(a.untyped_data());
   const uint32_t align_d = Alignment(d);
 
+  // The workspace, rounded up to cuBLASLt's alignment; a buffer too small to
+  // hold any is passed as none (cuBLASLt then picks workspace-free kernels).
+  const uintptr_t ws_raw = reinterpret_cast<uintptr_t>(workspace_buf->untyped_data());
+  const uintptr_t ws_skip = (kWorkspaceAlign - ws_raw % kWorkspaceAlign) % kWorkspaceAlign;
+  const size_t ws_total = workspace_buf->size_bytes();
+  const size_t ws_bytes = ws_total > ws_skip ? ws_total - ws_skip : 0;
+  void* workspace = ws_bytes ? reinterpret_cast<void*>(ws_raw + ws_skip) : nullptr;
+
   // ---- per-device state ----
   State& st = GetState();
   cublasLtHandle_t handle;
-  void* workspace = nullptr;
   {
     std::lock_guard<std::mutex> lock(st.mu);
     auto it = st.handles.find(dev);
     if (it == st.handles.end()) {
+      RelaxedCapture relaxed;
       TE_LT(cublasLtCreate(&handle), "cublasLtCreate");
       st.handles[dev] = handle;
     } else {
       handle = it->second;
-    }
-    auto ws = st.workspaces.find({dev, stream});
-    if (ws == st.workspaces.end()) {
-      TE_TRY(CudaError(cudaMalloc(&workspace, kWorkspaceBytes), "gemm (32 MiB workspace)"));
-      st.workspaces[{dev, stream}] = workspace;
-    } else {
-      workspace = ws->second;
     }
   }
 
@@ -319,7 +312,8 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   TE_LT(cublasLtMatrixLayoutCreate(&lc.l, td, N, M, N), "layout C/D");
 
   const Key key{dev, M, N, K, ta, tb, td, a_mode * 4 + b_mode, fast,
-                has_bias ? static_cast<int64_t>(tbias) : -1, try_fused, align_a, align_b, align_d};
+                has_bias ? static_cast<int64_t>(tbias) : -1, try_fused, align_a, align_b, align_d,
+                static_cast<int64_t>(ws_bytes)};
   Plan plan;
   bool cached = false;
   {
@@ -328,9 +322,10 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
     if (it != st.plans.end()) { plan = it->second; cached = true; }
   }
   if (!cached) {
+    RelaxedCapture relaxed;  // host-only, but may load cuBLASLt's kernel tables
     Pref pref;
     TE_LT(cublasLtMatmulPreferenceCreate(&pref.p), "PreferenceCreate");
-    const uint64_t ws = kWorkspaceBytes;
+    const uint64_t ws = ws_bytes;
     TE_LT(cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                                                &ws, sizeof(ws)),
           "set MAX_WORKSPACE_BYTES");
@@ -367,7 +362,7 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   TE_TRY(make_desc(plan.fused_bias, &desc));
   const float alpha = 1.f, beta = 0.f;
   TE_LT(cublasLtMatmul(handle, desc.d, &alpha, b.untyped_data(), la.l, a.untyped_data(), lb.l,
-                       &beta, d, lc.l, d, lc.l, &plan.algo, workspace, kWorkspaceBytes, stream),
+                       &beta, d, lc.l, d, lc.l, &plan.algo, workspace, ws_bytes, stream),
         "cublasLtMatmul");
   if (has_bias && !plan.fused_bias) {
     return CudaError(LaunchAddBias(d, out_code, bias.untyped_data(), bias_code, M, N, stream),
@@ -378,6 +373,7 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
 
 }  // namespace
 
+// Command-buffer compatible: see the top of the file.
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxGemm, GemmImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -387,9 +383,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxGemm, GemmImpl,
                                   .Arg<ffi::AnyBuffer>()          // b_sinv f32: () or block layout
                                   .Arg<ffi::AnyBuffer>()          // bias (N,) or (0,) placeholder
                                   .Ret<ffi::AnyBuffer>()          // out (M, N) bf16/fp16/fp32
+                                  .Ret<ffi::AnyBuffer>()          // workspace (bytes,) uint8 scratch
                                   .Attr<int64_t>("a_mode")        // 0 tensor, 1 VEC128, 2 BLK128x128
                                   .Attr<int64_t>("b_mode")
                                   .Attr<int64_t>("fast_accum")    // 0/1, per-tensor only
-                                  .Attr<int64_t>("has_bias"));    // 0/1
+                                  .Attr<int64_t>("has_bias"),     // 0/1
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax

@@ -9,6 +9,10 @@
 // The FP8 format is read off the element type of `data`; the columnwise copy
 // is written only when `columnwise` != 0 (Python then passes a real (K, M)
 // result, else a 0-element placeholder).
+//
+// Every handler here is declared command-buffer compatible: it only launches
+// kernels and memsets on XLA's stream into the buffers XLA passes (XLA may
+// record it once in a CUDA graph and replay it).
 #include "ffi/quantize_common.h"
 
 namespace te_jax {
@@ -121,7 +125,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxQuantizeTensorwise, TensorwiseImpl,
                                   .Ret<ffi::AnyBuffer>()             // data (M, K) fp8
                                   .Ret<ffi::AnyBuffer>()             // data_t (K, M) fp8 or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()      // amax ()
-                                  .Attr<int64_t>("columnwise"));
+                                  .Attr<int64_t>("columnwise"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxQuantizeCurrent, CurrentImpl,
                               ffi::Ffi::Bind()
@@ -131,7 +136,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxQuantizeCurrent, CurrentImpl,
                                   .Ret<ffi::AnyBuffer>()             // data_t (K, M) fp8 or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()      // scale_inv ()
                                   .Ret<ffi::Buffer<ffi::F32>>()      // amax ()
-                                  .Attr<int64_t>("columnwise"));
+                                  .Attr<int64_t>("columnwise"),
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxQuantizeFromAmax, FromAmaxImpl,
                               ffi::Ffi::Bind()
@@ -141,7 +147,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxQuantizeFromAmax, FromAmaxImpl,
                                   .Ret<ffi::AnyBuffer>()             // data (M, K) fp8
                                   .Ret<ffi::AnyBuffer>()             // data_t (K, M) fp8 or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()      // scale_inv ()
-                                  .Attr<int64_t>("columnwise"));     // 0/1
+                                  .Attr<int64_t>("columnwise"),      // 0/1
+                              {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxQuantizeBlockwise, BlockwiseImpl,
                               ffi::Ffi::Bind()
@@ -153,6 +160,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxQuantizeBlockwise, BlockwiseImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()      // sinv_t, native layout or empty
                                   .Attr<int64_t>("block_rows")       // 1 (1x128) or 128 (128x128)
                                   .Attr<int64_t>("power_2_scale")    // 0/1
-                                  .Attr<int64_t>("columnwise"));     // 0/1
+                                  .Attr<int64_t>("columnwise"),      // 0/1
+                              {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax

@@ -23,12 +23,17 @@ import numpy as np
 
 from te_jax.scaled_tensor import ScaledTensor
 
-__all__ = ["gemm", "native_scale"]
+__all__ = ["WORKSPACE", "gemm", "native_scale"]
 
 _MODES = {None: 0, (1, 128): 1, (128, 128): 2}
 _BIAS_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _OUT_DTYPES = _BIAS_DTYPES
 _E4M3, _E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+# cuBLASLt's scratch, a second (discarded) result so that XLA allocates it as
+# a temporary: the handler then allocates nothing itself and can be recorded
+# in XLA's command buffers (CUDA graphs). 32 MiB is what cuBLASLt's Hopper
+# kernels may use; +256 bytes let the handler align it to 256.
+WORKSPACE = jax.ShapeDtypeStruct(((32 << 20) + 256,), jnp.uint8)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -94,8 +99,10 @@ def gemm(a: ScaledTensor, b: ScaledTensor, out_dtype, bias: Optional[jax.Array] 
     if bias.shape != (n,):
       raise ValueError(f"bias must have shape ({n},), got {bias.shape}.")
     bias_arg = bias
-  out = jax.ffi.ffi_call("te_jax_gemm", jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype)))(
-      a.data, b.data, a_s, b_s, bias_arg,
-      a_mode=np.int64(a_mode), b_mode=np.int64(b_mode),
-      fast_accum=np.int64(bool(fast_accum)), has_bias=np.int64(bias is not None))
+  out, _ = jax.ffi.ffi_call(
+      "te_jax_gemm",
+      (jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype)), WORKSPACE))(
+          a.data, b.data, a_s, b_s, bias_arg,
+          a_mode=np.int64(a_mode), b_mode=np.int64(b_mode),
+          fast_accum=np.int64(bool(fast_accum)), has_bias=np.int64(bias is not None))
   return out
