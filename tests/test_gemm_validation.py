@@ -79,9 +79,9 @@ def _compile(a, b, a_sinv, b_sinv, out_shape, out_dtype=BF16, bias=None, a_mode=
   _native.resolve_impl("cuda")  # registers the targets (or raises)
   has_bias = bias is not None
   bias = jnp.zeros((0,), BF16) if bias is None else bias
+  workspace = gemm_cuda.WORKSPACE if workspace is None else workspace
   call = jax.ffi.ffi_call(
-      "te_jax_gemm",
-      (jax.ShapeDtypeStruct(out_shape, jnp.dtype(out_dtype)), workspace if workspace is not None else gemm_cuda.WORKSPACE))
+      "te_jax_gemm", (jax.ShapeDtypeStruct(out_shape, jnp.dtype(out_dtype)), workspace))
 
   def f(*ops):
     ops = pre(*ops) if pre else ops

@@ -21,9 +21,9 @@
 // Command buffers. The handler is declared kCmdBufferCompatible, so XLA may
 // run it under stream capture and replay the recorded CUDA graph. Hence it
 // touches only the buffers XLA hands it: cuBLASLt's workspace is a second
-// result (a scratch buffer XLA allocates and frees like any temporary, so
-// concurrent GEMMs never share one), and the only one-time host work (the
-// cuBLASLt handle, the heuristic) runs in relaxed capture mode.
+// result (a temporary of XLA's buffer assignment, live only during the call,
+// as the workspace of XLA's own cuBLAS GEMMs is), and the one-time host work
+// (the cuBLASLt handle, the heuristic) runs in relaxed capture mode.
 #include <cublasLt.h>
 
 #include <array>
@@ -31,7 +31,6 @@
 #include <map>
 #include <mutex>
 #include <string>
-#include <utility>
 
 #include "ffi/common.h"
 #include "kernels/bias.h"
@@ -189,7 +188,8 @@ cublasStatus_t SetPref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAtt
 
 ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_sinv,
                     ffi::AnyBuffer b_sinv, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
-                    ffi::Result<ffi::AnyBuffer> workspace_buf, int64_t a_mode, int64_t b_mode, int64_t fast_accum, int64_t has_bias) {
+                    ffi::Result<ffi::AnyBuffer> workspace_buf, int64_t a_mode, int64_t b_mode,
+                    int64_t fast_accum, int64_t has_bias) {
   // ---- validation: every buffer against the (M, N, K) of a and b ----
   auto ad = a.dimensions(), bd = b.dimensions(), od = out->dimensions();
   if (ad.size() != 2 || bd.size() != 2 || ad[1] != bd[1])
