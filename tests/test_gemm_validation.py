@@ -69,6 +69,22 @@ def test_trace_time_bias_errors(bias, exc, msg):
     gemm_cuda.gemm(_st((32, 64)), _st((48, 64)), BF16, bias)
 
 
+def test_workspace_is_a_result():
+  """The custom call asks XLA for cuBLASLt's workspace as a second result (a
+  temporary XLA allocates), so the handler allocates nothing and XLA may
+  record it in command buffers; the op returns only the product. Checked on
+  the GPU lowering, which a CPU machine can produce."""
+  a, b = _st((32, 256)), _st((48, 256))
+  lowered = jax.jit(lambda a, b: gemm_cuda.gemm(a, b, BF16)).trace(a, b).lower(
+      lowering_platforms=("cuda",))
+  calls = [l for l in lowered.as_text().splitlines() if "te_jax_gemm" in l]
+  assert len(calls) == 1, calls
+  nbytes = gemm_cuda.WORKSPACE.shape[0]
+  assert nbytes >= 32 << 20 and gemm_cuda.WORKSPACE.dtype == jnp.uint8
+  assert f"-> (tensor<32x48xbf16>, tensor<{nbytes}xui8>)" in calls[0], calls[0]
+  assert lowered.out_info.shape == (32, 48)
+
+
 # ------------------------------------------------ the handler (GPU only) ---
 
 def _compile(a, b, a_sinv, b_sinv, out_shape, out_dtype=BF16, bias=None, a_mode=0, b_mode=0,
