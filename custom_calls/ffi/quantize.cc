@@ -10,9 +10,10 @@
 // is written only when `columnwise` != 0 (Python then passes a real (K, M)
 // result, else a 0-element placeholder).
 //
-// Every handler here is declared command-buffer compatible: it only launches
-// kernels and memsets on XLA's stream into the buffers XLA passes (XLA may
-// record it once in a CUDA graph and replay it).
+// Every handler here is declared command-buffer compatible (XLA may record it
+// in a CUDA graph by stream capture and replay it): it allocates nothing,
+// never queries or syncs the stream, and only sets kernel attributes and
+// launches kernels and memsets on XLA's stream into the buffers XLA passes.
 #include "ffi/quantize_common.h"
 
 namespace te_jax {
