@@ -22,6 +22,7 @@ from te_jax import fp8_state
 from te_jax import flax as tfx
 
 from flax_cases import RECIPES
+from test_gpu_flax import rand, vjp_fn
 
 pytestmark = pytest.mark.gpu
 
@@ -30,21 +31,10 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
 
-def rand(seed, shape):
-  return jnp.asarray(np.random.default_rng(seed).standard_normal(shape), BF16)
-
-
-def vjp_fn(apply):
-  def f(v, x, cot):
-    y, vjp = jax.vjp(apply, v, x)
-    return y, vjp(cot)
-  return f
-
-
-def top_level_thunks(lowered, dump_dir, options=None):
+def thunk_kinds(lowered, dump_dir, options=None):
   """Kinds of the top-level thunks of `lowered` compiled with `options`, and
   the kinds nested in command buffers (XLA's thunk sequence dump)."""
-  compiled = lowered.compile(dict(options or {}, xla_dump_to=str(dump_dir)))
+  lowered.compile(dict(options or {}, xla_dump_to=str(dump_dir)))
   # XLA writes the sequence after its thunk passes (which build the command
   # buffers) only when they changed it.
   files = (glob.glob(os.path.join(dump_dir, "*thunk_sequence_after_thunk_passes.txt"))
@@ -56,7 +46,7 @@ def top_level_thunks(lowered, dump_dir, options=None):
       continue
     kind = line.split()[1]   # "000: kCommandBuffer [...]"
     (nested if line.startswith(" ") else top).append(kind)
-  return compiled, top, nested
+  return top, nested
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
@@ -66,17 +56,17 @@ def test_fp8_layer_step_is_one_command_buffer(name, tmp_path):
   handlers were declared compatible (2026-12-01) each custom call split the
   program into separately launched thunks."""
   layer = tfx.TransformerLayer(E, MLP, H, layer_type="decoder", dtype=BF16)
-  x, cot = rand(0, (B, S, E)), rand(1, (B, S, E))
+  x, cot = rand(0, (B, S, E)).astype(BF16), rand(1, (B, S, E)).astype(BF16)
   with te_jax.fp8_autocast(enabled=True, fp8_recipe=RECIPES[name]()):
     v = nn.unbox(jax.jit(layer.init)(jax.random.key(0), x))
     lowered = jax.jit(vjp_fn(layer.apply)).lower(v, x, cot)
   assert 'custom_call_target="te_jax_gemm"' in lowered.compile().as_text()
-  _, top, nested = top_level_thunks(lowered, tmp_path / "on")
+  top, nested = thunk_kinds(lowered, tmp_path / "on")
   assert top == ["kCommandBuffer"], top
   assert nested.count("kCustomCall") >= 6, nested   # >= 6 GEMMs alone
   # The same check tells the programs apart: without command buffers the
   # custom calls are top-level thunks.
-  _, top_off, _ = top_level_thunks(lowered, tmp_path / "off", NO_COMMAND_BUFFERS)
+  top_off, _ = thunk_kinds(lowered, tmp_path / "off", NO_COMMAND_BUFFERS)
   assert "kCommandBuffer" not in top_off and "kCustomCall" in top_off, top_off
 
 
@@ -86,7 +76,7 @@ def test_recorded_step_matches_unrecorded(name):
   kernels, all deterministic), for two inputs in turn and with the
   DelayedScaling state of the first step carried into the second."""
   mlp = tfx.LayerNormMLP(intermediate_dim=MLP, dtype=BF16)
-  x, cot = rand(0, (B, S, E)), rand(1, (B, S, E))
+  x, cot = rand(0, (B, S, E)).astype(BF16), rand(1, (B, S, E)).astype(BF16)
   with te_jax.fp8_autocast(enabled=True, fp8_recipe=RECIPES[name]()):
     v = nn.unbox(jax.jit(mlp.init)(jax.random.key(0), x))
     lowered = jax.jit(vjp_fn(mlp.apply)).lower(v, x, cot)
@@ -95,7 +85,7 @@ def test_recorded_step_matches_unrecorded(name):
   for step in steps:
     out1 = step(v, x, cot)
     v2 = fp8_state.apply_fp8_updates(v, out1[1][0]) if name == "delayed" else v
-    out2 = step(v2, rand(2, (B, S, E)) * 3, cot)
+    out2 = step(v2, (rand(2, (B, S, E)) * 3).astype(BF16), cot)
     results.append((out1, out2))
   (on1, on2), (off1, off2) = results
   for a, b in zip(jax.tree.leaves((on1, on2)), jax.tree.leaves((off1, off2))):
