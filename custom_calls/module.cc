@@ -19,6 +19,9 @@ XLA_FFI_Error* TeJaxQuantizeBlockwise(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxActQuantizeTensorwise(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxActQuantizeCurrent(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxActQuantizeBlockwise(XLA_FFI_CallFrame*);
+XLA_FFI_Error* TeJaxConcatQuantizeTensorwise(XLA_FFI_CallFrame*);
+XLA_FFI_Error* TeJaxConcatQuantizeCurrent(XLA_FFI_CallFrame*);
+XLA_FFI_Error* TeJaxConcatQuantizeBlockwise(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxGemm(XLA_FFI_CallFrame*);
 }
 }  // namespace te_jax
@@ -33,7 +36,7 @@ nb::capsule Capsule(T* fn) {
 }  // namespace
 
 NB_MODULE(_te_jax_ffi, m) {
-  m.doc() = "te_jax CUDA custom calls (XLA FFI handlers for FP8 quantize, activation + quantize, GEMM)";
+  m.doc() = "te_jax CUDA custom calls (XLA FFI handlers for FP8 quantize, activation + quantize, concatenation + quantize, GEMM)";
   m.def("registrations", []() {
     nb::dict d;
     d["te_jax_quantize_tensorwise"] = Capsule(te_jax::TeJaxQuantizeTensorwise);
@@ -43,6 +46,9 @@ NB_MODULE(_te_jax_ffi, m) {
     d["te_jax_act_quantize_tensorwise"] = Capsule(te_jax::TeJaxActQuantizeTensorwise);
     d["te_jax_act_quantize_current"] = Capsule(te_jax::TeJaxActQuantizeCurrent);
     d["te_jax_act_quantize_blockwise"] = Capsule(te_jax::TeJaxActQuantizeBlockwise);
+    d["te_jax_concat_quantize_tensorwise"] = Capsule(te_jax::TeJaxConcatQuantizeTensorwise);
+    d["te_jax_concat_quantize_current"] = Capsule(te_jax::TeJaxConcatQuantizeCurrent);
+    d["te_jax_concat_quantize_blockwise"] = Capsule(te_jax::TeJaxConcatQuantizeBlockwise);
     d["te_jax_gemm"] = Capsule(te_jax::TeJaxGemm);
     return d;
   });

@@ -121,20 +121,7 @@ ffi::Error BlockwiseImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer d
   if (auto e = Setup(h, dz, *data, *data_t, backward, act0, act1, &a, &q); e.failure()) return e;
   a.mode = ScaleMode::kVec128;
   a.pow2 = power_2_scale != 0;
-  // Native layouts (quantize_cuda.native_scale_shapes): sinv
-  // (ceil(W/128), roundup(M, 4)), sinv_t (ceil(M/128), roundup(W, 4)); the
-  // leading dimension is the last dim.
-  const int64_t M = a.M, W = a.K;
-  auto sd = sinv->dimensions();
-  auto td = sinv_t->dimensions();
-  if (sd.size() != 2 || sd[0] != (W + 127) / 128 || sd[1] != (M + 3) / 4 * 4)
-    return Bad("sinv must be (ceil(W/128), roundup(M, 4))");
-  if (td.size() != 2 || td[0] != (M + 127) / 128 || td[1] != (W + 3) / 4 * 4)
-    return Bad("sinv_t must be (ceil(M/128), roundup(W, 4))");
-  a.sinv = sinv->typed_data();
-  a.sinv_ld = sd[1];
-  a.sinv_t = sinv_t->typed_data();
-  a.sinv_t_ld = td[1];
+  if (auto e = SetVec128Scales(*sinv, *sinv_t, &a, "te_jax act_quantize"); e.failure()) return e;
   return CudaError(LaunchQuantize(a, stream, q), "act_quantize_blockwise");
 }
 

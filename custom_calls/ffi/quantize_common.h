@@ -1,5 +1,5 @@
-// Element-type helpers shared by the quantize FFI handlers (quantize.cc,
-// act_quantize.cc).
+// Helpers shared by the quantize FFI handlers (quantize.cc, act_quantize.cc,
+// concat_quantize.cc).
 #pragma once
 
 #include "ffi/common.h"
@@ -24,6 +24,31 @@ inline xla::ffi::Error GetOutType(xla::ffi::DataType t, Fp8Type* out) {
   if (t == ffi::F8E4M3FN) { *out = Fp8Type::kE4M3; return ffi::Error::Success(); }
   if (t == ffi::F8E5M2) { *out = Fp8Type::kE5M2; return ffi::Error::Success(); }
   return ffi::Error::InvalidArgument("te_jax quantize: data must be float8_e4m3fn or float8_e5m2");
+}
+
+// Points `a` at the scale outputs of a 1x128 (+ 128x1 for the columnwise
+// copy) quantization of an (a->M, a->K) tensor after checking their native
+// layouts (quantize_cuda.native_scale_shapes): sinv (ceil(K/128),
+// roundup(M, 4)) and sinv_t (ceil(M/128), roundup(K, 4)); the leading
+// dimension of each is its last dim.
+inline xla::ffi::Error SetVec128Scales(xla::ffi::Buffer<xla::ffi::F32>& sinv,
+                                       xla::ffi::Buffer<xla::ffi::F32>& sinv_t, QuantizeArgs* a,
+                                       const char* who) {
+  namespace ffi = xla::ffi;
+  const int64_t M = a->M, K = a->K;
+  auto sd = sinv.dimensions();
+  auto td = sinv_t.dimensions();
+  if (sd.size() != 2 || sd[0] != (K + 127) / 128 || sd[1] != (M + 3) / 4 * 4)
+    return ffi::Error::InvalidArgument(std::string(who) +
+                                       ": sinv must be (ceil(W/128), roundup(M, 4))");
+  if (td.size() != 2 || td[0] != (M + 127) / 128 || td[1] != (K + 3) / 4 * 4)
+    return ffi::Error::InvalidArgument(std::string(who) +
+                                       ": sinv_t must be (ceil(M/128), roundup(W, 4))");
+  a->sinv = sinv.typed_data();
+  a->sinv_ld = sd[1];
+  a->sinv_t = sinv_t.typed_data();
+  a->sinv_t_ld = td[1];
+  return ffi::Error::Success();
 }
 
 }  // namespace te_jax

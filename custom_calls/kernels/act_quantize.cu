@@ -1,6 +1,7 @@
-// Fused activation + FP8 quantize kernels of the FP8 MLP (ffi/act_quantize.cc):
-// they quantize v = act(h) or dact(dz, h) (kernels/prologue.h), computed
-// from the inputs they load, so the fused MLP never writes v in 16 or 32
+// Fused activation + FP8 quantize kernels of the FP8 MLP (ffi/act_quantize.cc),
+// also used for concatenations (ffi/concat_quantize.cc): they quantize
+// v = act(h), dact(dz, h) or [part0 | part1 | ...] (kernels/prologue.h),
+// computed from the inputs they load, so v is never written in 16 or 32
 // bits: ActQuantizeTensorKernel for one scale (delayed and current scaling),
 // ActQuantizeVec128Kernel for 1x128 + 128x1 scales, and TileAmaxKernel for
 // current scaling's amax pass. The activation loop (prologue::ActLoop:
@@ -220,11 +221,14 @@ __global__ void __launch_bounds__(kThreads) TileAmaxKernel(QuantizeArgs p, Prolo
 }
 
 // Calls launch(std::integral_constant<ActLoop, L>) for the loop L that
-// prologue::ChooseLoop picks for q; only kAny is instantiated for fp32 inputs.
-template <typename InT, typename Launch>
+// prologue::ChooseLoop picks for q; only kAny is instantiated for fp32
+// inputs, only kNone for kConcat.
+template <typename InT, Prologue kPro, typename Launch>
 cudaError_t WithLoop(const PrologueArgs& q, Launch&& launch) {
   using prologue::ActLoop;
-  if constexpr (sizeof(InT) == 4) {
+  if constexpr (kPro == Prologue::kConcat) {
+    return launch(std::integral_constant<ActLoop, ActLoop::kNone>{});
+  } else if constexpr (sizeof(InT) == 4) {
     return launch(std::integral_constant<ActLoop, ActLoop::kAny>{});
   } else {
     switch (prologue::ChooseLoop(q, true)) {
@@ -232,7 +236,8 @@ cudaError_t WithLoop(const PrologueArgs& q, Launch&& launch) {
       case ActLoop::kSilu: return launch(std::integral_constant<ActLoop, ActLoop::kSilu>{});
       case ActLoop::kRelu: return launch(std::integral_constant<ActLoop, ActLoop::kRelu>{});
       case ActLoop::kSwiGlu: return launch(std::integral_constant<ActLoop, ActLoop::kSwiGlu>{});
-      case ActLoop::kAny: break;
+      case ActLoop::kAny:
+      case ActLoop::kNone: break;
     }
     return launch(std::integral_constant<ActLoop, ActLoop::kAny>{});
   }
@@ -261,15 +266,35 @@ cudaError_t LaunchWithLoop(const QuantizeArgs& a, const PrologueArgs& q, cudaStr
 
 template <typename InT, ScaleMode kMode, Prologue kPro>
 cudaError_t LaunchWithPrologue(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
-  return WithLoop<InT>(q, [&](auto loop) {
+  return WithLoop<InT, kPro>(q, [&](auto loop) {
     return LaunchWithLoop<InT, kMode, kPro, decltype(loop)::value>(a, q, stream);
   });
+}
+
+// Calls fn(std::integral_constant<Prologue, kind>) for a prologue kind.
+template <typename Fn>
+cudaError_t WithPrologue(Prologue kind, Fn&& fn) {
+  switch (kind) {
+    case Prologue::kAct: return fn(std::integral_constant<Prologue, Prologue::kAct>{});
+    case Prologue::kDAct: return fn(std::integral_constant<Prologue, Prologue::kDAct>{});
+    case Prologue::kConcat: return fn(std::integral_constant<Prologue, Prologue::kConcat>{});
+    case Prologue::kNone: break;
+  }
+  return cudaErrorInvalidValue;
 }
 
 // Host-side guard of the prologue fields. The FFI handlers check them first
 // with messages; this keeps any other caller from reading out of bounds.
 bool PrologueValid(const QuantizeArgs& a, const PrologueArgs& q) {
   if (q.kind == Prologue::kNone) return true;
+  if (q.kind == Prologue::kConcat) {
+    if (q.n_parts < 1 || q.n_parts > kMaxConcatParts || q.F <= 0 || q.F % 8 != 0 ||
+        a.K != q.n_parts * q.F)
+      return false;
+    for (int i = 0; i < q.n_parts; ++i)
+      if (q.parts[i] == nullptr) return false;
+    return true;
+  }
   const bool gated = q.act1 >= 0;
   if (q.h == nullptr || q.F <= 0 || q.act0 < 0 || q.act0 >= kNumAct || q.act1 >= kNumAct)
     return false;
@@ -280,13 +305,13 @@ bool PrologueValid(const QuantizeArgs& a, const PrologueArgs& q) {
 
 template <typename InT>
 cudaError_t LaunchTileAmax(const QuantizeArgs& b, const PrologueArgs& q, cudaStream_t stream) {
-  return WithLoop<InT>(q, [&](auto loop) {
-    constexpr prologue::ActLoop kLoop = decltype(loop)::value;
-    if (q.kind == Prologue::kAct)
-      TileAmaxKernel<InT, Prologue::kAct, kLoop><<<TileGrid(b), kThreads, 0, stream>>>(b, q);
-    else
-      TileAmaxKernel<InT, Prologue::kDAct, kLoop><<<TileGrid(b), kThreads, 0, stream>>>(b, q);
-    return cudaGetLastError();
+  return WithPrologue(q.kind, [&](auto pro) {
+    constexpr Prologue kPro = decltype(pro)::value;
+    return WithLoop<InT, kPro>(q, [&](auto loop) {
+      constexpr prologue::ActLoop kLoop = decltype(loop)::value;
+      TileAmaxKernel<InT, kPro, kLoop><<<TileGrid(b), kThreads, 0, stream>>>(b, q);
+      return cudaGetLastError();
+    });
   });
 }
 
@@ -294,21 +319,19 @@ cudaError_t LaunchTileAmax(const QuantizeArgs& b, const PrologueArgs& q, cudaStr
 
 cudaError_t LaunchActQuantize(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
   if (q.kind == Prologue::kNone || !PrologueValid(a, q)) return cudaErrorInvalidValue;
-  // The fused MLP always wants the columnwise copy and never 128x128 blocks:
-  // only those variants are built (per input type and activation loop,
-  // each forward and backward).
+  // The fused MLP and the concatenations always want the columnwise copy and
+  // never 128x128 blocks: only those variants are built (per input type,
+  // prologue and activation loop).
   if (a.data_t == nullptr || (a.mode != ScaleMode::kTensor && a.mode != ScaleMode::kVec128))
     return cudaErrorInvalidValue;
   auto typed = [&](auto in) {
     using InT = decltype(in);
-    if (a.mode == ScaleMode::kTensor) {
-      return q.kind == Prologue::kAct
-                 ? LaunchWithPrologue<InT, ScaleMode::kTensor, Prologue::kAct>(a, q, stream)
-                 : LaunchWithPrologue<InT, ScaleMode::kTensor, Prologue::kDAct>(a, q, stream);
-    }
-    return q.kind == Prologue::kAct
-               ? LaunchWithPrologue<InT, ScaleMode::kVec128, Prologue::kAct>(a, q, stream)
-               : LaunchWithPrologue<InT, ScaleMode::kVec128, Prologue::kDAct>(a, q, stream);
+    return WithPrologue(q.kind, [&](auto pro) {
+      constexpr Prologue kPro = decltype(pro)::value;
+      return a.mode == ScaleMode::kTensor
+                 ? LaunchWithPrologue<InT, ScaleMode::kTensor, kPro>(a, q, stream)
+                 : LaunchWithPrologue<InT, ScaleMode::kVec128, kPro>(a, q, stream);
+    });
   };
   switch (a.in) {
     case InType::kF32: return typed(float{});

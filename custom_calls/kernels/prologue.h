@@ -1,6 +1,6 @@
 // The elementwise prologue of the fused kernels (kernels/act_quantize.cu):
-// computes a thread's 8x8 values of v = act(h) or dact(dz, h) from the
-// inputs, one row of 8 at a time. Device code, included by act_quantize.cu
+// computes a thread's 8x8 values of v = act(h), dact(dz, h) or the
+// concatenation of separate parts from the inputs, one row of 8 at a time. Device code, included by act_quantize.cu
 // (and tile.cuh, for kSub).
 #pragma once
 
@@ -85,6 +85,7 @@ enum class ActLoop : int {
   kRelu,    // act0 = relu, not gated
   kSwiGlu,  // ("silu", "linear"), gated
   kAny,     // any act0/act1, gated or not: runtime switches
+  kNone,    // no activation: Prologue::kConcat
 };
 
 // kLoop -> (act0 id or kActAny, gated: 1 yes / 0 no / -1 runtime, act1 id or kActAny).
@@ -93,6 +94,7 @@ struct LoopSpec {
   static constexpr int kAct0 = kLoop == ActLoop::kGelu ? kActGelu
                                : kLoop == ActLoop::kRelu ? kActRelu
                                : kLoop == ActLoop::kAny  ? kActAny
+                               : kLoop == ActLoop::kNone ? kActLinear
                                                          : kActSilu;
   static constexpr int kGated = kLoop == ActLoop::kSwiGlu ? 1 : kLoop == ActLoop::kAny ? -1 : 0;
   static constexpr int kAct1 = kLoop == ActLoop::kSwiGlu ? kActLinear : kActAny;
@@ -100,8 +102,9 @@ struct LoopSpec {
 
 // The specialized loop for `q`, or kAny. 32-bit inputs always take kAny:
 // they are not the hot path and each loop is another set of kernels to
-// compile.
+// compile. kConcat has no activation: kNone.
 inline ActLoop ChooseLoop(const PrologueArgs& q, bool sixteen_bit) {
+  if (q.kind == Prologue::kConcat) return ActLoop::kNone;
   if (!sixteen_bit) return ActLoop::kAny;
   if (q.act1 < 0) {
     if (q.act0 == kActGelu) return ActLoop::kGelu;
@@ -115,7 +118,7 @@ inline ActLoop ChooseLoop(const PrologueArgs& q, bool sixteen_bit) {
 
 // Calls emit(i, y) for i = 0..7 in order, where y[j] = v[row + i][col + j] in float32,
 // v being the (M, K) output of the prologue (K = F for kAct, n_act*F for
-// kDAct), and 0 outside it (padding must not raise an amax, and act(0) need
+// kDAct, n_parts*F for kConcat), and 0 outside it (padding must not raise an amax, and act(0) need
 // not be 0: sigmoid). `q` must match kLoop (ChooseLoop).
 //
 // A rolled loop over the rows with the inputs of the next two rows in
@@ -130,24 +133,43 @@ inline ActLoop ChooseLoop(const PrologueArgs& q, bool sixteen_bit) {
 template <typename InT, Prologue kPro, ActLoop kLoop, typename Emit>
 __device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, int64_t row,
                                             int64_t col, Emit&& emit) {
-  static_assert(kPro == Prologue::kAct || kPro == Prologue::kDAct, "needs a prologue");
+  static_assert(kPro != Prologue::kNone, "needs a prologue");
+  constexpr bool kCat = kPro == Prologue::kConcat;
+  static_assert(kCat == (kLoop == ActLoop::kNone), "kConcat runs the kNone loop, and only it");
   using Spec = LoopSpec<kLoop>;
-  const InT* h = static_cast<const InT*>(q.h);
+  const int64_t F = q.F;
+  // kConcat: a thread's 8 columns lie in part col / F (the host guarantees
+  // F % 8 == 0). Columns past the last part (edge tiles) stay in the last
+  // part at sc >= F, which the checked loop reads as 0. A select chain, not
+  // parts[part]: a dynamic index would copy the parameter array to local
+  // memory.
+  int part = 0;
+  if constexpr (kCat) part = static_cast<int>(col / F < q.n_parts ? col / F : q.n_parts - 1);
+  const void* src = !kCat ? q.h
+                    : part == 0 ? q.parts[0]
+                    : part == 1 ? q.parts[1]
+                    : part == 2 ? q.parts[2]
+                                : q.parts[3];
+  const InT* h = static_cast<const InT*>(src);
   const InT* dz = static_cast<const InT*>(q.dz);
-  const bool gated = Spec::kGated < 0 ? q.act1 >= 0 : Spec::kGated == 1;
+  const bool gated = !kCat && (Spec::kGated < 0 ? q.act1 >= 0 : Spec::kGated == 1);
   const int act0 = Spec::kAct0 == kActAny ? q.act0 : Spec::kAct0;
   const int act1 = Spec::kAct1 == kActAny ? q.act1 : Spec::kAct1;
-  const int64_t F = q.F, ldh = gated ? 2 * F : F;
+  const int64_t ldh = gated ? 2 * F : F;
   // Output columns [F, 2F) of the gated backward are the act1' branch and
   // read dz, h0, h1 at column col - F. The host guarantees F % 8 == 0 when
   // gated, so a thread's 8 columns never straddle the two halves.
   const bool right = kPro == Prologue::kDAct && gated && col >= F;
-  const int64_t sc = right ? col - F : col;
+  const int64_t sc = kCat ? col - part * F : right ? col - F : col;
 
   // The values of one row from its inputs; `in(j)`: column j exists.
   auto compute = [&](const RowInputs<InT>& r, auto&& in, float (&y)[kSub]) {
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
+      if constexpr (kCat) {
+        y[j] = in(j) ? r.a[j] : 0.f;
+        continue;
+      }
       float f0, d0, f1 = 1.f, d1 = 0.f;
       Activate(act0, r.a[j], &f0, &d0);
       if (gated) Activate(act1, r.b[j], &f1, &d1);

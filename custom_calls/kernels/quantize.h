@@ -11,13 +11,17 @@ enum class InType : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
 enum class Fp8Type : int { kE4M3 = 0, kE5M2 = 1 };
 
 // Elementwise prologue of the tile kernel: what is quantized.
-//   kNone: x itself.
-//   kAct:  v = act0(h0) (not gated) or act0(h0) * act1(h1) (gated), (M, F).
-//   kDAct: v = dz * act0'(h0) (not gated) or, gated, the (M, 2F) concatenation
-//          [dz * act0'(h0) * act1(h1), dz * act0(h0) * act1'(h1)].
+//   kNone:   x itself.
+//   kAct:    v = act0(h0) (not gated) or act0(h0) * act1(h1) (gated), (M, F).
+//   kDAct:   v = dz * act0'(h0) (not gated) or, gated, the (M, 2F)
+//            concatenation [dz * act0'(h0) * act1(h1), dz * act0(h0) * act1'(h1)].
+//   kConcat: v = [parts[0] | parts[1] | ...], (M, n_parts*F), from n_parts
+//            separate (M, F) tensors: the gradients of a fused projection's
+//            outputs (Q, K, V), quantized without being concatenated first.
 // h is (M, n_act*F) with h0 = h[:, :F], h1 = h[:, F:] (the layout of a fused
 // up-projection); dz is (M, F). Activations: kernels/activation.h.
-enum class Prologue : int { kNone = 0, kAct = 1, kDAct = 2 };
+enum class Prologue : int { kNone = 0, kAct = 1, kDAct = 2, kConcat = 3 };
+constexpr int kMaxConcatParts = 4;
 
 // Activation ids (device code: kernels/activation.h), shared with
 // te_jax/ops/act_quantize_cuda.py (_ACT_IDS), which sends "swish" as kActSilu.
@@ -75,12 +79,16 @@ struct PrologueArgs {
   const void* dz = nullptr;  // (M, F), same type; kDAct only
   int64_t F = 0;
   int act0 = 0, act1 = -1;   // ActId (activation.h); act1 < 0: not gated
+  // kConcat only: the parts, each (M, F) of element type QuantizeArgs::in;
+  // F % 8 == 0 so that a thread's 8 columns lie in one part.
+  const void* parts[kMaxConcatParts] = {};
+  int n_parts = 0;
 };
 
 // Launches the tiled quantize (+ transpose) kernel on `stream`. With a
 // prologue only ScaleMode kTensor and kVec128 exist, with the columnwise copy
-// (data_t set), and gated units need F % 8 == 0; anything else returns
-// cudaErrorInvalidValue.
+// (data_t set), and gated units and kConcat need F % 8 == 0; anything else
+// returns cudaErrorInvalidValue.
 cudaError_t LaunchQuantize(const QuantizeArgs& args, cudaStream_t stream,
                            const PrologueArgs& pro = PrologueArgs());
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
+import math
+
 import jax
 import flax.linen as nn
 
@@ -105,7 +107,8 @@ _keep_state.defvjp(_keep_state_fwd, _keep_state_bwd)
 def fp8_gemm(module: nn.Module, x: jax.Array, kernel: jax.Array,
              bias: Optional[jax.Array] = None, *, recipe=None,
              name: str = FP8_META, contract_ndim: int = 1,
-             kernel_axes: Optional[Sequence[Optional[str]]] = None) -> jax.Array:
+             kernel_axes: Optional[Sequence[Optional[str]]] = None,
+             split_output: bool = False):
   """``x @ kernel (+ bias)`` over the last ``contract_ndim`` dims of ``x``.
 
   Calls :func:`te_jax.dense.dense_general`, which keeps the leading dims of
@@ -122,22 +125,43 @@ def fp8_gemm(module: nn.Module, x: jax.Array, kernel: jax.Array,
     name: name of the FP8 state variable (one per GEMM of the module).
     contract_ndim: number of contracting dims (``len(in_dims)``).
     kernel_axes: logical axis names of the kernel, one per dim.
+    split_output: return the output unstacked along its first out dim, a
+      tuple of ``out_dims[0]`` arrays (*lead, *out_dims[1:]). In FP8 and
+      unsharded, through ``te_jax.dense.fp8_dense_split`` (the gradients of
+      the parts are quantized without being concatenated).
 
   Returns:
-    (*lead, *out_dims) array in ``x.dtype``.
+    (*lead, *out_dims) array in ``x.dtype``, or the tuple (``split_output``).
   """
   kernel_axes = None if kernel_axes is None else tuple(kernel_axes)
+  state = None
   if isinstance(recipe, recipe_lib.DelayedScaling):
     state = _fp8_state(module, name, recipe)
-    return dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim,
-                                   recipe=recipe, fp8_state=state,
-                                   kernel_axes=kernel_axes)
+  if split_output and recipe is not None and unsharded():
+    return _split_gemm(x, kernel, bias, recipe, state, contract_ndim)
   y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim,
-                              recipe=recipe, kernel_axes=kernel_axes)
+                              recipe=recipe, fp8_state=state, kernel_axes=kernel_axes)
+  if split_output:
+    lead = (slice(None),) * (x.ndim - contract_ndim)
+    y = tuple(y[lead + (i,)] for i in range(kernel.shape[contract_ndim]))
+  if state is not None:
+    return y
   if module.has_variable(state_lib.FP8_COLLECTION, name):
     # State from a DelayedScaling init, unused now: keep it as it is.
     y = _keep_state(y, module.get_variable(state_lib.FP8_COLLECTION, name))
   return y
+
+
+def _split_gemm(x, kernel, bias, recipe, state, contract_ndim):
+  """``fp8_gemm(..., split_output=True)`` through ``fp8_dense_split``."""
+  lead = x.shape[:x.ndim - contract_ndim]
+  in_dims, out_dims = kernel.shape[:contract_ndim], kernel.shape[contract_ndim:]
+  k = math.prod(in_dims)
+  parts = dense_lib.fp8_dense_split(
+      x.reshape(lead + (k,)), kernel.reshape(k, -1),
+      None if bias is None else bias.reshape(-1), num_splits=out_dims[0],
+      recipe=recipe, fp8_state=state)
+  return tuple(p.reshape(lead + tuple(out_dims[1:])) for p in parts)
 
 
 def unsharded() -> bool:

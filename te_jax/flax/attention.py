@@ -174,11 +174,11 @@ class MultiHeadAttention(nn.Module):
   kernel_init: Initializer = default_kernel_init
   bias_init: Initializer = nn.initializers.zeros
 
-  def _dense(self, features, name, kernel_axes, axis=-1, dtype=None):
+  def _dense(self, features, name, kernel_axes, axis=-1, dtype=None, split=False):
     return DenseGeneral(features=features, axis=axis, use_bias=self.use_bias,
                         dtype=dtype, param_dtype=self.param_dtype,
                         kernel_init=self.kernel_init, bias_init=self.bias_init,
-                        kernel_axes=kernel_axes, name=name)
+                        kernel_axes=kernel_axes, split_output=split, name=name)
 
   def _flash_shapes(self, q) -> bool:
     return (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
@@ -279,15 +279,15 @@ class MultiHeadAttention(nn.Module):
     compute = self.dtype if self.dtype is not None else jnp.result_type(
         inputs_q.dtype, self.param_dtype)
 
+    # The fused projections hand back q, k, v (k, v) as separate outputs, so
+    # that in FP8 their gradients are quantized without a concatenation.
     if self_attn and g == h and self.fuse_qkv:
-      qkv = self._dense((3, h, d), "qkv", ("embed", "qkv", "heads", "kv"),
-                        dtype=compute)(inputs_q)
-      q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+      q, k, v = self._dense((3, h, d), "qkv", ("embed", "qkv", "heads", "kv"),
+                            dtype=compute, split=True)(inputs_q)
     else:
       q = self._dense((h, d), "query", ("embed", "heads", "kv"), dtype=compute)(inputs_q)
-      kv = self._dense((2, g, d), "kv", ("embed", "qkv", "heads", "kv"),
-                       dtype=compute)(inputs_kv)
-      k, v = kv[:, :, 0], kv[:, :, 1]
+      k, v = self._dense((2, g, d), "kv", ("embed", "qkv", "heads", "kv"),
+                         dtype=compute, split=True)(inputs_kv)
 
     if self.enable_rotary_pos_emb:
       b, sq, skv = q.shape[0], q.shape[1], k.shape[1]

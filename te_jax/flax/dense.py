@@ -64,11 +64,15 @@ def _kernel_fan_in_init(init, n_in, n_out):
 def dense_general(module: nn.Module, x: jax.Array, *, features, axis,
                   use_bias: bool, dtype, param_dtype, kernel_init, bias_init,
                   kernel_axes, bias_axes, kernel_name: str = "kernel",
-                  bias_name: str = "bias", fp8_name: str = _fp8.FP8_META):
+                  bias_name: str = "bias", fp8_name: str = _fp8.FP8_META,
+                  split_output: bool = False):
   """Declares the kernel/bias of a DenseGeneral on ``module`` and applies it."""
   features = (features,) if isinstance(features, int) else tuple(features)
   axis = _fp8.canonicalize_axes(axis, x.ndim)
   n_in, n_out = len(axis), len(features)
+  if split_output and n_out < 2:
+    raise ValueError(f"split_output=True unstacks the first of several feature dims; "
+                     f"features={features} has {n_out}. Use features=(n, ...).")
   in_shape = tuple(x.shape[a] for a in axis)
   kernel_shape = in_shape + features
   if kernel_axes is None or len(kernel_axes) == 0:
@@ -101,14 +105,15 @@ def dense_general(module: nn.Module, x: jax.Array, *, features, axis,
   return _fp8.fp8_gemm(
       module, x.astype(compute), kernel.astype(compute),
       None if bias is None else bias.astype(compute), recipe=_fp8.active_recipe(),
-      name=fp8_name, contract_ndim=n_in, kernel_axes=kernel_axes)
+      name=fp8_name, contract_ndim=n_in, kernel_axes=kernel_axes, split_output=split_output)
 
 
 class DenseGeneral(nn.Module):
   """A linear map over one or more axes whose GEMMs run in FP8 under ``fp8_autocast``.
 
   Shapes: ``inputs`` (..., *in_dims) with ``in_dims`` the ``axis`` dims ->
-  (..., *features) (the non-contracted axes keep their order, in front).
+  (..., *features) (the non-contracted axes keep their order, in front); with
+  ``split_output``, a tuple of ``features[0]`` arrays (..., *features[1:]).
 
   Parameters (logical axis names):
     ``kernel`` (*in_dims, *features): ``kernel_axes``; default from
@@ -133,6 +138,11 @@ class DenseGeneral(nn.Module):
     bias_init: initializer of the bias (default zeros).
     kernel_axes: logical axis names of the kernel (default: see above).
     bias_axes: logical axis names of the bias (default: see above).
+    split_output: return the output unstacked along its first feature dim
+      (default False), e.g. q, k, v of a features=(3, heads, head_dim)
+      projection. Same values as indexing the output; in FP8 (unsharded) the
+      gradients of the parts are quantized in one pass without being
+      concatenated (``te_jax.dense.fp8_dense_split``).
   """
 
   features: Union[int, Sequence[int]]
@@ -144,14 +154,16 @@ class DenseGeneral(nn.Module):
   bias_init: Initializer = nn.initializers.zeros
   kernel_axes: Tuple[Optional[str], ...] = ()
   bias_axes: Tuple[Optional[str], ...] = ()
+  split_output: bool = False
 
   @nn.compact
-  def __call__(self, inputs: jax.Array) -> jax.Array:
+  def __call__(self, inputs: jax.Array):
     """Applies the projection; see the class docstring for shapes."""
     return dense_general(
         self, inputs, features=self.features, axis=self.axis, use_bias=self.use_bias,
         dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-        bias_init=self.bias_init, kernel_axes=self.kernel_axes, bias_axes=self.bias_axes)
+        bias_init=self.bias_init, kernel_axes=self.kernel_axes, bias_axes=self.bias_axes,
+        split_output=self.split_output)
 
 
 class LayerNormDenseGeneral(nn.Module):

@@ -1,0 +1,151 @@
+"""FP8 quantize of a concatenation, read from its parts.
+
+``concat_quantize(parts, ...)`` is ``quantize_*(concatenate(parts, axis=1),
+columnwise=True)`` (``ops/quantize.py``), bit for bit, but on the CUDA path
+the concatenation is never written: one kernel reads the (M, F) parts and
+writes both FP8 copies of the (M, n*F) result (``custom_calls/ffi/
+concat_quantize.cc``). A fused projection whose outputs are used separately
+(Q, K and V of attention) gets its output gradient as separate parts; this
+op quantizes them for the backward GEMMs without XLA first concatenating them
+(``te_jax.dense.fp8_dense_split``).
+
+Example::
+
+  import jax.numpy as jnp
+  from te_jax.ops import concat_quantize as cq
+  parts = [jnp.ones((256, 128), jnp.bfloat16) * i for i in (1, 2, 3)]
+  data, s, data_t, s_t, amax = cq.concat_quantize(
+      parts, mode="current", dtype=jnp.float8_e5m2)   # data (256, 384)
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_jax.ops import _native
+from te_jax.ops import quantize as quantize_op
+
+__all__ = ["MODES", "concat_quantize", "concat_quantize_reference",
+           "concat_quantize_supported"]
+
+MODES = ("tensorwise", "current", "blockwise")
+MAX_PARTS = 4  # custom_calls/kernels/quantize.h: kMaxConcatParts
+_CUDA_MAX_ROWS = 65535 * 128  # 128-row tiles on grid.y, which CUDA caps at 65535
+
+# (data, scale_inv, data_t, scale_inv_t, amax); amax is None for blockwise.
+QuantizedConcat = Tuple[jax.Array, jax.Array, jax.Array, jax.Array, Optional[jax.Array]]
+
+
+def _check(parts, mode, dtype, scale, power_2_scale):
+  if not isinstance(parts, (list, tuple)) or not parts:
+    raise TypeError(f"parts must be a non-empty list or tuple of arrays, got {parts!r}.")
+  for i, p in enumerate(parts):
+    quantize_op.check_input(p, f"parts[{i}]", 2)
+    if p.shape != parts[0].shape or p.dtype != parts[0].dtype:
+      raise ValueError(f"every part must have the shape and dtype of parts[0] "
+                       f"({parts[0].shape}, {parts[0].dtype}); parts[{i}] is "
+                       f"({p.shape}, {p.dtype}).")
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+  dtype = quantize_op.check_fp8_dtype(dtype)
+  if not isinstance(power_2_scale, (bool, np.bool_)):
+    raise TypeError(f"power_2_scale must be a Python bool (it is static), got "
+                    f"{power_2_scale!r}.")
+  if power_2_scale and mode != "blockwise":
+    raise ValueError(f"power_2_scale applies to mode='blockwise' only, got mode={mode!r} "
+                     "(as quantize_tensorwise / quantize_current, which have none).")
+  if mode == "tensorwise":
+    if scale is None or jnp.shape(scale) != ():
+      raise ValueError("mode='tensorwise' needs scale, a float32 scalar (delayed "
+                       f"scaling); got {scale!r}.")
+    return dtype, jnp.asarray(scale, jnp.float32)
+  if scale is not None:
+    raise ValueError(f"scale must be None for mode={mode!r}: the scale comes from "
+                     "the amax of the concatenation ('current') or of each tile "
+                     "('blockwise').")
+  return dtype, None
+
+
+def concat_quantize_reference(parts: Sequence[jax.Array], *, mode: str, dtype,
+                              scale=None, power_2_scale: bool = False) -> QuantizedConcat:
+  """Pure-JAX ``concat_quantize``: the ``ops/quantize.py`` references applied
+  to ``jnp.concatenate(parts, axis=1)``."""
+  dtype, scale = _check(parts, mode, dtype, scale, power_2_scale)
+  return _reference(tuple(parts), mode, dtype, scale, power_2_scale)
+
+
+def _reference(parts, mode, dtype, scale, power_2_scale) -> QuantizedConcat:
+  v = jnp.concatenate(parts, axis=1)
+  ref = "reference"
+  if mode == "tensorwise":
+    data, data_t, amax = quantize_op.quantize_tensorwise(v, scale, dtype, columnwise=True,
+                                                         impl=ref)
+    scale_inv = jnp.float32(1.0) / scale
+    return data, scale_inv, data_t, scale_inv, amax
+  if mode == "current":
+    data, data_t, scale_inv, amax = quantize_op.quantize_current(v, dtype, columnwise=True,
+                                                                 impl=ref)
+    return data, scale_inv, data_t, scale_inv, amax
+  data, s, data_t, s_t = quantize_op.quantize_blockwise(v, (1, 128), dtype, power_2_scale,
+                                                        columnwise=True, impl=ref)
+  return data, s, data_t, s_t, None
+
+
+def concat_quantize_supported(m: int, f: int, n_parts: int) -> bool:
+  """Whether the CUDA path takes ``n_parts`` parts of shape (m, f).
+
+  1 to 4 parts, f % 8 == 0 (a thread's 8 columns must lie in one part) and m
+  up to 65535*128. Shapes only: ``impl="auto"`` falls back to the reference
+  by itself where there is no GPU or native module.
+  """
+  ints = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+             for v in (m, f, n_parts))
+  return (ints and 1 <= n_parts <= MAX_PARTS and 1 <= m <= _CUDA_MAX_ROWS and f >= 8
+          and f % 8 == 0)
+
+
+def concat_quantize(parts: Sequence[jax.Array], *, mode: str, dtype, scale=None,
+                    power_2_scale: bool = False, impl: str = "auto") -> QuantizedConcat:
+  """FP8 quantization of ``concatenate(parts, axis=1)``, both layouts, in one pass.
+
+  Args:
+    parts: list/tuple of (M, F) float32/bfloat16/float16 arrays of one shape
+      and dtype (the CUDA path takes 1 to 4, with F % 8 == 0).
+    mode: "tensorwise" (given ``scale``, delayed scaling), "current" (scale
+      from the amax of the concatenation) or "blockwise" (1x128 tiles, plus
+      128x1 tiles for the columnwise copy).
+    dtype: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``.
+    scale: float32 scalar for "tensorwise"; None otherwise.
+    power_2_scale: round the scales down to powers of two ("blockwise" only).
+    impl: "auto", "cuda" or "reference" (see ``ops/_native.py``).
+
+  Returns:
+    ``(data, scale_inv, data_t, scale_inv_t, amax)``: data (M, n*F) FP8 and
+    data_t (n*F, M) the quantization of the transposed concatenation.
+    Per-tensor modes: scale_inv = scale_inv_t = 1/scale (float32 scalar),
+    amax = max|v| (float32 scalar). "blockwise": scale_inv (M, ceil(n*F/128)),
+    scale_inv_t (n*F, ceil(M/128)) (``quantize_blockwise``'s logical
+    layout), amax None.
+
+  Raises:
+    TypeError/ValueError for bad arguments; ValueError when the CUDA path is
+    chosen and ``concat_quantize_supported(M, F, len(parts))`` is False.
+  """
+  dtype, scale = _check(parts, mode, dtype, scale, power_2_scale)
+  parts = tuple(parts)
+  def cuda():
+    m, f = parts[0].shape
+    if not concat_quantize_supported(m, f, len(parts)):
+      raise ValueError(
+          f"the CUDA concat_quantize kernel does not take {len(parts)} parts of shape "
+          f"({m}, {f}): it needs 1 to {MAX_PARTS} parts, F % 8 == 0 and M <= "
+          f"{_CUDA_MAX_ROWS}. Check concat_quantize_supported first, or pass "
+          "impl='reference'.")
+    from te_jax.ops import concat_quantize_cuda  # pylint: disable=import-outside-toplevel
+    return concat_quantize_cuda.concat_quantize(parts, mode, dtype, scale, power_2_scale)
+  return _native.dispatch(impl, cuda, lambda: _reference(parts, mode, dtype, scale,
+                                                          power_2_scale))

@@ -1,0 +1,47 @@
+"""CUDA custom-call path of ``ops/concat_quantize.py`` (FFI handlers in
+``custom_calls/ffi/concat_quantize.cc``).
+
+One call reads the parts and writes both FP8 copies of their concatenation
+plus the scales; the concatenation itself never reaches memory. Blockwise
+scales come back in the LOGICAL layout through the same slice/transpose as
+``quantize_cuda.py``. Argument checks live in ``concat_quantize.py``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_jax.ops.quantize_cuda import native_scale_shapes
+
+__all__ = ["concat_quantize"]
+
+_F32 = jnp.float32
+
+
+def _sds(shape, dtype):
+  return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+def concat_quantize(parts, mode: str, dtype, scale, power_2_scale: bool):
+  """``(data, scale_inv, data_t, scale_inv_t, amax)`` of the concatenation of
+  the (M, F) ``parts`` along their last dim; see ``concat_quantize.concat_quantize``."""
+  m, f = parts[0].shape
+  w = len(parts) * f
+  fp8 = (_sds((m, w), dtype), _sds((w, m), dtype))
+  if mode == "tensorwise":
+    data, data_t, scale_inv, amax = jax.ffi.ffi_call(
+        "te_jax_concat_quantize_tensorwise", fp8 + (_sds((), _F32), _sds((), _F32)))(
+            jnp.asarray(scale, _F32), *parts)
+    return data, scale_inv, data_t, scale_inv, amax
+  if mode == "current":
+    data, data_t, scale_inv, amax = jax.ffi.ffi_call(
+        "te_jax_concat_quantize_current", fp8 + (_sds((), _F32), _sds((), _F32)))(*parts)
+    return data, scale_inv, data_t, scale_inv, amax
+  s_shape, st_shape = native_scale_shapes(m, w, (1, 128))
+  data, s, data_t, st = jax.ffi.ffi_call(
+      "te_jax_concat_quantize_blockwise",
+      (fp8[0], _sds(s_shape, _F32), fp8[1], _sds(st_shape, _F32)))(
+          *parts, power_2_scale=np.int64(bool(power_2_scale)))
+  return data, s[:, :m].T, data_t, st[:, :w].T, None

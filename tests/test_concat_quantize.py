@@ -1,0 +1,245 @@
+"""Quantizing a concatenation from its parts, and the split-output dense.
+
+``ops/concat_quantize.py`` is the quantization of ``concatenate(parts, 1)``
+bit for bit, without writing the concatenation on the CUDA path;
+``dense.fp8_dense_split`` uses it for the gradients of its output blocks, so
+its values and gradients must equal those of splitting ``fp8_dense``'s output.
+"""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import flax.linen as nn
+
+import te_jax
+from te_jax import dense, fp8_state, recipe
+from te_jax import flax as tfx
+from te_jax.ops import concat_quantize as cq
+from te_jax.ops import quantize as qop
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+RECIPES = {
+    "delayed": recipe.DelayedScaling(amax_history_len=4),
+    "current": recipe.Float8CurrentScaling(),
+    "blockwise": recipe.Float8BlockScaling(),
+}
+
+
+def _parts(n, m, f, dtype=jnp.bfloat16, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), n)
+  # Different magnitudes per part, so that the joint amax / the tiles that
+  # straddle no part boundary are actually exercised.
+  return [(jax.random.normal(k, (m, f)) * 2.0 ** (3 * i - 2)).astype(dtype)
+          for i, k in enumerate(keys)]
+
+
+def _assert_same(got, want):
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    if w is None:
+      assert g is None
+      continue
+    assert g.shape == w.shape and g.dtype == w.dtype, (g.shape, w.shape, g.dtype, w.dtype)
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def _direct(parts, mode, dtype, scale=None, p2=False, impl="reference"):
+  """What the plain quantize ops give for the concatenation (the spec)."""
+  v = jnp.concatenate(parts, axis=1)
+  if mode == "tensorwise":
+    data, data_t, amax = qop.quantize_tensorwise(v, scale, dtype, columnwise=True, impl=impl)
+    return data, 1.0 / scale, data_t, 1.0 / scale, amax
+  if mode == "current":
+    data, data_t, s, amax = qop.quantize_current(v, dtype, columnwise=True, impl=impl)
+    return data, s, data_t, s, amax
+  data, s, data_t, s_t = qop.quantize_blockwise(v, (1, 128), dtype, p2, columnwise=True,
+                                                impl=impl)
+  return data, s, data_t, s_t, None
+
+
+# ------------------------------------------------------------ the op -------
+
+@pytest.mark.parametrize("mode", cq.MODES)
+def test_reference_is_quantize_of_concat(mode):
+  parts = _parts(3, 200, 136)
+  scale = jnp.float32(3.0) if mode == "tensorwise" else None
+  got = cq.concat_quantize(parts, mode=mode, dtype=E5M2, scale=scale, impl="reference")
+  _assert_same(got, _direct(parts, mode, E5M2, scale))
+  assert got[0].shape == (200, 3 * 136) and got[2].shape == (3 * 136, 200)
+
+
+@pytest.mark.parametrize("bad,exc,msg", [
+    (dict(parts=[]), TypeError, "non-empty"),
+    (dict(parts="x"), TypeError, "non-empty"),
+    (dict(parts=[jnp.ones((8, 16)), jnp.ones((8, 24))]), ValueError, "shape and dtype"),
+    (dict(parts=[jnp.ones((8, 16)), jnp.ones((8, 16), jnp.bfloat16)]), ValueError,
+     "shape and dtype"),
+    (dict(parts=[jnp.ones((2, 8, 16))]), ValueError, "2-D"),
+    (dict(parts=[jnp.ones((8, 16), jnp.int32)]), TypeError, "float32, bfloat16"),
+    (dict(mode="rowwise"), ValueError, "mode must be one of"),
+    (dict(mode="tensorwise"), ValueError, "needs scale"),
+    (dict(mode="current", scale=jnp.float32(2)), ValueError, "scale must be None"),
+    (dict(mode="current", power_2_scale=True), ValueError, "blockwise. only"),
+    (dict(power_2_scale=1), TypeError, "Python bool"),
+    (dict(dtype=jnp.bfloat16), (TypeError, ValueError), "float8"),
+])
+def test_bad_arguments_raise_at_trace_time(bad, exc, msg):
+  kw = dict(parts=[jnp.ones((8, 16))] * 2, mode="blockwise", dtype=E4M3)
+  kw.update(bad)
+  with pytest.raises(exc, match=msg):
+    cq.concat_quantize(**kw)
+
+
+def test_supported_shapes():
+  assert cq.concat_quantize_supported(1, 8, 1)
+  assert cq.concat_quantize_supported(16384, 4096, 3)
+  assert not cq.concat_quantize_supported(128, 12, 3)     # F % 8
+  assert not cq.concat_quantize_supported(128, 128, 5)    # more than 4 parts
+  assert not cq.concat_quantize_supported(128, 128.0, 2)  # not an int
+  assert not cq.concat_quantize_supported(65535 * 128 + 1, 8, 1)
+
+
+# ------------------------------------------------- the split-output dense --
+
+def _state(r, x, w):
+  if not isinstance(r, recipe.DelayedScaling):
+    return None
+  st = fp8_state.init_dense_state(r.amax_history_len)
+  return jax.grad(lambda s: jnp.sum(dense.fp8_dense(x, w, recipe=r, fp8_state=s)
+                                    .astype(jnp.float32)), allow_int=True)(st)
+
+
+@pytest.mark.parametrize("rname", sorted(RECIPES))
+@pytest.mark.parametrize("n_splits,f", [(3, 128), (2, 256), (3, 40), (5, 128)])
+def test_split_dense_equals_split_of_dense(rname, n_splits, f):
+  """Values and every gradient (x, kernel, bias, FP8 state) bit-equal to
+  splitting fp8_dense's output; (3, 40) and (5, 128) take the fallback
+  (block width not aligned / more than 4 parts), the others the split VJP."""
+  r = RECIPES[rname]
+  k = 192
+  kx, kw, kb, kc = jax.random.split(jax.random.PRNGKey(1), 4)
+  x = jax.random.normal(kx, (2, 100, k)).astype(jnp.bfloat16)
+  w = (jax.random.normal(kw, (k, n_splits * f)) * k ** -0.5).astype(jnp.bfloat16)
+  b = jax.random.normal(kb, (n_splits * f,)).astype(jnp.bfloat16)
+  cots = [jax.random.normal(c, (2, 100, f)) * (i + 1)
+          for i, c in enumerate(jax.random.split(kc, n_splits))]
+  st = _state(r, x, w)
+
+  def loss(split, x, w, b, st):
+    if split:
+      ys = dense.fp8_dense_split(x, w, b, num_splits=n_splits, recipe=r, fp8_state=st)
+    else:
+      ys = jnp.split(dense.fp8_dense(x, w, b, recipe=r, fp8_state=st), n_splits, axis=-1)
+    assert len(ys) == n_splits and all(y.shape == (2, 100, f) for y in ys)
+    return sum(jnp.sum(y.astype(jnp.float32) * c) for y, c in zip(ys, cots)), ys
+
+  grad = jax.jit(jax.grad(loss, argnums=(1, 2, 3, 4), has_aux=True, allow_int=True),
+                 static_argnums=0)
+  (g1, y1), (g0, y0) = grad(True, x, w, b, st), grad(False, x, w, b, st)
+  for a, c in zip(jax.tree.leaves((y1, g1)), jax.tree.leaves((y0, g0))):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+
+
+def test_split_dense_argument_errors():
+  x, w = jnp.ones((4, 64), jnp.bfloat16), jnp.ones((64, 96), jnp.bfloat16)
+  r = recipe.Float8CurrentScaling()
+  with pytest.raises(ValueError, match="multiple of num_splits"):
+    dense.fp8_dense_split(x, w, num_splits=5, recipe=r)
+  with pytest.raises(ValueError, match="num_splits must be an int"):
+    dense.fp8_dense_split(x, w, num_splits=0, recipe=r)
+  with pytest.raises(ValueError, match="num_splits must be an int"):
+    dense.fp8_dense_split(x, w, num_splits=True, recipe=r)
+  with pytest.raises(ValueError, match="needs fp8_state"):
+    dense.fp8_dense_split(x, w, num_splits=2, recipe=recipe.DelayedScaling())
+
+
+def test_attention_quantizes_qkv_gradient_from_parts(monkeypatch):
+  """MultiHeadAttention's fused Q/K/V projection hands its gradient to the
+  concatenation quantize as three (tokens, heads * head_dim) parts (a spy on
+  the op), under every recipe, and the fused K/V projection of grouped-query
+  attention as two."""
+  seen = []
+  real = cq.concat_quantize
+
+  def spy(parts, **kw):
+    seen.append(tuple(p.shape for p in parts))
+    return real(parts, **kw)
+  monkeypatch.setattr(cq, "concat_quantize", spy)
+  # 4 heads of 64: Q/K/V blocks of 256 columns, K/V of 2 groups 128 (the
+  # blockwise recipe needs multiples of 128, else the output is split after
+  # a plain FP8 dense: test_split_dense_equals_split_of_dense).
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 64, 256)).astype(jnp.bfloat16)
+  for rname, r in sorted(RECIPES.items()):
+    for groups, want in ((None, [((128, 256),) * 3]), (2, [((128, 128),) * 2])):
+      seen.clear()
+      mha = tfx.MultiHeadAttention(num_attention_heads=4, num_gqa_groups=groups,
+                                   dtype=jnp.bfloat16, attention_impl="xla")
+      with te_jax.fp8_autocast(enabled=True, fp8_recipe=r):
+        v = nn.unbox(mha.init(jax.random.PRNGKey(1), x))
+        jax.grad(lambda v: jnp.sum(mha.apply(v, x).astype(jnp.float32)))(v)
+      assert seen == want, (rname, groups, seen)
+
+
+# ------------------------------------------------------- CUDA (H200) -------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,p2", [("tensorwise", False), ("current", False),
+                                     ("blockwise", True), ("blockwise", False)])
+@pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("n,m,f", [(3, 256, 256), (3, 200, 136), (1, 130, 8), (4, 129, 264),
+                                   (2, 1, 8), (2, 384, 64)])
+def test_cuda_equals_quantize_of_concat(mode, p2, in_dtype, n, m, f):
+  """The kernel reading the parts gives the bytes and scales of the quantize
+  kernels on the concatenation, and of the reference: odd M, part widths that
+  are not multiples of the 128-wide tiles (tiles straddle parts), 1 to 4
+  parts, every input dtype."""
+  parts = _parts(n, m, f, in_dtype, seed=n + m + f)
+  out = E5M2 if mode == "current" else E4M3
+  scale = np.float32(5.0) if mode == "tensorwise" else None
+  got = jax.jit(lambda ps: cq.concat_quantize(ps, mode=mode, dtype=out, scale=scale,
+                                              power_2_scale=p2, impl="cuda"))(parts)
+  _assert_same(got, _direct(parts, mode, out, scale, p2, impl="cuda"))
+  # The reference on the CPU backend: XLA's GPU float32 division is not IEEE
+  # (fp8_max / amax came out 1 ulp off for some current-scaling cases), the
+  # kernels' and the CPU's are (as in test_cuda_ops.py).
+  cpu = jax.devices("cpu")[0]
+  want = jax.jit(lambda ps: _direct(ps, mode, out, scale, p2, impl="reference"))(
+      jax.device_put(parts, cpu))
+  _assert_same(got, want)
+
+
+@pytest.mark.gpu
+def test_cuda_rejects_unaligned_parts_at_trace_time():
+  with pytest.raises(ValueError, match="F % 8 == 0"):
+    cq.concat_quantize([jnp.ones((16, 12), jnp.bfloat16)] * 3, mode="current", dtype=E4M3,
+                       impl="cuda")
+  with pytest.raises(ValueError, match="1 to 4 parts"):
+    cq.concat_quantize([jnp.ones((16, 16), jnp.bfloat16)] * 5, mode="current", dtype=E4M3,
+                       impl="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rname", sorted(RECIPES))
+def test_attention_step_has_no_qkv_concatenation(rname):
+  """On the GPU the attention backward quantizes dq, dk, dv with the
+  concatenation custom call; the compiled program has no concatenate (or
+  pad) producing the (tokens, 3 * heads * head_dim) gradient. (The same
+  search finds the f32 concatenate of the reference path in the CPU program,
+  and XLA's pad + add of the old GPU program.)"""
+  mha = tfx.MultiHeadAttention(num_attention_heads=4, dtype=jnp.bfloat16)
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 256, 512)).astype(jnp.bfloat16)
+  with te_jax.fp8_autocast(enabled=True, fp8_recipe=RECIPES[rname]):
+    v = nn.unbox(mha.init(jax.random.PRNGKey(1), x))
+    hlo = jax.jit(jax.grad(lambda v: jnp.sum(mha.apply(v, x).astype(jnp.float32)))).lower(
+        v).compile().as_text()
+  assert "te_jax_concat_quantize_" in hlo
+  big = []
+  for line in hlo.splitlines():   # "%name = bf16[2,256,3,4,128]{...} concatenate(...)"
+    m = re.search(r"= (?:bf16|f16|f32)\[([\d,]+)\]\S* (concatenate|pad)\(", line)
+    if m and math.prod(int(d) for d in m.group(1).split(",")) == 512 * 1536:
+      big.append(line.strip())
+  assert not big, big
