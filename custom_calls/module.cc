@@ -36,7 +36,9 @@ nb::capsule Capsule(T* fn) {
 }  // namespace
 
 NB_MODULE(_te_jax_ffi, m) {
-  m.doc() = "te_jax CUDA custom calls (XLA FFI handlers for FP8 quantize, activation + quantize, concatenation + quantize, GEMM)";
+  m.doc() =
+      "te_jax CUDA custom calls (XLA FFI handlers for FP8 quantize, activation + quantize, "
+      "concatenation + quantize, GEMM)";
   m.def("registrations", []() {
     nb::dict d;
     d["te_jax_quantize_tensorwise"] = Capsule(te_jax::TeJaxQuantizeTensorwise);

@@ -1,7 +1,7 @@
 // The elementwise prologue of the fused kernels (kernels/act_quantize.cu):
 // computes a thread's 8x8 values of v = act(h), dact(dz, h) or the
-// concatenation of separate parts from the inputs, one row of 8 at a time. Device code, included by act_quantize.cu
-// (and tile.cuh, for kSub).
+// concatenation of separate parts from the inputs, one row of 8 at a time.
+// Device code, included by act_quantize.cu (and tile.cuh, for kSub).
 #pragma once
 
 #include <cuda_bf16.h>
