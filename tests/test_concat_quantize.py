@@ -184,6 +184,32 @@ def test_attention_quantizes_qkv_gradient_from_parts(monkeypatch):
       assert seen == want, (rname, groups, seen)
 
 
+
+@pytest.mark.parametrize("rname", ["current", "blockwise", None])
+def test_delayed_state_kept_under_other_recipes(rname):
+  """A MultiHeadAttention initialized under DelayedScaling and trained under
+  another recipe (or FP8 off): the split Q/K/V projection's FP8 state comes
+  back as its own "gradient", so TrainState.apply_gradients keeps it (zeros
+  would wipe the amax histories)."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 64, 256)).astype(jnp.bfloat16)
+  mha = tfx.MultiHeadAttention(num_attention_heads=4, dtype=jnp.bfloat16,
+                               attention_impl="xla")
+  with te_jax.fp8_autocast(enabled=True, fp8_recipe=RECIPES["delayed"]):
+    v = nn.unbox(mha.init(jax.random.PRNGKey(1), x))
+    # one delayed step, so that the state is not the initial one
+    g = jax.grad(lambda v: jnp.sum(mha.apply(v, x).astype(jnp.float32)))(v)
+    v = fp8_state.apply_fp8_updates(v, g)
+  state = v[fp8_state.FP8_COLLECTION]
+  assert "qkv" in state
+  with te_jax.fp8_autocast(enabled=rname is not None,
+                           fp8_recipe=RECIPES[rname] if rname else None):
+    g = jax.grad(lambda v: jnp.sum(mha.apply(v, x).astype(jnp.float32)))(v)
+  got = g[fp8_state.FP8_COLLECTION]
+  assert jax.tree.structure(got) == jax.tree.structure(state)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  assert any(float(np.abs(a).max()) > 0 for a in jax.tree.leaves(state["qkv"]))
+
 # ------------------------------------------------------- CUDA (H200) -------
 
 @pytest.mark.gpu

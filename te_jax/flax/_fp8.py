@@ -19,9 +19,8 @@ untouched.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
-
 import math
+from typing import Optional, Sequence, Tuple
 
 import jax
 import flax.linen as nn
@@ -138,15 +137,14 @@ def fp8_gemm(module: nn.Module, x: jax.Array, kernel: jax.Array,
   if isinstance(recipe, recipe_lib.DelayedScaling):
     state = _fp8_state(module, name, recipe)
   if split_output and recipe is not None and unsharded():
-    return _split_gemm(x, kernel, bias, recipe, state, contract_ndim)
-  y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim,
-                              recipe=recipe, fp8_state=state, kernel_axes=kernel_axes)
-  if split_output:
-    lead = (slice(None),) * (x.ndim - contract_ndim)
-    y = tuple(y[lead + (i,)] for i in range(kernel.shape[contract_ndim]))
-  if state is not None:
-    return y
-  if module.has_variable(state_lib.FP8_COLLECTION, name):
+    y = _split_gemm(x, kernel, bias, recipe, state, contract_ndim)
+  else:
+    y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim,
+                                recipe=recipe, fp8_state=state, kernel_axes=kernel_axes)
+    if split_output:
+      lead = (slice(None),) * (x.ndim - contract_ndim)
+      y = tuple(y[lead + (i,)] for i in range(kernel.shape[contract_ndim]))
+  if state is None and module.has_variable(state_lib.FP8_COLLECTION, name):
     # State from a DelayedScaling init, unused now: keep it as it is.
     y = _keep_state(y, module.get_variable(state_lib.FP8_COLLECTION, name))
   return y
