@@ -157,6 +157,25 @@ def test_split_dense_argument_errors():
     dense.fp8_dense_split(x, w, num_splits=2, recipe=recipe.DelayedScaling())
 
 
+@pytest.mark.parametrize("rname", ["current", None])
+def test_dense_general_split_output(rname):
+  """DenseGeneral(split_output=True) returns the output unstacked along its
+  first feature dim (FP8 on or off: the same values as indexing), and needs
+  at least two feature dims."""
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 32, 64)).astype(jnp.bfloat16)
+  split = tfx.DenseGeneral(features=(3, 2, 16), split_output=True, dtype=jnp.bfloat16)
+  plain = tfx.DenseGeneral(features=(3, 2, 16), dtype=jnp.bfloat16)
+  with te_jax.fp8_autocast(enabled=rname is not None,
+                           fp8_recipe=RECIPES[rname] if rname else None):
+    v = nn.unbox(plain.init(jax.random.PRNGKey(1), x))
+    parts, whole = split.apply(v, x), plain.apply(v, x)
+    assert isinstance(parts, tuple) and len(parts) == 3
+    for i, p in enumerate(parts):
+      np.testing.assert_array_equal(np.asarray(p, np.float32),
+                                    np.asarray(whole[:, :, i], np.float32))
+    with pytest.raises(ValueError, match="split_output=True unstacks"):
+      tfx.DenseGeneral(features=16, split_output=True).init(jax.random.PRNGKey(1), x)
+
 def test_attention_quantizes_qkv_gradient_from_parts(monkeypatch):
   """MultiHeadAttention's fused Q/K/V projection hands its gradient to the
   concatenation quantize as three (tokens, heads * head_dim) parts (a spy on
