@@ -118,8 +118,8 @@ inline ActLoop ChooseLoop(const PrologueArgs& q, bool sixteen_bit) {
 
 // Calls emit(i, y) for i = 0..7 in order, where y[j] = v[row + i][col + j] in float32,
 // v being the (M, K) output of the prologue (K = F for kAct, n_act*F for
-// kDAct, n_parts*F for kConcat), and 0 outside it (padding must not raise an amax, and act(0) need
-// not be 0: sigmoid). `q` must match kLoop (ChooseLoop).
+// kDAct, n_parts*F for kConcat), and 0 outside it (padding must not raise an
+// amax, and act(0) need not be 0: sigmoid). `q` must match kLoop (ChooseLoop).
 //
 // A rolled loop over the rows with the inputs of the next two rows in
 // flight; interior sub-tiles (all but the edges of a large tensor) run it
@@ -141,8 +141,9 @@ __device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, in
   // kConcat: a thread's 8 columns lie in part col / F (the host guarantees
   // F % 8 == 0). Columns past the last part (edge tiles) stay in the last
   // part at sc >= F, which the checked loop reads as 0. A select chain, not
-  // parts[part]: a dynamic index would copy the parameter array to local
-  // memory.
+  // parts[part]: a dynamic index into the parameter array may make the
+  // compiler copy it to local memory (not measured; the chain costs a few
+  // selects per thread).
   int part = 0;
   if constexpr (kCat) part = static_cast<int>(col / F < q.n_parts ? col / F : q.n_parts - 1);
   const void* src = !kCat ? q.h
