@@ -87,23 +87,39 @@ def _quantize(x, role, cfg, state=None):
   return _quantize_per_tensor(x, dtype, cfg)
 
 
+def _prologue_mode(recipe):
+  """The ``mode`` of the fused-prologue quantize ops (act_quantize,
+  concat_quantize) for ``recipe``."""
+  if recipe.is_blockwise:
+    return "blockwise"
+  if isinstance(recipe, recipe_lib.DelayedScaling):
+    return "tensorwise"
+  return "current"
+
+
+def _scale_kw(cfg, state, role):
+  """``scale=`` for a fused-prologue quantize op: the delayed-scaling scale of
+  ``role`` in ``state``; none for the other recipes."""
+  if isinstance(cfg.recipe, recipe_lib.DelayedScaling):
+    return {"scale": state_lib.scale_from_state(state[role])}
+  return {}
+
+
+def _scaled_pair(out, recipe):
+  """ScaledTensors (rowwise, columnwise) and amax from a fused-prologue
+  quantize op's ``(data, scale_inv, data_t, scale_inv_t, amax)``."""
+  data, s, data_t, s_t, amax = out
+  block = (1, 128) if recipe.is_blockwise else None
+  return ScaledTensor(data, s, block), ScaledTensor(data_t, s_t, block), amax
+
+
 def _quantize_grad_parts(parts, cfg, state=None):
   """``_quantize(concatenate(parts, 1), "grad", ...)`` without the concatenation."""
   r = cfg.recipe
-  dtype = r.bwd_dtype
-  if r.is_blockwise:
-    data, s, data_t, s_t, _ = concat_op.concat_quantize(
-        parts, mode="blockwise", dtype=dtype, power_2_scale=r.power_2_scale, impl=cfg.impl)
-    block = (1, 128)
-    return ScaledTensor(data, s, block), ScaledTensor(data_t, s_t, block), None
-  if isinstance(r, recipe_lib.DelayedScaling):
-    data, s, data_t, s_t, amax = concat_op.concat_quantize(
-        parts, mode="tensorwise", dtype=dtype, scale=state_lib.scale_from_state(state["grad"]),
-        impl=cfg.impl)
-  else:
-    data, s, data_t, s_t, amax = concat_op.concat_quantize(
-        parts, mode="current", dtype=dtype, impl=cfg.impl)
-  return ScaledTensor(data, s), ScaledTensor(data_t, s_t), amax
+  return _scaled_pair(concat_op.concat_quantize(
+      parts, mode=_prologue_mode(r), dtype=r.bwd_dtype,
+      power_2_scale=r.is_blockwise and r.power_2_scale, impl=cfg.impl,
+      **_scale_kw(cfg, state, "grad")), r)
 
 
 def _gemm(a, b, out_dtype, cfg, which, bias=None):

@@ -45,10 +45,8 @@ import jax
 import jax.numpy as jnp
 
 from te_jax import dense as dense_lib
-from te_jax import fp8_state as state_lib
 from te_jax import recipe as recipe_lib
 from te_jax.ops import act_quantize as act_op
-from te_jax.scaled_tensor import ScaledTensor
 
 __all__ = ["fp8_mlp", "supported"]
 
@@ -75,25 +73,11 @@ def supported(m: int, k: int, f: int, n: int, recipe: recipe_lib.Recipe,
           and n % 128 == 0)
 
 
-def _mode(recipe):
-  if recipe.is_blockwise:
-    return "blockwise"
-  if isinstance(recipe, recipe_lib.DelayedScaling):
-    return "tensorwise"
-  return "current"
-
-
-def _act_scaled(out, recipe):
-  """ScaledTensors (rowwise, columnwise) and amax from an act_quantize result."""
-  data, s, data_t, s_t, amax = out
-  block = (1, 128) if recipe.is_blockwise else None
-  return ScaledTensor(data, s, block), ScaledTensor(data_t, s_t, block), amax
-
-
-def _scale_kw(cfg, state, role):
-  if isinstance(cfg.recipe, recipe_lib.DelayedScaling):
-    return {"scale": state_lib.scale_from_state(state[role])}
-  return {}
+# The recipe -> fused-prologue quantize mapping, shared with dense.py's
+# split-output backward.
+_prologue_mode = dense_lib._prologue_mode  # pylint: disable=protected-access
+_scale_kw = dense_lib._scale_kw  # pylint: disable=protected-access
+_scaled_pair = dense_lib._scaled_pair  # pylint: disable=protected-access
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -108,8 +92,8 @@ def _mlp_fwd(x, wi, bi, wo, bo, states, cfg):
   qx, qx_t, amax_x = dense_lib._quantize(x, "x", dcfg, si)  # pylint: disable=protected-access
   qwi, qwi_t, amax_wi = dense_lib._quantize(wi, "kernel", dcfg, si)  # pylint: disable=protected-access
   h = dense_lib._gemm(qx, qwi_t, x.dtype, dcfg, "fprop", bi)  # pylint: disable=protected-access
-  qz, qz_t, amax_z = _act_scaled(act_op.act_quantize(
-      h, cfg.activations, mode=_mode(r), dtype=r.fwd_dtype,
+  qz, qz_t, amax_z = _scaled_pair(act_op.act_quantize(
+      h, cfg.activations, mode=_prologue_mode(r), dtype=r.fwd_dtype,
       power_2_scale=r.is_blockwise and r.power_2_scale, impl=cfg.impl,
       **_scale_kw(cfg, so, "x")), r)
   qwo, qwo_t, amax_wo = dense_lib._quantize(wo, "kernel", dcfg, so)  # pylint: disable=protected-access
@@ -129,8 +113,8 @@ def _mlp_bwd(cfg, res, g):
   qg, qg_t, amax_g = dense_lib._quantize(g, "grad", dcfg, so)  # pylint: disable=protected-access
   dz = dense_lib._gemm(qg, qwo, h.dtype, dcfg, "dgrad")  # pylint: disable=protected-access
   dwo = dense_lib._gemm(qz_t, qg_t, wo_p.dtype, dcfg, "wgrad")  # pylint: disable=protected-access
-  qdh, qdh_t, amax_dh = _act_scaled(act_op.dact_quantize(
-      dz, h, cfg.activations, mode=_mode(r), dtype=r.bwd_dtype,
+  qdh, qdh_t, amax_dh = _scaled_pair(act_op.dact_quantize(
+      dz, h, cfg.activations, mode=_prologue_mode(r), dtype=r.bwd_dtype,
       power_2_scale=r.is_blockwise and r.power_2_scale, impl=cfg.impl,
       **_scale_kw(cfg, si, "grad")), r)
   dx = dense_lib._gemm(qdh, qwi, x_p.dtype, dcfg, "dgrad")  # pylint: disable=protected-access
