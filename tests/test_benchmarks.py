@@ -59,3 +59,62 @@ def test_step_shares_split_each_layer_step():
       "| block | 20.000 | 12.00 (60%) | 2.50 (12%) | 4.00 (20%) | 1.50 (8%) |"]
   del by["attn/core"]
   assert bench_layer.step_shares(by) == []
+
+
+# ------------------------------------------------------------- bench_floor --
+
+import bench_floor  # noqa: E402  pylint: disable=wrong-import-position,wrong-import-order
+import pytest  # noqa: E402  pylint: disable=wrong-import-position,wrong-import-order
+
+_TINY = dict(batch=2, seq=128, hidden=128, mlp=256, heads=2)
+
+
+def _relerr(a, b):
+  a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.linalg.norm(b))
+
+
+@pytest.mark.parametrize("precision", bench_floor.PRECISIONS)
+def test_floor_step_runs_the_three_gemms_of_each_dense_layer(precision):
+  ops = bench_floor.make_operands("mlp", precision, _TINY, seed=0)
+  bf16 = bench_floor.make_operands("mlp", "bf16", _TINY, seed=0)  # same N(0, 1) data
+  out = bench_floor.make_step(precision)(ops)
+  assert len(out) == 3 * len(bench_floor.dense_shapes("mlp", _TINY))
+  # FP8 of N(0, 1) data: a relative error of a few percent (E4M3 keeps 3
+  # mantissa bits, E5M2 2); bf16 against the float32 product: rounding only.
+  tol = 0.02 if precision == "bf16" else 0.15
+  for i, (x, w, g) in enumerate(bf16[0]):
+    x, w, g = (a.astype(jnp.float32) for a in (x, w, g))
+    for got, want in zip(out[3 * i:3 * i + 3], (x @ w, g @ w.T, x.T @ g)):
+      assert got.shape == want.shape
+      assert _relerr(got, want) < tol
+
+
+def test_floor_layer_step_adds_projections_and_attention_core():
+  out = bench_floor.make_step("bf16")(bench_floor.make_operands("layer", "bf16", _TINY, 0))
+  b, s, h = _TINY["batch"], _TINY["seq"], _TINY["heads"]
+  assert len(out) == 3 * 4 + 4          # 4 dense layers x 3 GEMMs, attention out + dq, dk, dv
+  assert all(o.shape == (b, s, h, _TINY["hidden"] // h) for o in out[-4:])
+  assert bench_floor.gemm_flops("layer", _TINY) > bench_floor.gemm_flops("mlp", _TINY)
+
+
+def test_floor_budget_rows():
+  targets = bench_floor.parse_targets(["mlp/te_delayed=2.0", "mlp/te_block=1.5",
+                                       "layer/te_current=1.5"])
+  floors = {("mlp", "fp8"): 8.0, ("mlp", "block"): 9.5}
+  rows = bench_floor.budget_rows(floors, {"mlp/te_off": 20.0, "mlp/te_delayed": 11.0},
+                                 targets)
+  assert [r["target"] for r in rows] == ["mlp/te_delayed", "mlp/te_block"]  # no layer rows
+  delayed, block = rows
+  assert delayed["need_ms"] == 10.0 and delayed["left_ms"] == 2.0
+  assert delayed["bound"] == 2.5 and delayed["measured_ms"] == 11.0
+  assert block["floor"] == "block" and block["left_ms"] == pytest.approx(20 / 1.5 - 9.5)
+  assert block["measured_ms"] is None
+  assert "| mlp/te_delayed >= 2.0x | 20.000 | 10.000 | 8.000 (fp8) | 2.50x | 2.000 | " \
+         "11.000 (1.82x) |" in bench_floor.table([], rows, _TINY)
+
+
+@pytest.mark.parametrize("bad", ["mlp/te_delayed", "attn/te_delayed=1.5", "mlp/te_off=1.0"])
+def test_floor_rejects_bad_targets(bad):
+  with pytest.raises(ValueError, match="target"):
+    bench_floor.parse_targets([bad])
