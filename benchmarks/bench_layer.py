@@ -217,9 +217,11 @@ def kernel_profile(run_steps, steps=3, top=25):
   loop does) and returns something to block on.
 
   Returns ([(name, ms per step, launches per step)] largest first, total
-  kernel ms per step, span ms per step): the span runs from the first
-  kernel's start to the last one's end, so span - total is the time per step
-  the GPU sat idle between kernels.
+  kernel ms per step, span ms per step, GEMM kernel ms per step): the span
+  runs from the first kernel's start to the last one's end, so span - total
+  is the time per step the GPU sat idle between kernels; the GEMM sum counts
+  the kernels whose names mark them as cuBLAS(Lt) matrix products
+  (``GEMM_KERNEL_MARKS``).
   """
   import glob
   import gzip
@@ -231,7 +233,7 @@ def kernel_profile(run_steps, steps=3, top=25):
     jax.profiler.stop_trace()
     files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
     if not files:
-      return [], 0.0, 0.0
+      return [], 0.0, 0.0, 0.0
     with gzip.open(files[0]) as fh:
       trace = json.load(fh)
   events = trace.get("traceEvents", [])
@@ -254,10 +256,22 @@ def kernel_profile(run_steps, steps=3, top=25):
   rows = sorted(((k, v[0] / steps, v[1] / steps) for k, v in agg.items()),
                 key=lambda r: -r[1])
   span = (end - start) / 1e3 / steps if rows else 0.0
-  return rows[:top], sum(r[1] for r in rows), span
+  gemm = sum(r[1] for r in rows if is_gemm_kernel(r[0]))
+  return rows[:top], sum(r[1] for r in rows), span, gemm
 
 
-def run_one(config, small, k, repeats, profile=False):
+# Name fragments of the matrix-product kernels cuBLAS/cuBLASLt launch on
+# Hopper (nvjet: cuBLAS 12.8+'s own kernels; sm90_xmma / cutlass: older and
+# block-scaled ones); cuDNN's attention kernels are not counted.
+GEMM_KERNEL_MARKS = ("nvjet", "gemm", "xmma", "cutlass")
+
+
+def is_gemm_kernel(name: str) -> bool:
+  low = name.lower()
+  return any(m in low for m in GEMM_KERNEL_MARKS) and "cudnn" not in low
+
+
+def run_one(config, small, k, repeats, profile=False, profile_steps=3):
   import jax
   import jax.numpy as jnp
   from _fp8_carry import carry_fp8_state  # pylint: disable=import-outside-toplevel
@@ -300,16 +314,17 @@ def run_one(config, small, k, repeats, profile=False):
   except Exception:  # pylint: disable=broad-except
     stats = None
   peak = stats.get("peak_bytes_in_use") if stats else None
-  kernels = total = span = None
+  kernels = total = span = gemm = None
   if profile:
-    kernels, total, span = kernel_profile(lambda n: run(variables, n)[1])
+    kernels, total, span, gemm = kernel_profile(lambda n: run(variables, n)[1],
+                                                steps=profile_steps)
   from te_jax.ops import _native  # pylint: disable=import-outside-toplevel
   native = _native.resolve_impl("auto")
   return {"config": config, "label": label + (" [frozen FP8 state]" if frozen else ""),
           "ms": ms, "impl": native, "frozen_fp8_state": frozen, "dx_abs_max": dx_abs_max,
           "tflops": flops / (ms * 1e-3) / 1e12, "peak_bytes": peak,
           "times_ms": [x * 1e3 for x in times], "kernels": kernels,
-          "kernel_ms_total": total, "kernel_span_ms": span}
+          "kernel_ms_total": total, "kernel_span_ms": span, "gemm_kernel_ms": gemm}
 
 
 def _env():
@@ -400,14 +415,17 @@ def main(argv=None):
   p.add_argument("--timeout", type=int, default=900, help="seconds per configuration")
   p.add_argument("--json-out", help="also write all results to this JSON file")
   p.add_argument("--profile", action="store_true",
-                 help="also trace 3 steps and list GPU kernel time by kernel")
+                 help="also trace steps after the timings and list GPU kernel time by kernel")
+  p.add_argument("--profile-steps", type=int, default=3,
+                 help="steps in the --profile trace (more: the trace runs at the power-capped "
+                      "clocks of the timed steps instead of mostly before the cap bites)")
   args = p.parse_args(argv)
 
   if args.config:
     if args.config.removesuffix(FROZEN) not in CONFIGS:
       p.error(f"unknown config {args.config}; known: {CONFIGS}")
     print("JSON " + json.dumps(run_one(args.config, args.small, args.k, args.repeats,
-                                       args.profile)), flush=True)
+                                       args.profile, args.profile_steps)), flush=True)
     return 0
 
   results = []
@@ -417,7 +435,7 @@ def main(argv=None):
     if args.small:
       cmd.append("--small")
     if args.profile:
-      cmd.append("--profile")
+      cmd += ["--profile", "--profile-steps", str(args.profile_steps)]
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
       line = [l for l in proc.stdout.splitlines() if l.startswith("JSON ")]
@@ -438,7 +456,8 @@ def main(argv=None):
   for r in results:
     if r.get("kernels"):
       print(f"\nkernels of {r['config']}: {r['kernel_ms_total']:.3f} ms of GPU kernels per step, "
-            f"first start to last end {r['kernel_span_ms']:.3f} ms per step (back to back)")
+            f"first start to last end {r['kernel_span_ms']:.3f} ms per step (back to back), "
+            f"GEMM kernels {r['gemm_kernel_ms']:.3f} ms")
       for name, ms, n in r["kernels"][:15]:
         print(f"  {ms:8.3f} ms  x{n:4.0f}  {name[:110]}")
   if args.json_out:

@@ -118,3 +118,14 @@ def test_floor_budget_rows():
 def test_floor_rejects_bad_targets(bad):
   with pytest.raises(ValueError, match="target"):
     bench_floor.parse_targets([bad])
+
+
+def test_gemm_kernel_names():
+  for name in ("nvjet_sm90_qqtst_128x256_64x4_2x1_v_bz_coopB_TNT",
+               "sm90_xmma_gemm_e4m3e4m3_bf16f32_f32_tn_n_tilesize128x128x128_warpgroupsize1x1x1",
+               "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn>"):
+    assert bench_layer.is_gemm_kernel(name), name
+  for name in ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3",
+               "loop_multiply_fusion_2", "input_reduce_fusion",
+               "void te_jax::ActQuantizeKernel<__nv_bfloat16, 0, 1>(...)"):
+    assert not bench_layer.is_gemm_kernel(name), name
