@@ -33,8 +33,9 @@ against the board power cap (BENCHMARKS.md run J), and a program of nothing
 but GEMMs draws more power than a step whose GEMMs alternate with
 memory-bound kernels, so its GEMMs may run at lower clocks than those of a
 real step. The floor is then a little pessimistic for the GEMMs' share, not
-a strict bound; ``--profile``-style kernel sums (bench_layer) are the other,
-optimistic, side.
+a strict bound. The other side: a ``bench_layer.py --profile`` trace gives
+the time of the GEMM kernels inside the real step (``gemm_kernel_ms``); with
+such a ``--layer-json`` the table shows it and what it leaves too.
 
 Usage::
 
@@ -197,23 +198,29 @@ def parse_targets(items):
   return targets
 
 
-def budget_rows(floors, layer_ms, targets):
+def budget_rows(floors, layer, targets):
   """Per target: the FP8-off step, the target's step time, the GEMM floor it
   must contain, the bound on the ratio, and what the target leaves for the
   rest of the step (negative: the GEMMs alone exceed the target's time).
 
-  ``floors`` maps (group, precision) -> ms; ``layer_ms`` maps bench_layer
-  config -> ms (its ``<group>/te_off`` row is the baseline)."""
+  ``floors`` maps (group, precision) -> ms; ``layer`` maps bench_layer
+  config -> its result (``ms``, and with ``--profile`` ``gemm_kernel_ms``,
+  the GEMM kernels' time inside the traced step); its ``<group>/te_off`` row
+  is the baseline."""
   rows = []
   for name, ratio in targets.items():
     group, kind = name.split("/")
-    off, floor = layer_ms.get(f"{group}/te_off"), floors.get((group, FLOOR_OF[kind]))
+    off, floor = layer.get(f"{group}/te_off"), floors.get((group, FLOOR_OF[kind]))
     if off is None or floor is None:
       continue
-    need = off / ratio
-    rows.append({"target": name, "ratio": ratio, "off_ms": off, "need_ms": need,
-                 "floor": FLOOR_OF[kind], "floor_ms": floor, "bound": off / floor,
-                 "left_ms": need - floor, "measured_ms": layer_ms.get(name)})
+    need = off["ms"] / ratio
+    measured = layer.get(name, {})
+    step_gemm = measured.get("gemm_kernel_ms")
+    rows.append({"target": name, "ratio": ratio, "off_ms": off["ms"], "need_ms": need,
+                 "floor": FLOOR_OF[kind], "floor_ms": floor, "bound": off["ms"] / floor,
+                 "left_ms": need - floor, "measured_ms": measured.get("ms"),
+                 "step_gemm_ms": step_gemm,
+                 "left_step_ms": None if step_gemm is None else need - step_gemm})
   return rows
 
 
@@ -225,14 +232,16 @@ def table(results, rows, sz):
             for r in results]
   if rows:
     lines += ["", "| target | FP8-off step ms | target step ms | GEMM floor ms | ratio bound "
-              "| ms left for non-GEMM work | measured step ms (ratio) |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+              "| ms left for non-GEMM work | measured step ms (ratio) | its GEMM kernels ms "
+              "(ms left) |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
       meas = "-" if r["measured_ms"] is None else \
           f"{r['measured_ms']:.3f} ({r['off_ms'] / r['measured_ms']:.2f}x)"
+      step = "-" if r["step_gemm_ms"] is None else \
+          f"{r['step_gemm_ms']:.3f} ({r['left_step_ms']:.3f})"
       lines.append(f"| {r['target']} >= {r['ratio']}x | {r['off_ms']:.3f} | {r['need_ms']:.3f} "
                    f"| {r['floor_ms']:.3f} ({r['floor']}) | {r['bound']:.2f}x "
-                   f"| {r['left_ms']:.3f} | {meas} |")
+                   f"| {r['left_ms']:.3f} | {meas} | {step} |")
   return "\n".join(lines)
 
 
@@ -266,9 +275,8 @@ def main(argv=None):
   if args.layer_json:
     with open(args.layer_json) as f:
       layer = json.load(f)
-    layer_ms = {r["config"]: r["ms"] for r in layer["results"] if "ms" in r}
     rows = budget_rows({(r["group"], r["precision"]): r["ms"] for r in results},
-                       layer_ms, targets)
+                       {r["config"]: r for r in layer["results"] if "ms" in r}, targets)
   print(table(results, rows, sz))
   if args.json_out:
     with open(args.json_out, "w") as f:

@@ -102,16 +102,19 @@ def test_floor_budget_rows():
   targets = bench_floor.parse_targets(["mlp/te_delayed=2.0", "mlp/te_block=1.5",
                                        "layer/te_current=1.5"])
   floors = {("mlp", "fp8"): 8.0, ("mlp", "block"): 9.5}
-  rows = bench_floor.budget_rows(floors, {"mlp/te_off": 20.0, "mlp/te_delayed": 11.0},
-                                 targets)
+  layer = {"mlp/te_off": {"ms": 20.0}, "mlp/te_delayed": {"ms": 11.0, "gemm_kernel_ms": 7.5}}
+  rows = bench_floor.budget_rows(floors, layer, targets)
   assert [r["target"] for r in rows] == ["mlp/te_delayed", "mlp/te_block"]  # no layer rows
   delayed, block = rows
   assert delayed["need_ms"] == 10.0 and delayed["left_ms"] == 2.0
   assert delayed["bound"] == 2.5 and delayed["measured_ms"] == 11.0
+  assert delayed["step_gemm_ms"] == 7.5 and delayed["left_step_ms"] == 2.5
   assert block["floor"] == "block" and block["left_ms"] == pytest.approx(20 / 1.5 - 9.5)
-  assert block["measured_ms"] is None
+  assert block["measured_ms"] is None and block["left_step_ms"] is None
+  text = bench_floor.table([], rows, _TINY)
   assert "| mlp/te_delayed >= 2.0x | 20.000 | 10.000 | 8.000 (fp8) | 2.50x | 2.000 | " \
-         "11.000 (1.82x) |" in bench_floor.table([], rows, _TINY)
+         "11.000 (1.82x) | 7.500 (2.500) |" in text
+  assert "| 9.500 (block) | 2.11x | 3.833 | - | - |" in text
 
 
 @pytest.mark.parametrize("bad", ["mlp/te_delayed", "attn/te_delayed=1.5", "mlp/te_off=1.0"])
