@@ -12,6 +12,7 @@ set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-/tmp/te_jax_out}"; mkdir -p "$OUT"; cd "$REPO"
 export PYTHONUNBUFFERED=1
+source tools/gpu_test_sets.sh
 t0=$(date +%s)
 bash tools/gpu_check.sh build > /tmp/build_step.log 2>&1; tail -n 2 /tmp/build_step.log
 echo "build done at $(( $(date +%s) - t0 )) s"
@@ -35,16 +36,7 @@ kill $smi 2>/dev/null
 for ph in layer floor; do sed "s/^/$ph, /" "/tmp/power_$ph.csv"; done > "$OUT/power.csv"
 echo "bench_floor done at $(( $(date +%s) - t0 )) s"
 if [[ -n "${TEST_SETS:-}" ]]; then
-  end=$(( $(date +%s) + ${TEST_LIMIT:-150} ))
-  IFS=';' read -ra sets <<< "$TEST_SETS"
-  for s in "${sets[@]}"; do
-    left=$(( end - $(date +%s) ))
-    (( left > 10 )) || { echo "== SKIPPED (time): $s"; continue; }
-    echo "== pytest $s"
-    # shellcheck disable=SC2086  # each set is a word list on purpose
-    (cd /tmp && timeout "$left" python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
-      ${s//tests\//$REPO/tests/} 2>&1 | sed "s#$REPO/##g")
-  done > "$OUT/tests.log" 2>&1
+  run_test_sets "${TEST_LIMIT:-150}" "$TEST_SETS" > "$OUT/tests.log" 2>&1
   echo "== GPU tests"; grep -E "^== |passed|failed|^FAILED|^ERROR" "$OUT/tests.log" | cut -c1-160
 fi
 echo "== power samples over 400 W per phase: count, mean W, mean SM MHz, share at the power cap"

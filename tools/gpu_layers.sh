@@ -14,23 +14,12 @@ set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-/tmp/te_jax_out}"; mkdir -p "$OUT"; cd "$REPO"
 export PYTHONUNBUFFERED=1
+source tools/gpu_test_sets.sh
 t0=$(date +%s)
 bash tools/gpu_check.sh build > /tmp/build_step.log 2>&1; tail -n 3 /tmp/build_step.log
 (
-  cd /tmp
   export CUDA_VISIBLE_DEVICES=1
-  end=$(( $(date +%s) + ${TEST_LIMIT:-330} ))
-  IFS=';' read -ra sets <<< "${TEST_SETS:--m gpu tests/}"
-  for s in "${sets[@]}"; do
-    left=$(( end - $(date +%s) ))
-    (( left > 10 )) || { echo "== SKIPPED (time): $s"; continue; }
-    echo "== pytest $s"
-    # From /tmp, so the installed te_jax (with its .so) is imported, not the
-    # source tree; test paths in the set are relative to the repo.
-    # shellcheck disable=SC2086  # each set is a word list on purpose
-    timeout "$left" python3 -m pytest -q -p no:cacheprovider --tb=short -rf \
-      ${s//tests\//$REPO/tests/} 2>&1 | sed "s#$REPO/##g"
-  done > "$OUT/tests.log" 2>&1
+  run_test_sets "${TEST_LIMIT:-330}" "${TEST_SETS:--m gpu tests/}" > "$OUT/tests.log" 2>&1
 ) &
 tests=$!
 cfg=()
