@@ -10,11 +10,9 @@
 #        BENCH_LIMIT, FLOOR_LIMIT, TEST_LIMIT (seconds)
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUT="${OUT:-/tmp/te_jax_out}"; mkdir -p "$OUT"; cd "$REPO"
-export PYTHONUNBUFFERED=1
-source tools/gpu_test_sets.sh
-t0=$(date +%s)
-bash tools/gpu_check.sh build > /tmp/build_step.log 2>&1; tail -n 2 /tmp/build_step.log
+# shellcheck source=tools/gpu_test_sets.sh
+source "$REPO/tools/gpu_test_sets.sh"
+start_device_call
 echo "build done at $(( $(date +%s) - t0 )) s"
 # Power and clocks every 200 ms, one file per phase (joined into $OUT/power.csv).
 sample() { nvidia-smi --query-gpu=timestamp,power.draw,clocks.sm,clocks_event_reasons.sw_power_cap \

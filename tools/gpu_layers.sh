@@ -12,11 +12,9 @@
 #                      arguments last, on all GPUs (limit SCALING_LIMIT, 150 s)
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-OUT="${OUT:-/tmp/te_jax_out}"; mkdir -p "$OUT"; cd "$REPO"
-export PYTHONUNBUFFERED=1
-source tools/gpu_test_sets.sh
-t0=$(date +%s)
-bash tools/gpu_check.sh build > /tmp/build_step.log 2>&1; tail -n 3 /tmp/build_step.log
+# shellcheck source=tools/gpu_test_sets.sh
+source "$REPO/tools/gpu_test_sets.sh"
+start_device_call
 (
   export CUDA_VISIBLE_DEVICES=1
   run_test_sets "${TEST_LIMIT:-330}" "${TEST_SETS:--m gpu tests/}" > "$OUT/tests.log" 2>&1

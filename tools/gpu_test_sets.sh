@@ -1,4 +1,14 @@
-# Sourced by the device-call scripts (gpu_floor.sh, gpu_layers.sh).
+# Sourced by the device-call scripts (gpu_floor.sh, gpu_layers.sh), after
+# they set REPO.
+#
+# start_device_call: $OUT made, cd to $REPO, unbuffered Python, t0 = now,
+# te_jax built and installed (tools/gpu_check.sh build; its last lines shown).
+start_device_call() {
+  OUT="${OUT:-/tmp/te_jax_out}"; mkdir -p "$OUT"; cd "$REPO" || exit 1
+  export PYTHONUNBUFFERED=1
+  t0=$(date +%s)
+  bash tools/gpu_check.sh build > /tmp/build_step.log 2>&1; tail -n 2 /tmp/build_step.log
+}
 #
 # run_test_sets SECONDS SETS: runs each ';'-separated pytest argument list in
 # SETS, one after the other, until SECONDS have passed (a set that would start
