@@ -107,7 +107,7 @@ def make_operands(group, precision, sz, seed):
   (rowwise, columnwise) ScaledTensor pairs the three GEMMs read -- and, for
   the layer, the attention core's (q, k, v, dout)."""
   t = sz["batch"] * sz["seq"]
-  keys = iter(jax.random.split(jax.random.key(seed), 16))
+  keys = iter(jax.random.split(jax.random.key(seed), 32))
   normal = lambda shape: jax.random.normal(next(keys), shape, jnp.bfloat16)
   cfg = dense_lib._Config(_recipe(precision), "auto") if precision != "bf16" else None  # pylint: disable=protected-access
   layers = []

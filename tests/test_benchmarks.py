@@ -5,6 +5,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import te_jax
 from te_jax import fp8_state
@@ -14,6 +15,7 @@ from te_jax import recipe as recipe_lib
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks"))
 from _fp8_carry import carry_fp8_state  # noqa: E402  pylint: disable=wrong-import-position
+import bench_floor  # noqa: E402  pylint: disable=wrong-import-position
 import bench_layer  # noqa: E402  pylint: disable=wrong-import-position
 
 
@@ -62,9 +64,6 @@ def test_step_shares_split_each_layer_step():
 
 
 # ------------------------------------------------------------- bench_floor --
-
-import bench_floor  # noqa: E402  pylint: disable=wrong-import-position,wrong-import-order
-import pytest  # noqa: E402  pylint: disable=wrong-import-position,wrong-import-order
 
 _TINY = dict(batch=2, seq=128, hidden=128, mlp=256, heads=2)
 

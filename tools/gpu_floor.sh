@@ -10,8 +10,8 @@
 #        BENCH_LIMIT, FLOOR_LIMIT, TEST_LIMIT (seconds)
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# shellcheck source=tools/gpu_test_sets.sh
-source "$REPO/tools/gpu_test_sets.sh"
+# shellcheck source=tools/gpu_common.sh
+source "$REPO/tools/gpu_common.sh"
 start_device_call
 echo "build done at $(( $(date +%s) - t0 )) s"
 # Power and clocks every 200 ms, one file per phase (joined into $OUT/power.csv).

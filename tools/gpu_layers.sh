@@ -12,8 +12,8 @@
 #                      arguments last, on all GPUs (limit SCALING_LIMIT, 150 s)
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-# shellcheck source=tools/gpu_test_sets.sh
-source "$REPO/tools/gpu_test_sets.sh"
+# shellcheck source=tools/gpu_common.sh
+source "$REPO/tools/gpu_common.sh"
 start_device_call
 (
   export CUDA_VISIBLE_DEVICES=1
