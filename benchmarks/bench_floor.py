@@ -65,8 +65,6 @@ from jax import lax
 
 from te_jax import dense as dense_lib
 from te_jax import recipe as recipe_lib
-from te_jax.ops import gemm as gemm_op
-from te_jax.ops import quantize as quantize_op
 
 GROUPS = ("mlp", "layer")
 PRECISIONS = ("bf16", "fp8", "fp8_fastacc", "block")
@@ -102,6 +100,13 @@ def _recipe(precision):
                                          fast_accum_wgrad=fast)
 
 
+def _dense_config(precision):
+  """The FP8 dense layers' GEMM/quantize settings for ``precision`` (None: bf16)."""
+  if precision == "bf16":
+    return None
+  return dense_lib._Config(_recipe(precision), "auto")  # pylint: disable=protected-access
+
+
 def make_operands(group, precision, sz, seed):
   """One input set: per dense layer (x, w, g) -- bf16 arrays, or for FP8 the
   (rowwise, columnwise) ScaledTensor pairs the three GEMMs read -- and, for
@@ -109,7 +114,7 @@ def make_operands(group, precision, sz, seed):
   t = sz["batch"] * sz["seq"]
   keys = iter(jax.random.split(jax.random.key(seed), 32))
   normal = lambda shape: jax.random.normal(next(keys), shape, jnp.bfloat16)
-  cfg = dense_lib._Config(_recipe(precision), "auto") if precision != "bf16" else None  # pylint: disable=protected-access
+  cfg = _dense_config(precision)
   layers = []
   for k, n in dense_shapes(group, sz):
     x, w, g = normal((t, k)), normal((k, n)), normal((t, n))
@@ -126,7 +131,7 @@ def make_operands(group, precision, sz, seed):
 
 def make_step(precision):
   """``step(operands) -> outputs``: every GEMM of the step, nothing else."""
-  cfg = dense_lib._Config(_recipe(precision), "auto") if precision != "bf16" else None  # pylint: disable=protected-access
+  cfg = _dense_config(precision)
   impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
 
   def bf16_dot(a, b, contract):
