@@ -54,6 +54,7 @@ import sys
 import time
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, _HERE)   # bench_layer, beside this file
 try:  # an installed te_jax (with its CUDA module) wins over the source tree
   import te_jax  # pylint: disable=unused-import
 except ImportError:
@@ -65,6 +66,7 @@ from jax import lax
 
 from te_jax import dense as dense_lib
 from te_jax import recipe as recipe_lib
+from bench_layer import sizes  # pylint: disable=wrong-import-order
 
 GROUPS = ("mlp", "layer")
 PRECISIONS = ("bf16", "fp8", "fp8_fastacc", "block")
@@ -74,11 +76,6 @@ DEFAULT_TARGETS = ("mlp/te_delayed=1.9", "mlp/te_current=1.65", "mlp/te_block=1.
 # Which GEMM floor a bench_layer config is bounded by.
 FLOOR_OF = {"te_delayed": "fp8", "te_current": "fp8", "te_block": "block",
             "te_delayed_fastacc": "fp8_fastacc", "te_current_fastacc": "fp8_fastacc"}
-
-
-def sizes(small: bool):
-  from bench_layer import sizes as layer_sizes  # pylint: disable=import-outside-toplevel
-  return layer_sizes(small)
 
 
 def dense_shapes(group, sz):
@@ -264,8 +261,9 @@ def main(argv=None):
   targets = parse_targets(args.targets)
   groups = [g for g in args.groups.split(",") if g]
   precisions = [q for q in args.precisions.split(",") if q]
-  for name, allowed in (("groups", GROUPS), ("precisions", PRECISIONS)):
-    bad = [v for v in (groups if name == "groups" else precisions) if v not in allowed]
+  for name, values, allowed in (("groups", groups, GROUPS),
+                                ("precisions", precisions, PRECISIONS)):
+    bad = [v for v in values if v not in allowed]
     if bad:
       p.error(f"unknown {name} {bad}; known: {allowed}")
 
@@ -291,5 +289,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-  sys.path.insert(0, _HERE)
   sys.exit(main())
