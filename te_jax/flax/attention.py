@@ -87,6 +87,30 @@ def _and_masks(a, b):
   return jnp.logical_and(a, b)
 
 
+def _check_input_3d(name: str, x) -> None:
+  """Raises ValueError unless ``x`` (argument ``name``) is (batch, seq, hidden)."""
+  shape = tuple(jnp.shape(x))
+  if len(shape) != 3:
+    raise ValueError(f"{name} must have shape (batch, seq, hidden), got {shape} "
+                     f"({len(shape)}-D).")
+
+
+def _check_segment_arg(name: str, ids, like_name: str, like) -> None:
+  """Checks that ``ids`` (argument ``name``; None passes) is an integer
+  (batch, seq) array matching the first two dims of ``like`` (argument
+  ``like_name``); raises ValueError/TypeError naming both."""
+  if ids is None:
+    return
+  shape, want = tuple(jnp.shape(ids)), tuple(jnp.shape(like)[:2])
+  if shape != want:
+    raise ValueError(f"{name} must have shape (batch, seq) = {want} matching "
+                     f"{like_name}, got {shape}.")
+  dtype = getattr(ids, "dtype", None)
+  dtype = jnp.asarray(ids).dtype if dtype is None else dtype
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"{name} must have an integer dtype, got {jnp.dtype(dtype).name}.")
+
+
 def _reference_attention(q, k, v, mask, is_causal, dropout_rng, rate):
   """Explicit attention (fp32 softmax) with dropout on the probabilities."""
   h, g = q.shape[2], k.shape[2]
@@ -262,6 +286,14 @@ class MultiHeadAttention(nn.Module):
       raise ValueError(f"attention_impl must be one of {_IMPLS}, got "
                        f"{self.attention_impl!r}.")
     self_attn = inputs_kv is None
+    _check_input_3d("inputs_q", inputs_q)
+    if not self_attn:
+      _check_input_3d("inputs_kv", inputs_kv)
+    kv_name, kv_like = ("inputs_q", inputs_q) if self_attn else ("inputs_kv", inputs_kv)
+    _check_segment_arg("segment_ids", segment_ids, "inputs_q", inputs_q)
+    _check_segment_arg("segment_positions", segment_positions, "inputs_q", inputs_q)
+    _check_segment_arg("kv_segment_ids", kv_segment_ids, kv_name, kv_like)
+    _check_segment_arg("kv_segment_positions", kv_segment_positions, kv_name, kv_like)
     if self_attn:
       inputs_kv = inputs_q
       if kv_segment_ids is None:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from te_jax.flax.attention import MultiHeadAttention
+from te_jax.flax.attention import MultiHeadAttention, _check_input_3d, _check_segment_arg
 from te_jax.flax.dense import default_kernel_init
 from te_jax.flax.mlp import LayerNormMLP
 from te_jax.flax.norm import LayerNorm, RMSNorm
@@ -141,6 +141,12 @@ class TransformerLayer(nn.Module):
     if self.layer_type not in _LAYER_TYPES:
       raise ValueError(f"layer_type must be one of {_LAYER_TYPES}, got "
                        f"{self.layer_type!r}.")
+    _check_input_3d("inputs", inputs)
+    _check_segment_arg("segment_ids", segment_ids, "inputs", inputs)
+    _check_segment_arg("segment_positions", segment_positions, "inputs", inputs)
+    if encoded is not None:
+      _check_input_3d("encoded", encoded)
+      _check_segment_arg("encoder_segment_ids", encoder_segment_ids, "encoded", encoded)
     if inputs.shape[-1] != self.hidden_size:
       raise ValueError(f"inputs' last dim ({inputs.shape[-1]}) must equal "
                        f"hidden_size ({self.hidden_size}).")
