@@ -6,6 +6,8 @@ from te_jax import fp8_state
 from te_jax import packing
 from te_jax import quantize
 from te_jax import recipe
+from te_jax import scaling
+from te_jax import sharded_dense
 from te_jax import sharding
 from te_jax.autocast import FP8Context, fp8_autocast, get_fp8_context
 from te_jax.dense import dense_general
@@ -21,6 +23,8 @@ __all__ = [
     "packing",
     "quantize",
     "recipe",
+    "scaling",
+    "sharded_dense",
     "sharding",
     "MeshResource",
     "FP8_COLLECTION",

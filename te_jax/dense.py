@@ -1,31 +1,19 @@
 """FP8 dense: ``x @ kernel (+ bias)`` with FP8 GEMMs forward and backward.
 
-Which tensor is quantized how (``recipe`` decides):
-
-=========  ==========================  =================================
-GEMM       a (M-side, K-major)         b (N-side, K-major)
-=========  ==========================  =================================
-fprop      x (M, K)                    kernel.T (N, K)
-dgrad      grad (M, N)                 kernel (K, N)
-wgrad      x.T (K, M)                  grad.T (N, M)
-=========  ==========================  =================================
-
-Per-tensor recipes quantize each tensor once and write its transposed copy in
-the same pass. ``Float8BlockScaling`` tiles x and grad 1x128 along their
-contraction dim for fprop/dgrad and 128x1 (1x128 of the transpose) for wgrad,
-and the kernel in 128x128 blocks. Forward tensors use ``recipe.fwd_dtype``,
-the gradient ``recipe.bwd_dtype``.
+Each of the three GEMMs (fprop, dgrad, wgrad) reads FP8 operands that the
+recipe's ``te_jax.scaling.ScalingMode`` produces (format, tiles, scales,
+state, accumulation); this module holds the ``custom_vjp`` and the shapes and
+calls the protocol, with no knowledge of any particular recipe.
 
 Token counts (and K, N) that are not a multiple of the GEMM alignment (128 for
 blockwise, 16 per-tensor) are zero-padded here and the result sliced: zero
 rows add nothing to any product or amax, so padding never changes the result.
 
-Example::
-
-  import jax, jax.numpy as jnp
-  from te_jax import dense, recipe
-  x = jnp.ones((4, 100, 256), jnp.bfloat16); w = jnp.ones((256, 512), jnp.bfloat16)
-  y = dense.fp8_dense(x, w, recipe=recipe.Float8BlockScaling())   # (4, 100, 512)
+>>> import jax.numpy as jnp
+>>> from te_jax import dense, recipe
+>>> x = jnp.ones((4, 100, 256), jnp.bfloat16); w = jnp.ones((256, 512), jnp.bfloat16)
+>>> dense.fp8_dense(x, w, recipe=recipe.Float8BlockScaling()).shape
+(4, 100, 512)
 """
 
 from __future__ import annotations
@@ -38,103 +26,22 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from te_jax import fp8_state as state_lib
 from te_jax import recipe as recipe_lib
+from te_jax import scaling
+from te_jax import sharded_dense
+from te_jax import sharding as sharding_lib
 from te_jax.ops import concat_quantize as concat_op
-from te_jax.ops import gemm as gemm_op
 from te_jax.ops import quantize as quantize_op
-from te_jax.scaled_tensor import ScaledTensor
 
-__all__ = ["fp8_dense", "fp8_dense_split", "dense", "dense_general"]
+__all__ = ["fp8_dense", "fp8_dense_split", "dense", "dense_general", "scaling_mode_of",
+           "pad_to"]
 
 
 class _Config(NamedTuple):
-  recipe: recipe_lib.Recipe
+  mode: scaling.ScalingMode
   impl: str
   has_bias: bool = False  # static: a Python bool residual may become a tracer
   num_splits: int = 1     # > 1: the output is that many column blocks (a tuple)
-
-
-# -------------------------------------------------------------- quantizers --
-# Each returns (rowwise ScaledTensor, columnwise ScaledTensor, amax or None).
-
-def _quantize_per_tensor(x, dtype, cfg, scale=None):
-  if scale is None:  # current scaling
-    data, data_t, scale_inv, amax = quantize_op.quantize_current(
-        x, dtype, columnwise=True, impl=cfg.impl)
-  else:
-    data, data_t, amax = quantize_op.quantize_tensorwise(
-        x, scale, dtype, columnwise=True, impl=cfg.impl)
-    scale_inv = 1.0 / scale
-  return ScaledTensor(data, scale_inv), ScaledTensor(data_t, scale_inv), amax
-
-
-def _quantize_blocks(x, block, dtype, cfg):
-  data, s, data_t, s_t = quantize_op.quantize_blockwise(
-      x, block, dtype, cfg.recipe.power_2_scale, columnwise=True, impl=cfg.impl)
-  return ScaledTensor(data, s, block), ScaledTensor(data_t, s_t, block), None
-
-
-def _quantize(x, role, cfg, state=None):
-  """Quantizes ``x`` ("x", "kernel" or "grad") as the recipe says."""
-  r = cfg.recipe
-  dtype = r.bwd_dtype if role == "grad" else r.fwd_dtype
-  if r.is_blockwise:
-    block = (128, 128) if role == "kernel" else (1, 128)
-    return _quantize_blocks(x, block, dtype, cfg)
-  if isinstance(r, recipe_lib.DelayedScaling):
-    return _quantize_per_tensor(x, dtype, cfg, state_lib.scale_from_state(state[role]))
-  return _quantize_per_tensor(x, dtype, cfg)
-
-
-def _prologue_mode(recipe):
-  """The ``mode`` of the fused-prologue quantize ops (act_quantize,
-  concat_quantize) for ``recipe``."""
-  if recipe.is_blockwise:
-    return "blockwise"
-  if isinstance(recipe, recipe_lib.DelayedScaling):
-    return "tensorwise"
-  return "current"
-
-
-def _scale_kw(cfg, state, role):
-  """``scale=`` for a fused-prologue quantize op: the delayed-scaling scale of
-  ``role`` in ``state``; none for the other recipes."""
-  if isinstance(cfg.recipe, recipe_lib.DelayedScaling):
-    return {"scale": state_lib.scale_from_state(state[role])}
-  return {}
-
-
-def _scaled_pair(out, recipe):
-  """ScaledTensors (rowwise, columnwise) and amax from a fused-prologue
-  quantize op's ``(data, scale_inv, data_t, scale_inv_t, amax)``."""
-  data, s, data_t, s_t, amax = out
-  block = (1, 128) if recipe.is_blockwise else None
-  return ScaledTensor(data, s, block), ScaledTensor(data_t, s_t, block), amax
-
-
-def _quantize_grad_parts(parts, cfg, state=None):
-  """``_quantize(concatenate(parts, 1), "grad", ...)`` without the concatenation."""
-  r = cfg.recipe
-  return _scaled_pair(concat_op.concat_quantize(
-      parts, mode=_prologue_mode(r), dtype=r.bwd_dtype,
-      power_2_scale=r.is_blockwise and r.power_2_scale, impl=cfg.impl,
-      **_scale_kw(cfg, state, "grad")), r)
-
-
-def _gemm(a, b, out_dtype, cfg, which, bias=None):
-  fast = getattr(cfg.recipe, f"fast_accum_{which}", False)
-  return gemm_op.gemm(a, b, out_dtype=out_dtype, bias=bias, fast_accum=fast,
-                      impl=cfg.impl)
-
-
-def _new_state(state, amaxes, cfg):
-  r = cfg.recipe
-  new = dict(state)
-  for role, amax in amaxes.items():
-    dtype = r.bwd_dtype if role == "grad" else r.fwd_dtype
-    new[role] = state_lib.update_tensor_state(state[role], amax, r, dtype)
-  return new
 
 
 # -------------------------------------------------------------- custom vjp --
@@ -146,36 +53,37 @@ def _dense_2d(x, kernel, bias, state, cfg):
 
 
 def _dense_2d_fwd(x, kernel, bias, state, cfg):
-  qx, qx_t, amax_x = _quantize(x, "x", cfg, state)
-  qk, qk_t, amax_k = _quantize(kernel, "kernel", cfg, state)
-  y = _gemm(qx, qk_t, x.dtype, cfg, "fprop", bias)
-  new_state = None
-  if state is not None:
-    new_state = _new_state(state, {"x": amax_x, "kernel": amax_k}, cfg)
+  mode, impl = cfg.mode, cfg.impl
+  qx = mode.quantize(x, "x", state, impl=impl)
+  qk = mode.quantize(kernel, "kernel", state, impl=impl)
+  y = mode.gemm("fprop", qx.rowwise(), qk.columnwise(), out_dtype=x.dtype, bias=bias,
+                impl=impl)
+  new_state = mode.update_state(state, {"x": qx.amax, "kernel": qk.amax})
   # Only the copies the backward GEMMs read are kept: x.T for wgrad and the
   # kernel for dgrad, both FP8 (half the bytes of a bf16 activation).
-  res = (qx_t, qk, new_state, jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))
+  res = (qx.columnwise(), qk.rowwise(), new_state, jnp.zeros((0,), x.dtype),
+         jnp.zeros((0,), kernel.dtype))
   if cfg.num_splits > 1:
     y = tuple(jnp.split(y, cfg.num_splits, axis=1))
   return y, res
 
 
 def _dense_2d_bwd(cfg, res, g):
+  mode, impl = cfg.mode, cfg.impl
   qx_t, qk, new_state, x_proto, k_proto = res
   if cfg.num_splits > 1:   # the gradients of the output blocks, never concatenated
-    qg, qg_t, amax_g = _quantize_grad_parts(tuple(g), cfg, new_state)
+    qg = mode.quantize_fused(concat_op.concat_quantize, "grad", new_state, impl=impl,
+                             parts=tuple(g))
   else:
-    qg, qg_t, amax_g = _quantize(g, "grad", cfg, new_state)
-  dx = _gemm(qg, qk, x_proto.dtype, cfg, "dgrad")
-  dk = _gemm(qx_t, qg_t, k_proto.dtype, cfg, "wgrad")
+    qg = mode.quantize(g, "grad", new_state, impl=impl)
+  dx = mode.gemm("dgrad", qg.rowwise(), qk, out_dtype=x_proto.dtype, impl=impl)
+  dk = mode.gemm("wgrad", qx_t, qg.columnwise(), out_dtype=k_proto.dtype, impl=impl)
   dbias = None
   if cfg.has_bias:
     parts = tuple(g) if cfg.num_splits > 1 else (g,)
     dbias = jnp.concatenate([jnp.sum(p.astype(jnp.float32), axis=0).astype(p.dtype)
                              for p in parts])
-  if new_state is not None:
-    new_state = _new_state(new_state, {"grad": amax_g}, cfg)
-  return dx, dk, dbias, new_state
+  return dx, dk, dbias, mode.update_state(new_state, {"grad": qg.amax})
 
 
 _dense_2d.defvjp(_dense_2d_fwd, _dense_2d_bwd)
@@ -183,7 +91,8 @@ _dense_2d.defvjp(_dense_2d_fwd, _dense_2d_bwd)
 
 # ------------------------------------------------------------------ public --
 
-def _pad_to(x, axis, multiple):
+def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
+  """Zero-pads dim ``axis`` of ``x`` up to a multiple of ``multiple``."""
   size = x.shape[axis]
   extra = -size % multiple
   if not extra:
@@ -209,34 +118,28 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
     impl: "auto", "cuda" or "reference" for the quantize and GEMM ops.
     kernel_axes: optional logical axis names of the kernel's two dims (each a
       name, None, or a tuple of names of a flattened dim). With them and a
-      ``mesh_resource`` (default: the one of the active ``fp8_autocast``) the
-      GEMMs run sharded over the mesh (``te_jax.distributed``): x is
-      (batch, seq, ..., K) or (tokens, K) with its batch on (dp, fsdp).
-    mesh_resource: a ``te_jax.sharding.MeshResource``; default from the
-      active ``fp8_autocast``.
+      ``mesh_resource`` the GEMMs run sharded over the mesh
+      (``te_jax.sharded_dense``): x is (batch, seq, ..., K) or (tokens, K)
+      with its batch on (dp, fsdp).
+    mesh_resource: a ``te_jax.sharding.MeshResource``, or None (unsharded).
+      The Flax modules pass the one of the active ``fp8_autocast``.
     mesh: the mesh; default the active one (``jax.set_mesh``/``with mesh:``).
 
   Returns:
     (..., N) array in ``x.dtype``.
   """
-  _check_dense_args(x, kernel, bias, recipe, fp8_state)
-  if kernel_axes is not None:
-    if mesh_resource is None:
-      from te_jax.autocast import get_fp8_context  # pylint: disable=import-outside-toplevel
-      mesh_resource = get_fp8_context().mesh_resource
-    if mesh_resource is not None:
-      from te_jax import distributed  # pylint: disable=import-outside-toplevel
-      y = distributed.sharded_fp8_dense(
-          x, kernel, bias, recipe=recipe, fp8_state=fp8_state, impl=impl,
-          kernel_axes=kernel_axes, mesh_resource=mesh_resource, mesh=mesh)
-      if y is not None:
-        return y
-  return _unsharded_fp8_dense(x, kernel, bias, recipe, fp8_state, impl, 1)[0]
+  mode = _check_dense_args(x, kernel, bias, recipe, fp8_state)
+  if kernel_axes is not None and mesh_resource is not None:
+    y = sharded_dense.sharded_fp8_dense(
+        x, kernel, bias, recipe=recipe, fp8_state=fp8_state, impl=impl,
+        kernel_axes=kernel_axes, mesh_resource=mesh_resource, mesh=mesh)
+    if y is not None:
+      return y
+  return _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, 1)[0]
 
 
 def _check_dense_args(x, kernel, bias, recipe, fp8_state):
-  if not isinstance(recipe, recipe_lib.Recipe):
-    raise TypeError(f"recipe must be a te_jax.recipe recipe, got {recipe!r}.")
+  mode = scaling_mode_of(recipe)
   quantize_op.check_input(x, "x")
   quantize_op.check_input(kernel, "kernel", 2)
   if x.shape[-1] != kernel.shape[0]:
@@ -245,24 +148,28 @@ def _check_dense_args(x, kernel, bias, recipe, fp8_state):
   n = kernel.shape[1]
   if bias is not None and bias.shape != (n,):
     raise ValueError(f"bias must have shape ({n},), got {bias.shape}.")
-  delayed = isinstance(recipe, recipe_lib.DelayedScaling)
-  if delayed and fp8_state is None:
-    raise ValueError("DelayedScaling needs fp8_state (see te_jax.fp8_state."
-                     "init_dense_state); the Flax modules create it for you.")
-  if not delayed and fp8_state is not None:
-    raise ValueError(f"fp8_state must be None for {type(recipe).__name__}.")
+  mode.check_state(fp8_state)
+  return mode
 
 
-def _unsharded_fp8_dense(x, kernel, bias, recipe, fp8_state, impl, num_splits):
+def scaling_mode_of(recipe) -> scaling.ScalingMode:
+  """``recipe.scaling_mode()``, with a TypeError naming ``recipe`` when it is
+  not a ``te_jax.recipe`` recipe."""
+  if not isinstance(recipe, recipe_lib.Recipe):
+    raise TypeError(f"recipe must be a te_jax.recipe recipe, got {recipe!r}.")
+  return recipe.scaling_mode()
+
+
+def _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, num_splits):
   """The padded 2-D custom-VJP dense; a tuple of ``num_splits`` outputs."""
   lead, k = x.shape[:-1], x.shape[-1]
   x2d = x.reshape(-1, k)
   m, n = x2d.shape[0], kernel.shape[1]
-  align = recipe.token_block
-  xp = _pad_to(_pad_to(x2d, 0, align), 1, align)
-  kp = _pad_to(_pad_to(kernel, 0, align), 1, align)
-  bp = None if bias is None else _pad_to(bias.astype(x.dtype), 0, align)
-  cfg = _Config(recipe, impl, bias is not None, num_splits)
+  align = mode.token_block
+  xp = pad_to(pad_to(x2d, 0, align), 1, align)
+  kp = pad_to(pad_to(kernel, 0, align), 1, align)
+  bp = None if bias is None else pad_to(bias.astype(x.dtype), 0, align)
+  cfg = _Config(mode, impl, bias is not None, num_splits)
   y = _dense_2d(xp, kp, bp, fp8_state, cfg)
   if num_splits == 1:
     return (y[:m, :n].reshape(*lead, n),)
@@ -285,7 +192,7 @@ def fp8_dense_split(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] =
   multiple of the recipe's alignment, 16 per-tensor and 128 blockwise, or
   more than 4 blocks), the output of ``fp8_dense`` is split instead: same
   values, with the concatenation. Unsharded only (no ``kernel_axes``): the
-  sharded GEMMs of ``te_jax.distributed`` keep the plain dense.
+  sharded GEMMs of ``te_jax.sharded_dense`` keep the plain dense.
 
   Args:
     x: (..., K) float32/bfloat16/float16 input.
@@ -305,7 +212,7 @@ def fp8_dense_split(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] =
     q, k, v = dense.fp8_dense_split(x, w, num_splits=3,
                                     recipe=recipe.Float8CurrentScaling())  # (2, 128, 256) each
   """
-  _check_dense_args(x, kernel, bias, recipe, fp8_state)
+  mode = _check_dense_args(x, kernel, bias, recipe, fp8_state)
   if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
     raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}.")
   n = kernel.shape[1]
@@ -313,10 +220,10 @@ def fp8_dense_split(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] =
     raise ValueError(f"kernel's output dim ({n}) must be a multiple of num_splits "
                      f"({num_splits}).")
   f = n // num_splits
-  if num_splits == 1 or num_splits > concat_op.MAX_PARTS or f % recipe.token_block:
-    y = _unsharded_fp8_dense(x, kernel, bias, recipe, fp8_state, impl, 1)[0]
+  if num_splits == 1 or num_splits > concat_op.MAX_PARTS or f % mode.token_block:
+    y = _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, 1)[0]
     return tuple(jnp.split(y, num_splits, axis=-1))
-  return _unsharded_fp8_dense(x, kernel, bias, recipe, fp8_state, impl, num_splits)
+  return _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, num_splits)
 
 
 def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
@@ -367,10 +274,6 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = N
     if len(kernel_axes) != kernel.ndim:
       raise ValueError(f"kernel_axes {kernel_axes} must name each of the {kernel.ndim} "
                        f"kernel dims {kernel.shape}.")
-    from te_jax import sharding as sharding_lib  # pylint: disable=import-outside-toplevel
-    if mesh_resource is None:
-      from te_jax.autocast import get_fp8_context  # pylint: disable=import-outside-toplevel
-      mesh_resource = get_fp8_context().mesh_resource
     m = sharding_lib.get_mesh(mesh)
     if mesh_resource is not None and m is not None:
       mapped = sharding_lib.logical_to_mesh_axes(

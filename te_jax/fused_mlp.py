@@ -46,38 +46,28 @@ import jax.numpy as jnp
 
 from te_jax import dense as dense_lib
 from te_jax import recipe as recipe_lib
+from te_jax import scaling
 from te_jax.ops import act_quantize as act_op
 
 __all__ = ["fp8_mlp", "supported"]
 
 
 class _MlpConfig(NamedTuple):
-  recipe: recipe_lib.Recipe
+  mode: scaling.ScalingMode
   impl: str
   activations: Tuple[str, ...]
   has_bi: bool
   has_bo: bool
-
-  @property
-  def dense(self):
-    return dense_lib._Config(self.recipe, self.impl)  # pylint: disable=protected-access
 
 
 def supported(m: int, k: int, f: int, n: int, recipe: recipe_lib.Recipe,
               activations: Sequence[str]) -> bool:
   """Whether ``fp8_mlp`` takes x (m, k), wi (k, n_act*f), wo (f, n) unpadded."""
   acts = tuple(activations)
-  if not 1 <= len(acts) <= 2 or any(a not in act_op.ACTIVATION_NAMES for a in acts):
+  if not 1 <= len(acts) <= 2 or any(a not in act_op.ACTIVATIONS for a in acts):
     return False
-  return (m % recipe.token_block == 0 and k % 128 == 0 and f % 128 == 0
+  return (m % recipe.scaling_mode().token_block == 0 and k % 128 == 0 and f % 128 == 0
           and n % 128 == 0)
-
-
-# The recipe -> fused-prologue quantize mapping, shared with dense.py's
-# split-output backward.
-_prologue_mode = dense_lib._prologue_mode  # pylint: disable=protected-access
-_scale_kw = dense_lib._scale_kw  # pylint: disable=protected-access
-_scaled_pair = dense_lib._scaled_pair  # pylint: disable=protected-access
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -87,48 +77,44 @@ def _mlp(x, wi, bi, wo, bo, states, cfg):
 
 
 def _mlp_fwd(x, wi, bi, wo, bo, states, cfg):
-  r, dcfg = cfg.recipe, cfg.dense
-  si, so = states if states is not None else (None, None)
-  qx, qx_t, amax_x = dense_lib._quantize(x, "x", dcfg, si)  # pylint: disable=protected-access
-  qwi, qwi_t, amax_wi = dense_lib._quantize(wi, "kernel", dcfg, si)  # pylint: disable=protected-access
-  h = dense_lib._gemm(qx, qwi_t, x.dtype, dcfg, "fprop", bi)  # pylint: disable=protected-access
-  qz, qz_t, amax_z = _scaled_pair(act_op.act_quantize(
-      h, cfg.activations, mode=_prologue_mode(r), dtype=r.fwd_dtype,
-      power_2_scale=r.is_blockwise and r.power_2_scale, impl=cfg.impl,
-      **_scale_kw(cfg, so, "x")), r)
-  qwo, qwo_t, amax_wo = dense_lib._quantize(wo, "kernel", dcfg, so)  # pylint: disable=protected-access
-  y = dense_lib._gemm(qz, qwo_t, x.dtype, dcfg, "fprop", bo)  # pylint: disable=protected-access
-  new = None
-  if states is not None:
-    new = (dense_lib._new_state(si, {"x": amax_x, "kernel": amax_wi}, dcfg),  # pylint: disable=protected-access
-           dense_lib._new_state(so, {"x": amax_z, "kernel": amax_wo}, dcfg))  # pylint: disable=protected-access
+  mode, impl = cfg.mode, cfg.impl
+  si, so = states
+  qx = mode.quantize(x, "x", si, impl=impl)
+  qwi = mode.quantize(wi, "kernel", si, impl=impl)
+  h = mode.gemm("fprop", qx.rowwise(), qwi.columnwise(), out_dtype=x.dtype, bias=bi,
+                impl=impl)
+  # z = act(h) quantized in the pass that reads h: the input of the second GEMM.
+  qz = mode.quantize_fused(act_op.act_quantize, "x", so, impl=impl, h=h,
+                           activations=cfg.activations)
+  qwo = mode.quantize(wo, "kernel", so, impl=impl)
+  y = mode.gemm("fprop", qz.rowwise(), qwo.columnwise(), out_dtype=x.dtype, bias=bo,
+                impl=impl)
+  new = (mode.update_state(si, {"x": qx.amax, "kernel": qwi.amax}),
+         mode.update_state(so, {"x": qz.amax, "kernel": qwo.amax}))
   protos = tuple(jnp.zeros((0,), a.dtype) for a in (x, wi, wo))
-  return y, (qx_t, qwi, h, qz_t, qwo, new, protos)
+  return y, (qx.columnwise(), qwi.rowwise(), h, qz.columnwise(), qwo.rowwise(), new,
+             protos)
 
 
 def _mlp_bwd(cfg, res, g):
-  r, dcfg = cfg.recipe, cfg.dense
-  qx_t, qwi, h, qz_t, qwo, new, (x_p, wi_p, wo_p) = res
-  si, so = new if new is not None else (None, None)
-  qg, qg_t, amax_g = dense_lib._quantize(g, "grad", dcfg, so)  # pylint: disable=protected-access
-  dz = dense_lib._gemm(qg, qwo, h.dtype, dcfg, "dgrad")  # pylint: disable=protected-access
-  dwo = dense_lib._gemm(qz_t, qg_t, wo_p.dtype, dcfg, "wgrad")  # pylint: disable=protected-access
-  qdh, qdh_t, amax_dh = _scaled_pair(act_op.dact_quantize(
-      dz, h, cfg.activations, mode=_prologue_mode(r), dtype=r.bwd_dtype,
-      power_2_scale=r.is_blockwise and r.power_2_scale, impl=cfg.impl,
-      **_scale_kw(cfg, si, "grad")), r)
-  dx = dense_lib._gemm(qdh, qwi, x_p.dtype, dcfg, "dgrad")  # pylint: disable=protected-access
-  dwi = dense_lib._gemm(qx_t, qdh_t, wi_p.dtype, dcfg, "wgrad")  # pylint: disable=protected-access
+  mode, impl = cfg.mode, cfg.impl
+  qx_t, qwi, h, qz_t, qwo, (si, so), (x_p, wi_p, wo_p) = res
+  qg = mode.quantize(g, "grad", so, impl=impl)
+  dz = mode.gemm("dgrad", qg.rowwise(), qwo, out_dtype=h.dtype, impl=impl)
+  dwo = mode.gemm("wgrad", qz_t, qg.columnwise(), out_dtype=wo_p.dtype, impl=impl)
+  # dh = dz * act'(h) quantized in the pass that reads dz and h.
+  qdh = mode.quantize_fused(act_op.dact_quantize, "grad", si, impl=impl, dz=dz, h=h,
+                            activations=cfg.activations)
+  dx = mode.gemm("dgrad", qdh.rowwise(), qwi, out_dtype=x_p.dtype, impl=impl)
+  dwi = mode.gemm("wgrad", qx_t, qdh.columnwise(), out_dtype=wi_p.dtype, impl=impl)
   dbi = dbo = None
   if cfg.has_bi:   # one more pass over dz and h, only when wi has a bias
     dh = act_op.activation_backward(dz, h, cfg.activations)
     dbi = jnp.sum(dh, axis=0).astype(h.dtype)
   if cfg.has_bo:
     dbo = jnp.sum(g.astype(jnp.float32), axis=0).astype(g.dtype)
-  new_states = None
-  if new is not None:
-    new_states = (dense_lib._new_state(si, {"grad": amax_dh}, dcfg),  # pylint: disable=protected-access
-                  dense_lib._new_state(so, {"grad": amax_g}, dcfg))  # pylint: disable=protected-access
+  new_states = (mode.update_state(si, {"grad": qdh.amax}),
+                mode.update_state(so, {"grad": qg.amax}))
   return dx, dwi, dbi, dwo, dbo, new_states
 
 
@@ -149,7 +135,7 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
     wo: (F, N) down-projection.
     bi: optional (n_act * F,) bias of the up-projection.
     bo: optional (N,) bias of the down-projection.
-    activations: one or two names of ``te_jax.ops.act_quantize.ACTIVATION_NAMES``.
+    activations: one or two names of ``te_jax.ops.act_quantize.ACTIVATIONS``.
     recipe: a te_jax recipe.
     wi_state, wo_state: ``DelayedScaling`` states of the two GEMMs
       (``fp8_state.init_dense_state``); their updates come back as their
@@ -163,8 +149,7 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
     ValueError: shapes that :func:`supported` rejects, or inconsistent ones.
   """
   acts = tuple(activations)
-  if not isinstance(recipe, recipe_lib.Recipe):
-    raise TypeError(f"recipe must be a te_jax.recipe recipe, got {recipe!r}.")
+  mode = dense_lib.scaling_mode_of(recipe)
   if x.ndim != 2 or wi.ndim != 2 or wo.ndim != 2:
     raise ValueError(f"x, wi, wo must be 2-D, got {x.shape}, {wi.shape}, {wo.shape}.")
   (m, k), (f, n) = x.shape, wo.shape
@@ -178,14 +163,14 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
     raise ValueError(f"bo must have shape ({n},), got {bo.shape}.")
   if not supported(m, k, f, n, recipe, acts):
     raise ValueError(
-        f"fp8_mlp takes M % {recipe.token_block} == 0 and K, F, N % 128 == 0 with "
-        f"activations from {sorted(act_op.ACTIVATION_NAMES)}; got M={m}, K={k}, F={f}, "
+        f"fp8_mlp takes M % {mode.token_block} == 0 and K, F, N % 128 == 0 with "
+        f"activations from {sorted(act_op.ACTIVATIONS)}; got M={m}, K={k}, F={f}, "
         f"N={n}, activations={acts}. Use two te_jax.dense.fp8_dense calls instead.")
-  delayed = isinstance(recipe, recipe_lib.DelayedScaling)
-  if delayed != (wi_state is not None) or (wi_state is None) != (wo_state is None):
-    raise ValueError("wi_state and wo_state must both be given for DelayedScaling and "
-                     "both be None otherwise.")
-  cfg = _MlpConfig(recipe, impl, acts, bi is not None, bo is not None)
+  if (wi_state is None) != (wo_state is None):
+    raise ValueError("wi_state and wo_state must both be given or both be None.")
+  mode.check_state(wi_state)
+  mode.check_state(wo_state)
+  cfg = _MlpConfig(mode, impl, acts, bi is not None, bo is not None)
   cast = lambda b: None if b is None else b.astype(x.dtype)
-  states = (wi_state, wo_state) if delayed else None
-  return _mlp(x, wi.astype(x.dtype), cast(bi), wo.astype(x.dtype), cast(bo), states, cfg)
+  return _mlp(x, wi.astype(x.dtype), cast(bi), wo.astype(x.dtype), cast(bo),
+              (wi_state, wo_state), cfg)

@@ -17,6 +17,9 @@ import enum
 
 import jax.numpy as jnp
 
+from te_jax import scaling
+from te_jax.ops.fp8 import fp8_max
+
 __all__ = [
     "Format",
     "Recipe",
@@ -28,17 +31,6 @@ __all__ = [
 
 _E4M3 = jnp.float8_e4m3fn
 _E5M2 = jnp.float8_e5m2
-
-
-def fp8_max(dtype) -> float:
-  """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2)."""
-  dtype = jnp.dtype(dtype)
-  if dtype == jnp.dtype(_E4M3):
-    return 448.0
-  if dtype == jnp.dtype(_E5M2):
-    return 57344.0
-  raise TypeError(
-      f"dtype must be float8_e4m3fn or float8_e5m2, got {dtype}.")
 
 
 class Format(enum.Enum):
@@ -75,7 +67,11 @@ def _check_bool(name, value):
 
 @dataclasses.dataclass(frozen=True)
 class Recipe:
-  """Base class of the recipes; use one of the subclasses."""
+  """Base class of the recipes; use one of the subclasses.
+
+  A recipe is configuration only; what it means for the GEMMs lives in the
+  ``te_jax.scaling.ScalingMode`` that :meth:`scaling_mode` returns.
+  """
 
   @property
   def fwd_dtype(self):
@@ -85,14 +81,21 @@ class Recipe:
   def bwd_dtype(self):
     return self.fp8_format.bwd_dtype
 
+  def scaling_mode(self) -> scaling.ScalingMode:
+    """The ``te_jax.scaling`` protocol object that runs this recipe's GEMMs."""
+    raise NotImplementedError(
+        f"{type(self).__name__} does not define scaling_mode(); a recipe needs one "
+        "(see te_jax.scaling).")
+
   @property
   def is_blockwise(self) -> bool:
+    """Whether scales are per tile (True) or per tensor."""
     return False
 
   @property
   def token_block(self) -> int:
     """Multiple that FP8 GEMMs need along the token dimension."""
-    return 128 if self.is_blockwise else 16
+    return self.scaling_mode().token_block
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -153,6 +156,9 @@ class DelayedScaling(_PerTensorGemmOptions, Recipe):
           f"{self.amax_compute_algo!r}.")
     self._check_accum()
 
+  def scaling_mode(self) -> scaling.ScalingMode:
+    return scaling.DelayedScalingMode(self)
+
 
 @dataclasses.dataclass(frozen=True)
 class Float8CurrentScaling(_PerTensorGemmOptions, Recipe):
@@ -169,6 +175,9 @@ class Float8CurrentScaling(_PerTensorGemmOptions, Recipe):
   def __post_init__(self):
     _check_format(self.fp8_format)
     self._check_accum()
+
+  def scaling_mode(self) -> scaling.ScalingMode:
+    return scaling.CurrentScalingMode(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +201,9 @@ class Float8BlockScaling(Recipe):
   def __post_init__(self):
     _check_format(self.fp8_format)
     _check_bool("power_2_scale", self.power_2_scale)
+
+  def scaling_mode(self) -> scaling.ScalingMode:
+    return scaling.BlockScalingMode(self)
 
   @property
   def is_blockwise(self) -> bool:

@@ -3,7 +3,7 @@
 Under ``te_jax.fp8_autocast(enabled=True, fp8_recipe=r)`` (active when the
 module is *traced*: ``init``/``apply`` or the first call of a jitted function)
 the GEMM and both of its gradients run in FP8 with recipe ``r`` through
-:func:`te_jax.dense.dense`. Otherwise the projection is a plain dot in the
+:func:`te_jax.dense.dense_general`. Otherwise the projection is a plain dot in the
 compute dtype.
 
 Under ``DelayedScaling`` each module keeps its amax histories and scales in
@@ -21,11 +21,11 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from te_jax.flax import _fp8
+from te_jax.flax import fp8_module
 from te_jax.flax.norm import apply_norm, norm_params
 
 __all__ = ["DenseGeneral", "LayerNormDenseGeneral", "default_kernel_axes",
-           "dense_general"]
+           "declare_and_apply_dense", "kernel_fan_in_init"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -53,7 +53,7 @@ def default_kernel_axes(n_in: int, n_out: int) -> Tuple[str, ...]:
   return ins + outs
 
 
-def _kernel_fan_in_init(init, n_in, n_out):
+def kernel_fan_in_init(init, n_in, n_out):
   """Wraps ``init`` so fan-in/out are computed on the 2-D view of the kernel."""
   def wrapped(key, shape, dtype=jnp.float32):
     flat = (math.prod(shape[:n_in]), math.prod(shape[n_in:]))
@@ -61,14 +61,18 @@ def _kernel_fan_in_init(init, n_in, n_out):
   return wrapped
 
 
-def dense_general(module: nn.Module, x: jax.Array, *, features, axis,
-                  use_bias: bool, dtype, param_dtype, kernel_init, bias_init,
-                  kernel_axes, bias_axes, kernel_name: str = "kernel",
-                  bias_name: str = "bias", fp8_name: str = _fp8.FP8_META,
-                  split_output: bool = False):
-  """Declares the kernel/bias of a DenseGeneral on ``module`` and applies it."""
+def declare_and_apply_dense(module: nn.Module, x: jax.Array, *, settings, features, axis,
+                            use_bias: bool, dtype, param_dtype, kernel_init, bias_init,
+                            kernel_axes, bias_axes, kernel_name: str = "kernel",
+                            bias_name: str = "bias", fp8_name: str = fp8_module.FP8_META,
+                            split_output: bool = False):
+  """Declares the kernel/bias of a DenseGeneral on ``module`` and applies it.
+
+  ``settings``: the ``fp8_module.GemmSettings`` the module read from the
+  autocast for this call.
+  """
   features = (features,) if isinstance(features, int) else tuple(features)
-  axis = _fp8.canonicalize_axes(axis, x.ndim)
+  axis = fp8_module.canonicalize_axes(axis, x.ndim)
   n_in, n_out = len(axis), len(features)
   if split_output and n_out < 2:
     raise ValueError(f"split_output=True unstacks the first of several feature dims; "
@@ -83,7 +87,7 @@ def dense_general(module: nn.Module, x: jax.Array, *, features, axis,
                      f"{len(kernel_shape)} kernel dims {kernel_shape}.")
   kernel = module.param(
       kernel_name,
-      nn.with_logical_partitioning(_kernel_fan_in_init(kernel_init, n_in, n_out),
+      nn.with_logical_partitioning(kernel_fan_in_init(kernel_init, n_in, n_out),
                                    kernel_axes),
       kernel_shape, param_dtype)
   bias = None
@@ -102,10 +106,10 @@ def dense_general(module: nn.Module, x: jax.Array, *, features, axis,
   batch_axes = tuple(a for a in range(x.ndim) if a not in axis)
   if batch_axes + axis != tuple(range(x.ndim)):
     x = jnp.transpose(x, batch_axes + axis)
-  return _fp8.fp8_gemm(
-      module, x.astype(compute), kernel.astype(compute),
-      None if bias is None else bias.astype(compute), recipe=_fp8.active_recipe(),
-      name=fp8_name, contract_ndim=n_in, kernel_axes=kernel_axes, split_output=split_output)
+  return fp8_module.fp8_gemm(
+      module, settings, x.astype(compute), kernel.astype(compute),
+      None if bias is None else bias.astype(compute), name=fp8_name,
+      contract_ndim=n_in, kernel_axes=kernel_axes, split_output=split_output)
 
 
 class DenseGeneral(nn.Module):
@@ -143,6 +147,8 @@ class DenseGeneral(nn.Module):
       projection. Same values as indexing the output; in FP8 (unsharded) the
       gradients of the parts are quantized in one pass without being
       concatenated (``te_jax.dense.fp8_dense_split``).
+    impl: "auto" (default), "cuda" or "reference": which implementation the
+      FP8 ops use (the environment variable ``TE_JAX_IMPL`` overrides "auto").
   """
 
   features: Union[int, Sequence[int]]
@@ -155,12 +161,13 @@ class DenseGeneral(nn.Module):
   kernel_axes: Tuple[Optional[str], ...] = ()
   bias_axes: Tuple[Optional[str], ...] = ()
   split_output: bool = False
+  impl: str = "auto"
 
   @nn.compact
   def __call__(self, inputs: jax.Array):
     """Applies the projection; see the class docstring for shapes."""
-    return dense_general(
-        self, inputs, features=self.features, axis=self.axis, use_bias=self.use_bias,
+    return declare_and_apply_dense(
+        self, inputs, settings=fp8_module.read_autocast(self.impl), features=self.features, axis=self.axis, use_bias=self.use_bias,
         dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
         bias_init=self.bias_init, kernel_axes=self.kernel_axes, bias_axes=self.bias_axes,
         split_output=self.split_output)
@@ -195,6 +202,7 @@ class LayerNormDenseGeneral(nn.Module):
     scale_init, ln_bias_init: initializers of the norm (default ones/zeros,
       zeros for the scale when zero-centered).
     kernel_axes, bias_axes, ln_scale_axes, ln_bias_axes: logical axis names.
+    impl: "auto" (default), "cuda" or "reference", as in ``DenseGeneral``.
   """
 
   features: Union[int, Sequence[int]]
@@ -213,6 +221,7 @@ class LayerNormDenseGeneral(nn.Module):
   bias_axes: Tuple[Optional[str], ...] = ()
   ln_scale_axes: Tuple[Optional[str], ...] = ("embed",)
   ln_bias_axes: Tuple[Optional[str], ...] = ("embed",)
+  impl: str = "auto"
 
   @nn.compact
   def __call__(self, inputs: jax.Array):
@@ -227,8 +236,9 @@ class LayerNormDenseGeneral(nn.Module):
     ln_out = apply_norm(inputs, scale, ln_bias, norm_type=self.layernorm_type,
                         epsilon=self.epsilon,
                         zero_centered_gamma=self.zero_centered_gamma, dtype=compute)
-    y = dense_general(
-        self, ln_out, features=self.features, axis=-1, use_bias=self.use_bias,
+    y = declare_and_apply_dense(
+        self, ln_out, settings=fp8_module.read_autocast(self.impl), features=self.features,
+        axis=-1, use_bias=self.use_bias,
         dtype=compute, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
         bias_init=self.bias_init, kernel_axes=self.kernel_axes, bias_axes=self.bias_axes)
     if self.return_layernorm_output:

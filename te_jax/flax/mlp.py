@@ -6,11 +6,8 @@ sharded, dropout is off and the shapes allow it (tokens a multiple of the
 recipe's ``token_block``, embed and mlp multiples of 128) -- the block runs
 as one fused core (``te_jax.fused_mlp``): the activation and the
 quantization of its output are one pass over memory, forward and backward,
-and no bf16 activation gradient is materialized. On the H200 (BENCHMARKS.md)
-that lowers the peak memory of a 4096 -> 16384 -> 4096 block to 12-13% below
-FP8 off, and the step is 3% faster than the unfused path with delayed and
-blockwise scaling and as fast with current scaling (which reads the
-activations twice, for the amax and to quantize; BENCHMARKS.md run J).
+and no bf16 activation gradient is materialized, which lowers the block's
+peak memory (measured figures: BENCHMARKS.md).
 Otherwise (or with ``fuse_activation_quantize=False``) the block is two FP8
 dense layers around an XLA activation; the two paths use the same
 variables. When the fused core was asked for but cannot run, the ``te_jax``
@@ -33,26 +30,15 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from te_jax import fused_mlp
-from te_jax.flax import _fp8
-from te_jax.flax.dense import default_kernel_init, _kernel_fan_in_init
+from te_jax.flax import fp8_module
+from te_jax.flax.dense import default_kernel_init, kernel_fan_in_init
 from te_jax.flax.norm import apply_norm, norm_params
+from te_jax.ops.act_quantize import ACTIVATIONS
 
 __all__ = ["LayerNormMLP", "ACTIVATIONS"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
-
-ACTIVATIONS = {
-    "gelu": lambda x: nn.gelu(x, approximate=True),
-    "gelu_exact": lambda x: nn.gelu(x, approximate=False),
-    "relu": nn.relu,
-    "silu": nn.silu,
-    "swish": nn.silu,
-    "sigmoid": nn.sigmoid,
-    "tanh": jnp.tanh,
-    "quick_gelu": lambda x: x * nn.sigmoid(1.702 * x),
-    "linear": lambda x: x,
-}
 
 
 @functools.lru_cache(maxsize=None)
@@ -63,11 +49,12 @@ def _log_unfused(reason: str):
       "activation-quantize core, which holds less memory): %s", reason)
 
 
-def _fused_blocker(m, embed, f, recipe, acts, dropout) -> Optional[str]:
+def _fused_blocker(m, embed, f, settings, acts, dropout) -> Optional[str]:
   """Why the fused core cannot run (None when it can)."""
+  recipe = settings.recipe
   if dropout:
     return "intermediate dropout is active"
-  if not _fp8.unsharded():
+  if not settings.unsharded():
     return "its GEMMs are sharded (the fused core has no sharding rule)"
   if not fused_mlp.supported(m, embed, f, embed, recipe, acts):
     return (f"{m} tokens, embed {embed}, mlp {f}: it needs tokens % "
@@ -124,6 +111,8 @@ class LayerNormMLP(nn.Module):
       per activation branch for wi).
     scale_init, ln_bias_init: norm initializers.
     kernel_axes_1, kernel_axes_2, ln_scale_axes, ln_bias_axes: logical names.
+    impl: "auto" (default), "cuda" or "reference": which implementation the
+      FP8 ops use (``TE_JAX_IMPL`` overrides "auto").
   """
 
   intermediate_dim: int = 2048
@@ -145,6 +134,7 @@ class LayerNormMLP(nn.Module):
   kernel_axes_2: Tuple[Optional[str], ...] = ("mlp", "embed")
   ln_scale_axes: Tuple[Optional[str], ...] = ("embed",)
   ln_bias_axes: Tuple[Optional[str], ...] = ("embed",)
+  impl: str = "auto"
 
   @nn.compact
   def __call__(self, inputs: jax.Array, deterministic: bool = True):
@@ -154,7 +144,7 @@ class LayerNormMLP(nn.Module):
     embed = inputs.shape[-1]
     compute = self.dtype if self.dtype is not None else jnp.result_type(
         inputs.dtype, self.param_dtype)
-    recipe = _fp8.active_recipe()
+    settings = fp8_module.read_autocast(self.impl)
 
     scale, ln_bias = norm_params(
         self, embed, norm_type=self.layernorm_type,
@@ -167,7 +157,7 @@ class LayerNormMLP(nn.Module):
 
     def wi_init(key, shape, dtype=jnp.float32):
       keys = jax.random.split(key, shape[1])
-      init = _kernel_fan_in_init(self.kernel_init, 1, 1)
+      init = kernel_fan_in_init(self.kernel_init, 1, 1)
       return jnp.stack([init(k, (shape[0], shape[2]), dtype) for k in keys], axis=1)
 
     wi = self.param("wi_kernel",
@@ -188,34 +178,35 @@ class LayerNormMLP(nn.Module):
     m = math.prod(lead)
     dropout = self.intermediate_dropout_rate > 0.0 and not deterministic
     fused = False
-    if self.fuse_activation_quantize and recipe is not None:
-      blocker = _fused_blocker(m, embed, f, recipe, acts, dropout)
+    if self.fuse_activation_quantize and settings.recipe is not None:
+      blocker = _fused_blocker(m, embed, f, settings, acts, dropout)
       fused = blocker is None
       if not fused:
         _log_unfused(blocker)
     if fused:
       # One custom VJP for both GEMMs: the activation is computed and
       # quantized in one pass, forward and backward (te_jax.fused_mlp).
-      y = _fp8.fp8_mlp_core(
-          self, ln_out.reshape(m, embed), wi.astype(compute).reshape(embed, n_act * f),
+      y = fp8_module.fp8_mlp_core(
+          self, settings, ln_out.reshape(m, embed),
+          wi.astype(compute).reshape(embed, n_act * f),
           None if bi is None else bi.astype(compute).reshape(-1), wo.astype(compute),
-          None if bo is None else bo.astype(compute), recipe=recipe, activations=acts)
+          None if bo is None else bo.astype(compute), activations=acts)
       y = y.reshape(*lead, embed)
       return (y, ln_out) if self.return_layernorm_output else y
 
-    h = _fp8.fp8_gemm(self, ln_out, wi.astype(compute),
-                      None if bi is None else bi.astype(compute), recipe=recipe,
-                      name="wi_fp8_meta", kernel_axes=self.kernel_axes_1)
-    z = ACTIVATIONS[acts[0]](h[..., 0, :])      # h: (..., n_act, mlp)
+    h = fp8_module.fp8_gemm(self, settings, ln_out, wi.astype(compute),
+                            None if bi is None else bi.astype(compute),
+                            name="wi_fp8_meta", kernel_axes=self.kernel_axes_1)
+    z = ACTIVATIONS[acts[0]].jax_fn(h[..., 0, :])      # h: (..., n_act, mlp)
     for i in range(1, n_act):
-      z = z * ACTIVATIONS[acts[i]](h[..., i, :])
+      z = z * ACTIVATIONS[acts[i]].jax_fn(h[..., i, :])
     z = z.astype(compute)
     if self.intermediate_dropout_rate > 0.0:
       z = nn.Dropout(rate=self.intermediate_dropout_rate, broadcast_dims=(),
                      name="intermediate_dropout")(z, deterministic=deterministic)
-    y = _fp8.fp8_gemm(self, z, wo.astype(compute),
-                      None if bo is None else bo.astype(compute), recipe=recipe,
-                      name="wo_fp8_meta", kernel_axes=self.kernel_axes_2)
+    y = fp8_module.fp8_gemm(self, settings, z, wo.astype(compute),
+                            None if bo is None else bo.astype(compute),
+                            name="wo_fp8_meta", kernel_axes=self.kernel_axes_2)
     if self.return_layernorm_output:
       return y, ln_out
     return y

@@ -24,7 +24,7 @@ from typing import Callable, TypeVar
 
 import jax
 
-__all__ = ["cuda_available", "dispatch", "resolve_impl", "IMPLS"]
+__all__ = ["cuda_available", "check_impl", "dispatch", "resolve_impl", "IMPLS"]
 
 IMPLS = ("auto", "cuda", "reference")
 _log = logging.getLogger("te_jax")
@@ -65,10 +65,16 @@ def _warn_once(reason: str):
                "reference path: %s", reason)
 
 
-def _requested(impl: str) -> str:
-  """``impl`` checked, with ``TE_JAX_IMPL`` standing in for "auto"."""
+def check_impl(impl: str) -> str:
+  """Returns ``impl`` after checking it is one of :data:`IMPLS`."""
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}.")
+  return impl
+
+
+def _requested(impl: str) -> str:
+  """``impl`` checked, with ``TE_JAX_IMPL`` standing in for "auto"."""
+  check_impl(impl)
   env = os.environ.get("TE_JAX_IMPL", "") if impl == "auto" else ""
   if env and env not in ("cuda", "reference"):
     raise ValueError(f"TE_JAX_IMPL must be 'cuda' or 'reference', got {env!r}.")

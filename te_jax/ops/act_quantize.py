@@ -23,8 +23,7 @@ between).
 
 from __future__ import annotations
 
-import functools
-from typing import Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -32,12 +31,14 @@ import numpy as np
 from jax import lax
 
 from te_jax.ops import _native
-from te_jax.ops.quantize import (check_fp8_dtype, check_input, compute_scale,
-                                 quantize_blockwise_reference,
-                                 quantize_tensorwise_reference, saturating_cast)
+from te_jax.ops import act_quantize_cuda
+from te_jax.ops import quantize as quantize_op
+from te_jax.ops.fp8 import QuantizedTensor
 
 __all__ = [
+    "ACTIVATIONS",
     "ACTIVATION_NAMES",
+    "Activation",
     "MODES",
     "activation_forward",
     "activation_backward",
@@ -48,12 +49,7 @@ __all__ = [
     "act_quantize_supported",
 ]
 
-ACTIVATION_NAMES = ("linear", "gelu", "gelu_exact", "relu", "silu", "swish",
-                    "sigmoid", "tanh", "quick_gelu")
-MODES = ("tensorwise", "current", "blockwise")
-
-# (data, scale_inv, data_t, scale_inv_t, amax); amax is None for blockwise.
-QuantizedAct = Tuple[jax.Array, jax.Array, jax.Array, jax.Array, Optional[jax.Array]]
+MODES = quantize_op.MODES
 
 _F32 = jnp.float32
 _ONE, _HALF = np.float32(1.0), np.float32(0.5)
@@ -85,49 +81,91 @@ def _sigmoid_pair(x):
   return jnp.where(pos, r, er), jnp.where(pos, er, r)
 
 
-def _act_fwd_bwd(name: str, x: jax.Array) -> Tuple[jax.Array, jax.Array]:
-  """``(act(x), act'(x))`` for float32 ``x``; the unused one is dead code under jit.
+def _linear(x):
+  return x, jnp.ones_like(x)
 
-  Formulas go through ``exp``/``expm1`` only, never ``1 - tanh`` or
-  ``1 - sigmoid`` by subtraction: two float32 implementations of tanh (CUDA's
-  ``tanhf``, XLA's) differ by ulps near +-1, which ``1 - t^2`` turns into
-  relative errors of 100% and more; measured on the CPU (XLA vs numpy, gelu
-  backward on 3 x N(0, 1) inputs, E5M2): 2.2% of FP8 values differed, by up
-  to 48 steps, with the tanh form, none with this one.
+
+def _gelu(x):
+  """tanh approximation; 0.5 (1 + tanh u) = sigmoid(2u), and
+  0.5 (1 - tanh(u)^2) = 2 sigmoid(2u) (1 - sigmoid(2u))."""
+  x2 = x * x
+  u = _SQRT_2_OVER_PI * (x + _GELU_C * (x2 * x))
+  cdf, cdf_c = _sigmoid_pair(_TWO * u)
+  du = _SQRT_2_OVER_PI * (_ONE + _GELU_C3 * x2)
+  return x * cdf, cdf + (x * (_TWO * (cdf * cdf_c))) * du
+
+
+def _gelu_exact(x):
+  """erfc form (as jax.nn.gelu): accurate for x << 0."""
+  cdf = _HALF * lax.erfc(-x * _SQRT_HALF)
+  pdf = jnp.exp((x * x) * np.float32(-0.5)) * _INV_SQRT_2PI
+  return x * cdf, cdf + x * pdf
+
+
+def _relu(x):
+  """NaN stays NaN; relu'(0) = 0 as jax.nn.relu."""
+  return (jnp.where(x < 0, np.float32(0), x), jnp.where(x > 0, _ONE, np.float32(0)))
+
+
+def _silu(x):
+  s, s_c = _sigmoid_pair(x)
+  return x * s, s * (_ONE + x * s_c)
+
+
+def _sigmoid(x):
+  s, s_c = _sigmoid_pair(x)
+  return s, s * s_c
+
+
+def _tanh(x):
+  """tanh x = (1 - e) / (1 + e), e = exp(-2|x|); 1 - e by expm1."""
+  a = _TWO * jnp.abs(x)
+  e = jnp.exp(-a)
+  r = _ONE / (_ONE + e)
+  t = -jnp.expm1(-a) * r
+  return jnp.where(x < 0, -t, t), _FOUR * (e * (r * r))
+
+
+def _quick_gelu(x):
+  a = _QUICK * x
+  s, s_c = _sigmoid_pair(a)
+  return x * s, s * (_ONE + a * s_c)
+
+
+class Activation(NamedTuple):
+  """One activation, everywhere te_jax uses it.
+
+  Attributes:
+    kernel_id: its ``ActId`` in ``custom_calls/kernels/quantize.h``.
+    fwd_bwd: float32 ``x -> (act(x), act'(x))``, the spec the fused kernels
+      mirror operation for operation (``kernels/activation.h``). Formulas go
+      through ``exp``/``expm1`` only, never ``1 - tanh`` or ``1 - sigmoid`` by
+      subtraction: two float32 implementations of tanh (CUDA's ``tanhf``,
+      XLA's) differ by ulps near +-1, which ``1 - t^2`` turns into relative
+      errors of 100% and more (gelu backward on 3 x N(0, 1) inputs, E5M2:
+      2.2% of FP8 values differed, by up to 48 steps, with the tanh form;
+      none with this one).
+    jax_fn: the function the unfused MLP path applies in the compute dtype
+      (differentiated by JAX).
   """
-  if name == "linear":
-    return x, jnp.ones_like(x)
-  if name == "gelu":  # tanh approximation; 0.5 (1 + tanh u) = sigmoid(2u)
-    x2 = x * x
-    u = _SQRT_2_OVER_PI * (x + _GELU_C * (x2 * x))
-    cdf, cdf_c = _sigmoid_pair(_TWO * u)
-    du = _SQRT_2_OVER_PI * (_ONE + _GELU_C3 * x2)
-    # 0.5 (1 - tanh(u)^2) = 2 sigmoid(2u) (1 - sigmoid(2u))
-    return x * cdf, cdf + (x * (_TWO * (cdf * cdf_c))) * du
-  if name == "gelu_exact":  # erfc form (as jax.nn.gelu): accurate for x << 0
-    cdf = _HALF * lax.erfc(-x * _SQRT_HALF)
-    pdf = jnp.exp((x * x) * np.float32(-0.5)) * _INV_SQRT_2PI
-    return x * cdf, cdf + x * pdf
-  if name == "relu":  # NaN stays NaN; relu'(0) = 0 as jax.nn.relu
-    return (jnp.where(x < 0, np.float32(0), x),
-            jnp.where(x > 0, _ONE, np.float32(0)))
-  if name in ("silu", "swish"):
-    s, s_c = _sigmoid_pair(x)
-    return x * s, s * (_ONE + x * s_c)
-  if name == "sigmoid":
-    s, s_c = _sigmoid_pair(x)
-    return s, s * s_c
-  if name == "tanh":  # tanh x = (1 - e) / (1 + e), e = exp(-2|x|); 1 - e by expm1
-    a = _TWO * jnp.abs(x)
-    e = jnp.exp(-a)
-    r = _ONE / (_ONE + e)
-    t = -jnp.expm1(-a) * r
-    return jnp.where(x < 0, -t, t), _FOUR * (e * (r * r))
-  if name == "quick_gelu":
-    a = _QUICK * x
-    s, s_c = _sigmoid_pair(a)
-    return x * s, s * (_ONE + a * s_c)
-  raise ValueError(f"unknown activation {name!r}; known: {ACTIVATION_NAMES}.")
+
+  kernel_id: int
+  fwd_bwd: Callable[[jax.Array], Tuple[jax.Array, jax.Array]]
+  jax_fn: Callable[[jax.Array], jax.Array]
+
+
+ACTIVATIONS = {
+    "linear": Activation(0, _linear, lambda x: x),
+    "gelu": Activation(1, _gelu, lambda x: jax.nn.gelu(x, approximate=True)),
+    "gelu_exact": Activation(2, _gelu_exact, lambda x: jax.nn.gelu(x, approximate=False)),
+    "relu": Activation(3, _relu, jax.nn.relu),
+    "silu": Activation(4, _silu, jax.nn.silu),
+    "swish": Activation(4, _silu, jax.nn.silu),
+    "sigmoid": Activation(5, _sigmoid, jax.nn.sigmoid),
+    "tanh": Activation(6, _tanh, jnp.tanh),
+    "quick_gelu": Activation(7, _quick_gelu, lambda x: x * jax.nn.sigmoid(1.702 * x)),
+}
+ACTIVATION_NAMES = tuple(ACTIVATIONS)
 
 
 # ----------------------------------------------------------------- checks ---
@@ -148,7 +186,7 @@ def _check_activations(activations) -> Tuple[str, ...]:
 
 def _check_h(h, n_act: int) -> int:
   """Checks h (M, n_act*F); returns F."""
-  check_input(h, "h", 2)
+  quantize_op.check_input(h, "h", 2)
   if h.shape[1] % n_act:
     raise ValueError(f"h.shape[1] ({h.shape[1]}) must be n_act * F with n_act = "
                      f"len(activations) = {n_act}; h has shape {h.shape}.")
@@ -156,37 +194,10 @@ def _check_h(h, n_act: int) -> int:
 
 
 def _check_dz(dz, h, n_act: int):
-  check_input(dz, "dz", 2)
+  quantize_op.check_input(dz, "dz", 2)
   if h.shape[0] != dz.shape[0] or h.shape[1] != n_act * dz.shape[1]:
     raise ValueError(f"h.shape ({h.shape}) must be (dz.shape[0], n_act * dz.shape[1]) "
                      f"with dz.shape = {dz.shape} and n_act = len(activations) = {n_act}.")
-
-
-def _check_quant_args(mode, dtype, scale, power_2_scale):
-  """Validates the quantization arguments; returns (dtype, scale as f32 or None)."""
-  if mode not in MODES:
-    raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-  dtype = check_fp8_dtype(dtype)
-  if not isinstance(power_2_scale, (bool, np.bool_)):
-    raise TypeError(f"power_2_scale must be a Python bool (it is static), got "
-                    f"{power_2_scale!r}.")
-  if mode == "tensorwise":
-    if scale is None:
-      raise ValueError("scale is required for mode='tensorwise' (delayed scaling: a "
-                       "float32 scalar).")
-    if power_2_scale:
-      raise ValueError("power_2_scale applies to modes 'current' and 'blockwise'; "
-                       "with mode='tensorwise' the scale is given.")
-    if not jnp.issubdtype(jnp.result_type(scale), jnp.floating):
-      raise TypeError(f"scale must be a float scalar, got dtype {jnp.result_type(scale)}.")
-    if jnp.shape(scale) != ():
-      raise ValueError(f"scale must be a scalar, got shape {jnp.shape(scale)}.")
-    return dtype, jnp.asarray(scale, _F32)
-  if scale is not None:
-    raise ValueError(f"scale must be None for mode={mode!r}: the scale comes from "
-                     f"the amax of this tensor ('current') or of each tile "
-                     f"('blockwise').")
-  return dtype, None
 
 
 # ------------------------------------------------------------- references ---
@@ -204,10 +215,10 @@ def activation_forward(h: jax.Array, activations: Sequence[str]) -> jax.Array:
   acts = _check_activations(activations)
   f = _check_h(h, len(acts))
   hf = h.astype(_F32)
-  f0, _ = _act_fwd_bwd(acts[0], hf[:, :f])
+  f0, _ = ACTIVATIONS[acts[0]].fwd_bwd(hf[:, :f])
   if len(acts) == 1:
     return f0
-  f1, _ = _act_fwd_bwd(acts[1], hf[:, f:])
+  f1, _ = ACTIVATIONS[acts[1]].fwd_bwd(hf[:, f:])
   return f0 * f1
 
 
@@ -229,53 +240,33 @@ def activation_backward(dz: jax.Array, h: jax.Array,
   _check_dz(dz, h, len(acts))
   f = dz.shape[1]
   hf, dzf = h.astype(_F32), dz.astype(_F32)
-  f0, d0 = _act_fwd_bwd(acts[0], hf[:, :f])
+  f0, d0 = ACTIVATIONS[acts[0]].fwd_bwd(hf[:, :f])
   if len(acts) == 1:
     return dzf * d0
-  f1, d1 = _act_fwd_bwd(acts[1], hf[:, f:])
+  f1, d1 = ACTIVATIONS[acts[1]].fwd_bwd(hf[:, f:])
   return jnp.concatenate([(dzf * d0) * f1, (dzf * f0) * d1], axis=1)
-
-
-# jit: called eagerly, one compilation instead of one per op (inlined under an
-# outer jit).
-@functools.partial(jax.jit, static_argnames=("mode", "dtype", "power_2_scale"))
-def _quantize_v(v: jax.Array, mode: str, dtype, scale, power_2_scale: bool
-                ) -> QuantizedAct:
-  """Quantizes the float32 (M, W) ``v`` as ops/quantize.py's references do."""
-  if mode == "blockwise":
-    data, s = quantize_blockwise_reference(v, (1, 128), dtype, power_2_scale)
-    data_t, s_t = quantize_blockwise_reference(v.T, (1, 128), dtype, power_2_scale)
-    return data, s, data_t, s_t, None
-  if mode == "tensorwise":
-    data, amax = quantize_tensorwise_reference(v, scale, dtype)
-  else:  # current
-    amax = jnp.max(jnp.abs(v))
-    scale = compute_scale(amax, dtype, power_2_scale=power_2_scale)
-    data = saturating_cast(v * scale, dtype)
-  scale_inv = _F32(1.0) / scale
-  return data, scale_inv, data.T, scale_inv, amax
 
 
 def act_quantize_reference(h: jax.Array, activations: Sequence[str], *, mode: str,
                            dtype, scale=None, power_2_scale: bool = False
-                           ) -> QuantizedAct:
+                           ) -> QuantizedTensor:
   """Pure-JAX ``act_quantize``: quantizes ``activation_forward(h, activations)``."""
   acts = _check_activations(activations)
   _check_h(h, len(acts))
-  dtype, scale = _check_quant_args(mode, dtype, scale, power_2_scale)
-  return _quantize_v(activation_forward(h, acts), mode=mode, dtype=dtype, scale=scale,
-                     power_2_scale=power_2_scale)
+  dtype, scale = quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
+  return quantize_op.quantize_by_mode_reference(
+      activation_forward(h, acts), mode, dtype, scale, power_2_scale)
 
 
 def dact_quantize_reference(dz: jax.Array, h: jax.Array, activations: Sequence[str], *,
                             mode: str, dtype, scale=None, power_2_scale: bool = False
-                            ) -> QuantizedAct:
+                            ) -> QuantizedTensor:
   """Pure-JAX ``dact_quantize``: quantizes ``activation_backward(dz, h, activations)``."""
   acts = _check_activations(activations)
   _check_dz(dz, h, len(acts))
-  dtype, scale = _check_quant_args(mode, dtype, scale, power_2_scale)
-  return _quantize_v(activation_backward(dz, h, acts), mode=mode, dtype=dtype,
-                     scale=scale, power_2_scale=power_2_scale)
+  dtype, scale = quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
+  return quantize_op.quantize_by_mode_reference(
+      activation_backward(dz, h, acts), mode, dtype, scale, power_2_scale)
 
 
 # ------------------------------------------------------------ dispatchers ---
@@ -294,6 +285,10 @@ def act_quantize_supported(m: int, f: int, n_act: int) -> bool:
           (n_act == 1 or f % 8 == 0))
 
 
+def _kernel_ids(acts):
+  return tuple(ACTIVATIONS[a].kernel_id for a in acts)
+
+
 def _check_cuda_shape(m: int, f: int, n_act: int):
   if not act_quantize_supported(m, f, n_act):
     raise ValueError(
@@ -304,7 +299,7 @@ def _check_cuda_shape(m: int, f: int, n_act: int):
 
 def act_quantize(h: jax.Array, activations: Sequence[str], *, mode: str, dtype,
                  scale=None, power_2_scale: bool = False, impl: str = "auto"
-                 ) -> QuantizedAct:
+                 ) -> QuantizedTensor:
   """FP8 quantization of ``z = activation_forward(h, activations)`` in one pass.
 
   Args:
@@ -315,12 +310,12 @@ def act_quantize(h: jax.Array, activations: Sequence[str], *, mode: str, dtype,
       columnwise copy, as ``quantize_blockwise(z, (1, 128), columnwise=True)``).
     dtype: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``.
     scale: float32 scalar for "tensorwise"; None otherwise.
-    power_2_scale: round scales down to powers of two ("current", "blockwise").
+    power_2_scale: round the tile scales down to powers of two ("blockwise" only).
     impl: "auto", "cuda" or "reference" (see ``ops/_native.py``).
 
   Returns:
-    ``(data, scale_inv, data_t, scale_inv_t, amax)``: data (M, F) FP8 and
-    data_t (F, M) the quantization of z.T. Per-tensor modes: scale_inv =
+    A ``QuantizedTensor``: data (M, F) FP8 and data_t (F, M) the
+    quantization of z.T. Per-tensor modes: scale_inv =
     scale_inv_t = 1/scale (float32 scalar), amax = max|z| (float32 scalar).
     "blockwise": scale_inv (M, ceil(F/128)), scale_inv_t (F, ceil(M/128))
     (the logical layout of ``quantize_blockwise``), amax None.
@@ -331,19 +326,18 @@ def act_quantize(h: jax.Array, activations: Sequence[str], *, mode: str, dtype,
   """
   acts = _check_activations(activations)
   f = _check_h(h, len(acts))
-  dtype, scale = _check_quant_args(mode, dtype, scale, power_2_scale)
+  dtype, scale = quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
+
   def cuda():
     _check_cuda_shape(h.shape[0], f, len(acts))
-    from te_jax.ops import act_quantize_cuda  # pylint: disable=import-outside-toplevel
-    return act_quantize_cuda.act_quantize(h, None, acts, mode, dtype, scale, power_2_scale)
-  return _native.dispatch(impl, cuda, lambda: _quantize_v(
-      activation_forward(h, acts), mode=mode, dtype=dtype, scale=scale,
-      power_2_scale=power_2_scale))
+    return act_quantize_cuda.act_quantize(h, None, _kernel_ids(acts), mode, dtype, scale, power_2_scale)
+  return _native.dispatch(impl, cuda, lambda: act_quantize_reference(
+      h, acts, mode=mode, dtype=dtype, scale=scale, power_2_scale=power_2_scale))
 
 
 def dact_quantize(dz: jax.Array, h: jax.Array, activations: Sequence[str], *, mode: str,
                   dtype, scale=None, power_2_scale: bool = False, impl: str = "auto"
-                  ) -> QuantizedAct:
+                  ) -> QuantizedTensor:
   """FP8 quantization of ``dh = activation_backward(dz, h, activations)`` in one pass.
 
   Args:
@@ -352,17 +346,16 @@ def dact_quantize(dz: jax.Array, h: jax.Array, activations: Sequence[str], *, mo
     activations, mode, dtype, scale, power_2_scale, impl: as ``act_quantize``.
 
   Returns:
-    ``(data, scale_inv, data_t, scale_inv_t, amax)`` as ``act_quantize`` with
+    A ``QuantizedTensor`` as ``act_quantize`` with
     W = n_act*F columns: data (M, W), data_t (W, M); blockwise scale_inv
     (M, ceil(W/128)), scale_inv_t (W, ceil(M/128)).
   """
   acts = _check_activations(activations)
   _check_dz(dz, h, len(acts))
-  dtype, scale = _check_quant_args(mode, dtype, scale, power_2_scale)
+  dtype, scale = quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
+
   def cuda():
     _check_cuda_shape(dz.shape[0], dz.shape[1], len(acts))
-    from te_jax.ops import act_quantize_cuda  # pylint: disable=import-outside-toplevel
-    return act_quantize_cuda.act_quantize(h, dz, acts, mode, dtype, scale, power_2_scale)
-  return _native.dispatch(impl, cuda, lambda: _quantize_v(
-      activation_backward(dz, h, acts), mode=mode, dtype=dtype, scale=scale,
-      power_2_scale=power_2_scale))
+    return act_quantize_cuda.act_quantize(h, dz, _kernel_ids(acts), mode, dtype, scale, power_2_scale)
+  return _native.dispatch(impl, cuda, lambda: dact_quantize_reference(
+      dz, h, acts, mode=mode, dtype=dtype, scale=scale, power_2_scale=power_2_scale))

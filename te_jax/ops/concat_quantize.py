@@ -14,30 +14,30 @@ Example::
   import jax.numpy as jnp
   from te_jax.ops import concat_quantize as cq
   parts = [jnp.ones((256, 128), jnp.bfloat16) * i for i in (1, 2, 3)]
-  data, s, data_t, s_t, amax = cq.concat_quantize(
-      parts, mode="current", dtype=jnp.float8_e5m2)   # data (256, 384)
+  q = cq.concat_quantize(parts, mode="current", dtype=jnp.float8_e5m2)
+  # q.data (256, 384), q.data_t (384, 256)
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from te_jax.ops import _native
+from te_jax.ops import concat_quantize_cuda
 from te_jax.ops import quantize as quantize_op
+from te_jax.ops.fp8 import QuantizedTensor
 
 __all__ = ["MODES", "concat_quantize", "concat_quantize_reference",
            "concat_quantize_supported"]
 
-MODES = ("tensorwise", "current", "blockwise")
+MODES = quantize_op.MODES
 MAX_PARTS = 4  # custom_calls/kernels/quantize.h: kMaxConcatParts
 _CUDA_MAX_ROWS = 65535 * 128  # 128-row tiles on grid.y, which CUDA caps at 65535
 
-# (data, scale_inv, data_t, scale_inv_t, amax); amax is None for blockwise.
-QuantizedConcat = Tuple[jax.Array, jax.Array, jax.Array, jax.Array, Optional[jax.Array]]
 
 
 def _check(parts, mode, dtype, scale, power_2_scale):
@@ -49,50 +49,16 @@ def _check(parts, mode, dtype, scale, power_2_scale):
       raise ValueError(f"every part must have the shape and dtype of parts[0] "
                        f"({parts[0].shape}, {parts[0].dtype}); parts[{i}] is "
                        f"({p.shape}, {p.dtype}).")
-  if mode not in MODES:
-    raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
-  dtype = quantize_op.check_fp8_dtype(dtype)
-  if not isinstance(power_2_scale, (bool, np.bool_)):
-    raise TypeError(f"power_2_scale must be a Python bool (it is static), got "
-                    f"{power_2_scale!r}.")
-  if power_2_scale and mode != "blockwise":
-    raise ValueError(f"power_2_scale applies to mode='blockwise' only, got mode={mode!r} "
-                     "(as quantize_tensorwise / quantize_current, which have none).")
-  if mode == "tensorwise":
-    if scale is None or jnp.shape(scale) != ():
-      raise ValueError("mode='tensorwise' needs scale, a float32 scalar (delayed "
-                       f"scaling); got {scale!r}.")
-    return dtype, jnp.asarray(scale, jnp.float32)
-  if scale is not None:
-    raise ValueError(f"scale must be None for mode={mode!r}: the scale comes from "
-                     "the amax of the concatenation ('current') or of each tile "
-                     "('blockwise').")
-  return dtype, None
+  return quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
 
 
 def concat_quantize_reference(parts: Sequence[jax.Array], *, mode: str, dtype,
-                              scale=None, power_2_scale: bool = False) -> QuantizedConcat:
+                              scale=None, power_2_scale: bool = False) -> QuantizedTensor:
   """Pure-JAX ``concat_quantize``: the ``ops/quantize.py`` references applied
   to ``jnp.concatenate(parts, axis=1)``."""
   dtype, scale = _check(parts, mode, dtype, scale, power_2_scale)
-  return _reference(tuple(parts), mode, dtype, scale, power_2_scale)
-
-
-def _reference(parts, mode, dtype, scale, power_2_scale) -> QuantizedConcat:
-  v = jnp.concatenate(parts, axis=1)
-  ref = "reference"
-  if mode == "tensorwise":
-    data, data_t, amax = quantize_op.quantize_tensorwise(v, scale, dtype, columnwise=True,
-                                                         impl=ref)
-    scale_inv = jnp.float32(1.0) / scale
-    return data, scale_inv, data_t, scale_inv, amax
-  if mode == "current":
-    data, data_t, scale_inv, amax = quantize_op.quantize_current(v, dtype, columnwise=True,
-                                                                 impl=ref)
-    return data, scale_inv, data_t, scale_inv, amax
-  data, s, data_t, s_t = quantize_op.quantize_blockwise(v, (1, 128), dtype, power_2_scale,
-                                                        columnwise=True, impl=ref)
-  return data, s, data_t, s_t, None
+  return quantize_op.quantize_by_mode_reference(
+      jnp.concatenate(parts, axis=1), mode, dtype, scale, power_2_scale)
 
 
 def concat_quantize_supported(m: int, f: int, n_parts: int) -> bool:
@@ -109,7 +75,7 @@ def concat_quantize_supported(m: int, f: int, n_parts: int) -> bool:
 
 
 def concat_quantize(parts: Sequence[jax.Array], *, mode: str, dtype, scale=None,
-                    power_2_scale: bool = False, impl: str = "auto") -> QuantizedConcat:
+                    power_2_scale: bool = False, impl: str = "auto") -> QuantizedTensor:
   """FP8 quantization of ``concatenate(parts, axis=1)``, both layouts, in one pass.
 
   Args:
@@ -124,7 +90,7 @@ def concat_quantize(parts: Sequence[jax.Array], *, mode: str, dtype, scale=None,
     impl: "auto", "cuda" or "reference" (see ``ops/_native.py``).
 
   Returns:
-    ``(data, scale_inv, data_t, scale_inv_t, amax)``: data (M, n*F) FP8 and
+    A ``QuantizedTensor``: data (M, n*F) FP8 and
     data_t (n*F, M) the quantization of the transposed concatenation.
     Per-tensor modes: scale_inv = scale_inv_t = 1/scale (float32 scalar),
     amax = max|v| (float32 scalar). "blockwise": scale_inv (M, ceil(n*F/128)),
@@ -145,7 +111,6 @@ def concat_quantize(parts: Sequence[jax.Array], *, mode: str, dtype, scale=None,
           f"({m}, {f}): it needs 1 to {MAX_PARTS} parts, F % 8 == 0 and M <= "
           f"{_CUDA_MAX_ROWS}. Check concat_quantize_supported first, or pass "
           "impl='reference'.")
-    from te_jax.ops import concat_quantize_cuda  # pylint: disable=import-outside-toplevel
     return concat_quantize_cuda.concat_quantize(parts, mode, dtype, scale, power_2_scale)
-  return _native.dispatch(impl, cuda, lambda: _reference(parts, mode, dtype, scale,
-                                                          power_2_scale))
+  return _native.dispatch(impl, cuda, lambda: concat_quantize_reference(
+      parts, mode=mode, dtype=dtype, scale=scale, power_2_scale=power_2_scale))

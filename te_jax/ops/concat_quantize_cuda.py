@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_jax.ops.fp8 import QuantizedTensor
 from te_jax.ops.quantize_cuda import native_scale_shapes
 
 __all__ = ["concat_quantize"]
@@ -25,8 +26,8 @@ def _sds(shape, dtype):
 
 
 def concat_quantize(parts, mode: str, dtype, scale, power_2_scale: bool):
-  """``(data, scale_inv, data_t, scale_inv_t, amax)`` of the concatenation of
-  the (M, F) ``parts`` along their last dim; see ``concat_quantize.concat_quantize``."""
+  """The ``QuantizedTensor`` of the concatenation of the (M, F) ``parts`` along
+  their last dim; see ``concat_quantize.concat_quantize``."""
   m, f = parts[0].shape
   w = len(parts) * f
   fp8 = (_sds((m, w), dtype), _sds((w, m), dtype))
@@ -34,14 +35,14 @@ def concat_quantize(parts, mode: str, dtype, scale, power_2_scale: bool):
     data, data_t, scale_inv, amax = jax.ffi.ffi_call(
         "te_jax_concat_quantize_tensorwise", fp8 + (_sds((), _F32), _sds((), _F32)))(
             jnp.asarray(scale, _F32), *parts)
-    return data, scale_inv, data_t, scale_inv, amax
+    return QuantizedTensor(data, scale_inv, data_t, scale_inv, amax)
   if mode == "current":
     data, data_t, scale_inv, amax = jax.ffi.ffi_call(
         "te_jax_concat_quantize_current", fp8 + (_sds((), _F32), _sds((), _F32)))(*parts)
-    return data, scale_inv, data_t, scale_inv, amax
+    return QuantizedTensor(data, scale_inv, data_t, scale_inv, amax)
   s_shape, st_shape = native_scale_shapes(m, w, (1, 128))
   data, s, data_t, st = jax.ffi.ffi_call(
       "te_jax_concat_quantize_blockwise",
       (fp8[0], _sds(s_shape, _F32), fp8[1], _sds(st_shape, _F32)))(
           *parts, power_2_scale=np.int64(bool(power_2_scale)))
-  return data, s[:, :m].T, data_t, st[:, :w].T, None
+  return QuantizedTensor(data, s[:, :m].T, data_t, st[:, :w].T, None, (1, 128))

@@ -23,12 +23,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from te_jax.ops import _native
-from te_jax.scaled_tensor import ScaledTensor
+from te_jax.ops import gemm_cuda
+from te_jax.ops.fp8 import FP8_DTYPES, ScaledTensor
 
 __all__ = ["gemm_reference", "gemm"]
 
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))
-_FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _BLOCK_PAIRS = (((1, 128), (128, 128)), ((1, 128), (1, 128)), ((128, 128), (1, 128)))
 
 
@@ -50,7 +50,7 @@ def _check(a, b, out_dtype, bias):
       raise TypeError(f"{name} must be a te_jax ScaledTensor, got {type(t).__name__}.")
     if t.data.ndim != 2:
       raise ValueError(f"{name}.data must be 2-D, got shape {t.data.shape}.")
-    if jnp.dtype(t.dtype) not in _FP8_DTYPES:
+    if jnp.dtype(t.dtype) not in FP8_DTYPES:
       raise TypeError(f"{name}.data must be float8_e4m3fn or float8_e5m2, got {t.dtype}.")
   if a.shape[1] != b.shape[1]:
     raise ValueError(
@@ -91,6 +91,5 @@ def gemm(a: ScaledTensor, b: ScaledTensor, *, out_dtype=jnp.bfloat16,
   """
   _check(a, b, out_dtype, bias)
   def cuda():
-    from te_jax.ops import gemm_cuda  # pylint: disable=import-outside-toplevel
     return gemm_cuda.gemm(a, b, jnp.dtype(out_dtype), bias, fast_accum)
   return _native.dispatch(impl, cuda, lambda: gemm_reference(a, b, out_dtype, bias))

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax.scaled_tensor import ScaledTensor
+from te_jax.ops.fp8 import ScaledTensor
 
 __all__ = ["WORKSPACE", "gemm", "native_scale"]
 

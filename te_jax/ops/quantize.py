@@ -1,39 +1,56 @@
-"""FP8 quantization: per-tensor (given scale or current amax) and blockwise.
+"""FP8 quantization: per-tensor (given scale, current amax, given amax) and blockwise.
 
-Each op has a pure-JAX ``*_reference`` (the spec), a CUDA custom-call path
-(``_*_cuda``, in ``quantize_cuda.py``), and a public dispatcher taking
-``impl``. The CUDA path must agree bit for bit with the reference.
+Each op has a pure-JAX ``<op>_reference`` (the spec, and exactly what the
+dispatcher runs off the GPU), a CUDA custom-call path (``quantize_cuda.py``)
+and the public dispatcher ``<op>(..., impl="auto")``. The CUDA path agrees
+with the reference bit for bit. Every op returns a
+:class:`~te_jax.ops.fp8.QuantizedTensor`.
 
 Numerics (DESIGN.md): ``q = saturating_cast(x * scale)``, ``scale_inv =
 1 / scale``; a tensor or tile whose amax is 0 or non-finite gets scale 1
-(per-tile; for per-tensor delayed scaling the previous scale is kept by the
-caller); power-of-2 scales are rounded *down*, so ``|x| * scale`` never
-exceeds the FP8 max.
+(for per-tensor delayed scaling the caller owns the scale); power-of-2 scales
+are rounded *down*, so ``|x| * scale`` never exceeds the FP8 max.
 
 The "columnwise" copy an op can write in the same pass is the quantization of
 ``x.T`` with the same ``block_shape``: for per-tensor scaling and for
 128x128 blocks it equals the transpose of the rowwise copy; for 1x128 tiles it
 is ``x`` tiled 128x1, the operand layout the weight-gradient GEMM needs.
+
+The three ops with a fused prologue (``act_quantize``, ``dact_quantize``,
+``concat_quantize``) take one ``mode`` of :data:`MODES` and share
+:func:`check_mode_args`, so their options agree.
+
+>>> import jax.numpy as jnp
+>>> q = quantize_blockwise(jnp.ones((4, 256)), (1, 128), columnwise=True)
+>>> q.data.shape, q.scale_inv.shape, q.data_t.shape, q.scale_inv_t.shape
+((4, 256), (4, 2), (256, 4), (256, 1))
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from te_jax.ops import _native
-from te_jax.recipe import fp8_max
+from te_jax.ops import quantize_cuda
+from te_jax.ops.fp8 import (FP8_DTYPES, QuantizedTensor, dequantize_blockwise_reference,
+                            fp8_max, tile)
 
 __all__ = [
+    "MODES",
     "compute_scale",
     "saturating_cast",
+    "round_down_power_of_2",
+    "check_mode_args",
     "quantize_tensorwise_reference",
     "quantize_current_reference",
     "quantize_from_amax_reference",
     "quantize_blockwise_reference",
+    "quantize_by_mode_reference",
     "dequantize_blockwise_reference",
     "quantize_tensorwise",
     "quantize_current",
@@ -41,7 +58,9 @@ __all__ = [
     "quantize_blockwise",
 ]
 
-_FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+# Modes of the fused-prologue quantize ops: a given per-tensor scale (delayed
+# scaling), the per-tensor scale of this tensor's amax, 1x128 tiles.
+MODES = ("tensorwise", "current", "blockwise")
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
 
@@ -49,7 +68,7 @@ _F32_MAX = float(jnp.finfo(jnp.float32).max)
 # ----------------------------------------------------------------- checks ---
 
 def check_fp8_dtype(dtype, name="dtype"):
-  if jnp.dtype(dtype) not in _FP8_DTYPES:
+  if jnp.dtype(dtype) not in FP8_DTYPES:
     raise TypeError(
         f"{name} must be jnp.float8_e4m3fn or jnp.float8_e5m2, got {dtype}.")
   return jnp.dtype(dtype)
@@ -73,6 +92,42 @@ def check_block_shape(block_shape):
         f"block_shape must be a pair of positive ints such as (1, 128) or "
         f"(128, 128), got {block_shape!r}.")
   return tuple(block_shape)
+
+
+def _check_scalar(value, name):
+  if not jnp.issubdtype(jnp.result_type(value), jnp.floating):
+    raise TypeError(f"{name} must be a float scalar, got dtype {jnp.result_type(value)}.")
+  if jnp.shape(value) != ():
+    raise ValueError(f"{name} must be a scalar, got shape {jnp.shape(value)}.")
+  return jnp.asarray(value, jnp.float32)
+
+
+def check_mode_args(mode, dtype, scale, power_2_scale):
+  """Validates the quantization options of a fused-prologue op.
+
+  Returns (dtype, scale as a float32 scalar or None). ``scale`` is required
+  for "tensorwise" and refused otherwise; ``power_2_scale`` is a blockwise
+  option (as for ``quantize_blockwise``; the per-tensor ops have none).
+  """
+  if mode not in MODES:
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}.")
+  dtype = check_fp8_dtype(dtype)
+  if not isinstance(power_2_scale, (bool, np.bool_)):
+    raise TypeError(f"power_2_scale must be a Python bool (it is static), got "
+                    f"{power_2_scale!r}.")
+  if power_2_scale and mode != "blockwise":
+    raise ValueError(f"power_2_scale applies to mode='blockwise' only, got mode={mode!r} "
+                     "(as quantize_tensorwise / quantize_current, which have none).")
+  if mode == "tensorwise":
+    if scale is None:
+      raise ValueError("mode='tensorwise' needs scale, a float32 scalar (delayed "
+                       "scaling).")
+    return dtype, _check_scalar(scale, "scale")
+  if scale is not None:
+    raise ValueError(f"scale must be None for mode={mode!r}: the scale comes from "
+                     "the amax of the tensor ('current') or of each tile "
+                     "('blockwise').")
+  return dtype, None
 
 
 # ------------------------------------------------------------- references ---
@@ -104,6 +159,9 @@ def compute_scale(amax: jax.Array, dtype, margin: int = 0,
 
   The result is clipped to the float32 max, so a tiny amax never yields an
   infinite scale.
+
+  >>> float(compute_scale(jnp.float32(2.0), jnp.float8_e4m3fn))
+  224.0
   """
   amax = amax.astype(jnp.float32)
   valid = jnp.isfinite(amax) & (amax > 0)
@@ -117,46 +175,50 @@ def compute_scale(amax: jax.Array, dtype, margin: int = 0,
   return jnp.where(valid, scale, jnp.float32(1.0))
 
 
-def quantize_tensorwise_reference(x: jax.Array, scale: jax.Array, dtype
-                                  ) -> Tuple[jax.Array, jax.Array]:
-  """``(saturating_cast(x * scale), max|x|)``; x of any shape, scale a scalar."""
+def _per_tensor(data, scale_inv, amax, columnwise) -> QuantizedTensor:
+  if not columnwise:
+    return QuantizedTensor(data, scale_inv, amax=amax)
+  return QuantizedTensor(data, scale_inv, data.T, scale_inv, amax)
+
+
+def quantize_tensorwise_reference(x: jax.Array, scale: jax.Array, dtype, *,
+                                  columnwise: bool = False) -> QuantizedTensor:
+  """``saturating_cast(x * scale)`` with amax ``max|x|`` and scale_inv ``1/scale``."""
   xf = x.astype(jnp.float32)
-  data = saturating_cast(xf * jnp.asarray(scale, jnp.float32), dtype)
-  amax = jnp.max(jnp.abs(xf))
-  return data, amax
+  scale = jnp.asarray(scale, jnp.float32)
+  data = saturating_cast(xf * scale, dtype)
+  return _per_tensor(data, 1.0 / scale, jnp.max(jnp.abs(xf)), columnwise)
 
 
-def quantize_current_reference(x: jax.Array, dtype
-                               ) -> Tuple[jax.Array, jax.Array, jax.Array]:
-  """Current scaling: returns ``(data, scale_inv, amax)`` with scale from max|x|."""
+def quantize_from_amax_reference(x: jax.Array, amax: jax.Array, dtype, *,
+                                 columnwise: bool = False) -> QuantizedTensor:
+  """Current scaling with a given amax: scale ``compute_scale(amax, dtype)``."""
+  amax = jnp.asarray(amax, jnp.float32)
+  scale = compute_scale(amax, dtype)
+  data = saturating_cast(x.astype(jnp.float32) * scale, dtype)
+  return _per_tensor(data, 1.0 / scale, amax, columnwise)
+
+
+def quantize_current_reference(x: jax.Array, dtype, *,
+                               columnwise: bool = False) -> QuantizedTensor:
+  """Current scaling: the scale of this tensor's own amax ``max|x|``."""
   amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
-  data, scale_inv = quantize_from_amax_reference(x, amax, dtype)
-  return data, scale_inv, amax
+  return quantize_from_amax_reference(x, amax, dtype, columnwise=columnwise)
 
 
-def quantize_from_amax_reference(x: jax.Array, amax: jax.Array, dtype
-                                 ) -> Tuple[jax.Array, jax.Array]:
-  """Current scaling with a given amax: ``(data, scale_inv)``."""
-  scale = compute_scale(jnp.asarray(amax, jnp.float32), dtype)
-  data, _ = quantize_tensorwise_reference(x, scale, dtype)
+def _blockwise(x, block_shape, dtype, power_2_scale):
+  """(data, scale_inv) of 2-D ``x`` quantized per (bm, bk) tile."""
+  tiles, m, k = tile(x.astype(jnp.float32), block_shape)
+  amax = jnp.max(jnp.abs(tiles), axis=(1, 3))
+  scale = compute_scale(amax, dtype, power_2_scale=power_2_scale)
+  data = saturating_cast(tiles * scale[:, None, :, None], dtype)
+  data = data.reshape(tiles.shape[0] * tiles.shape[1], -1)[:m, :k]
   return data, 1.0 / scale
 
 
-def _tile(x: jax.Array, block_shape):
-  """Pads (M, K) with zeros to whole tiles; returns (tiles, M, K).
-
-  ``tiles`` has shape (M/bm, bm, K/bk, bk) after padding.
-  """
-  (m, k), (bm, bk) = x.shape, block_shape
-  mt, kt = -(-m // bm), -(-k // bk)
-  xp = jnp.pad(x, ((0, mt * bm - m), (0, kt * bk - k)))
-  return xp.reshape(mt, bm, kt, bk), m, k
-
-
 def quantize_blockwise_reference(x: jax.Array, block_shape=(1, 128),
-                                 dtype=jnp.float8_e4m3fn,
-                                 power_2_scale: bool = False
-                                 ) -> Tuple[jax.Array, jax.Array]:
+                                 dtype=jnp.float8_e4m3fn, power_2_scale: bool = False,
+                                 *, columnwise: bool = False) -> QuantizedTensor:
   """Quantizes each (bm, bk) tile of 2-D ``x`` with its own scale.
 
   Args:
@@ -165,25 +227,41 @@ def quantize_blockwise_reference(x: jax.Array, block_shape=(1, 128),
     block_shape: (bm, bk).
     dtype: FP8 dtype of the result.
     power_2_scale: round scales down to powers of two.
+    columnwise: also quantize ``x.T`` with the same tiles.
 
   Returns:
-    data: (M, K) FP8. scale_inv: (ceil(M/bm), ceil(K/bk)) float32.
+    A QuantizedTensor: data (M, K), scale_inv (ceil(M/bm), ceil(K/bk)),
+    data_t (K, M) and scale_inv_t (ceil(K/bm), ceil(M/bk)) with
+    ``columnwise``; amax None.
   """
-  tiles, m, k = _tile(x.astype(jnp.float32), block_shape)
-  amax = jnp.max(jnp.abs(tiles), axis=(1, 3))
-  scale = compute_scale(amax, dtype, power_2_scale=power_2_scale)
-  data = saturating_cast(tiles * scale[:, None, :, None], dtype)
-  data = data.reshape(tiles.shape[0] * tiles.shape[1], -1)[:m, :k]
-  return data, 1.0 / scale
+  block_shape = tuple(block_shape)
+  data, scale_inv = _blockwise(x, block_shape, dtype, power_2_scale)
+  if not columnwise:
+    return QuantizedTensor(data, scale_inv, block_shape=block_shape)
+  if block_shape[0] == block_shape[1]:  # square blocks: the transpose is exact
+    data_t, scale_inv_t = data.T, scale_inv.T
+  else:
+    data_t, scale_inv_t = _blockwise(x.T, block_shape, dtype, power_2_scale)
+  return QuantizedTensor(data, scale_inv, data_t, scale_inv_t, None, block_shape)
 
 
-def dequantize_blockwise_reference(data: jax.Array, scale_inv: jax.Array,
-                                   block_shape=(1, 128),
-                                   dtype=jnp.float32) -> jax.Array:
-  """Inverse of ``quantize_blockwise_reference``: (M, K) in ``dtype``."""
-  tiles, m, k = _tile(data.astype(jnp.float32), block_shape)
-  x = tiles * scale_inv.astype(jnp.float32)[:, None, :, None]
-  return x.reshape(tiles.shape[0] * tiles.shape[1], -1)[:m, :k].astype(dtype)
+# jit: the fused-prologue references call this eagerly in tests; one
+# compilation instead of one per op (inlined under an outer jit).
+@functools.partial(jax.jit, static_argnames=("mode", "dtype", "power_2_scale"))
+def quantize_by_mode_reference(v: jax.Array, mode: str, dtype, scale=None,
+                               power_2_scale: bool = False) -> QuantizedTensor:
+  """The reference quantization of 2-D ``v`` in a :data:`MODES` mode, both copies.
+
+  "tensorwise": :func:`quantize_tensorwise_reference` with ``scale``;
+  "current": :func:`quantize_current_reference`; "blockwise":
+  :func:`quantize_blockwise_reference` with 1x128 tiles. The spec of the
+  fused-prologue ops, applied to the float32 value they compute.
+  """
+  if mode == "tensorwise":
+    return quantize_tensorwise_reference(v, scale, dtype, columnwise=True)
+  if mode == "current":
+    return quantize_current_reference(v, dtype, columnwise=True)
+  return quantize_blockwise_reference(v, (1, 128), dtype, power_2_scale, columnwise=True)
 
 
 # ------------------------------------------------------------ dispatchers ---
@@ -193,9 +271,13 @@ def _as_2d(x):
   return x if x.ndim == 2 else x.reshape(-1, x.shape[-1] if x.ndim else 1)
 
 
+def _reshaped(q: QuantizedTensor, shape) -> QuantizedTensor:
+  return q.replace(data=q.data.reshape(shape))
+
+
 def quantize_tensorwise(x: jax.Array, scale: jax.Array, dtype=jnp.float8_e4m3fn,
                         *, columnwise: bool = False, impl: str = "auto"
-                        ) -> Tuple[jax.Array, Optional[jax.Array], jax.Array]:
+                        ) -> QuantizedTensor:
   """Per-tensor quantize with a given scale (delayed scaling).
 
   Args:
@@ -206,49 +288,38 @@ def quantize_tensorwise(x: jax.Array, scale: jax.Array, dtype=jnp.float8_e4m3fn,
     impl: "auto", "cuda" or "reference".
 
   Returns:
-    (data (x.shape), data_t ((K, M)) or None, amax float32 scalar).
+    data (x.shape), scale_inv = 1/scale, data_t (K, M) with ``columnwise``,
+    amax = max|x| (float32 scalars).
   """
   check_input(x, "x", 2 if columnwise else None)
   dtype = check_fp8_dtype(dtype)
-  if jnp.shape(scale) != ():
-    raise ValueError(f"scale must be a scalar, got shape {jnp.shape(scale)}.")
-  def cuda():
-    from te_jax.ops import quantize_cuda  # pylint: disable=import-outside-toplevel
-    data, data_t, amax = quantize_cuda.quantize_tensorwise(_as_2d(x), scale, dtype,
-                                                            columnwise)
-    return data.reshape(x.shape), data_t, amax
+  scale = _check_scalar(scale, "scale")
 
-  def reference():
-    data, amax = quantize_tensorwise_reference(x, scale, dtype)
-    return data, (data.T if columnwise else None), amax
-  return _native.dispatch(impl, cuda, reference)
+  def cuda():
+    return _reshaped(quantize_cuda.quantize_tensorwise(_as_2d(x), scale, dtype, columnwise),
+                     x.shape)
+  return _native.dispatch(impl, cuda, lambda: quantize_tensorwise_reference(
+      x, scale, dtype, columnwise=columnwise))
 
 
 def quantize_current(x: jax.Array, dtype=jnp.float8_e4m3fn, *,
-                     columnwise: bool = False, impl: str = "auto"
-                     ) -> Tuple[jax.Array, Optional[jax.Array], jax.Array, jax.Array]:
+                     columnwise: bool = False, impl: str = "auto") -> QuantizedTensor:
   """Per-tensor quantize with the scale from this tensor's own amax.
 
   Returns:
-    (data, data_t or None, scale_inv float32 scalar, amax float32 scalar).
+    data, scale_inv, data_t with ``columnwise``, amax = max|x|.
   """
   check_input(x, "x", 2 if columnwise else None)
   dtype = check_fp8_dtype(dtype)
-  def cuda():
-    from te_jax.ops import quantize_cuda  # pylint: disable=import-outside-toplevel
-    data, data_t, scale_inv, amax = quantize_cuda.quantize_current(_as_2d(x), dtype,
-                                                                   columnwise)
-    return data.reshape(x.shape), data_t, scale_inv, amax
 
-  def reference():
-    data, scale_inv, amax = quantize_current_reference(x, dtype)
-    return data, (data.T if columnwise else None), scale_inv, amax
-  return _native.dispatch(impl, cuda, reference)
+  def cuda():
+    return _reshaped(quantize_cuda.quantize_current(_as_2d(x), dtype, columnwise), x.shape)
+  return _native.dispatch(impl, cuda, lambda: quantize_current_reference(
+      x, dtype, columnwise=columnwise))
 
 
 def quantize_from_amax(x: jax.Array, amax: jax.Array, dtype=jnp.float8_e4m3fn, *,
-                       columnwise: bool = False, impl: str = "auto"
-                       ) -> Tuple[jax.Array, Optional[jax.Array], jax.Array]:
+                       columnwise: bool = False, impl: str = "auto") -> QuantizedTensor:
   """Current scaling with a given amax (e.g. one max-reduced over a mesh).
 
   The scale is ``compute_scale(amax, dtype)``, derived where
@@ -264,49 +335,34 @@ def quantize_from_amax(x: jax.Array, amax: jax.Array, dtype=jnp.float8_e4m3fn, *
     impl: "auto", "cuda" or "reference".
 
   Returns:
-    (data, data_t or None, scale_inv float32 scalar).
+    data, scale_inv, data_t with ``columnwise``, and ``amax`` as given.
   """
   check_input(x, "x", 2 if columnwise else None)
   dtype = check_fp8_dtype(dtype)
-  if jnp.shape(amax) != ():
-    raise ValueError(f"amax must be a scalar, got shape {jnp.shape(amax)}.")
-  def cuda():
-    from te_jax.ops import quantize_cuda  # pylint: disable=import-outside-toplevel
-    data, data_t, scale_inv = quantize_cuda.quantize_from_amax(_as_2d(x), amax, dtype,
-                                                               columnwise)
-    return data.reshape(x.shape), data_t, scale_inv
+  amax = _check_scalar(amax, "amax")
 
-  def reference():
-    data, scale_inv = quantize_from_amax_reference(x, amax, dtype)
-    return data, (data.T if columnwise else None), scale_inv
-  return _native.dispatch(impl, cuda, reference)
+  def cuda():
+    return _reshaped(quantize_cuda.quantize_from_amax(_as_2d(x), amax, dtype, columnwise),
+                     x.shape)
+  return _native.dispatch(impl, cuda, lambda: quantize_from_amax_reference(
+      x, amax, dtype, columnwise=columnwise))
 
 
 def quantize_blockwise(x: jax.Array, block_shape=(1, 128), dtype=jnp.float8_e4m3fn,
                        power_2_scale: bool = False, *, columnwise: bool = False,
-                       impl: str = "auto"):
+                       impl: str = "auto") -> QuantizedTensor:
   """Blockwise quantize of 2-D ``x`` (M, K), optionally with its columnwise copy.
 
   Returns:
-    (data (M, K), scale_inv (ceil(M/bm), ceil(K/bk)), data_t (K, M) or None,
-    scale_inv_t (ceil(K/bm), ceil(M/bk)) or None); the ``_t`` pair is the
-    quantization of ``x.T`` with the same ``block_shape``.
+    As :func:`quantize_blockwise_reference`.
   """
   check_input(x, "x", 2)
   block_shape = check_block_shape(block_shape)
   dtype = check_fp8_dtype(dtype)
+
   def cuda():
-    from te_jax.ops import quantize_cuda  # pylint: disable=import-outside-toplevel
     return quantize_cuda.quantize_blockwise(x, block_shape, dtype, power_2_scale,
                                             columnwise)
+  return _native.dispatch(impl, cuda, lambda: quantize_blockwise_reference(
+      x, block_shape, dtype, power_2_scale, columnwise=columnwise))
 
-  def reference():
-    data, scale_inv = quantize_blockwise_reference(x, block_shape, dtype, power_2_scale)
-    if not columnwise:
-      return data, scale_inv, None, None
-    if block_shape[0] == block_shape[1]:  # square blocks: the transpose is exact
-      return data, scale_inv, data.T, scale_inv.T
-    data_t, scale_inv_t = quantize_blockwise_reference(x.T, block_shape, dtype,
-                                                       power_2_scale)
-    return data, scale_inv, data_t, scale_inv_t
-  return _native.dispatch(impl, cuda, reference)

@@ -1,9 +1,9 @@
 """CUDA custom-call path of ``ops/quantize.py`` (FFI handlers in
 ``custom_calls/ffi/quantize.cc``).
 
-Each function returns exactly what the reference path of the dispatcher in
-``quantize.py`` returns, bit for bit. The blockwise kernels write scale_inv
-in the layouts cuBLASLt reads (see ``custom_calls/NOTES.md``); this module
+Each function returns exactly the ``QuantizedTensor`` the reference of the
+dispatcher in ``quantize.py`` returns, bit for bit. The blockwise kernels write scale_inv
+in the layouts cuBLASLt reads (see ``custom_calls/README.md``); this module
 exposes the LOGICAL layout ``(ceil(M/bm), ceil(K/bk))`` through a slice /
 transpose that ``gemm_cuda.py`` undoes, so that under ``jit`` XLA cancels the
 pair between a quantize and the GEMM that consumes it.
@@ -14,6 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from te_jax.ops.fp8 import QuantizedTensor
 
 __all__ = ["quantize_tensorwise", "quantize_current", "quantize_from_amax",
            "quantize_blockwise", "native_scale_shapes"]
@@ -42,34 +44,40 @@ def _sds(shape, dtype):
 
 
 def quantize_tensorwise(x, scale, dtype, columnwise: bool):
-  """Per-tensor quantize with a given scale: ``(data, data_t | None, amax)``."""
+  """Per-tensor quantize with a given scale."""
   m, k = x.shape
   _check_grid(m)
   outs = (_sds((m, k), dtype), _sds((k, m) if columnwise else (0, 0), dtype), _sds((), _F32))
   data, data_t, amax = jax.ffi.ffi_call("te_jax_quantize_tensorwise", outs)(
       x, jnp.asarray(scale, _F32), columnwise=np.int64(bool(columnwise)))
-  return data, (data_t if columnwise else None), amax
+  return _per_tensor(data, 1.0 / jnp.asarray(scale, _F32), data_t, amax, columnwise)
+
+
+def _per_tensor(data, scale_inv, data_t, amax, columnwise):
+  if not columnwise:
+    return QuantizedTensor(data, scale_inv, amax=amax)
+  return QuantizedTensor(data, scale_inv, data_t, scale_inv, amax)
 
 
 def quantize_current(x, dtype, columnwise: bool):
-  """Current scaling: ``(data, data_t | None, scale_inv, amax)``; two reads of x."""
+  """Current scaling (two reads of x: the amax, then the cast)."""
   m, k = x.shape
   _check_grid(m)
   outs = (_sds((m, k), dtype), _sds((k, m) if columnwise else (0, 0), dtype),
           _sds((), _F32), _sds((), _F32))
   data, data_t, scale_inv, amax = jax.ffi.ffi_call("te_jax_quantize_current", outs)(
       x, columnwise=np.int64(bool(columnwise)))
-  return data, (data_t if columnwise else None), scale_inv, amax
+  return _per_tensor(data, scale_inv, data_t, amax, columnwise)
 
 
 def quantize_from_amax(x, amax, dtype, columnwise: bool):
-  """Current scaling from a given amax: ``(data, data_t | None, scale_inv)``."""
+  """Current scaling from a given amax."""
   m, k = x.shape
   _check_grid(m)
   outs = (_sds((m, k), dtype), _sds((k, m) if columnwise else (0, 0), dtype), _sds((), _F32))
   data, data_t, scale_inv = jax.ffi.ffi_call("te_jax_quantize_from_amax", outs)(
       x, jnp.asarray(amax, _F32), columnwise=np.int64(bool(columnwise)))
-  return data, (data_t if columnwise else None), scale_inv
+  return _per_tensor(data, scale_inv, data_t, jnp.asarray(amax, _F32), columnwise)
 
 
 def native_scale_shapes(m: int, k: int, block_shape):
@@ -89,7 +97,7 @@ def native_scale_shapes(m: int, k: int, block_shape):
 
 
 def quantize_blockwise(x, block_shape, dtype, power_2_scale: bool, columnwise: bool):
-  """Blockwise quantize: ``(data, scale_inv, data_t | None, scale_inv_t | None)``.
+  """Blockwise quantize (amax None: every tile has its own).
 
   Only (1, 128) (with 128x1 tiles for the columnwise copy) and (128, 128)
   have kernels.
@@ -114,5 +122,5 @@ def quantize_blockwise(x, block_shape, dtype, power_2_scale: bool, columnwise: b
     scale_inv = s[:, :_cdiv(k, 128)]            # (ceil(m/128), ceil(k/128))
     scale_inv_t = st[:, :_cdiv(m, 128)] if columnwise else None
   if not columnwise:
-    return data, scale_inv, None, None
-  return data, scale_inv, data_t, scale_inv_t
+    return QuantizedTensor(data, scale_inv, block_shape=block_shape)
+  return QuantizedTensor(data, scale_inv, data_t, scale_inv_t, None, block_shape)

@@ -1,0 +1,229 @@
+"""What every te_jax Linen module does around its GEMMs.
+
+A module reads the active ``fp8_autocast`` ONCE per call, with
+:func:`read_autocast`, into a :class:`GemmSettings` (recipe or None for FP8
+off, mesh resource, implementation) and passes that down; nothing below the
+Flax layer reads the context. Every GEMM then goes through :func:`fp8_gemm`
+(or :func:`fp8_mlp_core` for the fused MLP), which
+
+* declares the GEMM's state as one variable ``<name>`` in the collection
+  ``FP8_COLLECTION`` (``"_overwrite_with_gradient"``) when the recipe's
+  scaling mode keeps state (``DelayedScaling``), created with the mode's
+  ``init_state()``; no FP8 state exists with FP8 off or the other recipes;
+* calls :func:`te_jax.dense.dense_general` (or ``fp8_dense_split``) with the
+  recipe, mesh resource and implementation as arguments.
+
+When the variables hold FP8 state but the active recipe does not use it (FP8
+switched off for a step, or another recipe), the state's "gradient" is the
+state itself, so ``TrainState.apply_gradients`` leaves it untouched.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional, Sequence, Tuple
+
+import jax
+import flax.linen as nn
+
+from te_jax import dense as dense_lib
+from te_jax import fp8_state as state_lib
+from te_jax import fused_mlp
+from te_jax import recipe as recipe_lib
+from te_jax import sharding as sharding_lib
+from te_jax.autocast import get_fp8_context
+from te_jax.ops import check_impl
+
+__all__ = ["GemmSettings", "read_autocast", "fp8_gemm", "fp8_mlp_core",
+           "canonicalize_axes", "FP8_META"]
+
+FP8_META = "fp8_meta"
+
+
+class GemmSettings(NamedTuple):
+  """What a module's GEMMs need from the autocast, read once per module call.
+
+  Attributes:
+    recipe: the active recipe, or None when FP8 is off.
+    mesh_resource: the autocast's ``te_jax.sharding.MeshResource`` or None.
+    impl: "auto", "cuda" or "reference" (the module's ``impl`` attribute).
+  """
+
+  recipe: Optional[recipe_lib.Recipe]
+  mesh_resource: Optional[sharding_lib.MeshResource]
+  impl: str
+
+  def unsharded(self) -> bool:
+    """True when no mesh axis named by the mesh resource has size > 1.
+
+    The fused FP8 MLP core has no sharding rule of its own, so it is only
+    used when the GEMMs would not be sharded anyway.
+    """
+    mr = self.mesh_resource
+    mesh = sharding_lib.get_mesh() if mr is not None else None
+    if mesh is None:
+      return True
+    axes = [a for role in (mr.dp_resource, mr.fsdp_resource, mr.tp_resource)
+            for a in ((role,) if isinstance(role, str) else (role or ()))]
+    return sharding_lib.mesh_axis_size(
+        mesh, tuple(a for a in axes if a in mesh.axis_names)) == 1
+
+
+def read_autocast(impl: str = "auto") -> GemmSettings:
+  """The innermost ``fp8_autocast`` as :class:`GemmSettings` (FP8 off outside any).
+
+  Args:
+    impl: the calling module's ``impl`` attribute ("auto", "cuda",
+      "reference"); ``TE_JAX_IMPL`` still overrides "auto".
+  """
+  check_impl(impl)
+  ctx = get_fp8_context()
+  return GemmSettings(ctx.recipe if ctx.enabled else None, ctx.mesh_resource, impl)
+
+
+def canonicalize_axes(axes, ndim: int) -> Tuple[int, ...]:
+  """Normalizes an int or tuple of (possibly negative) axes of an ndim array."""
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  out = tuple(a % ndim if -ndim <= a < ndim else None for a in axes)
+  if None in out:
+    raise ValueError(f"axis {axes} out of range for an input of rank {ndim}.")
+  if len(set(out)) != len(out):
+    raise ValueError(f"axis {axes} repeats an axis.")
+  return out
+
+
+def _fp8_state(module: nn.Module, name: str, mode):
+  """Declares (or reads) the state of one GEMM; None when ``mode`` keeps none."""
+  if not mode.uses_state:
+    return None
+  if not module.has_variable(state_lib.FP8_COLLECTION, name) and (
+      not module.is_mutable_collection(state_lib.FP8_COLLECTION)):
+    recipe_name = type(mode.recipe).__name__
+    raise ValueError(
+        f"{module.__class__.__name__} {module.path if hasattr(module, 'path') else ''}"
+        f": {recipe_name} needs the FP8 state variable '{name}' in collection "
+        f"'{state_lib.FP8_COLLECTION}', but the variables passed to apply() have "
+        "none. Initialize the model inside fp8_autocast(enabled=True, "
+        f"fp8_recipe={recipe_name}(...)) with the same recipe, or pass "
+        f"mutable=['{state_lib.FP8_COLLECTION}'].")
+  var = module.variable(state_lib.FP8_COLLECTION, name, mode.init_state)
+  state = var.value
+  want = jax.tree.map(lambda a: a.shape, jax.eval_shape(mode.init_state))
+  got = jax.tree.map(lambda a: a.shape, state)
+  if got != want:
+    raise ValueError(
+        f"FP8 state '{name}' has shapes {got} but the active recipe "
+        f"{mode.recipe} needs {want} (e.g. another amax_history_len); initialize "
+        "the model with the recipe used for training.")
+  return state
+
+
+@jax.custom_vjp
+def _keep_state(y, state):
+  """Identity on ``y`` whose backward returns ``state`` as the state's gradient.
+
+  Used when a module holds delayed-scaling state but the active recipe does
+  not use it (FP8 off, or another recipe): the "gradient" that
+  ``TrainState.apply_gradients`` writes back is then the state itself, so the
+  state is left untouched instead of being overwritten by zeros.
+  """
+  del state
+  return y
+
+
+def _keep_state_fwd(y, state):
+  return y, state
+
+
+def _keep_state_bwd(state, g):
+  return g, state
+
+
+_keep_state.defvjp(_keep_state_fwd, _keep_state_bwd)
+
+
+def fp8_gemm(module: nn.Module, settings: GemmSettings, x: jax.Array, kernel: jax.Array,
+             bias: Optional[jax.Array] = None, *, name: str = FP8_META,
+             contract_ndim: int = 1,
+             kernel_axes: Optional[Sequence[Optional[str]]] = None,
+             split_output: bool = False):
+  """``x @ kernel (+ bias)`` over the last ``contract_ndim`` dims of ``x``.
+
+  Calls :func:`te_jax.dense.dense_general`, which keeps the leading dims of
+  ``x`` (a (batch, seq) layout sharded for sequence parallelism reaches the
+  GEMM as it is) and, with ``kernel_axes`` and a mesh resource, runs the FP8
+  GEMMs sharded.
+
+  Args:
+    module: the Linen module that owns the GEMM (and its FP8 state).
+    settings: what the module read from the autocast (:func:`read_autocast`);
+      ``settings.recipe`` None means a plain dot in ``x.dtype``.
+    x: (*lead, *in_dims) input in the compute dtype, contracting dims last.
+    kernel: (*in_dims, *out_dims) kernel in the compute dtype.
+    bias: optional (*out_dims) bias.
+    name: name of the FP8 state variable (one per GEMM of the module).
+    contract_ndim: number of contracting dims (``len(in_dims)``).
+    kernel_axes: logical axis names of the kernel, one per dim.
+    split_output: return the output unstacked along its first out dim, a
+      tuple of ``out_dims[0]`` arrays (*lead, *out_dims[1:]). In FP8 and
+      unsharded, through ``te_jax.dense.fp8_dense_split`` (the gradients of
+      the parts are quantized without being concatenated).
+
+  Returns:
+    (*lead, *out_dims) array in ``x.dtype``, or the tuple (``split_output``).
+  """
+  recipe, impl = settings.recipe, settings.impl
+  kernel_axes = None if kernel_axes is None else tuple(kernel_axes)
+  state = None if recipe is None else _fp8_state(module, name, recipe.scaling_mode())
+  if split_output and recipe is not None and settings.unsharded():
+    y = _split_gemm(x, kernel, bias, settings, state, contract_ndim)
+  else:
+    y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim,
+                                recipe=recipe, fp8_state=state, impl=impl,
+                                kernel_axes=kernel_axes,
+                                mesh_resource=settings.mesh_resource)
+    if split_output:
+      lead = (slice(None),) * (x.ndim - contract_ndim)
+      y = tuple(y[lead + (i,)] for i in range(kernel.shape[contract_ndim]))
+  if state is None:
+    y = _keep_unused_state(module, y, (name,))
+  return y
+
+
+def _keep_unused_state(module, y, names):
+  """``y``, tied to the module's FP8 state variables ``names`` that exist but
+  that this call does not use (from an init under another recipe), so that
+  their "gradient" is themselves and they stay as they are."""
+  for n in names:
+    if module.has_variable(state_lib.FP8_COLLECTION, n):
+      y = _keep_state(y, module.get_variable(state_lib.FP8_COLLECTION, n))
+  return y
+
+
+def _split_gemm(x, kernel, bias, settings, state, contract_ndim):
+  """``fp8_gemm(..., split_output=True)`` through ``fp8_dense_split``."""
+  lead = x.shape[:x.ndim - contract_ndim]
+  in_dims, out_dims = kernel.shape[:contract_ndim], kernel.shape[contract_ndim:]
+  k = math.prod(in_dims)
+  parts = dense_lib.fp8_dense_split(
+      x.reshape(lead + (k,)), kernel.reshape(k, -1),
+      None if bias is None else bias.reshape(-1), num_splits=out_dims[0],
+      recipe=settings.recipe, fp8_state=state, impl=settings.impl)
+  return tuple(p.reshape(lead + tuple(out_dims[1:])) for p in parts)
+
+
+def fp8_mlp_core(module: nn.Module, settings: GemmSettings, x2d, wi2d, bi, wo, bo, *,
+                 activations, names=("wi_fp8_meta", "wo_fp8_meta")):
+  """``te_jax.fused_mlp.fp8_mlp`` with the module's FP8 state.
+
+  Uses (and updates) the same state variables as two :func:`fp8_gemm` calls
+  named ``names`` would, so a model can switch between the fused and the
+  unfused path without touching its variables. ``settings.recipe`` must not
+  be None.
+  """
+  mode = settings.recipe.scaling_mode()
+  si, so = (_fp8_state(module, n, mode) for n in names)
+  y = fused_mlp.fp8_mlp(x2d, wi2d, wo, bi, bo, activations=activations,
+                        recipe=settings.recipe, wi_state=si, wo_state=so,
+                        impl=settings.impl)
+  return y if si is not None else _keep_unused_state(module, y, names)

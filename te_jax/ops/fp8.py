@@ -1,0 +1,160 @@
+"""FP8 formats and the two values every op passes around.
+
+* :class:`ScaledTensor`: one FP8 matrix with the scales that dequantize it,
+  the operand type of ``gemm``.
+* :class:`QuantizedTensor`: what every quantize-family op returns (the
+  rowwise copy, the columnwise copy a backward GEMM reads, their scales and
+  the amax), so that callers never depend on a tuple order.
+
+This module is the bottom of te_jax: it imports nothing from the package.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["FP8_DTYPES", "fp8_max", "ScaledTensor", "QuantizedTensor",
+           "dequantize_blockwise_reference"]
+
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+_FP8_MAX = {FP8_DTYPES[0]: 448.0, FP8_DTYPES[1]: 57344.0}
+
+
+def fp8_max(dtype) -> float:
+  """Largest finite value of an FP8 dtype (448 for E4M3, 57344 for E5M2).
+
+  >>> fp8_max(jnp.float8_e5m2)
+  57344.0
+  """
+  dtype = jnp.dtype(dtype)
+  if dtype not in _FP8_MAX:
+    raise TypeError(f"dtype must be float8_e4m3fn or float8_e5m2, got {dtype}.")
+  return _FP8_MAX[dtype]
+
+
+def tile(x: jax.Array, block_shape) -> Tuple[jax.Array, int, int]:
+  """Zero-pads 2-D ``x`` (M, K) to whole tiles; returns (tiles, M, K).
+
+  ``tiles`` has shape (ceil(M/bm), bm, ceil(K/bk), bk).
+  """
+  (m, k), (bm, bk) = x.shape, block_shape
+  mt, kt = -(-m // bm), -(-k // bk)
+  xp = jnp.pad(x, ((0, mt * bm - m), (0, kt * bk - k)))
+  return xp.reshape(mt, bm, kt, bk), m, k
+
+
+def dequantize_blockwise_reference(data: jax.Array, scale_inv: jax.Array,
+                                   block_shape=(1, 128),
+                                   dtype=jnp.float32) -> jax.Array:
+  """``data * scale_inv`` broadcast over (bm, bk) tiles: (M, K) in ``dtype``.
+
+  Args:
+    data: (M, K) FP8.
+    scale_inv: (ceil(M/bm), ceil(K/bk)) float32.
+    block_shape: (bm, bk).
+    dtype: output dtype.
+  """
+  tiles, m, k = tile(data.astype(jnp.float32), block_shape)
+  x = tiles * scale_inv.astype(jnp.float32)[:, None, :, None]
+  return x.reshape(tiles.shape[0] * tiles.shape[1], -1)[:m, :k].astype(dtype)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["data", "scale_inv"],
+    meta_fields=["block_shape"])
+@dataclasses.dataclass(frozen=True)
+class ScaledTensor:
+  """An FP8 matrix ``data`` with ``data * scale_inv ~= x``.
+
+  Attributes:
+    data: float8 array of shape (rows, cols).
+    scale_inv: float32; shape () for per-tensor scaling, or
+      (ceil(rows / bm), ceil(cols / bk)) with one entry per tile for blockwise
+      scaling.
+    block_shape: None for per-tensor scaling, else the tile shape (bm, bk).
+
+  >>> t = ScaledTensor(jnp.full((2, 2), 3.0, jnp.float8_e4m3fn), jnp.float32(0.5))
+  >>> t.dequantize().tolist()
+  [[1.5, 1.5], [1.5, 1.5]]
+  """
+
+  data: jax.Array
+  scale_inv: jax.Array
+  block_shape: Optional[Tuple[int, int]] = None
+
+  @property
+  def shape(self):
+    return self.data.shape
+
+  @property
+  def dtype(self):
+    return self.data.dtype
+
+  @property
+  def T(self) -> "ScaledTensor":  # pylint: disable=invalid-name
+    """The transpose; exact for per-tensor scales and square blocks only."""
+    if self.block_shape is not None and self.block_shape[0] != self.block_shape[1]:
+      raise ValueError(f"the transpose of {self.block_shape} tiles is not a tiling of "
+                       "the same shape; quantize x.T instead (columnwise=True).")
+    s = self.scale_inv if self.block_shape is None else self.scale_inv.T
+    return ScaledTensor(self.data.T, s, self.block_shape)
+
+  def dequantize(self, dtype=jnp.float32) -> jax.Array:
+    """Returns ``data * scale_inv`` (broadcast over tiles) in ``dtype``."""
+    if self.block_shape is None:
+      return (self.data.astype(jnp.float32) * self.scale_inv).astype(dtype)
+    return dequantize_blockwise_reference(self.data, self.scale_inv,
+                                          self.block_shape, dtype)
+
+
+@functools.partial(
+    jax.tree_util.register_dataclass,
+    data_fields=["data", "scale_inv", "data_t", "scale_inv_t", "amax"],
+    meta_fields=["block_shape"])
+@dataclasses.dataclass(frozen=True)
+class QuantizedTensor:
+  """The result of every quantize-family op (``ops/quantize.py``,
+  ``ops/act_quantize.py``, ``ops/concat_quantize.py``).
+
+  For a quantized (M, K) value ``v``:
+
+  Attributes:
+    data: (M, K) FP8, ``v`` quantized rowwise.
+    scale_inv: float32 scale inverse of ``data``: () per tensor, or
+      (ceil(M/bm), ceil(K/bk)) per tile.
+    data_t: (K, M) FP8, the quantization of ``v.T`` with the same
+      ``block_shape`` (the operand the weight-gradient GEMM reads), or None
+      when the op was not asked for it.
+    scale_inv_t: its scale inverse, () or (ceil(K/bm), ceil(M/bk)); None
+      with ``data_t``.
+    amax: ``max|v|`` as a float32 scalar, or None where the op does not
+      compute one (blockwise: each tile has its own).
+    block_shape: None for per-tensor scaling, else (bm, bk).
+  """
+
+  data: jax.Array
+  scale_inv: jax.Array
+  data_t: Optional[jax.Array] = None
+  scale_inv_t: Optional[jax.Array] = None
+  amax: Optional[jax.Array] = None
+  block_shape: Optional[Tuple[int, int]] = None
+
+  def rowwise(self) -> ScaledTensor:
+    """``data`` as a GEMM operand contiguous along K (M, K)."""
+    return ScaledTensor(self.data, self.scale_inv, self.block_shape)
+
+  def columnwise(self) -> ScaledTensor:
+    """``data_t`` as a GEMM operand contiguous along M (K, M)."""
+    if self.data_t is None:
+      raise ValueError("this QuantizedTensor has no columnwise copy; quantize with "
+                       "columnwise=True.")
+    return ScaledTensor(self.data_t, self.scale_inv_t, self.block_shape)
+
+  def replace(self, **changes) -> "QuantizedTensor":
+    return dataclasses.replace(self, **changes)

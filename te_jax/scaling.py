@@ -1,0 +1,252 @@
+"""The scaling protocol: everything recipe-specific about an FP8 GEMM, in one place.
+
+Every recipe (``te_jax.recipe``) names one :class:`ScalingMode` through its
+``scaling_mode()`` method. The FP8 layers -- the dense ``custom_vjp``
+(``te_jax.dense``), the fused MLP (``te_jax.fused_mlp``), the split Q/K/V
+projection and the sharded dense (``te_jax.sharded_dense``) -- only call this
+protocol; none of them looks at the recipe's type. The way optax builds every
+optimizer from ``GradientTransformation``, a recipe here is one dataclass plus
+one ``ScalingMode``.
+
+Vocabulary. A dense layer ``y = x @ kernel`` has three FP8 GEMMs, each taking
+two operands contiguous along its contraction dim ("TN", what cuBLASLt wants
+on Hopper):
+
+=========  ==========================  =================================
+GEMM       a (M-side, K-major)         b (N-side, K-major)
+=========  ==========================  =================================
+fprop      x (M, K)                    kernel.T (N, K)
+dgrad      grad (M, N)                 kernel (K, N)
+wgrad      x.T (K, M)                  grad.T (N, M)
+=========  ==========================  =================================
+
+so each tensor ("role": ``"x"``, ``"kernel"`` or ``"grad"``) is quantized
+once, rowwise and columnwise, and each copy feeds one GEMM.
+
+What a ``ScalingMode`` owns:
+
+* ``dtype(role)``: the FP8 format of each role (``recipe.fwd_dtype`` for x and
+  kernel, ``recipe.bwd_dtype`` for the gradient);
+* ``quantize(x, role, state, ...)``: both copies of a tensor, and with
+  ``amax_axes`` a scale shared by the devices of a mesh;
+* ``quantize_fused(op, role, state, ...)``: the same through an op that
+  computes the tensor in its prologue (``act_quantize``, ``dact_quantize``,
+  ``concat_quantize``), i.e. which ops ``mode`` the recipe maps to;
+* ``init_state()`` / ``check_state(state)`` / ``update_state(state, amaxes)``:
+  the per-GEMM state (only delayed scaling has one);
+* ``fast_accum(gemm)``: the accumulation setting of each GEMM, which
+  ``gemm(which, a, b, ...)`` applies;
+* ``token_block``: the multiple the token dim (and K, N) is padded to.
+
+Adding a recipe: write its frozen dataclass in ``recipe.py`` with a
+``scaling_mode()`` that returns a new ``ScalingMode`` subclass here; if it
+needs a new kernel, add a ``mode`` to the ops (``ops/quantize.py``'s
+``MODES``) and map to it in ``quantize``/``quantize_fused``. Nothing in the
+dense, MLP, attention or sharding code changes. ``docs/recipes.md`` walks
+through it.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from te_jax import fp8_state as state_lib
+from te_jax.ops import gemm as gemm_op
+from te_jax.ops import quantize as quantize_op
+from te_jax.ops.fp8 import QuantizedTensor, ScaledTensor
+
+__all__ = ["ROLES", "GEMMS", "ScalingMode", "DelayedScalingMode", "CurrentScalingMode",
+           "BlockScalingMode"]
+
+ROLES = ("x", "kernel", "grad")
+GEMMS = ("fprop", "dgrad", "wgrad")
+
+
+def _check_role(role):
+  if role not in ROLES:
+    raise ValueError(f"role must be one of {ROLES}, got {role!r}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalingMode(abc.ABC):
+  """How one recipe quantizes the operands of its FP8 GEMMs (see the module doc).
+
+  Attributes:
+    recipe: the recipe dataclass this mode serves (its fields are the options).
+    token_block: class constant, the multiple FP8 GEMMs need along the token
+      dim (and K, N); the layers zero-pad to it.
+    uses_state: class constant, whether each GEMM carries state between steps.
+  """
+
+  recipe: Any
+  token_block: ClassVar[int] = 16
+  uses_state: ClassVar[bool] = False
+
+  def dtype(self, role: str):
+    """FP8 dtype of ``role``: the gradient in ``bwd_dtype``, the rest ``fwd_dtype``."""
+    _check_role(role)
+    return self.recipe.bwd_dtype if role == "grad" else self.recipe.fwd_dtype
+
+  def fast_accum(self, gemm: str) -> bool:
+    """Whether ``gemm`` ("fprop", "dgrad", "wgrad") accumulates at the tensor
+    cores' reduced precision (cuBLASLt fast accumulation)."""
+    del gemm
+    return False
+
+  def gemm(self, which: str, a: ScaledTensor, b: ScaledTensor, *, out_dtype,
+           bias: Optional[jax.Array] = None, impl: str = "auto") -> jax.Array:
+    """``a @ b.T`` (a (M, K), b (N, K)) as GEMM ``which`` ("fprop", "dgrad",
+    "wgrad"), with this mode's accumulation setting for it; (M, N) ``out_dtype``."""
+    return gemm_op.gemm(a, b, out_dtype=out_dtype, bias=bias,
+                        fast_accum=self.fast_accum(which), impl=impl)
+
+  # -- state ------------------------------------------------------------------
+
+  def init_state(self) -> Optional[Dict[str, Any]]:
+    """Fresh state of one GEMM (a pytree), or None for stateless recipes."""
+    return None
+
+  def check_state(self, state) -> None:
+    """Raises ValueError unless ``state`` is what this mode's GEMMs take."""
+    if state is not None:
+      raise ValueError(f"fp8_state must be None for {type(self.recipe).__name__}.")
+
+  def update_state(self, state, amaxes: Mapping[str, jax.Array]):
+    """The state after this step saw ``amaxes`` ({role: amax}); unchanged if stateless."""
+    del amaxes
+    return state
+
+  # -- quantization -----------------------------------------------------------
+
+  @abc.abstractmethod
+  def quantize(self, x: jax.Array, role: str, state=None, *, impl: str = "auto",
+               columnwise: bool = True, amax_axes: Sequence[str] = ()
+               ) -> QuantizedTensor:
+    """Quantizes 2-D ``x`` (M, K) as operand ``role``.
+
+    Args:
+      x: (M, K) float32/bfloat16/float16.
+      role: "x", "kernel" or "grad".
+      state: this GEMM's state (``init_state()``), or None for stateless modes.
+      impl: "auto", "cuda" or "reference".
+      columnwise: also write the (K, M) copy the other GEMM of ``role`` reads.
+      amax_axes: mesh axes over which ``x`` is sharded (inside ``shard_map``):
+        per-tensor scales and amaxes are max-reduced over them so every device
+        uses one scale.
+
+    Returns:
+      A ``QuantizedTensor`` whose ``amax`` (per-tensor modes) is the reduced
+      amax of this step.
+    """
+
+  @abc.abstractmethod
+  def quantize_fused(self, op: Callable[..., QuantizedTensor], role: str, state=None, *,
+                     impl: str = "auto", **operands) -> QuantizedTensor:
+    """Runs a fused-prologue quantize ``op`` (``act_quantize``, ``dact_quantize``,
+    ``concat_quantize``) on ``operands`` with this mode's options for ``role``."""
+
+
+class _PerTensorMode(ScalingMode):
+  """Shared by the per-tensor modes: one scale per tensor, per-GEMM accumulation."""
+
+  def fast_accum(self, gemm: str) -> bool:
+    if gemm not in GEMMS:
+      raise ValueError(f"gemm must be one of {GEMMS}, got {gemm!r}.")
+    return getattr(self.recipe, f"fast_accum_{gemm}")
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScalingMode(_PerTensorMode):
+  """Per-tensor scale from the amax history of earlier steps (``DelayedScaling``).
+
+  State per GEMM: ``fp8_state.init_dense_state(recipe.amax_history_len)``.
+  Sharded: the amax of each quantized tensor is max-reduced over the mesh
+  after the cast (the scale came from the replicated state, so it already
+  agrees).
+  """
+
+  uses_state: ClassVar[bool] = True
+
+  def init_state(self):
+    return state_lib.init_dense_state(self.recipe.amax_history_len)
+
+  def check_state(self, state) -> None:
+    if state is None:
+      raise ValueError(f"{type(self.recipe).__name__} needs fp8_state (see "
+                       "te_jax.fp8_state.init_dense_state); the Flax modules create it "
+                       "for you.")
+
+  def update_state(self, state, amaxes):
+    if state is None:
+      return None
+    new = dict(state)
+    for role, amax in amaxes.items():
+      new[role] = state_lib.update_tensor_state(state[role], amax, self.recipe,
+                                                self.dtype(role))
+    return new
+
+  def _scale(self, state, role):
+    return state_lib.scale_from_state(state[role])
+
+  def quantize(self, x, role, state=None, *, impl="auto", columnwise=True, amax_axes=()):
+    q = quantize_op.quantize_tensorwise(x, self._scale(state, role), self.dtype(role),
+                                        columnwise=columnwise, impl=impl)
+    if amax_axes:
+      q = q.replace(amax=lax.pmax(q.amax, tuple(amax_axes)))
+    return q
+
+  def quantize_fused(self, op, role, state=None, *, impl="auto", **operands):
+    return op(**operands, mode="tensorwise", dtype=self.dtype(role),
+              scale=self._scale(state, role), impl=impl)
+
+
+@dataclasses.dataclass(frozen=True)
+class CurrentScalingMode(_PerTensorMode):
+  """Per-tensor scale from the tensor's own amax (``Float8CurrentScaling``).
+
+  Sharded: the amax is max-reduced over the mesh first and the scale derived
+  from it where the unsharded kernel derives it (``quantize_from_amax``), so
+  one device and many agree bit for bit.
+  """
+
+  def quantize(self, x, role, state=None, *, impl="auto", columnwise=True, amax_axes=()):
+    dtype = self.dtype(role)
+    if not amax_axes:
+      return quantize_op.quantize_current(x, dtype, columnwise=columnwise, impl=impl)
+    amax = lax.pmax(jnp.max(jnp.abs(x.astype(jnp.float32))), tuple(amax_axes))
+    return quantize_op.quantize_from_amax(x, amax, dtype, columnwise=columnwise, impl=impl)
+
+  def quantize_fused(self, op, role, state=None, *, impl="auto", **operands):
+    return op(**operands, mode="current", dtype=self.dtype(role), impl=impl)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockScalingMode(ScalingMode):
+  """One scale per tile (``Float8BlockScaling``, DeepSeek-V3 style).
+
+  x and grad: 1x128 tiles along the contraction dim (their columnwise copy,
+  for wgrad, is 1x128 along tokens); kernel: 128x128 blocks. No state, no
+  cross-device reduction (a tile never spans devices: shards are padded to
+  ``token_block``), fp32 accumulation everywhere.
+  """
+
+  token_block: ClassVar[int] = 128
+
+  def block_shape(self, role: str) -> Tuple[int, int]:
+    _check_role(role)
+    return (128, 128) if role == "kernel" else (1, 128)
+
+  def quantize(self, x, role, state=None, *, impl="auto", columnwise=True, amax_axes=()):
+    return quantize_op.quantize_blockwise(x, self.block_shape(role), self.dtype(role),
+                                          self.recipe.power_2_scale,
+                                          columnwise=columnwise, impl=impl)
+
+  def quantize_fused(self, op, role, state=None, *, impl="auto", **operands):
+    return op(**operands, mode="blockwise", dtype=self.dtype(role),
+              power_2_scale=self.recipe.power_2_scale, impl=impl)
