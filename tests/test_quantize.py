@@ -154,15 +154,15 @@ def test_compute_scale_edge_cases():
 
 def test_columnwise_copies():
   x = jax.random.normal(jax.random.PRNGKey(4), (256, 384))
-  d, s, dt, st = qop.quantize_blockwise(x, (1, 128), E4M3, columnwise=True)
+  qt = qop.quantize_blockwise(x, (1, 128), E4M3, columnwise=True)
   d2, s2 = q.quantize_blockwise(x.T, (1, 128))
-  np.testing.assert_array_equal(_bits(dt), _bits(d2))
-  np.testing.assert_array_equal(st, s2)
-  d, s, dt, st = qop.quantize_blockwise(x, (128, 128), E4M3, columnwise=True)
-  np.testing.assert_array_equal(_bits(dt), _bits(np.asarray(d).T))
-  np.testing.assert_array_equal(st, np.asarray(s).T)
-  d, dt, amax = qop.quantize_tensorwise(x, jnp.float32(3.0), E5M2, columnwise=True)
-  np.testing.assert_array_equal(_bits(dt), _bits(np.asarray(d).T))
+  np.testing.assert_array_equal(_bits(qt.data_t), _bits(d2))
+  np.testing.assert_array_equal(qt.scale_inv_t, s2)
+  qt = qop.quantize_blockwise(x, (128, 128), E4M3, columnwise=True)
+  np.testing.assert_array_equal(_bits(qt.data_t), _bits(np.asarray(qt.data).T))
+  np.testing.assert_array_equal(qt.scale_inv_t, np.asarray(qt.scale_inv).T)
+  qt = qop.quantize_tensorwise(x, jnp.float32(3.0), E5M2, columnwise=True)
+  np.testing.assert_array_equal(_bits(qt.data_t), _bits(np.asarray(qt.data).T))
 
 
 def test_bad_inputs_name_the_argument():
@@ -197,16 +197,16 @@ def test_quantize_from_amax_reference():
   x = jnp.asarray(np.random.default_rng(4).standard_normal((64, 96)) * 3, jnp.bfloat16)
   amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
   for dtype in (E4M3, E5M2):
-    d, dt, s_inv, _ = qop.quantize_current(x, dtype, columnwise=True,
-                                                   impl="reference")
-    d2, dt2, s_inv2 = qop.quantize_from_amax(x, amax, dtype, columnwise=True,
-                                                     impl="reference")
-    np.testing.assert_array_equal(np.asarray(d2, np.float32), np.asarray(d, np.float32))
-    np.testing.assert_array_equal(np.asarray(dt2, np.float32), np.asarray(dt, np.float32))
-    assert float(s_inv2) == float(s_inv)
+    cur = qop.quantize_current(x, dtype, columnwise=True, impl="reference")
+    frm = qop.quantize_from_amax(x, amax, dtype, columnwise=True, impl="reference")
+    np.testing.assert_array_equal(np.asarray(frm.data, np.float32),
+                                  np.asarray(cur.data, np.float32))
+    np.testing.assert_array_equal(np.asarray(frm.data_t, np.float32),
+                                  np.asarray(cur.data_t, np.float32))
+    assert float(frm.scale_inv) == float(cur.scale_inv)
   # a larger (e.g. mesh-wide) amax gives a smaller scale
-  _, _, s_one = qop.quantize_from_amax(x, amax, E4M3, impl="reference")
-  _, _, s_big = qop.quantize_from_amax(x, 4 * amax, E4M3, impl="reference")
+  s_one = qop.quantize_from_amax(x, amax, E4M3, impl="reference").scale_inv
+  s_big = qop.quantize_from_amax(x, 4 * amax, E4M3, impl="reference").scale_inv
   assert float(s_big) == pytest.approx(4 * float(s_one), rel=1e-6)
   with pytest.raises(ValueError, match="amax must be a scalar"):
     qop.quantize_from_amax(x, jnp.ones((2,)), E4M3)
