@@ -55,7 +55,8 @@ from te_jax.flax import packed_attention
 from te_jax.flax.packed_attention import segment_attention_mask
 from te_jax.flax.dense import DenseGeneral, default_kernel_init
 
-__all__ = ["MultiHeadAttention", "apply_rotary", "segment_attention_mask"]
+__all__ = ["MultiHeadAttention", "apply_rotary", "segment_attention_mask", "check_input_3d",
+           "check_segment_arg"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -87,7 +88,7 @@ def _and_masks(a, b):
   return jnp.logical_and(a, b)
 
 
-def _check_input_3d(name: str, x) -> None:
+def check_input_3d(name: str, x) -> None:
   """Raises ValueError unless ``x`` (argument ``name``) is (batch, seq, hidden)."""
   shape = tuple(jnp.shape(x))
   if len(shape) != 3:
@@ -95,7 +96,7 @@ def _check_input_3d(name: str, x) -> None:
                      f"({len(shape)}-D).")
 
 
-def _check_segment_arg(name: str, ids, like_name: str, like) -> None:
+def check_segment_arg(name: str, ids, like_name: str, like) -> None:
   """Checks that ``ids`` (argument ``name``; None passes) is an integer
   (batch, seq) array matching the first two dims of ``like`` (argument
   ``like_name``); raises ValueError/TypeError naming both."""
@@ -167,18 +168,16 @@ class MultiHeadAttention(nn.Module):
     max_segments_per_seq: documents a packed row may hold in cuDNN's packed
       layout (default 8; ``te_jax.packing.documents_per_row`` counts them); a
       batch with a fuller row takes the masked cuDNN fallback. jax sizes
-      cuDNN's buffers by it: each unit adds a float32
-      (B, S, heads, head_dim) gradient accumulator to the backward pass's
-      scratch memory and some time (H200, 8 x 2048 tokens, 32 x 128 heads,
-      5 documents per row, fwd+bwd: 8 -> 1.67 ms and 2.3 GB of scratch, 16
-      -> 2.03 ms and 4.4 GB, 32 -> 2.77 ms and 8.6 GB; the fallback 4.17 ms,
-      unpacked causal cuDNN 2.49 ms; benchmarks/bench_packed_attention.py).
-      Rows of many short documents gain nothing from a large value: the
-      fallback is as fast there (16 x 2048 tokens, up to 63 documents a
-      row: 64 -> 3.50 ms and 12.7 GB, the fallback 3.29 ms and 0.5 GB).
+      cuDNN's buffers by it: each unit adds a float32 (B, S, heads, head_dim)
+      gradient accumulator to the backward pass's scratch memory and some
+      time, so rows of many short documents gain nothing from a large value
+      (measured trade-offs: BENCHMARKS.md, benchmarks/bench_packed_attention.py).
     dtype: compute/output dtype; None promotes input and param dtype.
     param_dtype: parameter dtype (default float32).
     kernel_init, bias_init: initializers of the projections.
+    impl: "auto" (default), "cuda" or "reference": which implementation the
+      FP8 projections' ops use (``TE_JAX_IMPL`` overrides "auto"); the
+      attention core is chosen by ``attention_impl``.
   """
 
   num_attention_heads: int
@@ -197,12 +196,14 @@ class MultiHeadAttention(nn.Module):
   param_dtype: Dtype = jnp.float32
   kernel_init: Initializer = default_kernel_init
   bias_init: Initializer = nn.initializers.zeros
+  impl: str = "auto"
 
   def _dense(self, features, name, kernel_axes, axis=-1, dtype=None, split=False):
     return DenseGeneral(features=features, axis=axis, use_bias=self.use_bias,
                         dtype=dtype, param_dtype=self.param_dtype,
                         kernel_init=self.kernel_init, bias_init=self.bias_init,
-                        kernel_axes=kernel_axes, split_output=split, name=name)
+                        kernel_axes=kernel_axes, split_output=split, impl=self.impl,
+                        name=name)
 
   def _flash_shapes(self, q) -> bool:
     return (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
@@ -286,14 +287,14 @@ class MultiHeadAttention(nn.Module):
       raise ValueError(f"attention_impl must be one of {_IMPLS}, got "
                        f"{self.attention_impl!r}.")
     self_attn = inputs_kv is None
-    _check_input_3d("inputs_q", inputs_q)
+    check_input_3d("inputs_q", inputs_q)
     if not self_attn:
-      _check_input_3d("inputs_kv", inputs_kv)
+      check_input_3d("inputs_kv", inputs_kv)
     kv_name, kv_like = ("inputs_q", inputs_q) if self_attn else ("inputs_kv", inputs_kv)
-    _check_segment_arg("segment_ids", segment_ids, "inputs_q", inputs_q)
-    _check_segment_arg("segment_positions", segment_positions, "inputs_q", inputs_q)
-    _check_segment_arg("kv_segment_ids", kv_segment_ids, kv_name, kv_like)
-    _check_segment_arg("kv_segment_positions", kv_segment_positions, kv_name, kv_like)
+    check_segment_arg("segment_ids", segment_ids, "inputs_q", inputs_q)
+    check_segment_arg("segment_positions", segment_positions, "inputs_q", inputs_q)
+    check_segment_arg("kv_segment_ids", kv_segment_ids, kv_name, kv_like)
+    check_segment_arg("kv_segment_positions", kv_segment_positions, kv_name, kv_like)
     if self_attn:
       inputs_kv = inputs_q
       if kv_segment_ids is None:

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from te_jax.flax.attention import MultiHeadAttention, _check_input_3d, _check_segment_arg
+from te_jax.flax.attention import MultiHeadAttention, check_input_3d, check_segment_arg
 from te_jax.flax.dense import default_kernel_init
 from te_jax.flax.mlp import LayerNormMLP
 from te_jax.flax.norm import LayerNorm, RMSNorm
@@ -65,6 +65,8 @@ class TransformerLayer(nn.Module):
     dtype: compute/output dtype; None promotes input and param dtype.
     param_dtype: parameter dtype (default float32).
     kernel_init, bias_init: initializers of the projections.
+    impl: "auto" (default), "cuda" or "reference": the implementation of every
+      FP8 op of the layer (``TE_JAX_IMPL`` overrides "auto").
 
   Dropout uses the "dropout" RNG when ``deterministic=False``.
   """
@@ -93,6 +95,7 @@ class TransformerLayer(nn.Module):
   param_dtype: Dtype = jnp.float32
   kernel_init: Initializer = default_kernel_init
   bias_init: Initializer = nn.initializers.zeros
+  impl: str = "auto"
 
   def _norm(self, name, dtype):
     cls = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}.get(self.layernorm_type)
@@ -111,7 +114,7 @@ class TransformerLayer(nn.Module):
         out_features=self.hidden_size, attention_impl=self.attention_impl,
         max_segments_per_seq=self.max_segments_per_seq,
         dtype=dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-        bias_init=self.bias_init, name=name)
+        bias_init=self.bias_init, impl=self.impl, name=name)
 
   def _drop(self, x, deterministic):
     if self.hidden_dropout > 0.0:
@@ -141,12 +144,12 @@ class TransformerLayer(nn.Module):
     if self.layer_type not in _LAYER_TYPES:
       raise ValueError(f"layer_type must be one of {_LAYER_TYPES}, got "
                        f"{self.layer_type!r}.")
-    _check_input_3d("inputs", inputs)
-    _check_segment_arg("segment_ids", segment_ids, "inputs", inputs)
-    _check_segment_arg("segment_positions", segment_positions, "inputs", inputs)
+    check_input_3d("inputs", inputs)
+    check_segment_arg("segment_ids", segment_ids, "inputs", inputs)
+    check_segment_arg("segment_positions", segment_positions, "inputs", inputs)
     if encoded is not None:
-      _check_input_3d("encoded", encoded)
-      _check_segment_arg("encoder_segment_ids", encoder_segment_ids, "encoded", encoded)
+      check_input_3d("encoded", encoded)
+      check_segment_arg("encoder_segment_ids", encoder_segment_ids, "encoded", encoded)
     if inputs.shape[-1] != self.hidden_size:
       raise ValueError(f"inputs' last dim ({inputs.shape[-1]}) must equal "
                        f"hidden_size ({self.hidden_size}).")
@@ -179,5 +182,5 @@ class TransformerLayer(nn.Module):
         layernorm_type=self.layernorm_type, epsilon=self.epsilon,
         zero_centered_gamma=self.zero_centered_gamma, use_bias=self.use_bias,
         dtype=compute, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-        bias_init=self.bias_init, name="mlp")(x, deterministic=deterministic)
+        bias_init=self.bias_init, impl=self.impl, name="mlp")(x, deterministic=deterministic)
     return x + self._drop(h, deterministic)
