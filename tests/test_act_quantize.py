@@ -23,6 +23,7 @@ import pytest
 
 from te_jax.ops import _native
 from te_jax.ops import act_quantize as aq
+from te_jax.ops.fp8 import QuantizedTensor
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -267,7 +268,9 @@ def _v(direction, acts, h, dz):
 @pytest.mark.parametrize("gated", [False, True])
 def test_quantize_matches_numpy_and_half_ulp(direction, mode, gated):
   dtype = E4M3 if direction == "fwd" else E5M2
-  pow2 = mode != "tensorwise" and not gated  # both settings of power_2_scale
+  # Both settings of power_2_scale where it exists (a blockwise option; the
+  # per-tensor modes refuse it: test_power_2_scale_is_blockwise_only).
+  pow2 = mode == "blockwise" and not gated
   act_sets = PAIRS if gated else [(n,) for n in NAMES]
   for k, acts in enumerate(act_sets):
     h, dz = _inputs(acts, k, *((F32, BF16) if k == 1 else (BF16, BF16)))
@@ -280,11 +283,13 @@ def test_quantize_matches_numpy_and_half_ulp(direction, mode, gated):
     kw = dict(mode=mode, dtype=dtype, power_2_scale=pow2)
     if mode == "tensorwise":  # saturate the top half of the range
       kw["scale"] = _np_scale(np.max(np.abs(v32)) / 2, dtype, False)
-    data, s, data_t, s_t, amax = _call(direction, acts, h, dz, **kw)
+    q = _call(direction, acts, h, dz, **kw)
+    assert isinstance(q, QuantizedTensor)
+    data, s, data_t, s_t, amax = q.data, q.scale_inv, q.data_t, q.scale_inv_t, q.amax
     tag = f"{acts} {direction} {mode}"
     assert data.shape == (M, w) and data_t.shape == (w, M) and data.dtype == dtype, tag
     if mode == "blockwise":
-      assert amax is None
+      assert amax is None and q.block_shape == (1, 128), tag
       want, want_s, scale = _np_blockwise_1x128(v32, dtype, pow2)
       want_t, want_s_t, scale_t = _np_blockwise_1x128(v32.T, dtype, pow2)
       np.testing.assert_array_equal(np.asarray(s), want_s, err_msg=tag)
@@ -294,6 +299,7 @@ def test_quantize_matches_numpy_and_half_ulp(direction, mode, gated):
       _check_half_ulp(data_t, np.repeat(scale_t, 128, axis=1)[:, :M], v64.T, slack.T,
                       dtype)
     else:
+      assert q.block_shape is None, tag
       assert s.shape == s_t.shape == amax.shape == (), tag
       assert float(amax) == np.max(np.abs(v32)), tag
       scale = kw.get("scale", _np_scale(np.max(np.abs(v32)), dtype, pow2))
@@ -311,7 +317,9 @@ def test_jit_with_traced_scale():
   got = f(dz, h, jnp.float32(100.0))
   want = _call("bwd", ("silu", "linear"), h, dz, mode="tensorwise", dtype=E5M2,
                scale=np.float32(100.0))
-  for g, w in zip(got, want):
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  assert len(jax.tree.leaves(got)) == 5  # data, scale_inv, data_t, scale_inv_t, amax
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(np.asarray(g).reshape(-1).view(np.uint8),
                                   np.asarray(w).reshape(-1).view(np.uint8))
 
@@ -332,7 +340,7 @@ def test_argument_errors():
     fwd(activations=("gelu", "gelu", "gelu"))
   with pytest.raises(ValueError, match="mode must be one of"):
     fwd(mode="delayed")
-  with pytest.raises(ValueError, match="scale is required"):
+  with pytest.raises(ValueError, match="mode='tensorwise' needs scale"):
     fwd(mode="tensorwise")
   with pytest.raises(ValueError, match="scale must be None"):
     fwd(scale=1.0)
@@ -362,6 +370,23 @@ def test_argument_errors():
     fwd(impl="triton")
   with pytest.raises(ValueError, match="unknown activation"):
     aq.activation_forward(h, ("elu",))
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "current"])
+def test_power_2_scale_is_blockwise_only(mode):
+  """power_2_scale rounds tile scales (mode="blockwise", as quantize_blockwise);
+  the per-tensor modes refuse it, forward and backward, as concat_quantize."""
+  h, dz = _inputs(("gelu",), 4)
+  kw = dict(mode=mode, dtype=E4M3, power_2_scale=True,
+            scale=1.0 if mode == "tensorwise" else None)
+  with pytest.raises(ValueError, match="power_2_scale applies to mode='blockwise' only"):
+    aq.act_quantize(h, ("gelu",), **kw)
+  with pytest.raises(ValueError, match="power_2_scale applies to mode='blockwise' only"):
+    aq.dact_quantize(dz, h, ("gelu",), **kw)
+  with pytest.raises(ValueError, match="power_2_scale applies to mode='blockwise' only"):
+    aq.act_quantize_reference(h, ("gelu",), **kw)
+  with pytest.raises(ValueError, match="power_2_scale applies to mode='blockwise' only"):
+    aq.dact_quantize_reference(dz, h, ("gelu",), **kw)
 
 
 def test_cuda_shape_support(monkeypatch):
@@ -456,9 +481,11 @@ def _gpu_case(direction, acts, mode, shape, h_dtype=BF16, dz_dtype=BF16, dtype=N
   got = jax.jit(fn("cuda"))(*args)
   want = jax.jit(fn("reference"))(*jax.device_put(args, _CPU))
   tag = f"{direction} {acts} {mode} {shape}"
-  data, s, data_t, s_t, amax = got
-  _close_fp8(data, want[0], f"data {tag}")
-  _close_fp8(data_t, want[2], f"data_t {tag}")
+  assert isinstance(got, QuantizedTensor) and isinstance(want, QuantizedTensor), tag
+  assert got.block_shape == want.block_shape, tag
+  data, s, data_t, s_t, amax = got.data, got.scale_inv, got.data_t, got.scale_inv_t, got.amax
+  _close_fp8(data, want.data, f"data {tag}")
+  _close_fp8(data_t, want.data_t, f"data_t {tag}")
   # Scales follow the amax of float32 activation values, which CUDA's and
   # XLA's expf/expm1f round differently by an ulp. Forward values keep that
   # ulp. The derivatives cancel: gelu'(x) = cdf(x) + x*pdf(x) for x << 0 and
@@ -467,13 +494,13 @@ def _gpu_case(direction, acts, mode, shape, h_dtype=BF16, dz_dtype=BF16, dtype=N
   # a 1x128 tile of gelu' values ~1e-3). 3e-5 (250 ulps) is still 2000x
   # below the 6% of one E5M2 step, and the FP8 data are checked above.
   rtol = 1e-6 if direction == "fwd" else 3e-5
-  _close_f32(s, want[1], f"scale_inv {tag}", rtol)
-  _close_f32(s_t, want[3], f"scale_inv_t {tag}", rtol)
+  _close_f32(s, want.scale_inv, f"scale_inv {tag}", rtol)
+  _close_f32(s_t, want.scale_inv_t, f"scale_inv_t {tag}", rtol)
   if mode == "blockwise":
-    assert amax is None and want[4] is None
-    assert s.shape == want[1].shape and s_t.shape == want[3].shape
+    assert amax is None and want.amax is None
+    assert s.shape == want.scale_inv.shape and s_t.shape == want.scale_inv_t.shape
   else:
-    _close_f32(amax, want[4], f"amax {tag}", rtol)
+    _close_f32(amax, want.amax, f"amax {tag}", rtol)
     np.testing.assert_array_equal(_ordinal(data_t), _ordinal(data).T, err_msg=tag)
 
 
@@ -499,6 +526,12 @@ def test_cuda_matches_reference(acts, direction, mode, shape):
 @pytest.mark.parametrize("direction", ["fwd", "bwd"])
 def test_cuda_dtypes(case, mode, direction):
   for acts in (("silu", "linear"), ("gelu",)):
+    if case.get("pow2") and mode != "blockwise":
+      # power_2_scale is a blockwise option; the CUDA path refuses it for a
+      # per-tensor mode as the reference does (test_power_2_scale_is_blockwise_only).
+      with pytest.raises(ValueError, match="power_2_scale applies to mode='blockwise'"):
+        _gpu_case(direction, acts, mode, (256, 384), **case)
+      continue
     _gpu_case(direction, acts, mode, (256, 384), **case)
 
 
