@@ -64,7 +64,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from te_jax import dense as dense_lib
 from te_jax import recipe as recipe_lib
 from bench_layer import sizes  # pylint: disable=wrong-import-order
 
@@ -97,11 +96,17 @@ def _recipe(precision):
                                          fast_accum_wgrad=fast)
 
 
-def _dense_config(precision):
-  """The FP8 dense layers' GEMM/quantize settings for ``precision`` (None: bf16)."""
+def _scaling_mode(precision):
+  """The FP8 dense layers' scaling protocol for ``precision`` (None: bf16)."""
   if precision == "bf16":
     return None
-  return dense_lib._Config(_recipe(precision), "auto")  # pylint: disable=protected-access
+  return _recipe(precision).scaling_mode()
+
+
+def _quantize_pair(mode, a, role):
+  """(rowwise, columnwise) ScaledTensors of ``a`` as the FP8 dense quantizes it."""
+  q = mode.quantize(a, role)
+  return q.rowwise(), q.columnwise()
 
 
 def make_operands(group, precision, sz, seed):
@@ -111,13 +116,13 @@ def make_operands(group, precision, sz, seed):
   t = sz["batch"] * sz["seq"]
   keys = iter(jax.random.split(jax.random.key(seed), 32))
   normal = lambda shape: jax.random.normal(next(keys), shape, jnp.bfloat16)
-  cfg = _dense_config(precision)
+  mode = _scaling_mode(precision)
   layers = []
   for k, n in dense_shapes(group, sz):
     x, w, g = normal((t, k)), normal((k, n)), normal((t, n))
-    if cfg is not None:
-      quant = lambda a, role: dense_lib._quantize(a, role, cfg)[:2]  # pylint: disable=protected-access
-      x, w, g = quant(x, "x"), quant(w, "kernel"), quant(g, "grad")
+    if mode is not None:
+      x, w, g = (_quantize_pair(mode, x, "x"), _quantize_pair(mode, w, "kernel"),
+                 _quantize_pair(mode, g, "grad"))
     layers.append((x, w, g))
   core = None
   if group == "layer":
@@ -128,7 +133,7 @@ def make_operands(group, precision, sz, seed):
 
 def make_step(precision):
   """``step(operands) -> outputs``: every GEMM of the step, nothing else."""
-  cfg = _dense_config(precision)
+  mode = _scaling_mode(precision)
   impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
 
   def bf16_dot(a, b, contract):
@@ -139,15 +144,15 @@ def make_step(precision):
     layers, core = operands
     out = []
     for x, w, g in layers:
-      if cfg is None:
+      if mode is None:
         out += [bf16_dot(x, w, ((1,), (0,))),      # fprop  y  = x @ w
                 bf16_dot(g, w, ((1,), (1,))),      # dgrad  dx = g @ w.T
                 bf16_dot(x, g, ((0,), (0,)))]      # wgrad  dw = x.T @ g
       else:
         (qx, qx_t), (qw, qw_t), (qg, qg_t) = x, w, g
-        out += [dense_lib._gemm(qx, qw_t, jnp.bfloat16, cfg, "fprop"),  # pylint: disable=protected-access
-                dense_lib._gemm(qg, qw, jnp.bfloat16, cfg, "dgrad"),  # pylint: disable=protected-access
-                dense_lib._gemm(qx_t, qg_t, jnp.bfloat16, cfg, "wgrad")]  # pylint: disable=protected-access
+        out += [mode.gemm("fprop", qx, qw_t, out_dtype=jnp.bfloat16),
+                mode.gemm("dgrad", qg, qw, out_dtype=jnp.bfloat16),
+                mode.gemm("wgrad", qx_t, qg_t, out_dtype=jnp.bfloat16)]
     if core is not None:
       q, k, v, dout = core
       attn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,

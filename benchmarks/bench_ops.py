@@ -30,7 +30,6 @@ from jax import lax
 
 from te_jax.ops import gemm as gemm_ops
 from te_jax.ops import quantize as q
-from te_jax.scaled_tensor import ScaledTensor
 
 E4M3, E5M2, BF16, F32 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16, jnp.float32
 K_CALLS, REPEATS, SETS = 20, 5, 4
@@ -98,14 +97,12 @@ def quantize_rows(m=8192, k=8192):
 
 def _pt(key, shape, dtype):
   x = _rand(key, shape, F32)
-  d, s, _ = q.quantize_current_reference(x, dtype)
-  return ScaledTensor(d, s)
+  return q.quantize_current_reference(x, dtype).rowwise()
 
 
 def _bw(key, shape, block):
   x = _rand(key, shape, F32)
-  d, s = q.quantize_blockwise_reference(x, block, E4M3, True)
-  return ScaledTensor(d, s, block)
+  return q.quantize_blockwise_reference(x, block, E4M3, True).rowwise()
 
 
 def gemm_rows(shapes):
