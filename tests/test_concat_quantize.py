@@ -20,6 +20,7 @@ from te_jax import dense, fp8_state, recipe
 from te_jax import flax as tfx
 from te_jax.ops import concat_quantize as cq
 from te_jax.ops import quantize as qop
+from te_jax.ops.fp8 import QuantizedTensor
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 RECIPES = {
@@ -37,7 +38,18 @@ def _parts(n, m, f, dtype=jnp.bfloat16, seed=0):
           for i, k in enumerate(keys)]
 
 
+def _fields(q):
+  """(data, scale_inv, data_t, scale_inv_t, amax) of a QuantizedTensor."""
+  if isinstance(q, QuantizedTensor):
+    return q.data, q.scale_inv, q.data_t, q.scale_inv_t, q.amax
+  return tuple(q)
+
+
 def _assert_same(got, want):
+  """Same fields (bit for bit) and, for QuantizedTensors, same block_shape."""
+  if isinstance(got, QuantizedTensor) and isinstance(want, QuantizedTensor):
+    assert got.block_shape == want.block_shape, (got.block_shape, want.block_shape)
+  got, want = _fields(got), _fields(want)
   assert len(got) == len(want)
   for g, w in zip(got, want):
     if w is None:
@@ -48,17 +60,19 @@ def _assert_same(got, want):
 
 
 def _direct(parts, mode, dtype, scale=None, p2=False, impl="reference"):
-  """What the plain quantize ops give for the concatenation (the spec)."""
+  """What the plain quantize ops give for the concatenation (the spec), as a
+  QuantizedTensor; the per-tensor scale_inv are spelled out (1/scale, and the
+  same for both copies)."""
   v = jnp.concatenate(parts, axis=1)
   if mode == "tensorwise":
-    data, data_t, amax = qop.quantize_tensorwise(v, scale, dtype, columnwise=True, impl=impl)
-    return data, 1.0 / scale, data_t, 1.0 / scale, amax
+    q = qop.quantize_tensorwise(v, scale, dtype, columnwise=True, impl=impl)
+    s = 1.0 / jnp.asarray(scale, jnp.float32)
+    return QuantizedTensor(q.data, s, q.data_t, s, q.amax)
   if mode == "current":
-    data, data_t, s, amax = qop.quantize_current(v, dtype, columnwise=True, impl=impl)
-    return data, s, data_t, s, amax
-  data, s, data_t, s_t = qop.quantize_blockwise(v, (1, 128), dtype, p2, columnwise=True,
-                                                impl=impl)
-  return data, s, data_t, s_t, None
+    q = qop.quantize_current(v, dtype, columnwise=True, impl=impl)
+    return QuantizedTensor(q.data, q.scale_inv, q.data_t, q.scale_inv, q.amax)
+  q = qop.quantize_blockwise(v, (1, 128), dtype, p2, columnwise=True, impl=impl)
+  return QuantizedTensor(q.data, q.scale_inv, q.data_t, q.scale_inv_t, None, (1, 128))
 
 
 # ------------------------------------------------------------ the op -------
@@ -68,8 +82,11 @@ def test_reference_is_quantize_of_concat(mode):
   parts = _parts(3, 200, 136)
   scale = jnp.float32(3.0) if mode == "tensorwise" else None
   got = cq.concat_quantize(parts, mode=mode, dtype=E5M2, scale=scale, impl="reference")
+  assert isinstance(got, QuantizedTensor)
   _assert_same(got, _direct(parts, mode, E5M2, scale))
-  assert got[0].shape == (200, 3 * 136) and got[2].shape == (3 * 136, 200)
+  assert got.data.shape == (200, 3 * 136) and got.data_t.shape == (3 * 136, 200)
+  assert got.block_shape == ((1, 128) if mode == "blockwise" else None)
+  assert (got.amax is None) == (mode == "blockwise")
 
 
 @pytest.mark.parametrize("bad,exc,msg", [
