@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# A/B of the layer benchmark between this tree and an older te_jax, in one
+# device call on one GPU: both are built (this tree installed as usual, the
+# old one with `pip install --target` into $AB_PREFIX), then every
+# configuration runs with this tree's benchmarks/bench_layer.py against each
+# install in turn (new, old; then the order reversed for the next
+# configuration), so drift in clocks and temperature falls on both sides.
+#
+# Usage: bash tools/gpu_ab.sh [build] [bench]   (default: both)
+#   env: AB_BASE     source tree of the old version (default .ab_base; make it
+#                    with `git archive <commit> | tar -x -C .ab_base`, list it
+#                    in .git/info/exclude and carry it to the device)
+#        AB_PREFIX   where the old version is installed (default /tmp/te_jax_ab)
+#        AB_CONFIGS  comma-separated bench_layer.py configurations (default:
+#                    the MLP block and the TransformerLayer, FP8 off and the
+#                    three recipes)
+#        AB_ARGS     more bench_layer.py arguments (default "--k 10 --repeats 5")
+# Logs and JSON lines under $OUT; a table (new ms, old ms, new/old) last.
+set -uo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${OUT:-/tmp/te_jax_out}"; mkdir -p "$OUT"; cd "$REPO" || exit 1
+export PYTHONUNBUFFERED=1
+BASE="$(cd "${AB_BASE:-.ab_base}" && pwd)"
+PREFIX="${AB_PREFIX:-/tmp/te_jax_ab}"
+STEPS=("$@"); [[ ${#STEPS[@]} -eq 0 ]] && STEPS=(build bench)
+want() { local s; for s in "${STEPS[@]}"; do [[ "$s" == "$1" ]] && return 0; done; return 1; }
+t0=$(date +%s)
+
+if want build; then
+  bash tools/gpu_check.sh build > "$OUT/build_new.log" 2>&1 &
+  new=$!
+  (cd "$BASE" && [[ -f README.md ]] || echo "# te_jax" > "$BASE/README.md"
+   rm -rf "$PREFIX" && python3 -m pip install --no-build-isolation --no-deps \
+     --target "$PREFIX" "$BASE" > "$OUT/build_old.log" 2>&1
+   PYTHONPATH="$PREFIX" python3 -c "import te_jax._te_jax_ffi, te_jax; print('old:', te_jax.__file__)" \
+     >> "$OUT/build_old.log" 2>&1) &
+  old=$!
+  wait $new; wait $old
+  tail -n 2 "$OUT/build_new.log"; tail -n 1 "$OUT/build_old.log"
+  echo "build: $(( $(date +%s) - t0 )) s"
+fi
+
+if want bench; then
+  CONFIGS="${AB_CONFIGS:-mlp/te_off,mlp/te_delayed,mlp/te_current,mlp/te_block,layer/te_off,layer/te_delayed,layer/te_current,layer/te_block}"
+  IFS=',' read -ra cfgs <<< "$CONFIGS"
+  : > "$OUT/ab.jsonl"
+  i=0
+  for c in "${cfgs[@]}"; do
+    order=(new old); (( i % 2 )) && order=(old new); i=$((i + 1))
+    for side in "${order[@]}"; do
+      pp=""; [[ $side == old ]] && pp="$PREFIX"
+      # shellcheck disable=SC2086  # AB_ARGS is a word list on purpose
+      line=$(cd /tmp && PYTHONPATH="$pp" timeout 300 python3 "$REPO/benchmarks/bench_layer.py" \
+        --config "$c" ${AB_ARGS:---k 10 --repeats 5} 2>>"$OUT/ab_stderr.log" | tail -n 1)
+      line=${line#JSON }
+      echo "{\"side\": \"$side\", \"result\": ${line:-null}}" >> "$OUT/ab.jsonl"
+      echo "$side $c: ${line:0:200}"
+    done
+  done
+  python3 - "$OUT/ab.jsonl" <<'EOF'
+import json, sys
+rows = {}
+for ln in open(sys.argv[1]):
+  d = json.loads(ln)
+  r = d["result"]
+  if not r:
+    continue
+  rows.setdefault(r["config"], {})[d["side"]] = r
+print("| config | new ms | old ms | new/old | new max|dx| | old max|dx| | impl new/old |")
+print("|---|---|---|---|---|---|---|")
+for c, s in rows.items():
+  n, o = s.get("new"), s.get("old")
+  if n and o:
+    print(f"| {c} | {n['ms']:.3f} | {o['ms']:.3f} | {n['ms'] / o['ms']:.4f} | "
+          f"{n.get('dx_abs_max') or float('nan'):.3g} | {o.get('dx_abs_max') or float('nan'):.3g} | {n.get('impl')}/{o.get('impl')} |")
+EOF
+fi
+echo "total $(( $(date +%s) - t0 )) s"
