@@ -204,13 +204,13 @@ def fp8_dense_split(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] =
   Returns:
     A tuple of ``num_splits`` arrays (..., N / num_splits) in ``x.dtype``.
 
-  Example::
-
-    import jax.numpy as jnp
-    from te_jax import dense, recipe
-    x = jnp.ones((2, 128, 256), jnp.bfloat16); w = jnp.ones((256, 3 * 256), jnp.bfloat16)
-    q, k, v = dense.fp8_dense_split(x, w, num_splits=3,
-                                    recipe=recipe.Float8CurrentScaling())  # (2, 128, 256) each
+  >>> import jax.numpy as jnp
+  >>> from te_jax import dense, recipe
+  >>> x = jnp.ones((2, 128, 256), jnp.bfloat16); w = jnp.ones((256, 3 * 256), jnp.bfloat16)
+  >>> q, k, v = dense.fp8_dense_split(x, w, num_splits=3,
+  ...                                 recipe=recipe.Float8CurrentScaling())
+  >>> q.shape, k.shape, v.shape
+  ((2, 128, 256), (2, 128, 256), (2, 128, 256))
   """
   mode = _check_dense_args(x, kernel, bias, recipe, fp8_state)
   if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:

@@ -25,15 +25,14 @@ this path (token count a multiple of the recipe's ``token_block``, the other
 dims multiples of 128); ``te_jax.flax.LayerNormMLP`` uses the unfused path
 otherwise.
 
-Example::
-
-  import jax, jax.numpy as jnp
-  from te_jax import fused_mlp, recipe
-  x = jnp.ones((256, 512), jnp.bfloat16)
-  wi = jnp.ones((512, 2 * 1024), jnp.bfloat16) * 0.01   # gated: 2 x mlp 1024
-  wo = jnp.ones((1024, 512), jnp.bfloat16) * 0.01
-  y = fused_mlp.fp8_mlp(x, wi, wo, activations=("silu", "linear"),
-                        recipe=recipe.Float8CurrentScaling())   # (256, 512)
+>>> import jax.numpy as jnp
+>>> from te_jax import fused_mlp, recipe
+>>> x = jnp.ones((256, 512), jnp.bfloat16)
+>>> wi = jnp.ones((512, 2 * 1024), jnp.bfloat16) * 0.01   # gated: 2 x mlp 1024
+>>> wo = jnp.ones((1024, 512), jnp.bfloat16) * 0.01
+>>> fused_mlp.fp8_mlp(x, wi, wo, activations=("silu", "linear"),
+...                   recipe=recipe.Float8CurrentScaling()).shape
+(256, 512)
 """
 
 from __future__ import annotations

@@ -3,11 +3,12 @@
 A recipe is a frozen, validated dataclass. Pass one to
 :func:`te_jax.fp8_autocast`; the FP8 layers read it at trace time.
 
-Example::
-
-  from te_jax import recipe
-  r = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16)
-  r.fwd_dtype   # float8_e4m3fn
+>>> from te_jax import recipe
+>>> r = recipe.DelayedScaling(fp8_format=recipe.Format.HYBRID, amax_history_len=16)
+>>> r.fwd_dtype.__name__, r.bwd_dtype.__name__
+('float8_e4m3fn', 'float8_e5m2')
+>>> type(r.scaling_mode()).__name__, r.scaling_mode().token_block
+('DelayedScalingMode', 16)
 """
 
 from __future__ import annotations

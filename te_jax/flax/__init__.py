@@ -1,17 +1,16 @@
 """Flax Linen modules of te_jax whose GEMMs run in FP8 under ``fp8_autocast``.
 
-Example::
-
-  import jax, jax.numpy as jnp
-  import te_jax
-  from te_jax import flax as tfx, recipe
-
-  layer = tfx.TransformerLayer(hidden_size=256, mlp_hidden_size=1024,
-                               num_attention_heads=4, layer_type="decoder")
-  x = jnp.ones((2, 128, 256), jnp.bfloat16)
-  with te_jax.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling()):
-    variables = layer.init(jax.random.key(0), x)
-    y = layer.apply(variables, x)
+>>> import jax, jax.numpy as jnp
+>>> import te_jax
+>>> from te_jax import flax as tfx, recipe
+>>> layer = tfx.TransformerLayer(hidden_size=128, mlp_hidden_size=256,
+...                              num_attention_heads=2, layer_type="decoder")
+>>> x = jax.random.normal(jax.random.key(1), (2, 32, 128), jnp.bfloat16)
+>>> with te_jax.fp8_autocast(enabled=True, fp8_recipe=recipe.DelayedScaling()):
+...   variables = layer.init(jax.random.key(0), x)
+...   y = layer.apply(variables, x)
+>>> y.shape, sorted(variables)
+((2, 32, 128), ['_overwrite_with_gradient', 'params'])
 
 The recipe is read when a module is traced, so ``init``/``apply`` (or the
 first call of a jitted step) must run inside the autocast. Under

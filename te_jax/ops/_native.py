@@ -118,9 +118,10 @@ def dispatch(impl: str, cuda_fn: Callable[[], T], reference_fn: Callable[[], T])
   both are traced, so checks in ``cuda_fn`` (shapes the kernels take) raise
   for a CPU computation too.
 
-  Example::
-
-    y = dispatch("auto", lambda: kernel(x), lambda: reference(x))
+  >>> import jax.numpy as jnp
+  >>> x = jnp.arange(4.0)
+  >>> dispatch("reference", lambda: x + 1, lambda: x * 2).tolist()
+  [0.0, 2.0, 4.0, 6.0]
   """
   if resolve_impl(impl) == "reference":
     return reference_fn()

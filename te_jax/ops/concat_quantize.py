@@ -9,13 +9,12 @@ concat_quantize.cc``). A fused projection whose outputs are used separately
 op quantizes them for the backward GEMMs without XLA first concatenating them
 (``te_jax.dense.fp8_dense_split``).
 
-Example::
-
-  import jax.numpy as jnp
-  from te_jax.ops import concat_quantize as cq
-  parts = [jnp.ones((256, 128), jnp.bfloat16) * i for i in (1, 2, 3)]
-  q = cq.concat_quantize(parts, mode="current", dtype=jnp.float8_e5m2)
-  # q.data (256, 384), q.data_t (384, 256)
+>>> import jax.numpy as jnp
+>>> from te_jax.ops import concat_quantize as cq
+>>> parts = [jnp.ones((256, 128), jnp.bfloat16) * i for i in (1, 2, 3)]
+>>> q = cq.concat_quantize(parts, mode="current", dtype=jnp.float8_e5m2)
+>>> q.data.shape, q.data_t.shape, float(q.amax)
+((256, 384), (384, 256), 3.0)
 """
 
 from __future__ import annotations
