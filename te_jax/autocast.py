@@ -19,7 +19,10 @@ import contextvars
 import dataclasses
 from typing import Iterator, Optional
 
+import jax
+
 from te_jax import recipe as recipe_lib
+from te_jax import sharding as sharding_lib
 
 __all__ = ["FP8Context", "fp8_autocast", "get_fp8_context"]
 
@@ -37,10 +40,34 @@ class FP8Context:
   enabled: bool = False
   recipe: recipe_lib.Recipe = dataclasses.field(
       default_factory=recipe_lib.DelayedScaling)
-  mesh_resource: Optional[object] = None
+  mesh_resource: Optional[sharding_lib.MeshResource] = None
 
 
 _CONTEXT = contextvars.ContextVar("te_jax_fp8_context", default=FP8Context())
+
+
+def _check_mesh_resource(mesh_resource):
+  """Raises a TypeError naming the fix unless ``mesh_resource`` is a MeshResource or None.
+
+  Checked on entry because the layers read it only when they trace, where a
+  string or a dict fails with an AttributeError that names neither.
+  """
+  if mesh_resource is None or isinstance(mesh_resource, sharding_lib.MeshResource):
+    return
+  got = repr(mesh_resource)
+  if len(got) > 120:
+    got = got[:117] + "..."
+  msg = (f"fp8_autocast(mesh_resource=...) must be a te_jax.sharding.MeshResource or None, "
+         f"got {type(mesh_resource).__name__} {got}. Name the role of each mesh axis, e.g. "
+         f'mesh_resource=te_jax.sharding.MeshResource(fsdp_resource="fsdp") (and '
+         f"dp_resource=, tp_resource= for data and tensor parallelism).")
+  fields = {f.name for f in dataclasses.fields(sharding_lib.MeshResource)}
+  if isinstance(mesh_resource, dict) and mesh_resource and set(mesh_resource) <= fields:
+    msg += " For this dict: te_jax.sharding.MeshResource(**mesh_resource)."
+  if isinstance(mesh_resource, jax.sharding.Mesh):
+    msg += (" The mesh itself goes to jax.set_mesh(mesh); mesh_resource says which of "
+            "its axes serve which kind of parallelism.")
+  raise TypeError(msg)
 
 
 def get_fp8_context() -> FP8Context:
@@ -57,8 +84,10 @@ def fp8_autocast(enabled: bool = True,
   Args:
     enabled: True to run GEMMs in FP8; False to run them in the module dtype.
     fp8_recipe: a ``te_jax.recipe`` recipe; defaults to ``DelayedScaling()``.
-    mesh_resource: optional ``te_jax.sharding.MeshResource`` naming the mesh
-      axes used for data, FSDP and tensor parallelism.
+    mesh_resource: None, or a ``te_jax.sharding.MeshResource`` naming the
+      mesh axes used for data, FSDP and tensor parallelism, e.g.
+      ``MeshResource(fsdp_resource="fsdp")``; anything else (an axis name, a
+      dict) raises a TypeError on entry.
 
   Yields:
     The active ``FP8Context``.
@@ -71,6 +100,7 @@ def fp8_autocast(enabled: bool = True,
     raise TypeError(
         "fp8_recipe must be a te_jax.recipe recipe (DelayedScaling, "
         f"Float8CurrentScaling or Float8BlockScaling), got {fp8_recipe!r}.")
+  _check_mesh_resource(mesh_resource)
   ctx = FP8Context(enabled=enabled, recipe=fp8_recipe, mesh_resource=mesh_resource)
   token = _CONTEXT.set(ctx)
   try:

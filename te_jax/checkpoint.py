@@ -4,9 +4,24 @@ A thin layer over `orbax-checkpoint <https://orbax.readthedocs.io>`_ for the
 common case: one pytree (e.g. a ``flax.training.train_state.TrainState``
 whose ``params`` hold the ``"_overwrite_with_gradient"`` FP8 collection)
 saved as ``<directory>/<step>/``. Restoring needs a *target* of the same
-structure (the freshly initialized state, or its ``jax.eval_shape``) whose
-leaves carry the shapes, dtypes and shardings to restore into, so a sharded
-state comes back sharded the same way.
+structure (the freshly initialized state, e.g. ``TrainState.create(...)``, or
+``jax.ShapeDtypeStruct`` leaves) whose leaves give the shapes, dtypes and
+shardings of the result. What each kind of target leaf restores as, with
+either backend:
+
+* a ``jax.Array``, or a ``jax.ShapeDtypeStruct`` with a sharding: an array
+  with that sharding, whatever layout the checkpoint was saved with (so a
+  state can be restored into another mesh layout);
+* a numpy array, or a ``jax.ShapeDtypeStruct`` without a sharding (what a
+  plain ``jax.eval_shape`` gives): an array on the default device, where
+  ``jnp.asarray`` would put it;
+* a Python scalar (``bool``/``int``/``float``/``complex``; a fresh
+  ``TrainState``'s ``step`` is the int 0): the saved value as the array a
+  jitted step makes of that scalar: weakly typed, of JAX's default dtype for
+  it (int32/float32 unless ``jax_enable_x64``), on the default device. The
+  saved leaf must be a scalar of a kind the Python type holds (an int target
+  takes bool or integer values, not float ones); a value that does not fit
+  the default dtype raises.
 
 orbax is imported lazily. When it is missing, ``backend="auto"`` falls back
 to a single-host ``.npz`` file per step (exact bytes, same directory layout);
@@ -36,6 +51,11 @@ __all__ = ["save", "restore", "latest_step", "available_steps", "orbax_available
 _BACKENDS = ("auto", "orbax", "numpy")
 _NPZ = "state.npz"
 _META = "te_jax_meta.json"
+_PY_SCALARS = (bool, int, float, complex)
+# The saved dtype kinds a Python scalar target of each type takes: those whose
+# values the type holds (an int target refuses a float checkpoint, which
+# restoring would truncate).
+_SCALAR_KINDS = {bool: "b", int: "biu", float: "biuf", complex: "biufc"}
 
 
 def orbax_available() -> bool:
@@ -97,7 +117,10 @@ def save(directory: str, step: int, tree: Any, *, keep: Optional[int] = 3,
     directory: checkpoint root (created if needed).
     step: int step number; an existing checkpoint of that step is replaced
       only once the new one is completely written.
-    tree: pytree of arrays (a TrainState, a variables dict, ...).
+    tree: pytree of arrays and Python scalars (a TrainState, a variables
+      dict, ...). The npz backend stores a Python scalar as the array JAX
+      makes of it (an int as int32 unless ``jax_enable_x64``); orbax stores
+      Python scalars itself.
     keep: keep only the newest ``keep`` steps (None keeps all).
     backend: "auto" (orbax if installed, else npz), "orbax" or "numpy".
 
@@ -127,6 +150,14 @@ def save(directory: str, step: int, tree: Any, *, keep: Optional[int] = 3,
     leaves = jax.tree.leaves(tree)
     arrays, dtypes = {}, []
     for i, leaf in enumerate(leaves):
+      if _is_python_scalar(leaf):
+        # Stored as the array JAX holds it as (a fresh TrainState's step 0 as
+        # int32, not numpy's int64), so it restores into a target that has
+        # been through a jitted step as well as into a fresh one.
+        try:
+          leaf = jax.numpy.asarray(leaf)
+        except OverflowError:   # an int beyond int32 without x64: numpy's int64
+          pass
       a = np.asarray(jax.device_get(leaf))
       dtypes.append(a.dtype.name)
       if a.dtype.kind == "V" or a.dtype.name not in np.sctypeDict:
@@ -147,13 +178,91 @@ def save(directory: str, step: int, tree: Any, *, keep: Optional[int] = 3,
   return path
 
 
-def _abstract(target):
-  def one(x):
-    if isinstance(x, jax.ShapeDtypeStruct):
-      return x
-    sharding = getattr(x, "sharding", None)
-    return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
-  return jax.tree.map(one, target)
+def _is_python_scalar(x) -> bool:
+  # numpy scalars subclass float/complex (np.float64) but carry their own dtype.
+  return isinstance(x, _PY_SCALARS) and not isinstance(x, np.generic)
+
+
+def _python_type(x) -> type:
+  """bool, int, float or complex: the Python scalar type ``x`` is (or subclasses)."""
+  return next(t for t in _PY_SCALARS if isinstance(x, t))   # bool before int
+
+
+def _leaf_name(path) -> str:
+  return jax.tree_util.keystr(path) or "<root>"
+
+
+def _path_key(path) -> tuple:
+  """A tree path as a tuple of strings, comparable between the target and orbax metadata.
+
+  The target's paths hold attribute and index keys (``.step``, ``[1]``)
+  where orbax's metadata tree holds dict keys (``['step']``, ``['1']``).
+  """
+  def name(k):
+    for attr in ("key", "name", "idx"):   # DictKey / FlattenedIndexKey, GetAttrKey, SequenceKey
+      if hasattr(k, attr):
+        return str(getattr(k, attr))
+    return str(k)
+  return tuple(name(k) for k in path)
+
+
+def _default_sharding():
+  # Where jnp.asarray puts a new array (honours jax.default_device), so a
+  # target leaf without a sharding restores to the same place with either
+  # backend; orbax alone would otherwise reuse the layout of the save.
+  return jax.numpy.zeros((), np.int8).sharding
+
+
+def _abstract_leaf(x, default_sharding):
+  """The ShapeDtypeStruct an array-like target leaf restores as (sharding filled in)."""
+  sharding = getattr(x, "sharding", None)
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype,
+                              sharding=default_sharding if sharding is None else sharding)
+
+
+def _check_scalar_source(name: str, target, shape, dtype):
+  """Raises unless a saved leaf of ``shape``/``dtype`` restores into the Python scalar ``target``."""
+  kind = _python_type(target).__name__
+  if tuple(shape) != ():
+    raise ValueError(
+        f"leaf {name}: the target holds the Python {kind} {target!r} but the checkpoint "
+        f"holds an array of shape {tuple(shape)}; restore into a target of the saved "
+        f"structure (e.g. the state as it was saved, or its jax.eval_shape).")
+  if np.dtype(dtype).kind not in _SCALAR_KINDS[_python_type(target)]:
+    raise TypeError(
+        f"leaf {name}: the checkpoint holds a {np.dtype(dtype)} scalar, which the target's "
+        f"Python {kind} ({target!r}) cannot hold without changing it; give that leaf "
+        f"of the target the saved dtype, e.g. jax.ShapeDtypeStruct((), "
+        f"jnp.{np.dtype(dtype).name}).")
+
+
+def _scalar_result(name: str, target, value) -> jax.Array:
+  """The saved scalar ``value`` as the array a jitted step makes of the Python scalar ``target``.
+
+  Weakly typed, of JAX's default dtype for the scalar's type, on the default
+  device: the dtype and weak type of ``jax.jit(lambda s: s)(target)``, so a
+  restored fresh TrainState has the abstract type of one trained in this
+  process and a jitted step does not trace again for it.
+  """
+  py_type = _python_type(target)
+  v = py_type(np.asarray(value).item())
+  try:
+    return jax.numpy.asarray(v)
+  except OverflowError as e:
+    raise ValueError(
+        f"leaf {name}: the saved value {v} does not fit JAX's default dtype for a Python "
+        f"{py_type.__name__}; enable jax_enable_x64 or give that leaf of the target "
+        f"a dtype that holds it.") from e
+
+
+def _orbax_leaf_metadata(ckptr, path: str) -> dict:
+  """``{_path_key: metadata with .shape and .dtype}`` of the leaves orbax saved at ``path``."""
+  meta = ckptr.metadata(path)
+  # orbax >= 0.11 wraps the tree: StepMetadata.item_metadata is a TreeMetadata.
+  meta = getattr(meta, "item_metadata", meta)
+  meta = getattr(meta, "tree", meta)
+  flat, _ = jax.tree_util.tree_flatten_with_path(meta)
+  return {_path_key(p): m for p, m in flat}
 
 
 def restore(directory: str, step: Optional[int] = None, *, target: Any,
@@ -163,12 +272,15 @@ def restore(directory: str, step: Optional[int] = None, *, target: Any,
   Args:
     directory: checkpoint root given to :func:`save`.
     step: step to restore; None = :func:`latest_step`.
-    target: pytree like the saved one (arrays or ``jax.ShapeDtypeStruct``);
-      its shapes, dtypes and shardings are those of the result.
+    target: pytree of the saved structure, e.g. ``TrainState.create(...)``
+      of a fresh model. Its leaves (arrays, ``jax.ShapeDtypeStruct``, or
+      Python scalars) give the shapes, dtypes and shardings of the result:
+      see the module docstring for the rule of each kind of leaf. The npz
+      backend needs the saved dtypes; orbax casts to the target's.
     backend: as in :func:`save`; "auto" reads whichever format is on disk.
 
   Returns:
-    A pytree of the same structure as ``target``.
+    A pytree of the same structure as ``target``, every leaf a ``jax.Array``.
   """
   directory = os.path.abspath(directory)
   if step is None:
@@ -179,31 +291,53 @@ def restore(directory: str, step: Optional[int] = None, *, target: Any,
   if not os.path.isdir(path):
     raise FileNotFoundError(
         f"no checkpoint for step {step} under {directory}; have {available_steps(directory)}.")
-  abstract = _abstract(target)
+  default_sharding = _default_sharding()
+  flat, treedef = jax.tree_util.tree_flatten_with_path(target)
   if os.path.exists(os.path.join(path, _META)) and backend != "orbax":
     with open(os.path.join(path, _META)) as fh:
       meta = json.load(fh)
-    leaves, treedef = jax.tree.flatten(abstract)
-    if meta["num_leaves"] != len(leaves):
+    if meta["num_leaves"] != len(flat):
       raise ValueError(f"checkpoint {path} has {meta['num_leaves']} arrays but the "
-                       f"target has {len(leaves)}; restore into the same structure.")
+                       f"target has {len(flat)}; restore into the same structure.")
     with np.load(os.path.join(path, _NPZ)) as data:
       out = []
-      for i, (leaf, dt) in enumerate(zip(leaves, meta["dtypes"])):
+      for i, ((p, leaf), dt) in enumerate(zip(flat, meta["dtypes"])):
+        name = _leaf_name(p)
         a = data[f"leaf_{i}"]
         if a.dtype.name != dt:  # saved as raw bytes (e.g. bfloat16, float8)
           a = a.view(np.dtype(getattr(ml_dtypes, dt, dt)))
-        if a.dtype != np.dtype(leaf.dtype):
-          raise ValueError(f"leaf {i}: checkpoint dtype {a.dtype} != target "
-                           f"{np.dtype(leaf.dtype)}.")
-        if a.shape != tuple(leaf.shape):
-          raise ValueError(f"leaf {i}: checkpoint shape {a.shape} != target {leaf.shape}.")
-        sh = getattr(leaf, "sharding", None)
-        out.append(jax.device_put(a, sh) if sh is not None else jax.numpy.asarray(a))
+        if _is_python_scalar(leaf):
+          _check_scalar_source(name, leaf, a.shape, a.dtype)
+          out.append(_scalar_result(name, leaf, a))
+          continue
+        want = _abstract_leaf(leaf, default_sharding)
+        if a.dtype != np.dtype(want.dtype):
+          raise ValueError(f"leaf {name}: checkpoint dtype {a.dtype} != target "
+                           f"{np.dtype(want.dtype)}.")
+        if a.shape != tuple(want.shape):
+          raise ValueError(f"leaf {name}: checkpoint shape {a.shape} != target {want.shape}.")
+        out.append(jax.device_put(a, want.sharding))
     return jax.tree.unflatten(treedef, out)
+
   ocp = _ocp(required=True)
+  # orbax restores a Python-scalar target leaf as the saved value itself,
+  # converted to the target's type (a float 2.5 would come back as the int 2),
+  # so those leaves are first checked against the saved metadata, as the npz
+  # path checks them against the saved arrays.
+  abstract = [leaf if _is_python_scalar(leaf) else _abstract_leaf(leaf, default_sharding)
+              for _, leaf in flat]
   ckptr = ocp.StandardCheckpointer()
   try:
-    return ckptr.restore(path, abstract)
+    scalars = [(p, leaf) for p, leaf in flat if _is_python_scalar(leaf)]
+    if scalars:
+      saved = _orbax_leaf_metadata(ckptr, path)
+      for p, leaf in scalars:
+        m = saved.get(_path_key(p))
+        if m is not None and hasattr(m, "shape") and hasattr(m, "dtype"):
+          _check_scalar_source(_leaf_name(p), leaf, m.shape, m.dtype)
+    restored = ckptr.restore(path, jax.tree.unflatten(treedef, abstract))
   finally:
     ckptr.close()
+  out = [_scalar_result(_leaf_name(p), leaf, r) if _is_python_scalar(leaf) else r
+         for (p, leaf), r in zip(flat, treedef.flatten_up_to(restored))]
+  return jax.tree.unflatten(treedef, out)
