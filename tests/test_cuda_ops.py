@@ -139,12 +139,12 @@ def test_quantize_tensorwise(shape, in_dtype, fp8, special):
       q.quantize_tensorwise(x, s, fp8, columnwise=True, impl=impl),
       q.quantize_tensorwise(x, s, fp8, impl=impl))
   (got, got_r), (want, _) = jax.jit(f("cuda"))(x, scale), _jit_cpu(f("reference"), x, scale)
-  _bits_equal(got[0], want[0], "data")
-  _bits_equal(got[1], want[1], "data_t")
-  _bits_equal(got[2], _np_amax(x), "amax")
-  assert got_r[1] is None
-  _bits_equal(got_r[0], want[0], "data (rowwise only)")
-  _bits_equal(got_r[2], _np_amax(x), "amax (rowwise only)")
+  _bits_equal(got.data, want.data, "data")
+  _bits_equal(got.data_t, want.data_t, "data_t")
+  _bits_equal(got.amax, _np_amax(x), "amax")
+  assert got_r.data_t is None and got_r.scale_inv_t is None
+  _bits_equal(got_r.data, want.data, "data (rowwise only)")
+  _bits_equal(got_r.amax, _np_amax(x), "amax (rowwise only)")
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -163,16 +163,18 @@ def test_quantize_current(shape, in_dtype, fp8, case):
   f = lambda impl: lambda x: (q.quantize_current(x, fp8, columnwise=True, impl=impl),
                               q.quantize_current(x, fp8, impl=impl))
   (got, got_r), (want, _) = jax.jit(f("cuda"))(x), _jit_cpu(f("reference"), x)
+  want_scale_inv = want.scale_inv
   if case == "tiny":
     # scale = f32 max, so scale_inv = 1/f32max is a denormal, which the CPU
     # backend flushes to 0: compare with numpy's IEEE result instead.
-    want = (want[0], want[1], np.float32(1) / np.finfo(np.float32).max, want[3])
+    want_scale_inv = np.float32(1) / np.finfo(np.float32).max
   for g, tag in ((got, ""), (got_r, " (rowwise only)")):
-    _bits_equal(g[0], want[0], "data" + tag)
-    _bits_equal(g[2], want[2], "scale_inv" + tag)
-    _bits_equal(g[3], _np_amax(x), "amax" + tag)
-  _bits_equal(got[1], want[1], "data_t")
-  assert got_r[1] is None
+    _bits_equal(g.data, want.data, "data" + tag)
+    _bits_equal(g.scale_inv, want_scale_inv, "scale_inv" + tag)
+    _bits_equal(g.amax, _np_amax(x), "amax" + tag)
+  _bits_equal(got.data_t, want.data_t, "data_t")
+  _bits_equal(got.scale_inv_t, want_scale_inv, "scale_inv_t")
+  assert got_r.data_t is None and got_r.scale_inv_t is None
 
 
 @pytest.mark.parametrize("shape", [(256, 512), (300, 200)])
@@ -186,15 +188,15 @@ def test_quantize_from_amax_equals_current(shape, fp8):
   cur = jax.jit(lambda x: q.quantize_current(x, fp8, columnwise=True, impl="cuda"))(x)
   got = jax.jit(lambda x, a: q.quantize_from_amax(x, a, fp8, columnwise=True,
                                                   impl="cuda"))(x, amax)
-  for i, tag in ((0, "data"), (1, "data_t"), (2, "scale_inv")):
-    _bits_equal(got[i], cur[i], tag)
+  for field in ("data", "data_t", "scale_inv"):
+    _bits_equal(getattr(got, field), getattr(cur, field), field)
   big = amax * 3.0
   got3 = jax.jit(lambda x, a: q.quantize_from_amax(x, a, fp8, columnwise=True,
                                                    impl="cuda"))(x, big)
   want3 = _jit_cpu(lambda x, a: q.quantize_from_amax(x, a, fp8, columnwise=True,
                                                      impl="reference"), x, big)
-  for i, tag in ((0, "data"), (1, "data_t"), (2, "scale_inv")):
-    _bits_equal(got3[i], want3[i], tag + " (amax x3)")
+  for field in ("data", "data_t", "scale_inv"):
+    _bits_equal(getattr(got3, field), getattr(want3, field), field + " (amax x3)")
 
 
 BLOCK_SHAPES = [(256, 512), (300, 200), (128, 128), (17, 1000), (1000, 17), (1, 130), (640, 384)]
@@ -214,8 +216,9 @@ def test_quantize_blockwise(shape, block, in_dtype, fp8, pow2):
 def test_quantize_blockwise_special(block, shape):
   x = _input(shape, BF16, 4, special=True, spread=True)
   for fp8, pow2 in ((E4M3, True), (E5M2, False)):
-    data, s, data_t, s_t = jax.jit(lambda x: q.quantize_blockwise(
+    got = jax.jit(lambda x: q.quantize_blockwise(
         x, block, fp8, pow2, columnwise=True, impl="cuda"))(x)
+    data, s, data_t, s_t = got.data, got.scale_inv, got.data_t, got.scale_inv_t
     want, want_s = _np_blockwise(x, block, fp8, pow2)
     want_t, want_s_t = _np_blockwise(np.asarray(x).T, block, fp8, pow2)
     _bits_equal(data, want, "data")
@@ -229,12 +232,14 @@ def _check_blockwise(x, block, fp8, pow2):
       q.quantize_blockwise(x, block, fp8, pow2, columnwise=True, impl=impl),
       q.quantize_blockwise(x, block, fp8, pow2, impl=impl))
   (got, got_r), (want, _) = jax.jit(f("cuda"))(x), _jit_cpu(f("reference"), x)
-  for i, name in enumerate(("data", "scale_inv", "data_t", "scale_inv_t")):
-    _bits_equal(got[i], want[i], name)
+  for name in ("data", "scale_inv", "data_t", "scale_inv_t"):
+    _bits_equal(getattr(got, name), getattr(want, name), name)
+  assert got.block_shape == want.block_shape == tuple(block)
+  assert got.amax is None and want.amax is None
   got = got_r
-  assert got[2] is None and got[3] is None
-  _bits_equal(got[0], want[0], "data (rowwise only)")
-  _bits_equal(got[1], want[1], "scale_inv (rowwise only)")
+  assert got.data_t is None and got.scale_inv_t is None
+  _bits_equal(got.data, want.data, "data (rowwise only)")
+  _bits_equal(got.scale_inv, want.scale_inv, "scale_inv (rowwise only)")
 
 
 def test_quantize_blockwise_bad_block_shape():
@@ -254,10 +259,10 @@ def _operand(shape, dtype, block, seed, spread=None):
   spread = block is not None if spread is None else spread
   x = _input(shape, F32, seed, spread=spread) / 50.0
   if block is None:
-    data, scale_inv, _ = q.quantize_current_reference(x, dtype)
-    return ScaledTensor(data, scale_inv)
-  data, scale_inv = q.quantize_blockwise_reference(x, block, dtype, power_2_scale=True)
-  return ScaledTensor(data, scale_inv, block)
+    qt = q.quantize_current_reference(x, dtype)
+    return ScaledTensor(qt.data, qt.scale_inv)
+  qt = q.quantize_blockwise_reference(x, block, dtype, power_2_scale=True)
+  return ScaledTensor(qt.data, qt.scale_inv, block)
 
 
 # fp32 output: measured 1.2e-4 on the H200 even without fast accumulation
@@ -337,13 +342,14 @@ def test_quantize_gemm_layout_cancels():
   def f(x, w):
     xa = q.quantize_blockwise(x, (1, 128), E4M3, True, impl="cuda")
     wb = q.quantize_blockwise(w, (128, 128), E4M3, True, impl="cuda")
-    return gemm_ops.gemm(ScaledTensor(xa[0], xa[1], (1, 128)),
-                         ScaledTensor(wb[0], wb[1], (128, 128)), impl="cuda")
+    return gemm_ops.gemm(ScaledTensor(xa.data, xa.scale_inv, (1, 128)),
+                         ScaledTensor(wb.data, wb.scale_inv, (128, 128)), impl="cuda")
 
   hlo = jax.jit(f).lower(x, w).compile().as_text()
   ops = [l for l in hlo.splitlines() if "=" in l and ("transpose(" in l or " pad(" in l)]
   assert not ops, "scale layout ops left between quantize and gemm:\n" + "\n".join(ops)
-  want = gemm_ops.gemm_reference(
-      ScaledTensor(*q.quantize_blockwise_reference(x, (1, 128), E4M3, True), (1, 128)),
-      ScaledTensor(*q.quantize_blockwise_reference(w, (128, 128), E4M3, True), (128, 128)), F32)
+  xr = q.quantize_blockwise_reference(x, (1, 128), E4M3, True)
+  wr = q.quantize_blockwise_reference(w, (128, 128), E4M3, True)
+  want = gemm_ops.gemm_reference(ScaledTensor(xr.data, xr.scale_inv, (1, 128)),
+                                 ScaledTensor(wr.data, wr.scale_inv, (128, 128)), F32)
   assert _rel_err(jax.jit(f)(x, w), want) < 1e-2
