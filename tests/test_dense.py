@@ -75,18 +75,18 @@ def test_forward_and_grads_close_to_fp32(name):
 
 def _emulated(x2d, w, g, r, st):
   """Independent quantize-dequantize emulation of the three FP8 GEMMs."""
+  def blocks(t, block, dtype):
+    q = qop.quantize_blockwise_reference(t, block, dtype, r.power_2_scale)
+    return q.data, q.scale_inv
+
   def qd(t, role):
     dtype = r.bwd_dtype if role == "grad" else r.fwd_dtype
     if r.is_blockwise:
       if role == "kernel":
         return qop.dequantize_blockwise_reference(
-            *qop.quantize_blockwise_reference(t, (128, 128), dtype, r.power_2_scale),
-            (128, 128)), None
-      rows = qop.dequantize_blockwise_reference(
-          *qop.quantize_blockwise_reference(t, (1, 128), dtype, r.power_2_scale), (1, 128))
-      cols = qop.dequantize_blockwise_reference(
-          *qop.quantize_blockwise_reference(t.T, (1, 128), dtype, r.power_2_scale),
-          (1, 128)).T
+            *blocks(t, (128, 128), dtype), (128, 128)), None
+      rows = qop.dequantize_blockwise_reference(*blocks(t, (1, 128), dtype), (1, 128))
+      cols = qop.dequantize_blockwise_reference(*blocks(t.T, (1, 128), dtype), (1, 128)).T
       return rows, cols
     if st is None:
       scale = qop.compute_scale(jnp.max(jnp.abs(t)), dtype)
