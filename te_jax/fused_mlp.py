@@ -128,7 +128,8 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
 
   Args:
     x: (M, K) input (bf16/fp16/fp32).
-    wi: (K, n_act * F) up-projection; for two activations the first F columns
+    wi: (K, n_act * F) up-projection (any float dtype: quantized from it,
+      its gradient returned in it); for two activations the first F columns
       feed ``activations[0]`` and the next F ``activations[1]`` (the gated
       product ``act0(h0) * act1(h1)``).
     wo: (F, N) down-projection.
@@ -167,9 +168,12 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
         f"N={n}, activations={acts}. Use two te_jax.dense.fp8_dense calls instead.")
   if (wi_state is None) != (wo_state is None):
     raise ValueError("wi_state and wo_state must both be given or both be None.")
-  mode.check_state(wi_state)
-  mode.check_state(wo_state)
+  try:
+    mode.check_state(wi_state)
+  except ValueError as e:  # the states of the two GEMMs: say which arguments
+    raise ValueError(f"wi_state and wo_state: {e}") from None
   cfg = _MlpConfig(mode, impl, acts, bi is not None, bo is not None)
   cast = lambda b: None if b is None else b.astype(x.dtype)
-  return _mlp(x, wi.astype(x.dtype), cast(bi), wo.astype(x.dtype), cast(bo),
-              (wi_state, wo_state), cfg)
+  # The weights are quantized in their own dtype (float32 parameters: one
+  # pass, no convert to x.dtype first); their gradients come back in it.
+  return _mlp(x, wi, cast(bi), wo, cast(bo), (wi_state, wo_state), cfg)

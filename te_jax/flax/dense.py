@@ -107,7 +107,7 @@ def declare_and_apply_dense(module: nn.Module, x: jax.Array, *, settings, featur
   if batch_axes + axis != tuple(range(x.ndim)):
     x = jnp.transpose(x, batch_axes + axis)
   return fp8_module.fp8_gemm(
-      module, settings, x.astype(compute), kernel.astype(compute),
+      module, settings, x.astype(compute), kernel,
       None if bias is None else bias.astype(compute), name=fp8_name,
       contract_ndim=n_in, kernel_axes=kernel_axes, split_output=split_output)
 

@@ -34,7 +34,7 @@ from te_jax import sharding as sharding_lib
 from te_jax.autocast import get_fp8_context
 from te_jax.ops import check_impl
 
-__all__ = ["GemmSettings", "read_autocast", "fp8_gemm", "fp8_mlp_core",
+__all__ = ["GemmSettings", "read_autocast", "fp8_gemm", "fp8_mlp_core", "gemm_kernel",
            "canonicalize_axes", "FP8_META"]
 
 FP8_META = "fp8_meta"
@@ -159,8 +159,9 @@ def fp8_gemm(module: nn.Module, settings: GemmSettings, x: jax.Array, kernel: ja
     settings: what the module read from the autocast (:func:`read_autocast`);
       ``settings.recipe`` None means a plain dot in ``x.dtype``.
     x: (*lead, *in_dims) input in the compute dtype, contracting dims last.
-    kernel: (*in_dims, *out_dims) kernel in the compute dtype.
-    bias: optional (*out_dims) bias.
+    kernel: (*in_dims, *out_dims) kernel in its parameter dtype (see
+      :func:`gemm_kernel`).
+    bias: optional (*out_dims) bias in the compute dtype.
     name: name of the FP8 state variable (one per GEMM of the module).
     contract_ndim: number of contracting dims (``len(in_dims)``).
     kernel_axes: logical axis names of the kernel, one per dim.
@@ -173,6 +174,7 @@ def fp8_gemm(module: nn.Module, settings: GemmSettings, x: jax.Array, kernel: ja
     (*lead, *out_dims) array in ``x.dtype``, or the tuple (``split_output``).
   """
   recipe, impl = settings.recipe, settings.impl
+  kernel = gemm_kernel(settings, kernel, x.dtype)
   kernel_axes = None if kernel_axes is None else tuple(kernel_axes)
   state = None if recipe is None else _fp8_state(module, name, recipe.scaling_mode())
   if split_output and recipe is not None and settings.unsharded():
@@ -188,6 +190,21 @@ def fp8_gemm(module: nn.Module, settings: GemmSettings, x: jax.Array, kernel: ja
   if state is None:
     y = _keep_unused_state(module, y, (name,))
   return y
+
+
+def gemm_kernel(settings: GemmSettings, kernel: jax.Array, compute_dtype) -> jax.Array:
+  """The kernel as the module's GEMM takes it.
+
+  Unsharded FP8 GEMMs quantize it straight from its parameter dtype: one pass
+  over the float32 weights instead of a convert to the compute dtype and then
+  a quantize of the copy, and one rounding (to FP8) instead of two; the
+  weight gradient comes out of the GEMM in the parameter dtype. A plain dot,
+  and the sharded path (whose weight gradients are reduce-scattered: half the
+  bytes in bf16), take it in the compute dtype as before.
+  """
+  if settings.recipe is not None and settings.unsharded():
+    return kernel
+  return kernel.astype(compute_dtype)
 
 
 def _keep_unused_state(module, y, names):
@@ -222,6 +239,8 @@ def fp8_mlp_core(module: nn.Module, settings: GemmSettings, x2d, wi2d, bi, wo, b
   be None.
   """
   mode = settings.recipe.scaling_mode()
+  # Unsharded by construction (the caller checked): weights in their
+  # parameter dtype, as gemm_kernel gives them.
   si, so = (_fp8_state(module, n, mode) for n in names)
   y = fused_mlp.fp8_mlp(x2d, wi2d, wo, bi, bo, activations=activations,
                         recipe=settings.recipe, wi_state=si, wo_state=so,

@@ -188,13 +188,13 @@ class LayerNormMLP(nn.Module):
       # quantized in one pass, forward and backward (te_jax.fused_mlp).
       y = fp8_module.fp8_mlp_core(
           self, settings, ln_out.reshape(m, embed),
-          wi.astype(compute).reshape(embed, n_act * f),
-          None if bi is None else bi.astype(compute).reshape(-1), wo.astype(compute),
+          wi.reshape(embed, n_act * f),
+          None if bi is None else bi.astype(compute).reshape(-1), wo,
           None if bo is None else bo.astype(compute), activations=acts)
       y = y.reshape(*lead, embed)
       return (y, ln_out) if self.return_layernorm_output else y
 
-    h = fp8_module.fp8_gemm(self, settings, ln_out, wi.astype(compute),
+    h = fp8_module.fp8_gemm(self, settings, ln_out, wi,
                             None if bi is None else bi.astype(compute),
                             name="wi_fp8_meta", kernel_axes=self.kernel_axes_1)
     z = ACTIVATIONS[acts[0]].jax_fn(h[..., 0, :])      # h: (..., n_act, mlp)
@@ -204,7 +204,7 @@ class LayerNormMLP(nn.Module):
     if self.intermediate_dropout_rate > 0.0:
       z = nn.Dropout(rate=self.intermediate_dropout_rate, broadcast_dims=(),
                      name="intermediate_dropout")(z, deterministic=deterministic)
-    y = fp8_module.fp8_gemm(self, settings, z, wo.astype(compute),
+    y = fp8_module.fp8_gemm(self, settings, z, wo,
                             None if bo is None else bo.astype(compute),
                             name="wo_fp8_meta", kernel_axes=self.kernel_axes_2)
     if self.return_layernorm_output:
