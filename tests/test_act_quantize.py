@@ -188,6 +188,24 @@ def test_activations_match_flax():
     atol = 6e-7 if name == "gelu" else 1e-7
     np.testing.assert_allclose(np.asarray(aq.activation_forward(x, (name,))),
                                np.asarray(fn(x)), rtol=1e-6, atol=atol, err_msg=name)
+    # The table's jax_fn (what LayerNormMLP's unfused path applies) is flax's.
+    np.testing.assert_allclose(np.asarray(aq.ACTIVATIONS[name].jax_fn(x)),
+                               np.asarray(fn(x)), rtol=1e-6, atol=1e-7, err_msg=name)
+
+
+def test_kernel_ids_match_the_cuda_enum():
+  """Each table entry's kernel_id is the ActId the kernels switch on
+  (custom_calls/kernels/quantize.h), "swish" sharing silu's."""
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import re  # pylint: disable=import-outside-toplevel
+  header = (pathlib.Path(__file__).resolve().parents[1] / "custom_calls" / "kernels" /
+            "quantize.h").read_text()
+  enum = re.search(r"enum ActId : int \{(.*?)\};", header, re.S).group(1)
+  ids = {re.sub(r"(?<!^)(?=[A-Z])", "_", m.group(1)).lower(): int(m.group(2))
+         for m in re.finditer(r"kAct(\w+) = (\d+)", enum)}
+  ids["swish"] = ids["silu"]
+  assert {n: a.kernel_id for n, a in aq.ACTIVATIONS.items()} == ids
+  assert len(set(ids.values())) == int(re.search(r"kNumAct = (\d+)", enum).group(1))
 
 
 def test_activation_nonfinite_inputs():

@@ -310,3 +310,37 @@ def test_layernorm_dense(norm, name):
   specs = nn.get_partition_spec(jax.eval_shape(m.init, jax.random.key(1), x))["params"]
   assert tuple(specs["kernel"]) == ("embed", "mlp") and tuple(specs["scale"]) == ("embed",)
   assert all(len(tuple(s)) > 0 for s in specs.values())
+
+
+# -------------------------------------------------------------- impl ---------
+
+@pytest.mark.parametrize("cls", ["DenseGeneral", "LayerNormDenseGeneral"])
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_impl_attribute_reaches_every_op(cls, name, monkeypatch):
+  """The modules' ``impl`` is what every FP8 op (quantize, GEMM) is called
+  with, forward and backward; the default is "auto"; a bad value is an error."""
+  from te_jax.ops import _native  # pylint: disable=import-outside-toplevel
+  seen = []
+  real = _native.dispatch
+  monkeypatch.setattr(_native, "dispatch",
+                      lambda impl, *a, **k: seen.append(impl) or real(impl, *a, **k))
+  x = rand(0, (2, 16, 64))
+  cot = rand(7, (2, 16, 32))
+  results = {}
+  for impl in ("auto", "reference"):
+    kw = {} if impl == "auto" else {"impl": impl}
+    m = getattr(tfx, cls)(32, **kw)
+    assert m.impl == impl
+    with te_jax.fp8_autocast(True, RECIPES[name]()):
+      v = nn.unbox(jit_init(m, x))
+      seen.clear()
+      results[impl] = fwd_and_grads(m, v, x, cot)
+    # fprop/dgrad/wgrad GEMMs and the quantizes of x, kernel and grad at least
+    assert len(seen) >= 6 and set(seen) == {impl}, (impl, seen)
+  # On the CPU "auto" is the reference: the same numbers.
+  if not _native.cuda_available():
+    for a, b in zip(jax.tree.leaves(results["auto"]), jax.tree.leaves(results["reference"])):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  with te_jax.fp8_autocast(True, RECIPES[name]()):
+    with pytest.raises(ValueError, match="impl must be one of"):
+      jit_init(getattr(tfx, cls)(32, impl="triton"), x)

@@ -131,3 +131,45 @@ def test_mlp_partition_names_and_dropout():
   assert rel(y1, y_det) > 0.1 and rel(y1, y2) > 0.1
   with pytest.raises(ValueError, match="activation"):
     tfx.LayerNormMLP(8, activations=("nope",)).init(jax.random.key(0), x)
+
+
+def test_activation_table_is_the_ops_table():
+  """LayerNormMLP's activations are the fused ops' table; the unfused path
+  applies each entry's ``jax_fn``, which means what flax's function does."""
+  from te_jax.flax import mlp as mlp_module  # pylint: disable=import-outside-toplevel
+  from te_jax.ops import act_quantize as aq  # pylint: disable=import-outside-toplevel
+  assert mlp_module.ACTIVATIONS is aq.ACTIVATIONS
+  assert tuple(aq.ACTIVATIONS) == aq.ACTIVATION_NAMES
+  x = rand(0, (4, 64)) * 3
+  for name, fn in ACT.items():
+    np.testing.assert_allclose(aq.ACTIVATIONS[name].jax_fn(x), fn(x), rtol=1e-6, atol=1e-7,
+                               err_msg=name)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_mlp_impl_attribute_reaches_every_op(fused, name, monkeypatch):
+  """LayerNormMLP's ``impl`` is what every FP8 op (quantize, act_quantize,
+  dact_quantize, GEMM) is called with, on the fused and the unfused path."""
+  from te_jax import fused_mlp  # pylint: disable=import-outside-toplevel
+  from te_jax.ops import _native  # pylint: disable=import-outside-toplevel
+  seen, fused_calls = [], []
+  real, real_mlp = _native.dispatch, fused_mlp.fp8_mlp
+  monkeypatch.setattr(_native, "dispatch",
+                      lambda impl, *a, **k: seen.append(impl) or real(impl, *a, **k))
+  monkeypatch.setattr(fused_mlp, "fp8_mlp",
+                      lambda *a, **k: fused_calls.append(k["impl"]) or real_mlp(*a, **k))
+  x = rand(0, (2, 128, 128))
+  cot = rand(9, (2, 128, 128))
+  for impl in ("auto", "reference"):
+    kw = {} if impl == "auto" else {"impl": impl}
+    m = tfx.LayerNormMLP(intermediate_dim=128, activations=("silu", "linear"),
+                         fuse_activation_quantize=fused, **kw)
+    with te_jax.fp8_autocast(True, RECIPES[name]()):
+      v = nn.unbox(jax.jit(m.init)(jax.random.key(1), x))
+      seen.clear()
+      fused_calls.clear()
+      _run(m, v, x, cot)
+    assert fused_calls == ([impl] if fused else []), fused_calls
+    # 2 x (quantize x, kernel, grad + 3 GEMMs) at least
+    assert len(seen) >= 12 and set(seen) == {impl}, (impl, seen)
