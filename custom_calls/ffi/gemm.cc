@@ -18,12 +18,23 @@
 // because the target can be called directly (jax.ffi.ffi_call) and a wrong
 // buffer would otherwise reach cuBLASLt as an out-of-bounds read or garbage.
 //
+// Algorithm selection (ffi/gemm_autotune.h). On the first use of a problem
+// (the plan cache key below) the handler asks cuBLASLt's heuristic for up to
+// TE_JAX_GEMM_AUTOTUNE_ALGOS answers (default 8), times them and caches the
+// fastest for the process; 1 keeps the heuristic's first answer untimed.
+// TE_JAX_GEMM_LOG=1 prints each problem's candidates and winner to stderr.
+//
 // Command buffers. The handler is declared kCmdBufferCompatible, so XLA may
 // run it under stream capture and replay the recorded CUDA graph. Hence it
-// touches only the buffers XLA hands it: cuBLASLt's workspace is a second
-// result (a temporary of XLA's buffer assignment, live only during the call,
-// as the workspace of XLA's own cuBLAS GEMMs is), and the one-time host work
-// (the cuBLASLt handle, the heuristic) runs in relaxed capture mode.
+// enqueues on XLA's stream only the real matmul (and the bias fallback), into
+// the buffers XLA hands it: cuBLASLt's workspace is a second result (a
+// temporary of XLA's buffer assignment, live only during the call, as the
+// workspace of XLA's own cuBLAS GEMMs is). The one-time host work (the
+// cuBLASLt handle, the heuristic, the timing) runs in relaxed capture mode,
+// and the timing enqueues only on a private, never-captured stream, into
+// private scratch memory (gemm_autotune.h says why that is safe): the first
+// call of a problem may itself be under capture, and what gets recorded is
+// the same single cublasLtMatmul call with the winning algorithm.
 #include <cublasLt.h>
 
 #include <array>
@@ -31,8 +42,10 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "ffi/common.h"
+#include "ffi/gemm_autotune.h"
 #include "kernels/bias.h"
 
 namespace te_jax {
@@ -99,9 +112,11 @@ uint32_t Alignment(const void* p) {
   return (low == 0 || low > 256) ? 256u : static_cast<uint32_t>(low);
 }
 
-// Everything the heuristic's answer depends on: device, m, n, k, A/B/D types,
-// modes, fast accumulation, bias type (-1 none), whether the fused epilogue
-// may be tried, the A/B/D pointer alignments and the workspace size.
+// Everything the selected algorithm depends on: the kind of device
+// (gemm_autotune::DeviceClass: devices of one model share plans), m, n, k,
+// A/B/D types, modes, fast accumulation, bias type (-1 none), whether the
+// fused epilogue may be tried, the A/B/D pointer alignments and the
+// workspace size.
 using Key = std::array<int64_t, 15>;
 struct Plan {
   cublasLtMatmulAlgo_t algo;
@@ -110,8 +125,10 @@ struct Plan {
 
 // Relaxed stream-capture mode for this thread during the scope. Under XLA's
 // (thread-local) capture, calls that may synchronize or allocate are errors
-// and invalidate the capture; cublasLtCreate may allocate. Relaxed mode lets
-// them run without being recorded; nothing in the scope touches the stream.
+// and invalidate the capture; cublasLtCreate may allocate, and the algorithm
+// timing creates a stream, allocates and synchronizes (all on its private
+// stream). Relaxed mode lets them run without being recorded; nothing in the
+// scope touches XLA's stream.
 struct RelaxedCapture {
   cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
   RelaxedCapture() { cudaThreadExchangeStreamCaptureMode(&mode); }
@@ -121,14 +138,42 @@ struct RelaxedCapture {
 // One handle per device and one plan per key, created on first use. The
 // mutex guards the maps only; a handle is thread-safe for cublasLtMatmul
 // (stream and workspace are per call) and plans are copied out before use.
+// Selecting a plan happens under gemm_autotune::SelectionMutex(), taken
+// before (never while holding) `mu`.
+struct DeviceState {
+  cublasLtHandle_t handle;
+  int cls;  // gemm_autotune::DeviceClass: the plans it shares
+};
 struct State {
   std::mutex mu;
-  std::map<int, cublasLtHandle_t> handles;
+  std::map<int, DeviceState> devices;
   std::map<Key, Plan> plans;
 };
 State& GetState() {
   static State* s = new State;  // leaked on purpose: no teardown-order issues
   return *s;
+}
+
+bool FindPlan(State& st, const Key& key, Plan* plan) {
+  std::lock_guard<std::mutex> lock(st.mu);
+  auto it = st.plans.find(key);
+  if (it == st.plans.end()) return false;
+  *plan = it->second;
+  return true;
+}
+
+const char* TypeName(cudaDataType_t t) {
+  switch (t) {
+    case CUDA_R_8F_E4M3: return "e4m3";
+    case CUDA_R_8F_E5M2: return "e5m2";
+    case CUDA_R_16BF: return "bf16";
+    case CUDA_R_16F: return "f16";
+    case CUDA_R_32F: return "f32";
+    default: return "?";
+  }
+}
+const char* ModeName(int64_t mode) {
+  return mode == 1 ? "vec128" : mode == 2 ? "blk128x128" : "tensor";
 }
 
 bool IsFp8(ffi::DataType t) { return t == ffi::F8E4M3FN || t == ffi::F8E5M2; }
@@ -267,15 +312,18 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   // ---- per-device state ----
   State& st = GetState();
   cublasLtHandle_t handle;
+  int dev_class;
   {
     std::lock_guard<std::mutex> lock(st.mu);
-    auto it = st.handles.find(dev);
-    if (it == st.handles.end()) {
+    auto it = st.devices.find(dev);
+    if (it == st.devices.end()) {
       RelaxedCapture relaxed;
       TE_LT(cublasLtCreate(&handle), "cublasLtCreate");
-      st.handles[dev] = handle;
+      dev_class = gemm_autotune::DeviceClass(dev);
+      st.devices[dev] = DeviceState{handle, dev_class};
     } else {
-      handle = it->second;
+      handle = it->second.handle;
+      dev_class = it->second.cls;
     }
   }
 
@@ -311,18 +359,40 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   TE_LT(cublasLtMatrixLayoutCreate(&lb.l, ta, K, M, K), "layout B");  // our a
   TE_LT(cublasLtMatrixLayoutCreate(&lc.l, td, N, M, N), "layout C/D");
 
-  const Key key{dev, M, N, K, ta, tb, td, a_mode * 4 + b_mode, fast,
-                has_bias ? static_cast<int64_t>(tbias) : -1, try_fused, align_a, align_b, align_d,
-                static_cast<int64_t>(ws_bytes)};
-  Plan plan;
-  bool cached = false;
-  {
-    std::lock_guard<std::mutex> lock(st.mu);
-    auto it = st.plans.find(key);
-    if (it != st.plans.end()) { plan = it->second; cached = true; }
-  }
-  if (!cached) {
-    RelaxedCapture relaxed;  // host-only, but may load cuBLASLt's kernel tables
+  // TE_JAX_GEMM_LOG: the problem, each candidate and the winner, one block
+  // per selection, written at once so that threads do not interleave lines.
+  auto log_selection = [&](bool fused, const std::vector<gemm_autotune::Candidate>& cands,
+                           int winner, const std::string& note) {
+    // Only for the log; querying the capture state is allowed on a capturing
+    // stream (it is how one asks).
+    cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    const bool known = cudaStreamIsCapturing(stream, &cap) == cudaSuccess;
+    if (!known) cudaGetLastError();
+    char h[768];
+    std::snprintf(
+        h, sizeof(h),
+        "te_jax gemm autotune: out (%lld, %lld) %s = a (%lld, %lld) %s @ b (%lld, %lld).T %s;"
+        " scales a=%s b=%s; fast_accum=%d; bias=%s%s; alignment a=%u b=%u out=%u;"
+        " workspace=%zu; device %d (plans shared with device %d); stream capturing=%s;"
+        " %zu candidate(s)",
+        static_cast<long long>(M), static_cast<long long>(N), TypeName(td),
+        static_cast<long long>(M), static_cast<long long>(K), TypeName(ta),
+        static_cast<long long>(N), static_cast<long long>(K), TypeName(tb), ModeName(a_mode),
+        ModeName(b_mode), static_cast<int>(fast), has_bias ? TypeName(tbias) : "none",
+        has_bias ? (fused ? " (fused epilogue)" : " (fallback kernel)") : "", align_b, align_a,
+        align_d, ws_bytes, dev, dev_class,
+        !known ? "unknown" : cap == cudaStreamCaptureStatusNone ? "no" : "yes", cands.size());
+    const std::string report = gemm_autotune::Report(
+        h, cands, winner, 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K),
+        note);
+    std::fputs(report.c_str(), stderr);
+    std::fflush(stderr);
+  };
+
+  // Choose the algorithm: the heuristic's answers, timed when there are
+  // several (gemm_autotune.h), the winner cached. Host work only, except the
+  // timing on the private stream; runs once per key.
+  auto select = [&](Plan* plan) -> ffi::Error {
     Pref pref;
     TE_LT(cublasLtMatmulPreferenceCreate(&pref.p), "PreferenceCreate");
     const uint64_t ws = ws_bytes;
@@ -333,29 +403,81 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
     TE_LT(SetPref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b), "set ALIGNMENT_B");
     TE_LT(SetPref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d), "set ALIGNMENT_C");
     TE_LT(SetPref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d), "set ALIGNMENT_D");
-    int found = 0;
-    cublasLtMatmulHeuristicResult_t res = {};
+    const int want = gemm_autotune::AlgoCount();
+    std::vector<cublasLtMatmulHeuristicResult_t> res(static_cast<size_t>(want));
+    cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
     for (bool fused : {true, false}) {
       if (fused && !try_fused) continue;
       Desc desc;
       TE_TRY(make_desc(fused, &desc));
-      cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle, desc.d, la.l, lb.l, lc.l, lc.l,
-                                                        pref.p, 1, &res, &found);
-      if (s == CUBLAS_STATUS_SUCCESS && found > 0) {
-        plan = Plan{res.algo, fused};
-        break;
+      int found = 0;
+      s = cublasLtMatmulAlgoGetHeuristic(handle, desc.d, la.l, lb.l, lc.l, lc.l, pref.p, want,
+                                         res.data(), &found);
+      // Usable answers, in the heuristic's order.
+      std::vector<gemm_autotune::Candidate> cands;
+      for (int i = 0; s == CUBLAS_STATUS_SUCCESS && i < found; ++i) {
+        const cublasLtMatmulHeuristicResult_t& r = res[static_cast<size_t>(i)];
+        if (r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > ws_bytes) continue;
+        gemm_autotune::Candidate c;
+        c.heuristic = r;
+        c.index = i;
+        cands.push_back(c);
       }
-      if (!fused) {
-        return ffi::Error::Internal(
-            "te_jax gemm: cuBLASLt found no algorithm for M=" + std::to_string(M) +
-            " N=" + std::to_string(N) + " K=" + std::to_string(K) + " a_mode=" +
-            std::to_string(a_mode) + " b_mode=" + std::to_string(b_mode) + " pointer alignment a=" +
-            std::to_string(align_b) + " b=" + std::to_string(align_a) + " out=" +
-            std::to_string(align_d) + " (status " + cublasLtGetStatusName(s) + ")");
+      if (cands.empty()) continue;
+      int winner = 0;
+      std::string note;
+      if (cands.size() > 1) {
+        const gemm_autotune::Problem problem{handle, desc.d, la.l, lb.l, lc.l, b.untyped_data(),
+                                             a.untyped_data(), out->size_bytes(), align_d,
+                                             ws_bytes};
+        int reps = 0;
+        const std::string err = gemm_autotune::Measure(dev, problem, &cands, &reps);
+        const int best = err.empty() ? gemm_autotune::PickWinner(cands) : -1;
+        if (best >= 0) {
+          winner = best;
+          note = std::to_string(gemm_autotune::kRounds) + " rounds of " + std::to_string(reps) +
+                 " call(s), median";
+        } else if (err.empty() && fused) {
+          winner = -1;  // cuBLASLt ran none with the epilogue: try the fallback kernel
+          note = "no candidate ran: trying without the fused bias epilogue";
+        } else {
+          // Today's choice without timing; a real failure shows in the real call.
+          note = (err.empty() ? "no candidate ran in the timing" : "timing failed: " + err) +
+                 "; using the heuristic's first answer";
+          std::fprintf(stderr, "te_jax gemm (M=%lld N=%lld K=%lld): %s\n",
+                       static_cast<long long>(M), static_cast<long long>(N),
+                       static_cast<long long>(K), note.c_str());
+        }
+      } else {
+        note = want > 1 ? "one usable answer: not timed" : "TE_JAX_GEMM_AUTOTUNE_ALGOS=1: not timed";
       }
+      if (gemm_autotune::LogEnabled()) log_selection(fused, cands, winner, note);
+      if (winner < 0) continue;
+      *plan = Plan{cands[static_cast<size_t>(winner)].heuristic.algo, fused};
+      return ffi::Error::Success();
     }
-    std::lock_guard<std::mutex> lock(st.mu);
-    st.plans[key] = plan;
+    return ffi::Error::Internal(
+        "te_jax gemm: cuBLASLt found no algorithm for M=" + std::to_string(M) +
+        " N=" + std::to_string(N) + " K=" + std::to_string(K) + " a_mode=" +
+        std::to_string(a_mode) + " b_mode=" + std::to_string(b_mode) + " pointer alignment a=" +
+        std::to_string(align_b) + " b=" + std::to_string(align_a) + " out=" +
+        std::to_string(align_d) + " (status " + cublasLtGetStatusName(s) + ")");
+  };
+
+  const Key key{dev_class, M, N, K, ta, tb, td, a_mode * 4 + b_mode, fast,
+                has_bias ? static_cast<int64_t>(tbias) : -1, try_fused, align_a, align_b, align_d,
+                static_cast<int64_t>(ws_bytes)};
+  Plan plan;
+  if (!FindPlan(st, key, &plan)) {
+    RelaxedCapture relaxed;
+    // One selection at a time: a thread that missed the cache for the same
+    // key meanwhile waits here, then finds the plan.
+    std::lock_guard<std::mutex> selecting(gemm_autotune::SelectionMutex());
+    if (!FindPlan(st, key, &plan)) {
+      TE_TRY(select(&plan));
+      std::lock_guard<std::mutex> lock(st.mu);
+      st.plans[key] = plan;
+    }
   }
 
   Desc desc;
