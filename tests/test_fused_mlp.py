@@ -183,8 +183,9 @@ def test_fp8_mlp_bad_arguments():
   with pytest.raises(ValueError, match=r"M % 16"):
     fused_mlp.fp8_mlp(x[:100], wi, wo, activations=("gelu",), recipe=r)
   # The state checks: both or neither (fused_mlp), then the scaling mode's
-  # own check of each (ScalingMode.check_state).
-  with pytest.raises(ValueError, match=r"DelayedScaling needs fp8_state"):
+  # own check (ScalingMode.check_state), naming the arguments.
+  with pytest.raises(ValueError, match=r"wi_state and wo_state: DelayedScaling needs "
+                                       r"fp8_state"):
     fused_mlp.fp8_mlp(x, wi, wo, activations=("gelu",), recipe=recipe.DelayedScaling())
   st = fp8_state.init_dense_state(4)
   with pytest.raises(ValueError, match=r"wi_state and wo_state must both be given or both "
@@ -194,7 +195,8 @@ def test_fp8_mlp_bad_arguments():
   with pytest.raises(ValueError, match=r"wi_state and wo_state must both be given or both "
                                        r"be None"):
     fused_mlp.fp8_mlp(x, wi, wo, activations=("gelu",), recipe=r, wo_state=st)
-  with pytest.raises(ValueError, match=r"fp8_state must be None for Float8CurrentScaling"):
+  with pytest.raises(ValueError, match=r"wi_state and wo_state: fp8_state must be None for "
+                                       r"Float8CurrentScaling"):
     fused_mlp.fp8_mlp(x, wi, wo, activations=("gelu",), recipe=r, wi_state=st, wo_state=st)
   with pytest.raises(ValueError, match=r"bo must have shape"):
     fused_mlp.fp8_mlp(x, wi, wo, None, jnp.zeros((3,)), activations=("gelu",), recipe=r)

@@ -105,9 +105,12 @@ def test_unsharded_mesh_falls_back_to_plain_fp8_dense():
   w = jax.random.normal(jax.random.PRNGKey(1), (128, 256), jnp.float32) * 0.1
   r = recipe.Float8CurrentScaling()
   want = dense.fp8_dense(x, w, recipe=r)
+  # The functional layer takes the mesh resource as an argument (it does not
+  # read the autocast's): a mesh whose axes all have size 1 shards nothing.
   with jax.set_mesh(mesh), te_jax.fp8_autocast(True, r, mesh_resource=mr):
-    got = dense.dense(x, w, recipe=r, kernel_axes=("embed", "mlp"))
-    got_nd = dense.dense_general(x, w, recipe=r, kernel_axes=("embed", "mlp"))
+    got = dense.dense(x, w, recipe=r, kernel_axes=("embed", "mlp"), mesh_resource=mr)
+    got_nd = dense.dense_general(x, w, recipe=r, kernel_axes=("embed", "mlp"),
+                                 mesh_resource=mr)
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   np.testing.assert_array_equal(np.asarray(got_nd), np.asarray(want))
 

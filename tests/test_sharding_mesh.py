@@ -205,10 +205,14 @@ def test_layernorm_mlp_matches_single_device(mesh_name, sp, rname):
 
 # ------------------------------------------- functional column -> row MLP --
 
-def _chain_loss(x, w1, b1, w2, b2, s1, s2, gy, sharded, squares=False):
-  """sum(y * gy); with squares=True sum((y * gy)**2), for its rounding noise."""
-  kw1 = dict(kernel_axes=("embed", "mlp")) if sharded else {}
-  kw2 = dict(kernel_axes=("mlp", "embed")) if sharded else {}
+def _chain_loss(x, w1, b1, w2, b2, s1, s2, gy, sharded, squares=False, mr=None):
+  """sum(y * gy); with squares=True sum((y * gy)**2), for its rounding noise.
+
+  ``sharded``: the GEMMs get kernel_axes and the mesh resource ``mr`` (the
+  functional dense does not read the autocast's; only the Flax modules do).
+  """
+  kw1 = dict(kernel_axes=("embed", "mlp"), mesh_resource=mr) if sharded else {}
+  kw2 = dict(kernel_axes=("mlp", "embed"), mesh_resource=mr) if sharded else {}
   rec = te_jax.get_fp8_context().recipe
   h = dense_lib.dense(x, w1, b1, recipe=rec, fp8_state=s1, **kw1)
   h = jax.nn.gelu(h.astype(jnp.float32)).astype(x.dtype)
@@ -276,7 +280,7 @@ def _chain_sharded(rname, mesh_name, sp, x_shape, mr=None, hlo=False):
            None, None, act]
   args = [a if s is None else jax.device_put(a, s) for a, s in zip(args, shard)]
   with jax.set_mesh(mesh), te_jax.fp8_autocast(True, RECIPES[rname], mesh_resource=mr):
-    f = jax.jit(jax.value_and_grad(functools.partial(_chain_loss, sharded=True),
+    f = jax.jit(jax.value_and_grad(functools.partial(_chain_loss, sharded=True, mr=mr),
                                    argnums=(0, 1, 2, 3, 4, 5, 6)))
     if hlo:
       text, compiled = hlo_inspect.partitioned_hlo(f.lower(*args))
@@ -307,7 +311,8 @@ def test_misaligned_tokens_raise_at_trace_time():
   with jax.set_mesh(mesh), te_jax.fp8_autocast(True, RECIPES["block"], mesh_resource=mr):
     with pytest.raises(ValueError, match=r"multiple of 128.*pad_batch"):
       jax.jit(lambda x, w: dense_lib.dense(
-          x, w, recipe=RECIPES["block"], kernel_axes=("embed", "mlp"))).lower(x, w)
+          x, w, recipe=RECIPES["block"], kernel_axes=("embed", "mlp"),
+          mesh_resource=mr)).lower(x, w)
 
 
 @needs8
@@ -317,6 +322,32 @@ def test_misaligned_tokens_padded_on_request():
                              sequence_parallel=True, pad_tokens=True)
   out, _ = _chain_sharded("block", "fsdp4_tp2", True, shape, mr=mr)
   _compare(_chain_reference("block", shape), out, tol=0.03)
+
+
+def test_functional_dense_shards_only_with_mesh_resource(monkeypatch):
+  """dense / dense_general / fp8_dense run the sharded GEMM when given
+  mesh_resource= (and kernel_axes); an active fp8_autocast's mesh resource
+  does not reach them (the Flax modules pass it themselves)."""
+  from te_jax import sharded_dense  # pylint: disable=import-outside-toplevel
+  calls = []
+  real = sharded_dense.sharded_fp8_dense
+  monkeypatch.setattr(sharded_dense, "sharded_fp8_dense",
+                      lambda *a, **k: calls.append(k["mesh_resource"]) or real(*a, **k))
+  name = next(iter(MESHES))
+  mesh, mr = _mesh(name), _mr(name, False)
+  r = RECIPES["current"]
+  x = jnp.ones((NDEV, 128, HIDDEN), jnp.bfloat16)
+  w = jnp.ones((HIDDEN, MLP), jnp.bfloat16)
+  fns = {"dense": dense_lib.dense, "dense_general": dense_lib.dense_general,
+         "fp8_dense": dense_lib.fp8_dense}
+  with jax.set_mesh(mesh), te_jax.fp8_autocast(True, r, mesh_resource=mr):
+    for fname, fn in fns.items():
+      calls.clear()
+      jax.eval_shape(lambda x, w: fn(x, w, recipe=r, kernel_axes=("embed", "mlp")), x, w)
+      assert not calls, fname
+      jax.eval_shape(lambda x, w: fn(x, w, recipe=r, kernel_axes=("embed", "mlp"),
+                                     mesh_resource=mr), x, w)
+      assert calls == [mr], (fname, calls)
 
 
 # Each mesh, SP on and off, each recipe on the 3-axis mesh (and all of them
