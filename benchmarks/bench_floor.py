@@ -48,24 +48,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, _HERE)   # bench_layer, beside this file
-try:  # an installed te_jax (with its CUDA module) wins over the source tree
-  import te_jax  # pylint: disable=unused-import
-except ImportError:
-  sys.path.insert(0, os.path.dirname(_HERE))
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from te_jax import recipe as recipe_lib
-from bench_layer import sizes  # pylint: disable=wrong-import-order
+
+if __package__:  # imported as benchmarks.bench_floor
+  from .bench_layer import sizes
+else:            # run by path (this folder is sys.path[0]) or imported as bench_floor
+  from bench_layer import sizes  # pylint: disable=import-error
 
 GROUPS = ("mlp", "layer")
 PRECISIONS = ("bf16", "fp8", "fp8_fastacc", "block")

@@ -57,12 +57,6 @@ import subprocess
 import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-try:  # an installed te_jax (with its CUDA module) wins over the source tree
-  import te_jax  # pylint: disable=unused-import
-except ImportError:
-  sys.path.insert(0, os.path.dirname(_HERE))
-
 MLP_CONFIGS = ["mlp/te_off", "mlp/te_delayed", "mlp/te_current", "mlp/te_block",
                "mlp/flax_fp8", "mlp/flax_bf16", "mlp/te_delayed_unfused",
                "mlp/te_current_unfused", "mlp/te_block_unfused", "mlp/te_delayed_fastacc",
@@ -274,7 +268,11 @@ def is_gemm_kernel(name: str) -> bool:
 def run_one(config, small, k, repeats, profile=False, profile_steps=3):
   import jax
   import jax.numpy as jnp
-  from _fp8_carry import carry_fp8_state  # pylint: disable=import-outside-toplevel
+  # pylint: disable=import-outside-toplevel
+  if __package__:  # imported as benchmarks.bench_layer
+    from ._fp8_carry import carry_fp8_state
+  else:            # run by path (this folder is sys.path[0]) or imported as bench_layer
+    from _fp8_carry import carry_fp8_state  # pylint: disable=import-error
 
   frozen = config.endswith(FROZEN)      # the initial FP8 state every step
   sz = sizes(small)

@@ -28,17 +28,13 @@ Protocol: 3 warmup calls, then k back-to-back calls, median of repeats;
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import statistics
 import sys
 import time
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-try:  # an installed te_jax wins over the source tree
-  import te_jax  # pylint: disable=unused-import
-except ImportError:
-  sys.path.insert(0, os.path.dirname(_HERE))
-sys.path.insert(0, _HERE)
+_EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
 def _step(path, ids, causal=True):
@@ -68,7 +64,11 @@ def _step(path, ids, causal=True):
 def main(argv=None):
   import jax
   import jax.numpy as jnp
-  from bench_layer import _packed_segment_ids
+  # pylint: disable=import-outside-toplevel
+  if __package__:  # imported as benchmarks.bench_packed_attention
+    from .bench_layer import _packed_segment_ids
+  else:            # run by path (this folder is sys.path[0])
+    from bench_layer import _packed_segment_ids  # pylint: disable=import-error
 
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--small", action="store_true")
@@ -82,8 +82,12 @@ def main(argv=None):
   b, s, h, d = (2, 256, 4, 64) if args.small else (8, 2048, 32, 128)
   ids = _packed_segment_ids(b, s)
   if args.gpt_rows:
-    sys.path.insert(0, os.path.join(os.path.dirname(_HERE), "examples"))
-    import train_gpt  # pylint: disable=import-outside-toplevel
+    # examples/ is not a package: load train_gpt.py from its file, registered in
+    # sys.modules first (its dataclasses look their module up there).
+    spec = importlib.util.spec_from_file_location(
+        "train_gpt", os.path.join(_EXAMPLES, "train_gpt.py"))
+    train_gpt = sys.modules["train_gpt"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train_gpt)
     from te_jax import packing  # pylint: disable=import-outside-toplevel
     b, s, h, d = 16, 2048, 12, 128
     ids = jnp.asarray(train_gpt.make_batch(train_gpt.make_corpus(20000), 0, b, s)[1])

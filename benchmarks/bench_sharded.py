@@ -31,16 +31,9 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import os
 import statistics
 import sys
 import time
-
-_HERE = os.path.dirname(os.path.abspath(__file__))
-try:  # an installed te_jax (with its CUDA module) wins over the source tree
-  import te_jax  # pylint: disable=unused-import
-except ImportError:
-  sys.path.insert(0, os.path.dirname(_HERE))
 
 import jax
 import jax.numpy as jnp
@@ -51,7 +44,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 import te_jax
 from te_jax import hlo_inspect, packing, recipe as recipe_lib, sharding
 from te_jax import flax as tfx
-from _fp8_carry import carry_fp8_state
+
+if __package__:  # imported as benchmarks.bench_sharded
+  from ._fp8_carry import carry_fp8_state
+else:            # run by path (this folder is sys.path[0]) or imported as bench_sharded
+  from _fp8_carry import carry_fp8_state  # pylint: disable=import-error
 
 # name -> (axes, shape, MeshResource kwargs)
 MESHES = {

@@ -29,8 +29,7 @@ import os
 import subprocess
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_ROOT = os.path.dirname(_HERE)
+_EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 MESHES = {  # name -> (dp, fsdp, tp)
     "fsdp2": (1, 2, 1), "tp2": (1, 1, 2), "fsdp4": (1, 4, 1), "fsdp8": (1, 8, 1),
@@ -40,13 +39,9 @@ MESHES = {  # name -> (dp, fsdp, tp)
 
 def worker(spec):
   """Runs one training run in this process; prints one JSON line."""
-  sys.path.insert(0, os.path.join(_ROOT, "examples"))
-  try:
-    import te_jax  # pylint: disable=unused-import
-  except ImportError:
-    sys.path.insert(0, _ROOT)
   import jax
   import numpy as np
+  # examples/train_gpt.py: _launch puts examples/ on the worker's PYTHONPATH.
   import train_gpt  # pylint: disable=import-error
   from te_jax import hlo_inspect
 
@@ -77,6 +72,8 @@ def worker(spec):
 
 def _launch(spec, gpus=None, fake_cpu=False):
   env = dict(os.environ)
+  # The worker imports examples/train_gpt.py (examples/ is not a package).
+  env["PYTHONPATH"] = os.pathsep.join(p for p in (_EXAMPLES, env.get("PYTHONPATH")) if p)
   if gpus is not None:
     env["CUDA_VISIBLE_DEVICES"] = gpus
   if fake_cpu:   # exactly as many fake CPU devices as the mesh takes

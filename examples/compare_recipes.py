@@ -19,12 +19,10 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import train_gpt  # noqa: E402  pylint: disable=wrong-import-position
+import train_gpt  # beside this file: run by path, examples/ is sys.path[0]
 
 
 def final_loss(losses, frac: float = 0.1) -> float:

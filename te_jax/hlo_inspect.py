@@ -4,11 +4,21 @@ Used by the sharding tests and benchmarks to check that FP8 weights are
 all-gathered in FP8 (half the bytes of bf16) and that no full activation or
 bf16 weight is gathered.
 
-Example::
+Example: for a program sharded over a mesh of 2 or more devices,
+``text, compiled = hlo_inspect.partitioned_hlo(jax.jit(step).lower(state, batch))``
+gives its per-device HLO (``tests/test_sharding_mesh.py`` does this on fake
+CPU devices); here, two lines of such HLO:
 
-  lowered = jax.jit(step).lower(state, batch)
-  text, compiled = hlo_inspect.partitioned_hlo(lowered)
-  print(hlo_inspect.summarize(hlo_inspect.collectives(text)))
+  >>> from te_jax import hlo_inspect
+  >>> text = '''
+  ... %ag = f8e4m3fn[256,128]{1,0} all-gather(f8e4m3fn[128,128]{1,0} %w), dimensions={0}
+  ... %rs = bf16[64,128]{1,0} reduce-scatter(bf16[128,128]{1,0} %g), dimensions={0}
+  ... '''
+  >>> hlo_inspect.collectives(text)[0]
+  Collective(kind='all-gather', dtype='f8e4m3fn', shape=(256, 128), bytes=32768)
+  >>> hlo_inspect.summarize(hlo_inspect.collectives(text))
+  {'all-gather f8e4m3fn': {'count': 1, 'bytes': 32768},
+   'reduce-scatter bf16': {'count': 1, 'bytes': 16384}}
 """
 
 from __future__ import annotations

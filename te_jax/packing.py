@@ -16,12 +16,29 @@ Conventions of a packed batch (all ``int32``, shape ``(num_rows, seq_len)``):
 Packing runs on the host in numpy; the loss helpers (:func:`segment_mask`,
 :func:`masked_mean`, :func:`next_token_targets`) accept numpy or jax arrays.
 
-Example::
+Example: four documents into rows of 6 tokens, padded for 2 shards with a
+4-token block (real runs use e.g. ``seq_len=2048, block=128``); ``loss``
+stands in for a model's per-token loss:
 
-  tokens, seg, pos = packing.pack_sequences(docs, seq_len=2048, num_rows=64)
-  tokens, seg, pos = packing.pad_batch(tokens, seg, pos, block=128, num_shards=8)
-  targets, loss_mask = packing.next_token_targets(tokens, seg)
-  loss = packing.masked_mean(per_token_loss(tokens, targets), mask=loss_mask)
+  >>> import numpy as np
+  >>> from te_jax import packing
+  >>> docs = [[11, 12, 13], [21, 22], [31, 32, 33, 34, 35], [41]]
+  >>> tokens, seg, pos = packing.pack_sequences(docs, seq_len=6)
+  >>> tokens.tolist(), seg.tolist()
+  ([[31, 32, 33, 34, 35, 41], [11, 12, 13, 21, 22, 0]],
+   [[1, 1, 1, 1, 1, 2], [1, 1, 1, 2, 2, 0]])
+  >>> pos.tolist()
+  [[0, 1, 2, 3, 4, 0], [0, 1, 2, 0, 1, 0]]
+  >>> tokens, seg, pos = packing.pad_batch(tokens, seg, pos, block=4, num_shards=2)
+  >>> tokens.shape  # 2 rows per shard: 12 tokens, a multiple of 4
+  (4, 6)
+  >>> targets, loss_mask = packing.next_token_targets(tokens, seg)
+  >>> targets[:2].tolist(), loss_mask[:2].astype(int).tolist()
+  ([[32, 33, 34, 35, 0, 0], [12, 13, 0, 22, 0, 0]],
+   [[1, 1, 1, 1, 0, 0], [1, 1, 0, 1, 0, 0]])
+  >>> loss = np.arange(24.0).reshape(4, 6)
+  >>> float(packing.masked_mean(loss, mask=loss_mask))  # (0+1+2+3 + 6+7+9) / 7
+  4.0
 """
 
 from __future__ import annotations

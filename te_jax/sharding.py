@@ -10,14 +10,27 @@ as None, and names the mesh does not have (or of size 1), are simply unused.
 The te_jax Linen modules name the dims of their parameters with logical axis
 names (``"embed"``, ``"mlp"``, ``"heads"``, ``"kv"``, ``"joined_kv"``, ...);
 :func:`logical_axis_rules` maps those names to mesh axes, MaxText/Flax style.
-User rules come first and therefore win::
+User rules come first and therefore win:
 
-  from te_jax import sharding
-  mr = sharding.MeshResource(fsdp_resource="fsdp", tp_resource="tp")
-  rules = sharding.logical_axis_rules(mr, extra_rules=[("vocab", "tp")])
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules), \\
-       te_jax.fp8_autocast(True, recipe.Float8BlockScaling(), mesh_resource=mr):
-    ...
+  >>> import jax
+  >>> import flax.linen as nn
+  >>> import te_jax
+  >>> from te_jax import recipe, sharding
+  >>> mr = sharding.MeshResource(fsdp_resource="fsdp", tp_resource="tp")
+  >>> sharding.logical_to_mesh_axes(("embed", "mlp"), rules=sharding.logical_axis_rules(mr))
+  (('fsdp',), ('tp',))
+  >>> rules = sharding.logical_axis_rules(mr, extra_rules=[("embed", None), ("vocab", "fsdp")])
+  >>> sharding.logical_to_mesh_axes(("embed", "mlp", "vocab"), rules=rules)
+  ((), ('tp',), ('fsdp',))
+
+A model then runs under the mesh, the rules and the autocast together (a
+1 x 1 mesh here; the modules look the rules up themselves):
+
+  >>> mesh = jax.make_mesh((1, 1), ("fsdp", "tp"))
+  >>> with (jax.set_mesh(mesh), nn.logical_axis_rules(rules),
+  ...       te_jax.fp8_autocast(True, recipe.Float8BlockScaling(), mesh_resource=mr)):
+  ...   sharding.logical_to_mesh_axes(("embed", "mlp"))  # the rules in effect
+  ((), ('tp',))
 
 Under ``fp8_autocast(..., mesh_resource=mr)`` the FP8 GEMMs of
 ``te_jax.dense`` run as a ``shard_map`` over the active mesh (see

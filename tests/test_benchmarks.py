@@ -1,8 +1,5 @@
 """Benchmark helpers that decide what a timing measures."""
 
-import os
-import sys
-
 import jax
 import jax.numpy as jnp
 import pytest
@@ -12,11 +9,10 @@ from te_jax import fp8_state
 from te_jax import flax as tfx
 from te_jax import recipe as recipe_lib
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "benchmarks"))
-from _fp8_carry import carry_fp8_state  # noqa: E402  pylint: disable=wrong-import-position
-import bench_floor  # noqa: E402  pylint: disable=wrong-import-position
-import bench_layer  # noqa: E402  pylint: disable=wrong-import-position
+# benchmarks/ is on sys.path through pytest's pythonpath (pyproject.toml).
+import bench_floor  # pylint: disable=import-error
+import bench_layer  # pylint: disable=import-error
+from _fp8_carry import carry_fp8_state  # pylint: disable=import-error
 
 
 def _scale_invs(variables):

@@ -15,13 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from te_jax import checkpoint, fp8_state, packing
+# examples/ is on sys.path through pytest's pythonpath (pyproject.toml).
+import compare_recipes  # pylint: disable=import-error
+import train_gpt  # pylint: disable=import-error
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(ROOT, "examples")
-sys.path.insert(0, EXAMPLES)
-
-import train_gpt  # noqa: E402  pylint: disable=wrong-import-position
-import compare_recipes  # noqa: E402  pylint: disable=wrong-import-position
-from te_jax import checkpoint, fp8_state, packing  # noqa: E402  pylint: disable=wrong-import-position
 
 def _env():
   env = dict(os.environ)
