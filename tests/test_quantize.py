@@ -210,3 +210,71 @@ def test_quantize_from_amax_reference():
   assert float(s_big) == pytest.approx(4 * float(s_one), rel=1e-6)
   with pytest.raises(ValueError, match="amax must be a scalar"):
     qop.quantize_from_amax(x, jnp.ones((2,)), E4M3)
+
+
+def test_every_quantize_op_returns_a_quantized_tensor():
+  """One result type for the quantize family: fields by name, a pytree (so it
+  crosses jit), rowwise()/columnwise() as GEMM operands."""
+  from te_jax import ScaledTensor
+  from te_jax.ops.fp8 import QuantizedTensor
+  x = jax.random.normal(jax.random.PRNGKey(5), (64, 256))
+  cases = {
+      "tensorwise": lambda c: qop.quantize_tensorwise(x, jnp.float32(4.0), E4M3,
+                                                       columnwise=c),
+      "current": lambda c: qop.quantize_current(x, E4M3, columnwise=c),
+      "from_amax": lambda c: qop.quantize_from_amax(x, jnp.float32(8.0), E4M3,
+                                                     columnwise=c),
+      "blockwise": lambda c: qop.quantize_blockwise(x, (1, 128), E4M3, columnwise=c),
+  }
+  for name, op in cases.items():
+    both, row = op(True), op(False)
+    assert isinstance(both, QuantizedTensor) and isinstance(row, QuantizedTensor), name
+    assert both.data.shape == (64, 256) and both.data_t.shape == (256, 64), name
+    assert row.data_t is None and row.scale_inv_t is None, name
+    with pytest.raises(ValueError, match="no columnwise copy"):
+      row.columnwise()
+    r, c = both.rowwise(), both.columnwise()
+    assert isinstance(r, ScaledTensor) and isinstance(c, ScaledTensor), name
+    assert r.data is both.data and r.scale_inv is both.scale_inv
+    assert c.data is both.data_t and c.scale_inv is both.scale_inv_t
+    assert r.block_shape == c.block_shape == both.block_shape, name
+    if name == "blockwise":
+      assert both.block_shape == (1, 128) and both.amax is None
+      assert both.scale_inv.shape == (64, 2) and both.scale_inv_t.shape == (256, 1)
+    else:
+      assert both.block_shape is None and both.scale_inv.shape == () and both.amax.shape == ()
+      assert float(both.scale_inv_t) == float(both.scale_inv)
+    # a pytree: through jit and back, field for field
+    out = jax.jit(lambda: op(True))()
+    assert jax.tree.structure(out) == jax.tree.structure(both), name
+    for a, b in zip(jax.tree.leaves(out), jax.tree.leaves(both)):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  # per-tensor values: scale_inv = 1/scale, amax = max|x| (or the given amax)
+  t = cases["tensorwise"](False)
+  assert float(t.scale_inv) == 0.25 and float(t.amax) == float(jnp.max(jnp.abs(x)))
+  assert float(cases["from_amax"](False).amax) == 8.0
+  assert float(cases["from_amax"](False).scale_inv) == np.float32(1) / np.float32(448 / 8)
+
+
+def test_references_return_quantized_tensors():
+  """The *_reference functions return what their dispatchers return off the GPU."""
+  from te_jax.ops.fp8 import QuantizedTensor
+  x = jax.random.normal(jax.random.PRNGKey(6), (48, 300))
+  pairs = [
+      (qop.quantize_tensorwise_reference(x, jnp.float32(2.0), E5M2, columnwise=True),
+       qop.quantize_tensorwise(x, jnp.float32(2.0), E5M2, columnwise=True, impl="reference")),
+      (qop.quantize_current_reference(x, E5M2, columnwise=True),
+       qop.quantize_current(x, E5M2, columnwise=True, impl="reference")),
+      (qop.quantize_from_amax_reference(x, jnp.float32(3.0), E5M2, columnwise=True),
+       qop.quantize_from_amax(x, jnp.float32(3.0), E5M2, columnwise=True, impl="reference")),
+      (qop.quantize_blockwise_reference(x, (32, 64), E5M2, True, columnwise=True),
+       qop.quantize_blockwise(x, (32, 64), E5M2, True, columnwise=True, impl="reference")),
+  ]
+  for ref, disp in pairs:
+    assert isinstance(ref, QuantizedTensor) and ref.block_shape == disp.block_shape
+    assert jax.tree.structure(ref) == jax.tree.structure(disp)
+    for a, b in zip(jax.tree.leaves(ref), jax.tree.leaves(disp)):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  # columnwise defaults to False for the references
+  assert qop.quantize_current_reference(x, E5M2).data_t is None
+  assert qop.quantize_blockwise_reference(x).data_t is None
