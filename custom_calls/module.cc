@@ -22,6 +22,10 @@ XLA_FFI_Error* TeJaxActQuantizeBlockwise(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxConcatQuantizeTensorwise(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxConcatQuantizeCurrent(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxConcatQuantizeBlockwise(XLA_FFI_CallFrame*);
+XLA_FFI_Error* TeJaxNormQuantizeTensorwise(XLA_FFI_CallFrame*);
+XLA_FFI_Error* TeJaxNormQuantizeCurrent(XLA_FFI_CallFrame*);
+XLA_FFI_Error* TeJaxNormQuantizeBlockwise(XLA_FFI_CallFrame*);
+XLA_FFI_Error* TeJaxNormBackward(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxGemm(XLA_FFI_CallFrame*);
 }
 }  // namespace te_jax
@@ -38,7 +42,7 @@ nb::capsule Capsule(T* fn) {
 NB_MODULE(_te_jax_ffi, m) {
   m.doc() =
       "te_jax CUDA custom calls (XLA FFI handlers for FP8 quantize, activation + quantize, "
-      "concatenation + quantize, GEMM)";
+      "concatenation + quantize, normalization + quantize and its backward, GEMM)";
   m.def("registrations", []() {
     nb::dict d;
     d["te_jax_quantize_tensorwise"] = Capsule(te_jax::TeJaxQuantizeTensorwise);
@@ -51,6 +55,10 @@ NB_MODULE(_te_jax_ffi, m) {
     d["te_jax_concat_quantize_tensorwise"] = Capsule(te_jax::TeJaxConcatQuantizeTensorwise);
     d["te_jax_concat_quantize_current"] = Capsule(te_jax::TeJaxConcatQuantizeCurrent);
     d["te_jax_concat_quantize_blockwise"] = Capsule(te_jax::TeJaxConcatQuantizeBlockwise);
+    d["te_jax_norm_quantize_tensorwise"] = Capsule(te_jax::TeJaxNormQuantizeTensorwise);
+    d["te_jax_norm_quantize_current"] = Capsule(te_jax::TeJaxNormQuantizeCurrent);
+    d["te_jax_norm_quantize_blockwise"] = Capsule(te_jax::TeJaxNormQuantizeBlockwise);
+    d["te_jax_norm_backward"] = Capsule(te_jax::TeJaxNormBackward);
     d["te_jax_gemm"] = Capsule(te_jax::TeJaxGemm);
     return d;
   });

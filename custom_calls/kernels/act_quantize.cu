@@ -1,6 +1,7 @@
 // Fused activation + FP8 quantize kernels of the FP8 MLP (ffi/act_quantize.cc),
-// also used for concatenations (ffi/concat_quantize.cc): they quantize
-// v = act(h), dact(dz, h) or [part0 | part1 | ...] (kernels/prologue.h),
+// also used for concatenations (ffi/concat_quantize.cc) and normalizations
+// (ffi/normalization.cc): they quantize v = act(h), dact(dz, h),
+// [part0 | part1 | ...] or norm(x) (kernels/prologue.h),
 // computed from the inputs they load, so v is never written in 16 or 32
 // bits: ActQuantizeTensorKernel for one scale (delayed and current scaling),
 // ActQuantizeVec128Kernel for 1x128 + 128x1 scales, and TileAmaxKernel for
@@ -222,11 +223,11 @@ __global__ void __launch_bounds__(kThreads) TileAmaxKernel(QuantizeArgs p, Prolo
 
 // Calls launch(std::integral_constant<ActLoop, L>) for the loop L that
 // prologue::ChooseLoop picks for q; only kAny is instantiated for fp32
-// inputs, only kNone for kConcat.
+// inputs, only kNone for kConcat and kNorm.
 template <typename InT, Prologue kPro, typename Launch>
 cudaError_t WithLoop(const PrologueArgs& q, Launch&& launch) {
   using prologue::ActLoop;
-  if constexpr (kPro == Prologue::kConcat) {
+  if constexpr (kPro == Prologue::kConcat || kPro == Prologue::kNorm) {
     return launch(std::integral_constant<ActLoop, ActLoop::kNone>{});
   } else if constexpr (sizeof(InT) == 4) {
     return launch(std::integral_constant<ActLoop, ActLoop::kAny>{});
@@ -278,6 +279,7 @@ cudaError_t WithPrologue(Prologue kind, Fn&& fn) {
     case Prologue::kAct: return fn(std::integral_constant<Prologue, Prologue::kAct>{});
     case Prologue::kDAct: return fn(std::integral_constant<Prologue, Prologue::kDAct>{});
     case Prologue::kConcat: return fn(std::integral_constant<Prologue, Prologue::kConcat>{});
+    case Prologue::kNorm: return fn(std::integral_constant<Prologue, Prologue::kNorm>{});
     case Prologue::kNone: break;
   }
   return cudaErrorInvalidValue;
@@ -295,6 +297,8 @@ bool PrologueValid(const QuantizeArgs& a, const PrologueArgs& q) {
       if (q.parts[i] == nullptr) return false;
     return true;
   }
+  if (q.kind == Prologue::kNorm)
+    return q.h != nullptr && q.rstd != nullptr && q.gamma != nullptr && q.F > 0 && a.K == q.F;
   const bool gated = q.act1 >= 0;
   if (q.h == nullptr || q.F <= 0 || q.act0 < 0 || q.act0 >= kNumAct || q.act1 >= kNumAct)
     return false;
@@ -307,11 +311,16 @@ template <typename InT>
 cudaError_t LaunchTileAmax(const QuantizeArgs& b, const PrologueArgs& q, cudaStream_t stream) {
   return WithPrologue(q.kind, [&](auto pro) {
     constexpr Prologue kPro = decltype(pro)::value;
-    return WithLoop<InT, kPro>(q, [&](auto loop) {
-      constexpr prologue::ActLoop kLoop = decltype(loop)::value;
-      TileAmaxKernel<InT, kPro, kLoop><<<TileGrid(b), kThreads, 0, stream>>>(b, q);
-      return cudaGetLastError();
-    });
+    // The norm's amax comes from its statistics pass (kernels/normalization.cu).
+    if constexpr (kPro == Prologue::kNorm) {
+      return cudaErrorInvalidValue;
+    } else {
+      return WithLoop<InT, kPro>(q, [&](auto loop) {
+        constexpr prologue::ActLoop kLoop = decltype(loop)::value;
+        TileAmaxKernel<InT, kPro, kLoop><<<TileGrid(b), kThreads, 0, stream>>>(b, q);
+        return cudaGetLastError();
+      });
+    }
   });
 }
 

@@ -1,7 +1,8 @@
 // The elementwise prologue of the fused kernels (kernels/act_quantize.cu):
-// computes a thread's 8x8 values of v = act(h), dact(dz, h) or the
-// concatenation of separate parts from the inputs, one row of 8 at a time.
-// Device code, included by act_quantize.cu (and tile.cuh, for kSub).
+// computes a thread's 8x8 values of v = act(h), dact(dz, h), the
+// concatenation of separate parts, or the normalization of x from its row
+// statistics, from the inputs, one row of 8 at a time. Device code, included
+// by act_quantize.cu, normalization.cu (NormValue) and tile.cuh (for kSub).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -85,7 +86,7 @@ enum class ActLoop : int {
   kRelu,    // act0 = relu, not gated
   kSwiGlu,  // ("silu", "linear"), gated
   kAny,     // any act0/act1, gated or not: runtime switches
-  kNone,    // no activation: Prologue::kConcat
+  kNone,    // no activation: Prologue::kConcat, Prologue::kNorm
 };
 
 // kLoop -> (act0 id or kActAny, gated: 1 yes / 0 no / -1 runtime, act1 id or kActAny).
@@ -102,9 +103,9 @@ struct LoopSpec {
 
 // The specialized loop for `q`, or kAny. 32-bit inputs always take kAny:
 // they are not the hot path and each loop is another set of kernels to
-// compile. kConcat has no activation: kNone.
+// compile. kConcat and kNorm have no activation: kNone.
 inline ActLoop ChooseLoop(const PrologueArgs& q, bool sixteen_bit) {
-  if (q.kind == Prologue::kConcat) return ActLoop::kNone;
+  if (q.kind == Prologue::kConcat || q.kind == Prologue::kNorm) return ActLoop::kNone;
   if (!sixteen_bit) return ActLoop::kAny;
   if (q.act1 < 0) {
     if (q.act0 == kActGelu) return ActLoop::kGelu;
@@ -116,10 +117,7 @@ inline ActLoop ChooseLoop(const PrologueArgs& q, bool sixteen_bit) {
   return ActLoop::kAny;
 }
 
-// Calls emit(i, y) for i = 0..7 in order, where y[j] = v[row + i][col + j] in float32,
-// v being the (M, K) output of the prologue (K = F for kAct, n_act*F for
-// kDAct, n_parts*F for kConcat), and 0 outside it (padding must not raise an
-// amax, and act(0) need not be 0: sigmoid). `q` must match kLoop (ChooseLoop).
+// ComputeRows (at the end of this file) for kAct, kDAct and kConcat.
 //
 // A rolled loop over the rows with the inputs of the next two rows in
 // flight; interior sub-tiles (all but the edges of a large tensor) run it
@@ -131,9 +129,9 @@ inline ActLoop ChooseLoop(const PrologueArgs& q, bool sixteen_bit) {
 // of inputs occupy registers (fully unrolled, the three 8x8 inputs of a gated
 // backward alone need 96 registers and the kernels spilled).
 template <typename InT, Prologue kPro, ActLoop kLoop, typename Emit>
-__device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, int64_t row,
-                                            int64_t col, Emit&& emit) {
-  static_assert(kPro != Prologue::kNone, "needs a prologue");
+__device__ __forceinline__ void ActRows(const PrologueArgs& q, int64_t M, int64_t row,
+                                        int64_t col, Emit&& emit) {
+  static_assert(kPro != Prologue::kNone && kPro != Prologue::kNorm, "an activation prologue");
   constexpr bool kCat = kPro == Prologue::kConcat;
   static_assert(kCat == (kLoop == ActLoop::kNone), "kConcat runs the kNone loop, and only it");
   using Spec = LoopSpec<kLoop>;
@@ -234,5 +232,135 @@ __device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, in
   }
 }
 
+// One value of the kNorm prologue, in the association of
+// te_jax/ops/normalization.py (norm_apply_reference): ((x - mean) * rstd) *
+// gamma + beta, or (x * rstd) * gamma for rmsnorm (`center` false), and
+// without `+ beta` when there is none (adding 0 would turn -0 into +0). Each
+// operation is rounded on its own (no FMA contraction), so NormStatsKernel's
+// amax, the tile kernels and the reference given the same statistics see the
+// same float32 values bit for bit.
+__device__ __forceinline__ float NormValue(float x, float mean, float rstd, float gamma,
+                                           float beta, bool center, bool has_beta) {
+  const float v = __fmul_rn(__fmul_rn(center ? __fsub_rn(x, mean) : x, rstd), gamma);
+  return has_beta ? __fadd_rn(v, beta) : v;
+}
+
+// gamma' (1 + gamma when zero-centered) and beta of columns [col, col + 8)
+// of an F-column normalization (float32 (F,) buffers, beta may be null);
+// 0 past F.
+__device__ __forceinline__ void NormColumns(const float* __restrict__ gamma,
+                                            const float* __restrict__ beta, int zero_centered,
+                                            int64_t F, int64_t col, float (&g)[kSub],
+                                            float (&b)[kSub]) {
+  if (col + kSub <= F && F % 4 == 0) {  // col % 8 == 0: 16-byte aligned float4s
+    const float4* gv = reinterpret_cast<const float4*>(gamma + col);
+    const float4 g0 = __ldg(gv), g1 = __ldg(gv + 1);
+    g[0] = g0.x; g[1] = g0.y; g[2] = g0.z; g[3] = g0.w;
+    g[4] = g1.x; g[5] = g1.y; g[6] = g1.z; g[7] = g1.w;
+    if (beta != nullptr) {
+      const float4* bv = reinterpret_cast<const float4*>(beta + col);
+      const float4 b0 = __ldg(bv), b1 = __ldg(bv + 1);
+      b[0] = b0.x; b[1] = b0.y; b[2] = b0.z; b[3] = b0.w;
+      b[4] = b1.x; b[5] = b1.y; b[6] = b1.z; b[7] = b1.w;
+    } else {
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) b[j] = 0.f;
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      const bool in = col + j < F;
+      g[j] = in ? __ldg(gamma + col + j) : 0.f;
+      b[j] = in && beta != nullptr ? __ldg(beta + col + j) : 0.f;
+    }
+  }
+  if (zero_centered) {
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) g[j] = __fadd_rn(g[j], 1.f);
+  }
+}
+
+// ComputeRows (below) for kNorm: v = NormValue of x = q.h (M, F) with the
+// row statistics q.mean, q.rstd and the column parameters q.gamma, q.beta
+// (a thread's 8 columns are fixed, so those are loaded once). The same
+// rolled row loop as ActRows, with the next two rows (x and statistics) in
+// flight, and the same warp-uniform interior / checked split.
+template <typename InT, typename Emit>
+__device__ __forceinline__ void NormRows(const PrologueArgs& q, int64_t M, int64_t row,
+                                         int64_t col, Emit&& emit) {
+  const int64_t F = q.F;
+  const InT* x = static_cast<const InT*>(q.h);
+  const bool center = q.mean != nullptr;
+  const bool has_beta = q.beta != nullptr;
+  float g[kSub], b[kSub];
+  NormColumns(q.gamma, q.beta, q.zero_centered, F, col, g, b);
+
+  struct Row {
+    RawRow<InT> x;
+    float mean, rstd;
+  };
+  auto loop = [&](auto checked) {
+    constexpr bool kChecked = decltype(checked)::value;
+    const InT* px = x + row * F + col;  // unchecked loads walk down the rows
+    auto load = [&](int i, Row& r) {
+      const int64_t gr = row + i;
+      if constexpr (kChecked) {
+        r.x.Load(x, F, M, gr, col, F);
+        const bool in = gr < M;
+        r.mean = center && in ? __ldg(q.mean + gr) : 0.f;
+        r.rstd = in ? __ldg(q.rstd + gr) : 0.f;
+      } else {
+        r.x.LoadVec(px);
+        px += F;
+        r.mean = center ? __ldg(q.mean + gr) : 0.f;
+        r.rstd = __ldg(q.rstd + gr);
+      }
+    };
+    Row cur, nxt;
+    load(0, cur);
+    load(1, nxt);
+#pragma unroll 1
+    for (int i = 0; i < kSub; ++i) {
+      Row next2;
+      if (i + 2 < kSub) load(i + 2, next2);
+      const bool row_in = row + i < M;
+      float y[kSub];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) {
+        const bool in = !kChecked || (row_in && col + j < F);
+        y[j] = in ? NormValue(cur.x[j], cur.mean, cur.rstd, g[j], b[j], center, has_beta) : 0.f;
+      }
+      emit(i, y);
+      cur = nxt;
+      nxt = next2;
+    }
+  };
+  const bool interior = __all_sync(0xffffffffu, row + kSub <= M && col + kSub <= F &&
+                                                    F % RawRow<InT>::kVec == 0);
+  if (interior) {
+    loop(std::false_type{});
+  } else {
+    loop(std::true_type{});
+  }
+}
+
+// Calls emit(i, y) for i = 0..7 in order, where y[j] = v[row + i][col + j] in float32,
+// v being the (M, K) output of the prologue (K = F for kAct and kNorm,
+// n_act*F for kDAct, n_parts*F for kConcat), and 0 outside it (padding must
+// not raise an amax, and act(0) need not be 0: sigmoid). `q` must match
+// kLoop (ChooseLoop). All 32 lanes of a warp must call it: the row loop runs
+// warp-uniformly, so emit may use warp shuffles.
+template <typename InT, Prologue kPro, ActLoop kLoop, typename Emit>
+__device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, int64_t row,
+                                            int64_t col, Emit&& emit) {
+  if constexpr (kPro == Prologue::kNorm) {
+    static_assert(kLoop == ActLoop::kNone, "kNorm runs the kNone loop");
+    NormRows<InT>(q, M, row, col, emit);
+  } else {
+    ActRows<InT, kPro, kLoop>(q, M, row, col, emit);
+  }
+}
+
 }  // namespace prologue
 }  // namespace te_jax
+

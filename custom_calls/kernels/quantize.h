@@ -18,9 +18,13 @@ enum class Fp8Type : int { kE4M3 = 0, kE5M2 = 1 };
 //   kConcat: v = [parts[0] | parts[1] | ...], (M, n_parts*F), from n_parts
 //            separate (M, F) tensors: the gradients of a fused projection's
 //            outputs (Q, K, V), quantized without being concatenated first.
+//   kNorm:   v = ((h - mean) * rstd) * gamma' + beta (layernorm) or
+//            (h * rstd) * gamma' (rmsnorm: mean == nullptr), (M, F), with
+//            gamma' = gamma or 1 + gamma (zero_centered) and the per-row
+//            statistics mean, rstd computed beforehand (kernels/normalization.cu).
 // h is (M, n_act*F) with h0 = h[:, :F], h1 = h[:, F:] (the layout of a fused
 // up-projection); dz is (M, F). Activations: kernels/activation.h.
-enum class Prologue : int { kNone = 0, kAct = 1, kDAct = 2, kConcat = 3 };
+enum class Prologue : int { kNone = 0, kAct = 1, kDAct = 2, kConcat = 3, kNorm = 4 };
 constexpr int kMaxConcatParts = 4;
 
 // Activation ids (device code: kernels/activation.h), shared with
@@ -83,6 +87,15 @@ struct PrologueArgs {
   // F % 8 == 0 so that a thread's 8 columns lie in one part.
   const void* parts[kMaxConcatParts] = {};
   int n_parts = 0;
+  // kNorm only (h is x (M, F), F the normalized dim): per-row statistics
+  // (M,) (mean null for rmsnorm), gamma (F,) and beta (F,) or null, all
+  // float32; zero_centered != 0: the scale is 1 + gamma. Appended after the
+  // other fields, which keep their offsets.
+  const float* mean = nullptr;
+  const float* rstd = nullptr;
+  const float* gamma = nullptr;
+  const float* beta = nullptr;
+  int zero_centered = 0;
 };
 
 // Launches the tiled quantize (+ transpose) kernel on `stream`. With a

@@ -1,0 +1,97 @@
+"""CUDA custom-call path of ``ops/normalization.py`` (FFI handlers in
+``custom_calls/ffi/normalization.cc``, kernels in
+``custom_calls/kernels/normalization.cu`` and, for the FP8 output, the
+``Prologue::kNorm`` tile kernels of ``act_quantize.cu``).
+
+``norm_quantize`` returns exactly the pytree of the reference: the
+``QuantizedTensor`` (blockwise scales in the LOGICAL layout through the same
+slice/transpose as ``quantize_cuda.py``, which ``gemm_cuda.py`` undoes), the
+mean (None for rmsnorm) and rstd. gamma and beta reach the kernels as
+float32 (an exact conversion). Argument checks live in ``normalization.py``;
+this module assumes them.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_jax.ops.fp8 import QuantizedTensor
+from te_jax.ops.quantize_cuda import native_scale_shapes
+
+__all__ = ["norm_quantize", "norm_backward", "MAX_HIDDEN", "backward_blocks"]
+
+_F32 = jnp.float32
+MAX_HIDDEN = 8192   # custom_calls/kernels/normalization.h: kNormBwdMaxHidden
+# CUDA blocks of the backward kernel: each takes every `blocks`-th row and
+# writes one row of partial dgamma/dbeta sums. 264 = 2 x the H200's 132 SMs
+# (two 512-thread blocks fit per SM at H = 4096); a constant rather than the
+# device's SM count so that results do not depend on the GPU model.
+_BWD_BLOCKS = 264
+
+
+def _sds(shape, dtype):
+  return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+def _f32(a):
+  """float32 copy of an optional (H,) parameter; a (0,) placeholder for None."""
+  return jnp.zeros((0,), _F32) if a is None else a.astype(_F32)
+
+
+def backward_blocks(m: int) -> int:
+  """Number of CUDA blocks (rows of partial sums) of the backward for m rows."""
+  return max(1, min(int(m), _BWD_BLOCKS))
+
+
+def norm_quantize(x, gamma, beta, rms: bool, epsilon: float, zero_centered: bool, mode: str,
+                  dtype, scale, power_2_scale: bool):
+  """(QuantizedTensor of norm(x), mean or None, rstd); see ``normalization.norm_quantize``."""
+  m, h = x.shape
+  stats = (_sds((0,) if rms else (m,), _F32), _sds((m,), _F32))
+  attrs = dict(rmsnorm=np.int64(rms), zero_centered_gamma=np.int64(zero_centered),
+               epsilon=np.float32(epsilon))
+  operands = (x, _f32(gamma), _f32(beta))
+  fp8 = (_sds((m, h), dtype), _sds((h, m), dtype))
+  scalars = (_sds((), _F32), _sds((), _F32))
+
+  def stats_out(mean, rstd):
+    return (None if rms else mean), rstd
+
+  if mode == "tensorwise":
+    data, data_t, scale_inv, amax, mean, rstd = jax.ffi.ffi_call(
+        "te_jax_norm_quantize_tensorwise", fp8 + scalars + stats)(
+            *operands, jnp.asarray(scale, _F32), **attrs)
+    return (QuantizedTensor(data, scale_inv, data_t, scale_inv, amax),) + stats_out(mean, rstd)
+  if mode == "current":
+    data, data_t, scale_inv, amax, mean, rstd = jax.ffi.ffi_call(
+        "te_jax_norm_quantize_current", fp8 + scalars + stats)(
+            *operands, power_2_scale=np.int64(bool(power_2_scale)), **attrs)
+    return (QuantizedTensor(data, scale_inv, data_t, scale_inv, amax),) + stats_out(mean, rstd)
+  # blockwise: 1x128 rowwise, 128x1 for the columnwise copy (= 1x128 of y.T).
+  s_shape, st_shape = native_scale_shapes(m, h, (1, 128))
+  data, s, data_t, st, mean, rstd = jax.ffi.ffi_call(
+      "te_jax_norm_quantize_blockwise",
+      (fp8[0], _sds(s_shape, _F32), fp8[1], _sds(st_shape, _F32)) + stats)(
+          *operands, power_2_scale=np.int64(bool(power_2_scale)), **attrs)
+  q = QuantizedTensor(data, s[:, :m].T, data_t, st[:, :h].T, None, (1, 128))
+  return (q,) + stats_out(mean, rstd)
+
+
+def norm_backward(dy, x, gamma, mean, rstd, zero_centered: bool):
+  """(dx in x.dtype, dgamma and dbeta in gamma.dtype, dbeta None for rmsnorm)."""
+  rms = mean is None
+  m, h = x.shape
+  # The kernel reads both with one element type. Widening to the common type
+  # is exact, and dx (computed in float32) is rounded once, to x.dtype: the
+  # reference's values. Costs an XLA convert pass only for mixed dtypes.
+  common = jnp.promote_types(dy.dtype, x.dtype)
+  blocks = backward_blocks(m)
+  outs = (_sds((m, h), common), _sds((h,), _F32), _sds((0,) if rms else (h,), _F32),
+          _sds((1 if rms else 2, blocks, h), _F32))
+  dx, dgamma, dbeta, _ = jax.ffi.ffi_call("te_jax_norm_backward", outs)(
+      dy.astype(common), x.astype(common), _f32(gamma), _f32(mean), rstd,
+      rmsnorm=np.int64(rms), zero_centered_gamma=np.int64(zero_centered))
+  return (dx.astype(x.dtype), dgamma.astype(gamma.dtype),
+          None if rms else dbeta.astype(gamma.dtype))
