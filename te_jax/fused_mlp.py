@@ -20,6 +20,12 @@ Numerics: ``z`` and ``dh`` are computed in float32 from the bf16 ``h`` and
 quantized directly (the unfused path rounds them to bf16 first), so results
 differ from the unfused path by that rounding only.
 
+With ``norm`` (a ``te_jax.norm_dense.NormParams``) the core is the whole
+pre-norm block ``act(norm(x) @ wi + bi) @ wo + bo``: the norm is fused into
+the quantization of the first GEMM's input and its backward is one kernel
+(``te_jax.norm_dense``; ``te_jax.flax.LayerNormMLP`` uses it), so the
+normalized input is never written in 16 or 32 bits either.
+
 Shapes are not padded here: :func:`supported` says whether a problem can take
 this path (token count a multiple of the recipe's ``token_block``, the other
 dims multiples of 128); ``te_jax.flax.LayerNormMLP`` uses the unfused path
@@ -44,6 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax import dense as dense_lib
+from te_jax import norm_dense
 from te_jax import recipe as recipe_lib
 from te_jax import scaling
 from te_jax.ops import act_quantize as act_op
@@ -57,6 +64,9 @@ class _MlpConfig(NamedTuple):
   activations: Tuple[str, ...]
   has_bi: bool
   has_bo: bool
+  dtype: jnp.dtype                      # GEMM outputs (h, y, and dgrad into a norm)
+  norm: Optional[norm_dense.NormSpec]   # a norm fused into the quantization of x
+  return_norm_output: bool = False      # also output norm(x) in dtype
 
 
 def supported(m: int, k: int, f: int, n: int, recipe: recipe_lib.Recipe,
@@ -69,42 +79,59 @@ def supported(m: int, k: int, f: int, n: int, recipe: recipe_lib.Recipe,
           and n % 128 == 0)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _mlp(x, wi, bi, wo, bo, states, cfg):
-  y, _ = _mlp_fwd(x, wi, bi, wo, bo, states, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
+def _mlp(x, gamma, beta, wi, bi, wo, bo, states, cfg):
+  y, _ = _mlp_fwd(x, gamma, beta, wi, bi, wo, bo, states, cfg)
   return y
 
 
-def _mlp_fwd(x, wi, bi, wo, bo, states, cfg):
+def _mlp_fwd(x, gamma, beta, wi, bi, wo, bo, states, cfg):
   mode, impl = cfg.mode, cfg.impl
   si, so = states
-  qx = mode.quantize(x, "x", si, impl=impl)
+  if cfg.norm is None:
+    qx = mode.quantize(x, "x", si, impl=impl)
+    norm_res = None
+  else:   # norm(x), quantized in the pass that reads x
+    qx, mean, rstd = norm_dense.quantize_normalized(mode, cfg.norm, x, gamma, beta, si, impl)
+    norm_res = (x, gamma, beta, mean, rstd)
   qwi = mode.quantize(wi, "kernel", si, impl=impl)
-  h = mode.gemm("fprop", qx.rowwise(), qwi.columnwise(), out_dtype=x.dtype, bias=bi,
+  h = mode.gemm("fprop", qx.rowwise(), qwi.columnwise(), out_dtype=cfg.dtype, bias=bi,
                 impl=impl)
   # z = act(h) quantized in the pass that reads h: the input of the second GEMM.
   qz = mode.quantize_fused(act_op.act_quantize, "x", so, impl=impl, h=h,
                            activations=cfg.activations)
   qwo = mode.quantize(wo, "kernel", so, impl=impl)
-  y = mode.gemm("fprop", qz.rowwise(), qwo.columnwise(), out_dtype=x.dtype, bias=bo,
+  y = mode.gemm("fprop", qz.rowwise(), qwo.columnwise(), out_dtype=cfg.dtype, bias=bo,
                 impl=impl)
   new = (mode.update_state(si, {"x": qx.amax, "kernel": qwi.amax}),
          mode.update_state(so, {"x": qz.amax, "kernel": qwo.amax}))
   protos = tuple(jnp.zeros((0,), a.dtype) for a in (x, wi, wo))
+  if cfg.return_norm_output:   # elementwise from the statistics: no second reduction
+    y = (y, norm_dense.normalized(cfg.norm, *norm_res).astype(cfg.dtype))
   return y, (qx.columnwise(), qwi.rowwise(), h, qz.columnwise(), qwo.rowwise(), new,
-             protos)
+             protos, norm_res)
 
 
 def _mlp_bwd(cfg, res, g):
   mode, impl = cfg.mode, cfg.impl
-  qx_t, qwi, h, qz_t, qwo, (si, so), (x_p, wi_p, wo_p) = res
+  qx_t, qwi, h, qz_t, qwo, (si, so), (x_p, wi_p, wo_p), norm_res = res
+  g_norm = None
+  if cfg.return_norm_output:
+    g, g_norm = g
   qg = mode.quantize(g, "grad", so, impl=impl)
   dz = mode.gemm("dgrad", qg.rowwise(), qwo, out_dtype=h.dtype, impl=impl)
   dwo = mode.gemm("wgrad", qz_t, qg.columnwise(), out_dtype=wo_p.dtype, impl=impl)
   # dh = dz * act'(h) quantized in the pass that reads dz and h.
   qdh = mode.quantize_fused(act_op.dact_quantize, "grad", si, impl=impl, dz=dz, h=h,
                             activations=cfg.activations)
-  dx = mode.gemm("dgrad", qdh.rowwise(), qwi, out_dtype=x_p.dtype, impl=impl)
+  dgamma = dbeta = None
+  if norm_res is None:
+    dx = mode.gemm("dgrad", qdh.rowwise(), qwi, out_dtype=x_p.dtype, impl=impl)
+  else:   # the gradient of norm(x) (compute dtype, as unfused), then the norm's backward
+    dxn = mode.gemm("dgrad", qdh.rowwise(), qwi, out_dtype=cfg.dtype, impl=impl)
+    if g_norm is not None:   # both uses of norm(x), summed in its dtype
+      dxn = dxn + g_norm.astype(cfg.dtype)
+    dx, dgamma, dbeta = norm_dense.norm_grads(cfg.norm, dxn, *norm_res, impl)
   dwi = mode.gemm("wgrad", qx_t, qdh.columnwise(), out_dtype=wi_p.dtype, impl=impl)
   dbi = dbo = None
   if cfg.has_bi:   # one more pass over dz and h, only when wi has a bias
@@ -114,7 +141,7 @@ def _mlp_bwd(cfg, res, g):
     dbo = jnp.sum(g.astype(jnp.float32), axis=0).astype(g.dtype)
   new_states = (mode.update_state(si, {"grad": qdh.amax}),
                 mode.update_state(so, {"grad": qg.amax}))
-  return dx, dwi, dbi, dwo, dbo, new_states
+  return dx, dgamma, dbeta, dwi, dbi, dwo, dbo, new_states
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
@@ -123,11 +150,12 @@ _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] = None,
             bo: Optional[jax.Array] = None, *, activations: Sequence[str],
             recipe: recipe_lib.Recipe, wi_state=None, wo_state=None,
-            impl: str = "auto") -> jax.Array:
+            impl: str = "auto", norm: Optional[norm_dense.NormParams] = None,
+            dtype=None, return_norm_output: bool = False):
   """``act(x @ wi + bi) @ wo + bo`` with FP8 GEMMs and fused activation-quantize.
 
   Args:
-    x: (M, K) input (bf16/fp16/fp32).
+    x: (M, K) input (bf16/fp16/fp32); with ``norm``, the input of the norm.
     wi: (K, n_act * F) up-projection (any float dtype: quantized from it,
       its gradient returned in it); for two activations the first F columns
       feed ``activations[0]`` and the next F ``activations[1]`` (the gated
@@ -141,9 +169,17 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
       (``fp8_state.init_dense_state``); their updates come back as their
       gradients. None for the other recipes.
     impl: "auto", "cuda" or "reference".
+    norm: optional ``te_jax.norm_dense.NormParams``: the block computes
+      ``act(norm(x) @ wi + bi) @ wo + bo`` with the norm fused into the
+      quantization of x (its gamma and beta get gradients). The shapes must
+      also pass ``te_jax.norm_dense.supported(M, K, recipe)``.
+    dtype: dtype of the output and of the GEMM outputs inside (default
+      ``x.dtype``; with ``norm``, the compute dtype when x comes in another).
+    return_norm_output: with ``norm``, also return ``norm(x)`` (M, K) in
+      ``dtype`` (its gradient goes through the same norm backward).
 
   Returns:
-    (M, N) in ``x.dtype``.
+    (M, N) in ``dtype``, or ``(y, norm(x))`` with ``return_norm_output``.
 
   Raises:
     ValueError: shapes that :func:`supported` rejects, or inconsistent ones.
@@ -166,14 +202,25 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
         f"fp8_mlp takes M % {mode.token_block} == 0 and K, F, N % 128 == 0 with "
         f"activations from {sorted(act_op.ACTIVATIONS)}; got M={m}, K={k}, F={f}, "
         f"N={n}, activations={acts}. Use two te_jax.dense.fp8_dense calls instead.")
+  spec = gamma = beta = None
+  if return_norm_output and norm is None:
+    raise ValueError("return_norm_output=True needs a norm.")
+  if norm is not None:
+    spec = norm_dense.norm_spec(norm.norm_type, norm.epsilon, norm.zero_centered_gamma)
+    gamma, beta = norm.gamma, norm.beta
+    if not norm_dense.supported(m, k, recipe):
+      raise ValueError(f"fp8_mlp with a norm needs te_jax.norm_dense.supported(M={m}, "
+                       f"K={k}), i.e. also K <= {norm_dense.MAX_HIDDEN}.")
   if (wi_state is None) != (wo_state is None):
     raise ValueError("wi_state and wo_state must both be given or both be None.")
   try:
     mode.check_state(wi_state)
   except ValueError as e:  # the states of the two GEMMs: say which arguments
     raise ValueError(f"wi_state and wo_state: {e}") from None
-  cfg = _MlpConfig(mode, impl, acts, bi is not None, bo is not None)
-  cast = lambda b: None if b is None else b.astype(x.dtype)
+  out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
+  cfg = _MlpConfig(mode, impl, acts, bi is not None, bo is not None, out_dtype, spec,
+                   bool(return_norm_output))
+  cast = lambda b: None if b is None else b.astype(out_dtype)
   # The weights are quantized in their own dtype (float32 parameters: one
   # pass, no convert to x.dtype first); their gradients come back in it.
-  return _mlp(x, wi, cast(bi), wo, cast(bo), (wi_state, wo_state), cfg)
+  return _mlp(x, gamma, beta, wi, cast(bi), wo, cast(bo), (wi_state, wo_state), cfg)

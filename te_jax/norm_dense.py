@@ -1,0 +1,248 @@
+"""FP8 norm + dense: ``norm(x) @ kernel (+ bias)`` with the norm fused into the quantization of x.
+
+One ``custom_vjp`` that never writes the normalized input in 16 or 32 bits:
+
+* forward: one pass over ``x`` normalizes it (LayerNorm or RMSNorm) and
+  writes the result in FP8, rowwise for the fprop GEMM and columnwise for
+  the wgrad GEMM, with the row statistics
+  (``ops.normalization.norm_quantize`` through the recipe's
+  ``ScalingMode.quantize_fused``);
+* backward: the dgrad GEMM gives the gradient of the normalized input (in
+  the compute dtype, as the unfused path's), then one kernel computes dx,
+  dgamma and dbeta from it, x and the statistics
+  (``ops.normalization.norm_backward``); wgrad reads the FP8 columnwise
+  copy of the forward.
+
+Residuals: the FP8 x.T and kernel, ``x`` itself (the norm's backward needs
+it, as it does unfused) and two float32 numbers per row. Compared with XLA's
+norm followed by ``te_jax.dense.fp8_dense``: one read of ``x`` and a write
+and read of the normalized input less forward, and the norm's backward in one
+kernel instead of XLA's reductions.
+
+Numerics: the normalized input is computed in float32 exactly as
+``te_jax.flax.norm.apply_norm`` computes it and quantized directly, so the
+result equals the unfused path up to the FP8 rounding of a value that no
+longer goes through the compute dtype first.
+
+Shapes are not padded along the tokens or the normalized dim (a padded row
+would normalize to beta and raise the amax; a padded column would change
+every statistic): :func:`supported` says whether a problem can take this path
+(tokens a multiple of the recipe's ``token_block``, hidden a multiple of 128
+within the CUDA kernels' limit); the output dim is zero-padded as in
+``te_jax.dense``. ``te_jax.flax.LayerNormDenseGeneral`` uses the unfused path
+otherwise.
+
+This module holds no recipe branches: it calls the scaling protocol only.
+
+>>> import jax.numpy as jnp
+>>> from te_jax import norm_dense, recipe
+>>> x = jnp.ones((2, 128, 256), jnp.bfloat16); w = jnp.ones((256, 512), jnp.float32)
+>>> norm_dense.fp8_norm_dense(x, jnp.ones(256), jnp.zeros(256), w, norm_type="layernorm",
+...                           epsilon=1e-6, zero_centered_gamma=False,
+...                           recipe=recipe.Float8BlockScaling()).shape
+(2, 128, 512)
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from te_jax import dense as dense_lib
+from te_jax import recipe as recipe_lib
+from te_jax import scaling
+from te_jax.ops import normalization as norm_op
+
+__all__ = ["NormParams", "NormSpec", "MAX_HIDDEN", "fp8_norm_dense", "supported",
+           "norm_spec", "quantize_normalized", "normalized", "norm_grads"]
+
+# The largest normalized dim the CUDA kernels take (the backward's limit).
+MAX_HIDDEN = norm_op.MAX_CUDA_HIDDEN
+
+
+class NormSpec(NamedTuple):
+  """The static options of a norm (hashable: part of a custom_vjp config)."""
+
+  norm_type: str
+  epsilon: float
+  zero_centered_gamma: bool
+
+
+class NormParams(NamedTuple):
+  """A norm applied to the input of a fused FP8 layer (``te_jax.fused_mlp``).
+
+  Attributes:
+    gamma: (H,) scale, stored as ``gamma - 1`` with ``zero_centered_gamma``.
+    beta: (H,) shift or None (None for rmsnorm).
+    norm_type: "layernorm" or "rmsnorm".
+    epsilon: Python float added to the variance.
+    zero_centered_gamma: Python bool.
+  """
+
+  gamma: jax.Array
+  beta: Optional[jax.Array]
+  norm_type: str
+  epsilon: float
+  zero_centered_gamma: bool
+
+
+def norm_spec(norm_type: str, epsilon: float, zero_centered_gamma: bool) -> NormSpec:
+  """The checked, hashable options (``float(epsilon)``, ``bool(...)``)."""
+  if norm_type not in norm_op.NORM_TYPES:
+    raise ValueError(f"norm_type must be one of {norm_op.NORM_TYPES}, got {norm_type!r}.")
+  try:
+    eps = float(epsilon)
+  except (TypeError, ValueError):
+    raise TypeError(f"epsilon must be a Python float, got {epsilon!r}.") from None
+  return NormSpec(norm_type, eps, bool(zero_centered_gamma))
+
+
+def supported(m: int, k: int, recipe: recipe_lib.Recipe) -> bool:
+  """Whether ``fp8_norm_dense`` (and ``fp8_mlp`` with a norm) takes m tokens of
+  hidden size k unpadded: m a multiple of the recipe's ``token_block``, k a
+  multiple of 128, both within the CUDA kernels' limits
+  (``ops.normalization.norm_supported``)."""
+  return (m % recipe.scaling_mode().token_block == 0 and k % 128 == 0
+          and norm_op.norm_supported(m, k))
+
+
+def quantize_normalized(mode: scaling.ScalingMode, spec: NormSpec, x, gamma, beta, state,
+                        impl: str):
+  """``(qx, mean, rstd)``: norm(x) quantized as the GEMM operand "x" of
+  ``mode`` (both copies), with the statistics ``norm_grads`` takes."""
+  return mode.quantize_fused(norm_op.norm_quantize, "x", state, impl=impl, x=x, gamma=gamma,
+                             beta=beta, norm_type=spec.norm_type, epsilon=spec.epsilon,
+                             zero_centered_gamma=spec.zero_centered_gamma)
+
+
+def normalized(spec: NormSpec, x, gamma, beta, mean, rstd):
+  """norm(x) in float32, elementwise from the statistics ``quantize_normalized``
+  returned (the values it quantized; on the reference path, bit for bit
+  ``te_jax.flax.norm.apply_norm``'s)."""
+  return norm_op.norm_apply_reference(x, gamma, beta, mean, rstd,
+                                      zero_centered_gamma=spec.zero_centered_gamma)
+
+
+def norm_grads(spec: NormSpec, dy, x, gamma, beta, mean, rstd, impl: str):
+  """(dx, dgamma, dbeta or None) of the norm from ``dy``, the gradient of its
+  output, in the dtypes of x, gamma and beta."""
+  dx, dgamma, dbeta = norm_op.norm_backward(dy, x, gamma, mean, rstd,
+                                            norm_type=spec.norm_type,
+                                            zero_centered_gamma=spec.zero_centered_gamma,
+                                            impl=impl)
+  return dx, dgamma, (None if beta is None else dbeta.astype(beta.dtype))
+
+
+class _Config(NamedTuple):
+  mode: scaling.ScalingMode
+  impl: str
+  norm: NormSpec
+  dtype: jnp.dtype          # output, dgrad and norm-output dtype
+  has_bias: bool
+  return_norm_output: bool
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _norm_dense(x, gamma, beta, kernel, bias, state, cfg):
+  out, _ = _norm_dense_fwd(x, gamma, beta, kernel, bias, state, cfg)
+  return out
+
+
+def _norm_dense_fwd(x, gamma, beta, kernel, bias, state, cfg):
+  mode, impl = cfg.mode, cfg.impl
+  qx, mean, rstd = quantize_normalized(mode, cfg.norm, x, gamma, beta, state, impl)
+  qk = mode.quantize(kernel, "kernel", state, impl=impl)
+  y = mode.gemm("fprop", qx.rowwise(), qk.columnwise(), out_dtype=cfg.dtype, bias=bias,
+                impl=impl)
+  new_state = mode.update_state(state, {"x": qx.amax, "kernel": qk.amax})
+  out = y
+  if cfg.return_norm_output:   # elementwise from the statistics: no second reduction
+    out = (y, normalized(cfg.norm, x, gamma, beta, mean, rstd).astype(cfg.dtype))
+  res = (qx.columnwise(), qk.rowwise(), x, gamma, beta, mean, rstd, new_state,
+         jnp.zeros((0,), kernel.dtype))
+  return out, res
+
+
+def _norm_dense_bwd(cfg, res, g):
+  mode, impl = cfg.mode, cfg.impl
+  qx_t, qk, x, gamma, beta, mean, rstd, new_state, k_proto = res
+  g_ln = None
+  if cfg.return_norm_output:
+    g, g_ln = g
+  qg = mode.quantize(g, "grad", new_state, impl=impl)
+  dln = mode.gemm("dgrad", qg.rowwise(), qk, out_dtype=cfg.dtype, impl=impl)
+  if g_ln is not None:   # both uses of the normalized input, summed in its dtype
+    dln = dln + g_ln.astype(cfg.dtype)
+  dk = mode.gemm("wgrad", qx_t, qg.columnwise(), out_dtype=k_proto.dtype, impl=impl)
+  dx, dgamma, dbeta = norm_grads(cfg.norm, dln, x, gamma, beta, mean, rstd, impl)
+  dbias = None
+  if cfg.has_bias:
+    dbias = jnp.sum(g.astype(jnp.float32), axis=0).astype(g.dtype)
+  return dx, dgamma, dbeta, dk, dbias, mode.update_state(new_state, {"grad": qg.amax})
+
+
+_norm_dense.defvjp(_norm_dense_fwd, _norm_dense_bwd)
+
+
+def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
+                   kernel: jax.Array, bias: Optional[jax.Array] = None, *, norm_type: str,
+                   epsilon: float, zero_centered_gamma: bool, recipe: recipe_lib.Recipe,
+                   fp8_state=None, impl: str = "auto", return_norm_output: bool = False,
+                   dtype=None):
+  """``norm(x) @ kernel + bias`` with every GEMM in FP8 and the norm fused into
+  the quantization of its output.
+
+  Args:
+    x: (..., K) float32/bfloat16/float16 input (before the norm).
+    gamma: (K,) norm scale (``gamma - 1`` with ``zero_centered_gamma``).
+    beta: (K,) norm shift, or None (None for rmsnorm).
+    kernel: (K, N) weight, quantized from its own dtype (float32 parameters
+      directly); its gradient comes back in that dtype.
+    bias: optional (N,) bias.
+    norm_type: "layernorm" or "rmsnorm".
+    epsilon: Python float added to the variance (mean square).
+    zero_centered_gamma: the scale is ``1 + gamma``.
+    recipe: a ``te_jax.recipe`` recipe.
+    fp8_state: ``DelayedScaling`` state (``fp8_state.init_dense_state``), its
+      update returned as its gradient; None for the other recipes.
+    impl: "auto", "cuda" or "reference".
+    return_norm_output: also return the normalized input (..., K) in
+      ``dtype`` (computed elementwise from the statistics; its gradient flows
+      back through the same norm backward).
+    dtype: output (and normalized-output) dtype; default ``x.dtype``.
+
+  Returns:
+    (..., N) in ``dtype``, or ``(y, norm_output)`` with ``return_norm_output``.
+
+  Raises:
+    ValueError: shapes :func:`supported` rejects, or inconsistent ones.
+  """
+  mode = dense_lib.scaling_mode_of(recipe)
+  spec = norm_spec(norm_type, epsilon, zero_centered_gamma)
+  if x.ndim < 1 or kernel.ndim != 2 or x.shape[-1] != kernel.shape[0]:
+    raise ValueError(f"x (..., K) and kernel (K, N) must agree on K; got x {x.shape}, "
+                     f"kernel {kernel.shape}.")
+  lead, k = x.shape[:-1], x.shape[-1]
+  x2d = x.reshape(-1, k)
+  m, n = x2d.shape[0], kernel.shape[1]
+  if bias is not None and bias.shape != (n,):
+    raise ValueError(f"bias must have shape ({n},), got {bias.shape}.")
+  if not supported(m, k, recipe):
+    raise ValueError(
+        f"fp8_norm_dense takes tokens % {mode.token_block} == 0 and hidden % 128 == 0, "
+        f"hidden <= {MAX_HIDDEN}; got {m} tokens, hidden {k}. The norm "
+        "cannot be padded (a padded row or column changes the statistics or the amax): "
+        "use te_jax.flax.norm.apply_norm and te_jax.dense.fp8_dense instead.")
+  mode.check_state(fp8_state)
+  out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
+  cfg = _Config(mode, impl, spec, out_dtype, bias is not None, bool(return_norm_output))
+  align = mode.token_block
+  kp = dense_lib.pad_to(kernel, 1, align)
+  bp = None if bias is None else dense_lib.pad_to(bias.astype(out_dtype), 0, align)
+  out = _norm_dense(x2d, gamma, beta, kp, bp, fp8_state, cfg)
+  y, ln = out if return_norm_output else (out, None)
+  y = y[:, :n].reshape(*lead, n)
+  return (y, ln.reshape(x.shape)) if return_norm_output else y
