@@ -127,3 +127,44 @@ def test_gemm_kernel_names():
                "loop_multiply_fusion_2", "input_reduce_fusion",
                "void te_jax::ActQuantizeKernel<__nv_bfloat16, 0, 1>(...)"):
     assert not bench_layer.is_gemm_kernel(name), name
+
+
+# ---------------------------------------------------------- bench_peers.py --
+
+def test_peers_carry_replaces_every_non_params_collection():
+  import bench_peers
+  variables = {"params": {"w": 1}, "fp8_metas": {"s": 1}, "_overwrite_with_gradient": {"a": 1}}
+  grads = {"params": {"w": 9}, "fp8_metas": {"s": 2}, "_overwrite_with_gradient": {"a": 3}}
+  out = bench_peers.carry_state(variables, grads)
+  assert out == {"params": {"w": 1}, "fp8_metas": {"s": 2}, "_overwrite_with_gradient": {"a": 3}}
+
+
+def test_peers_table_ratios_are_against_each_librarys_own_fp8_off_row():
+  import bench_peers
+  row = lambda ms: {"ms": ms, "dx_abs_max": 1e-3, "temp_mib": 10.0}
+  text = bench_peers.table({"mlp": [("te_jax off", row(20.0)), ("te_jax delayed", row(10.0)),
+                                    ("TE-JAX off", row(30.0)), ("TE-JAX delayed", row(12.0)),
+                                    ("Flax x", {"error": "boom"})]}, ["a note"])
+  assert "| mlp | te_jax delayed | 10.000 | 2.000x |" in text
+  assert "| mlp | TE-JAX delayed | 12.000 | 2.500x |" in text
+  assert "failed: boom" in text and "Note: a note" in text
+
+
+def test_peers_te_rows_say_why_when_transformer_engine_is_missing():
+  import bench_peers
+  rows, why = bench_peers.te_rows("mlp", bench_peers.sizes(True))
+  try:
+    import transformer_engine.jax  # noqa: F401  pylint: disable=unused-import
+  except Exception:  # pylint: disable=broad-except
+    assert rows is None and "transformer_engine.jax does not import" in why
+  else:
+    assert [label for label, _, _ in rows] == ["TE-JAX off", "TE-JAX delayed", "TE-JAX current"]
+
+
+def test_peers_rows_time_a_carried_te_jax_step_on_cpu():
+  import bench_peers
+  sz = bench_peers.sizes(True)
+  label, module, ctx = bench_peers.te_jax_rows("mlp", sz)[1]
+  assert label == "te_jax delayed"
+  r = bench_peers.time_row(module, ctx, sz, k=1, repeats=1)
+  assert r["ms"] > 0 and r["dx_abs_max"] > 0 and r["temp_mib"] is not None

@@ -1,0 +1,277 @@
+"""te_jax beside its peers: Transformer Engine for JAX and Flax's FP8 op, one process.
+
+Times training steps of the same two blocks in each library, in one run:
+
+* MLP block: LayerNorm, 4096 -> 16384 gelu -> 4096, plus the residual;
+  x (8, 2048, 4096) bf16;
+* TransformerLayer: hidden 4096, 32 heads, ffn 16384, causal self
+  attention, gelu, no bias, no dropout;
+
+for te_jax (FP8 off, DelayedScaling, Float8CurrentScaling,
+Float8BlockScaling), TE-JAX (off, DelayedScaling, Float8CurrentScaling; when
+``transformer_engine.jax`` imports, else skipped with a note; it has no
+blockwise recipe) and Flax (bf16 and ``Fp8DirectDotGeneralOp``, MLP only).
+Parameters are float32 (each library's default), compute bf16.
+
+Protocol (the issue's, as a user comparing libraries would): a step is
+``jit(value_and_grad(mean(y**2), argnums=(variables, x)))``; every
+non-``params`` collection is replaced by its gradient after each step (what
+``TrainState.apply_gradients`` does for te_jax's and Flax's
+``_overwrite_with_gradient`` and TE-JAX's ``fp8_metas``: the delayed-scaling
+state advances; a frozen state makes gradients underflow and the backward
+GEMMs multiply zeros, which is faster), two inputs alternate, 3 warm-up
+steps, then ``--repeats`` timings of ``--k`` back-to-back steps, median.
+Printed per row: ms per step, the ratio to the same library's FP8-off step,
+max |dx| (0 means a frozen state), and the step's temporary memory from
+``compiled.memory_analysis()``.
+
+Usage::
+
+  python3 benchmarks/bench_peers.py                      # full sizes (H200)
+  python3 benchmarks/bench_peers.py --small --k 2 --repeats 1   # CPU smoke test
+  python3 benchmarks/bench_peers.py --libs te_jax,flax --blocks mlp
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+import te_jax
+from te_jax import flax as tfx
+from te_jax import recipe as recipe_lib
+
+LIBS = ("te_jax", "te", "flax")
+BLOCKS = ("mlp", "layer")
+BF16 = jnp.bfloat16
+
+
+def sizes(small: bool):
+  if small:
+    return dict(batch=2, seq=128, hidden=256, mlp=512, heads=4)
+  return dict(batch=8, seq=2048, hidden=4096, mlp=16384, heads=32)
+
+
+class _Residual(nn.Module):
+  """``x + block(x)`` (blocks that return a tuple give their first entry)."""
+  block: nn.Module
+
+  @nn.compact
+  def __call__(self, x):
+    y = self.block(x)
+    y = y[0] if isinstance(y, tuple) else y
+    return x + y.astype(x.dtype)
+
+
+# ------------------------------------------------------------ the libraries --
+
+def te_jax_rows(block, sz):
+  """[(label, module, autocast context factory)] for te_jax."""
+  recipes = {"off": None, "delayed": recipe_lib.DelayedScaling(),
+             "current": recipe_lib.Float8CurrentScaling(),
+             "blockwise": recipe_lib.Float8BlockScaling()}
+  rows = []
+  for name, r in recipes.items():
+    if block == "mlp":
+      m = _Residual(tfx.LayerNormMLP(intermediate_dim=sz["mlp"], activations=("gelu",),
+                                     dtype=BF16))
+    else:
+      m = tfx.TransformerLayer(sz["hidden"], sz["mlp"], sz["heads"], layer_type="decoder",
+                               activations=("gelu",), dtype=BF16)
+    ctx = lambda r=r: te_jax.fp8_autocast(enabled=r is not None, fp8_recipe=r)
+    rows.append((f"te_jax {name}", m, ctx))
+  return rows
+
+
+def te_rows(block, sz):
+  """The same rows for Transformer Engine for JAX, or (None, reason)."""
+  try:
+    import transformer_engine.jax as te  # pylint: disable=import-outside-toplevel
+    import transformer_engine.jax.flax as te_flax  # pylint: disable=import-outside-toplevel
+    from transformer_engine.common import recipe as te_recipe  # pylint: disable=import-outside-toplevel
+  except Exception as e:  # pylint: disable=broad-except
+    return None, f"transformer_engine.jax does not import here ({type(e).__name__}: {e})"
+  autocast = getattr(te, "autocast", None) or getattr(te, "fp8_autocast")
+  recipes = {"off": None, "delayed": te_recipe.DelayedScaling(),
+             "current": te_recipe.Float8CurrentScaling()}
+  rows = []
+  for name, r in recipes.items():
+    if block == "mlp":
+      m = _Residual(te_flax.LayerNormMLP(intermediate_dim=sz["mlp"], activations=("gelu",),
+                                         dtype=BF16))
+    else:
+      m = te_flax.TransformerLayer(
+          hidden_size=sz["hidden"], mlp_hidden_size=sz["mlp"],
+          num_attention_heads=sz["heads"], layer_type=te_flax.TransformerLayerType.ENCODER,
+          self_attn_mask_type="causal", mlp_activations=("gelu",),
+          enable_relative_embedding=False, hidden_dropout=0.0, attention_dropout=0.0,
+          intermediate_dropout=0.0, dtype=BF16, transpose_batch_sequence=False)
+
+    def ctx(r=r):
+      if r is None:
+        return autocast(enabled=False)
+      try:
+        return autocast(enabled=True, recipe=r)
+      except TypeError:   # older name of the argument
+        return autocast(enabled=True, fp8_recipe=r)
+    rows.append((f"TE-JAX {name}", m, ctx))
+  return rows, ""
+
+
+def flax_rows(block, sz):
+  """Flax's own blocks (MLP only): bf16 and ``Fp8DirectDotGeneralOp``."""
+  if block != "mlp":
+    return []
+  from flax.linen import fp8_ops  # pylint: disable=import-outside-toplevel
+  op = getattr(fp8_ops, "Fp8DirectDotGeneralOp", None) or fp8_ops.Fp8DotGeneralOp
+
+  class FlaxMLP(nn.Module):
+    fp8: bool
+
+    @nn.compact
+    def __call__(self, x):
+      kw = {"dot_general_cls": op} if self.fp8 else {}
+      y = nn.LayerNorm(epsilon=1e-6, dtype=BF16)(x)
+      y = nn.Dense(sz["mlp"], use_bias=False, dtype=BF16, **kw)(y)
+      y = nn.gelu(y, approximate=True)
+      return nn.Dense(sz["hidden"], use_bias=False, dtype=BF16, **kw)(y)
+
+  none = lambda: _NullContext()
+  return [("Flax off", _Residual(FlaxMLP(False)), none),
+          (f"Flax {op.__name__}", _Residual(FlaxMLP(True)), none)]
+
+
+class _NullContext:
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    return False
+
+
+# ------------------------------------------------------------------ timing --
+
+def carry_state(variables, grads):
+  """The next step's variables: every non-``params`` collection is its gradient."""
+  return {k: (v if k == "params" else grads[k]) for k, v in variables.items()}
+
+
+def time_row(module, ctx, sz, k, repeats):
+  """{"ms", "dx_abs_max", "temp_mib"} of one block's training step."""
+  b, s, e = sz["batch"], sz["seq"], sz["hidden"]
+  xs = [jax.random.normal(jax.random.key(i + 1), (b, s, e), BF16) for i in range(2)]
+  rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+  with ctx():
+    variables = nn.unbox(jax.jit(module.init)(rngs, xs[0]))
+    variables = dict(variables)
+
+    def loss(v, x):
+      y = module.apply(v, x, rngs={"dropout": jax.random.key(2)})
+      y = y[0] if isinstance(y, tuple) else y
+      return jnp.mean(jnp.square(y.astype(jnp.float32)))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    compiled = step.lower(variables, xs[0]).compile()
+  temp = None
+  try:
+    temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
+  except Exception:  # pylint: disable=broad-except
+    temp = None
+
+  def run(v, n):
+    out = None
+    for i in range(n):
+      out = compiled(v, xs[i % 2])
+      v = carry_state(v, out[1][0])
+    return v, out
+
+  variables, out = run(variables, 3)
+  jax.block_until_ready(out)
+  times = []
+  for _ in range(repeats):
+    out = None
+    t0 = time.perf_counter()
+    variables, out = run(variables, k)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / k)
+  dx = float(jnp.max(jnp.abs(out[1][1].astype(jnp.float32))))
+  return {"ms": statistics.median(times) * 1e3, "dx_abs_max": dx, "temp_mib": temp}
+
+
+def table(results, notes):
+  """Markdown: ms, ratio to the library's own FP8-off row, max |dx|, temp MiB."""
+  lines = ["| block | row | ms / step | vs own FP8 off | max abs dx | temp MiB |",
+           "|---|---|---|---|---|---|"]
+  for block, rows in results.items():
+    base = {}
+    for label, r in rows:
+      lib = label.split(" ")[0]
+      if label.endswith(" off"):
+        base[lib] = r["ms"]
+    for label, r in rows:
+      lib = label.split(" ")[0]
+      ratio = f"{base[lib] / r['ms']:.3f}x" if lib in base and "ms" in r else "-"
+      if "error" in r:
+        lines.append(f"| {block} | {label} | failed: {r['error'][:80]} | | | |")
+        continue
+      temp = "-" if r["temp_mib"] is None else f"{r['temp_mib']:.0f}"
+      lines.append(f"| {block} | {label} | {r['ms']:.3f} | {ratio} | {r['dx_abs_max']:.3g} "
+                   f"| {temp} |")
+  return "\n".join(lines + [f"\nNote: {n}" for n in notes])
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke test)")
+  p.add_argument("--libs", default=",".join(LIBS), help=f"subset of {LIBS}")
+  p.add_argument("--blocks", default=",".join(BLOCKS), help=f"subset of {BLOCKS}")
+  p.add_argument("--k", type=int, default=10, help="back-to-back steps per timing")
+  p.add_argument("--repeats", type=int, default=5, help="timings; the median is kept")
+  p.add_argument("--json-out", help="also write the results to this JSON file")
+  args = p.parse_args(argv)
+  libs, blocks = args.libs.split(","), args.blocks.split(",")
+  for name, got, allowed in (("--libs", libs, LIBS), ("--blocks", blocks, BLOCKS)):
+    bad = [g for g in got if g not in allowed]
+    if bad:
+      p.error(f"{name}: unknown {bad}; choose from {allowed}")
+  sz = sizes(args.small)
+  notes, results = [], {}
+  for block in blocks:
+    rows = []
+    if "te_jax" in libs:
+      rows += te_jax_rows(block, sz)
+    if "te" in libs:
+      te, why = te_rows(block, sz)
+      if te is not None:
+        rows += te
+      elif why not in notes:
+        notes.append(why)
+    if "flax" in libs:
+      rows += flax_rows(block, sz)
+    results[block] = []
+    for label, module, ctx in rows:
+      try:
+        r = time_row(module, ctx, sz, args.k, args.repeats)
+      except Exception as e:  # pylint: disable=broad-except
+        r = {"error": f"{type(e).__name__}: {e}"}
+      print(json.dumps({"block": block, "row": label, **r}), flush=True)
+      results[block].append((label, r))
+      jax.clear_caches()
+      gc.collect()
+  print(f"\njax {jax.__version__}, {jax.devices()[0].device_kind}, "
+        f"sizes {sz}, k={args.k}, repeats={args.repeats}")
+  print(table(results, notes))
+  if args.json_out:
+    with open(args.json_out, "w", encoding="utf-8") as f:
+      json.dump({"sizes": sz, "results": results, "notes": notes}, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
