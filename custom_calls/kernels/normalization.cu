@@ -20,8 +20,9 @@
 // quantize pass over its bf16 output.
 //
 // Numerics: v and the amax are bit-identical to ops/normalization.py's
-// norm_apply_reference given the same statistics (prologue::NormValue rounds
-// every operation). The statistics are float32 sums in another order than
+// norm_apply_reference given the same statistics (prologue::NormValue
+// follows it operation for operation, with the fused multiply-add XLA forms
+// for `* gamma + beta`). The statistics are float32 sums in another order than
 // XLA's reduction (each lane adds its columns in order, then a butterfly
 // over the warp), and rstd is 1 / sqrt (both IEEE) where XLA:CPU's rsqrt is
 // approximate: they agree with the reference to a few float32 ulps, not bit
@@ -35,7 +36,7 @@
 // order. Reads x and dy once, writes dx once (~3 x 128 MiB at 16384 x 4096
 // bf16: ~0.11 ms expected, not measured). dx differs from the reference only
 // through c1 and c2 (summation order): with equal c1, c2 the formula is the
-// same operation for operation.
+// same operation for operation (u - xhat * c2 fused, as XLA contracts it).
 #include "kernels/normalization.h"
 
 #include <cuda_bf16.h>
@@ -262,7 +263,9 @@ __global__ void __launch_bounds__(kBwdThreads, 1) NormBwdKernel(NormBwdArgs a) {
         const float xh = __fmul_rn(center ? __fsub_rn(xv, mu) : xv, rs);
         const float gv = __fmul_rn(dv, ge[j]);
         const float u = center ? __fsub_rn(gv, c1) : gv;
-        v[j] = __fmul_rn(__fsub_rn(u, __fmul_rn(xh, c2)), rs);
+        // u - xh * c2 as one fused multiply-add, as XLA contracts the
+        // reference's expression.
+        v[j] = __fmul_rn(__fmaf_rn(-xh, c2, u), rs);
       }
       StoreEight(dx + row * H + c, v, H % (16 / sizeof(InT)) == 0 && c + kSub <= H, H - c);
     }

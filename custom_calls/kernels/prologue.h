@@ -232,17 +232,18 @@ __device__ __forceinline__ void ActRows(const PrologueArgs& q, int64_t M, int64_
   }
 }
 
-// One value of the kNorm prologue, in the association of
-// te_jax/ops/normalization.py (norm_apply_reference): ((x - mean) * rstd) *
-// gamma + beta, or (x * rstd) * gamma for rmsnorm (`center` false), and
-// without `+ beta` when there is none (adding 0 would turn -0 into +0). Each
-// operation is rounded on its own (no FMA contraction), so NormStatsKernel's
-// amax, the tile kernels and the reference given the same statistics see the
-// same float32 values bit for bit.
+// One value of the kNorm prologue, as te_jax/ops/normalization.py's
+// norm_apply_reference computes it under XLA: v = (x - mean) * rstd (x * rstd
+// for rmsnorm, `center` false), each operation rounded, then
+// fma(v, gamma, beta): XLA contracts the reference's `v * gamma + beta` into
+// one fused multiply-add (checked on XLA:CPU, where the tests evaluate the
+// reference), and v * gamma without beta (adding 0 would turn -0 into +0).
+// So NormStatsKernel's amax, the tile kernels and the reference given the
+// same statistics see the same float32 values bit for bit.
 __device__ __forceinline__ float NormValue(float x, float mean, float rstd, float gamma,
                                            float beta, bool center, bool has_beta) {
-  const float v = __fmul_rn(__fmul_rn(center ? __fsub_rn(x, mean) : x, rstd), gamma);
-  return has_beta ? __fadd_rn(v, beta) : v;
+  const float v = __fmul_rn(center ? __fsub_rn(x, mean) : x, rstd);
+  return has_beta ? __fmaf_rn(v, gamma, beta) : __fmul_rn(v, gamma);
 }
 
 // gamma' (1 + gamma when zero-centered) and beta of columns [col, col + 8)

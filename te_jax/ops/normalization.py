@@ -151,8 +151,10 @@ def norm_apply_reference(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Arra
   """float32 ``((x - mean) * rstd) * gamma' + beta`` from given statistics
   (``mean`` None: ``(x * rstd) * gamma'``; no ``+ beta`` without beta).
 
-  The formula the CUDA kernels follow operation for operation (each rounded),
-  so with the kernels' statistics this reproduces their values bit for bit.
+  The formula the CUDA kernels follow operation for operation, so with the
+  kernels' statistics this reproduces their values bit for bit: XLA contracts
+  ``y * gamma' + beta`` into one fused multiply-add (as it does in
+  ``apply_norm``), and the kernels compute that step with ``fmaf``.
   """
   x32 = x.astype(_F32)
   xc = x32 if mean is None else x32 - mean[:, None]
