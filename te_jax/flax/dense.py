@@ -10,10 +10,19 @@ Under ``DelayedScaling`` each module keeps its amax histories and scales in
 the variable ``fp8_meta`` of collection ``"_overwrite_with_gradient"``
 (``te_jax.fp8_state.FP8_COLLECTION``); ``TrainState.apply_gradients`` replaces
 it by its "gradient", the updated state. The other recipes keep no state.
+
+``LayerNormDenseGeneral`` in FP8 normalizes and quantizes its input in one
+pass (``te_jax.norm_dense``) when the GEMM is unsharded and the shapes allow
+it (tokens a multiple of the recipe's ``token_block``, embed a multiple of
+128 up to ``te_jax.norm_dense.MAX_HIDDEN``); otherwise the norm runs in XLA
+and its output is quantized separately, and the ``te_jax`` logger says why
+(INFO, once per reason). Both paths use the same variables.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
@@ -21,11 +30,16 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from te_jax import fp8_state as state_lib
+from te_jax import norm_dense
 from te_jax.flax import fp8_module
 from te_jax.flax.norm import apply_norm, norm_params
 
 __all__ = ["DenseGeneral", "LayerNormDenseGeneral", "default_kernel_axes",
-           "declare_and_apply_dense", "kernel_fan_in_init"]
+           "declare_and_apply_dense", "declare_dense", "kernel_fan_in_init",
+           "fused_norm_blocker", "fused_states", "log_unfused_norm"]
+
+_NORM_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -61,24 +75,14 @@ def kernel_fan_in_init(init, n_in, n_out):
   return wrapped
 
 
-def declare_and_apply_dense(module: nn.Module, x: jax.Array, *, settings, features, axis,
-                            use_bias: bool, dtype, param_dtype, kernel_init, bias_init,
-                            kernel_axes, bias_axes, kernel_name: str = "kernel",
-                            bias_name: str = "bias", fp8_name: str = fp8_module.FP8_META,
-                            split_output: bool = False):
-  """Declares the kernel/bias of a DenseGeneral on ``module`` and applies it.
-
-  ``settings``: the ``fp8_module.GemmSettings`` the module read from the
-  autocast for this call.
-  """
+def declare_dense(module: nn.Module, in_shape: Tuple[int, ...], *, features, use_bias: bool,
+                  param_dtype, kernel_init, bias_init, kernel_axes, bias_axes,
+                  kernel_name: str = "kernel", bias_name: str = "bias"):
+  """Declares the kernel (*in_shape, *features) and bias of a DenseGeneral on
+  ``module``; returns (kernel, bias or None, kernel_axes)."""
   features = (features,) if isinstance(features, int) else tuple(features)
-  axis = fp8_module.canonicalize_axes(axis, x.ndim)
-  n_in, n_out = len(axis), len(features)
-  if split_output and n_out < 2:
-    raise ValueError(f"split_output=True unstacks the first of several feature dims; "
-                     f"features={features} has {n_out}. Use features=(n, ...).")
-  in_shape = tuple(x.shape[a] for a in axis)
-  kernel_shape = in_shape + features
+  n_in, n_out = len(in_shape), len(features)
+  kernel_shape = tuple(in_shape) + features
   if kernel_axes is None or len(kernel_axes) == 0:
     kernel_axes = default_kernel_axes(n_in, n_out)
   kernel_axes = tuple(kernel_axes)
@@ -100,6 +104,30 @@ def declare_and_apply_dense(module: nn.Module, x: jax.Array, *, settings, featur
                        f"feature dims {features}.")
     bias = module.param(bias_name, nn.with_logical_partitioning(bias_init, bias_axes),
                         features, param_dtype)
+  return kernel, bias, kernel_axes
+
+
+def declare_and_apply_dense(module: nn.Module, x: jax.Array, *, settings, features, axis,
+                            use_bias: bool, dtype, param_dtype, kernel_init, bias_init,
+                            kernel_axes, bias_axes, kernel_name: str = "kernel",
+                            bias_name: str = "bias", fp8_name: str = fp8_module.FP8_META,
+                            split_output: bool = False):
+  """Declares the kernel/bias of a DenseGeneral on ``module`` and applies it.
+
+  ``settings``: the ``fp8_module.GemmSettings`` the module read from the
+  autocast for this call.
+  """
+  features = (features,) if isinstance(features, int) else tuple(features)
+  axis = fp8_module.canonicalize_axes(axis, x.ndim)
+  n_in, n_out = len(axis), len(features)
+  if split_output and n_out < 2:
+    raise ValueError(f"split_output=True unstacks the first of several feature dims; "
+                     f"features={features} has {n_out}. Use features=(n, ...).")
+  kernel, bias, kernel_axes = declare_dense(
+      module, tuple(x.shape[a] for a in axis), features=features, use_bias=use_bias,
+      param_dtype=param_dtype, kernel_init=kernel_init, bias_init=bias_init,
+      kernel_axes=kernel_axes, bias_axes=bias_axes, kernel_name=kernel_name,
+      bias_name=bias_name)
   compute = dtype if dtype is not None else jnp.result_type(x.dtype, param_dtype)
   # Move the contracting axes to the end, in the order given; the leading
   # (batch) dims are kept as they are (not flattened).
@@ -110,6 +138,57 @@ def declare_and_apply_dense(module: nn.Module, x: jax.Array, *, settings, featur
       module, settings, x.astype(compute), kernel,
       None if bias is None else bias.astype(compute), name=fp8_name,
       contract_ndim=n_in, kernel_axes=kernel_axes, split_output=split_output)
+
+
+# ------------------------------------------------ fused norm + quantize ---
+
+@functools.lru_cache(maxsize=None)
+def log_unfused_norm(module_name: str, reason: str):
+  """Says once per (module class, reason) why the norm was not fused."""
+  logging.getLogger("te_jax").info(
+      "te_jax: %s normalizes in XLA and quantizes the result separately (not the "
+      "fused norm + quantize kernels): %s", module_name, reason)
+
+
+def fused_norm_blocker(settings: fp8_module.GemmSettings, x: jax.Array) -> Optional[str]:
+  """Why the input ``x`` (..., embed) of an FP8 module cannot take the fused
+  norm path (``te_jax.norm_dense``), or None when it can. FP8 must be on."""
+  recipe = settings.recipe
+  if not settings.unsharded():
+    return "its GEMMs are sharded (the fused norm has no sharding rule)"
+  if jnp.dtype(x.dtype) not in _NORM_INPUT_DTYPES:
+    return f"the input is {x.dtype}, not float32, bfloat16 or float16"
+  m, k = math.prod(x.shape[:-1]), x.shape[-1]
+  if not norm_dense.supported(m, k, recipe):
+    return (f"{m} tokens, embed {k}: it needs tokens % "
+            f"{recipe.scaling_mode().token_block} == 0, embed % 128 == 0 and embed <= "
+            f"{norm_dense.MAX_HIDDEN} (a norm cannot be padded)")
+  return None
+
+
+def fused_states(module: nn.Module, settings: fp8_module.GemmSettings, names):
+  """(states, None) for a fused core that calls the functional layer with the
+  FP8 states of the GEMMs ``names`` (the variables two ``fp8_module.fp8_gemm``
+  calls of those names use), or (None, reason) when the module should take
+  the unfused path instead, whose ``fp8_gemm`` then handles them: the
+  variables hold another recipe's state (kept as they are there), or are
+  missing or of another shape (``fp8_gemm`` raises its error there).
+  Declares nothing unless it returns states.
+  """
+  mode = settings.recipe.scaling_mode()
+  coll = state_lib.FP8_COLLECTION
+  have = [module.has_variable(coll, n) for n in names]
+  if not mode.uses_state:
+    if any(have):
+      return None, "it holds FP8 state that the active recipe does not use"
+    return (None,) * len(names), None
+  if not all(have) and not module.is_mutable_collection(coll):
+    return None, "its FP8 state variables are missing"
+  want = jax.tree.map(lambda a: a.shape, jax.eval_shape(mode.init_state))
+  for n, h in zip(names, have):
+    if h and jax.tree.map(lambda a: a.shape, module.get_variable(coll, n)) != want:
+      return None, f"its FP8 state '{n}' does not fit the active recipe"
+  return tuple(module.variable(coll, n, mode.init_state).value for n in names), None
 
 
 class DenseGeneral(nn.Module):
@@ -180,6 +259,14 @@ class LayerNormDenseGeneral(nn.Module):
   ``return_layernorm_output=True`` returns ``(y, ln_out)`` with ``ln_out``
   (..., embed) in the compute dtype.
 
+  In FP8, unsharded and with tokens a multiple of the recipe's
+  ``token_block`` and embed a multiple of 128 (up to
+  ``te_jax.norm_dense.MAX_HIDDEN``), the norm is fused into the quantization
+  of its output and its backward is one kernel (``te_jax.norm_dense``); the
+  normalized input is quantized from float32 rather than from the compute
+  dtype. Otherwise (INFO log once per reason) the norm runs in XLA. Same
+  variables either way.
+
   Parameters (logical axis names):
     ``scale`` (embed,) ``ln_scale_axes`` = ("embed",).
     ``ln_bias`` (embed,) ``ln_bias_axes`` = ("embed",) (layernorm only).
@@ -228,19 +315,57 @@ class LayerNormDenseGeneral(nn.Module):
     """Normalizes, then projects; see the class docstring for shapes."""
     compute = self.dtype if self.dtype is not None else jnp.result_type(
         inputs.dtype, self.param_dtype)
+    settings = fp8_module.read_autocast(self.impl)
     scale, ln_bias = norm_params(
         self, inputs.shape[-1], norm_type=self.layernorm_type,
         zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init,
         bias_init=self.ln_bias_init, axes=tuple(self.ln_scale_axes),
         param_dtype=self.param_dtype, bias_axes=tuple(self.ln_bias_axes))
+    if settings.recipe is not None:
+      blocker = fused_norm_blocker(settings, inputs)
+      if blocker is None:
+        states, blocker = fused_states(self, settings, (fp8_module.FP8_META,))
+      if blocker is None:
+        return _fused_norm_dense(self, inputs, scale, ln_bias, settings, compute, states[0])
+      log_unfused_norm(type(self).__name__, blocker)
     ln_out = apply_norm(inputs, scale, ln_bias, norm_type=self.layernorm_type,
                         epsilon=self.epsilon,
                         zero_centered_gamma=self.zero_centered_gamma, dtype=compute)
     y = declare_and_apply_dense(
-        self, ln_out, settings=fp8_module.read_autocast(self.impl), features=self.features,
+        self, ln_out, settings=settings, features=self.features,
         axis=-1, use_bias=self.use_bias,
         dtype=compute, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
         bias_init=self.bias_init, kernel_axes=self.kernel_axes, bias_axes=self.bias_axes)
     if self.return_layernorm_output:
       return y, ln_out
     return y
+
+
+def _fused_norm_dense(module: LayerNormDenseGeneral, inputs, scale, ln_bias, settings,
+                      compute, state):
+  """LayerNormDenseGeneral's FP8 path through ``te_jax.norm_dense.fp8_norm_dense``.
+
+  Declares the kernel and bias after the norm's parameters, as the unfused
+  path does (Flax derives each parameter's init key from its position).
+  """
+  embed = inputs.shape[-1]
+  features = ((module.features,) if isinstance(module.features, int)
+              else tuple(module.features))
+  kernel, bias, _ = declare_dense(
+      module, (embed,), features=features, use_bias=module.use_bias,
+      param_dtype=module.param_dtype, kernel_init=module.kernel_init,
+      bias_init=module.bias_init, kernel_axes=module.kernel_axes,
+      bias_axes=module.bias_axes)
+  lead = inputs.shape[:-1]
+  out = norm_dense.fp8_norm_dense(
+      inputs.reshape(-1, embed), scale, ln_bias,
+      fp8_module.gemm_kernel(settings, kernel, compute).reshape(embed, -1),
+      None if bias is None else bias.astype(compute).reshape(-1),
+      norm_type=module.layernorm_type, epsilon=module.epsilon,
+      zero_centered_gamma=module.zero_centered_gamma, recipe=settings.recipe,
+      fp8_state=state, impl=settings.impl,
+      return_norm_output=module.return_layernorm_output, dtype=compute)
+  if module.return_layernorm_output:
+    y, ln_out = out
+    return y.reshape(lead + features), ln_out.reshape(inputs.shape)
+  return out.reshape(lead + features)

@@ -11,7 +11,11 @@ peak memory (measured figures: BENCHMARKS.md).
 Otherwise (or with ``fuse_activation_quantize=False``) the block is two FP8
 dense layers around an XLA activation; the two paths use the same
 variables. When the fused core was asked for but cannot run, the ``te_jax``
-logger says why (INFO, once per reason). Gated activations (two entries
+logger says why (INFO, once per reason). The fused core also takes the norm
+(``te_jax.norm_dense``: normalized and quantized in one pass, the norm's
+backward in one kernel) when embed is at most ``te_jax.norm_dense.MAX_HIDDEN``
+and the input is float32/bfloat16/float16; otherwise the norm runs in XLA in
+front of it (also logged). Gated activations (two entries
 such as ``("silu", "linear")`` = SwiGLU or ``("gelu", "linear")`` = GeGLU)
 use one fused up-projection of shape
 (embed, n_act, mlp) computed as a single GEMM; the result is
@@ -30,8 +34,10 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from te_jax import fused_mlp
+from te_jax import norm_dense
 from te_jax.flax import fp8_module
-from te_jax.flax.dense import default_kernel_init, kernel_fan_in_init
+from te_jax.flax.dense import (default_kernel_init, fused_norm_blocker, fused_states,
+                               kernel_fan_in_init, log_unfused_norm)
 from te_jax.flax.norm import apply_norm, norm_params
 from te_jax.ops.act_quantize import ACTIVATIONS
 
@@ -151,9 +157,6 @@ class LayerNormMLP(nn.Module):
         zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init,
         bias_init=self.ln_bias_init, axes=tuple(self.ln_scale_axes),
         bias_axes=tuple(self.ln_bias_axes), param_dtype=self.param_dtype)
-    ln_out = apply_norm(inputs, scale, ln_bias, norm_type=self.layernorm_type,
-                        epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
-                        dtype=compute)
 
     def wi_init(key, shape, dtype=jnp.float32):
       keys = jax.random.split(key, shape[1])
@@ -174,7 +177,7 @@ class LayerNormMLP(nn.Module):
       bo = self.param("wo_bias", nn.with_logical_partitioning(
           self.bias_init, tuple(self.kernel_axes_2[1:])), (embed,), self.param_dtype)
 
-    lead, f = ln_out.shape[:-1], self.intermediate_dim
+    lead, f = inputs.shape[:-1], self.intermediate_dim
     m = math.prod(lead)
     dropout = self.intermediate_dropout_rate > 0.0 and not deterministic
     fused = False
@@ -183,6 +186,31 @@ class LayerNormMLP(nn.Module):
       fused = blocker is None
       if not fused:
         _log_unfused(blocker)
+    names = ("wi_fp8_meta", "wo_fp8_meta")
+    if fused:
+      blocker = fused_norm_blocker(settings, inputs)
+      if blocker is None:
+        states, blocker = fused_states(self, settings, names)
+      if blocker is None:
+        # The whole block as one custom VJP: the norm and the activation each
+        # computed and quantized in one pass, forward and backward.
+        out = fused_mlp.fp8_mlp(
+            inputs.reshape(m, embed), wi.reshape(embed, n_act * f), wo,
+            None if bi is None else bi.astype(compute).reshape(-1),
+            None if bo is None else bo.astype(compute), activations=acts,
+            recipe=settings.recipe, wi_state=states[0], wo_state=states[1],
+            impl=settings.impl, dtype=compute,
+            norm=norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
+                                       self.zero_centered_gamma),
+            return_norm_output=self.return_layernorm_output)
+        if self.return_layernorm_output:
+          return out[0].reshape(*lead, embed), out[1].reshape(inputs.shape)
+        return out.reshape(*lead, embed)
+      log_unfused_norm(type(self).__name__, blocker)
+
+    ln_out = apply_norm(inputs, scale, ln_bias, norm_type=self.layernorm_type,
+                        epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
+                        dtype=compute)
     if fused:
       # One custom VJP for both GEMMs: the activation is computed and
       # quantized in one pass, forward and backward (te_jax.fused_mlp).
