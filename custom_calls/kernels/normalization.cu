@@ -2,9 +2,10 @@
 // ffi/normalization.cc).
 //
 // Forward (norm + FP8 quantize) in two kernels:
-//   1. NormStatsKernel: one warp per row computes mean and rstd (two passes
-//      over the row, the second from L1/L2) and, for current scaling, a
-//      third pass for max|v| of the normalized output v;
+//   1. NormStatsRowKernel: one block per row (H <= 8192) holds the row in
+//      registers and computes mean, rstd and, for current scaling, max|v| of
+//      the normalized output v from them (NormStatsKernel, a warp per row
+//      re-reading the row for each pass, takes larger H);
 //   2. the 128x128-tile quantize kernels of act_quantize.cu with
 //      Prologue::kNorm (prologue::NormRows): each thread computes its 8x8
 //      values of v from x, the row statistics, gamma and beta, and the
@@ -13,11 +14,15 @@
 // Why not one kernel: a 128-row tile does not own whole rows once H > 128,
 // and the statistics need whole rows; a block owning whole rows (128 rows x
 // 4096 bf16 = 1 MB) could not keep them on chip to write the transposed
-// copy. So x is read twice from HBM (statistics, then the tile pass), the
-// statistics' extra passes hit L1/L2, and v is never written in 16 or 32
-// bits. Expected on an H200 at 16384 x 4096 bf16 (not measured): 2 x 128 MiB
-// read + 2 x 64 MiB FP8 written ~ 0.1 ms, vs XLA's LayerNorm (~0.23 ms) plus a
-// quantize pass over its bf16 output.
+// copy. So x is read twice from HBM (statistics, then the tile pass) and v
+// is never written in 16 or 32 bits: 2 x 128 MiB read + 2 x 64 MiB FP8
+// written at 16384 x 4096 bf16. Measured there (H200, 2026-12-02, median of
+// 5 x 20 calls, .nj bench not in the tree): per-tensor 0.165 ms, current
+// 0.193, blockwise 0.181, vs XLA's LayerNorm + the quantize kernel 0.194 /
+// 0.226 (H = 8192: 0.305 / 0.389 / 0.335 vs 0.379 / 0.436). The tile pass
+// is most of it (~0.12 ms, vs ~0.09 ms for QuantizeTileKernel on a bf16
+// input of that size): the prologue's per-row statistics loads are the
+// next thing to look at.
 //
 // Numerics: v and the amax are bit-identical to ops/normalization.py's
 // norm_apply_reference given the same statistics (prologue::NormValue
@@ -34,7 +39,8 @@
 // the dgamma/dbeta partial sums stay in registers over the block's rows and
 // are written once per block, then NormBwdFinalizeKernel sums them in a fixed
 // order. Reads x and dy once, writes dx once (~3 x 128 MiB at 16384 x 4096
-// bf16: ~0.11 ms expected, not measured). dx differs from the reference only
+// bf16): 0.170 ms measured there, vs 0.443 ms for XLA's LayerNorm backward
+// (H = 8192: 0.371 vs 0.855). dx differs from the reference only
 // through c1 and c2 (summation order): with equal c1, c2 the formula is the
 // same operation for operation (u - xhat * c2 fused, as XLA contracts it).
 #include "kernels/normalization.h"
@@ -134,6 +140,94 @@ __global__ void __launch_bounds__(kThreads) NormStatsKernel(NormStatsArgs a) {
   if (a.amax_out != nullptr) {  // block-uniform: every thread reaches the barrier
     const unsigned m = BlockMaxU(__float_as_uint(amax), warp_red);
     if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned*>(a.amax_out), m);
+  }
+}
+
+// One 128-thread block per row for H <= 8192 (every shape the Python op
+// sends: the backward's limit): each thread keeps its kVecs x 8 elements of
+// the row in registers, so x is read from HBM once and the variance and
+// amax passes cost no memory traffic. (Measured on the H200 at 16384 x 4096
+// bf16: the warp-per-row kernel above, re-reading the row for each pass,
+// took about one HBM pass per pass: its L1/L2 hits did not materialize.)
+constexpr int kRowThreads = 128;
+constexpr int64_t kRowKernelMaxH = 8 * kRowThreads * kSub;  // kVecs <= 8
+
+// Sum over the block of one float per thread, in a fixed order (every
+// thread gets the same bits); `red` holds a value per warp and is not
+// reused by the caller afterwards (one __syncthreads).
+__device__ __forceinline__ float RowBlockSum(float v, float* red) {
+  v = WarpSum(v);
+  if (threadIdx.x % 32 == 0) red[threadIdx.x / 32] = v;
+  __syncthreads();
+  float s = 0.f;
+#pragma unroll
+  for (int w = 0; w < kRowThreads / 32; ++w) s = __fadd_rn(s, red[w]);
+  return s;
+}
+
+template <typename InT, int kVecs>
+__global__ void __launch_bounds__(kRowThreads) NormStatsRowKernel(NormStatsArgs a) {
+  __shared__ float red[3][kRowThreads / 32];
+  const int t = threadIdx.x;
+  const int64_t row = blockIdx.x;
+  const int64_t M = a.M, H = a.H;
+  const InT* x = static_cast<const InT*>(a.x);
+  const bool center = a.mean != nullptr;
+  const float h = static_cast<float>(H);
+  auto col = [&](int k) { return (static_cast<int64_t>(k) * kRowThreads + t) * kSub; };
+  RawRow<InT> r[kVecs];
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k)
+    if (col(k) < H) r[k].Load(x, H, M, row, col(k), H);
+
+  float mean = 0.f;
+  if (center) {
+    float s = 0.f;
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k)
+#pragma unroll
+      for (int j = 0; j < kSub; ++j)
+        if (col(k) + j < H) s = __fadd_rn(s, r[k][j]);
+    mean = __fdiv_rn(RowBlockSum(s, red[0]), h);
+  }
+  float ss = 0.f;
+#pragma unroll
+  for (int k = 0; k < kVecs; ++k)
+#pragma unroll
+    for (int j = 0; j < kSub; ++j)
+      if (col(k) + j < H) {
+        const float d = center ? __fsub_rn(r[k][j], mean) : r[k][j];
+        ss = __fmaf_rn(d, d, ss);
+      }
+  const float var = __fdiv_rn(RowBlockSum(ss, red[1]), h);
+  const float rstd = __fdiv_rn(1.f, __fsqrt_rn(__fadd_rn(var, a.epsilon)));
+  if (t == 0) {
+    if (center) a.mean[row] = mean;
+    a.rstd[row] = rstd;
+  }
+  if (a.amax_out != nullptr) {
+    const bool has_beta = a.beta != nullptr;
+    float amax = 0.f;
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      if (col(k) >= H) break;
+      float g[kSub], b[kSub];
+      NormColumns(a.gamma, a.beta, a.zero_centered, H, col(k), g, b);
+#pragma unroll
+      for (int j = 0; j < kSub; ++j)
+        if (col(k) + j < H)
+          amax = MaxAbs(amax, NormValue(r[k][j], mean, rstd, g[j], b[j], center, has_beta));
+    }
+    // Max over the block of the amax bits (NaN, as 0x7FFFFFFF, above +inf).
+    unsigned m = WarpMaxU(__float_as_uint(amax), 32);
+    unsigned* redu = reinterpret_cast<unsigned*>(red[2]);
+    if (t % 32 == 0) redu[t / 32] = m;
+    __syncthreads();
+    if (t == 0) {
+#pragma unroll
+      for (int w = 1; w < kRowThreads / 32; ++w) m = max(m, redu[w]);
+      atomicMax(reinterpret_cast<unsigned*>(a.amax_out), max(m, redu[0]));
+    }
   }
 }
 
@@ -330,6 +424,28 @@ cudaError_t LaunchNormStats(const NormStatsArgs& a, cudaStream_t stream) {
   if (a.M <= 0 || a.H <= 0) return cudaSuccess;
   if (a.x == nullptr || a.rstd == nullptr || (a.amax_out != nullptr && a.gamma == nullptr))
     return cudaErrorInvalidValue;
+  if (a.H <= kRowKernelMaxH) {   // one block per row, the row in registers
+    if (a.M > 2147483647) return cudaErrorInvalidConfiguration;
+    const int64_t vecs = (a.H + kRowThreads * kSub - 1) / (kRowThreads * kSub);
+    const int kv = vecs <= 1 ? 1 : vecs <= 2 ? 2 : vecs <= 4 ? 4 : 8;
+    auto typed = [&](auto in) {
+      using InT = decltype(in);
+      const dim3 grid(static_cast<unsigned>(a.M));
+      switch (kv) {
+        case 1: NormStatsRowKernel<InT, 1><<<grid, kRowThreads, 0, stream>>>(a); break;
+        case 2: NormStatsRowKernel<InT, 2><<<grid, kRowThreads, 0, stream>>>(a); break;
+        case 4: NormStatsRowKernel<InT, 4><<<grid, kRowThreads, 0, stream>>>(a); break;
+        default: NormStatsRowKernel<InT, 8><<<grid, kRowThreads, 0, stream>>>(a); break;
+      }
+      return cudaGetLastError();
+    };
+    switch (a.in) {
+      case InType::kF32: return typed(float{});
+      case InType::kBF16: return typed(__nv_bfloat16{});
+      case InType::kF16: return typed(__half{});
+    }
+    return cudaErrorInvalidValue;
+  }
   const int64_t blocks = (a.M + kStatsRows - 1) / kStatsRows;
   if (blocks > 2147483647) return cudaErrorInvalidConfiguration;
   const dim3 grid(static_cast<unsigned>(blocks));
