@@ -17,7 +17,7 @@
 // copy. So x is read twice from HBM (statistics, then the tile pass) and v
 // is never written in 16 or 32 bits: 2 x 128 MiB read + 2 x 64 MiB FP8
 // written at 16384 x 4096 bf16. Measured there (H200, 2026-12-02, median of
-// 5 x 20 calls, .nj bench not in the tree): per-tensor 0.165 ms, current
+// 5 x 20 jitted calls; a one-off script, not in the tree): per-tensor 0.165 ms, current
 // 0.193, blockwise 0.181, vs XLA's LayerNorm + the quantize kernel 0.194 /
 // 0.226 (H = 8192: 0.305 / 0.389 / 0.335 vs 0.379 / 0.436). The tile pass
 // is most of it (~0.12 ms, vs ~0.09 ms for QuantizeTileKernel on a bf16
