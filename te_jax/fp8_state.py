@@ -4,8 +4,7 @@ Each FP8 GEMM under ``DelayedScaling`` keeps, for its input ``x``, its
 ``kernel`` and its output gradient ``grad``, a dict::
 
   {"amax_history": float32[amax_history_len],  # newest first
-   "scale_inv":    float32[]}                   # 1 / scale used this step;
-                                                # 0 means scale 1
+   "scale":        float32[]}                   # the scale quantizing this step
 
 The state lives in the Flax collection ``FP8_COLLECTION``
 (``"_overwrite_with_gradient"``, the name Flax's own FP8 ops use). The
@@ -15,11 +14,25 @@ backward pass returns the *updated* state as the state's "gradient", so:
   treats that collection as overwrite-with-gradient) -- no extra code;
 * in a plain ``jax.grad`` + optax loop, call :func:`apply_fp8_updates`.
 
-Every leaf of the state merges with ``max`` across microbatches: the newest
-history entry becomes the max of the microbatches' amaxes, and ``scale_inv``
-(monotone in the amax) the max of theirs, which is exactly the state one big
-batch would give. Zeros are the identity of that merge, which is why the
-state stores ``scale_inv`` rather than ``scale``.
+Update rules (Transformer Engine's): the amax of this step is pushed into
+the history; ``scale = fp8_max / reduce(history) / 2**margin``, clamped to
+the float32 max (a tiny amax gives FLT_MAX, never inf); when the reduced
+amax is 0 (a step whose tensor or gradient is all zeros) or this step's
+amax is not finite, the previous scale is kept (recorded in the history as
+0). The scale itself is stored and used to quantize: the GEMM reads
+``1 / scale``, and no ``1 / (1 / scale)`` round trip ever changes it.
+
+A state whose "gradient" came back as zeros (its module's output did not
+reach the loss) has scale 0; that reads as "no scale yet": the module
+quantizes with scale 1 until its next update.
+
+Microbatches merge exactly (:func:`accumulate_gradients`): the histories with
+``max`` (the newest entry becomes the largest microbatch amax) and the scales
+with ``min`` over the positive ones (the scale falls as the amax grows), which
+is the state one big batch would give.
+
+Checkpoints from before 2026-12-02 stored ``scale_inv`` (0 meaning scale 1)
+instead of ``scale``: :func:`migrate_scale_inv` converts such a tree.
 
 Example (plain optax loop with gradient accumulation)::
 
@@ -40,7 +53,7 @@ from typing import Any, Dict
 import jax
 import jax.numpy as jnp
 
-from te_jax.ops.quantize import compute_scale
+from te_jax.ops.quantize import compute_scale, is_positive_amax
 
 __all__ = [
     "FP8_COLLECTION",
@@ -50,6 +63,7 @@ __all__ = [
     "update_tensor_state",
     "accumulate_gradients",
     "apply_fp8_updates",
+    "migrate_scale_inv",
 ]
 
 FP8_COLLECTION = "_overwrite_with_gradient"
@@ -57,9 +71,13 @@ DENSE_TENSORS = ("x", "kernel", "grad")
 
 
 def init_tensor_state(amax_history_len: int) -> Dict[str, jax.Array]:
-  """Fresh state of one tensor: empty history, scale 1."""
+  """Fresh state of one tensor: empty history, scale 1.
+
+  >>> init_tensor_state(2)["scale"].tolist()
+  1.0
+  """
   return {"amax_history": jnp.zeros((amax_history_len,), jnp.float32),
-          "scale_inv": jnp.ones((), jnp.float32)}
+          "scale": jnp.ones((), jnp.float32)}
 
 
 def init_dense_state(amax_history_len: int) -> Dict[str, Dict[str, jax.Array]]:
@@ -68,41 +86,48 @@ def init_dense_state(amax_history_len: int) -> Dict[str, Dict[str, jax.Array]]:
 
 
 def scale_from_state(state) -> jax.Array:
-  """The scale to quantize with this step: ``1 / scale_inv``.
+  """The scale to quantize with this step (float32 scalar).
 
-  A zero or non-finite ``scale_inv`` (a state whose backward pass never ran,
+  A zero or non-finite stored scale (a state whose backward pass never ran,
   so its "gradient" came back as zeros) means scale 1.
   """
-  s_inv = state["scale_inv"]
-  ok = jnp.isfinite(s_inv) & (s_inv > 0)
-  return jnp.where(ok, 1.0 / jnp.where(ok, s_inv, 1.0), 1.0).astype(jnp.float32)
+  s = state["scale"]
+  ok = jnp.isfinite(s) & (s > 0)
+  return jnp.where(ok, s, 1.0).astype(jnp.float32)
 
 
 def update_tensor_state(state, amax: jax.Array, recipe, dtype):
-  """Pushes this step's ``amax`` and recomputes the scale for the next step.
+  """Pushes this step's ``amax`` and computes the scale of the next step.
 
-  A non-finite amax is recorded as 0 and leaves ``scale_inv`` unchanged.
+  Keeps the previous scale when the reduced amax is 0 or ``amax`` is not
+  finite (which the history records as 0); see the module docstring.
+
+  >>> from te_jax import recipe
+  >>> r = recipe.DelayedScaling(amax_history_len=2)
+  >>> st = update_tensor_state(init_tensor_state(2), jnp.float32(2.0), r, jnp.float8_e4m3fn)
+  >>> st["amax_history"].tolist(), st["scale"].tolist()
+  ([2.0, 0.0], 224.0)
+  >>> update_tensor_state(st, jnp.float32(jnp.inf), r, jnp.float8_e4m3fn)["scale"].tolist()
+  224.0
   """
   amax = amax.astype(jnp.float32)
   finite = jnp.isfinite(amax)
-  history = jnp.roll(state["amax_history"], 1).at[0].set(
-      jnp.where(finite, amax, 0.0))
+  history = jnp.roll(state["amax_history"], 1).at[0].set(jnp.where(finite, amax, 0.0))
   if recipe.amax_compute_algo == "max":
     reduced = jnp.max(history)
   else:
     reduced = history[0]
-  scale = compute_scale(reduced, dtype, margin=recipe.margin)
-  # An all-zero history means scale 1, stored as scale_inv 0 (which
-  # scale_from_state reads as 1): storing 1 would break the max-merge, since
-  # 1 / scale is otherwise monotone in the amax and 1 could exceed a real
-  # microbatch's scale_inv.
-  scale_inv = jnp.where(reduced > 0, 1.0 / scale, 0.0)
-  scale_inv = jnp.where(finite, scale_inv, state["scale_inv"])
-  return {"amax_history": history, "scale_inv": scale_inv.astype(jnp.float32)}
+  new = compute_scale(reduced, dtype, margin=recipe.margin)
+  scale = jnp.where(finite & is_positive_amax(reduced), new, scale_from_state(state))
+  return {"amax_history": history, "scale": scale.astype(jnp.float32)}
 
 
-def _merge_max(a, b):
-  return jax.tree.map(jnp.maximum, a, b)
+def _merge(path, a, b):
+  """One leaf of two microbatches' states: ``scale`` by the min of the positive
+  ones (0 is a state that did not run), everything else by max."""
+  if path and getattr(path[-1], "key", None) == "scale":
+    return jnp.where(a > 0, jnp.where(b > 0, jnp.minimum(a, b), a), b)
+  return jnp.maximum(a, b)
 
 
 def accumulate_gradients(acc: Any, grads: Any) -> Any:
@@ -113,12 +138,14 @@ def accumulate_gradients(acc: Any, grads: Any) -> Any:
     grads: gradients of one more microbatch, same structure.
 
   Returns:
-    ``acc + grads`` for parameters; elementwise max for ``FP8_COLLECTION``.
+    ``acc + grads`` for parameters; for ``FP8_COLLECTION`` the exact merge of
+    the module docstring (histories by max, scales by min).
   """
   if isinstance(acc, dict) and FP8_COLLECTION in acc:
     out = {k: jax.tree.map(jnp.add, v, grads[k]) for k, v in acc.items()
            if k != FP8_COLLECTION}
-    out[FP8_COLLECTION] = _merge_max(acc[FP8_COLLECTION], grads[FP8_COLLECTION])
+    out[FP8_COLLECTION] = jax.tree_util.tree_map_with_path(
+        _merge, acc[FP8_COLLECTION], grads[FP8_COLLECTION])
     return out
   return jax.tree.map(jnp.add, acc, grads)
 
@@ -133,3 +160,25 @@ def apply_fp8_updates(variables: Dict[str, Any], grads: Dict[str, Any]) -> Dict[
   out = dict(variables)
   out[FP8_COLLECTION] = grads[FP8_COLLECTION]
   return out
+
+
+def migrate_scale_inv(tree: Any) -> Any:
+  """Converts FP8 state saved before 2026-12-02 to today's layout.
+
+  Every ``{"amax_history": h, "scale_inv": s}`` dict in ``tree`` (a variables
+  dict, a TrainState's params, or the FP8 collection) becomes
+  ``{"amax_history": h, "scale": 1 / s}`` (``scale_inv`` 0 meant scale 1);
+  everything else is returned as it is.
+
+  >>> old = {"x": {"amax_history": jnp.zeros(2), "scale_inv": jnp.float32(0.25)}}
+  >>> migrate_scale_inv(old)["x"]["scale"].tolist()
+  4.0
+  """
+  if isinstance(tree, dict):
+    if set(tree) == {"amax_history", "scale_inv"}:
+      s_inv = jnp.asarray(tree["scale_inv"], jnp.float32)
+      ok = jnp.isfinite(s_inv) & (s_inv > 0)
+      return {"amax_history": tree["amax_history"],
+              "scale": jnp.where(ok, 1.0 / jnp.where(ok, s_inv, 1.0), 1.0)}
+    return type(tree)((k, migrate_scale_inv(v)) for k, v in tree.items())
+  return tree

@@ -59,7 +59,7 @@ from jax import lax
 from te_jax import fp8_state as state_lib
 from te_jax.ops import gemm as gemm_op
 from te_jax.ops import quantize as quantize_op
-from te_jax.ops.fp8 import QuantizedTensor, ScaledTensor
+from te_jax.ops.fp8 import QuantizedTensor, ScaledTensor, nan_scale_inv_if_non_finite
 
 __all__ = ["ROLES", "GEMMS", "ScalingMode", "DelayedScalingMode", "CurrentScalingMode",
            "BlockScalingMode"]
@@ -197,8 +197,8 @@ class DelayedScalingMode(_PerTensorMode):
   def quantize(self, x, role, state=None, *, impl="auto", columnwise=True, amax_axes=()):
     q = quantize_op.quantize_tensorwise(x, self._scale(state, role), self.dtype(role),
                                         columnwise=columnwise, impl=impl)
-    if amax_axes:
-      q = q.replace(amax=lax.pmax(q.amax, tuple(amax_axes)))
+    if amax_axes:  # one amax everywhere, and a non-finite one poisons every shard
+      q = nan_scale_inv_if_non_finite(q.replace(amax=lax.pmax(q.amax, tuple(amax_axes))))
     return q
 
   def quantize_fused(self, op, role, state=None, *, impl="auto", **operands):

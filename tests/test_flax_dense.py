@@ -215,13 +215,13 @@ def test_delayed_state_updates_with_train_state():
   np.testing.assert_allclose(h[1], [amax_x, 0, 0, 0], rtol=1e-6)
   np.testing.assert_allclose(h[2], [amax_x, amax_x, 0, 0], rtol=1e-6)  # shifted
   for t in ("x", "kernel", "grad"):
-    si = [float(s.params[COLL]["fp8_meta"][t]["scale_inv"]) for s in (s0, s1, s2)]
-    assert si[0] == 1.0 and si[1] != 1.0, (t, si)
+    sc = [float(s.params[COLL]["fp8_meta"][t]["scale"]) for s in (s0, s1, s2)]
+    assert sc[0] == 1.0 and sc[1] != 1.0, (t, sc)
     hist = s2.params[COLL]["fp8_meta"][t]["amax_history"]
     assert float(hist[0]) > 0 and float(hist[1]) > 0
-  # scale_inv = amax / fp8_max (HYBRID: E4M3 for x)
-  np.testing.assert_allclose(float(s1.params[COLL]["fp8_meta"]["x"]["scale_inv"]),
-                             amax_x / 448.0, rtol=1e-6)
+  # scale = fp8_max / amax (HYBRID: E4M3 for x)
+  np.testing.assert_allclose(float(s1.params[COLL]["fp8_meta"]["x"]["scale"]),
+                             448.0 / amax_x, rtol=1e-6)
   # params moved too (the state did not swallow the parameter update)
   assert float(jnp.abs(s2.params["params"]["kernel"] - s0.params["params"]["kernel"]).max()) > 0
 

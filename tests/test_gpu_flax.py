@@ -277,8 +277,8 @@ def test_two_layer_model_trains(name):
     assert float(meta["grad"]["amax_history"][0]) > 0
     assert float(meta["grad"]["amax_history"][3]) > 0   # 12 steps filled the history
     for t in ("x", "kernel", "grad"):
-      assert float(meta[t]["scale_inv"]) != float(
-          s0.params[COLL]["layer_1"]["mlp"]["wo_fp8_meta"][t]["scale_inv"]), t
+      assert float(meta[t]["scale"]) != float(
+          s0.params[COLL]["layer_1"]["mlp"]["wo_fp8_meta"][t]["scale"]), t
 
 
 # ---------------------------------------------- CPU arrays on a GPU host --

@@ -128,27 +128,33 @@ def test_power_2_scales_are_powers_of_two_rounded_down():
   assert np.all(scale <= exact) and np.all(scale > exact / 2)
 
 
-def test_blockwise_nonfinite_tiles_get_scale_one_and_others_unaffected():
+def test_blockwise_nonfinite_tiles_are_nan_and_others_unaffected():
+  # An Inf or NaN never saturates into a finite tile (issue 23): the tile's
+  # scale, FP8 values and scale_inv are NaN, so a GEMM reading it is
+  # non-finite; the other tiles are quantized as usual.
   x = np.array(jax.random.normal(jax.random.PRNGKey(3), (2, 256)), np.float32)
   x[0, 3] = np.inf
   x[1, 200] = np.nan
   data, s_inv = q.quantize_blockwise(jnp.asarray(x), (1, 128))
   s_inv = np.asarray(s_inv)
-  assert s_inv[0, 0] == 1.0 and s_inv[1, 1] == 1.0
+  assert np.isnan(s_inv[0, 0]) and np.isnan(s_inv[1, 1])
+  assert np.isfinite(s_inv[0, 1]) and np.isfinite(s_inv[1, 0])
   assert s_inv[0, 1] != 1.0 and s_inv[1, 0] != 1.0
-  assert np.all(np.isfinite(s_inv))
   out = np.asarray(data, np.float32)
-  assert out[0, 3] == 448.0 and np.isnan(out[1, 200])
+  assert np.all(np.isnan(out[0, :128])) and np.all(np.isnan(out[1, 128:]))
+  assert np.all(np.isfinite(out[0, 128:])) and np.all(np.isfinite(out[1, :128]))
 
 
 def test_compute_scale_edge_cases():
-  # 1e-37 is a normal float32 whose exact scale overflows; subnormal amaxes
-  # are flushed to zero by XLA and so count as 0.
-  amax = jnp.array([0.0, jnp.inf, jnp.nan, 1e-37, 2.0, -0.0])
+  # 1e-37 is a normal float32 whose exact scale overflows; 3e-39 is subnormal
+  # (decided on the bits: XLA may flush it to zero).
+  amax = jnp.array([0.0, jnp.inf, jnp.nan, 1e-37, 2.0, -0.0, 3e-39])
   s = np.asarray(q.compute_scale(amax, E4M3))
-  assert s[0] == 1 and s[1] == 1 and s[2] == 1 and s[5] == 1
+  assert s[0] == 1 and s[5] == 1          # amax 0: scale 1
+  assert np.isnan(s[1]) and np.isnan(s[2])  # non-finite amax: NaN, never a silent 1
   assert np.isfinite(s[3]) and s[3] == np.finfo(np.float32).max
   assert s[4] == 224.0
+  assert s[6] == np.finfo(np.float32).max   # subnormal: TE's FLT_MAX, not scale 1
   assert float(q.compute_scale(jnp.float32(2.0), E4M3, margin=2)) == 56.0
 
 

@@ -64,11 +64,11 @@ def test_trainstate_apply_gradients_overwrites_fp8_state():
   amax_x = float(jnp.max(jnp.abs(x)))
   assert hist[0] == pytest.approx(amax_x) and hist[2] == pytest.approx(amax_x)
   assert hist0[1] == 0.0 and hist[3] == 0.0
-  assert float(meta["x"]["scale_inv"]) == pytest.approx(amax_x / 448.0, rel=1e-6)
+  assert float(meta["x"]["scale"]) == pytest.approx(448.0 / amax_x, rel=1e-6)
   # the gradient amax arrived through the backward pass, in E5M2 (HYBRID)
   assert float(meta["grad"]["amax_history"][0]) > 0
   g_max = float(meta["grad"]["amax_history"].max())
-  assert float(meta["grad"]["scale_inv"]) == pytest.approx(g_max / 57344.0, rel=1e-6)
+  assert float(meta["grad"]["scale"]) == pytest.approx(57344.0 / g_max, rel=1e-6)
   # the optimizer never saw the FP8 state
   assert FP8 not in jax.tree_util.tree_structure(state.opt_state).__repr__()
   assert losses[-1] < losses[0]

@@ -40,13 +40,17 @@ __device__ __forceinline__ float MaxAbs(float m, float v) {
   return r;
 }
 
-// compute_scale() of ops/quantize.py.
+// compute_scale() of ops/quantize.py. An amax of 0 gives scale 1; a
+// non-finite amax (an Inf or NaN in the tile or tensor) gives a NaN scale, so
+// every FP8 value of it and its scale_inv are NaN and the GEMM that reads it
+// returns non-finite values, as the unquantized product would: saturation
+// must not turn an Inf into +-fp8_max.
 __device__ __forceinline__ float ComputeScale(float amax, float fp8_max, bool pow2) {
   const bool valid = isfinite(amax) && amax > 0.f;
   float s = fp8_max / (valid ? amax : 1.f);  // IEEE division (-prec-div=true)
   s = fminf(s, FLT_MAX);
   if (pow2) s = __uint_as_float(__float_as_uint(s) & 0xFF800000u);
-  return valid ? s : 1.f;
+  return valid ? s : (isfinite(amax) ? 1.f : __uint_as_float(0x7FC00000u));
 }
 
 __device__ __forceinline__ uint8_t Cast(float v, __nv_fp8_interpretation_t t) {

@@ -111,10 +111,13 @@ def _fp8_state(module: nn.Module, name: str, mode):
   want = jax.tree.map(lambda a: a.shape, jax.eval_shape(mode.init_state))
   got = jax.tree.map(lambda a: a.shape, state)
   if got != want:
+    hint = ("initialize the model with the recipe used for training.")
+    if "scale_inv" in str(got):
+      hint = ("this is the layout of checkpoints from before 2026-12-02 (scale_inv): "
+              "convert the restored variables with te_jax.fp8_state.migrate_scale_inv.")
     raise ValueError(
         f"FP8 state '{name}' has shapes {got} but the active recipe "
-        f"{mode.recipe} needs {want} (e.g. another amax_history_len); initialize "
-        "the model with the recipe used for training.")
+        f"{mode.recipe} needs {want} (e.g. another amax_history_len); {hint}")
   return state
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax.ops.fp8 import QuantizedTensor
+from te_jax.ops.fp8 import QuantizedTensor, nan_scale_inv_if_non_finite
 from te_jax.ops.quantize_cuda import native_scale_shapes
 
 __all__ = ["act_quantize"]
@@ -54,7 +54,8 @@ def act_quantize(h, dz, kernel_ids, mode: str, dtype, scale, power_2_scale: bool
     data, data_t, scale_inv, amax = jax.ffi.ffi_call(
         "te_jax_act_quantize_tensorwise", fp8 + (_sds((), _F32), _sds((), _F32)))(
             h, dz_arg, jnp.asarray(scale, _F32), **attrs)
-    return QuantizedTensor(data, scale_inv, data_t, scale_inv, amax)
+    return nan_scale_inv_if_non_finite(
+        QuantizedTensor(data, scale_inv, data_t, scale_inv, amax))
   if mode == "current":
     data, data_t, scale_inv, amax = jax.ffi.ffi_call(
         "te_jax_act_quantize_current", fp8 + (_sds((), _F32), _sds((), _F32)))(

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax.ops.fp8 import QuantizedTensor
+from te_jax.ops.fp8 import QuantizedTensor, nan_scale_inv_if_non_finite
 from te_jax.ops.quantize_cuda import native_scale_shapes
 
 __all__ = ["concat_quantize"]
@@ -35,7 +35,8 @@ def concat_quantize(parts, mode: str, dtype, scale, power_2_scale: bool):
     data, data_t, scale_inv, amax = jax.ffi.ffi_call(
         "te_jax_concat_quantize_tensorwise", fp8 + (_sds((), _F32), _sds((), _F32)))(
             jnp.asarray(scale, _F32), *parts)
-    return QuantizedTensor(data, scale_inv, data_t, scale_inv, amax)
+    return nan_scale_inv_if_non_finite(
+        QuantizedTensor(data, scale_inv, data_t, scale_inv, amax))
   if mode == "current":
     data, data_t, scale_inv, amax = jax.ffi.ffi_call(
         "te_jax_concat_quantize_current", fp8 + (_sds((), _F32), _sds((), _F32)))(*parts)

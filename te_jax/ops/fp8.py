@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 __all__ = ["FP8_DTYPES", "fp8_max", "ScaledTensor", "QuantizedTensor",
-           "dequantize_blockwise_reference"]
+           "dequantize_blockwise_reference", "nan_scale_inv_if_non_finite"]
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _FP8_MAX = {FP8_DTYPES[0]: 448.0, FP8_DTYPES[1]: 57344.0}
@@ -158,3 +158,19 @@ class QuantizedTensor:
 
   def replace(self, **changes) -> "QuantizedTensor":
     return dataclasses.replace(self, **changes)
+
+
+def nan_scale_inv_if_non_finite(q: QuantizedTensor) -> QuantizedTensor:
+  """``q`` with NaN scale inverses when its (per-tensor) amax is not finite.
+
+  For ops quantizing with a given scale (delayed scaling): the saturating
+  cast turns +-Inf into +-fp8_max, and a NaN scale_inv is what still makes a
+  GEMM that reads the tensor non-finite. Unchanged when ``q.amax`` is None.
+  """
+  if q.amax is None:
+    return q
+  bad = ~jnp.isfinite(q.amax)
+  nan = jnp.float32(jnp.nan)
+  return q.replace(
+      scale_inv=jnp.where(bad, nan, q.scale_inv),
+      scale_inv_t=None if q.scale_inv_t is None else jnp.where(bad, nan, q.scale_inv_t))

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax.ops.fp8 import QuantizedTensor
+from te_jax.ops.fp8 import QuantizedTensor, nan_scale_inv_if_non_finite
 from te_jax.ops.quantize_cuda import native_scale_shapes
 
 __all__ = ["norm_quantize", "norm_backward", "MAX_HIDDEN", "backward_blocks"]
@@ -63,7 +63,8 @@ def norm_quantize(x, gamma, beta, rms: bool, epsilon: float, zero_centered: bool
     data, data_t, scale_inv, amax, mean, rstd = jax.ffi.ffi_call(
         "te_jax_norm_quantize_tensorwise", fp8 + scalars + stats)(
             *operands, jnp.asarray(scale, _F32), **attrs)
-    return (QuantizedTensor(data, scale_inv, data_t, scale_inv, amax),) + stats_out(mean, rstd)
+    q = nan_scale_inv_if_non_finite(QuantizedTensor(data, scale_inv, data_t, scale_inv, amax))
+    return (q,) + stats_out(mean, rstd)
   if mode == "current":
     data, data_t, scale_inv, amax, mean, rstd = jax.ffi.ffi_call(
         "te_jax_norm_quantize_current", fp8 + scalars + stats)(

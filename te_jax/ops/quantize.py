@@ -7,9 +7,12 @@ with the reference bit for bit. Every op returns a
 :class:`~te_jax.ops.fp8.QuantizedTensor`.
 
 Numerics (DESIGN.md): ``q = saturating_cast(x * scale)``, ``scale_inv =
-1 / scale``; a tensor or tile whose amax is 0 or non-finite gets scale 1
-(for per-tensor delayed scaling the caller owns the scale); power-of-2 scales
-are rounded *down*, so ``|x| * scale`` never exceeds the FP8 max.
+1 / scale``; a tensor or tile whose amax is 0 gets scale 1 (for per-tensor
+delayed scaling the caller owns the scale); power-of-2 scales are rounded
+*down*, so ``|x| * scale`` never exceeds the FP8 max. Saturation applies to
+finite values only: a tensor or tile holding an Inf or NaN gets a NaN
+scale_inv (and, where the op derives the scale, NaN data), so the GEMM that
+reads it is non-finite, as the unquantized product would be.
 
 The "columnwise" copy an op can write in the same pass is the quantization of
 ``x.T`` with the same ``block_shape``: for per-tensor scaling and for
@@ -38,11 +41,12 @@ from jax import lax
 from te_jax.ops import _native
 from te_jax.ops import quantize_cuda
 from te_jax.ops.fp8 import (FP8_DTYPES, QuantizedTensor, dequantize_blockwise_reference,
-                            fp8_max, tile)
+                            fp8_max, nan_scale_inv_if_non_finite, tile)
 
 __all__ = [
     "MODES",
     "compute_scale",
+    "is_positive_amax",
     "saturating_cast",
     "round_down_power_of_2",
     "check_mode_args",
@@ -153,26 +157,42 @@ def round_down_power_of_2(scale: jax.Array) -> jax.Array:
   return lax.bitcast_convert_type(bits & jnp.uint32(0xFF800000), jnp.float32)
 
 
+def is_positive_amax(amax: jax.Array) -> jax.Array:
+  """``amax > 0`` and finite, decided on the bits so that a subnormal amax
+  counts as positive even where XLA flushes subnormals to zero."""
+  bits = lax.bitcast_convert_type(amax.astype(jnp.float32), jnp.uint32)
+  return jnp.isfinite(amax) & ((bits & jnp.uint32(0x7FFFFFFF)) != 0) & (bits >> 31 == 0)
+
+
 def compute_scale(amax: jax.Array, dtype, margin: int = 0,
                   power_2_scale: bool = False) -> jax.Array:
-  """``fp8_max / amax / 2**margin``; 1 where amax is 0 or not finite.
+  """``fp8_max / amax / 2**margin``; 1 where amax is 0, NaN where it is not finite.
 
   The result is clipped to the float32 max, so a tiny amax never yields an
-  infinite scale.
+  infinite scale. A NaN scale (the tensor or tile holds an Inf or NaN) makes
+  every FP8 value and the scale_inv NaN, so a GEMM reading them is
+  non-finite, as the unquantized product would be: saturation never hides a
+  non-finite input.
 
   >>> float(compute_scale(jnp.float32(2.0), jnp.float8_e4m3fn))
   224.0
   """
   amax = amax.astype(jnp.float32)
-  valid = jnp.isfinite(amax) & (amax > 0)
-  safe = jnp.where(valid, amax, 1.0)
+  valid = is_positive_amax(amax)
+  # A subnormal amax: fp8_max / amax overflows, so the scale is the float32
+  # max (the kernels, built with -ftz=false, get there by the division; XLA
+  # may flush the subnormal to 0 first, hence the explicit select).
+  subnormal = valid & (jnp.abs(amax) < jnp.float32(np.finfo(np.float32).tiny))
+  safe = jnp.where(valid & ~subnormal, amax, 1.0)
   scale = jnp.float32(fp8_max(dtype)) / safe
   if margin:
     scale = scale / jnp.float32(2.0 ** margin)
   scale = jnp.minimum(scale, jnp.float32(_F32_MAX))
+  scale = jnp.where(subnormal, jnp.float32(_F32_MAX), scale)
   if power_2_scale:
     scale = round_down_power_of_2(scale)
-  return jnp.where(valid, scale, jnp.float32(1.0))
+  return jnp.where(valid, scale, jnp.where(jnp.isfinite(amax), jnp.float32(1.0),
+                                           jnp.float32(jnp.nan)))
 
 
 def _per_tensor(data, scale_inv, amax, columnwise) -> QuantizedTensor:
@@ -183,11 +203,17 @@ def _per_tensor(data, scale_inv, amax, columnwise) -> QuantizedTensor:
 
 def quantize_tensorwise_reference(x: jax.Array, scale: jax.Array, dtype, *,
                                   columnwise: bool = False) -> QuantizedTensor:
-  """``saturating_cast(x * scale)`` with amax ``max|x|`` and scale_inv ``1/scale``."""
+  """``saturating_cast(x * scale)`` with amax ``max|x|`` and scale_inv ``1/scale``.
+
+  The scale is given, so an Inf in ``x`` would saturate to +-fp8_max: where
+  the amax is not finite the scale_inv is NaN instead
+  (``nan_scale_inv_if_non_finite``), which makes the GEMM output non-finite.
+  """
   xf = x.astype(jnp.float32)
   scale = jnp.asarray(scale, jnp.float32)
   data = saturating_cast(xf * scale, dtype)
-  return _per_tensor(data, 1.0 / scale, jnp.max(jnp.abs(xf)), columnwise)
+  return nan_scale_inv_if_non_finite(
+      _per_tensor(data, 1.0 / scale, jnp.max(jnp.abs(xf)), columnwise))
 
 
 def quantize_from_amax_reference(x: jax.Array, amax: jax.Array, dtype, *,

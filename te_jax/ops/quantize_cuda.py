@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax.ops.fp8 import QuantizedTensor
+from te_jax.ops.fp8 import QuantizedTensor, nan_scale_inv_if_non_finite
 
 __all__ = ["quantize_tensorwise", "quantize_current", "quantize_from_amax",
            "quantize_blockwise", "native_scale_shapes"]
@@ -50,7 +50,8 @@ def quantize_tensorwise(x, scale, dtype, columnwise: bool):
   outs = (_sds((m, k), dtype), _sds((k, m) if columnwise else (0, 0), dtype), _sds((), _F32))
   data, data_t, amax = jax.ffi.ffi_call("te_jax_quantize_tensorwise", outs)(
       x, jnp.asarray(scale, _F32), columnwise=np.int64(bool(columnwise)))
-  return _per_tensor(data, 1.0 / jnp.asarray(scale, _F32), data_t, amax, columnwise)
+  return nan_scale_inv_if_non_finite(
+      _per_tensor(data, 1.0 / jnp.asarray(scale, _F32), data_t, amax, columnwise))
 
 
 def _per_tensor(data, scale_inv, data_t, amax, columnwise):
