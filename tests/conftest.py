@@ -11,6 +11,14 @@ def _cuda_available():
     return False
 
 
+@pytest.fixture(params=["reference", pytest.param("cuda", marks=pytest.mark.gpu)])
+def impl(request):
+  """The te_jax ops implementation a module test runs on: the pure-JAX
+  reference everywhere, and the CUDA custom calls under the ``gpu`` marker
+  (skipped where there is none). Modules take it as their ``impl`` attribute."""
+  return request.param
+
+
 def pytest_collection_modifyitems(config, items):
   del config
   if _cuda_available():

@@ -190,9 +190,9 @@ def test_attention_dropout_and_explicit_core():
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_attention_fp8_close_to_fp32(name):
+def test_attention_fp8_close_to_fp32(name, impl):
   x = rand(0, (2, 16, E)); cot = rand(5, (2, 16, E))
-  m = tfx.MultiHeadAttention(H, num_gqa_groups=2, enable_rotary_pos_emb=True)
+  m = tfx.MultiHeadAttention(H, num_gqa_groups=2, enable_rotary_pos_emb=True, impl=impl)
   v = nn.unbox(jax.jit(m.init)(jax.random.key(1), x))
 
   def run(v):

@@ -90,9 +90,9 @@ def test_norm_partition_names():
 
 # ------------------------------------------------------------ DenseGeneral --
 
-def _dense_case(use_bias=True):
+def _dense_case(use_bias=True, impl="auto"):
   x = rand(0, (2, 24, 64))
-  m = tfx.DenseGeneral(96, use_bias=use_bias)
+  m = tfx.DenseGeneral(96, use_bias=use_bias, impl=impl)
   v = nn.unbox(jit_init(m, x))
   if use_bias:
     v["params"]["bias"] = rand(3, (96,)) * 0.1
@@ -145,8 +145,8 @@ def test_dense_partition_names_custom():
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_dense_fp8_close_to_reference(name):
-  m, v, ref_m, x = _dense_case()
+def test_dense_fp8_close_to_reference(name, impl):
+  m, v, ref_m, x = _dense_case(impl=impl)
   cot = rand(7, (2, 24, 96))
   ry, (rgv, rgx) = fwd_and_grads(ref_m, v, x, cot)
   with te_jax.fp8_autocast(enabled=True, fp8_recipe=RECIPES[name]()):

@@ -48,10 +48,10 @@ def reference_mlp(p, x, acts, norm="layernorm"):
   return y
 
 
-def _case(acts, use_bias=False, norm="layernorm"):
+def _case(acts, use_bias=False, norm="layernorm", impl="auto"):
   x = rand(0, (2, 16, 64)) + 0.3
   m = tfx.LayerNormMLP(intermediate_dim=128, activations=acts, use_bias=use_bias,
-                       layernorm_type=norm)
+                       layernorm_type=norm, impl=impl)
   v = nn.unbox(jax.jit(m.init)(jax.random.key(1), x))
   v["params"]["scale"] = v["params"]["scale"] + 0.1 * rand(2, (64,))
   if use_bias:
@@ -92,9 +92,9 @@ def test_mlp_fp8_off_exact(acts, use_bias, norm):
 
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
-def test_mlp_fp8_close_to_reference(name):
+def test_mlp_fp8_close_to_reference(name, impl):
   acts = ("silu", "linear")
-  m, v, x = _case(acts, use_bias=True)
+  m, v, x = _case(acts, use_bias=True, impl=impl)
   cot = rand(9, (2, 16, 64))
   ry, (rgp, rgx) = _run_ref(v["params"], x, cot, acts, "layernorm")
   with te_jax.fp8_autocast(True, RECIPES[name]()):

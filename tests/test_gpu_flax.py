@@ -1,4 +1,10 @@
-"""The te_jax.flax module tests on the CUDA path (H200, ``gpu`` marker).
+"""The te_jax.flax modules on the CUDA path against the CPU reference path (``gpu`` marker).
+
+The module tests themselves (tests/test_flax_dense.py, test_flax_mlp.py,
+test_flax_attention.py) run on both paths through the ``impl`` fixture of
+conftest.py; this file adds what only a GPU host can check: CUDA results
+against the same jitted program on the CPU, the compiled HLO, CPU arrays on
+a GPU host, and training on the CUDA path.
 
 On a GPU every te_jax op resolves ``impl="auto"`` to the CUDA custom calls.
 Each FP8 result is compared with
@@ -46,6 +52,14 @@ FP8_RAN = 1e-2
 # fprop) and bf16 output rounding, and XLA:GPU's ulp-level norm/activation
 # math can move a few FP8 roundings by one step: < 1 % in norm.
 CUDA_TOL = 1e-2
+# Current scaling's output under the fused norm + quantize kernels: the row
+# statistics are summed in another order than XLA:CPU's (mean and rstd agree
+# to 2e-6), which can move the norm output's amax by one bf16 ulp; then the
+# tensor's one scale changes and every FP8 value re-rounds, and with fast
+# accumulation in the forward GEMM that is 2.49% (H200, 2026-12-02,
+# mlp_gelu), against 0.29% with split accumulation. Delayed and blockwise
+# scales do not move that way; the gradients keep CUDA_TOL.
+CURRENT_Y_TOL = 3e-2
 # Amaxes of tensors produced in bf16 (norm output, h, dz) may differ by one
 # bf16 ulp (< 2**-7 relative) between the two paths; the rest are exact.
 STATE_RTOL = 1e-2
@@ -186,7 +200,10 @@ def check_fp8_module(kind, name):
       assert errs[k] < BF16_TOL, errs
   cuda = {"y": rel(y, cy), "x": rel(gx, cgx)}
   cuda.update({k: rel(gv["params"][k], cgv["params"][k]) for k in rgp})
-  assert all(e < CUDA_TOL for e in cuda.values()), cuda
+  tol = dict.fromkeys(cuda, CUDA_TOL)
+  if name == "current":
+    tol["y"] = CURRENT_Y_TOL
+  assert all(e < tol[k] for k, e in cuda.items()), (cuda, tol)
   if name == "delayed":   # the updated FP8 state (the state's "gradient")
     new, cnew = gv[COLL], cgv[COLL]
     assert jax.tree.structure(new) == jax.tree.structure(cnew)

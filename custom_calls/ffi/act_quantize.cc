@@ -33,11 +33,6 @@ ffi::Error Bad(const std::string& msg) {
   return ffi::Error::InvalidArgument("te_jax act_quantize: " + msg);
 }
 
-bool HasDims(const ffi::AnyBuffer& b, int64_t d0, int64_t d1) {
-  auto d = b.dimensions();
-  return d.size() == 2 && d[0] == d0 && d[1] == d1;
-}
-
 // Checks the operands and attributes; fills everything but the scale fields.
 ffi::Error Setup(const ffi::AnyBuffer& h, const ffi::AnyBuffer& dz, const ffi::AnyBuffer& data,
                  const ffi::AnyBuffer& data_t, int64_t backward, int64_t act0, int64_t act1,

@@ -38,11 +38,6 @@ ffi::Error Bad(const std::string& msg) {
   return ffi::Error::InvalidArgument("te_jax normalization: " + msg);
 }
 
-bool HasDims(const ffi::AnyBuffer& b, int64_t d0, int64_t d1) {
-  auto d = b.dimensions();
-  return d.size() == 2 && d[0] == d0 && d[1] == d1;
-}
-
 template <typename B>
 bool IsVector(const B& b, int64_t n) {
   auto d = b.dimensions();

@@ -7,6 +7,12 @@
 
 namespace te_jax {
 
+// Whether buffer ``b`` is 2-D with dimensions (d0, d1).
+inline bool HasDims(const xla::ffi::AnyBuffer& b, int64_t d0, int64_t d1) {
+  auto d = b.dimensions();
+  return d.size() == 2 && d[0] == d0 && d[1] == d1;
+}
+
 inline xla::ffi::Error GetInType(const xla::ffi::AnyBuffer& x, InType* out, const char* what) {
   namespace ffi = xla::ffi;
   switch (x.element_type()) {

@@ -297,8 +297,14 @@ def _as_2d(x):
   return x if x.ndim == 2 else x.reshape(-1, x.shape[-1] if x.ndim else 1)
 
 
-def _reshaped(q: QuantizedTensor, shape) -> QuantizedTensor:
-  return q.replace(data=q.data.reshape(shape))
+def _dispatch_per_tensor(x, columnwise, impl, cuda_op, reference_op, *args):
+  """``cuda_op(2-D view of x, *args, columnwise)`` or ``reference_op(x, *args,
+  columnwise=)``: the per-tensor kernels take the (rows, last dim) view, the
+  data comes back in ``x``'s shape."""
+  def cuda():
+    q = cuda_op(_as_2d(x), *args, columnwise)
+    return q.replace(data=q.data.reshape(x.shape))
+  return _native.dispatch(impl, cuda, lambda: reference_op(x, *args, columnwise=columnwise))
 
 
 def quantize_tensorwise(x: jax.Array, scale: jax.Array, dtype=jnp.float8_e4m3fn,
@@ -321,11 +327,8 @@ def quantize_tensorwise(x: jax.Array, scale: jax.Array, dtype=jnp.float8_e4m3fn,
   dtype = check_fp8_dtype(dtype)
   scale = _check_scalar(scale, "scale")
 
-  def cuda():
-    return _reshaped(quantize_cuda.quantize_tensorwise(_as_2d(x), scale, dtype, columnwise),
-                     x.shape)
-  return _native.dispatch(impl, cuda, lambda: quantize_tensorwise_reference(
-      x, scale, dtype, columnwise=columnwise))
+  return _dispatch_per_tensor(x, columnwise, impl, quantize_cuda.quantize_tensorwise,
+                              quantize_tensorwise_reference, scale, dtype)
 
 
 def quantize_current(x: jax.Array, dtype=jnp.float8_e4m3fn, *,
@@ -338,10 +341,8 @@ def quantize_current(x: jax.Array, dtype=jnp.float8_e4m3fn, *,
   check_input(x, "x", 2 if columnwise else None)
   dtype = check_fp8_dtype(dtype)
 
-  def cuda():
-    return _reshaped(quantize_cuda.quantize_current(_as_2d(x), dtype, columnwise), x.shape)
-  return _native.dispatch(impl, cuda, lambda: quantize_current_reference(
-      x, dtype, columnwise=columnwise))
+  return _dispatch_per_tensor(x, columnwise, impl, quantize_cuda.quantize_current,
+                              quantize_current_reference, dtype)
 
 
 def quantize_from_amax(x: jax.Array, amax: jax.Array, dtype=jnp.float8_e4m3fn, *,
@@ -367,11 +368,8 @@ def quantize_from_amax(x: jax.Array, amax: jax.Array, dtype=jnp.float8_e4m3fn, *
   dtype = check_fp8_dtype(dtype)
   amax = _check_scalar(amax, "amax")
 
-  def cuda():
-    return _reshaped(quantize_cuda.quantize_from_amax(_as_2d(x), amax, dtype, columnwise),
-                     x.shape)
-  return _native.dispatch(impl, cuda, lambda: quantize_from_amax_reference(
-      x, amax, dtype, columnwise=columnwise))
+  return _dispatch_per_tensor(x, columnwise, impl, quantize_cuda.quantize_from_amax,
+                              quantize_from_amax_reference, amax, dtype)
 
 
 def quantize_blockwise(x: jax.Array, block_shape=(1, 128), dtype=jnp.float8_e4m3fn,
