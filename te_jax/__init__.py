@@ -6,6 +6,7 @@ from te_jax import fp8_state
 from te_jax import packing
 from te_jax import quantize
 from te_jax import recipe
+from te_jax import remat
 from te_jax import scaling
 from te_jax import sharded_dense
 from te_jax import sharding
@@ -23,6 +24,7 @@ __all__ = [
     "packing",
     "quantize",
     "recipe",
+    "remat",
     "scaling",
     "sharded_dense",
     "sharding",

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from te_jax import recipe as recipe_lib
+from te_jax import remat
 from te_jax import scaling
 from te_jax import sharded_dense
 from te_jax import sharding as sharding_lib
@@ -134,7 +135,7 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
         x, kernel, bias, recipe=recipe, fp8_state=fp8_state, impl=impl,
         kernel_axes=kernel_axes, mesh_resource=mesh_resource, mesh=mesh)
     if y is not None:
-      return y
+      return remat.tag_fp8_gemm(y)
   return _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, 1)[0]
 
 
@@ -161,7 +162,8 @@ def scaling_mode_of(recipe) -> scaling.ScalingMode:
 
 
 def _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, num_splits):
-  """The padded 2-D custom-VJP dense; a tuple of ``num_splits`` outputs."""
+  """The padded 2-D custom-VJP dense; a tuple of ``num_splits`` outputs, named
+  for ``te_jax.remat``'s policies."""
   lead, k = x.shape[:-1], x.shape[-1]
   x2d = x.reshape(-1, k)
   m, n = x2d.shape[0], kernel.shape[1]
@@ -172,9 +174,9 @@ def _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, num_splits):
   cfg = _Config(mode, impl, bias is not None, num_splits)
   y = _dense_2d(xp, kp, bp, fp8_state, cfg)
   if num_splits == 1:
-    return (y[:m, :n].reshape(*lead, n),)
+    return (remat.tag_fp8_gemm(y[:m, :n].reshape(*lead, n)),)
   f = n // num_splits   # no column padding here: fp8_dense_split checked
-  return tuple(part[:m].reshape(*lead, f) for part in y)
+  return tuple(remat.tag_fp8_gemm(part[:m].reshape(*lead, f)) for part in y)
 
 
 def fp8_dense_split(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 from te_jax import dense as dense_lib
 from te_jax import norm_dense
 from te_jax import recipe as recipe_lib
+from te_jax import remat
 from te_jax import scaling
 from te_jax.ops import act_quantize as act_op
 
@@ -223,4 +224,7 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
   cast = lambda b: None if b is None else b.astype(out_dtype)
   # The weights are quantized in their own dtype (float32 parameters: one
   # pass, no convert to x.dtype first); their gradients come back in it.
-  return _mlp(x, gamma, beta, wi, cast(bi), wo, cast(bo), (wi_state, wo_state), cfg)
+  out = _mlp(x, gamma, beta, wi, cast(bi), wo, cast(bo), (wi_state, wo_state), cfg)
+  if return_norm_output:   # the block output is named for te_jax.remat's policies
+    return remat.tag_fp8_gemm(out[0]), out[1]
+  return remat.tag_fp8_gemm(out)

@@ -53,6 +53,7 @@ import jax.numpy as jnp
 
 from te_jax import dense as dense_lib
 from te_jax import recipe as recipe_lib
+from te_jax import remat
 from te_jax import scaling
 from te_jax.ops import normalization as norm_op
 
@@ -244,5 +245,5 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
   bp = None if bias is None else dense_lib.pad_to(bias.astype(out_dtype), 0, align)
   out = _norm_dense(x2d, gamma, beta, kp, bp, fp8_state, cfg)
   y, ln = out if return_norm_output else (out, None)
-  y = y[:, :n].reshape(*lead, n)
+  y = remat.tag_fp8_gemm(y[:, :n].reshape(*lead, n))   # for te_jax.remat's policies
   return (y, ln.reshape(x.shape)) if return_norm_output else y

@@ -17,10 +17,15 @@ first call of a jitted step) must run inside the autocast. Under
 ``DelayedScaling`` the variables hold a collection ``"_overwrite_with_gradient"``
 (``te_jax.fp8_state.FP8_COLLECTION``) that ``TrainState.apply_gradients``
 updates by itself.
+
+``Fp8DotGeneral`` puts an existing Flax model's ``nn.Dense`` / ``nn.DenseGeneral``
+in FP8 without changing its parameters: ``nn.Dense(features,
+dot_general_cls=tfx.Fp8DotGeneral)``; ``Fp8Einsum`` does the same for an einsum.
 """
 
 from te_jax.flax.norm import LayerNorm, RMSNorm
 from te_jax.flax.dense import DenseGeneral, LayerNormDenseGeneral
+from te_jax.flax.dot_general import Fp8DotGeneral, Fp8Einsum
 from te_jax.flax.mlp import LayerNormMLP
 from te_jax.flax.attention import MultiHeadAttention
 from te_jax.flax.transformer import TransformerLayer
@@ -30,6 +35,8 @@ __all__ = [
     "RMSNorm",
     "DenseGeneral",
     "LayerNormDenseGeneral",
+    "Fp8DotGeneral",
+    "Fp8Einsum",
     "LayerNormMLP",
     "MultiHeadAttention",
     "TransformerLayer",

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence, Tuple, Union
 import jax
 import jax.numpy as jnp
 import flax.linen as nn
+from flax.core import meta
 
 from te_jax import fp8_state as state_lib
 from te_jax import norm_dense
@@ -37,6 +38,7 @@ from te_jax.flax.norm import apply_norm, norm_params
 
 __all__ = ["DenseGeneral", "LayerNormDenseGeneral", "default_kernel_axes",
            "declare_and_apply_dense", "declare_dense", "kernel_fan_in_init",
+           "logical_partitioning_of", "unboxed", "resolve_param_axes",
            "fused_norm_blocker", "fused_states", "log_unfused_norm"]
 
 _NORM_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -68,11 +70,85 @@ def default_kernel_axes(n_in: int, n_out: int) -> Tuple[str, ...]:
 
 
 def kernel_fan_in_init(init, n_in, n_out):
-  """Wraps ``init`` so fan-in/out are computed on the 2-D view of the kernel."""
+  """Wraps ``init`` so fan-in/out are computed on the 2-D view of the kernel
+  (an ``init`` wrapped in ``nn.with_logical_partitioning`` is unboxed: the
+  caller boxes the result with the resolved names, :func:`resolve_param_axes`)."""
   def wrapped(key, shape, dtype=jnp.float32):
     flat = (math.prod(shape[:n_in]), math.prod(shape[n_in:]))
-    return jnp.reshape(init(key, flat, dtype), shape)
+    return jnp.reshape(unboxed(init(key, flat, dtype)), shape)
   return wrapped
+
+
+# ------------------------------------- initializers with logical names ---
+# Flax's idiom nn.with_logical_partitioning(init, names) is accepted as an
+# initializer: the names become the parameter's logical axes when the module
+# was not given its own; an explicit, different set of names is an error.
+
+def unboxed(value):
+  """``value`` without a Flax metadata box (no sharding constraint applied)."""
+  if isinstance(value, meta.Partitioned):
+    return value.unbox(apply_constraint=False)
+  if isinstance(value, meta.AxisMetadata):
+    return value.unbox()
+  return value
+
+
+def logical_partitioning_of(init, shape, dtype, *, arg: str = "kernel_init"):
+  """The ``nn.LogicallyPartitioned`` box ``init(key, shape, dtype)`` returns
+  (``nn.with_logical_partitioning(fn, names)``), or None for a plain
+  initializer. Traced with ``jax.eval_shape``: nothing is computed.
+
+  Raises:
+    TypeError: ``init`` returns another metadata box (``nn.with_partitioning``
+      names mesh axes, which te_jax's logical axis rules cannot take).
+
+  >>> import flax.linen as nn, jax.numpy as jnp
+  >>> init = nn.with_logical_partitioning(nn.initializers.lecun_normal(), ("embed", "mlp"))
+  >>> logical_partitioning_of(init, (4, 8), jnp.float32).names
+  ('embed', 'mlp')
+  """
+  out = jax.eval_shape(lambda: init(jax.random.key(0), shape, dtype))
+  if isinstance(out, nn.LogicallyPartitioned):
+    return out
+  if isinstance(out, meta.AxisMetadata):
+    raise TypeError(
+        f"{arg} returns a {type(out).__name__} box; te_jax modules take logical axis "
+        f"names: wrap the initializer in nn.with_logical_partitioning(init, names), or "
+        f"pass it unwrapped and set the module's axis names.")
+  return None
+
+
+def resolve_param_axes(init, init_shape, dtype, param_shape, axes, default_axes, *,
+                       arg: str, axes_arg: str, param: str):
+  """(logical names, extra ``nn.with_logical_partitioning`` kwargs) of a parameter.
+
+  Args:
+    init: the initializer, possibly wrapped in ``nn.with_logical_partitioning``.
+    init_shape: the shape the module calls ``init`` with (e.g. the 2-D view).
+    dtype: the parameter dtype.
+    param_shape: the parameter's shape (one name per dim).
+    axes: the module's names attribute (empty or None: not given).
+    default_axes: the names used when neither ``axes`` nor the wrapper gives any.
+    arg, axes_arg, param: the attribute and parameter names for errors.
+
+  The wrapper's names win over ``default_axes``; an ``axes`` that differs
+  from them raises a ValueError (the module cannot tell which one is meant).
+  """
+  box = logical_partitioning_of(init, init_shape, dtype, arg=arg)
+  given = tuple(axes) if axes else None
+  if box is None:
+    return (given if given is not None else tuple(default_axes)), {}
+  names = tuple(box.names)
+  if len(names) != len(param_shape):
+    raise ValueError(
+        f"{arg} is wrapped in nn.with_logical_partitioning with names {names}, but the "
+        f"parameter '{param}' has shape {tuple(param_shape)}: give one name per dim.")
+  if given is not None and given != names:
+    raise ValueError(
+        f"{arg} is wrapped in nn.with_logical_partitioning with names {names}, but "
+        f"{axes_arg}={given} names the parameter '{param}' differently. Keep one of "
+        f"them: drop {axes_arg}, or pass the initializer unwrapped.")
+  return names, {"mesh": box.mesh, "rules": box.rules}
 
 
 def declare_dense(module: nn.Module, in_shape: Tuple[int, ...], *, features, use_bias: bool,
@@ -83,27 +159,29 @@ def declare_dense(module: nn.Module, in_shape: Tuple[int, ...], *, features, use
   features = (features,) if isinstance(features, int) else tuple(features)
   n_in, n_out = len(in_shape), len(features)
   kernel_shape = tuple(in_shape) + features
-  if kernel_axes is None or len(kernel_axes) == 0:
-    kernel_axes = default_kernel_axes(n_in, n_out)
-  kernel_axes = tuple(kernel_axes)
+  flat = (math.prod(in_shape), math.prod(features))
+  kernel_axes, box_kw = resolve_param_axes(
+      kernel_init, flat, param_dtype, kernel_shape, kernel_axes,
+      default_kernel_axes(n_in, n_out), arg="kernel_init", axes_arg="kernel_axes",
+      param=kernel_name)
   if len(kernel_axes) != len(kernel_shape):
     raise ValueError(f"kernel_axes {kernel_axes} must name each of the "
                      f"{len(kernel_shape)} kernel dims {kernel_shape}.")
   kernel = module.param(
       kernel_name,
       nn.with_logical_partitioning(kernel_fan_in_init(kernel_init, n_in, n_out),
-                                   kernel_axes),
+                                   kernel_axes, **box_kw),
       kernel_shape, param_dtype)
   bias = None
   if use_bias:
-    if bias_axes is None or len(bias_axes) == 0:
-      bias_axes = kernel_axes[n_in:]
-    bias_axes = tuple(bias_axes)
+    bias_axes, box_kw = resolve_param_axes(
+        bias_init, features, param_dtype, features, bias_axes, kernel_axes[n_in:],
+        arg="bias_init", axes_arg="bias_axes", param=bias_name)
     if len(bias_axes) != n_out:
       raise ValueError(f"bias_axes {bias_axes} must name each of the {n_out} "
                        f"feature dims {features}.")
-    bias = module.param(bias_name, nn.with_logical_partitioning(bias_init, bias_axes),
-                        features, param_dtype)
+    bias = module.param(bias_name, nn.with_logical_partitioning(
+        lambda *a: unboxed(bias_init(*a)), bias_axes, **box_kw), features, param_dtype)
   return kernel, bias, kernel_axes
 
 
@@ -217,7 +295,11 @@ class DenseGeneral(nn.Module):
     dtype: compute/output dtype; None (default) promotes input and param dtype.
     param_dtype: dtype of the parameters (default float32).
     kernel_init: initializer of the kernel, applied to its 2-D (in, out) view
-      (default variance scaling 1.0, fan-in, truncated normal).
+      (default variance scaling 1.0, fan-in, truncated normal). It may be
+      wrapped in ``nn.with_logical_partitioning(init, names)`` (Flax's idiom,
+      one name per kernel dim): the names then replace the default
+      ``kernel_axes``; a ``kernel_axes`` given as well must equal them
+      (ValueError otherwise). Same for ``bias_init`` and ``bias_axes``.
     bias_init: initializer of the bias (default zeros).
     kernel_axes: logical axis names of the kernel (default: see above).
     bias_axes: logical axis names of the bias (default: see above).
@@ -285,7 +367,8 @@ class LayerNormDenseGeneral(nn.Module):
     use_bias: add a bias after the projection (default False).
     dtype: compute/output dtype; None promotes input and param dtype.
     param_dtype: parameter dtype (default float32).
-    kernel_init, bias_init: initializers of the projection.
+    kernel_init, bias_init: initializers of the projection (wrapped in
+      ``nn.with_logical_partitioning`` or not, as in ``DenseGeneral``).
     scale_init, ln_bias_init: initializers of the norm (default ones/zeros,
       zeros for the scale when zero-centered).
     kernel_axes, bias_axes, ln_scale_axes, ln_bias_axes: logical axis names.

@@ -16,6 +16,10 @@ Flax layer reads the context. Every GEMM then goes through :func:`fp8_gemm`
 When the variables hold FP8 state but the active recipe does not use it (FP8
 switched off for a step, or another recipe), the state's "gradient" is the
 state itself, so ``TrainState.apply_gradients`` leaves it untouched.
+
+A module that calls the functional layer itself (``te_jax.flax.Fp8DotGeneral``)
+uses the same two state helpers: :func:`declare_fp8_state` and
+:func:`keep_unused_fp8_state`.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from te_jax.autocast import get_fp8_context
 from te_jax.ops import check_impl
 
 __all__ = ["GemmSettings", "read_autocast", "fp8_gemm", "fp8_mlp_core", "gemm_kernel",
-           "canonicalize_axes", "FP8_META"]
+           "canonicalize_axes", "declare_fp8_state", "keep_unused_fp8_state", "FP8_META"]
 
 FP8_META = "fp8_meta"
 
@@ -92,8 +96,24 @@ def canonicalize_axes(axes, ndim: int) -> Tuple[int, ...]:
   return out
 
 
-def _fp8_state(module: nn.Module, name: str, mode):
-  """Declares (or reads) the state of one GEMM; None when ``mode`` keeps none."""
+def declare_fp8_state(module: nn.Module, name: str, mode):
+  """Declares (or reads) the FP8 state variable ``name`` of one GEMM of ``module``.
+
+  The variable lives in collection ``FP8_COLLECTION`` and is created with
+  ``mode.init_state()`` when that collection is mutable (``init``).
+
+  Args:
+    module: the Linen module that owns the GEMM (inside its ``__call__``).
+    name: the variable's name, one per GEMM of the module.
+    mode: the active recipe's ``te_jax.scaling.ScalingMode``.
+
+  Returns:
+    The state pytree, or None when ``mode`` keeps none (no variable declared).
+
+  Raises:
+    ValueError: the variable is missing and cannot be created, or its shapes
+      are not the ones ``mode`` needs (another history length, an old layout).
+  """
   if not mode.uses_state:
     return None
   if not module.has_variable(state_lib.FP8_COLLECTION, name) and (
@@ -179,7 +199,7 @@ def fp8_gemm(module: nn.Module, settings: GemmSettings, x: jax.Array, kernel: ja
   recipe, impl = settings.recipe, settings.impl
   kernel = gemm_kernel(settings, kernel, x.dtype)
   kernel_axes = None if kernel_axes is None else tuple(kernel_axes)
-  state = None if recipe is None else _fp8_state(module, name, recipe.scaling_mode())
+  state = None if recipe is None else declare_fp8_state(module, name, recipe.scaling_mode())
   if split_output and recipe is not None and settings.unsharded():
     y = _split_gemm(x, kernel, bias, settings, state, contract_ndim)
   else:
@@ -191,7 +211,7 @@ def fp8_gemm(module: nn.Module, settings: GemmSettings, x: jax.Array, kernel: ja
       lead = (slice(None),) * (x.ndim - contract_ndim)
       y = tuple(y[lead + (i,)] for i in range(kernel.shape[contract_ndim]))
   if state is None:
-    y = _keep_unused_state(module, y, (name,))
+    y = keep_unused_fp8_state(module, y, (name,))
   return y
 
 
@@ -210,10 +230,12 @@ def gemm_kernel(settings: GemmSettings, kernel: jax.Array, compute_dtype) -> jax
   return kernel.astype(compute_dtype)
 
 
-def _keep_unused_state(module, y, names):
+def keep_unused_fp8_state(module: nn.Module, y, names: Sequence[str]):
   """``y``, tied to the module's FP8 state variables ``names`` that exist but
-  that this call does not use (from an init under another recipe), so that
-  their "gradient" is themselves and they stay as they are."""
+  that this call does not use (from an init under another recipe, or FP8
+  switched off), so that their "gradient" is themselves and
+  ``TrainState.apply_gradients`` leaves them as they are. ``y`` may be any
+  pytree of arrays (a split output)."""
   for n in names:
     if module.has_variable(state_lib.FP8_COLLECTION, n):
       y = _keep_state(y, module.get_variable(state_lib.FP8_COLLECTION, n))
@@ -244,8 +266,8 @@ def fp8_mlp_core(module: nn.Module, settings: GemmSettings, x2d, wi2d, bi, wo, b
   mode = settings.recipe.scaling_mode()
   # Unsharded by construction (the caller checked): weights in their
   # parameter dtype, as gemm_kernel gives them.
-  si, so = (_fp8_state(module, n, mode) for n in names)
+  si, so = (declare_fp8_state(module, n, mode) for n in names)
   y = fused_mlp.fp8_mlp(x2d, wi2d, wo, bi, bo, activations=activations,
                         recipe=settings.recipe, wi_state=si, wo_state=so,
                         impl=settings.impl)
-  return y if si is not None else _keep_unused_state(module, y, names)
+  return y if si is not None else keep_unused_fp8_state(module, y, names)

@@ -37,7 +37,8 @@ from te_jax import fused_mlp
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
 from te_jax.flax.dense import (default_kernel_init, fused_norm_blocker, fused_states,
-                               kernel_fan_in_init, log_unfused_norm)
+                               kernel_fan_in_init, log_unfused_norm,
+                               logical_partitioning_of)
 from te_jax.flax.norm import apply_norm, norm_params
 from te_jax.ops.act_quantize import ACTIVATIONS
 
@@ -66,6 +67,27 @@ def _fused_blocker(m, embed, f, settings, acts, dropout) -> Optional[str]:
     return (f"{m} tokens, embed {embed}, mlp {f}: it needs tokens % "
             f"{recipe.token_block} == 0 and embed, mlp % 128 == 0")
   return None
+
+
+def _kernel_init_partitioning(init, shape, dtype, axes_1, axes_2):
+  """The ``mesh``/``rules`` of a ``kernel_init`` wrapped in
+  ``nn.with_logical_partitioning`` ({} for a plain one), once its names are
+  checked: one initializer serves both kernels, whose names are
+  ``kernel_axes_1`` / ``kernel_axes_2``, so the wrapper's names must be those
+  of one of them (or wi's 2-D (embed, mlp) view, which the initializer is
+  called on); they cannot replace both."""
+  box = logical_partitioning_of(init, shape, dtype)
+  if box is None:
+    return {}
+  names, a1, a2 = tuple(box.names), tuple(axes_1), tuple(axes_2)
+  if names not in (a1, a2, (a1[0], a1[-1])):
+    raise ValueError(
+        f"LayerNormMLP: kernel_init is wrapped in nn.with_logical_partitioning with "
+        f"names {names}, which are not those of its kernels (wi_kernel "
+        f"kernel_axes_1={a1}, wo_kernel kernel_axes_2={a2}). One initializer serves "
+        "both kernels, so their names come from kernel_axes_1 / kernel_axes_2: set "
+        "those and pass the initializer unwrapped.")
+  return {"mesh": box.mesh, "rules": box.rules}
 
 
 def _check_activations(acts):
@@ -114,7 +136,12 @@ class LayerNormMLP(nn.Module):
     dtype: compute/output dtype; None promotes input and param dtype.
     param_dtype: parameter dtype (default float32).
     kernel_init, bias_init: initializers (kernels initialized on their 2-D view,
-      per activation branch for wi).
+      per activation branch for wi). ``kernel_init`` may be wrapped in
+      ``nn.with_logical_partitioning(init, names)`` when ``names`` are those
+      of one of the kernels (``kernel_axes_1``, ``kernel_axes_2`` or wi's
+      (embed, mlp) view); the kernels keep ``kernel_axes_1`` /
+      ``kernel_axes_2`` (one initializer cannot name two kernels), and other
+      names raise a ValueError.
     scale_init, ln_bias_init: norm initializers.
     kernel_axes_1, kernel_axes_2, ln_scale_axes, ln_bias_axes: logical names.
     impl: "auto" (default), "cuda" or "reference": which implementation the
@@ -163,11 +190,15 @@ class LayerNormMLP(nn.Module):
       init = kernel_fan_in_init(self.kernel_init, 1, 1)
       return jnp.stack([init(k, (shape[0], shape[2]), dtype) for k in keys], axis=1)
 
+    box_kw = _kernel_init_partitioning(self.kernel_init, (embed, self.intermediate_dim),
+                                       self.param_dtype, self.kernel_axes_1,
+                                       self.kernel_axes_2)
     wi = self.param("wi_kernel",
-                    nn.with_logical_partitioning(wi_init, tuple(self.kernel_axes_1)),
+                    nn.with_logical_partitioning(wi_init, tuple(self.kernel_axes_1), **box_kw),
                     (embed, n_act, self.intermediate_dim), self.param_dtype)
     wo = self.param("wo_kernel",
-                    nn.with_logical_partitioning(self.kernel_init, tuple(self.kernel_axes_2)),
+                    nn.with_logical_partitioning(kernel_fan_in_init(self.kernel_init, 1, 1),
+                                                 tuple(self.kernel_axes_2), **box_kw),
                     (self.intermediate_dim, embed), self.param_dtype)
     bi = bo = None
     if self.use_bias:
