@@ -87,6 +87,7 @@ def compare(recipes, base: train_gpt.Config, out_dir: str, tolerance: float = 0.
     # by side on several GPUs).
     def same(a, b):
       skip = ("recipe", "progress", "log_every")
+      a, b = {"lr_horizon": None, **a}, {"lr_horizon": None, **b}   # runs from before it
       return {k: v for k, v in a.items() if k not in skip} == {
           k: v for k, v in b.items() if k not in skip}
     want = dataclasses.asdict(train_gpt.Config(**{
@@ -151,14 +152,17 @@ def compare(recipes, base: train_gpt.Config, out_dir: str, tolerance: float = 0.
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                   formatter_class=train_gpt.HelpFormatter)
   parser.add_argument("--recipes", default=",".join(train_gpt.RECIPES),
                       help="comma-separated subset of " + ",".join(train_gpt.RECIPES))
   train_gpt.add_model_flags(parser)
-  parser.add_argument("--out_dir", default="runs/compare_recipes")
+  parser.add_argument("--out_dir", default="runs/compare_recipes",
+                      help="where loss_curves.png, summary.json and summary.md go")
   parser.add_argument("--tolerance", type=float, default=0.02,
                       help="relative final-loss tolerance vs the FP8-off run")
-  parser.add_argument("--eval_batches", type=int, default=2)
+  parser.add_argument("--eval_batches", type=int, default=2,
+                      help="held-out batches to evaluate after each run (0: none)")
   parser.add_argument("--merge", action="store_true",
                       help="also summarize earlier runs (run_<recipe>.json) of other recipes "
                            "with the same config in --out_dir")
@@ -169,6 +173,9 @@ def main(argv=None):
   for r in recipes:
     if r not in train_gpt.RECIPES:
       parser.error(f"unknown recipe {r!r}; choose from {train_gpt.RECIPES}")
+  problem = train_gpt.device_problem(args.preset)
+  if problem and not args.force and recipes:
+    parser.error(problem)
   base = train_gpt.Config(
       preset=args.preset, hidden=args.hidden, layers=args.layers, heads=args.heads,
       mlp=args.mlp, seq_len=args.seq_len, batch=args.batch, steps=args.steps, lr=args.lr,

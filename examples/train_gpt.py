@@ -13,13 +13,37 @@ Training is one ``jax.jit`` step (optax AdamW, warmup + cosine) over a
 parameters are sharded by te_jax's logical axis rules. Checkpoints (parameters,
 optimizer state and the FP8 delayed-scaling state) are written with orbax.
 
-  python3 examples/train_gpt.py                        # CPU default, ~2 min
+  python3 examples/train_gpt.py                        # CPU default, ~70 s
   python3 examples/train_gpt.py --recipe blockwise --steps 300
-  python3 examples/train_gpt.py --preset h200 --recipe delayed
+  python3 examples/train_gpt.py --preset h200 --recipe delayed   # needs a GPU
   python3 examples/train_gpt.py --ckpt_dir /tmp/gpt --steps 100   # then:
   python3 examples/train_gpt.py --ckpt_dir /tmp/gpt --steps 200 --resume
 
 Outputs (``--out_dir``): ``loss_curve.png`` and ``metrics.json``.
+
+Resuming. Every checkpoint step directory also holds ``train_gpt_run.json``:
+the flags that define the run (preset, recipe, model sizes, dtype, data,
+optimizer, seed; ``RUN_FIELDS``), its ``--steps`` and its LR schedule
+horizon. With ``--resume``:
+
+* flags not given on the command line are taken from that file, so
+  ``--ckpt_dir D --resume`` alone continues the run to its ``--steps``;
+* a run-defining flag given with another value than the checkpoint's is an
+  error that names each such flag (use a new ``--ckpt_dir`` for a new run);
+  flags that only change how the run executes (``--fsdp --tp --dp --remat``,
+  checkpointing, logging, output) may change (another mesh changes the
+  reduction order, so the continuation is then exact only to rounding);
+* the LR schedule (linear warmup, cosine decay to lr/10, then constant
+  lr/10) keeps the horizon of the run's first invocation: ``--lr_horizon``,
+  or its ``--steps`` when not given. A resumed run never changes the
+  learning rate of a step, so its losses are bit-identical to an
+  uninterrupted run of the same schedule: ``--steps 100`` then ``--steps 200
+  --resume`` equals one run of ``--steps 200 --lr_horizon 100`` (steps
+  100-199 at lr/10). To split one 200-step schedule into parts, give the
+  first part ``--lr_horizon 200``. ``--lr_horizon`` on a resume sets a new
+  horizon from there on (said at start; no longer the uninterrupted run);
+* a checkpoint already at (or past) ``--steps``: says the run is finished
+  and exits 0.
 """
 
 from __future__ import annotations
@@ -179,7 +203,7 @@ class GPT(nn.Module):
 RECIPES = ("none", "delayed", "current", "blockwise")
 
 PRESETS = {
-    # 0.4M parameters; about two minutes on two CPU cores.
+    # 0.4M parameters; about 70 s on two CPU cores (200 steps at ~0.2 s).
     "cpu": dict(hidden=128, layers=2, heads=4, mlp=512, seq_len=128, batch=16,
                 steps=200, lr=3e-3, warmup=30, dtype="float32", num_docs=4000),
     # ~340M parameters, bf16 compute, 32k tokens per step: an H200 workload
@@ -203,6 +227,7 @@ class Config:
   seq_len: Optional[int] = None
   batch: Optional[int] = None
   steps: Optional[int] = None
+  lr_horizon: Optional[int] = None  # LR schedule length; None: --steps of the first run
   lr: Optional[float] = None
   warmup: Optional[int] = None
   dtype: Optional[str] = None
@@ -266,10 +291,16 @@ def _decay_mask(params):
   return jax.tree.map(lambda p: p.ndim >= 2, params)
 
 
+def lr_horizon(cfg: Config) -> int:
+  """The LR schedule's length in steps: ``cfg.lr_horizon``, else ``cfg.steps``."""
+  return cfg.lr_horizon if cfg.lr_horizon is not None else cfg.steps
+
+
 def make_optimizer(cfg: Config):
+  """AdamW with linear warmup, cosine decay to lr/10 at ``lr_horizon(cfg)``, then lr/10."""
   sched = optax.warmup_cosine_decay_schedule(
-      0.0, cfg.lr, warmup_steps=max(1, cfg.warmup), decay_steps=max(cfg.steps, cfg.warmup + 1),
-      end_value=cfg.lr * 0.1)
+      0.0, cfg.lr, warmup_steps=max(1, cfg.warmup),
+      decay_steps=max(lr_horizon(cfg), cfg.warmup + 1), end_value=cfg.lr * 0.1)
   return optax.chain(optax.clip_by_global_norm(1.0),
                      optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay,
                                  mask=_decay_mask))
@@ -452,26 +483,132 @@ def smooth(values, window: int = 10):
   return (c[idx] - c[lo]) / (idx - lo)
 
 
-def train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
-  """Trains per ``cfg``; returns a dict of per-step losses and a summary."""
+# --------------------------------------------------------------- resume ----
+
+# The Config fields that define a run: a resumed run must have the values its
+# checkpoint was written with (train_gpt_run.json in each step directory).
+RUN_FIELDS = ("preset", "recipe", "hidden", "layers", "heads", "mlp", "dtype",
+              "amax_history_len", "seq_len", "batch", "num_docs", "seed", "lr", "warmup",
+              "weight_decay")
+RUN_CONFIG_FILE = "train_gpt_run.json"
+# Config fields without a command-line flag (named as such in errors).
+_NO_FLAG = ("weight_decay",)
+
+
+class ResumeError(ValueError):
+  """A checkpoint that cannot continue this run (the message names the reason)."""
+
+
+def _flag(field: str) -> str:
+  return field if field in _NO_FLAG else f"--{field}"
+
+
+def run_config(cfg: Config) -> dict:
+  """What ``train_gpt_run.json`` stores: the run-defining fields, --steps, the LR horizon."""
+  out = {k: getattr(cfg, k) for k in RUN_FIELDS}
+  out.update(steps=cfg.steps, lr_horizon=lr_horizon(cfg), te_jax=te_jax.__version__)
+  return out
+
+
+def read_run_config(ckpt_dir: str, step: int) -> Optional[dict]:
+  """The run config saved with checkpoint ``step``; None for checkpoints without one."""
+  path = os.path.join(ckpt_dir, str(step), RUN_CONFIG_FILE)
+  if not os.path.exists(path):
+    return None
+  with open(path) as fh:
+    return json.load(fh)
+
+
+def run_config_mismatch(cfg: Config, stored: dict) -> list[str]:
+  """``"--flag: <checkpoint> in the checkpoint, <cfg> now"`` for each run-defining difference."""
+  return [f"{_flag(k)}: {stored[k]!r} in the checkpoint, {getattr(cfg, k)!r} now"
+          for k in RUN_FIELDS if k in stored and stored[k] != getattr(cfg, k)]
+
+
+def _resume_point(cfg: Config):
+  """(last step, stored run config or None, cfg with the stored LR horizon) for ``cfg.resume``.
+
+  Raises ResumeError when a run-defining field differs from the checkpoint's.
+  """
   from te_jax import checkpoint  # pylint: disable=import-outside-toplevel
-  trainer = trainer or Trainer(cfg)
-  cfg = trainer.cfg
+  if not cfg.ckpt_dir:
+    raise ResumeError("--resume needs --ckpt_dir (the directory of the run to continue).")
+  last = checkpoint.latest_step(cfg.ckpt_dir)
+  if last is None:
+    print(f"no checkpoint in {cfg.ckpt_dir}: starting from scratch")
+    return None, None, cfg
+  stored = read_run_config(cfg.ckpt_dir, last)
+  if stored is None:
+    print(f"note: {cfg.ckpt_dir}/{last} has no {RUN_CONFIG_FILE} (written by an older "
+          f"train_gpt.py): its flags cannot be checked, and the LR schedule is built from "
+          f"this run's --steps/--lr_horizon ({lr_horizon(cfg)} steps).")
+    return last, None, cfg
+  diff = run_config_mismatch(cfg, stored)
+  if diff:
+    raise ResumeError(
+        f"cannot resume {cfg.ckpt_dir} (step {last}) with other settings than the run "
+        f"that wrote it: {'; '.join(diff)}. Leave these flags out to continue with the "
+        "checkpoint's values, or start a new run in another --ckpt_dir.")
+  if cfg.lr_horizon is None:
+    cfg = dataclasses.replace(cfg, lr_horizon=stored["lr_horizon"])
+  elif cfg.lr_horizon != stored["lr_horizon"]:
+    print(f"note: --lr_horizon {cfg.lr_horizon} replaces the checkpoint's LR schedule "
+          f"horizon {stored['lr_horizon']} from step {last} on (the continuation is not "
+          "the uninterrupted run's)")
+  return last, stored, cfg
+
+
+def _restore(ckpt_dir: str, step: int, state, stored: Optional[dict]):
+  from te_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  try:
+    return checkpoint.restore(ckpt_dir, step, target=state)
+  except Exception as e:  # pylint: disable=broad-except
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    why = ("" if stored is not None else
+           " It has no run config: was it written with other --recipe, --hidden, "
+           "--layers, --heads, --mlp, --dtype or --amax_history_len?")
+    raise ResumeError(f"cannot restore {ckpt_dir}/{step} into this model.{why} "
+                      f"({type(e).__name__}: {first})") from e
+
+
+def train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
+  """Trains per ``cfg``; returns a dict of per-step losses and a summary.
+
+  With ``cfg.resume``, continues the latest checkpoint in ``cfg.ckpt_dir``
+  (see the module docstring: run-defining fields must match the checkpoint's,
+  the LR horizon is the checkpoint's unless ``cfg.lr_horizon`` is set, a
+  finished run returns ``{"finished": True, ...}`` without training). Raises
+  ResumeError when the checkpoint cannot continue this run.
+  """
+  from te_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  cfg = trainer.cfg if trainer is not None else cfg.resolved()
+  start, last, stored = 0, None, None
+  if cfg.resume:
+    last, stored, cfg = _resume_point(cfg)
+    if last is not None and last >= cfg.steps:
+      print(f"{cfg.ckpt_dir} is at step {last}: the run is finished (--steps {cfg.steps}); "
+            "nothing to train. Pass a larger --steps to continue it.")
+      return {"config": dataclasses.asdict(cfg), "finished": True, "resumed_step": last,
+              "steps": [], "losses": [], "state": None}
+  if trainer is None:
+    trainer = Trainer(cfg)
+  elif lr_horizon(trainer.cfg) != lr_horizon(cfg):
+    raise ValueError(f"the given Trainer's LR schedule has horizon {lr_horizon(trainer.cfg)}, "
+                     f"the checkpoint's {lr_horizon(cfg)}: build the Trainer with "
+                     f"lr_horizon={lr_horizon(cfg)}.")
   state = trainer.init()
-  start = 0
   if cfg.ckpt_dir and not checkpoint.orbax_available():
     print("orbax-checkpoint is not installed: checkpoints are written as .npz files "
           "(single host; python3 -m pip install orbax-checkpoint for orbax)")
-  if cfg.resume:
-    if not cfg.ckpt_dir:
-      raise ValueError("--resume needs --ckpt_dir.")
-    last = checkpoint.latest_step(cfg.ckpt_dir)
-    if last is None:
-      print(f"no checkpoint in {cfg.ckpt_dir}: starting from scratch")
-    else:
-      state = checkpoint.restore(cfg.ckpt_dir, last, target=state)
-      start = int(state.step)
-      print(f"resumed from {cfg.ckpt_dir} at step {start}")
+  if cfg.ckpt_dir and not cfg.resume and checkpoint.latest_step(cfg.ckpt_dir) is not None:
+    print(f"note: {cfg.ckpt_dir} already holds checkpoints (up to step "
+          f"{checkpoint.latest_step(cfg.ckpt_dir)}); without --resume this run starts from "
+          "scratch and replaces the steps it saves")
+  if last is not None:
+    state = _restore(cfg.ckpt_dir, last, state, stored)
+    start = int(state.step)
+    print(f"resumed from {cfg.ckpt_dir} at step {start} (LR schedule horizon "
+          f"{lr_horizon(cfg)} steps)")
   n_params = param_count(state)
   print(f"te_jax {te_jax.__version__} | {jax.default_backend()} x{len(jax.devices())} "
         f"mesh {dict(trainer.mesh.shape)} | recipe {cfg.recipe} | "
@@ -503,7 +640,9 @@ def train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
             f"{dt * 1e3:.0f} ms/step", flush=True)
     last_step = step + 1 == cfg.steps
     if cfg.ckpt_dir and ((cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or last_step):
-      checkpoint.save(cfg.ckpt_dir, step + 1, state)
+      path = checkpoint.save(cfg.ckpt_dir, step + 1, state)
+      with open(os.path.join(path, RUN_CONFIG_FILE), "w") as fh:
+        json.dump(run_config(cfg), fh, indent=1)
   if bar is not None:
     bar.close()
   wall = time.perf_counter() - t_start
@@ -544,53 +683,142 @@ def train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
   return result
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                    argparse.ArgumentDefaultsHelpFormatter):
+  """Keeps the epilog's line breaks; adds "(default: ...)" where a help string has none."""
+
+  def _get_help_string(self, action):
+    if "(default" in (action.help or ""):
+      return action.help
+    return super()._get_help_string(action)
+
+
+def _preset_default(name: str) -> str:
+  return "(default: from --preset: " + ", ".join(
+      f"{p} {PRESETS[p][name]}" for p in sorted(PRESETS)) + ")"
+
+
 def add_model_flags(parser: argparse.ArgumentParser):
   """Flags shared with compare_recipes.py."""
-  parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
-  for name, typ in (("hidden", int), ("layers", int), ("heads", int), ("mlp", int),
-                    ("seq_len", int), ("batch", int), ("steps", int), ("lr", float),
-                    ("warmup", int), ("num_docs", int)):
+  parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS),
+                      help="model size and training defaults: cpu (0.4M parameters, about "
+                           "70 s on two CPU cores), h200 (340M, needs a GPU), tiny (tests)")
+  for name, typ, what in (
+      ("hidden", int, "model width"), ("layers", int, "transformer layers"),
+      ("heads", int, "attention heads"), ("mlp", int, "MLP hidden size"),
+      ("seq_len", int, "tokens per row"), ("batch", int, "rows per step"),
+      ("steps", int, "train until this step"), ("lr", float, "peak learning rate"),
+      ("warmup", int, "linear LR warmup steps"),
+      ("num_docs", int, "documents in the generated training corpus")):
     parser.add_argument(f"--{name}", type=typ, default=None,
-                        help=f"overrides the preset's {name}")
+                        help=f"{what} {_preset_default(name)}")
   parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
-                      help="compute dtype (preset: float32 on cpu, bfloat16 on h200)")
+                      help="compute dtype " + _preset_default("dtype"))
   parser.add_argument("--fsdp", type=int, default=-1,
                       help="FSDP mesh axis size; -1 = devices / (dp * tp)")
   parser.add_argument("--tp", type=int, default=1, help="tensor-parallel mesh axis size")
   parser.add_argument("--dp", type=int, default=1, help="data-parallel mesh axis size")
-  parser.add_argument("--amax_history_len", type=int, default=16)
-  parser.add_argument("--seed", type=int, default=0)
+  parser.add_argument("--amax_history_len", type=int, default=16,
+                      help="amax history length of the delayed-scaling recipe")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="seed of the parameters, the corpus and the data order")
   parser.add_argument("--remat", action="store_true", help="rematerialize each layer")
-  parser.add_argument("--no_progress", action="store_true", help="plain log lines")
+  parser.add_argument("--no_progress", action="store_true",
+                      help="plain log lines instead of a progress bar")
   parser.add_argument("--log_every", type=int, default=25,
                       help="with --no_progress: print every N steps")
+  parser.add_argument("--force", action="store_true",
+                      help="run --preset h200 even where jax sees no GPU")
 
 
-def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--recipe", default="delayed", choices=RECIPES)
+def device_problem(preset: str) -> Optional[str]:
+  """Why ``preset`` cannot run on this machine's jax backend, or None."""
+  if preset != "h200" or jax.default_backend() != "cpu":
+    return None
+  return ("--preset h200 needs a GPU: it is sized for one H200 (340M parameters, 16 x 2048 "
+          "tokens per step; on a CPU it runs out of memory asking for ~186 GB), and jax "
+          "sees only the CPU here (on a GPU machine, install a CUDA build of jax). Use "
+          "--preset cpu (about 70 s on two cores) or --preset tiny, or pass --force to "
+          "try anyway.")
+
+
+_EPILOG = """resuming (--ckpt_dir D --resume):
+  flags left out are taken from the checkpoint's train_gpt_run.json, so
+  "--ckpt_dir D --resume" alone continues the run to its --steps; a
+  run-defining flag (--preset --recipe --hidden --layers --heads --mlp
+  --dtype --amax_history_len --seq_len --batch --num_docs --seed --lr
+  --warmup) given with another value is an error. The LR schedule keeps
+  the first invocation's horizon (--lr_horizon, else its --steps), so
+  "--steps 100" then "--steps 200 --resume" is bit-identical to one run of
+  "--steps 200 --lr_horizon 100"; to split a 200-step schedule, give the
+  first part --lr_horizon 200. A run already at --steps says so, exits 0.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=_EPILOG,
+                                   formatter_class=HelpFormatter)
+  parser.add_argument("--recipe", default="delayed", choices=RECIPES,
+                      help="FP8 recipe of the transformer layers' GEMMs; none = FP8 off")
   add_model_flags(parser)
-  parser.add_argument("--ckpt_dir", default=None, help="orbax checkpoint directory")
+  parser.add_argument("--lr_horizon", type=int, default=None,
+                      help="length of the LR schedule in steps (warmup, cosine decay to "
+                           "lr/10, then lr/10) (default: --steps of the run's first "
+                           "invocation; a resumed run keeps its checkpoint's)")
+  parser.add_argument("--ckpt_dir", default=None,
+                      help="orbax checkpoint directory (default: none, no checkpoints)")
   parser.add_argument("--ckpt_every", type=int, default=0,
                       help="checkpoint every N steps (0: only at the end)")
   parser.add_argument("--resume", action="store_true",
-                      help="continue from the latest checkpoint in --ckpt_dir")
-  parser.add_argument("--out_dir", default="runs/train_gpt")
+                      help="continue the run in --ckpt_dir from its latest checkpoint "
+                           "(see below)")
+  parser.add_argument("--out_dir", default="runs/train_gpt",
+                      help="where loss_curve.png and metrics.json go")
   parser.add_argument("--sample_chars", type=int, default=80,
                       help="greedy sample length after training (0: none)")
   parser.add_argument("--eval_batches", type=int, default=2,
                       help="held-out batches to evaluate after training (0: none)")
+  return parser
+
+
+def _given_flags(argv) -> set:
+  """The destinations of the flags given in ``argv`` (parsed without defaults)."""
+  parser = build_parser()
+  for action in parser._actions:  # pylint: disable=protected-access
+    action.default = argparse.SUPPRESS
+  return set(vars(parser.parse_args(argv)))
+
+
+def main(argv=None):
+  parser = build_parser()
   args = parser.parse_args(argv)
+  if args.resume:
+    if not args.ckpt_dir:
+      parser.error("--resume needs --ckpt_dir (the directory of the run to continue)")
+    from te_jax import checkpoint  # pylint: disable=import-outside-toplevel
+    last = checkpoint.latest_step(args.ckpt_dir)
+    stored = read_run_config(args.ckpt_dir, last) if last is not None else None
+    if stored is not None:       # flags left out: the checkpoint's values
+      given = _given_flags(sys.argv[1:] if argv is None else argv)
+      for name in RUN_FIELDS + ("steps",):
+        if name not in given and hasattr(args, name) and name in stored:
+          setattr(args, name, stored[name])
+  problem = device_problem(args.preset)
+  if problem and not args.force:
+    parser.error(problem)
   cfg = Config(recipe=args.recipe, preset=args.preset, hidden=args.hidden,
                layers=args.layers, heads=args.heads, mlp=args.mlp, seq_len=args.seq_len,
-               batch=args.batch, steps=args.steps, lr=args.lr, warmup=args.warmup,
-               num_docs=args.num_docs, dtype=args.dtype, fsdp=args.fsdp, tp=args.tp, dp=args.dp,
-               amax_history_len=args.amax_history_len, seed=args.seed, remat=args.remat,
-               ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every, resume=args.resume,
-               out_dir=args.out_dir, sample_chars=args.sample_chars,
+               batch=args.batch, steps=args.steps, lr_horizon=args.lr_horizon, lr=args.lr,
+               warmup=args.warmup, num_docs=args.num_docs, dtype=args.dtype, fsdp=args.fsdp,
+               tp=args.tp, dp=args.dp, amax_history_len=args.amax_history_len, seed=args.seed,
+               remat=args.remat, ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every,
+               resume=args.resume, out_dir=args.out_dir, sample_chars=args.sample_chars,
                eval_batches=args.eval_batches,
                progress=not args.no_progress, log_every=args.log_every)
-  return train(cfg)
+  try:
+    return train(cfg)
+  except ResumeError as e:
+    parser.error(str(e))
 
 
 if __name__ == "__main__":
