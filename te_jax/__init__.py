@@ -39,3 +39,11 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name):
+  """``te_jax.nnx`` (the Flax NNX modules) is imported on first use."""
+  if name == "nnx":
+    import importlib
+    return importlib.import_module("te_jax.nnx")
+  raise AttributeError(f"module 'te_jax' has no attribute {name!r}")

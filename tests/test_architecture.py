@@ -8,7 +8,7 @@
 * recipe classes are only told apart in their home (``recipe.py``,
   ``scaling.py``): no ``isinstance(..., DelayedScaling)`` or ``is_blockwise``
   branch anywhere else;
-* only the Flax layer reads the autocast context.
+* only the Flax layers (``te_jax.flax``, ``te_jax.nnx``) read the autocast context.
 
 Each check is a function over a {module name: source} dict, so the tests
 also run it on small made-up packages that break the rule (a check that can
@@ -24,6 +24,8 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 RECIPE_HOME = {"te_jax.recipe", "te_jax.scaling"}
 RECIPE_CLASSES = {"DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"}
 CONTEXT_READERS = ("get_fp8_context",)
+# The module layer (DESIGN.md layer 4): Linen and NNX.
+CONTEXT_LAYERS = ("te_jax.flax", "te_jax.nnx")
 # The compiled CUDA custom calls (custom_calls/, layer 1): below the ops,
 # imported by te_jax/ops/_native.py alone.
 NATIVE_MODULE = "te_jax._te_jax_ffi"
@@ -189,10 +191,11 @@ def recipe_branches(sources):
 
 
 def context_readers(sources):
-  """Modules outside te_jax.flax (and the autocast itself) that read the context."""
+  """Modules outside te_jax.flax / te_jax.nnx (and the autocast itself) that read
+  the context."""
   bad = []
   for m, src in sources.items():
-    if m.startswith("te_jax.flax") or m in ("te_jax", "te_jax.autocast"):
+    if m.startswith(CONTEXT_LAYERS) or m in ("te_jax", "te_jax.autocast"):
       continue
     for node in ast.walk(ast.parse(src)):
       names = []

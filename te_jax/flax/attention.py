@@ -56,7 +56,7 @@ from te_jax.flax.packed_attention import segment_attention_mask
 from te_jax.flax.dense import DenseGeneral, default_kernel_init
 
 __all__ = ["MultiHeadAttention", "apply_rotary", "segment_attention_mask", "check_input_3d",
-           "check_segment_arg"]
+           "check_segment_arg", "check_attention_options", "attention_core"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -133,6 +133,130 @@ def _reference_attention(q, k, v, mask, is_causal, dropout_rng, rate):
   return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
 
 
+def check_attention_options(attn_mask_type: str, attention_impl: str,
+                            max_segments_per_seq: int) -> None:
+  """Raises ValueError for an unknown mask type or attention implementation, or
+  ``max_segments_per_seq < 1`` (the options of ``MultiHeadAttention``)."""
+  if attn_mask_type not in _MASK_TYPES:
+    raise ValueError(f"attn_mask_type must be one of {_MASK_TYPES}, got "
+                     f"{attn_mask_type!r}.")
+  if max_segments_per_seq < 1:
+    raise ValueError(f"max_segments_per_seq must be >= 1, got {max_segments_per_seq}.")
+  if attention_impl not in _IMPLS:
+    raise ValueError(f"attention_impl must be one of {_IMPLS}, got "
+                     f"{attention_impl!r}.")
+
+
+def _flash_shapes(q) -> bool:
+  return (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+          and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0)
+
+
+def _use_cudnn(attention_impl, q, has_mask) -> bool:
+  if attention_impl == "cudnn":
+    return True
+  if attention_impl == "xla":
+    return False
+  return not has_mask and _flash_shapes(q)
+
+
+def _use_packed(attention_impl, q, packed_self, extra_mask) -> bool:
+  """Packed self attention in cuDNN's packed layout (see the module docs)."""
+  if not packed_self or extra_mask or attention_impl == "xla":
+    return False
+  if attention_impl == "auto" and not _flash_shapes(q):
+    return False
+  return packed_attention.log_if_unavailable()
+
+
+def _fused_or_xla(attention_impl, max_segments, q, k, v, segment_ids, kv_segment_ids,
+                  self_attn, mask, full_mask, is_causal, head_dim):
+  """Attention without dropout: cuDNN (packed or not) where chosen, else XLA.
+
+  With attention_impl="auto" the cuDNN path is staged beside the XLA one by
+  ``lax.platform_dependent``, so that a computation compiled for the host
+  CPU of a GPU machine (CPU arrays) lowers the XLA path instead of failing.
+  """
+  def xla():
+    return jax.nn.dot_product_attention(q, k, v, mask=full_mask, is_causal=is_causal,
+                                        implementation="xla")
+  packed_self = segment_ids is not None and self_attn and kv_segment_ids is segment_ids
+  if _use_packed(attention_impl, q, packed_self, mask is not None):
+    def fused():
+      return packed_attention.packed_self_attention(
+          q, k, v, segment_ids, is_causal=is_causal,
+          max_segments=max_segments, scale=head_dim ** -0.5)
+  elif _use_cudnn(attention_impl, q, full_mask is not None):
+    def fused():
+      return jax.nn.dot_product_attention(q, k, v, mask=full_mask, is_causal=is_causal,
+                                          implementation="cudnn")
+  else:
+    return xla()
+  if attention_impl == "auto":
+    return jax.lax.platform_dependent(cuda=fused, default=xla)
+  return fused()
+
+
+def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, self_attn: bool,
+                   segment_ids: Optional[jax.Array] = None,
+                   kv_segment_ids: Optional[jax.Array] = None,
+                   segment_positions: Optional[jax.Array] = None,
+                   kv_segment_positions: Optional[jax.Array] = None,
+                   mask: Optional[jax.Array] = None, attn_mask_type: str = "causal",
+                   enable_rotary_pos_emb: bool = False, rotary_base: float = 10000.0,
+                   attention_impl: str = "auto", max_segments_per_seq: int = 8,
+                   dropout_rate: float = 0.0,
+                   dropout_rng: Optional[jax.Array] = None) -> jax.Array:
+  """The attention of ``MultiHeadAttention`` between its projections.
+
+  Rotary embeddings, segment and extra masks, the choice of implementation
+  (module docs) and the zeroing of padding queries, on projected heads.
+  ``te_jax.nnx.MultiHeadAttention`` calls it too.
+
+  Args:
+    q: (B, Sq, heads, head_dim) queries.
+    k, v: (B, Skv, groups, head_dim) keys and values (groups divides heads).
+    self_attn: whether k and v come from the queries' sequence (packed self
+      attention may then take cuDNN's packed layout).
+    segment_ids, kv_segment_ids: (B, Sq) / (B, Skv) document ids (0 =
+      padding), as given to the module (``kv_segment_ids`` already defaulted).
+    segment_positions, kv_segment_positions: rotary positions (default
+      ``arange``), already defaulted as in the module.
+    mask: optional boolean mask (True = attend) broadcastable to
+      (B, heads, Sq, Skv).
+    attn_mask_type, enable_rotary_pos_emb, rotary_base, attention_impl,
+      max_segments_per_seq: the module's options.
+    dropout_rate: dropout on the probabilities; > 0 only when dropout is on.
+    dropout_rng: the key of that dropout (needed when ``dropout_rate > 0``).
+
+  Returns:
+    (B, Sq, heads, head_dim), in the dtype the core computed.
+  """
+  d = q.shape[-1]
+  if enable_rotary_pos_emb:
+    b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
+    qpos = segment_positions
+    if qpos is None:
+      qpos = jnp.broadcast_to(jnp.arange(sq)[None], (b, sq))
+    kpos = kv_segment_positions
+    if kpos is None:
+      kpos = jnp.broadcast_to(jnp.arange(skv)[None], (b, skv))
+    q = apply_rotary(q, qpos, rotary_base)
+    k = apply_rotary(k, kpos, rotary_base)
+
+  full_mask = _and_masks(segment_attention_mask(segment_ids, kv_segment_ids),
+                         None if mask is None else mask.astype(jnp.bool_))
+  is_causal = attn_mask_type == "causal"
+  if dropout_rate > 0.0:
+    out = _reference_attention(q, k, v, full_mask, is_causal, dropout_rng, dropout_rate)
+  else:
+    out = _fused_or_xla(attention_impl, max_segments_per_seq, q, k, v, segment_ids,
+                        kv_segment_ids, self_attn, mask, full_mask, is_causal, d)
+  if segment_ids is not None:      # padding queries output 0 on every path
+    out = jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+  return out
+
+
 class MultiHeadAttention(nn.Module):
   """Multi-head (optionally grouped-query) self/cross attention with FP8 projections.
 
@@ -205,52 +329,6 @@ class MultiHeadAttention(nn.Module):
                         kernel_axes=kernel_axes, split_output=split, impl=self.impl,
                         name=name)
 
-  def _flash_shapes(self, q) -> bool:
-    return (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-            and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0)
-
-  def _use_cudnn(self, q, has_mask) -> bool:
-    if self.attention_impl == "cudnn":
-      return True
-    if self.attention_impl == "xla":
-      return False
-    return not has_mask and self._flash_shapes(q)
-
-  def _use_packed(self, q, packed_self, extra_mask) -> bool:
-    """Packed self attention in cuDNN's packed layout (see the module docs)."""
-    if not packed_self or extra_mask or self.attention_impl == "xla":
-      return False
-    if self.attention_impl == "auto" and not self._flash_shapes(q):
-      return False
-    return packed_attention.log_if_unavailable()
-
-  def _fused_or_xla(self, q, k, v, segment_ids, kv_segment_ids, self_attn, mask,
-                    full_mask, is_causal, head_dim):
-    """Attention without dropout: cuDNN (packed or not) where chosen, else XLA.
-
-    With attention_impl="auto" the cuDNN path is staged beside the XLA one by
-    ``lax.platform_dependent``, so that a computation compiled for the host
-    CPU of a GPU machine (CPU arrays) lowers the XLA path instead of failing.
-    """
-    def xla():
-      return jax.nn.dot_product_attention(q, k, v, mask=full_mask, is_causal=is_causal,
-                                          implementation="xla")
-    packed_self = segment_ids is not None and self_attn and kv_segment_ids is segment_ids
-    if self._use_packed(q, packed_self, mask is not None):
-      def fused():
-        return packed_attention.packed_self_attention(
-            q, k, v, segment_ids, is_causal=is_causal,
-            max_segments=self.max_segments_per_seq, scale=head_dim ** -0.5)
-    elif self._use_cudnn(q, full_mask is not None):
-      def fused():
-        return jax.nn.dot_product_attention(q, k, v, mask=full_mask, is_causal=is_causal,
-                                            implementation="cudnn")
-    else:
-      return xla()
-    if self.attention_impl == "auto":
-      return jax.lax.platform_dependent(cuda=fused, default=xla)
-    return fused()
-
   @nn.compact
   def __call__(self, inputs_q: jax.Array, inputs_kv: Optional[jax.Array] = None, *,
                segment_ids: Optional[jax.Array] = None,
@@ -278,14 +356,8 @@ class MultiHeadAttention(nn.Module):
     Returns:
       (B, Sq, out_features) in the compute dtype.
     """
-    if self.attn_mask_type not in _MASK_TYPES:
-      raise ValueError(f"attn_mask_type must be one of {_MASK_TYPES}, got "
-                       f"{self.attn_mask_type!r}.")
-    if self.max_segments_per_seq < 1:
-      raise ValueError(f"max_segments_per_seq must be >= 1, got {self.max_segments_per_seq}.")
-    if self.attention_impl not in _IMPLS:
-      raise ValueError(f"attention_impl must be one of {_IMPLS}, got "
-                       f"{self.attention_impl!r}.")
+    check_attention_options(self.attn_mask_type, self.attention_impl,
+                            self.max_segments_per_seq)
     self_attn = inputs_kv is None
     check_input_3d("inputs_q", inputs_q)
     if not self_attn:
@@ -322,29 +394,16 @@ class MultiHeadAttention(nn.Module):
       k, v = self._dense((2, g, d), "kv", ("embed", "qkv", "heads", "kv"),
                          dtype=compute, split=True)(inputs_kv)
 
-    if self.enable_rotary_pos_emb:
-      b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
-      qpos = segment_positions
-      if qpos is None:
-        qpos = jnp.broadcast_to(jnp.arange(sq)[None], (b, sq))
-      kpos = kv_segment_positions
-      if kpos is None:
-        kpos = jnp.broadcast_to(jnp.arange(skv)[None], (b, skv))
-      q = apply_rotary(q, qpos, self.rotary_base)
-      k = apply_rotary(k, kpos, self.rotary_base)
-
-    full_mask = _and_masks(segment_attention_mask(segment_ids, kv_segment_ids),
-                           None if mask is None else mask.astype(jnp.bool_))
-    is_causal = self.attn_mask_type == "causal"
     dropout = self.attention_dropout > 0.0 and not deterministic
-    if dropout:
-      out = _reference_attention(q, k, v, full_mask, is_causal,
-                                 self.make_rng("dropout"), self.attention_dropout)
-    else:
-      out = self._fused_or_xla(q, k, v, segment_ids, kv_segment_ids, self_attn, mask,
-                               full_mask, is_causal, d)
-    if segment_ids is not None:      # padding queries output 0 on every path
-      out = jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+    out = attention_core(
+        q, k, v, self_attn=self_attn, segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids, segment_positions=segment_positions,
+        kv_segment_positions=kv_segment_positions, mask=mask,
+        attn_mask_type=self.attn_mask_type, enable_rotary_pos_emb=self.enable_rotary_pos_emb,
+        rotary_base=self.rotary_base, attention_impl=self.attention_impl,
+        max_segments_per_seq=self.max_segments_per_seq,
+        dropout_rate=self.attention_dropout if dropout else 0.0,
+        dropout_rng=self.make_rng("dropout") if dropout else None)
     out = out.astype(compute)
     return self._dense(self.out_features or embed, "out", ("heads", "kv", "embed"),
                        axis=(-2, -1), dtype=compute)(out)

@@ -1,0 +1,171 @@
+"""``MultiHeadAttention`` as an NNX module: FP8 projections around the attention core.
+
+The projections are :class:`te_jax.nnx.Linear` modules; rotary embeddings,
+masks and the choice of attention implementation are
+``te_jax.flax.attention.attention_core``, the function the Linen module calls,
+so the two give the same numbers from the same parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from te_jax.flax.attention import (attention_core, check_attention_options, check_input_3d,
+                                   check_segment_arg)
+from te_jax.flax.dense import default_kernel_init
+from te_jax.nnx.linear import Linear, compute_dtype, to_tuple, zeros
+
+__all__ = ["MultiHeadAttention"]
+
+Dtype = Any
+Initializer = Callable[..., jax.Array]
+_ATTENTION_TYPES = ("self", "cross")
+
+
+class MultiHeadAttention(nnx.Module):
+  """Multi-head (optionally grouped-query) self or cross attention with FP8 projections.
+
+  ``te_jax.flax.MultiHeadAttention`` as an NNX module. Shapes: ``inputs_q``
+  (B, Sq, in_features); ``inputs_kv`` (B, Skv, kv_features) for cross
+  attention (None for self attention); output (B, Sq, out_features).
+
+  Submodules (``te_jax.nnx.Linear``, parameters ``kernel``/``bias``/FP8 state
+  ``fp8_meta`` as in the Linen module): self attention with
+  ``num_gqa_groups == num_attention_heads`` and ``fuse_qkv``: ``qkv``
+  (in_features, 3, heads, head_dim); otherwise ``query`` (in_features, heads,
+  head_dim) and ``kv`` (kv_features, 2, groups, head_dim); ``out`` (heads,
+  head_dim, out_features).
+
+  Args:
+    num_attention_heads: number of query heads.
+    in_features: width E of ``inputs_q``.
+    attention_type: "self" (default) or "cross" (keys/values from ``inputs_kv``).
+    kv_features: width of ``inputs_kv`` (cross attention; default in_features).
+    head_dim: default ``in_features // num_attention_heads``.
+    num_gqa_groups: key/value heads (divides the query heads; default all).
+    attn_mask_type: "causal" (default) or "no_mask".
+    attention_dropout: dropout on the probabilities (the "dropout" stream of
+      ``rngs``; off in ``model.eval()`` mode or with ``deterministic=True``).
+    enable_rotary_pos_emb, rotary_base, fuse_qkv, use_bias, attention_impl,
+    max_segments_per_seq, dtype, param_dtype, kernel_init, bias_init, impl:
+      as the Linen module.
+    out_features: output width (default in_features).
+    deterministic: default of the call argument.
+    rngs: ``nnx.Rngs``.
+  """
+
+  def __init__(self, num_attention_heads: int, in_features: int, *,
+               attention_type: str = "self", kv_features: Optional[int] = None,
+               head_dim: Optional[int] = None, num_gqa_groups: Optional[int] = None,
+               attn_mask_type: str = "causal", attention_dropout: float = 0.0,
+               enable_rotary_pos_emb: bool = False, rotary_base: float = 10000.0,
+               fuse_qkv: bool = True, use_bias: bool = False,
+               out_features: Optional[int] = None, attention_impl: str = "auto",
+               max_segments_per_seq: int = 8, dtype: Optional[Dtype] = None,
+               param_dtype: Dtype = jnp.float32,
+               kernel_init: Initializer = default_kernel_init, bias_init: Initializer = zeros,
+               deterministic: bool = False, impl: str = "auto", rngs: nnx.Rngs):
+    (h,) = to_tuple("num_attention_heads", num_attention_heads)
+    (e,) = to_tuple("in_features", in_features)
+    if attention_type not in _ATTENTION_TYPES:
+      raise ValueError(f"attention_type must be one of {_ATTENTION_TYPES}, got "
+                       f"{attention_type!r}.")
+    if kv_features is not None and attention_type == "self":
+      raise ValueError("kv_features is for attention_type='cross'; self attention takes "
+                       "its keys and values from inputs_q.")
+    check_attention_options(attn_mask_type, attention_impl, max_segments_per_seq)
+    if not 0.0 <= attention_dropout < 1.0:
+      raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}.")
+    g = h if num_gqa_groups is None else to_tuple("num_gqa_groups", num_gqa_groups)[0]
+    if h % g:
+      raise ValueError(f"num_gqa_groups ({g}) must divide num_attention_heads ({h}).")
+    if head_dim is None and e % h:
+      raise ValueError(f"width {e} is not divisible by {h} heads; set head_dim.")
+    d = e // h if head_dim is None else to_tuple("head_dim", head_dim)[0]
+    ekv = e if kv_features is None else to_tuple("kv_features", kv_features)[0]
+    self.num_attention_heads, self.num_gqa_groups, self.head_dim = h, g, d
+    self.in_features, self.kv_features, self.attention_type = e, ekv, attention_type
+    self.out_features = e if out_features is None else to_tuple("out_features",
+                                                                out_features)[0]
+    self.attn_mask_type, self.attention_impl = attn_mask_type, attention_impl
+    self.max_segments_per_seq = int(max_segments_per_seq)
+    self.attention_dropout = float(attention_dropout)
+    self.enable_rotary_pos_emb, self.rotary_base = bool(enable_rotary_pos_emb), rotary_base
+    self.dtype, self.param_dtype, self.impl = dtype, param_dtype, impl
+    self.deterministic = deterministic
+
+    def dense(i, o, axes, axis=-1, split=False):
+      return Linear(i, o, axis=axis, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+                    kernel_init=kernel_init, bias_init=bias_init, kernel_axes=axes,
+                    split_output=split, impl=impl, rngs=rngs)
+
+    self.fused_qkv = attention_type == "self" and g == h and bool(fuse_qkv)
+    if self.fused_qkv:
+      self.qkv = dense(e, (3, h, d), ("embed", "qkv", "heads", "kv"), split=True)
+    else:
+      self.query = dense(e, (h, d), ("embed", "heads", "kv"))
+      self.kv = dense(ekv, (2, g, d), ("embed", "qkv", "heads", "kv"), split=True)
+    self.out = dense((h, d), self.out_features, ("heads", "kv", "embed"), axis=(-2, -1))
+    self.rngs = rngs["dropout"].fork() if self.attention_dropout > 0.0 else None
+
+  def __call__(self, inputs_q: jax.Array, inputs_kv: Optional[jax.Array] = None, *,
+               segment_ids: Optional[jax.Array] = None,
+               kv_segment_ids: Optional[jax.Array] = None,
+               segment_positions: Optional[jax.Array] = None,
+               kv_segment_positions: Optional[jax.Array] = None,
+               mask: Optional[jax.Array] = None,
+               deterministic: Optional[bool] = None) -> jax.Array:
+    """Attends from ``inputs_q`` to ``inputs_kv`` (cross) or to itself (self).
+
+    Arguments as ``te_jax.flax.MultiHeadAttention.__call__``; ``deterministic``
+    defaults to the module attribute. Returns (B, Sq, out_features) in the
+    compute dtype.
+    """
+    self_attn = self.attention_type == "self"
+    check_input_3d("inputs_q", inputs_q)
+    if self_attn and inputs_kv is not None:
+      raise ValueError("inputs_kv given to a self-attention module: construct it with "
+                       "attention_type='cross' (and kv_features=...).")
+    if not self_attn:
+      if inputs_kv is None:
+        raise ValueError("cross attention needs inputs_kv (B, Skv, kv_features).")
+      check_input_3d("inputs_kv", inputs_kv)
+      if inputs_kv.shape[-1] != self.kv_features:
+        raise ValueError(f"inputs_kv's last dim ({inputs_kv.shape[-1]}) must equal "
+                         f"kv_features ({self.kv_features}).")
+    if inputs_q.shape[-1] != self.in_features:
+      raise ValueError(f"inputs_q's last dim ({inputs_q.shape[-1]}) must equal "
+                       f"in_features ({self.in_features}).")
+    kv_name, kv_like = ("inputs_q", inputs_q) if self_attn else ("inputs_kv", inputs_kv)
+    check_segment_arg("segment_ids", segment_ids, "inputs_q", inputs_q)
+    check_segment_arg("segment_positions", segment_positions, "inputs_q", inputs_q)
+    check_segment_arg("kv_segment_ids", kv_segment_ids, kv_name, kv_like)
+    check_segment_arg("kv_segment_positions", kv_segment_positions, kv_name, kv_like)
+    if self_attn:
+      inputs_kv = inputs_q
+      if kv_segment_ids is None:
+        kv_segment_ids = segment_ids
+      if kv_segment_positions is None:
+        kv_segment_positions = segment_positions
+    compute = compute_dtype(self.dtype, inputs_q.dtype, self.param_dtype)
+    if self.fused_qkv:
+      q, k, v = self.qkv(inputs_q)
+    else:
+      q = self.query(inputs_q)
+      k, v = self.kv(inputs_kv.astype(compute))   # the Linen module's dtype=compute
+    deterministic = self.deterministic if deterministic is None else deterministic
+    dropout = self.attention_dropout > 0.0 and not deterministic
+    out = attention_core(
+        q, k, v, self_attn=self_attn, segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids, segment_positions=segment_positions,
+        kv_segment_positions=kv_segment_positions, mask=mask,
+        attn_mask_type=self.attn_mask_type, enable_rotary_pos_emb=self.enable_rotary_pos_emb,
+        rotary_base=self.rotary_base, attention_impl=self.attention_impl,
+        max_segments_per_seq=self.max_segments_per_seq,
+        dropout_rate=self.attention_dropout if dropout else 0.0,
+        dropout_rng=self.rngs() if dropout else None)
+    return self.out(out.astype(compute))

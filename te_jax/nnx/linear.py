@@ -1,0 +1,328 @@
+"""``Linear``, ``LayerNormLinear`` and the norms, as NNX modules.
+
+Same parameters (names, shapes, logical axis names), same functional calls and
+hence the same numbers as ``te_jax.flax.DenseGeneral`` /
+``LayerNormDenseGeneral`` / ``LayerNorm`` / ``RMSNorm``; the FP8 GEMMs go
+through :func:`fp8_gemm`, which reads the state from the module's
+``FP8State`` variables instead of a Linen collection.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Optional, Sequence, Tuple, Union
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from te_jax import dense as dense_lib
+from te_jax import norm_dense
+from te_jax.flax import fp8_module
+from te_jax.flax.dense import (default_kernel_axes, default_kernel_init, fused_norm_blocker,
+                               kernel_fan_in_init, log_unfused_norm)
+from te_jax.flax.norm import apply_norm, check_norm_type
+from te_jax.nnx import state as st
+
+__all__ = ["Linear", "LayerNormLinear", "LayerNorm", "RMSNorm", "fp8_gemm", "param",
+           "to_tuple", "compute_dtype"]
+
+Dtype = Any
+Initializer = Callable[..., jax.Array]
+zeros = jax.nn.initializers.zeros
+ones = jax.nn.initializers.ones
+
+
+def to_tuple(name: str, value) -> Tuple[int, ...]:
+  """``value`` (an int or a sequence of ints > 0) as a tuple; ValueError naming
+  ``name`` otherwise."""
+  t = (value,) if isinstance(value, int) else value
+  try:
+    t = tuple(t)
+  except TypeError:
+    t = None
+  if not t or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in t):
+    raise ValueError(f"{name} must be a positive int or a non-empty sequence of them, "
+                     f"got {value!r}.")
+  return t
+
+
+def param(rngs: nnx.Rngs, init, shape, dtype, axes) -> nnx.Param:
+  """An ``nnx.Param`` initialized by ``init`` with the logical axis names
+  ``axes`` as its ``out_sharding`` metadata (not applied eagerly: map them to
+  the mesh with your logical axis rules, as for any NNX model)."""
+  return nnx.Param(init(rngs.params(), tuple(shape), dtype), out_sharding=tuple(axes),
+                   eager_sharding=False)
+
+
+def compute_dtype(dtype, x_dtype, param_dtype):
+  """The module ``dtype``, or the promotion of input and parameter dtypes."""
+  return dtype if dtype is not None else jnp.result_type(x_dtype, param_dtype)
+
+
+def fp8_gemm(module: nnx.Module, settings: fp8_module.GemmSettings, x: jax.Array,
+             kernel: jax.Array, bias: Optional[jax.Array] = None, *,
+             name: str = fp8_module.FP8_META, contract_ndim: int = 1,
+             kernel_axes: Optional[Sequence[Optional[str]]] = None,
+             split_output: bool = False, track: bool = True):
+  """``x @ kernel (+ bias)``: ``te_jax.flax.fp8_module.fp8_gemm`` for an NNX module.
+
+  The FP8 state is the module's ``FP8State`` attribute ``name`` (under a
+  recipe that keeps state). ``track``: count this call for the update check
+  (one GEMM per module call does). Arguments otherwise as the Linen helper.
+  """
+  recipe, impl = settings.recipe, settings.impl
+  param_kernel = kernel
+  kernel = fp8_module.gemm_kernel(settings, kernel, x.dtype)
+  kernel_axes = None if kernel_axes is None else tuple(kernel_axes)
+  state = None if recipe is None else st.gemm_state(module, name, recipe.scaling_mode())
+  if state is not None and track:
+    st.track_updates(module, param_kernel)
+  if split_output and recipe is not None and settings.unsharded():
+    lead = x.shape[:x.ndim - contract_ndim]
+    in_dims, out_dims = kernel.shape[:contract_ndim], kernel.shape[contract_ndim:]
+    k = math.prod(in_dims)
+    parts = dense_lib.fp8_dense_split(
+        x.reshape(lead + (k,)), kernel.reshape(k, -1),
+        None if bias is None else bias.reshape(-1), num_splits=out_dims[0],
+        recipe=recipe, fp8_state=state, impl=impl)
+    return tuple(p.reshape(lead + tuple(out_dims[1:])) for p in parts)
+  y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim, recipe=recipe,
+                              fp8_state=state, impl=impl, kernel_axes=kernel_axes,
+                              mesh_resource=settings.mesh_resource)
+  if split_output:
+    lead = (slice(None),) * (x.ndim - contract_ndim)
+    y = tuple(y[lead + (i,)] for i in range(kernel.shape[contract_ndim]))
+  return y
+
+
+class _Norm(nnx.Module):
+  _norm_type = "layernorm"
+
+  def __init__(self, num_features: int, *, epsilon: float = 1e-6,
+               zero_centered_gamma: bool = False, dtype: Optional[Dtype] = None,
+               param_dtype: Dtype = jnp.float32, scale_init: Optional[Initializer] = None,
+               bias_init: Initializer = zeros, scale_axes=("embed",), bias_axes=("embed",),
+               rngs: nnx.Rngs):
+    (num_features,) = to_tuple("num_features", num_features)
+    check_norm_type(self._norm_type)
+    self.num_features, self.epsilon = num_features, float(epsilon)
+    self.zero_centered_gamma, self.dtype = bool(zero_centered_gamma), dtype
+    if scale_init is None:
+      scale_init = zeros if zero_centered_gamma else ones
+    self.scale = param(rngs, scale_init, (num_features,), param_dtype, scale_axes)
+    if self._norm_type == "layernorm":
+      self.bias = param(rngs, bias_init, (num_features,), param_dtype, bias_axes)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    if x.shape[-1] != self.num_features:
+      raise ValueError(f"{type(self).__name__}: the input's last dim ({x.shape[-1]}) must "
+                       f"equal num_features ({self.num_features}).")
+    bias = self.bias[...] if self._norm_type == "layernorm" else None
+    return apply_norm(x, self.scale[...], bias, norm_type=self._norm_type,
+                      epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
+                      dtype=self.dtype if self.dtype is not None else x.dtype)
+
+
+class LayerNorm(_Norm):
+  """``te_jax.flax.LayerNorm`` as an NNX module: ``LayerNorm(num_features, *,
+  epsilon=1e-6, zero_centered_gamma=False, dtype=None, param_dtype=float32,
+  scale_init, bias_init, scale_axes, bias_axes, rngs)``; parameters ``scale``
+  and ``bias`` (num_features,), computed in float32."""
+
+  _norm_type = "layernorm"
+
+
+class RMSNorm(_Norm):
+  """``te_jax.flax.RMSNorm`` as an NNX module (parameter ``scale`` only);
+  arguments as :class:`LayerNorm`."""
+
+  _norm_type = "rmsnorm"
+
+
+def _check_axes(name, axes, n):
+  axes = tuple(axes)
+  if len(axes) != n:
+    raise ValueError(f"{name} {axes} must name each of the {n} dims it describes.")
+  return axes
+
+
+class Linear(nnx.Module):
+  """A linear map over one or more input axes whose GEMMs run in FP8 under ``fp8_autocast``.
+
+  ``te_jax.flax.DenseGeneral`` as an NNX module: same parameters, same
+  numbers. Shapes: ``x`` (..., *in_features) (the ``axis`` dims) ->
+  (..., *out_features); with ``split_output``, a tuple of
+  ``out_features[0]`` arrays (..., *out_features[1:]).
+
+  Parameters: ``kernel`` (*in_features, *out_features), logical axes
+  ``kernel_axes`` (default as ``te_jax.flax.dense.default_kernel_axes``);
+  ``bias`` (*out_features,) with ``use_bias``. Under ``DelayedScaling`` (active
+  while the module is constructed): ``fp8_meta``, an ``te_jax.nnx.FP8State``.
+
+  Args:
+    in_features: int or tuple of ints, the sizes of the contracted ``axis`` dims.
+    out_features: int or tuple of ints, the output dims.
+    axis: int or tuple of ints (one per in_features), default -1.
+    use_bias: add a bias (default False).
+    dtype: compute/output dtype; None promotes input and parameter dtypes.
+    param_dtype: parameter dtype (default float32).
+    kernel_init: initializer applied to the kernel's 2-D (in, out) view.
+    bias_init: bias initializer (default zeros).
+    kernel_axes, bias_axes: logical axis names (``out_sharding`` metadata; the
+      FP8 GEMMs also shard by them under ``fp8_autocast(mesh_resource=...)``).
+    split_output: return the output unstacked along its first output dim
+      (q, k, v of a fused projection); in FP8 the parts' gradients are
+      quantized without a concatenation.
+    impl: "auto", "cuda" or "reference": the FP8 ops' implementation.
+    rngs: ``nnx.Rngs`` for the initializers.
+  """
+
+  FP8_GEMMS = (fp8_module.FP8_META,)
+
+  def __init__(self, in_features: Union[int, Sequence[int]],
+               out_features: Union[int, Sequence[int]], *, axis=-1, use_bias: bool = False,
+               dtype: Optional[Dtype] = None, param_dtype: Dtype = jnp.float32,
+               kernel_init: Initializer = default_kernel_init, bias_init: Initializer = zeros,
+               kernel_axes: Sequence[Optional[str]] = (),
+               bias_axes: Sequence[Optional[str]] = (), split_output: bool = False,
+               impl: str = "auto", rngs: nnx.Rngs):
+    self.in_features = to_tuple("in_features", in_features)
+    self.out_features = to_tuple("out_features", out_features)
+    n_in, n_out = len(self.in_features), len(self.out_features)
+    self.axis = (axis,) if isinstance(axis, int) else tuple(axis)
+    if len(self.axis) != n_in:
+      raise ValueError(f"axis {axis} must give one input axis per in_features "
+                       f"{self.in_features}.")
+    if split_output and n_out < 2:
+      raise ValueError(f"split_output=True unstacks the first of several output dims; "
+                       f"out_features={self.out_features} has {n_out}.")
+    kernel_axes = tuple(kernel_axes) or default_kernel_axes(n_in, n_out)
+    self.kernel_axes = _check_axes("kernel_axes", kernel_axes, n_in + n_out)
+    self.use_bias, self.dtype, self.param_dtype = bool(use_bias), dtype, param_dtype
+    self.split_output, self.impl = bool(split_output), impl
+    mode = st.construction_mode(impl)
+    self.kernel = param(rngs, kernel_fan_in_init(kernel_init, n_in, n_out),
+                        self.in_features + self.out_features, param_dtype, self.kernel_axes)
+    if self.use_bias:
+      bias_axes = _check_axes("bias_axes", tuple(bias_axes) or self.kernel_axes[n_in:], n_out)
+      self.bias = param(rngs, bias_init, self.out_features, param_dtype, bias_axes)
+    st.add_fp8_state(self, mode)
+
+  def __call__(self, x: jax.Array):
+    """Applies the projection; see the class docstring for shapes."""
+    settings = fp8_module.read_autocast(self.impl)
+    axis = fp8_module.canonicalize_axes(self.axis, x.ndim)
+    got = tuple(x.shape[a] for a in axis)
+    if got != self.in_features:
+      raise ValueError(f"Linear: the input's dims {got} on axis {self.axis} must equal "
+                       f"in_features {self.in_features}; got an input of shape {x.shape}.")
+    compute = compute_dtype(self.dtype, x.dtype, self.param_dtype)
+    batch = tuple(a for a in range(x.ndim) if a not in axis)
+    if batch + axis != tuple(range(x.ndim)):
+      x = jnp.transpose(x, batch + axis)
+    bias = self.bias[...].astype(compute) if self.use_bias else None
+    return fp8_gemm(self, settings, x.astype(compute), self.kernel[...], bias,
+                    contract_ndim=len(axis), kernel_axes=self.kernel_axes,
+                    split_output=self.split_output)
+
+
+class LayerNormLinear(nnx.Module):
+  """LayerNorm (or RMSNorm) over the last axis, then a :class:`Linear` over it.
+
+  ``te_jax.flax.LayerNormDenseGeneral`` as an NNX module (same parameters,
+  same numbers, the same fused norm + quantize path in FP8 where the shapes
+  allow it). Shapes: ``x`` (..., in_features) -> (..., *out_features); with
+  ``return_layernorm_output`` ``(y, ln_out)``.
+
+  Parameters: ``scale`` and (layernorm) ``ln_bias`` (in_features,);
+  ``kernel`` (in_features, *out_features); ``bias`` with ``use_bias``; FP8
+  state ``fp8_meta`` under ``DelayedScaling``.
+
+  Args:
+    in_features: the normalized width (int).
+    out_features: int or tuple of ints.
+    layernorm_type: "layernorm" (default) or "rmsnorm".
+    epsilon, zero_centered_gamma, return_layernorm_output, use_bias, dtype,
+    param_dtype, kernel_init, bias_init, scale_init, ln_bias_init,
+    kernel_axes, bias_axes, ln_scale_axes, ln_bias_axes, impl: as the Linen module.
+    rngs: ``nnx.Rngs``.
+  """
+
+  FP8_GEMMS = (fp8_module.FP8_META,)
+
+  def __init__(self, in_features: int, out_features: Union[int, Sequence[int]], *,
+               layernorm_type: str = "layernorm", epsilon: float = 1e-6,
+               zero_centered_gamma: bool = False, return_layernorm_output: bool = False,
+               use_bias: bool = False, dtype: Optional[Dtype] = None,
+               param_dtype: Dtype = jnp.float32,
+               kernel_init: Initializer = default_kernel_init, bias_init: Initializer = zeros,
+               scale_init: Optional[Initializer] = None, ln_bias_init: Initializer = zeros,
+               kernel_axes: Sequence[Optional[str]] = (),
+               bias_axes: Sequence[Optional[str]] = (), ln_scale_axes=("embed",),
+               ln_bias_axes=("embed",), impl: str = "auto", rngs: nnx.Rngs):
+    (self.in_features,) = to_tuple("in_features", in_features)
+    self.out_features = to_tuple("out_features", out_features)
+    check_norm_type(layernorm_type)
+    n_out = len(self.out_features)
+    self.layernorm_type, self.epsilon = layernorm_type, float(epsilon)
+    self.zero_centered_gamma = bool(zero_centered_gamma)
+    self.return_layernorm_output = bool(return_layernorm_output)
+    self.use_bias, self.dtype, self.param_dtype, self.impl = (
+        bool(use_bias), dtype, param_dtype, impl)
+    kernel_axes = tuple(kernel_axes) or default_kernel_axes(1, n_out)
+    self.kernel_axes = _check_axes("kernel_axes", kernel_axes, 1 + n_out)
+    mode = st.construction_mode(impl)
+    if scale_init is None:
+      scale_init = zeros if zero_centered_gamma else ones
+    e = self.in_features
+    self.scale = param(rngs, scale_init, (e,), param_dtype, ln_scale_axes)
+    if layernorm_type == "layernorm":
+      self.ln_bias = param(rngs, ln_bias_init, (e,), param_dtype, ln_bias_axes)
+    self.kernel = param(rngs, kernel_fan_in_init(kernel_init, 1, n_out),
+                        (e,) + self.out_features, param_dtype, self.kernel_axes)
+    if self.use_bias:
+      bias_axes = _check_axes("bias_axes", tuple(bias_axes) or self.kernel_axes[1:], n_out)
+      self.bias = param(rngs, bias_init, self.out_features, param_dtype, bias_axes)
+    st.add_fp8_state(self, mode)
+
+  def __call__(self, x: jax.Array):
+    """Normalizes, then projects; see the class docstring for shapes."""
+    if x.shape[-1] != self.in_features:
+      raise ValueError(f"LayerNormLinear: the input's last dim ({x.shape[-1]}) must equal "
+                       f"in_features ({self.in_features}).")
+    compute = compute_dtype(self.dtype, x.dtype, self.param_dtype)
+    settings = fp8_module.read_autocast(self.impl)
+    scale = self.scale[...]
+    ln_bias = self.ln_bias[...] if self.layernorm_type == "layernorm" else None
+    bias = self.bias[...].astype(compute) if self.use_bias else None
+    if settings.recipe is not None:
+      blocker = fused_norm_blocker(settings, x)
+      if blocker is None:
+        states, blocker = st.fused_states(self, settings, self.FP8_GEMMS)
+      if blocker is None:
+        if states[0] is not None:
+          st.track_updates(self, self.kernel[...])
+        return self._fused(x, scale, ln_bias, bias, settings, compute, states[0])
+      log_unfused_norm(type(self).__name__, blocker)
+    ln_out = apply_norm(x, scale, ln_bias, norm_type=self.layernorm_type,
+                        epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
+                        dtype=compute)
+    y = fp8_gemm(self, settings, ln_out, self.kernel[...], bias,
+                 kernel_axes=self.kernel_axes)
+    return (y, ln_out) if self.return_layernorm_output else y
+
+  def _fused(self, x, scale, ln_bias, bias, settings, compute, state):
+    """The FP8 path through ``te_jax.norm_dense.fp8_norm_dense``."""
+    e, lead = self.in_features, x.shape[:-1]
+    out = norm_dense.fp8_norm_dense(
+        x.reshape(-1, e), scale, ln_bias,
+        fp8_module.gemm_kernel(settings, self.kernel[...], compute).reshape(e, -1),
+        None if bias is None else bias.reshape(-1), norm_type=self.layernorm_type,
+        epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
+        recipe=settings.recipe, fp8_state=state, impl=settings.impl,
+        return_norm_output=self.return_layernorm_output, dtype=compute)
+    if self.return_layernorm_output:
+      y, ln_out = out
+      return y.reshape(lead + self.out_features), ln_out.reshape(x.shape)
+    return out.reshape(lead + self.out_features)

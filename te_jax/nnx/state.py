@@ -1,0 +1,315 @@
+"""The FP8 state of the NNX modules, and how a training step advances it.
+
+Under ``DelayedScaling`` every FP8 GEMM of a ``te_jax.nnx`` module keeps its
+amax histories and scales (the layout of ``te_jax.fp8_state``: ``{"x" |
+"kernel" | "grad": {"amax_history", "scale"}}``) in an :class:`FP8State`
+variable, created when the module is constructed inside
+``te_jax.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(...))`` (or
+added later by :func:`init_fp8_state`). The other recipes keep no state.
+
+The functional layer returns the *updated* state as the state's gradient
+(the state of step t+1 depends on the gradient amax of step t, known only in
+the backward pass). A training step therefore
+
+1. differentiates with respect to the parameters *and* the FP8 state:
+   ``nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, te_jax.nnx.WRT))``
+   (``WRT = (nnx.Param, FP8State)``);
+2. updates the parameters as usual (``nnx.Optimizer(model, tx,
+   wrt=nnx.Param)`` ignores the FP8 state's "gradients");
+3. writes the new state into the model: ``te_jax.nnx.apply_fp8_updates(model,
+   grads)`` -- the one te_jax call of the loop.
+
+A state whose "gradient" is zero (its GEMM did not run in FP8 with this
+state in that step: FP8 switched off, another recipe, or an output that did
+not reach the loss) is kept as it was.
+
+Forgetting step 3 (or step 1) would freeze the scales at their initial
+values. Each module with FP8 state therefore keeps an :class:`FP8Counters`
+variable: a forward pass that sees the parameters changed since the previous
+forward pass counts one step, :func:`apply_fp8_updates` resets the count,
+and a count of 2 (a second optimizer step without an update of the FP8
+state) raises an :class:`FP8StateWarning` once per module, at run time (one
+``jax.debug.callback`` per traced step). Gradient accumulation (several
+forward passes on the same parameters, one update) and evaluation passes do
+not count as steps.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import warnings
+import weakref
+from typing import Any, Dict, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from flax import nnx
+
+from te_jax import fp8_state as state_lib
+from te_jax.flax import fp8_module
+
+__all__ = ["FP8State", "FP8Counters", "FP8StateWarning", "WRT", "diff_state",
+           "apply_fp8_updates", "accumulate_gradients", "init_fp8_state",
+           "gemm_state", "fused_states", "track_updates", "add_fp8_state"]
+
+COUNTERS = "fp8_counters"
+
+
+class FP8State(nnx.Variable):
+  """The delayed-scaling state of one FP8 GEMM (a ``te_jax.fp8_state`` dict).
+
+  Its "gradient" is the updated state: differentiate with respect to it
+  (``nnx.DiffState(0, te_jax.nnx.WRT)``) and write it back with
+  :func:`apply_fp8_updates`. Not a ``nnx.Param``: ``nnx.Optimizer(...,
+  wrt=nnx.Param)`` leaves it alone.
+  """
+
+
+class FP8Counters(nnx.Variable):
+  """Bookkeeping of a module's FP8 state updates (see the module docstring):
+  ``{"pending": int32, "probe": float32}``. Never differentiated."""
+
+
+class FP8StateWarning(UserWarning):
+  """The delayed-scaling FP8 state of a module did not advance across
+  training steps (``te_jax.nnx.apply_fp8_updates`` was not called)."""
+
+
+# The filter of everything a training step differentiates.
+WRT = (nnx.Param, FP8State)
+
+
+def diff_state(argnum: int = 0) -> nnx.DiffState:
+  """``nnx.DiffState(argnum, (nnx.Param, FP8State))``: the ``argnums`` of
+  ``nnx.value_and_grad`` / ``nnx.grad`` for a model with FP8 state."""
+  return nnx.DiffState(argnum, WRT)
+
+
+# ------------------------------------------------------------- creation ---
+
+_UIDS = itertools.count(1)
+
+
+def add_fp8_state(module: nnx.Module, mode) -> None:
+  """Gives ``module`` one :class:`FP8State` per name of its ``FP8_GEMMS`` and
+  its :class:`FP8Counters`, when ``mode`` (a ``ScalingMode``) keeps state."""
+  if mode is None or not mode.uses_state:
+    return
+  for name in type(module).FP8_GEMMS:
+    setattr(module, name, FP8State(mode.init_state()))
+  setattr(module, COUNTERS, FP8Counters(
+      {"pending": jnp.zeros((), jnp.int32), "probe": jnp.full((), jnp.nan, jnp.float32)},
+      uid=next(_UIDS)))
+
+
+def init_fp8_state(model: nnx.Module, recipe) -> nnx.Module:
+  """Adds fresh delayed-scaling state to every te_jax.nnx FP8 GEMM of ``model``.
+
+  For a model constructed outside ``fp8_autocast`` (or under another recipe)
+  that is to train under ``recipe``; existing state is replaced. Does
+  nothing for a recipe without state. Returns ``model`` (changed in place).
+  """
+  mode = recipe.scaling_mode()
+  for _, m in nnx.iter_modules(model):
+    if getattr(type(m), "FP8_GEMMS", None):
+      add_fp8_state(m, mode)
+  return model
+
+
+def construction_mode(impl: str):
+  """The scaling mode of the autocast active while a module is constructed
+  (None with FP8 off); ``impl`` is checked."""
+  recipe = fp8_module.read_autocast(impl).recipe
+  return None if recipe is None else recipe.scaling_mode()
+
+
+# ------------------------------------------------------------- forward ---
+
+def _state_shapes_error(name, got, want, mode):
+  hint = "construct the model under the recipe used for training (or call "
+  hint += "te_jax.nnx.init_fp8_state(model, recipe))."
+  if "scale_inv" in str(got):
+    hint = ("this is the layout of checkpoints from before 2026-12-02 (scale_inv): "
+            "convert the restored state with te_jax.fp8_state.migrate_scale_inv.")
+  return ValueError(f"FP8 state '{name}' has shapes {got} but the active recipe "
+                    f"{mode.recipe} needs {want} (e.g. another amax_history_len); {hint}")
+
+
+def _shapes(tree):
+  return jax.tree.map(lambda a: tuple(jnp.shape(a)), tree)
+
+
+def gemm_state(module: nnx.Module, name: str, mode):
+  """The state value of GEMM ``name`` of ``module`` for ``mode``; None when
+  ``mode`` keeps none. Raises ValueError when it is missing or misshapen."""
+  if not mode.uses_state:
+    return None
+  var = getattr(module, name, None)
+  recipe_name = type(mode.recipe).__name__
+  if not isinstance(var, FP8State):
+    raise ValueError(
+        f"{type(module).__name__}: {recipe_name} needs the FP8 state '{name}', but the "
+        f"module has none. Construct the model inside fp8_autocast(enabled=True, "
+        f"fp8_recipe={recipe_name}(...)) with the recipe used for training, or call "
+        f"te_jax.nnx.init_fp8_state(model, recipe) first.")
+  state = var.get_value()
+  want = _shapes(jax.eval_shape(mode.init_state))
+  got = _shapes(state)
+  if got != want:
+    raise _state_shapes_error(name, got, want, mode)
+  return state
+
+
+def fused_states(module: nnx.Module, settings, names: Sequence[str]):
+  """``te_jax.flax.dense.fused_states`` for an NNX module: (states, None), or
+  (None, reason) when the module takes the unfused path (whose GEMMs then
+  handle, or report, the state). Same decisions as the Linen modules."""
+  mode = settings.recipe.scaling_mode()
+  have = [isinstance(getattr(module, n, None), FP8State) for n in names]
+  if not mode.uses_state:
+    if any(have):
+      return None, "it holds FP8 state that the active recipe does not use"
+    return (None,) * len(names), None
+  if not all(have):
+    return None, "its FP8 state variables are missing"
+  want = _shapes(jax.eval_shape(mode.init_state))
+  for n in names:
+    if _shapes(getattr(module, n).get_value()) != want:
+      return None, f"its FP8 state '{n}' does not fit the active recipe"
+  return tuple(getattr(module, n).get_value() for n in names), None
+
+
+# Traces that already carry an update check: one host callback per traced
+# step, not one per module.
+_CHECKED_TRACES = weakref.WeakSet()
+_WARNED = set()
+
+
+def _first_check_in_trace(x) -> bool:
+  trace = getattr(x, "_trace", None) if isinstance(x, jax.core.Tracer) else None
+  if trace is None:
+    return True
+  try:
+    if trace in _CHECKED_TRACES:
+      return False
+    _CHECKED_TRACES.add(trace)
+  except TypeError:
+    pass
+  return True
+
+
+def _report(module_name: str, uid: int, pending):
+  pending = int(np.max(np.asarray(pending)))    # (stacked layers give one per layer)
+  if pending < 2 or uid in _WARNED:
+    return
+  _WARNED.add(uid)
+  warnings.warn(FP8StateWarning(
+      f"te_jax.nnx: the delayed-scaling FP8 state of {module_name} has not advanced "
+      f"over {pending} optimizer steps (its parameters changed, its amax "
+      "histories and scales did not): its scales are frozen. After each step call "
+      "te_jax.nnx.apply_fp8_updates(model, grads), with grads from "
+      "nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, te_jax.nnx.WRT)) "
+      "(parameters and FP8 state). See docs/nnx.md."), stacklevel=2)
+
+
+def track_updates(module: nnx.Module, kernel: jax.Array) -> None:
+  """Counts a forward pass of ``module`` (whose FP8 state is in use) that sees
+  ``kernel`` changed since its previous one, and checks the count at run time
+  (see the module docstring)."""
+  var = getattr(module, COUNTERS, None)
+  if not isinstance(var, FP8Counters):
+    return
+  c = var.get_value()
+  probe = lax.stop_gradient(jnp.ravel(kernel)[0]).astype(jnp.float32)
+  changed = probe != c["probe"]          # the stored NaN: a first pass counts
+  pending = c["pending"] + changed.astype(jnp.int32)
+  var.set_value({"pending": pending, "probe": probe})
+  if _first_check_in_trace(kernel):
+    jax.debug.callback(functools.partial(_report, type(module).__name__,
+                                         var.get_metadata("uid", 0)), pending)
+
+
+# ------------------------------------------------------------- training ---
+
+def _flat(tree, var_type) -> Dict[Tuple, Any]:
+  """{path: value} of the ``var_type`` variables of a module or State."""
+  if isinstance(tree, nnx.State):
+    st = nnx.filter_state(tree, var_type)
+  else:
+    st = nnx.state(tree, var_type)
+  return {tuple(p): (v.get_value() if isinstance(v, nnx.Variable) else v)
+          for p, v in nnx.to_flat_state(st)}
+
+
+def _keep_where_zero(new, old):
+  """``new``, except where a tensor's state came back as zeros (scale 0: the
+  GEMM did not use this state in the step), which keeps ``old``."""
+  if isinstance(new, dict) and "scale" in new:
+    ok = new["scale"] > 0
+    return {k: jnp.where(ok, v, old[k]) for k, v in new.items()}
+  if isinstance(new, dict):
+    return {k: _keep_where_zero(v, old[k]) for k, v in new.items()}
+  return new
+
+
+def _path_str(p):
+  return ".".join(str(k) for k in p)
+
+
+def apply_fp8_updates(model: nnx.Module, grads) -> None:
+  """Writes the updated FP8 state from ``grads`` into ``model`` (in place).
+
+  Args:
+    model: the te_jax.nnx model (or any nnx graph holding te_jax modules).
+    grads: the gradients of ``model`` from ``nnx.grad`` / ``nnx.value_and_grad``
+      with ``argnums=nnx.DiffState(0, te_jax.nnx.WRT)`` (an ``nnx.State``),
+      possibly summed over microbatches with :func:`accumulate_gradients`.
+
+  Does nothing for a model without FP8 state. Resets every module's step
+  count (:class:`FP8Counters`).
+
+  Raises:
+    ValueError: the model has FP8 state but ``grads`` holds none of it (it
+      was not differentiated), or the two disagree on where it is.
+  """
+  cur = _flat(model, FP8State)
+  if cur:
+    new = _flat(grads, FP8State)
+    if not new:
+      raise ValueError(
+          "apply_fp8_updates: the model holds delayed-scaling FP8 state but grads has "
+          "none: differentiate with respect to it too, "
+          "nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, te_jax.nnx.WRT)).")
+    if set(cur) != set(new):
+      miss = sorted(_path_str(p) for p in set(cur) - set(new))
+      extra = sorted(_path_str(p) for p in set(new) - set(cur))
+      raise ValueError(f"apply_fp8_updates: grads and model disagree on the FP8 state: "
+                       f"missing from grads {miss[:5]}, not in the model {extra[:5]} "
+                       "(pass the gradients of this model).")
+    for path, var in nnx.iter_graph(model):
+      if isinstance(var, FP8State):
+        var.set_value(_keep_where_zero(new[tuple(path)], var.get_value()))
+  for _, var in nnx.iter_graph(model):
+    if isinstance(var, FP8Counters):
+      c = var.get_value()
+      var.set_value({"pending": jnp.zeros_like(c["pending"]), "probe": c["probe"]})
+
+
+def accumulate_gradients(acc: nnx.State, grads: nnx.State) -> nnx.State:
+  """Sums two microbatches' gradients (``nnx.State``s of the same model),
+  merging their FP8 state exactly as ``te_jax.fp8_state.accumulate_gradients``
+  does (histories by max, scales by the min of the positive ones)."""
+  coll = state_lib.FP8_COLLECTION
+
+  def merge(a, b):
+    if isinstance(a, FP8State):
+      merged = state_lib.accumulate_gradients({coll: a.get_value()}, {coll: b.get_value()})
+      return a.replace(merged[coll])
+    if isinstance(a, nnx.Variable):
+      return a.replace(jax.tree.map(jnp.add, a.get_value(), b.get_value()))
+    return jnp.add(a, b)
+
+  return jax.tree.map(merge, acc, grads, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -1,0 +1,152 @@
+"""``TransformerLayer`` as an NNX module: a pre-LN block whose GEMMs run in FP8."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from te_jax.flax.attention import check_input_3d, check_segment_arg
+from te_jax.flax.dense import default_kernel_init
+from te_jax.flax.norm import check_norm_type
+from te_jax.nnx.attention import MultiHeadAttention
+from te_jax.nnx.linear import LayerNorm, RMSNorm, compute_dtype, to_tuple, zeros
+from te_jax.nnx.mlp import LayerNormMLP
+
+__all__ = ["TransformerLayer"]
+
+Dtype = Any
+Initializer = Callable[..., jax.Array]
+_LAYER_TYPES = ("encoder", "decoder")
+
+
+class TransformerLayer(nnx.Module):
+  """Pre-LN transformer block (attention and MLP sublayers with residuals), FP8 GEMMs.
+
+  ``te_jax.flax.TransformerLayer`` as an NNX module: same submodules
+  (``pre_attention_norm``, ``self_attention``, ``pre_cross_attention_norm``
+  and ``cross_attention`` for a decoder with an encoder, ``mlp``), same
+  parameters, same numbers. ``encoder``: ``x = x + drop(SelfAttn(LN(x)))``;
+  ``x = x + drop(MLP(x))``; ``decoder``: causal self attention and, when
+  built with ``encoder_hidden_size``, a cross-attention sublayer between the
+  two (skipped for a call without ``encoded``).
+
+  Shapes: ``inputs`` (B, S, hidden_size) -> (B, S, hidden_size); ``encoded``
+  (B, S_enc, encoder_hidden_size).
+
+  Args:
+    hidden_size, mlp_hidden_size, num_attention_heads, num_gqa_groups,
+    head_dim, layer_type, self_attn_mask_type, layernorm_type, epsilon,
+    zero_centered_gamma, hidden_dropout, attention_dropout,
+    intermediate_dropout, activations, fuse_activation_quantize,
+    enable_rotary_pos_emb, rotary_base, use_bias, attention_impl,
+    max_segments_per_seq, dtype, param_dtype, kernel_init, bias_init, impl:
+      as the Linen module.
+    encoder_hidden_size: width of the encoder output a decoder attends to;
+      builds the cross-attention sublayer (decoder only).
+    deterministic: default of the call argument (``model.train()`` /
+      ``model.eval()`` set it on every submodule).
+    rngs: ``nnx.Rngs`` (its "dropout" stream feeds the dropouts).
+  """
+
+  def __init__(self, hidden_size: int, mlp_hidden_size: int, num_attention_heads: int, *,
+               num_gqa_groups: Optional[int] = None, head_dim: Optional[int] = None,
+               layer_type: str = "encoder", self_attn_mask_type: Optional[str] = None,
+               encoder_hidden_size: Optional[int] = None,
+               layernorm_type: str = "layernorm", epsilon: float = 1e-6,
+               zero_centered_gamma: bool = False, hidden_dropout: float = 0.0,
+               attention_dropout: float = 0.0, intermediate_dropout: float = 0.0,
+               activations: Sequence[str] = ("gelu",), fuse_activation_quantize: bool = True,
+               enable_rotary_pos_emb: bool = False, rotary_base: float = 10000.0,
+               use_bias: bool = False, attention_impl: str = "auto",
+               max_segments_per_seq: int = 8, dtype: Optional[Dtype] = None,
+               param_dtype: Dtype = jnp.float32,
+               kernel_init: Initializer = default_kernel_init, bias_init: Initializer = zeros,
+               deterministic: bool = False, impl: str = "auto", rngs: nnx.Rngs):
+    (self.hidden_size,) = to_tuple("hidden_size", hidden_size)
+    if layer_type not in _LAYER_TYPES:
+      raise ValueError(f"layer_type must be one of {_LAYER_TYPES}, got {layer_type!r}.")
+    if encoder_hidden_size is not None and layer_type != "decoder":
+      raise ValueError("encoder_hidden_size (cross attention) needs layer_type='decoder'.")
+    check_norm_type(layernorm_type)
+    if not 0.0 <= hidden_dropout < 1.0:
+      raise ValueError(f"hidden_dropout must be in [0, 1), got {hidden_dropout}.")
+    e = self.hidden_size
+    self.layer_type, self.dtype, self.param_dtype = layer_type, dtype, param_dtype
+    self.deterministic = deterministic
+    decoder = layer_type == "decoder"
+    mask_type = self_attn_mask_type or ("causal" if decoder else "no_mask")
+    norm_cls = LayerNorm if layernorm_type == "layernorm" else RMSNorm
+
+    def norm():
+      return norm_cls(e, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma,
+                      dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def attention(attention_type, mask, rotary, kv_features=None):
+      return MultiHeadAttention(
+          num_attention_heads, e, attention_type=attention_type, kv_features=kv_features,
+          head_dim=head_dim, num_gqa_groups=num_gqa_groups, attn_mask_type=mask,
+          attention_dropout=attention_dropout, enable_rotary_pos_emb=rotary,
+          rotary_base=rotary_base, use_bias=use_bias, out_features=e,
+          attention_impl=attention_impl, max_segments_per_seq=max_segments_per_seq,
+          dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
+          bias_init=bias_init, deterministic=deterministic, impl=impl, rngs=rngs)
+
+    self.pre_attention_norm = norm()
+    self.self_attention = attention("self", mask_type, enable_rotary_pos_emb)
+    self.encoder_hidden_size = encoder_hidden_size
+    if encoder_hidden_size is not None:
+      self.pre_cross_attention_norm = norm()
+      self.cross_attention = attention("cross", "no_mask", False, encoder_hidden_size)
+    self.mlp = LayerNormMLP(
+        e, mlp_hidden_size, activations=tuple(activations),
+        intermediate_dropout_rate=intermediate_dropout,
+        fuse_activation_quantize=fuse_activation_quantize, layernorm_type=layernorm_type,
+        epsilon=epsilon, zero_centered_gamma=zero_centered_gamma, use_bias=use_bias,
+        dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, bias_init=bias_init,
+        deterministic=deterministic, impl=impl, rngs=rngs)
+    self.dropout = (nnx.Dropout(hidden_dropout, deterministic=deterministic, rngs=rngs)
+                    if hidden_dropout > 0.0 else None)
+
+  def _drop(self, x, deterministic):
+    return x if self.dropout is None else self.dropout(x, deterministic=deterministic)
+
+  def __call__(self, inputs: jax.Array, encoded: Optional[jax.Array] = None, *,
+               segment_ids: Optional[jax.Array] = None,
+               segment_positions: Optional[jax.Array] = None,
+               encoder_segment_ids: Optional[jax.Array] = None,
+               deterministic: Optional[bool] = None) -> jax.Array:
+    """Applies the block (arguments as ``te_jax.flax.TransformerLayer``;
+    ``deterministic`` defaults to the module attribute)."""
+    check_input_3d("inputs", inputs)
+    check_segment_arg("segment_ids", segment_ids, "inputs", inputs)
+    check_segment_arg("segment_positions", segment_positions, "inputs", inputs)
+    if encoded is not None:
+      if self.encoder_hidden_size is None:
+        raise ValueError("encoded inputs (cross attention) need a decoder layer built with "
+                         "encoder_hidden_size=...")
+      check_input_3d("encoded", encoded)
+      check_segment_arg("encoder_segment_ids", encoder_segment_ids, "encoded", encoded)
+    if inputs.shape[-1] != self.hidden_size:
+      raise ValueError(f"inputs' last dim ({inputs.shape[-1]}) must equal "
+                       f"hidden_size ({self.hidden_size}).")
+    deterministic = self.deterministic if deterministic is None else deterministic
+    compute = compute_dtype(self.dtype, inputs.dtype, self.param_dtype)
+    x = inputs.astype(compute)
+
+    h = self.pre_attention_norm(x)
+    h = self.self_attention(h, segment_ids=segment_ids, segment_positions=segment_positions,
+                            deterministic=deterministic)
+    x = x + self._drop(h, deterministic)
+
+    if encoded is not None:
+      h = self.pre_cross_attention_norm(x)
+      h = self.cross_attention(
+          h, encoded, segment_ids=segment_ids if encoder_segment_ids is not None else None,
+          kv_segment_ids=encoder_segment_ids, deterministic=deterministic)
+      x = x + self._drop(h, deterministic)
+
+    h = self.mlp(x, deterministic=deterministic)
+    return x + self._drop(h, deterministic)
