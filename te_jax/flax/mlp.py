@@ -42,22 +42,24 @@ from te_jax.flax.dense import (default_kernel_init, fused_norm_blocker, fused_st
 from te_jax.flax.norm import apply_norm, norm_params
 from te_jax.ops.act_quantize import ACTIVATIONS
 
-__all__ = ["LayerNormMLP", "ACTIVATIONS"]
+__all__ = ["LayerNormMLP", "ACTIVATIONS", "check_activations", "fused_core_blocker", "log_unfused"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
 
 
 @functools.lru_cache(maxsize=None)
-def _log_unfused(reason: str):
-  """Says once per reason why a LayerNormMLP took the unfused FP8 path."""
+def log_unfused(owner: str, reason: str):
+  """Says once per reason why ``owner`` (a LayerNormMLP, Linen or NNX) took
+  the unfused FP8 path."""
   logging.getLogger("te_jax").info(
-      "te_jax: LayerNormMLP runs as two FP8 dense layers (not the fused "
-      "activation-quantize core, which holds less memory): %s", reason)
+      "te_jax: %s runs as two FP8 dense layers (not the fused "
+      "activation-quantize core, which holds less memory): %s", owner, reason)
 
 
-def _fused_blocker(m, embed, f, settings, acts, dropout) -> Optional[str]:
-  """Why the fused core cannot run (None when it can)."""
+def fused_core_blocker(m, embed, f, settings, acts, dropout) -> Optional[str]:
+  """Why the fused MLP core cannot run (None when it can); shared by the Linen
+  and NNX LayerNormMLP."""
   recipe = settings.recipe
   if dropout:
     return "intermediate dropout is active"
@@ -90,8 +92,9 @@ def _kernel_init_partitioning(init, shape, dtype, axes_1, axes_2):
   return {"mesh": box.mesh, "rules": box.rules}
 
 
-def _check_activations(acts):
-  acts = tuple(acts)
+def check_activations(acts) -> tuple:
+  """The activation names as a tuple; ValueError unless one or two known ones."""
+  acts = (acts,) if isinstance(acts, str) else tuple(acts)
   if not acts or len(acts) > 2:
     raise ValueError(f"activations must hold one or two names, got {acts!r}.")
   for a in acts:
@@ -172,7 +175,7 @@ class LayerNormMLP(nn.Module):
   @nn.compact
   def __call__(self, inputs: jax.Array, deterministic: bool = True):
     """Applies the block; ``deterministic=False`` enables dropout."""
-    acts = _check_activations(self.activations)
+    acts = check_activations(self.activations)
     n_act = len(acts)
     embed = inputs.shape[-1]
     compute = self.dtype if self.dtype is not None else jnp.result_type(
@@ -213,10 +216,10 @@ class LayerNormMLP(nn.Module):
     dropout = self.intermediate_dropout_rate > 0.0 and not deterministic
     fused = False
     if self.fuse_activation_quantize and settings.recipe is not None:
-      blocker = _fused_blocker(m, embed, f, settings, acts, dropout)
+      blocker = fused_core_blocker(m, embed, f, settings, acts, dropout)
       fused = blocker is None
       if not fused:
-        _log_unfused(blocker)
+        log_unfused("LayerNormMLP", blocker)
     names = ("wi_fp8_meta", "wo_fp8_meta")
     if fused:
       blocker = fused_norm_blocker(settings, inputs)

@@ -7,8 +7,6 @@ activation) and the same numbers as ``te_jax.flax.LayerNormMLP``.
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
 from typing import Any, Callable, Optional, Sequence
 
@@ -19,6 +17,7 @@ from flax import nnx
 from te_jax import fused_mlp
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
+from te_jax.flax.mlp import check_activations, fused_core_blocker, log_unfused
 from te_jax.flax.dense import (default_kernel_init, fused_norm_blocker, kernel_fan_in_init,
                                log_unfused_norm)
 from te_jax.flax.norm import apply_norm, check_norm_type
@@ -30,38 +29,6 @@ __all__ = ["LayerNormMLP"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
-
-
-@functools.lru_cache(maxsize=None)
-def _log_unfused(reason: str):
-  logging.getLogger("te_jax").info(
-      "te_jax: nnx.LayerNormMLP runs as two FP8 dense layers (not the fused "
-      "activation-quantize core, which holds less memory): %s", reason)
-
-
-def _fused_blocker(m, embed, f, settings, acts, dropout) -> Optional[str]:
-  """Why the fused core cannot run (None when it can): the decision of
-  ``te_jax.flax.LayerNormMLP``."""
-  recipe = settings.recipe
-  if dropout:
-    return "intermediate dropout is active"
-  if not settings.unsharded():
-    return "its GEMMs are sharded (the fused core has no sharding rule)"
-  if not fused_mlp.supported(m, embed, f, embed, recipe, acts):
-    return (f"{m} tokens, embed {embed}, mlp {f}: it needs tokens % "
-            f"{recipe.scaling_mode().token_block} == 0 and embed, mlp % 128 == 0")
-  return None
-
-
-def check_activations(acts) -> tuple:
-  """The activation names as a tuple; ValueError unless one or two known ones."""
-  acts = (acts,) if isinstance(acts, str) else tuple(acts)
-  if not acts or len(acts) > 2:
-    raise ValueError(f"activations must hold one or two names, got {acts!r}.")
-  for a in acts:
-    if a not in ACTIVATIONS:
-      raise ValueError(f"unknown activation {a!r}; known: {sorted(ACTIVATIONS)}.")
-  return acts
 
 
 class LayerNormMLP(nnx.Module):
@@ -166,10 +133,10 @@ class LayerNormMLP(nnx.Module):
     dropout = self.intermediate_dropout_rate > 0.0 and not deterministic
     fused = False
     if self.fuse_activation_quantize and settings.recipe is not None:
-      blocker = _fused_blocker(m, e, f, settings, acts, dropout)
+      blocker = fused_core_blocker(m, e, f, settings, acts, dropout)
       fused = blocker is None
       if not fused:
-        _log_unfused(blocker)
+        log_unfused("nnx.LayerNormMLP", blocker)
     if fused:
       blocker = fused_norm_blocker(settings, x)
       if blocker is None:
