@@ -38,7 +38,7 @@ from te_jax import sharding as sharding_lib
 from te_jax.autocast import get_fp8_context
 from te_jax.ops import check_impl
 
-__all__ = ["GemmSettings", "read_autocast", "fp8_gemm", "fp8_mlp_core", "gemm_kernel",
+__all__ = ["split_gemm", "GemmSettings", "read_autocast", "fp8_gemm", "fp8_mlp_core", "gemm_kernel",
            "canonicalize_axes", "declare_fp8_state", "keep_unused_fp8_state", "FP8_META"]
 
 FP8_META = "fp8_meta"
@@ -201,7 +201,7 @@ def fp8_gemm(module: nn.Module, settings: GemmSettings, x: jax.Array, kernel: ja
   kernel_axes = None if kernel_axes is None else tuple(kernel_axes)
   state = None if recipe is None else declare_fp8_state(module, name, recipe.scaling_mode())
   if split_output and recipe is not None and settings.unsharded():
-    y = _split_gemm(x, kernel, bias, settings, state, contract_ndim)
+    y = split_gemm(x, kernel, bias, settings, state, contract_ndim)
   else:
     y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim,
                                 recipe=recipe, fp8_state=state, impl=impl,
@@ -242,8 +242,9 @@ def keep_unused_fp8_state(module: nn.Module, y, names: Sequence[str]):
   return y
 
 
-def _split_gemm(x, kernel, bias, settings, state, contract_ndim):
-  """``fp8_gemm(..., split_output=True)`` through ``fp8_dense_split``."""
+def split_gemm(x, kernel, bias, settings, state, contract_ndim):
+  """``fp8_gemm(..., split_output=True)`` through ``fp8_dense_split`` (shared
+  by the Linen and NNX modules): a tuple of ``out_dims[0]`` arrays."""
   lead = x.shape[:x.ndim - contract_ndim]
   in_dims, out_dims = kernel.shape[:contract_ndim], kernel.shape[contract_ndim:]
   k = math.prod(in_dims)

@@ -9,7 +9,6 @@ through :func:`fp8_gemm`, which reads the state from the module's
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import jax
@@ -79,14 +78,7 @@ def fp8_gemm(module: nnx.Module, settings: fp8_module.GemmSettings, x: jax.Array
   if state is not None and track:
     st.track_updates(module, param_kernel)
   if split_output and recipe is not None and settings.unsharded():
-    lead = x.shape[:x.ndim - contract_ndim]
-    in_dims, out_dims = kernel.shape[:contract_ndim], kernel.shape[contract_ndim:]
-    k = math.prod(in_dims)
-    parts = dense_lib.fp8_dense_split(
-        x.reshape(lead + (k,)), kernel.reshape(k, -1),
-        None if bias is None else bias.reshape(-1), num_splits=out_dims[0],
-        recipe=recipe, fp8_state=state, impl=impl)
-    return tuple(p.reshape(lead + tuple(out_dims[1:])) for p in parts)
+    return fp8_module.split_gemm(x, kernel, bias, settings, state, contract_ndim)
   y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim, recipe=recipe,
                               fp8_state=state, impl=impl, kernel_axes=kernel_axes,
                               mesh_resource=settings.mesh_resource)
