@@ -56,7 +56,8 @@ from te_jax.flax.packed_attention import segment_attention_mask
 from te_jax.flax.dense import DenseGeneral, default_kernel_init
 
 __all__ = ["MultiHeadAttention", "apply_rotary", "segment_attention_mask", "check_input_3d",
-           "check_segment_arg", "check_attention_options", "attention_core"]
+           "check_segment_arg", "check_attention_options", "attention_core",
+           "resolve_segments"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -257,6 +258,31 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, self_attn: bool,
   return out
 
 
+def resolve_segments(inputs_q, inputs_kv, segment_ids, segment_positions, kv_segment_ids,
+                     kv_segment_positions):
+  """Checks the segment arguments against their inputs and fills in self attention.
+
+  ``segment_ids``/``segment_positions`` must be (B, Sq) like ``inputs_q``, the
+  ``kv_`` ones (B, Skv) like ``inputs_kv`` (``inputs_q`` when it is None).
+  Returns ``(inputs_kv, kv_segment_ids, kv_segment_positions)``: for self
+  attention (``inputs_kv`` None) the queries' inputs and segments. Shared by
+  the Linen and NNX MultiHeadAttention.
+  """
+  self_attn = inputs_kv is None
+  kv_name, kv_like = ("inputs_q", inputs_q) if self_attn else ("inputs_kv", inputs_kv)
+  check_segment_arg("segment_ids", segment_ids, "inputs_q", inputs_q)
+  check_segment_arg("segment_positions", segment_positions, "inputs_q", inputs_q)
+  check_segment_arg("kv_segment_ids", kv_segment_ids, kv_name, kv_like)
+  check_segment_arg("kv_segment_positions", kv_segment_positions, kv_name, kv_like)
+  if self_attn:
+    inputs_kv = inputs_q
+    if kv_segment_ids is None:
+      kv_segment_ids = segment_ids
+    if kv_segment_positions is None:
+      kv_segment_positions = segment_positions
+  return inputs_kv, kv_segment_ids, kv_segment_positions
+
+
 class MultiHeadAttention(nn.Module):
   """Multi-head (optionally grouped-query) self/cross attention with FP8 projections.
 
@@ -362,17 +388,9 @@ class MultiHeadAttention(nn.Module):
     check_input_3d("inputs_q", inputs_q)
     if not self_attn:
       check_input_3d("inputs_kv", inputs_kv)
-    kv_name, kv_like = ("inputs_q", inputs_q) if self_attn else ("inputs_kv", inputs_kv)
-    check_segment_arg("segment_ids", segment_ids, "inputs_q", inputs_q)
-    check_segment_arg("segment_positions", segment_positions, "inputs_q", inputs_q)
-    check_segment_arg("kv_segment_ids", kv_segment_ids, kv_name, kv_like)
-    check_segment_arg("kv_segment_positions", kv_segment_positions, kv_name, kv_like)
-    if self_attn:
-      inputs_kv = inputs_q
-      if kv_segment_ids is None:
-        kv_segment_ids = segment_ids
-      if kv_segment_positions is None:
-        kv_segment_positions = segment_positions
+    inputs_kv, kv_segment_ids, kv_segment_positions = resolve_segments(
+        inputs_q, inputs_kv, segment_ids, segment_positions, kv_segment_ids,
+        kv_segment_positions)
     h = self.num_attention_heads
     g = self.num_gqa_groups or h
     if h % g:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from te_jax.flax.attention import (attention_core, check_attention_options, check_input_3d,
-                                   check_segment_arg)
+                                   resolve_segments)
 from te_jax.flax.dense import default_kernel_init
 from te_jax.nnx.linear import Linear, compute_dtype, to_tuple, zeros
 
@@ -140,17 +140,9 @@ class MultiHeadAttention(nnx.Module):
     if inputs_q.shape[-1] != self.in_features:
       raise ValueError(f"inputs_q's last dim ({inputs_q.shape[-1]}) must equal "
                        f"in_features ({self.in_features}).")
-    kv_name, kv_like = ("inputs_q", inputs_q) if self_attn else ("inputs_kv", inputs_kv)
-    check_segment_arg("segment_ids", segment_ids, "inputs_q", inputs_q)
-    check_segment_arg("segment_positions", segment_positions, "inputs_q", inputs_q)
-    check_segment_arg("kv_segment_ids", kv_segment_ids, kv_name, kv_like)
-    check_segment_arg("kv_segment_positions", kv_segment_positions, kv_name, kv_like)
-    if self_attn:
-      inputs_kv = inputs_q
-      if kv_segment_ids is None:
-        kv_segment_ids = segment_ids
-      if kv_segment_positions is None:
-        kv_segment_positions = segment_positions
+    inputs_kv, kv_segment_ids, kv_segment_positions = resolve_segments(
+        inputs_q, inputs_kv, segment_ids, segment_positions,
+        kv_segment_ids, kv_segment_positions)
     compute = compute_dtype(self.dtype, inputs_q.dtype, self.param_dtype)
     if self.fused_qkv:
       q, k, v = self.qkv(inputs_q)
