@@ -30,7 +30,9 @@ buffers), time / k; median of ``--repeats`` such measurements. FLOP counts
 are the matmul FLOPs of fwd+bwd (3x forward).
 
 Name suffixes: ``_unfused`` sets ``fuse_activation_quantize=False`` (the
-modules' default is the fused MLP core); ``_fastacc`` turns on fast
+modules' default is the fused MLP core); ``_xlanorm`` sets
+``fuse_norm_quantize=False`` (XLA's LayerNorm before the fused core instead
+of the norm + quantize kernels); ``_fastacc`` turns on fast
 accumulation in all three GEMMs (TE-JAX's default, not ours); ``_packed``
 feeds the TransformerLayer packed rows (``segment_ids``: documents of 700,
 500, 400, 300 and 148 tokens in a row-dependent order, the last row ending
@@ -60,11 +62,14 @@ import time
 MLP_CONFIGS = ["mlp/te_off", "mlp/te_delayed", "mlp/te_current", "mlp/te_block",
                "mlp/flax_fp8", "mlp/flax_bf16", "mlp/te_delayed_unfused",
                "mlp/te_current_unfused", "mlp/te_block_unfused", "mlp/te_delayed_fastacc",
-               "mlp/te_current_fastacc"]
+               "mlp/te_current_fastacc", "mlp/te_delayed_xlanorm", "mlp/te_current_xlanorm",
+               "mlp/te_block_xlanorm"]
 LAYER_CONFIGS = ["layer/te_off", "layer/te_delayed", "layer/te_current", "layer/te_block",
                  "layer/te_delayed_unfused", "layer/te_current_unfused",
                  "layer/te_block_unfused", "layer/te_delayed_fastacc",
-                 "layer/te_current_fastacc", "layer/te_off_packed", "layer/te_block_packed",
+                 "layer/te_current_fastacc", "layer/te_delayed_xlanorm",
+                 "layer/te_current_xlanorm", "layer/te_block_xlanorm",
+                 "layer/te_off_packed", "layer/te_block_packed",
                  "layer/te_block_packed_xla",
                  "attn/core", "attn/module_off", "attn/te_delayed", "attn/te_current",
                  "attn/te_block"]
@@ -150,6 +155,11 @@ def _build(config, sz):
   fast = kind.endswith("_fastacc")  # fast accumulation in every GEMM (TE-JAX default, GPU.md)
   if fast:
     kind = kind[:-len("_fastacc")]
+  # fuse_norm_quantize=False only when asked: an A/B against a te_jax older
+  # than that attribute (tools/gpu_ab.sh) runs this script too.
+  norm_kw = {}
+  if kind.endswith("_xlanorm"):
+    norm_kw, kind = {"fuse_norm_quantize": False}, kind[:-len("_xlanorm")]
   # The MLP's fuse_activation_quantize: the module default (True) unless the
   # name ends in "_unfused" (two FP8 dense layers around an XLA activation).
   fused = not kind.endswith("_unfused")
@@ -163,11 +173,12 @@ def _build(config, sz):
     if group == "mlp":
       module = tfx.LayerNormMLP(intermediate_dim=m, activations=("gelu",),
                                 fuse_activation_quantize=fused, dtype=bf16,
-                                param_dtype=bf16)
+                                param_dtype=bf16, **norm_kw)
       flops = mlp_flops
     elif group == "layer":
       module = tfx.TransformerLayer(e, m, h, layer_type="decoder", dtype=bf16,
                                     param_dtype=bf16, fuse_activation_quantize=fused,
+                                    **norm_kw,
                                     attention_impl=packed or "auto")
       flops = mlp_flops + proj_flops + attn_core_flops
     else:

@@ -71,7 +71,8 @@ def _np_amax(x):
 
 
 def _np_scale(amax, fp8, pow2):
-  """compute_scale() in numpy float32 (IEEE division, NaN-propagating)."""
+  """compute_scale() in numpy float32 (IEEE division, NaN-propagating): 1
+  where amax is 0, NaN where it is not finite."""
   amax = np.asarray(amax, np.float32)
   valid = np.isfinite(amax) & (amax > 0)
   with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
@@ -79,7 +80,9 @@ def _np_scale(amax, fp8, pow2):
   s = np.minimum(s, np.finfo(np.float32).max).astype(np.float32)
   if pow2:
     s = (s.view(np.uint32) & np.uint32(0xFF800000)).view(np.float32)
-  return np.where(valid, s, np.float32(1)).astype(np.float32)
+  # 1 for a zero amax, NaN for a non-finite one (the tile's data goes NaN).
+  fallback = np.where(np.isfinite(amax), np.float32(1), np.float32(np.nan))
+  return np.where(valid, s, fallback).astype(np.float32)
 
 
 def _np_blockwise(x, block, fp8, pow2):

@@ -123,6 +123,16 @@ def test_layernorm_mlp_unfused_parity(impl):
                                          impl=impl, rngs=nnx.Rngs(0)), (x,), "delayed")
 
 
+def test_fuse_norm_quantize_false_parity(impl):
+  x = rand(4, X_SHAPE, jnp.bfloat16)   # 128 tokens: the fused norm could run
+  assert_parity(tfx.LayerNormMLP(64, fuse_norm_quantize=False, impl=impl),
+                lambda: tnx.LayerNormMLP(128, 64, fuse_norm_quantize=False,
+                                         impl=impl, rngs=nnx.Rngs(0)), (x,), "current")
+  assert_parity(tfx.LayerNormDenseGeneral(64, fuse_norm_quantize=False, impl=impl),
+                lambda: tnx.LayerNormLinear(128, 64, fuse_norm_quantize=False,
+                                            impl=impl, rngs=nnx.Rngs(0)), (x,), "current")
+
+
 @pytest.mark.parametrize("r", RECIPE_CASES)
 def test_attention_parity(r, impl):
   x = rand(5, X_SHAPE, jnp.bfloat16)

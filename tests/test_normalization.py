@@ -509,6 +509,33 @@ def test_modules_take_the_fused_norm(rname, which, norm_type, ret, monkeypatch):
     assert COLL not in g1[0]
 
 
+@pytest.mark.parametrize("which", sorted(MODULES))
+def test_modules_fuse_norm_quantize_false_keeps_the_xla_norm(which, monkeypatch, caplog):
+  """The opt-out: no fused norm, no log about it, and the same result as the
+  fused path up to the norm's float32 rounding (the unfused path quantizes
+  the compute-dtype norm output, here float32 too)."""
+  flax_dense.log_unfused_norm.cache_clear()
+  caplog.set_level(logging.INFO, logger="te_jax")
+  r = recipe.Float8CurrentScaling()
+  x = _rand(34, (2, 128, 128), 2.0, 0.3)
+  fused_m, xla_m = MODULES[which](), MODULES[which](fuse_norm_quantize=False)
+  with te_jax.fp8_autocast(True, r):
+    v = nn.unbox(jax.jit(fused_m.init)(jax.random.key(1), x))
+  out_shape = (2, 128, 2, 128) if which == "dense" else (2, 128, 128)
+  cot = (_rand(35, out_shape),)
+  calls = _spy(monkeypatch)
+  l0, g0 = _module_grads(xla_m, v, x, r, cot)
+  assert "dense" not in calls and "mlp" not in calls, calls
+  assert "normalizes in XLA" not in caplog.text, caplog.text
+  if which == "mlp":   # still the fused activation core, without the norm
+    assert "mlp-unnormed" in calls, calls
+  calls.clear()
+  l1, g1 = _module_grads(fused_m, v, x, r, cot)
+  assert calls and all(c in ("dense", "mlp") for c in calls), calls
+  assert abs(float(l1) - float(l0)) <= 1e-5 * abs(float(l0)), (float(l1), float(l0))
+  assert rel(g1[1], g0[1]) < 1e-5
+
+
 def _unfused_reason(m, x, r, caplog, calls, init_recipe=None):
   """Applies m (initialized under init_recipe, default r) under r; returns the
   log text. Asserts the fused norm did not run."""

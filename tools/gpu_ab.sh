@@ -32,7 +32,8 @@ if want build; then
   (cd "$BASE" && [[ -f README.md ]] || echo "# te_jax" > "$BASE/README.md"
    rm -rf "$PREFIX" && python3 -m pip install --no-build-isolation --no-deps \
      --target "$PREFIX" "$BASE" > "$OUT/build_old.log" 2>&1
-   PYTHONPATH="$PREFIX" python3 -c "import te_jax._te_jax_ffi, te_jax; print('old:', te_jax.__file__)" \
+   # From /tmp: in $BASE the source tree (no .so) would shadow the install.
+   cd /tmp && PYTHONPATH="$PREFIX" python3 -c "import te_jax._te_jax_ffi, te_jax; print('old:', te_jax.__file__)" \
      >> "$OUT/build_old.log" 2>&1) &
   old=$!
   wait $new; wait $old

@@ -449,7 +449,8 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
                        static_cast<long long>(K), note.c_str());
         }
       } else {
-        note = want > 1 ? "one usable answer: not timed" : "TE_JAX_GEMM_AUTOTUNE_ALGOS=1: not timed";
+        note = want > 1 ? "one usable answer: not timed"
+                        : "TE_JAX_GEMM_AUTOTUNE_ALGOS=1 (the default): not timed";
       }
       if (gemm_autotune::LogEnabled()) log_selection(fused, cands, winner, note);
       if (winner < 0) continue;

@@ -346,8 +346,9 @@ class LayerNormDenseGeneral(nn.Module):
   ``te_jax.norm_dense.MAX_HIDDEN``), the norm is fused into the quantization
   of its output and its backward is one kernel (``te_jax.norm_dense``); the
   normalized input is quantized from float32 rather than from the compute
-  dtype. Otherwise (INFO log once per reason) the norm runs in XLA. Same
-  variables either way.
+  dtype. Otherwise (INFO log once per reason), or with
+  ``fuse_norm_quantize=False``, the norm runs in XLA. Same variables either
+  way.
 
   Parameters (logical axis names):
     ``scale`` (embed,) ``ln_scale_axes`` = ("embed",).
@@ -364,6 +365,8 @@ class LayerNormDenseGeneral(nn.Module):
     epsilon: norm epsilon (default 1e-6).
     zero_centered_gamma: store gamma - 1, initialized to zeros.
     return_layernorm_output: also return the normalized input.
+    fuse_norm_quantize: in FP8, normalize and quantize in one pass where the
+      shapes allow it (default True); False keeps XLA's norm (to compare).
     use_bias: add a bias after the projection (default False).
     dtype: compute/output dtype; None promotes input and param dtype.
     param_dtype: parameter dtype (default float32).
@@ -380,6 +383,7 @@ class LayerNormDenseGeneral(nn.Module):
   epsilon: float = 1e-6
   zero_centered_gamma: bool = False
   return_layernorm_output: bool = False
+  fuse_norm_quantize: bool = True
   use_bias: bool = False
   dtype: Optional[Dtype] = None
   param_dtype: Dtype = jnp.float32
@@ -404,7 +408,7 @@ class LayerNormDenseGeneral(nn.Module):
         zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init,
         bias_init=self.ln_bias_init, axes=tuple(self.ln_scale_axes),
         param_dtype=self.param_dtype, bias_axes=tuple(self.ln_bias_axes))
-    if settings.recipe is not None:
+    if settings.recipe is not None and self.fuse_norm_quantize:
       blocker = fused_norm_blocker(settings, inputs)
       if blocker is None:
         states, blocker = fused_states(self, settings, (fp8_module.FP8_META,))

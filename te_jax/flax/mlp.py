@@ -135,6 +135,9 @@ class LayerNormMLP(nn.Module):
     return_layernorm_output: also return the normalized input.
     fuse_activation_quantize: run the block as one fused FP8 core where it
       can (see above). Default True; False always takes the unfused path.
+    fuse_norm_quantize: with the fused core, also normalize and quantize in
+      one pass where the shapes allow it (default True); False keeps XLA's
+      norm (to compare).
     use_bias: biases on both projections (default False).
     dtype: compute/output dtype; None promotes input and param dtype.
     param_dtype: parameter dtype (default float32).
@@ -159,6 +162,7 @@ class LayerNormMLP(nn.Module):
   zero_centered_gamma: bool = False
   return_layernorm_output: bool = False
   fuse_activation_quantize: bool = True
+  fuse_norm_quantize: bool = True
   use_bias: bool = False
   dtype: Optional[Dtype] = None
   param_dtype: Dtype = jnp.float32
@@ -221,7 +225,7 @@ class LayerNormMLP(nn.Module):
       if not fused:
         log_unfused("LayerNormMLP", blocker)
     names = ("wi_fp8_meta", "wo_fp8_meta")
-    if fused:
+    if fused and self.fuse_norm_quantize:
       blocker = fused_norm_blocker(settings, inputs)
       if blocker is None:
         states, blocker = fused_states(self, settings, names)

@@ -56,6 +56,7 @@ class TransformerLayer(nn.Module):
     intermediate_dropout: dropout after the MLP activation.
     activations: MLP activations, e.g. ("gelu",) or ("silu", "linear").
     fuse_activation_quantize: see ``LayerNormMLP`` (default True).
+    fuse_norm_quantize: see ``LayerNormMLP`` (default True).
     enable_rotary_pos_emb: rotary embeddings in self attention (default False).
     rotary_base: rotary frequency base.
     use_bias: biases on every projection (default False).
@@ -86,6 +87,7 @@ class TransformerLayer(nn.Module):
   intermediate_dropout: float = 0.0
   activations: Sequence[str] = ("gelu",)
   fuse_activation_quantize: bool = True
+  fuse_norm_quantize: bool = True
   enable_rotary_pos_emb: bool = False
   rotary_base: float = 10000.0
   use_bias: bool = False
@@ -179,7 +181,7 @@ class TransformerLayer(nn.Module):
         intermediate_dim=self.mlp_hidden_size, activations=tuple(self.activations),
         intermediate_dropout_rate=self.intermediate_dropout,
         fuse_activation_quantize=self.fuse_activation_quantize,
-        layernorm_type=self.layernorm_type, epsilon=self.epsilon,
+        fuse_norm_quantize=self.fuse_norm_quantize, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
         zero_centered_gamma=self.zero_centered_gamma, use_bias=self.use_bias,
         dtype=compute, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
         bias_init=self.bias_init, impl=self.impl, name="mlp")(x, deterministic=deterministic)

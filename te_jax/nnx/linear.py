@@ -235,7 +235,7 @@ class LayerNormLinear(nnx.Module):
     in_features: the normalized width (int).
     out_features: int or tuple of ints.
     layernorm_type: "layernorm" (default) or "rmsnorm".
-    epsilon, zero_centered_gamma, return_layernorm_output, use_bias, dtype,
+    epsilon, zero_centered_gamma, return_layernorm_output, fuse_norm_quantize, use_bias, dtype,
     param_dtype, kernel_init, bias_init, scale_init, ln_bias_init,
     kernel_axes, bias_axes, ln_scale_axes, ln_bias_axes, impl: as the Linen module.
     rngs: ``nnx.Rngs``.
@@ -246,6 +246,7 @@ class LayerNormLinear(nnx.Module):
   def __init__(self, in_features: int, out_features: Union[int, Sequence[int]], *,
                layernorm_type: str = "layernorm", epsilon: float = 1e-6,
                zero_centered_gamma: bool = False, return_layernorm_output: bool = False,
+               fuse_norm_quantize: bool = True,
                use_bias: bool = False, dtype: Optional[Dtype] = None,
                param_dtype: Dtype = jnp.float32,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = zeros,
@@ -260,6 +261,7 @@ class LayerNormLinear(nnx.Module):
     self.layernorm_type, self.epsilon = layernorm_type, float(epsilon)
     self.zero_centered_gamma = bool(zero_centered_gamma)
     self.return_layernorm_output = bool(return_layernorm_output)
+    self.fuse_norm_quantize = bool(fuse_norm_quantize)
     self.use_bias, self.dtype, self.param_dtype, self.impl = (
         bool(use_bias), dtype, param_dtype, impl)
     kernel_axes = tuple(kernel_axes) or default_kernel_axes(1, n_out)
@@ -288,7 +290,7 @@ class LayerNormLinear(nnx.Module):
     scale = self.scale[...]
     ln_bias = self.ln_bias[...] if self.layernorm_type == "layernorm" else None
     bias = self.bias[...].astype(compute) if self.use_bias else None
-    if settings.recipe is not None:
+    if settings.recipe is not None and self.fuse_norm_quantize:
       blocker = fused_norm_blocker(settings, x)
       if blocker is None:
         states, blocker = st.fused_states(self, settings, self.FP8_GEMMS)

@@ -52,7 +52,7 @@ class LayerNormMLP(nnx.Module):
       "dropout" stream of ``rngs``); off in ``model.eval()`` mode or with
       ``deterministic=True``.
     layernorm_type, epsilon, zero_centered_gamma, return_layernorm_output,
-    fuse_activation_quantize, use_bias, dtype, param_dtype, kernel_init,
+    fuse_activation_quantize, fuse_norm_quantize, use_bias, dtype, param_dtype, kernel_init,
     bias_init, scale_init, ln_bias_init, kernel_axes_1, kernel_axes_2,
     ln_scale_axes, ln_bias_axes, impl: as the Linen module.
     deterministic: default of the call argument (``model.train()`` /
@@ -67,7 +67,8 @@ class LayerNormMLP(nnx.Module):
                intermediate_dropout_rate: float = 0.0, layernorm_type: str = "layernorm",
                epsilon: float = 1e-6, zero_centered_gamma: bool = False,
                return_layernorm_output: bool = False,
-               fuse_activation_quantize: bool = True, use_bias: bool = False,
+               fuse_activation_quantize: bool = True, fuse_norm_quantize: bool = True,
+               use_bias: bool = False,
                dtype: Optional[Dtype] = None, param_dtype: Dtype = jnp.float32,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = zeros,
                scale_init: Optional[Initializer] = None, ln_bias_init: Initializer = zeros,
@@ -85,6 +86,7 @@ class LayerNormMLP(nnx.Module):
     self.zero_centered_gamma = bool(zero_centered_gamma)
     self.return_layernorm_output = bool(return_layernorm_output)
     self.fuse_activation_quantize, self.use_bias = bool(fuse_activation_quantize), bool(use_bias)
+    self.fuse_norm_quantize = bool(fuse_norm_quantize)
     self.dtype, self.param_dtype, self.impl = dtype, param_dtype, impl
     self.kernel_axes_1, self.kernel_axes_2 = tuple(kernel_axes_1), tuple(kernel_axes_2)
     self.intermediate_dropout_rate = float(intermediate_dropout_rate)
@@ -137,7 +139,7 @@ class LayerNormMLP(nnx.Module):
       fused = blocker is None
       if not fused:
         log_unfused("nnx.LayerNormMLP", blocker)
-    if fused:
+    if fused and self.fuse_norm_quantize:
       blocker = fused_norm_blocker(settings, x)
       if blocker is None:
         states, blocker = st.fused_states(self, settings, self.FP8_GEMMS)
