@@ -57,9 +57,16 @@ CUDA_TOL = 1e-2
 # to 2e-6), which can move the norm output's amax by one bf16 ulp; then the
 # tensor's one scale changes and every FP8 value re-rounds, and with fast
 # accumulation in the forward GEMM that is 2.49% (H200, 2026-12-02,
-# mlp_gelu), against 0.29% with split accumulation. Delayed and blockwise
-# scales do not move that way; the gradients keep CUDA_TOL.
-CURRENT_Y_TOL = 3e-2
+# mlp_gelu), against 0.29% with split accumulation. The same holds for every
+# tensor current scaling quantizes: an amax one ulp apart (the GEMM outputs
+# dh and the activations are summed in another order than on the CPU)
+# re-rounds the whole tensor, and the gradients read those tensors. On the
+# H200 (2026-12-02, GEMMs by cuBLASLt's heuristic) a gradient entry of
+# mlp_gelu-current passed 1% while x stayed at 0.49%; so current scaling
+# gets this bound on every entry. Delayed and blockwise scales do not move
+# that way (a delayed scale comes from the history, a blockwise one from a
+# 128-element tile) and keep CUDA_TOL.
+CURRENT_TOL = 3e-2
 # Amaxes of tensors produced in bf16 (norm output, h, dz) may differ by one
 # bf16 ulp (< 2**-7 relative) between the two paths; the rest are exact.
 STATE_RTOL = 1e-2
@@ -200,9 +207,7 @@ def check_fp8_module(kind, name):
       assert errs[k] < BF16_TOL, errs
   cuda = {"y": rel(y, cy), "x": rel(gx, cgx)}
   cuda.update({k: rel(gv["params"][k], cgv["params"][k]) for k in rgp})
-  tol = dict.fromkeys(cuda, CUDA_TOL)
-  if name == "current":
-    tol["y"] = CURRENT_Y_TOL
+  tol = dict.fromkeys(cuda, CURRENT_TOL if name == "current" else CUDA_TOL)
   bad = {k: (e, tol[k]) for k, e in cuda.items() if not e < tol[k]}
   assert not bad, f"CUDA vs CPU reference, (error, tolerance) of each failing entry: {bad}"
   if name == "delayed":   # the updated FP8 state (the state's "gradient")
