@@ -22,6 +22,22 @@ amax is not finite, the previous scale is kept (recorded in the history as
 0). The scale itself is stored and used to quantize: the GEMM reads
 ``1 / scale``, and no ``1 / (1 / scale)`` round trip ever changes it.
 
+Outlier guard (``DelayedScaling.outlier_factor``, default 2**12; None is
+TE's rule): without it, one batch holding a huge finite value (say 1e30)
+puts its amax in the history, and for the next ``amax_history_len`` steps
+every value of that tensor quantizes to zero. With it, the reduce looks at
+the largest and second-largest amax of its window (the whole history for
+"max", the three newest entries for "most_recent"); when the largest is
+more than ``outlier_factor`` times the second and at least two other
+entries are positive (with one, which of the two is odd is unclear), the
+second sets the scale. So an outlier saturates in its own step only (it
+was quantized with the scale from before it) and later steps keep their
+scale; a second amax of the same size (a real, lasting jump) is no longer
+an outlier and takes over, after one saturated step. The guard adds a few
+scalar operations per tensor to the state update; the quantize and GEMM
+kernels are untouched. :func:`ignored_outliers` counts the tensors whose
+scale currently ignores an outlier, for a training loop to log.
+
 A state whose "gradient" came back as zeros (its module's output did not
 reach the loss) has scale 0; that reads as "no scale yet": the module
 quantizes with scale 1 until its next update.
@@ -63,6 +79,7 @@ __all__ = [
     "update_tensor_state",
     "accumulate_gradients",
     "apply_fp8_updates",
+    "ignored_outliers",
     "migrate_scale_inv",
 ]
 
@@ -117,9 +134,70 @@ def update_tensor_state(state, amax: jax.Array, recipe, dtype):
     reduced = jnp.max(history)
   else:
     reduced = history[0]
+  factor = getattr(recipe, "outlier_factor", None)
+  if factor is not None:
+    outlier, second = _outlier(history, recipe.amax_compute_algo, factor)
+    reduced = jnp.where(outlier, second, reduced)
   new = compute_scale(reduced, dtype, margin=recipe.margin)
   scale = jnp.where(finite & is_positive_amax(reduced), new, scale_from_state(state))
   return {"amax_history": history, "scale": scale.astype(jnp.float32)}
+
+
+# An amax is judged against at least this many other positive amaxes of its
+# window: with one other, it is unclear which of the two is the odd one (a
+# near-zero step followed by a normal one must not be read as an outlier).
+_OUTLIER_MIN_OTHERS = 2
+
+
+def _outlier(history, algo, factor):
+  """(is the window's largest amax an outlier, the second-largest): the
+  window is the whole history for "max", the three newest entries for
+  "most_recent". The largest is an outlier when it exceeds ``factor`` times
+  every other entry and at least ``_OUTLIER_MIN_OTHERS`` others are
+  positive (for "most_recent", only when it is the newest). Equal largest entries are no outlier (the second is then the
+  largest)."""
+  window = history if algo == "max" else history[:_OUTLIER_MIN_OTHERS + 1]
+  if window.shape[0] < _OUTLIER_MIN_OTHERS + 1:
+    return jnp.zeros((), bool), window[0]
+  top_i = jnp.argmax(window)
+  top = window[top_i]
+  others = jnp.where(jnp.arange(window.shape[0]) == top_i, 0.0, window)
+  second = jnp.max(others)
+  enough = jnp.sum(others > 0) >= _OUTLIER_MIN_OTHERS
+  outlier = enough & (top > jnp.float32(factor) * second)
+  if algo != "max":   # "most_recent" reads only the newest entry
+    outlier = outlier & (top_i == 0)
+  return outlier, second
+
+
+def ignored_outliers(tree: Any, recipe) -> jax.Array:
+  """How many tensors' scales ignore an outlier amax in their history now.
+
+  Args:
+    tree: a variables dict, its FP8 collection, or any pytree holding
+      per-tensor states (``{"amax_history": ..., "scale": ...}`` dicts).
+    recipe: the ``DelayedScaling`` recipe the states were updated with.
+
+  Returns:
+    int32 scalar (0 when ``recipe.outlier_factor`` is None). Nonzero for
+    ``amax_history_len`` steps after an outlier (for "most_recent", one).
+  """
+  factor = getattr(recipe, "outlier_factor", None)
+  count = jnp.zeros((), jnp.int32)
+  if factor is None:
+    return count
+  def visit(node):
+    nonlocal count
+    if isinstance(node, dict) and "amax_history" in node and "scale" in node:
+      hist = jnp.asarray(node["amax_history"], jnp.float32)
+      flat = hist.reshape(-1, hist.shape[-1])   # stacked layers (nn.scan) too
+      flags = jax.vmap(lambda h: _outlier(h, recipe.amax_compute_algo, factor)[0])(flat)
+      count = count + jnp.sum(flags, dtype=jnp.int32)
+    elif isinstance(node, dict):
+      for v in node.values():
+        visit(v)
+  visit(tree)
+  return count
 
 
 def _merge(path, a, b):

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
+from typing import Optional
 
 import jax.numpy as jnp
 
@@ -134,6 +136,16 @@ class DelayedScaling(_PerTensorGemmOptions, Recipe):
     amax_history_len: positive int, number of past amaxes kept (default 1024).
     amax_compute_algo: ``"max"`` (default, max over the history) or
       ``"most_recent"`` (the newest entry).
+    outlier_factor: the outlier guard (default ``2.0**12``; None turns it
+      off, which is Transformer Engine's rule). An amax more than this
+      factor above every other amax the rule looks at (the history for
+      "max", the two steps before for "most_recent"; at least two of them
+      positive) is an outlier: it is kept
+      in the history but does not set the scale, so one batch with a huge
+      value saturates that value in its own step and costs nothing later.
+      A second such amax makes it the new normal (a sudden lasting jump
+      costs one saturated step). ``te_jax.fp8_state.ignored_outliers``
+      counts the tensors whose scale ignores one now.
     fast_accum_fprop, fast_accum_dgrad, fast_accum_wgrad: see
       ``_PerTensorGemmOptions``.
   """
@@ -142,6 +154,7 @@ class DelayedScaling(_PerTensorGemmOptions, Recipe):
   margin: int = 0
   amax_history_len: int = 1024
   amax_compute_algo: str = "max"
+  outlier_factor: Optional[float] = 2.0 ** 12
 
   def __post_init__(self):
     _check_format(self.fp8_format)
@@ -155,6 +168,11 @@ class DelayedScaling(_PerTensorGemmOptions, Recipe):
       raise ValueError(
           f"amax_compute_algo must be 'max' or 'most_recent', got "
           f"{self.amax_compute_algo!r}.")
+    f = self.outlier_factor
+    if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))
+                          or not math.isfinite(f) or f <= 1):
+      raise ValueError(f"outlier_factor must be None (no guard) or a finite number > 1, "
+                       f"got {f!r}.")
     self._check_accum()
 
   def scaling_mode(self) -> scaling.ScalingMode:
