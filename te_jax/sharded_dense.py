@@ -48,7 +48,7 @@ from te_jax import scaling
 from te_jax import sharding as sharding_lib
 from te_jax.ops.fp8 import ScaledTensor
 
-__all__ = ["sharded_fp8_dense", "shard_map"]
+__all__ = ["sharded_fp8_dense", "shard_map", "warn_if_unsharded", "warn_unmatched_mesh_resource"]
 
 
 def shard_map(f, *, mesh, in_specs, out_specs):
@@ -167,6 +167,36 @@ def _warn_no_mesh():
   logging.getLogger("te_jax").warning(
       "te_jax: a mesh_resource is set but no mesh is active (jax.set_mesh or "
       "`with mesh:`); FP8 GEMMs run unsharded.")
+
+
+@functools.lru_cache(maxsize=None)
+def warn_unmatched_mesh_resource(mesh_resource, mesh_axes: Tuple[str, ...]):
+  """Warns once per (mesh resource, mesh axis names) that the resource names
+  none of the mesh's axes (a typo, or one written for another mesh)."""
+  logging.getLogger("te_jax").warning(
+      "te_jax: the mesh_resource %s names mesh axes %s, none of which the active "
+      "mesh has (its axes: %s); every FP8 GEMM runs replicated. Name the mesh's "
+      "axes in the MeshResource, or build the mesh with those names.",
+      mesh_resource, _resource_axes(mesh_resource), tuple(mesh_axes))
+
+
+def _resource_axes(mr) -> Tuple[str, ...]:
+  return tuple(a for role in (mr.dp_resource, mr.fsdp_resource, mr.tp_resource)
+               for a in ((role,) if isinstance(role, str) else (role or ())))
+
+
+def warn_if_unsharded(mesh_resource, mesh) -> bool:
+  """True, with a warning once, when ``mesh_resource`` cannot shard anything:
+  no mesh is active (None), or it names axes but none of the mesh's (one
+  naming no axes asks for nothing sharded: no warning)."""
+  named, axes = _resource_axes(mesh_resource), tuple(getattr(mesh, "axis_names", ()))
+  if mesh is None:
+    _warn_no_mesh()
+  elif named and not set(named) & set(axes):
+    warn_unmatched_mesh_resource(mesh_resource, axes)
+  else:
+    return False
+  return True
 
 
 def _axis_name(axes):
@@ -456,8 +486,7 @@ def sharded_fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array]
                      f"{tuple(kernel.shape)} (each a name, None or a tuple of names), "
                      f"got {kernel_axes!r}.")
   mesh = sharding_lib.get_mesh(mesh)
-  if mesh is None:
-    _warn_no_mesh()
+  if warn_if_unsharded(mesh_resource, mesh):
     return None
   plan = make_plan(tuple(x.shape), tuple(kernel.shape), x_dtype=x.dtype,
                    k_dtype=kernel.dtype, has_bias=bias is not None, recipe=recipe,

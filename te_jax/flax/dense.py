@@ -266,7 +266,8 @@ def fused_states(module: nn.Module, settings: fp8_module.GemmSettings, names):
   for n, h in zip(names, have):
     if h and jax.tree.map(lambda a: a.shape, module.get_variable(coll, n)) != want:
       return None, f"its FP8 state '{n}' does not fit the active recipe"
-  return tuple(module.variable(coll, n, mode.init_state).value for n in names), None
+  # Through declare_fp8_state: the same scan checks as the unfused path.
+  return tuple(fp8_module.declare_fp8_state(module, n, mode) for n in names), None
 
 
 class DenseGeneral(nn.Module):

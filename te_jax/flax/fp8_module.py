@@ -20,26 +20,39 @@ state itself, so ``TrainState.apply_gradients`` leaves it untouched.
 A module that calls the functional layer itself (``te_jax.flax.Fp8DotGeneral``)
 uses the same two state helpers: :func:`declare_fp8_state` and
 :func:`keep_unused_fp8_state`.
+
+Under ``nn.scan`` the FP8 collection must be scanned like the parameters,
+``nn.scan(..., variable_axes={"_overwrite_with_gradient": 0, "params": 0})``:
+each layer then gets its own state, stacked on axis 0. Broadcast
+(``variable_broadcast``), every layer would read one state and the backward
+pass would SUM the layers' new states into it (the newest amax becomes the
+sum of the layers' amaxes): silently wrong scales, so the state helpers
+raise. How that is told apart at trace time, and what escapes it, is in
+:func:`check_scanned_state`.
 """
 
 from __future__ import annotations
 
 import math
+import weakref
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import flax.linen as nn
+from jax.extend import core as jex_core
 
 from te_jax import dense as dense_lib
 from te_jax import fp8_state as state_lib
 from te_jax import fused_mlp
 from te_jax import recipe as recipe_lib
+from te_jax import sharded_dense
 from te_jax import sharding as sharding_lib
 from te_jax.autocast import get_fp8_context
 from te_jax.ops import check_impl
 
 __all__ = ["split_gemm", "GemmSettings", "read_autocast", "fp8_gemm", "fp8_mlp_core", "gemm_kernel",
-           "canonicalize_axes", "declare_fp8_state", "keep_unused_fp8_state", "FP8_META"]
+           "canonicalize_axes", "declare_fp8_state", "keep_unused_fp8_state",
+           "check_scanned_state", "enclosing_scan", "FP8_META"]
 
 FP8_META = "fp8_meta"
 
@@ -61,10 +74,15 @@ class GemmSettings(NamedTuple):
     """True when no mesh axis named by the mesh resource has size > 1.
 
     The fused FP8 MLP core has no sharding rule of its own, so it is only
-    used when the GEMMs would not be sharded anyway.
+    used when the GEMMs would not be sharded anyway. A mesh resource without
+    a mesh, or naming none of its axes, is warned about once here too: the
+    fused and split paths that this answer selects never reach the sharded
+    dense, which warns for the others.
     """
     mr = self.mesh_resource
     mesh = sharding_lib.get_mesh() if mr is not None else None
+    if mr is not None:
+      sharded_dense.warn_if_unsharded(mr, mesh)
     if mesh is None:
       return True
     axes = [a for role in (mr.dp_resource, mr.fsdp_resource, mr.tp_resource)
@@ -96,6 +114,114 @@ def canonicalize_axes(axes, ndim: int) -> Tuple[int, ...]:
   return out
 
 
+def _where(module: nn.Module) -> str:
+  return f"{module.__class__.__name__} {module.path if hasattr(module, 'path') else ''}"
+
+
+def _scan_fix(name: str) -> str:
+  return ("nn.scan(..., variable_axes={" f'"{state_lib.FP8_COLLECTION}": 0, "params": 0' "})"
+          f" (te_jax.fp8_state.FP8_COLLECTION; keep it out of variable_broadcast), so "
+          f"that each layer gets its own state '{name}', stacked on axis 0")
+
+
+def enclosing_scan(module: nn.Module) -> Optional[str]:
+  """The name of the innermost ``nn.scan`` (or ``nn.remat_scan``) that
+  ``module`` runs in, or None outside any.
+
+  Read from the scope's ``debug_path``, where Flax's lifted scan marks its
+  module as ``scan(<name>)`` (``remat(scan(<name>))`` under ``nn.remat``).
+  """
+  path = getattr(getattr(module, "scope", None), "debug_path", None) or ()
+  for part in reversed(path):
+    i = part.find("scan(")
+    if i >= 0:
+      return part[i + len("scan("):].rstrip(")")
+  return None
+
+
+# Per root scope: the (scope path, name) of the FP8 states created in it. A
+# lifted transform (each pass of nn.scan, nn.remat) gives its modules a new
+# root scope, so a state present at init but missing here came from outside
+# the pass: a broadcast collection. (Keyed by the root: a module called twice
+# gets a new, rewound scope object for each call, under the same root.)
+_CREATED = weakref.WeakKeyDictionary()
+
+
+def _created_here(module: nn.Module, name: str, add: bool = False) -> bool:
+  scope = getattr(module, "scope", None)
+  root = getattr(scope, "root", None)
+  if root is None:
+    return False
+  key = (tuple(getattr(scope, "path", ())), name)
+  if add:
+    _CREATED.setdefault(root, set()).add(key)
+  return key in _CREATED.get(root, ())
+
+
+def _outside_current_trace(leaf) -> bool:
+  """True when ``leaf`` is not a value of the JAX trace the module runs in.
+
+  Inside a traced loop body, a scanned (per-layer) variable is a tracer of
+  the body's trace; a broadcast one is a constant closed over by the body:
+  a concrete array or a tracer of an outer trace (``jit``, ``grad``). JAX
+  has no public way to ask which trace a tracer belongs to, so this reads
+  the tracer's ``_trace``; where a JAX version lacks it, the answer is False
+  (no check rather than a false alarm).
+  """
+  current = jex_core.find_top_trace(())
+  if isinstance(leaf, jax.core.Tracer):
+    trace = getattr(leaf, "_trace", None)
+    return trace is not None and trace is not current
+  # Concrete inside a traced body means closed over; under jax.disable_jit()
+  # the loop runs eagerly and every value is concrete: nothing to tell apart.
+  return type(current).__name__ != "EvalTrace"
+
+
+def check_scanned_state(module: nn.Module, name: str, state, created: bool = False):
+  """Raises when the FP8 state ``name`` that ``module`` found in its scope
+  reaches it broadcast through an ``nn.scan`` instead of one slice per layer.
+
+  Call it with the state a module is about to use (or to keep unused);
+  ``created`` True when this call has just created it (recorded, no check).
+
+  Told apart at trace time, inside an ``nn.scan`` only
+  (:func:`enclosing_scan`):
+
+  * the state is not a value of the loop body's trace (a broadcast is a
+    constant the body closes over; a scanned slice is a tracer of the body):
+    catches a broadcast at init and at apply, under ``jit`` and ``grad``;
+  * at init, the state already exists although this pass over the module
+    did not create it (a scanned collection starts empty in every pass; a
+    broadcast one comes in from Flax's first, broadcast-initializing pass):
+    catches a broadcast at init also under ``nn.remat`` inside the scan,
+    whose arguments are tracers of its own trace.
+
+  Not caught: at apply, a broadcast state that was never initialized
+  broadcast (restored from elsewhere) when ``nn.remat`` sits between the
+  scan and the module; a plain ``jax.lax.scan`` around ``apply`` that closes
+  over the variables (not a Flax scan). A state stacked per layer under a
+  scan that does not slice it fails the shape check in
+  :func:`declare_fp8_state`, with the same fix.
+  """
+  if created:
+    _created_here(module, name, add=True)
+    return
+  scan = enclosing_scan(module)
+  if scan is None or _created_here(module, name):
+    # Outside a scan, or created by this very pass (a module called twice:
+    # Flax's broadcast-finding first pass makes its state a concrete constant).
+    return
+  closed_over = any(_outside_current_trace(leaf) for leaf in jax.tree.leaves(state))
+  if closed_over or module.is_initializing():
+    raise ValueError(
+        f"{_where(module)}: its FP8 state '{name}' (collection "
+        f"'{state_lib.FP8_COLLECTION}') is broadcast by the nn.scan '{scan}' "
+        "(in its variable_broadcast, not its variable_axes): every layer would read "
+        "the same state and the backward pass would sum the layers' new states into "
+        "it (an amax history entry becomes the sum of the layers' amaxes), silently "
+        f"wrong FP8 scales. Scan it with the parameters: {_scan_fix(name)}.")
+
+
 def declare_fp8_state(module: nn.Module, name: str, mode):
   """Declares (or reads) the FP8 state variable ``name`` of one GEMM of ``module``.
 
@@ -111,34 +237,63 @@ def declare_fp8_state(module: nn.Module, name: str, mode):
     The state pytree, or None when ``mode`` keeps none (no variable declared).
 
   Raises:
-    ValueError: the variable is missing and cannot be created, or its shapes
-      are not the ones ``mode`` needs (another history length, an old layout).
+    ValueError: the variable is missing and cannot be created (inside an
+      ``nn.scan``: the scan does not carry the FP8 collection), its shapes
+      are not the ones ``mode`` needs (another history length, an old
+      layout, a per-layer stack that the scan does not slice), or an
+      ``nn.scan`` broadcasts it (:func:`check_scanned_state`).
   """
   if not mode.uses_state:
     return None
-  if not module.has_variable(state_lib.FP8_COLLECTION, name) and (
-      not module.is_mutable_collection(state_lib.FP8_COLLECTION)):
-    recipe_name = type(mode.recipe).__name__
-    raise ValueError(
-        f"{module.__class__.__name__} {module.path if hasattr(module, 'path') else ''}"
-        f": {recipe_name} needs the FP8 state variable '{name}' in collection "
-        f"'{state_lib.FP8_COLLECTION}', but the variables passed to apply() have "
-        "none. Initialize the model inside fp8_autocast(enabled=True, "
-        f"fp8_recipe={recipe_name}(...)) with the same recipe, or pass "
-        f"mutable=['{state_lib.FP8_COLLECTION}'].")
-  var = module.variable(state_lib.FP8_COLLECTION, name, mode.init_state)
+  coll = state_lib.FP8_COLLECTION
+  recipe_name = type(mode.recipe).__name__
+  scan = enclosing_scan(module)
+  existed = module.has_variable(coll, name)
+  if not existed and not module.is_mutable_collection(coll):
+    autocast_fix = (f"Initialize the model inside fp8_autocast(enabled=True, "
+                    f"fp8_recipe={recipe_name}(...)) with the same recipe, or pass "
+                    f"mutable=['{coll}'].")
+    if scan is not None and module.is_initializing():
+      # init makes every collection mutable: only the scan filtered it out.
+      problem = (f", which the nn.scan '{scan}' around it does not carry, so the "
+                 f"layers cannot create it. Scan it with the parameters: {_scan_fix(name)}.")
+    elif scan is not None:
+      problem = (f", but the variables passed to apply() have none inside the nn.scan "
+                 f"'{scan}'. Either the scan does not carry that collection: "
+                 f"{_scan_fix(name)}; or the model was initialized without "
+                 f"{recipe_name}: " + autocast_fix)
+    else:
+      problem = ", but the variables passed to apply() have none. " + autocast_fix
+    raise ValueError(f"{_where(module)}: {recipe_name} needs the FP8 state variable "
+                     f"'{name}' in collection '{coll}'" + problem)
+  var = module.variable(coll, name, mode.init_state)
   state = var.value
   want = jax.tree.map(lambda a: a.shape, jax.eval_shape(mode.init_state))
   got = jax.tree.map(lambda a: a.shape, state)
   if got != want:
-    hint = ("initialize the model with the recipe used for training.")
+    hint = ("e.g. another amax_history_len: initialize the model with the recipe "
+            "used for training.")
     if "scale_inv" in str(got):
       hint = ("this is the layout of checkpoints from before 2026-12-02 (scale_inv): "
               "convert the restored variables with te_jax.fp8_state.migrate_scale_inv.")
+    elif scan is not None and _stacked(state, jax.eval_shape(mode.init_state)):
+      hint = (f"it is stacked per layer, but the nn.scan '{scan}' does not slice it: "
+              f"{_scan_fix(name)}.")
     raise ValueError(
         f"FP8 state '{name}' has shapes {got} but the active recipe "
-        f"{mode.recipe} needs {want} (e.g. another amax_history_len); {hint}")
+        f"{mode.recipe} needs {want}; {hint}")
+  check_scanned_state(module, name, state, created=not existed)
   return state
+
+
+def _stacked(state, want) -> bool:
+  """True when every leaf of ``state`` is the matching leaf of ``want`` with
+  leading (layer) dims: the state of a scan that stacked it per layer."""
+  got_leaves, got_tree = jax.tree.flatten(state)
+  want_leaves, want_tree = jax.tree.flatten(want)
+  return got_tree == want_tree and all(
+      len(g.shape) > len(w.shape) and tuple(g.shape[len(g.shape) - len(w.shape):]) == tuple(w.shape)
+      for g, w in zip(got_leaves, want_leaves))
 
 
 @jax.custom_vjp
@@ -238,7 +393,10 @@ def keep_unused_fp8_state(module: nn.Module, y, names: Sequence[str]):
   pytree of arrays (a split output)."""
   for n in names:
     if module.has_variable(state_lib.FP8_COLLECTION, n):
-      y = _keep_state(y, module.get_variable(state_lib.FP8_COLLECTION, n))
+      state = module.get_variable(state_lib.FP8_COLLECTION, n)
+      # Kept state is returned as its own gradient: broadcast, it would be summed too.
+      check_scanned_state(module, n, state)
+      y = _keep_state(y, state)
   return y
 
 
