@@ -15,6 +15,7 @@ optimizer state and the FP8 delayed-scaling state) are written with orbax.
 
   python3 examples/train_gpt.py                        # CPU default, ~70 s
   python3 examples/train_gpt.py --recipe blockwise --steps 300
+  python3 examples/train_gpt.py --sample_tokens 64   # then decode with the KV cache
   python3 examples/train_gpt.py --preset h200 --recipe delayed   # needs a GPU
   python3 examples/train_gpt.py --ckpt_dir /tmp/gpt --steps 100   # then:
   python3 examples/train_gpt.py --ckpt_dir /tmp/gpt --steps 200 --resume
@@ -175,6 +176,8 @@ class GPT(nn.Module):
   mlp: int
   dtype: Any = jnp.bfloat16
   remat: bool = False
+  # KV-cache decoding (gpt_sampling.py): segment_ids and positions must be None.
+  decode: bool = False
 
   @nn.compact
   def __call__(self, tokens, segment_ids, positions):
@@ -187,7 +190,7 @@ class GPT(nn.Module):
     for i in range(self.layers):
       x = block(hidden_size=self.hidden, mlp_hidden_size=self.mlp,
                 num_attention_heads=self.heads, layer_type="decoder",
-                enable_rotary_pos_emb=True, dtype=self.dtype,
+                enable_rotary_pos_emb=True, dtype=self.dtype, decode=self.decode,
                 name=f"layer_{i}")(x, segment_ids=segment_ids,
                                    segment_positions=positions)
     x = tfx.LayerNorm(dtype=self.dtype, name="final_norm")(x)
@@ -244,6 +247,7 @@ class Config:
   resume: bool = False
   out_dir: Optional[str] = "runs/train_gpt"
   sample_chars: int = 80
+  sample_tokens: int = 0           # KV-cache greedy sample after training (0: none)
   eval_batches: int = 2
   progress: bool = True
   log_every: int = 25
@@ -671,6 +675,10 @@ def train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
           f"{tok_s:,.0f} tok/s | {step_time * 1e3:.1f} ms/step")
     if "sample" in result:
       print(f"sample: {result['sample']!r}")
+  if losses and cfg.sample_tokens:     # KV-cache decoding; gpt_sampling.py is beside this file
+    import gpt_sampling  # pylint: disable=import-outside-toplevel
+    result["kv_sample"] = gpt_sampling.sample_with_cache(
+        trainer, state, cfg.sample_tokens, to_text=decode, token_range=(1, len(CHARS) + 1))
   if cfg.out_dir and losses:
     os.makedirs(cfg.out_dir, exist_ok=True)
     with open(os.path.join(cfg.out_dir, "metrics.json"), "w") as fh:
@@ -776,6 +784,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where loss_curve.png and metrics.json go")
   parser.add_argument("--sample_chars", type=int, default=80,
                       help="greedy sample length after training (0: none)")
+  parser.add_argument("--sample_tokens", type=int, default=0,
+                      help="after training, greedily decode N tokens with the KV cache "
+                           "(decode=True) after a validation prompt and print the decode "
+                           "tokens/s (0: none)")
   parser.add_argument("--eval_batches", type=int, default=2,
                       help="held-out batches to evaluate after training (0: none)")
   return parser
@@ -813,6 +825,7 @@ def main(argv=None):
                tp=args.tp, dp=args.dp, amax_history_len=args.amax_history_len, seed=args.seed,
                remat=args.remat, ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every,
                resume=args.resume, out_dir=args.out_dir, sample_chars=args.sample_chars,
+               sample_tokens=args.sample_tokens,
                eval_batches=args.eval_batches,
                progress=not args.no_progress, log_every=args.log_every)
   try:

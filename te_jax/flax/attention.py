@@ -40,10 +40,14 @@ of each head's Q and K ("rotate-half"/GPT-NeoX layout) by angle
 ``arange(S)`` and come from ``segment_positions`` for packed rows (restarting
 at 0 in each document), which makes a packed document see exactly the
 rotations it would see alone.
+
+Decoding (``decode=True``): a key/value cache in collection ``"cache"``,
+Flax's convention; see ``te_jax.flax.kv_cache``.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Optional
 
@@ -51,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from te_jax.flax import packed_attention
+from te_jax.flax import kv_cache, packed_attention
 from te_jax.flax.packed_attention import segment_attention_mask
 from te_jax.flax.dense import DenseGeneral, default_kernel_init
 
@@ -301,6 +305,15 @@ class MultiHeadAttention(nn.Module):
   FP8 state (``DelayedScaling`` only): ``fp8_meta`` of each projection
   submodule, in collection ``"_overwrite_with_gradient"``.
 
+  Decoding (``decode=True``, self attention only): ``init`` (or ``apply`` with
+  ``mutable=["cache"]`` on variables without a cache) on the full-length input
+  (B, L, E) allocates collection ``"cache"``: ``cached_key``,
+  ``cached_value`` (B, L, groups, head_dim) and ``cache_index`` (int32 scalar);
+  each later ``apply(..., mutable=["cache"])`` on (B, n, E) appends n tokens
+  and attends to the filled positions (``te_jax.flax.kv_cache`` has the
+  rules). The FP8 state need not be mutable: decode steps use the stored
+  scales and leave them as they are.
+
   Attributes:
     num_attention_heads: number of query heads.
     head_dim: size of each head; default ``E // num_attention_heads``.
@@ -328,6 +341,7 @@ class MultiHeadAttention(nn.Module):
     impl: "auto" (default), "cuda" or "reference": which implementation the
       FP8 projections' ops use (``TE_JAX_IMPL`` overrides "auto"); the
       attention core is chosen by ``attention_impl``.
+    decode: autoregressive decoding with a key/value cache (default False).
   """
 
   num_attention_heads: int
@@ -347,6 +361,7 @@ class MultiHeadAttention(nn.Module):
   kernel_init: Initializer = default_kernel_init
   bias_init: Initializer = nn.initializers.zeros
   impl: str = "auto"
+  decode: bool = False
 
   def _dense(self, features, name, kernel_axes, axis=-1, dtype=None, split=False):
     return DenseGeneral(features=features, axis=axis, use_bias=self.use_bias,
@@ -384,6 +399,11 @@ class MultiHeadAttention(nn.Module):
     """
     check_attention_options(self.attn_mask_type, self.attention_impl,
                             self.max_segments_per_seq)
+    if self.decode:
+      kv_cache.check_decode_inputs(inputs_kv, segment_ids=segment_ids,
+                                   kv_segment_ids=kv_segment_ids,
+                                   segment_positions=segment_positions,
+                                   kv_segment_positions=kv_segment_positions)
     self_attn = inputs_kv is None
     check_input_3d("inputs_q", inputs_q)
     if not self_attn:
@@ -412,16 +432,29 @@ class MultiHeadAttention(nn.Module):
       k, v = self._dense((2, g, d), "kv", ("embed", "qkv", "heads", "kv"),
                          dtype=compute, split=True)(inputs_kv)
 
+    step = None
+    if self.decode:
+      rotate = (functools.partial(apply_rotary, base=self.rotary_base)
+                if self.enable_rotary_pos_emb else None)
+      step = kv_cache.decode_step(self, q, k, v, causal=self.attn_mask_type == "causal",
+                                  rotate=rotate)
     dropout = self.attention_dropout > 0.0 and not deterministic
-    out = attention_core(
-        q, k, v, self_attn=self_attn, segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids, segment_positions=segment_positions,
-        kv_segment_positions=kv_segment_positions, mask=mask,
-        attn_mask_type=self.attn_mask_type, enable_rotary_pos_emb=self.enable_rotary_pos_emb,
-        rotary_base=self.rotary_base, attention_impl=self.attention_impl,
-        max_segments_per_seq=self.max_segments_per_seq,
-        dropout_rate=self.attention_dropout if dropout else 0.0,
-        dropout_rng=self.make_rng("dropout") if dropout else None)
+    drop = dict(dropout_rate=self.attention_dropout if dropout else 0.0,
+                dropout_rng=self.make_rng("dropout") if dropout else None)
+    if step is not None:   # rotated and masked by the cache: a plain masked core
+      out = attention_core(step.q, step.k, step.v, self_attn=False,
+                           mask=_and_masks(mask, step.mask), attn_mask_type="no_mask",
+                           attention_impl=self.attention_impl, **drop)
+    else:
+      out = attention_core(
+          q, k, v, self_attn=self_attn, segment_ids=segment_ids,
+          kv_segment_ids=kv_segment_ids, segment_positions=segment_positions,
+          kv_segment_positions=kv_segment_positions, mask=mask,
+          attn_mask_type=self.attn_mask_type,
+          enable_rotary_pos_emb=self.enable_rotary_pos_emb, rotary_base=self.rotary_base,
+          attention_impl=self.attention_impl,
+          max_segments_per_seq=self.max_segments_per_seq, **drop)
     out = out.astype(compute)
-    return self._dense(self.out_features or embed, "out", ("heads", "kv", "embed"),
-                       axis=(-2, -1), dtype=compute)(out)
+    out = self._dense(self.out_features or embed, "out", ("heads", "kv", "embed"),
+                      axis=(-2, -1), dtype=compute)(out)
+    return out if step is None else kv_cache.mark_overflow(out, step.valid)

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from te_jax.flax import kv_cache
 from te_jax.flax.attention import MultiHeadAttention, check_input_3d, check_segment_arg
 from te_jax.flax.dense import default_kernel_init
 from te_jax.flax.mlp import LayerNormMLP
@@ -68,6 +69,12 @@ class TransformerLayer(nn.Module):
     kernel_init, bias_init: initializers of the projections.
     impl: "auto" (default), "cuda" or "reference": the implementation of every
       FP8 op of the layer (``TE_JAX_IMPL`` overrides "auto").
+    decode: autoregressive decoding: the self attention keeps a key/value
+      cache in collection ``"cache"`` (``MultiHeadAttention(decode=True)``,
+      ``te_jax.flax.kv_cache``); init on the full-length input allocates it,
+      each ``apply(..., mutable=["cache"])`` on (B, n, hidden_size) appends n
+      tokens. Cross attention (``encoded``) is recomputed every call; segment
+      ids and positions are not supported (positions follow the cache).
 
   Dropout uses the "dropout" RNG when ``deterministic=False``.
   """
@@ -98,6 +105,7 @@ class TransformerLayer(nn.Module):
   kernel_init: Initializer = default_kernel_init
   bias_init: Initializer = nn.initializers.zeros
   impl: str = "auto"
+  decode: bool = False
 
   def _norm(self, name, dtype):
     cls = {"layernorm": LayerNorm, "rmsnorm": RMSNorm}.get(self.layernorm_type)
@@ -107,7 +115,7 @@ class TransformerLayer(nn.Module):
     return cls(epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
                dtype=dtype, param_dtype=self.param_dtype, name=name)
 
-  def _attention(self, name, mask_type, rotary, dtype):
+  def _attention(self, name, mask_type, rotary, dtype, decode=False):
     return MultiHeadAttention(
         num_attention_heads=self.num_attention_heads, head_dim=self.head_dim,
         num_gqa_groups=self.num_gqa_groups, attn_mask_type=mask_type,
@@ -116,7 +124,7 @@ class TransformerLayer(nn.Module):
         out_features=self.hidden_size, attention_impl=self.attention_impl,
         max_segments_per_seq=self.max_segments_per_seq,
         dtype=dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-        bias_init=self.bias_init, impl=self.impl, name=name)
+        bias_init=self.bias_init, impl=self.impl, decode=decode, name=name)
 
   def _drop(self, x, deterministic):
     if self.hidden_dropout > 0.0:
@@ -147,6 +155,9 @@ class TransformerLayer(nn.Module):
       raise ValueError(f"layer_type must be one of {_LAYER_TYPES}, got "
                        f"{self.layer_type!r}.")
     check_input_3d("inputs", inputs)
+    if self.decode:
+      kv_cache.check_decode_inputs(None, segment_ids=segment_ids,
+                                   segment_positions=segment_positions)
     check_segment_arg("segment_ids", segment_ids, "inputs", inputs)
     check_segment_arg("segment_positions", segment_positions, "inputs", inputs)
     if encoded is not None:
@@ -165,7 +176,7 @@ class TransformerLayer(nn.Module):
 
     h = self._norm("pre_attention_norm", compute)(x)
     h = self._attention("self_attention", mask_type, self.enable_rotary_pos_emb,
-                        compute)(h, segment_ids=segment_ids,
+                        compute, decode=self.decode)(h, segment_ids=segment_ids,
                                  segment_positions=segment_positions,
                                  deterministic=deterministic)
     x = x + self._drop(h, deterministic)
