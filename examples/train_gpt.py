@@ -17,10 +17,24 @@ optimizer state and the FP8 delayed-scaling state) are written with orbax.
   python3 examples/train_gpt.py --recipe blockwise --steps 300
   python3 examples/train_gpt.py --sample_tokens 64   # then decode with the KV cache
   python3 examples/train_gpt.py --preset h200 --recipe delayed   # needs a GPU
+  python3 examples/train_gpt.py --preset llama    # Llama-style, 1.13B: one H200
   python3 examples/train_gpt.py --ckpt_dir /tmp/gpt --steps 100   # then:
   python3 examples/train_gpt.py --ckpt_dir /tmp/gpt --steps 200 --resume
 
-Outputs (``--out_dir``): ``loss_curve.png`` and ``metrics.json``.
+Outputs (``--out_dir``): ``loss_curve.png`` and ``metrics.json``. Each run
+prints tokens/s and, where the device's dense bf16 peak is known (or given
+by ``--peak_tflops``), the model FLOP utilisation (``model_flops_per_token``).
+
+Presets: ``cpu``, ``tiny`` and ``h200`` are GPTs (LayerNorm, GELU MLP);
+``llama`` and ``llama_tiny`` are Llama-style (RMSNorm, SwiGLU, grouped-query
+attention, no biases); all use rotary positions.
+
+Multi-host. Started as several processes (``--coordinator_address
+--num_processes --process_id``, or by SLURM's srun / Open MPI's mpirun,
+which set them), it calls ``jax.distributed.initialize()``, builds the mesh
+over every process's devices, feeds each process only its rows of each
+batch, checkpoints with orbax's multi-process save (``--ckpt_dir`` on a
+shared file system), and logs from process 0 only. See README "Multi-host".
 
 Resuming. Every checkpoint step directory also holds ``train_gpt_run.json``:
 the flags that define the run (preset, recipe, model sizes, dtype, data,
@@ -50,6 +64,7 @@ horizon. With ``--resume``:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -176,26 +191,37 @@ class GPT(nn.Module):
   mlp: int
   dtype: Any = jnp.bfloat16
   remat: bool = False
+  # "gpt": LayerNorm, GELU MLP. "llama": RMSNorm, SwiGLU MLP (silu(x W1) * x W2)
+  # and no LM-head bias. Both: rotary positions, no biases in the layers.
+  arch: str = "gpt"
+  kv_groups: Optional[int] = None      # key/value heads; None: one per head (MHA)
   # KV-cache decoding (gpt_sampling.py): segment_ids and positions must be None.
   decode: bool = False
 
   @nn.compact
   def __call__(self, tokens, segment_ids, positions):
+    if self.arch not in ARCHS:
+      raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}.")
+    llama = self.arch == "llama"
     # The (tiny) embedding table is replicated: sharding it ("vocab", "embed")
     # would make XLA re-shard the gathered activations to the batch layout.
     embed = nn.Embed(self.vocab_size, self.hidden, dtype=self.dtype,
                      embedding_init=nn.initializers.normal(1.0), name="embed")
     x = embed(tokens)
     block = nn.remat(tfx.TransformerLayer) if self.remat else tfx.TransformerLayer
+    arch_kw = dict(layernorm_type="rmsnorm", activations=("silu", "linear")) if llama else {}
+    if self.decode:
+      arch_kw["decode"] = True
     for i in range(self.layers):
       x = block(hidden_size=self.hidden, mlp_hidden_size=self.mlp,
-                num_attention_heads=self.heads, layer_type="decoder",
-                enable_rotary_pos_emb=True, dtype=self.dtype, decode=self.decode,
-                name=f"layer_{i}")(x, segment_ids=segment_ids,
-                                   segment_positions=positions)
-    x = tfx.LayerNorm(dtype=self.dtype, name="final_norm")(x)
+                num_attention_heads=self.heads, num_gqa_groups=self.kv_groups,
+                layer_type="decoder", enable_rotary_pos_emb=True, use_bias=False,
+                dtype=self.dtype, name=f"layer_{i}", **arch_kw)(
+                    x, segment_ids=segment_ids, segment_positions=positions)
+    norm = tfx.RMSNorm if llama else tfx.LayerNorm
+    x = norm(dtype=self.dtype, name="final_norm")(x)
     logits = nn.DenseGeneral(
-        self.vocab_size, dtype=jnp.float32, name="lm_head",
+        self.vocab_size, dtype=jnp.float32, name="lm_head", use_bias=not llama,
         kernel_init=nn.with_logical_partitioning(
             nn.initializers.normal(0.02), ("embed", "vocab")))(x.astype(jnp.float32))
     return logits
@@ -218,6 +244,59 @@ PRESETS = {
                  steps=8, lr=3e-3, warmup=2, dtype="float32", num_docs=1000),
 }
 
+ARCHS = ("gpt", "llama")
+
+# Llama-style presets (arch "llama": RMSNorm, SwiGLU, rotary, grouped-query
+# attention, no biases). Kept apart from PRESETS because train_gpt_nnx.py
+# takes PRESETS and builds only the GPT architecture; --preset here takes
+# ALL_PRESETS.
+LLAMA_PRESETS = {
+    # 1.13B parameters for one H200 with AdamW; head_dim 128 (cuDNN flash). Per layer: attention
+    # 2 x 2048^2 (Q, out) + 2 x 2048 x 1024 (K, V: 8 groups of head_dim 128)
+    # = 12.6M, SwiGLU 3 x 2048 x 5632 = 34.6M (5632 = 8/3 x 2048 rounded up
+    # to a multiple of 256, as Llama does); 24 layers = 1.13B. The
+    # character vocabulary (64) makes the embedding and LM head 0.26M, so
+    # the parameters are all in the layers.
+    # Memory (estimate, to be measured on the H200): fp32 parameters,
+    # gradients and AdamW's two moments are 16 B/param = 18 GB. Saved
+    # activations without --remat are roughly 70 kB per token and layer in
+    # bf16/FP8 (x, normed x, Q/K/V before and after rotary, attention out,
+    # the 2 x 5632 gate/up outputs and their product), 1.7 MB per token for
+    # 24 layers: 8 x 4096 tokens = 57 GB; about 80-95 GB with the attention
+    # masks below and temporaries, inside 141 GB. 16 rows (~115 GB of
+    # activations) would not fit without --remat. 32k tokens per step, as
+    # --preset h200.
+    # Attention: rows of 4096 characters hold ~34 documents (up to ~106 in
+    # the last row first-fit-decreasing packing fills), more than
+    # TransformerLayer's default 8 of the packed cuDNN layout, so it runs
+    # cuDNN under the (B, 1, S, S) segment mask: 8 x 4096^2 bf16 = 0.27 GB
+    # per layer, 6.4 GB if all 24 are kept for the backward. Raising
+    # max_segments_per_seq instead costs jax's cuDNN backward scratch
+    # B x max_segments rows of S tokens (~260 MiB per unit for the h200
+    # preset's rows) and was slower than the masked path for many short
+    # documents (docs/benchmarks-log-2026-11.md, 2026-12-01).
+    # 100k documents = 12M characters: 1000 steps see it ~2.7 times
+    # (each step draws documents at random).
+    "llama": dict(arch="llama", hidden=2048, layers=24, heads=16, kv_groups=8, mlp=5632,
+                  seq_len=4096, batch=8, steps=1000, lr=3e-4, warmup=100,
+                  dtype="bfloat16", num_docs=100000),
+    # The same architecture at test size (a few seconds on a CPU): 4 query
+    # heads share 2 key/value heads; mlp = 3 x 64, as 8/3 x hidden rounded up.
+    "llama_tiny": dict(arch="llama", hidden=64, layers=2, heads=4, kv_groups=2, mlp=192,
+                       seq_len=128, batch=4, steps=8, lr=3e-3, warmup=2,
+                       dtype="float32", num_docs=1000),
+}
+ALL_PRESETS = {**PRESETS, **LLAMA_PRESETS}
+
+# Presets sized for a GPU: refused at start where jax sees only the CPU
+# (unless --force), with what they need.
+GPU_PRESETS = {
+    "h200": "it is sized for one H200 (340M parameters, 16 x 2048 tokens per step; on a "
+            "CPU it runs out of memory asking for ~186 GB)",
+    "llama": "it is sized for one H200 (1.13B parameters, 8 x 4096 tokens per step, "
+             "an estimated 80-95 GB of GPU memory with AdamW)",
+}
+
 
 @dataclasses.dataclass
 class Config:
@@ -234,6 +313,9 @@ class Config:
   lr: Optional[float] = None
   warmup: Optional[int] = None
   dtype: Optional[str] = None
+  arch: Optional[str] = None       # None: the preset's ("gpt" unless a Llama preset)
+  kv_groups: Optional[int] = None  # None: the preset's, else = heads (no GQA)
+  peak_tflops: Optional[float] = None  # for MFU; None: from the device kind
   weight_decay: float = 0.1
   amax_history_len: int = 16
   fsdp: int = -1                   # -1: every device not used by tp/dp
@@ -253,13 +335,20 @@ class Config:
   log_every: int = 25
 
   def resolved(self) -> "Config":
-    if self.preset not in PRESETS:
-      raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {self.preset!r}.")
+    if self.preset not in ALL_PRESETS:
+      raise ValueError(f"preset must be one of {sorted(ALL_PRESETS)}, got {self.preset!r}.")
     if self.recipe not in RECIPES:
       raise ValueError(f"recipe must be one of {RECIPES}, got {self.recipe!r}.")
-    base = PRESETS[self.preset]
-    return dataclasses.replace(
+    base = dict(ALL_PRESETS[self.preset])
+    base.setdefault("arch", "gpt")
+    cfg = dataclasses.replace(
         self, **{k: v for k, v in base.items() if getattr(self, k) is None})
+    if cfg.arch not in ARCHS:
+      raise ValueError(f"arch must be one of {ARCHS}, got {cfg.arch!r}.")
+    if cfg.kv_groups is not None and (cfg.kv_groups < 1 or cfg.heads % cfg.kv_groups):
+      raise ValueError(f"--kv_groups {cfg.kv_groups} must divide --heads {cfg.heads} "
+                       "(each key/value head serves heads / kv_groups query heads).")
+    return cfg
 
 
 def make_recipe(name: str, amax_history_len: int = 16):
@@ -332,7 +421,8 @@ class Trainer:
       raise ValueError(f"--batch {cfg.batch} must be divisible by the {self.batch_shards} "
                        "batch shards (dp x fsdp).")
     self.model = GPT(VOCAB_SIZE, cfg.hidden, cfg.layers, cfg.heads, cfg.mlp,
-                     dtype=jnp.dtype(cfg.dtype), remat=cfg.remat)
+                     dtype=jnp.dtype(cfg.dtype), remat=cfg.remat, arch=cfg.arch,
+                     kv_groups=cfg.kv_groups)
     self.tx = make_optimizer(cfg)
     self.docs = make_corpus(cfg.num_docs, cfg.seed)
     self.eval_docs = make_corpus(200, cfg.seed + 12345)
@@ -346,10 +436,37 @@ class Trainer:
                                mesh_resource=MESH_RESOURCE)
 
   def batch(self, step: int, docs=None):
+    """The global batch of ``step`` as arrays sharded over the mesh's batch axes.
+
+    Every process packs the same global batch (a pure function of the step,
+    so all agree without communication) and feeds only the rows its own
+    devices hold (``jax.make_array_from_process_local_data``); one process
+    feeds all of it.
+    """
     t, s, p = make_batch(self.docs if docs is None else docs, step, self.cfg.batch,
                          self.cfg.seq_len, seed=self.cfg.seed, block=self.block,
                          num_shards=self.batch_shards)
-    return tuple(jax.device_put(a, self.batch_sharding) for a in (t, s, p))
+    if jax.process_count() == 1:
+      return tuple(jax.device_put(a, self.batch_sharding) for a in (t, s, p))
+    rows = self.local_rows(t.shape)
+    return tuple(jax.make_array_from_process_local_data(self.batch_sharding, a[rows], a.shape)
+                 for a in (t, s, p))
+
+  def local_rows(self, shape) -> slice:
+    """The rows of a global batch of ``shape`` that this process's devices hold.
+
+    Devices are ordered by process in ``jax.devices()``, so the rows of one
+    process are one contiguous run; anything else is an error here rather
+    than a wrong batch.
+    """
+    ranges = {index[0].indices(shape[0])[:2] for index in
+              self.batch_sharding.addressable_devices_indices_map(shape).values()}
+    covered = {r for a, b in ranges for r in range(a, b)}
+    lo, hi = min(covered), max(covered) + 1
+    if covered != set(range(lo, hi)):
+      raise ValueError(f"process {jax.process_index()} holds batch rows {sorted(ranges)}, "
+                       "not one contiguous run; order the mesh's devices by process.")
+    return slice(lo, hi)
 
   def _build(self):
     cfg, model = self.cfg, self.model
@@ -422,7 +539,7 @@ class Trainer:
       logits = model.apply(params, tokens, seg, pos)
       return jnp.argmax(logits[0, n - 1, 1:len(CHARS) + 1]) + 1
 
-    params = jax.device_get(state.params)
+    params = self.host_params(state)
     with self.autocast():
       for _ in range(num_chars):
         ids = ids[-(seq - 1):]
@@ -435,8 +552,85 @@ class Trainer:
     return decode(ids)
 
 
+  def host_params(self, state):
+    """``state.params`` as numpy arrays, whole in every process.
+
+    With several processes a parameter is sharded over devices of other
+    processes too, so it is gathered (a collective: every process calls this).
+    """
+    if jax.process_count() == 1:
+      return jax.device_get(state.params)
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    return multihost_utils.process_allgather(state.params, tiled=True)
+
+
 def param_count(state) -> int:
   return int(sum(np.prod(p.shape) for p in jax.tree.leaves(state.params["params"])))
+
+
+def model_flops_per_token(cfg: Config, state) -> float:
+  """Training FLOPs per token of the model: ``6 N + 12 layers seq_len hidden``.
+
+  ``6 N``: every matrix product's forward (2 N) and backward (4 N), N the
+  parameters without the embedding table (a gather, not a product).
+  ``12 L S h``: the attention core, Q K^T and P V (2 S h FLOPs each per token
+  and layer forward, x3 with the backward), over the whole row of S tokens,
+  as PaLM's MFU counts it. Causal masking and packed documents mean far
+  fewer attention FLOPs are really needed, so this is the conventional
+  model-FLOPs figure MFU is quoted in, not the hardware's work.
+  """
+  n = param_count(state) - int(np.prod(state.params["params"]["embed"]["embedding"].shape))
+  return 6.0 * n + 12.0 * cfg.layers * cfg.seq_len * cfg.hidden
+
+
+# Dense (no sparsity) bf16 tensor-core peak per device, TFLOP/s, by device
+# kind; the first name found in ``device_kind`` wins, so the specific
+# variants come first. MFU divides by the bf16 peak for every recipe, FP8
+# ones included (their GEMMs may run at up to twice it: 1979 TFLOP/s on an
+# H100/H200), so recipes compare on one scale; an FP8 MFU above 50% of this
+# is possible in principle.
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.0),
+                    ("H200", 989.0), ("H100", 989.0), ("A100", 312.0))
+
+
+def peak_flops(device, peak_tflops: Optional[float] = None) -> Optional[float]:
+  """The dense bf16 peak FLOP/s of ``device`` (``peak_tflops`` overrides); None if unknown."""
+  if peak_tflops:
+    return float(peak_tflops) * 1e12
+  if device.platform != "gpu":
+    return None
+  kind = device.device_kind
+  return next((t * 1e12 for name, t in PEAK_BF16_TFLOPS if name in kind), None)
+
+
+def save_checkpoint(ckpt_dir: str, step: int, state, keep: int = 3) -> str:
+  """Saves ``state`` as ``<ckpt_dir>/<step>`` (``te_jax.checkpoint``'s layout); returns the path.
+
+  One process: ``te_jax.checkpoint.save``. Several processes: every process
+  calls orbax's multi-process save, which writes each array's shards from
+  the process that holds them and lets process 0 commit the directory (then
+  all wait for it), so ``ckpt_dir`` must be on a file system every process
+  sees. ``te_jax.checkpoint.save`` cannot be used there: its write-aside
+  and rename would run in every process at once. Restoring needs nothing
+  special: ``te_jax.checkpoint.restore`` into a state of global arrays has
+  each process read its own shards.
+  """
+  from te_jax import checkpoint  # pylint: disable=import-outside-toplevel
+  if jax.process_count() == 1:
+    return checkpoint.save(ckpt_dir, step, state, keep=keep)
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  path = os.path.join(os.path.abspath(ckpt_dir), str(step))
+  ckptr = ocp.StandardCheckpointer()
+  try:
+    ckptr.save(path, state, force=True)   # force: process 0 replaces an old one
+    ckptr.wait_until_finished()
+  finally:
+    ckptr.close()
+  if jax.process_index() == 0:
+    import shutil  # pylint: disable=import-outside-toplevel
+    for old in checkpoint.available_steps(ckpt_dir)[:-keep]:
+      shutil.rmtree(os.path.join(os.path.abspath(ckpt_dir), str(old)), ignore_errors=True)
+  return path
 
 
 def _progress(total, initial, enabled):
@@ -493,7 +687,7 @@ def smooth(values, window: int = 10):
 # checkpoint was written with (train_gpt_run.json in each step directory).
 RUN_FIELDS = ("preset", "recipe", "hidden", "layers", "heads", "mlp", "dtype",
               "amax_history_len", "seq_len", "batch", "num_docs", "seed", "lr", "warmup",
-              "weight_decay")
+              "weight_decay", "kv_groups")
 RUN_CONFIG_FILE = "train_gpt_run.json"
 # Config fields without a command-line flag (named as such in errors).
 _NO_FLAG = ("weight_decay",)
@@ -583,7 +777,20 @@ def train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
   the LR horizon is the checkpoint's unless ``cfg.lr_horizon`` is set, a
   finished run returns ``{"finished": True, ...}`` without training). Raises
   ResumeError when the checkpoint cannot continue this run.
+
+  With several processes (``jax.distributed.initialize`` called first, as
+  ``main`` does), every process calls this: each feeds its share of every
+  batch and writes its shards of the checkpoints; only process 0 prints and
+  writes ``metrics.json`` and the plot, so the run has one log.
   """
+  if jax.process_index() == 0:
+    return _train(cfg, trainer)
+  with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+    return _train(cfg, trainer)
+
+
+def _train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
+  """``train`` in one process (of one or several)."""
   from te_jax import checkpoint  # pylint: disable=import-outside-toplevel
   cfg = trainer.cfg if trainer is not None else cfg.resolved()
   start, last, stored = 0, None, None
@@ -618,8 +825,18 @@ def train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
         f"mesh {dict(trainer.mesh.shape)} | recipe {cfg.recipe} | "
         f"{n_params / 1e6:.2f}M params, {cfg.layers} layers, hidden {cfg.hidden}, "
         f"{cfg.dtype} | batch {cfg.batch}x{cfg.seq_len} | steps {start}->{cfg.steps}")
+  if jax.process_count() > 1:
+    print(f"{jax.process_count()} processes, {jax.local_device_count()} devices each; "
+          "this log is process 0's")
+  flops_tok = model_flops_per_token(cfg, state)
+  peak = peak_flops(jax.devices()[0], cfg.peak_tflops)
+  peak_all = peak * len(jax.devices()) if peak else None
+  print(f"model FLOPs per token {flops_tok / 1e9:.3f} G (6 N + 12 layers seq hidden); "
+        + (f"MFU against the dense bf16 peak, {peak / 1e12:g} TFLOP/s per device "
+           f"x {len(jax.devices())}" if peak else
+           f"no MFU: no known peak for {jax.devices()[0].device_kind!r} (--peak_tflops)"))
 
-  steps, losses, times, toks = [], [], [], []
+  steps, losses, times, toks, ptoks = [], [], [], [], []
   bar = _progress(cfg.steps, start, cfg.progress)
   t_start = time.perf_counter()
   for step in range(start, cfg.steps):
@@ -633,20 +850,24 @@ def train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
     losses.append(loss)
     times.append(dt)
     toks.append(ntok)
+    ptoks.append(int(np.prod(batch[0].shape)))   # padding included: the FLOPs spent
+    mfu_s = f" | MFU {flops_tok * ptoks[-1] / dt / peak_all:.1%}" if peak_all else ""
     if not math.isfinite(loss):
       print(f"step {step}: loss is {loss}, stopping")
       break
     if bar is not None:
-      bar.set_postfix_str(f"loss {loss:.3f} | {ntok / dt:,.0f} tok/s | {dt * 1e3:.0f} ms/step")
+      bar.set_postfix_str(f"loss {loss:.3f} | {ntok / dt:,.0f} tok/s | "
+                          f"{dt * 1e3:.0f} ms/step{mfu_s}")
       bar.update(1)
     elif (step + 1) % cfg.log_every == 0 or step == start:
       print(f"step {step + 1:5d}  loss {loss:.4f}  {ntok / dt:,.0f} tok/s  "
-            f"{dt * 1e3:.0f} ms/step", flush=True)
+            f"{dt * 1e3:.0f} ms/step{mfu_s}", flush=True)
     last_step = step + 1 == cfg.steps
     if cfg.ckpt_dir and ((cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or last_step):
-      path = checkpoint.save(cfg.ckpt_dir, step + 1, state)
-      with open(os.path.join(path, RUN_CONFIG_FILE), "w") as fh:
-        json.dump(run_config(cfg), fh, indent=1)
+      path = save_checkpoint(cfg.ckpt_dir, step + 1, state)
+      if jax.process_index() == 0:   # one writer; the directory is shared
+        with open(os.path.join(path, RUN_CONFIG_FILE), "w") as fh:
+          json.dump(run_config(cfg), fh, indent=1)
   if bar is not None:
     bar.close()
   wall = time.perf_counter() - t_start
@@ -655,6 +876,8 @@ def train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
   steady = slice(1, None) if len(times) > 1 else slice(None)
   step_time = float(np.median(times[steady])) if times else float("nan")
   tok_s = float(np.sum(toks[steady]) / np.sum(times[steady])) if times else float("nan")
+  mfu = (float(flops_tok * np.sum(ptoks[steady]) / np.sum(times[steady]) / peak_all)
+         if times and peak_all else None)
   result = {
       "config": dataclasses.asdict(cfg), "params": n_params,
       "steps": steps, "losses": losses, "step_times": times,
@@ -662,6 +885,8 @@ def train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
       "final_loss": float(np.mean(losses[-10:])) if losses else None,
       "tokens_per_s": tok_s, "step_time_s": step_time, "wall_s": wall,
       "backend": jax.default_backend(), "devices": len(jax.devices()),
+      "processes": jax.process_count(), "model_flops_per_token": flops_tok,
+      "peak_flops_per_device": peak, "mfu": mfu,
   }
   if losses and cfg.eval_batches:
     result["eval_loss"] = trainer.evaluate(state, cfg.eval_batches)
@@ -672,14 +897,15 @@ def train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
     print(f"done: {len(losses)} steps in {wall:.1f} s | loss {losses[0]:.3f} -> "
           f"{result['final_loss']:.3f} (mean of last 10) | "
           f"eval {result.get('eval_loss', float('nan')):.3f} | "
-          f"{tok_s:,.0f} tok/s | {step_time * 1e3:.1f} ms/step")
+          f"{tok_s:,.0f} tok/s | {step_time * 1e3:.1f} ms/step"
+          + (f" | MFU {mfu:.1%}" if mfu is not None else ""))
     if "sample" in result:
       print(f"sample: {result['sample']!r}")
   if losses and cfg.sample_tokens:     # KV-cache decoding; gpt_sampling.py is beside this file
     import gpt_sampling  # pylint: disable=import-outside-toplevel
     result["kv_sample"] = gpt_sampling.sample_with_cache(
         trainer, state, cfg.sample_tokens, to_text=decode, token_range=(1, len(CHARS) + 1))
-  if cfg.out_dir and losses:
+  if cfg.out_dir and losses and jax.process_index() == 0:
     os.makedirs(cfg.out_dir, exist_ok=True)
     with open(os.path.join(cfg.out_dir, "metrics.json"), "w") as fh:
       json.dump({k: v for k, v in result.items() if k != "state"}, fh, indent=1)
@@ -703,14 +929,17 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter,
 
 def _preset_default(name: str) -> str:
   return "(default: from --preset: " + ", ".join(
-      f"{p} {PRESETS[p][name]}" for p in sorted(PRESETS)) + ")"
+      f"{p} {ALL_PRESETS[p][name]}" for p in sorted(ALL_PRESETS)) + ")"
 
 
 def add_model_flags(parser: argparse.ArgumentParser):
   """Flags shared with compare_recipes.py."""
-  parser.add_argument("--preset", default="cpu", choices=sorted(PRESETS),
+  parser.add_argument("--preset", default="cpu", choices=sorted(ALL_PRESETS),
                       help="model size and training defaults: cpu (0.4M parameters, about "
-                           "70 s on two CPU cores), h200 (340M, needs a GPU), tiny (tests)")
+                           "70 s on two CPU cores), h200 (340M, needs a GPU), tiny (tests); "
+                           "Llama-style (RMSNorm, SwiGLU, rotary, grouped-query attention, "
+                           "no biases): llama (1.13B, seq 4096, needs a GPU), llama_tiny "
+                           "(tests)")
   for name, typ, what in (
       ("hidden", int, "model width"), ("layers", int, "transformer layers"),
       ("heads", int, "attention heads"), ("mlp", int, "MLP hidden size"),
@@ -736,27 +965,28 @@ def add_model_flags(parser: argparse.ArgumentParser):
   parser.add_argument("--log_every", type=int, default=25,
                       help="with --no_progress: print every N steps")
   parser.add_argument("--force", action="store_true",
-                      help="run --preset h200 even where jax sees no GPU")
+                      help="run --preset " + " or ".join(sorted(GPU_PRESETS)) +
+                           " even where jax sees no GPU")
 
 
 def device_problem(preset: str) -> Optional[str]:
   """Why ``preset`` cannot run on this machine's jax backend, or None."""
-  if preset != "h200" or jax.default_backend() != "cpu":
+  if preset not in GPU_PRESETS or jax.default_backend() != "cpu":
     return None
-  return ("--preset h200 needs a GPU: it is sized for one H200 (340M parameters, 16 x 2048 "
-          "tokens per step; on a CPU it runs out of memory asking for ~186 GB), and jax "
-          "sees only the CPU here (on a GPU machine, install a CUDA build of jax). Use "
-          "--preset cpu (about 70 s on two cores) or --preset tiny, or pass --force to "
-          "try anyway.")
+  small = "llama_tiny" if preset in LLAMA_PRESETS else "tiny"
+  return (f"--preset {preset} needs a GPU: {GPU_PRESETS[preset]}, and jax sees only the "
+          "CPU here (on a GPU machine, install a CUDA build of jax). Use --preset cpu "
+          f"(about 70 s on two cores) or --preset {small}, or pass --force to try anyway.")
 
 
 _EPILOG = """resuming (--ckpt_dir D --resume):
   flags left out are taken from the checkpoint's train_gpt_run.json, so
   "--ckpt_dir D --resume" alone continues the run to its --steps; a
   run-defining flag (--preset --recipe --hidden --layers --heads --mlp
-  --dtype --amax_history_len --seq_len --batch --num_docs --seed --lr
-  --warmup) given with another value is an error. The LR schedule keeps
-  the first invocation's horizon (--lr_horizon, else its --steps), so
+  --kv_groups --dtype --amax_history_len --seq_len --batch --num_docs
+  --seed --lr --warmup) given with another value is an error. The LR
+  schedule keeps the first invocation's horizon (--lr_horizon, else its
+  --steps), so
   "--steps 100" then "--steps 200 --resume" is bit-identical to one run of
   "--steps 200 --lr_horizon 100"; to split a 200-step schedule, give the
   first part --lr_horizon 200. A run already at --steps says so, exits 0.
@@ -769,6 +999,17 @@ def build_parser() -> argparse.ArgumentParser:
   parser.add_argument("--recipe", default="delayed", choices=RECIPES,
                       help="FP8 recipe of the transformer layers' GEMMs; none = FP8 off")
   add_model_flags(parser)
+  # Here, not in add_model_flags: compare_recipes.py builds its Config without them.
+  parser.add_argument("--kv_groups", type=int, default=None,
+                      help="key/value heads (grouped-query attention; must divide --heads) "
+                           "(default: from --preset: " + ", ".join(
+                               f"{p} {ALL_PRESETS[p]['kv_groups']}" for p in
+                               sorted(LLAMA_PRESETS)) + "; the others --heads, i.e. "
+                           "multi-head attention)")
+  parser.add_argument("--peak_tflops", type=float, default=None,
+                      help="dense bf16 peak TFLOP/s of one device, for the model FLOP "
+                           "utilisation printed (default: known for H100/H200/A100 from "
+                           "the device kind; elsewhere no MFU)")
   parser.add_argument("--lr_horizon", type=int, default=None,
                       help="length of the LR schedule in steps (warmup, cosine decay to "
                            "lr/10, then lr/10) (default: --steps of the run's first "
@@ -790,7 +1031,62 @@ def build_parser() -> argparse.ArgumentParser:
                            "tokens/s (0: none)")
   parser.add_argument("--eval_batches", type=int, default=2,
                       help="held-out batches to evaluate after training (0: none)")
+  parser.add_argument("--coordinator_address", default=None,
+                      help="HOST:PORT where process 0 serves JAX's distributed runtime, for "
+                           "a run of several processes; give all three of "
+                           "--coordinator_address --num_processes --process_id, or none "
+                           "under SLURM's srun or Open MPI's mpirun, which set them "
+                           "(default: none: one process)")
+  parser.add_argument("--num_processes", type=int, default=None,
+                      help="processes in a multi-process run (default: none: one process, "
+                           "or what the cluster launcher sets)")
+  parser.add_argument("--process_id", type=int, default=None,
+                      help="this process's index, 0 .. --num_processes - 1 (default: none: "
+                           "one process, or what the cluster launcher sets)")
   return parser
+
+
+_DISTRIBUTED_FLAGS = ("coordinator_address", "num_processes", "process_id")
+
+
+def cluster_launcher() -> Optional[str]:
+  """The launcher that started this process as one of several, or None.
+
+  The two whose settings ``jax.distributed.initialize()`` reads by itself:
+  SLURM's srun (one task per GPU: jax gives task i the GPU SLURM_LOCALID)
+  and Open MPI's mpirun. One task of either is an ordinary one-process run.
+  """
+  env = os.environ
+  if "SLURM_STEP_NODELIST" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    return "SLURM"
+  if "OMPI_MCA_orte_hnp_uri" in env and int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+    return "Open MPI"
+  return None
+
+
+def init_distributed(args, parser) -> bool:
+  """Starts JAX's multi-controller runtime if this process is one of several.
+
+  Must run before anything touches a jax backend. Returns whether it did.
+  """
+  given = {f: getattr(args, f) for f in _DISTRIBUTED_FLAGS}
+  launcher = cluster_launcher()
+  if launcher is None and all(v is None for v in given.values()):
+    return False
+  if launcher is None:
+    missing = [f"--{f}" for f, v in given.items() if v is None]
+    if missing:
+      parser.error(f"a run of several processes needs --coordinator_address, "
+                   f"--num_processes and --process_id (or SLURM's srun / Open MPI's "
+                   f"mpirun, which set them); missing {', '.join(missing)}")
+    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+      parser.error(f"--process_id {args.process_id} must be in 0 .. {args.num_processes - 1} "
+                   f"(--num_processes {args.num_processes})")
+  # Flags given win; jax fills the rest from the launcher's environment.
+  # On CPU the cross-process collectives are gloo's (jax's default).
+  jax.distributed.initialize(coordinator_address=args.coordinator_address,
+                             num_processes=args.num_processes, process_id=args.process_id)
+  return True
 
 
 def _given_flags(argv) -> set:
@@ -804,6 +1100,11 @@ def _given_flags(argv) -> set:
 def main(argv=None):
   parser = build_parser()
   args = parser.parse_args(argv)
+  if init_distributed(args, parser) and args.ckpt_dir:
+    from te_jax import checkpoint  # pylint: disable=import-outside-toplevel
+    if not checkpoint.orbax_available():
+      parser.error("--ckpt_dir with several processes needs orbax-checkpoint (each process "
+                   "writes its own shards): python3 -m pip install orbax-checkpoint")
   if args.resume:
     if not args.ckpt_dir:
       parser.error("--resume needs --ckpt_dir (the directory of the run to continue)")
@@ -821,13 +1122,18 @@ def main(argv=None):
   cfg = Config(recipe=args.recipe, preset=args.preset, hidden=args.hidden,
                layers=args.layers, heads=args.heads, mlp=args.mlp, seq_len=args.seq_len,
                batch=args.batch, steps=args.steps, lr_horizon=args.lr_horizon, lr=args.lr,
-               warmup=args.warmup, num_docs=args.num_docs, dtype=args.dtype, fsdp=args.fsdp,
+               warmup=args.warmup, num_docs=args.num_docs, dtype=args.dtype,
+               kv_groups=args.kv_groups, peak_tflops=args.peak_tflops, fsdp=args.fsdp,
                tp=args.tp, dp=args.dp, amax_history_len=args.amax_history_len, seed=args.seed,
                remat=args.remat, ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every,
                resume=args.resume, out_dir=args.out_dir, sample_chars=args.sample_chars,
                sample_tokens=args.sample_tokens,
                eval_batches=args.eval_batches,
                progress=not args.no_progress, log_every=args.log_every)
+  try:
+    cfg.resolved()                 # flag values that cannot go together: usage errors
+  except ValueError as e:
+    parser.error(str(e))
   try:
     return train(cfg)
   except ResumeError as e:

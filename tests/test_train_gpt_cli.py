@@ -1,7 +1,9 @@
-"""examples/train_gpt.py as a user meets it: resume, usage errors, --help, the README quickstart.
+"""examples/train_gpt.py as a user meets it: resume, usage errors, --help, the README
+quickstart, the Llama-style presets, tokens/s and MFU.
 
-CPU only, tiny preset, a few steps (the whole file is a CI budget item,
-about a minute: three short training runs, the quickstart's five steps).
+CPU only, tiny presets, a few steps (the whole file is a CI budget item,
+about 80 s: three short training runs of the tiny GPT and one of llama_tiny,
+the quickstart's five steps). Multi-process runs: tests/test_multihost.py.
 """
 
 import json
@@ -11,10 +13,14 @@ import shutil
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from te_jax import checkpoint
+from te_jax import flax as tfx
 
 # examples/ is on sys.path through pytest's pythonpath (pyproject.toml).
 import compare_recipes  # pylint: disable=import-error
@@ -54,6 +60,9 @@ def test_resume_is_bit_identical_to_an_uninterrupted_run(resumed_run):
   assert stored["steps"] == 6 and stored["lr_horizon"] == 3
   assert {k: stored[k] for k in train_gpt.RUN_FIELDS} == {
       k: second["config"][k] for k in train_gpt.RUN_FIELDS}
+  if jax.default_backend() == "cpu":       # no known peak: tokens/s, and no MFU
+    assert whole["mfu"] is None and whole["peak_flops_per_device"] is None
+    assert whole["tokens_per_s"] > 0
 
 
 def test_resuming_a_finished_run_says_so_and_exits_0(resumed_run):
@@ -111,13 +120,15 @@ def test_resume_without_ckpt_dir_is_a_usage_error(capsys):
 
 
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="the check is for CPU-only jax")
+@pytest.mark.parametrize("preset", ["h200", "llama"])
 @pytest.mark.parametrize("script", [train_gpt, compare_recipes], ids=lambda m: m.__name__)
-def test_h200_preset_on_a_cpu_stops_at_once(script, capsys):
+def test_gpu_presets_on_a_cpu_stop_at_once(script, preset, capsys):
   with pytest.raises(SystemExit) as e:
-    script.main(["--preset", "h200"])
+    script.main(["--preset", preset])
   assert e.value.code == 2
   err = capsys.readouterr().err
-  assert "--preset h200 needs a GPU" in err and "--force" in err
+  assert f"--preset {preset} needs a GPU" in err and "--force" in err
+  assert ("--preset llama_tiny" in err) == (preset == "llama")
 
 
 def _help_blocks(text: str) -> dict:
@@ -148,11 +159,16 @@ def test_help_lists_every_flag_with_its_default(script, capsys, monkeypatch):
     flags = {s for a in parser._actions for s in a.option_strings  # pylint: disable=protected-access
              if s.startswith("--") and s != "--help"}
     assert flags <= set(blocks), flags - set(blocks)
-    assert {"--lr_horizon", "--force", "--ckpt_dir", "--resume", "--steps"} <= flags
+    assert {"--lr_horizon", "--force", "--ckpt_dir", "--resume", "--steps", "--kv_groups",
+            "--peak_tflops", "--coordinator_address", "--num_processes",
+            "--process_id"} <= flags
   for flag, text in blocks.items():
     if flag != "--help":
       assert "(default:" in text, f"{flag} shows no default: {text!r}"
-  assert "--preset" in blocks and "cpu 128, h200 1536, tiny 64" in blocks["--hidden"]
+  assert "--preset" in blocks
+  assert "cpu 128, h200 1536, llama 2048, llama_tiny 64, tiny 64" in blocks["--hidden"]
+  if script is train_gpt:
+    assert "llama 8, llama_tiny 2; the others --heads" in blocks["--kv_groups"]
 
 
 def _readme_quickstart() -> str:
@@ -180,3 +196,99 @@ def test_readme_quickstart_runs_and_shows_fp8_at_work(capsys):
   assert amaxes[1][1] == amaxes[0][0]                                 # the history shifts
   # The scale quantizing the next step: e4m3's 448 over the history's max.
   assert scales[-1] == pytest.approx(448 / max(max(h) for h in amaxes), rel=2e-3)
+
+
+# ------------------------------------------------- the Llama-style preset ----
+
+def _modules_and_params(preset):
+  """({module path: module} of each TransformerLayer and norm the model calls, its params)."""
+  trainer = train_gpt.Trainer(train_gpt.Config(preset=preset))
+  seen = {}
+
+  def record(next_fun, args, kwargs, context):
+    m = context.module
+    if isinstance(m, (tfx.TransformerLayer, tfx.LayerNorm, tfx.RMSNorm)):
+      seen["/".join(m.scope.path)] = m
+    return next_fun(*args, **kwargs)
+
+  tokens = np.zeros((1, trainer.cfg.seq_len), np.int32)
+  with nn.intercept_methods(record), trainer._ctx():  # pylint: disable=protected-access
+    variables = jax.eval_shape(                       # traced, not run
+        lambda: trainer.model.init(jax.random.PRNGKey(0), tokens, tokens + 1, tokens))
+  return seen, nn.meta.unbox(variables["params"])
+
+
+def test_llama_tiny_is_the_llama_architecture():
+  seen, params = _modules_and_params("llama_tiny")
+  layers = {k: m for k, m in seen.items() if isinstance(m, tfx.TransformerLayer)}
+  assert sorted(layers) == ["layer_0", "layer_1"]
+  for m in layers.values():
+    assert m.layernorm_type == "rmsnorm" and tuple(m.activations) == ("silu", "linear")
+    assert m.enable_rotary_pos_emb and not m.use_bias
+    assert m.num_attention_heads == 4 and m.num_gqa_groups == 2       # GQA: 2 < 4
+  assert type(seen["final_norm"]) is tfx.RMSNorm
+  names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+  assert not [n for n in names if "bias" in n], names                # no biases, no LN beta
+  # (hidden, K and V, 2 groups, head_dim 16); SwiGLU: gate and up projections of 192.
+  assert params["layer_0"]["self_attention"]["kv"]["kernel"].shape == (64, 2, 2, 16)
+  assert params["layer_0"]["mlp"]["wi_kernel"].shape == (64, 2, 192)
+  # The GPT presets keep their architecture.
+  gpt, _ = _modules_and_params("tiny")
+  assert gpt["layer_0"].layernorm_type == "layernorm" and gpt["layer_0"].num_gqa_groups is None
+  assert tuple(gpt["layer_0"].activations) == ("gelu",)
+  assert type(gpt["final_norm"]) is tfx.LayerNorm
+
+
+def test_llama_preset_is_a_1b_gqa_model_at_seq_4096():
+  cfg = train_gpt.Config(preset="llama").resolved()
+  assert (cfg.arch, cfg.seq_len, cfg.dtype) == ("llama", 4096, "bfloat16")
+  assert 1 < cfg.kv_groups < cfg.heads and cfg.heads % cfg.kv_groups == 0
+  assert cfg.hidden // cfg.heads == 128                # head_dim of cuDNN flash attention
+  model = train_gpt.GPT(train_gpt.VOCAB_SIZE, cfg.hidden, cfg.layers, cfg.heads, cfg.mlp,
+                        dtype=jnp.bfloat16, arch=cfg.arch, kv_groups=cfg.kv_groups)
+  tokens = jnp.zeros((1, 128), jnp.int32)            # shapes only: nothing is allocated
+  abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens, tokens, tokens))
+  n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(nn.meta.unbox(abstract["params"])))
+  assert 1.0e9 <= n <= 1.5e9, n
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU output")
+def test_llama_tiny_trains_and_reports_tokens_per_s_and_mfu(capsys):
+  res = train_gpt.main(["--preset", "llama_tiny", "--steps", "6", "--peak_tflops", "0.5"]
+                       + QUIET)
+  out = capsys.readouterr().out
+  losses = res["losses"]
+  assert len(losses) == 6 and all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.2
+  assert res["config"]["arch"] == "llama" and res["config"]["kv_groups"] == 2
+  n = res["params"] - train_gpt.VOCAB_SIZE * 64                   # without the embedding
+  assert res["model_flops_per_token"] == 6 * n + 12 * 2 * 128 * 64
+  assert res["peak_flops_per_device"] == 0.5e12 and res["tokens_per_s"] > 0
+  # MFU: model FLOPs of the 4 x 128 (padded) tokens of a step / step time / peak
+  # (the step time here a median, in the MFU a mean: only roughly equal).
+  assert res["mfu"] == pytest.approx(
+      res["model_flops_per_token"] * 4 * 128 / res["step_time_s"] / 0.5e12, rel=0.5)
+  assert "MFU against the dense bf16 peak, 0.5 TFLOP/s per device x 1" in out
+  done = [l for l in out.splitlines() if l.startswith("done:")][0]
+  assert " tok/s | " in done and done.endswith(f"MFU {res['mfu']:.1%}")
+
+
+class _Device:
+  def __init__(self, platform, kind):
+    self.platform, self.device_kind = platform, kind
+
+
+@pytest.mark.parametrize("platform, kind, peak", [
+    ("gpu", "NVIDIA H200", 989e12), ("gpu", "NVIDIA H100 80GB HBM3", 989e12),
+    ("gpu", "NVIDIA H100 PCIe", 756e12), ("gpu", "NVIDIA A100-SXM4-80GB", 312e12),
+    ("gpu", "NVIDIA GeForce RTX 4090", None), ("cpu", "cpu", None)])
+def test_peak_flops_by_device_kind(platform, kind, peak):
+  assert train_gpt.peak_flops(_Device(platform, kind)) == peak
+  assert train_gpt.peak_flops(_Device(platform, kind), peak_tflops=100) == 100e12
+
+
+def test_kv_groups_that_do_not_divide_heads_are_a_usage_error(capsys):
+  with pytest.raises(SystemExit) as e:
+    train_gpt.main(["--preset", "llama_tiny", "--kv_groups", "3"] + QUIET)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("usage:") and "--kv_groups 3 must divide --heads 4" in err
