@@ -540,7 +540,9 @@ class Trainer:
       return jnp.argmax(logits[0, n - 1, 1:len(CHARS) + 1]) + 1
 
     params = self.host_params(state)
-    with self.autocast():
+    # Host copies on one device, no mesh: no mesh resource either (te_jax
+    # would warn that one is set while no mesh is active).
+    with te_jax.fp8_autocast(enabled=self.recipe is not None, fp8_recipe=self.recipe):
       for _ in range(num_chars):
         ids = ids[-(seq - 1):]
         buf = np.zeros((1, seq), np.int32)
