@@ -126,9 +126,22 @@ def save(directory: str, step: int, tree: Any, *, keep: Optional[int] = 3,
 
   Returns:
     The path of the step's checkpoint directory.
+
+  Raises:
+    ValueError: ``step`` is not a non-negative int; or this is one of several
+      JAX processes (``jax.process_count() > 1``): every process would write
+      and swap in the same files. Save with orbax's multi-process
+      checkpointing there, as ``examples/train_gpt.py`` does.
   """
   if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
     raise ValueError(f"step must be a non-negative int, got {step!r}.")
+  if jax.process_count() > 1:
+    raise ValueError(
+        f"te_jax.checkpoint.save runs in one process, and this is process "
+        f"{jax.process_index()} of {jax.process_count()}: the processes would write and "
+        "rename the same directory at once. With several processes save with orbax "
+        "(all processes call ocp.StandardCheckpointer().save on a shared file system; see "
+        "save_checkpoint in examples/train_gpt.py).")
   step = int(step)
   directory = os.path.abspath(directory)
   os.makedirs(directory, exist_ok=True)

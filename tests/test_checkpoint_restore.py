@@ -231,3 +231,13 @@ def test_eight_device_subprocess():
   # Each sharded test ran (none skipped for want of devices).
   n_sharded = 2 * (2 if checkpoint.orbax_available() else 1)
   assert f"{n_sharded} passed" in out, out[-3000:]
+
+
+def test_save_refuses_to_race_across_processes(tmp_path, monkeypatch):
+  """One of several JAX processes: save would have every process write and
+  rename the same directory; it says so instead, before writing anything."""
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  with pytest.raises(ValueError, match="process 1 of 2.*orbax"):
+    checkpoint.save(str(tmp_path / "ckpt"), 0, {"w": jnp.ones(3)})
+  assert not (tmp_path / "ckpt").exists()
