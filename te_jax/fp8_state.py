@@ -154,8 +154,8 @@ def _outlier(history, algo, factor):
   window is the whole history for "max", the three newest entries for
   "most_recent". The largest is an outlier when it exceeds ``factor`` times
   every other entry and at least ``_OUTLIER_MIN_OTHERS`` others are
-  positive (for "most_recent", only when it is the newest). Equal largest entries are no outlier (the second is then the
-  largest)."""
+  positive (for "most_recent", only when it is the newest). Equal largest
+  entries are no outlier (the second is then the largest)."""
   window = history if algo == "max" else history[:_OUTLIER_MIN_OTHERS + 1]
   if window.shape[0] < _OUTLIER_MIN_OTHERS + 1:
     return jnp.zeros((), bool), window[0]

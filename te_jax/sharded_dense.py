@@ -177,19 +177,14 @@ def warn_unmatched_mesh_resource(mesh_resource, mesh_axes: Tuple[str, ...]):
       "te_jax: the mesh_resource %s names mesh axes %s, none of which the active "
       "mesh has (its axes: %s); every FP8 GEMM runs replicated. Name the mesh's "
       "axes in the MeshResource, or build the mesh with those names.",
-      mesh_resource, _resource_axes(mesh_resource), tuple(mesh_axes))
-
-
-def _resource_axes(mr) -> Tuple[str, ...]:
-  return tuple(a for role in (mr.dp_resource, mr.fsdp_resource, mr.tp_resource)
-               for a in ((role,) if isinstance(role, str) else (role or ())))
+      mesh_resource, mesh_resource.axes, tuple(mesh_axes))
 
 
 def warn_if_unsharded(mesh_resource, mesh) -> bool:
   """True, with a warning once, when ``mesh_resource`` cannot shard anything:
   no mesh is active (None), or it names axes but none of the mesh's (one
   naming no axes asks for nothing sharded: no warning)."""
-  named, axes = _resource_axes(mesh_resource), tuple(getattr(mesh, "axis_names", ()))
+  named, axes = mesh_resource.axes, tuple(getattr(mesh, "axis_names", ()))
   if mesh is None:
     _warn_no_mesh()
   elif named and not set(named) & set(axes):

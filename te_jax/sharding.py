@@ -114,10 +114,15 @@ class MeshResource:
     if self.sequence_parallel and self.tp_resource is None:
       raise ValueError("sequence_parallel=True needs a tp_resource (the sequence "
                        "is sharded over the tensor-parallel axis).")
-    used = _as_tuple(self.dp_resource) + _as_tuple(self.fsdp_resource) + _as_tuple(
-        self.tp_resource)
+    used = self.axes
     if len(set(used)) != len(used):
       raise ValueError(f"a mesh axis may serve one role only, got {self}.")
+
+  @property
+  def axes(self) -> Tuple[str, ...]:
+    """Every mesh axis name this resource uses, in role order (dp, fsdp, tp)."""
+    return _as_tuple(self.dp_resource) + _as_tuple(self.fsdp_resource) + _as_tuple(
+        self.tp_resource)
 
 
 # --------------------------------------------------------------- rules ------

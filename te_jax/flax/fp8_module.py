@@ -85,10 +85,8 @@ class GemmSettings(NamedTuple):
       sharded_dense.warn_if_unsharded(mr, mesh)
     if mesh is None:
       return True
-    axes = [a for role in (mr.dp_resource, mr.fsdp_resource, mr.tp_resource)
-            for a in ((role,) if isinstance(role, str) else (role or ()))]
     return sharding_lib.mesh_axis_size(
-        mesh, tuple(a for a in axes if a in mesh.axis_names)) == 1
+        mesh, tuple(a for a in mr.axes if a in mesh.axis_names)) == 1
 
 
 def read_autocast(impl: str = "auto") -> GemmSettings:
