@@ -33,7 +33,9 @@ Name suffixes: ``_unfused`` sets ``fuse_activation_quantize=False`` (the
 modules' default is the fused MLP core); ``_xlanorm`` sets
 ``fuse_norm_quantize=False`` (XLA's LayerNorm before the fused core instead
 of the norm + quantize kernels); ``_fastacc`` turns on fast
-accumulation in all three GEMMs (TE-JAX's default, not ours); ``_packed``
+accumulation in all three GEMMs (TE-JAX's default, not ours); ``_noguard``
+sets ``DelayedScaling(outlier_factor=None)`` (no outlier guard, TE's rule);
+``_packed``
 feeds the TransformerLayer packed rows (``segment_ids``: documents of 700,
 500, 400, 300 and 148 tokens in a row-dependent order, the last row ending
 in 148 tokens of padding), which on GPU run in cuDNN's packed layout;
@@ -63,12 +65,13 @@ MLP_CONFIGS = ["mlp/te_off", "mlp/te_delayed", "mlp/te_current", "mlp/te_block",
                "mlp/flax_fp8", "mlp/flax_bf16", "mlp/te_delayed_unfused",
                "mlp/te_current_unfused", "mlp/te_block_unfused", "mlp/te_delayed_fastacc",
                "mlp/te_current_fastacc", "mlp/te_delayed_xlanorm", "mlp/te_current_xlanorm",
-               "mlp/te_block_xlanorm"]
+               "mlp/te_block_xlanorm", "mlp/te_delayed_noguard"]
 LAYER_CONFIGS = ["layer/te_off", "layer/te_delayed", "layer/te_current", "layer/te_block",
                  "layer/te_delayed_unfused", "layer/te_current_unfused",
                  "layer/te_block_unfused", "layer/te_delayed_fastacc",
                  "layer/te_current_fastacc", "layer/te_delayed_xlanorm",
                  "layer/te_current_xlanorm", "layer/te_block_xlanorm",
+                 "layer/te_delayed_noguard",
                  "layer/te_off_packed", "layer/te_block_packed",
                  "layer/te_block_packed_xla",
                  "attn/core", "attn/module_off", "attn/te_delayed", "attn/te_current",
@@ -152,6 +155,9 @@ def _build(config, sz):
     if kind.endswith(suffix):
       packed, kind = impl, kind[:-len(suffix)]
       break
+  guard = not kind.endswith("_noguard")   # DelayedScaling's outlier guard (default on)
+  if not guard:
+    kind = kind[:-len("_noguard")]
   fast = kind.endswith("_fastacc")  # fast accumulation in every GEMM (TE-JAX default, GPU.md)
   if fast:
     kind = kind[:-len("_fastacc")]
@@ -167,6 +173,8 @@ def _build(config, sz):
     kind = kind[:-len("_unfused")]
   if kind.startswith("te_") or kind == "module_off":
     r = _recipe(kind[3:]) if kind.startswith("te_") else None
+    if not guard:
+      r = dataclasses.replace(r, outlier_factor=None)
     if fast:
       r = dataclasses.replace(r, fast_accum_fprop=True, fast_accum_dgrad=True,
                               fast_accum_wgrad=True)

@@ -169,3 +169,22 @@ def test_peers_rows_time_a_carried_te_jax_step_on_cpu():
   assert label == "te_jax delayed"
   r = bench_peers.time_row(module, ctx, sz, k=1, repeats=1)
   assert r["ms"] > 0 and r["dx_abs_max"] > 0 and r["temp_mib"] is not None
+
+
+def test_layer_noguard_config_turns_the_outlier_guard_off():
+  sz = bench_layer.sizes(True)
+  for config, factor in (("mlp/te_delayed", recipe_lib.DelayedScaling().outlier_factor),
+                         ("mlp/te_delayed_noguard", None)):
+    apply = bench_layer._build(config, sz)[0]   # pylint: disable=protected-access
+    r = apply.__defaults__[1]                  # the recipe the step runs under
+    assert isinstance(r, recipe_lib.DelayedScaling) and r.outlier_factor == factor, config
+  assert factor is None and recipe_lib.DelayedScaling().outlier_factor is not None
+
+
+def test_nnx_bench_times_both_apis_with_the_state_carried():
+  import bench_nnx
+  ms, times, dx = bench_nnx.bench("mlp", "delayed", bench_layer.sizes(True), k=1, repeats=2)
+  assert set(ms) == {"linen", "nnx"} and all(len(t) == 2 for t in times.values())
+  assert all(v > 0 for v in ms.values())
+  # Nonzero input gradients in both: neither state was frozen at scale 1.
+  assert dx["linen"] > 0 and dx["nnx"] > 0
