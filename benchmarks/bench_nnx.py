@@ -130,14 +130,22 @@ def main(argv=None):
   p.add_argument("--recipes", default=",".join(RECIPES), help="off,delayed,current,block")
   p.add_argument("--k", type=int, default=10, help="back-to-back steps per timing")
   p.add_argument("--repeats", type=int, default=5, help="timings of each API; the median is kept")
+  p.add_argument("--no-state-check", action="store_true",
+                 help="diagnostic: NNX modules without their run-time 'FP8 state advanced' "
+                      "check (te_jax.nnx.state.track_updates replaced by a no-op), to see "
+                      "what the check costs")
   args = p.parse_args(argv)
+  if args.no_state_check:
+    from te_jax.nnx import state as nnx_state
+    nnx_state.track_updates = lambda module, kernel: None
   from bench_layer import sizes, _env   # pylint: disable=import-error
   sz = sizes(args.small)
   env = _env()
   lines = [f"### te_jax NNX vs Linen, {env['date']}, {env['device']}, jax {env['jax']}, "
            f"flax {env['flax']}", "",
            f"Tokens {sz['batch']}x{sz['seq']}, hidden {sz['hidden']}, mlp {sz['mlp']}, heads "
-           f"{sz['heads']}, bf16; k={args.k} steps, median of {args.repeats}, alternating.",
+           f"{sz['heads']}, bf16; k={args.k} steps, median of {args.repeats}, alternating"
+           + ("; NNX without its state check (diagnostic)." if args.no_state_check else "."),
            "", "| block | recipe | Linen ms | NNX ms | NNX / Linen | max abs dx Linen / NNX |",
            "|---|---|---:|---:|---:|---:|"]
   ok = True

@@ -149,25 +149,38 @@ def update_tensor_state(state, amax: jax.Array, recipe, dtype):
 _OUTLIER_MIN_OTHERS = 2
 
 
+def _top2(values):
+  """(largest, second-largest) of a 1-D array in one reduction pass; equal
+  largest entries give second == largest."""
+  def pair_max(a, b):
+    (a1, a2), (b1, b2) = a, b
+    return jnp.maximum(a1, b1), jnp.maximum(jnp.minimum(a1, b1), jnp.maximum(a2, b2))
+  return jax.lax.reduce((values, jnp.full_like(values, -jnp.inf)),
+                        (jnp.float32(-jnp.inf), jnp.float32(-jnp.inf)), pair_max, (0,))
+
+
 def _outlier(history, algo, factor):
   """(is the window's largest amax an outlier, the second-largest): the
   window is the whole history for "max", the three newest entries for
   "most_recent". The largest is an outlier when it exceeds ``factor`` times
   every other entry and at least ``_OUTLIER_MIN_OTHERS`` others are
   positive (for "most_recent", only when it is the newest). Equal largest
-  entries are no outlier (the second is then the largest)."""
+  entries are no outlier (the second is then the largest).
+
+  One reduction over the history (top two and a count of positive entries,
+  no argmax and no second pass): the guard runs in every GEMM's state update
+  of every step."""
   window = history if algo == "max" else history[:_OUTLIER_MIN_OTHERS + 1]
   if window.shape[0] < _OUTLIER_MIN_OTHERS + 1:
     return jnp.zeros((), bool), window[0]
-  top_i = jnp.argmax(window)
-  top = window[top_i]
-  others = jnp.where(jnp.arange(window.shape[0]) == top_i, 0.0, window)
-  second = jnp.max(others)
-  enough = jnp.sum(others > 0) >= _OUTLIER_MIN_OTHERS
-  outlier = enough & (top > jnp.float32(factor) * second)
-  if algo != "max":   # "most_recent" reads only the newest entry
-    outlier = outlier & (top_i == 0)
-  return outlier, second
+  if algo == "max":
+    top, second = _top2(window)
+    others_positive = jnp.sum(window > 0) - (top > 0)
+  else:               # "most_recent": only the newest entry can be the outlier
+    top, second = window[0], jnp.max(window[1:])
+    others_positive = jnp.sum(window[1:] > 0)
+  outlier = (others_positive >= _OUTLIER_MIN_OTHERS) & (top > jnp.float32(factor) * second)
+  return outlier, jnp.maximum(second, 0.0)
 
 
 def ignored_outliers(tree: Any, recipe) -> jax.Array:
