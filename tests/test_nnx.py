@@ -260,6 +260,36 @@ def test_forgetting_apply_warns_at_second_step():
   assert "apply_fp8_updates" in str(warned[0].message)
 
 
+def test_remove_update_check_takes_the_callback_out_of_the_step():
+  r = recipe.DelayedScaling(amax_history_len=4)
+  x = rand(3, (4, 8, E))
+
+  def forward_jaxpr(model):
+    graphdef, st = nnx.split(model)
+    return str(jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(x))(st))
+
+  with te_jax.fp8_autocast(enabled=True, fp8_recipe=r):
+    model = _mlp_model()
+    assert "debug_callback" in forward_jaxpr(model)
+    assert tnx.remove_update_check(model) is model
+    assert "debug_callback" not in forward_jaxpr(model)
+    assert not any(isinstance(v, tnx.FP8Counters) for _, v in nnx.iter_graph(model))
+    checked = _mlp_model()
+  # Without the check a forgotten apply_fp8_updates goes unreported ...
+  _, hist, warned = _run(_make_step(apply=False), steps=3, model=model, r=r)
+  assert np.count_nonzero(hist[-1]) == 0 and warned == []
+  # ... and a loop that applies the updates advances the state as before.
+  with te_jax.fp8_autocast(enabled=True, fp8_recipe=r):
+    unchecked = tnx.remove_update_check(_mlp_model())
+  _, hist_a, _ = _run(_make_step(), steps=3, model=checked, r=r)
+  _, hist_b, warned_b = _run(_make_step(), steps=3, model=unchecked, r=r)
+  assert warned_b == [] and np.count_nonzero(hist_b[-1]) > 0
+  np.testing.assert_array_equal(hist_a[-1], hist_b[-1])
+  # init_fp8_state puts the check back.
+  tnx.init_fp8_state(unchecked, r)
+  assert any(isinstance(v, tnx.FP8Counters) for _, v in nnx.iter_graph(unchecked))
+
+
 def test_not_differentiating_the_state_warns():
   _, _, warned = _run(_make_step(apply=False, argnums=0), steps=2)
   assert len(warned) == 1

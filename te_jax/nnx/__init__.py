@@ -37,11 +37,12 @@ back with :func:`apply_fp8_updates` (see ``docs/nnx.md``)::
       loss = train_step(model, optimizer, x, y)
 
 Forgetting ``apply_fp8_updates`` raises an :class:`FP8StateWarning` at the
-second step.
+second step (:func:`remove_update_check` takes that check out of a model).
 """
 
 from te_jax.nnx.state import (FP8State, FP8Counters, FP8StateWarning, WRT, diff_state,
-                              apply_fp8_updates, accumulate_gradients, init_fp8_state)
+                              apply_fp8_updates, accumulate_gradients, init_fp8_state,
+                              remove_update_check)
 from te_jax.nnx.linear import Linear, LayerNormLinear, LayerNorm, RMSNorm
 from te_jax.nnx.mlp import LayerNormMLP
 from te_jax.nnx.attention import MultiHeadAttention
@@ -64,6 +65,7 @@ __all__ = [
     "apply_fp8_updates",
     "accumulate_gradients",
     "init_fp8_state",
+    "remove_update_check",
     "load_linen_variables",
     "linen_variables",
 ]
