@@ -130,14 +130,8 @@ def update_tensor_state(state, amax: jax.Array, recipe, dtype):
   amax = amax.astype(jnp.float32)
   finite = jnp.isfinite(amax)
   history = jnp.roll(state["amax_history"], 1).at[0].set(jnp.where(finite, amax, 0.0))
-  if recipe.amax_compute_algo == "max":
-    reduced = jnp.max(history)
-  else:
-    reduced = history[0]
-  factor = getattr(recipe, "outlier_factor", None)
-  if factor is not None:
-    outlier, second = _outlier(history, recipe.amax_compute_algo, factor)
-    reduced = jnp.where(outlier, second, reduced)
+  reduced = _reduce_history(history, recipe.amax_compute_algo,
+                            getattr(recipe, "outlier_factor", None))
   new = compute_scale(reduced, dtype, margin=recipe.margin)
   scale = jnp.where(finite & is_positive_amax(reduced), new, scale_from_state(state))
   return {"amax_history": history, "scale": scale.astype(jnp.float32)}
@@ -149,38 +143,56 @@ def update_tensor_state(state, amax: jax.Array, recipe, dtype):
 _OUTLIER_MIN_OTHERS = 2
 
 
-def _top2(values):
-  """(largest, second-largest) of a 1-D array in one reduction pass; equal
-  largest entries give second == largest."""
-  def pair_max(a, b):
-    (a1, a2), (b1, b2) = a, b
-    return jnp.maximum(a1, b1), jnp.maximum(jnp.minimum(a1, b1), jnp.maximum(a2, b2))
-  return jax.lax.reduce((values, jnp.full_like(values, -jnp.inf)),
-                        (jnp.float32(-jnp.inf), jnp.float32(-jnp.inf)), pair_max, (0,))
+def _top2_and_positives(values):
+  """(largest, second-largest, number of positive entries) of a 1-D array,
+  in one reduction pass; equal largest entries give second == largest."""
+  def combine(a, b):
+    (a1, a2, an), (b1, b2, bn) = a, b
+    return (jnp.maximum(a1, b1), jnp.maximum(jnp.minimum(a1, b1), jnp.maximum(a2, b2)),
+            an + bn)
+  inf = jnp.float32(-jnp.inf)
+  return jax.lax.reduce((values, jnp.full_like(values, -jnp.inf), (values > 0).astype(jnp.int32)),
+                        (inf, inf, jnp.int32(0)), combine, (0,))
 
 
-def _outlier(history, algo, factor):
-  """(is the window's largest amax an outlier, the second-largest): the
-  window is the whole history for "max", the three newest entries for
-  "most_recent". The largest is an outlier when it exceeds ``factor`` times
-  every other entry and at least ``_OUTLIER_MIN_OTHERS`` others are
-  positive (for "most_recent", only when it is the newest). Equal largest
-  entries are no outlier (the second is then the largest).
+def _outlier_and_reduced(history, algo, factor):
+  """(is the window's largest amax an outlier, the amax the scale comes
+  from): the window is the whole history for "max", the three newest
+  entries for "most_recent". The largest is an outlier when it exceeds
+  ``factor`` times every other entry and at least ``_OUTLIER_MIN_OTHERS``
+  others are positive (for "most_recent", only when it is the newest);
+  equal largest entries are no outlier. The scale then comes from the
+  second-largest instead of the recipe's reduce.
 
-  One reduction over the history (top two and a count of positive entries,
-  no argmax and no second pass): the guard runs in every GEMM's state update
-  of every step."""
-  window = history if algo == "max" else history[:_OUTLIER_MIN_OTHERS + 1]
-  if window.shape[0] < _OUTLIER_MIN_OTHERS + 1:
-    return jnp.zeros((), bool), window[0]
+  For "max", one reduction pass over the history gives the largest (the
+  recipe's reduce), the second and the count: the guard runs in every
+  GEMM's state update of every step."""
   if algo == "max":
-    top, second = _top2(window)
-    others_positive = jnp.sum(window > 0) - (top > 0)
+    window = history
+    if window.shape[0] < _OUTLIER_MIN_OTHERS + 1:
+      return jnp.zeros((), bool), jnp.max(history)
+    top, second, positives = _top2_and_positives(window)
+    others_positive = positives - (top > 0)
+    plain = top
   else:               # "most_recent": only the newest entry can be the outlier
+    window = history[:_OUTLIER_MIN_OTHERS + 1]
+    plain = history[0]
+    if window.shape[0] < _OUTLIER_MIN_OTHERS + 1:
+      return jnp.zeros((), bool), plain
     top, second = window[0], jnp.max(window[1:])
     others_positive = jnp.sum(window[1:] > 0)
   outlier = (others_positive >= _OUTLIER_MIN_OTHERS) & (top > jnp.float32(factor) * second)
-  return outlier, jnp.maximum(second, 0.0)
+  return outlier, jnp.where(outlier, jnp.maximum(second, 0.0), plain)
+
+
+def _reduce_history(history, algo, factor):
+  """The amax this step's update computes the scale from: the recipe's
+  reduce ("max" of the history or its newest entry), or with the outlier
+  guard on (``factor`` not None) the second-largest amax when the largest
+  is an outlier."""
+  if factor is not None:
+    return _outlier_and_reduced(history, algo, factor)[1]
+  return jnp.max(history) if algo == "max" else history[0]
 
 
 def ignored_outliers(tree: Any, recipe) -> jax.Array:
@@ -204,7 +216,8 @@ def ignored_outliers(tree: Any, recipe) -> jax.Array:
     if isinstance(node, dict) and "amax_history" in node and "scale" in node:
       hist = jnp.asarray(node["amax_history"], jnp.float32)
       flat = hist.reshape(-1, hist.shape[-1])   # stacked layers (nn.scan) too
-      flags = jax.vmap(lambda h: _outlier(h, recipe.amax_compute_algo, factor)[0])(flat)
+      flags = jax.vmap(
+          lambda h: _outlier_and_reduced(h, recipe.amax_compute_algo, factor)[0])(flat)
       count = count + jnp.sum(flags, dtype=jnp.int32)
     elif isinstance(node, dict):
       for v in node.values():
