@@ -188,3 +188,13 @@ def test_nnx_bench_times_both_apis_with_the_state_carried():
   assert all(v > 0 for v in ms.values())
   # Nonzero input gradients in both: neither state was frozen at scale 1.
   assert dx["linen"] > 0 and dx["nnx"] > 0
+
+
+def test_remat_bench_runs_each_policy_with_the_state_carried():
+  import bench_remat
+  sz = bench_layer.sizes(True)
+  res = bench_remat.bench("fp8_gemms", "delayed", 1, sz, k=1, repeats=1)
+  assert res["ms"] > 0 and res["dx_abs_max"] > 0     # nonzero: the state was not frozen
+  assert res["gemm_calls"] >= 0 and len(res["times_ms"]) == 1
+  with pytest.raises(KeyError):
+    bench_remat.bench("no_such_policy", "delayed", 1, sz, k=1, repeats=1)
