@@ -42,7 +42,8 @@ from te_jax.flax.dense import (default_kernel_init, fused_norm_blocker, fused_st
 from te_jax.flax.norm import apply_norm, norm_params
 from te_jax.ops.act_quantize import ACTIVATIONS
 
-__all__ = ["LayerNormMLP", "ACTIVATIONS", "check_activations", "fused_core_blocker", "log_unfused"]
+__all__ = ["LayerNormMLP", "ACTIVATIONS", "check_activations", "fused_core_blocker", "log_unfused",
+           "fused_norm_mlp"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -69,6 +70,28 @@ def fused_core_blocker(m, embed, f, settings, acts, dropout) -> Optional[str]:
     return (f"{m} tokens, embed {embed}, mlp {f}: it needs tokens % "
             f"{recipe.token_block} == 0 and embed, mlp % 128 == 0")
   return None
+
+
+def fused_norm_mlp(x, wi, wo, bi, bo, *, norm: norm_dense.NormParams, settings, states,
+                   activations, dtype, return_norm_output: bool):
+  """The whole LayerNormMLP block as one custom VJP (``te_jax.fused_mlp.fp8_mlp``
+  with its norm): the norm and the activation each computed and quantized in
+  one pass, forward and backward. Shared by the Linen and the NNX module.
+
+  Shapes: ``x`` (..., E) -> (..., E), with ``return_norm_output`` also the
+  norm output (..., E); ``wi`` (E, n_act, F), ``wo`` (F, E), ``bi`` (n_act,
+  F) and ``bo`` (E,) or None, in the compute dtype. ``states``: the (wi, wo)
+  delayed-scaling states (None for the other recipes).
+  """
+  lead, e = x.shape[:-1], x.shape[-1]
+  out = fused_mlp.fp8_mlp(
+      x.reshape(math.prod(lead), e), wi.reshape(e, -1), wo,
+      None if bi is None else bi.reshape(-1), bo, activations=activations,
+      recipe=settings.recipe, wi_state=states[0], wo_state=states[1],
+      impl=settings.impl, dtype=dtype, norm=norm, return_norm_output=return_norm_output)
+  if return_norm_output:
+    return out[0].reshape(*lead, e), out[1].reshape(x.shape)
+  return out.reshape(*lead, e)
 
 
 def _kernel_init_partitioning(init, shape, dtype, axes_1, axes_2):
@@ -230,20 +253,13 @@ class LayerNormMLP(nn.Module):
       if blocker is None:
         states, blocker = fused_states(self, settings, names)
       if blocker is None:
-        # The whole block as one custom VJP: the norm and the activation each
-        # computed and quantized in one pass, forward and backward.
-        out = fused_mlp.fp8_mlp(
-            inputs.reshape(m, embed), wi.reshape(embed, n_act * f), wo,
-            None if bi is None else bi.astype(compute).reshape(-1),
-            None if bo is None else bo.astype(compute), activations=acts,
-            recipe=settings.recipe, wi_state=states[0], wo_state=states[1],
-            impl=settings.impl, dtype=compute,
+        return fused_norm_mlp(
+            inputs, wi, wo, None if bi is None else bi.astype(compute),
+            None if bo is None else bo.astype(compute),
             norm=norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
                                        self.zero_centered_gamma),
+            settings=settings, states=states, activations=acts, dtype=compute,
             return_norm_output=self.return_layernorm_output)
-        if self.return_layernorm_output:
-          return out[0].reshape(*lead, embed), out[1].reshape(inputs.shape)
-        return out.reshape(*lead, embed)
       log_unfused_norm(type(self).__name__, blocker)
 
     ln_out = apply_norm(inputs, scale, ln_bias, norm_type=self.layernorm_type,

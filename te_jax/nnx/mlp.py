@@ -17,7 +17,7 @@ from flax import nnx
 from te_jax import fused_mlp
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
-from te_jax.flax.mlp import check_activations, fused_core_blocker, log_unfused
+from te_jax.flax.mlp import check_activations, fused_core_blocker, fused_norm_mlp, log_unfused
 from te_jax.flax.dense import (default_kernel_init, fused_norm_blocker, kernel_fan_in_init,
                                log_unfused_norm)
 from te_jax.flax.norm import apply_norm, check_norm_type
@@ -146,17 +146,12 @@ class LayerNormMLP(nnx.Module):
       if blocker is None:
         if states[0] is not None:
           st.track_updates(self, wi)
-        out = fused_mlp.fp8_mlp(
-            x.reshape(m, e), wi.reshape(e, n_act * f), wo,
-            None if bi is None else bi.reshape(-1), bo, activations=acts,
-            recipe=settings.recipe, wi_state=states[0], wo_state=states[1],
-            impl=settings.impl, dtype=compute,
+        return fused_norm_mlp(
+            x, wi, wo, bi, bo,
             norm=norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
                                        self.zero_centered_gamma),
+            settings=settings, states=states, activations=acts, dtype=compute,
             return_norm_output=self.return_layernorm_output)
-        if self.return_layernorm_output:
-          return out[0].reshape(*lead, e), out[1].reshape(x.shape)
-        return out.reshape(*lead, e)
       log_unfused_norm(type(self).__name__, blocker)
 
     ln_out = apply_norm(x, scale, ln_bias, norm_type=self.layernorm_type,
