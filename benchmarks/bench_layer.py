@@ -89,7 +89,8 @@ def sizes(small: bool):
   return dict(batch=8, seq=2048, hidden=4096, mlp=16384, heads=32)
 
 
-def _recipe(name):
+def recipe_named(name):
+  """The te_jax recipe of a config name's recipe part (None for "off")."""
   from te_jax import recipe
   return {"off": None, "delayed": recipe.DelayedScaling(),
           "current": recipe.Float8CurrentScaling(),
@@ -172,7 +173,7 @@ def _build(config, sz):
   if not fused:
     kind = kind[:-len("_unfused")]
   if kind.startswith("te_") or kind == "module_off":
-    r = _recipe(kind[3:]) if kind.startswith("te_") else None
+    r = recipe_named(kind[3:]) if kind.startswith("te_") else None
     if not guard:
       r = dataclasses.replace(r, outlier_factor=None)
     if fast:
@@ -344,7 +345,7 @@ def run_one(config, small, k, repeats, profile=False, profile_steps=3):
           "kernel_ms_total": total, "kernel_span_ms": span, "gemm_kernel_ms": gemm}
 
 
-def _env():
+def environment():
   import jax
   import flax
   dev = jax.devices()[0]
@@ -467,7 +468,7 @@ def main(argv=None):
            else f"{config}: FAILED {res['error']}")
     print(msg, file=sys.stderr, flush=True)
 
-  env = _env()
+  env = environment()
   out = table(results, env, sizes(args.small), args.k, args.repeats)
   print(out)
   for r in results:

@@ -65,10 +65,10 @@ def bench(group, recipe_name, sz, k, repeats):
   from flax import nnx
   import te_jax
   from te_jax import nnx as tnx
-  from bench_layer import _recipe   # pylint: disable=import-error
+  from bench_layer import recipe_named  # pylint: disable=import-error
   from _fp8_carry import carry_fp8_state  # pylint: disable=import-error
 
-  r = _recipe(recipe_name)
+  r = recipe_named(recipe_name)
   b, s, e = sz["batch"], sz["seq"], sz["hidden"]
   xs = [jax.random.normal(kx, (b, s, e), jnp.bfloat16)
         for kx in jax.random.split(jax.random.key(1), 2)]
@@ -138,9 +138,9 @@ def main(argv=None):
   if args.no_state_check:
     from te_jax.nnx import state as nnx_state
     nnx_state.track_updates = lambda module, kernel: None
-  from bench_layer import sizes, _env   # pylint: disable=import-error
+  from bench_layer import environment, sizes  # pylint: disable=import-error
   sz = sizes(args.small)
-  env = _env()
+  env = environment()
   lines = [f"### te_jax NNX vs Linen, {env['date']}, {env['device']}, jax {env['jax']}, "
            f"flax {env['flax']}", "",
            f"Tokens {sz['batch']}x{sz['seq']}, hidden {sz['hidden']}, mlp {sz['mlp']}, heads "

@@ -67,10 +67,10 @@ def bench(policy_name, recipe_name, layers, sz, k, repeats):
   import jax.numpy as jnp
   import flax.linen as nn
   import te_jax
-  from bench_layer import _recipe   # pylint: disable=import-error
+  from bench_layer import recipe_named  # pylint: disable=import-error
   from _fp8_carry import carry_fp8_state  # pylint: disable=import-error
 
-  r = _recipe(recipe_name)
+  r = recipe_named(recipe_name)
   b, s, e = sz["batch"], sz["seq"], sz["hidden"]
   xs = [jax.random.normal(kx, (b, s, e), jnp.bfloat16)
         for kx in jax.random.split(jax.random.key(1), 2)]
@@ -116,8 +116,8 @@ def main(argv=None):
   p.add_argument("--k", type=int, default=5, help="back-to-back steps per timing")
   p.add_argument("--repeats", type=int, default=5, help="timings; the median is kept")
   args = p.parse_args(argv)
-  from bench_layer import sizes, _env   # pylint: disable=import-error
-  sz, env = sizes(args.small), _env()
+  from bench_layer import environment, sizes  # pylint: disable=import-error
+  sz, env = sizes(args.small), environment()
   lines = [f"### te_jax remat policies, {env['date']}, {env['device']}, jax {env['jax']}, "
            f"flax {env['flax']}", "",
            f"{args.layers} TransformerLayers (hidden {sz['hidden']}, mlp {sz['mlp']}, heads "
