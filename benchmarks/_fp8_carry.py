@@ -14,9 +14,12 @@ previous one.
 
 from __future__ import annotations
 
-FP8_COLLECTION = "_overwrite_with_gradient"
+import time
 
-__all__ = ["FP8_COLLECTION", "carry_fp8_state"]
+FP8_COLLECTION = "_overwrite_with_gradient"
+WARMUP_STEPS = 3
+
+__all__ = ["FP8_COLLECTION", "WARMUP_STEPS", "carry_fp8_state", "run_steps", "time_steps"]
 
 
 def carry_fp8_state(variables, grads):
@@ -35,3 +38,49 @@ def carry_fp8_state(variables, grads):
   new = dict(variables)
   new[FP8_COLLECTION] = grads[FP8_COLLECTION]
   return new
+
+
+def run_steps(step, variables, xs, n, carry=carry_fp8_state):
+  """``n`` steps back to back, the state carried from each to the next.
+
+  Args:
+    step: ``step(variables, x) -> (loss, (variable grads, input grad))``
+      (``jax.value_and_grad(loss, argnums=(0, 1))``, jitted or compiled).
+    variables: the variables of the first step.
+    xs: inputs, used in turn (``xs[i % len(xs)]`` at step i).
+    n: number of steps.
+    carry: ``carry(variables, variable_grads)`` -> the next step's variables
+      (:func:`carry_fp8_state`; ``lambda v, g: v`` times a frozen state).
+
+  Returns:
+    (the variables after the last step, the last step's output); nothing is
+    waited for.
+  """
+  out = None
+  for i in range(n):
+    out = step(variables, xs[i % len(xs)])
+    variables = carry(variables, out[1][0])
+  return variables, out
+
+
+def time_steps(step, variables, xs, k, repeats, carry=carry_fp8_state):
+  """The benchmarks' timing protocol: :data:`WARMUP_STEPS` steps (compile,
+  then scales from real amaxes), then ``repeats`` timings of ``k`` steps
+  back to back with one wait at the end (:func:`run_steps`; arguments as
+  there).
+
+  Returns:
+    (per-step times in ms, one per timing; the variables after the last
+    step; the last step's output).
+  """
+  import jax  # pylint: disable=import-outside-toplevel
+  variables, out = run_steps(step, variables, xs, WARMUP_STEPS, carry)
+  jax.block_until_ready(out)
+  times = []
+  for _ in range(repeats):
+    out = None   # else the last step's gradients stay alive and count in a memory peak
+    t0 = time.perf_counter()
+    variables, out = run_steps(step, variables, xs, k, carry)
+    jax.block_until_ready(out)
+    times.append((time.perf_counter() - t0) / k * 1e3)
+  return times, variables, out

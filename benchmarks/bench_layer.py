@@ -59,7 +59,6 @@ import os
 import statistics
 import subprocess
 import sys
-import time
 
 MLP_CONFIGS = ["mlp/te_off", "mlp/te_delayed", "mlp/te_current", "mlp/te_block",
                "mlp/flax_fp8", "mlp/flax_bf16", "mlp/te_delayed_unfused",
@@ -290,9 +289,10 @@ def run_one(config, small, k, repeats, profile=False, profile_steps=3):
   import jax.numpy as jnp
   # pylint: disable=import-outside-toplevel
   if __package__:  # imported as benchmarks.bench_layer
-    from ._fp8_carry import carry_fp8_state
+    from ._fp8_carry import carry_fp8_state, run_steps, time_steps
   else:            # run by path (this folder is sys.path[0]) or imported as bench_layer
-    from _fp8_carry import carry_fp8_state  # pylint: disable=import-error
+    # pylint: disable-next=import-error
+    from _fp8_carry import carry_fp8_state, run_steps, time_steps
 
   frozen = config.endswith(FROZEN)      # the initial FP8 state every step
   sz = sizes(small)
@@ -303,26 +303,9 @@ def run_one(config, small, k, repeats, profile=False, profile_steps=3):
     return jnp.mean(jnp.square(y.astype(jnp.float32)))
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-
-  def run(variables, n):
-    """n steps, the delayed-scaling state carried from each to the next."""
-    out = None
-    for i in range(n):
-      out = step(variables, xs[i % 2])
-      if not frozen:
-        variables = carry_fp8_state(variables, out[1][0])
-    return variables, out
-
-  variables, out = run(variables, 3)     # warmup: compile, then scales from real amaxes
-  jax.block_until_ready(out)
-  times = []
-  for _ in range(repeats):
-    out = None   # else the last step's gradients stay alive and count in the peak
-    t0 = time.perf_counter()
-    variables, out = run(variables, k)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / k)
-  ms = statistics.median(times) * 1e3
+  carry = (lambda v, g: v) if frozen else carry_fp8_state
+  times, variables, out = time_steps(step, variables, xs, k, repeats, carry)
+  ms = statistics.median(times)
   # How much gradient reaches the input: 0 means every backward GEMM
   # multiplied zeros (a frozen delayed-scaling state does that).
   dx_abs_max = float(jnp.max(jnp.abs(out[1][1].astype(jnp.float32))))
@@ -334,14 +317,14 @@ def run_one(config, small, k, repeats, profile=False, profile_steps=3):
   peak = stats.get("peak_bytes_in_use") if stats else None
   kernels = total = span = gemm = None
   if profile:
-    kernels, total, span, gemm = kernel_profile(lambda n: run(variables, n)[1],
-                                                steps=profile_steps)
+    kernels, total, span, gemm = kernel_profile(
+        lambda n: run_steps(step, variables, xs, n, carry)[1], steps=profile_steps)
   from te_jax.ops import _native  # pylint: disable=import-outside-toplevel
   native = _native.resolve_impl("auto")
   return {"config": config, "label": label + (" [frozen FP8 state]" if frozen else ""),
           "ms": ms, "impl": native, "frozen_fp8_state": frozen, "dx_abs_max": dx_abs_max,
           "tflops": flops / (ms * 1e-3) / 1e12, "peak_bytes": peak,
-          "times_ms": [x * 1e3 for x in times], "kernels": kernels,
+          "times_ms": times, "kernels": kernels,
           "kernel_ms_total": total, "kernel_span_ms": span, "gemm_kernel_ms": gemm}
 
 

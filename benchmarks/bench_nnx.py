@@ -27,6 +27,7 @@ state).
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -66,7 +67,8 @@ def bench(group, recipe_name, sz, k, repeats):
   import te_jax
   from te_jax import nnx as tnx
   from bench_layer import recipe_named  # pylint: disable=import-error
-  from _fp8_carry import carry_fp8_state  # pylint: disable=import-error
+  from _fp8_carry import (WARMUP_STEPS, carry_fp8_state,  # pylint: disable=import-error
+                          run_steps)
 
   r = recipe_named(recipe_name)
   b, s, e = sz["batch"], sz["seq"], sz["hidden"]
@@ -90,36 +92,27 @@ def bench(group, recipe_name, sz, k, repeats):
       loss, (grads, dx) = nnx.value_and_grad(
           lambda mdl, x: loss_of(mdl(x)), argnums=(tnx.diff_state(0), 1))(model, x)
       tnx.apply_fp8_updates(model, grads)
-      # The gradients are returned, as Linen's step returns them: else XLA
-      # drops the weight-gradient GEMMs nothing reads.
-      return loss, dx, grads
+      # Linen's output layout. The gradients are returned, as Linen's step
+      # returns them: else XLA drops the weight-gradient GEMMs nothing reads.
+      return loss, (grads, dx)
 
-    state = {"v": variables, "i": 0, "out": {}}
+    # (step, carry) per API; the NNX model carries its own state in place.
+    steps = {"linen": (linen_step, carry_fp8_state),
+             "nnx": (lambda _, x: nnx_step(model, x), lambda v, g: v)}
+    live, last = {"linen": variables, "nnx": None}, {}
 
-    def run_linen(n):
-      out = None
-      for _ in range(n):
-        out = linen_step(state["v"], xs[state["i"] % 2])
-        state["v"] = carry_fp8_state(state["v"], out[1][0])
-        state["i"] += 1
-      state["out"]["linen"] = out
-      return out
+    def run(name, n):
+      step, carry = steps[name]
+      live[name], last[name] = run_steps(step, live[name], xs, n, carry)
+      return last[name]
 
-    def run_nnx(n):
-      out = None
-      for _ in range(n):
-        out = nnx_step(model, xs[state["i"] % 2])
-        state["i"] += 1
-      state["out"]["nnx"] = out
-      return out
-
-    jax.block_until_ready((run_linen(3), run_nnx(3)))   # compile + warm up
-    times = {"linen": [], "nnx": []}
+    jax.block_until_ready([run(name, WARMUP_STEPS) for name in steps])  # compile, warm up
+    times = {name: [] for name in steps}
     for _ in range(repeats):
-      times["linen"].append(_time_ms(run_linen, k))
-      times["nnx"].append(_time_ms(run_nnx, k))
-  dx = {"linen": float(jnp.max(jnp.abs(state["out"]["linen"][1][1].astype(jnp.float32)))),
-        "nnx": float(jnp.max(jnp.abs(state["out"]["nnx"][1].astype(jnp.float32))))}
+      for name in steps:           # alternating, so drift hits both alike
+        times[name].append(_time_ms(functools.partial(run, name), k))
+  dx = {name: float(jnp.max(jnp.abs(out[1][1].astype(jnp.float32))))
+        for name, out in last.items()}
   return {name: statistics.median(t) for name, t in times.items()}, times, dx
 
 

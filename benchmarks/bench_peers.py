@@ -38,7 +38,6 @@ import argparse
 import gc
 import json
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +46,8 @@ import flax.linen as nn
 import te_jax
 from te_jax import flax as tfx
 from te_jax import recipe as recipe_lib
+
+from _fp8_carry import time_steps  # pylint: disable=import-error  (benchmarks/ is on sys.path)
 
 LIBS = ("te_jax", "te", "flax")
 BLOCKS = ("mlp", "layer")
@@ -185,24 +186,9 @@ def time_row(module, ctx, sz, k, repeats):
   except Exception:  # pylint: disable=broad-except
     temp = None
 
-  def run(v, n):
-    out = None
-    for i in range(n):
-      out = compiled(v, xs[i % 2])
-      v = carry_state(v, out[1][0])
-    return v, out
-
-  variables, out = run(variables, 3)
-  jax.block_until_ready(out)
-  times = []
-  for _ in range(repeats):
-    out = None
-    t0 = time.perf_counter()
-    variables, out = run(variables, k)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / k)
+  times, _, out = time_steps(compiled, variables, xs, k, repeats, carry_state)
   dx = float(jnp.max(jnp.abs(out[1][1].astype(jnp.float32))))
-  return {"ms": statistics.median(times) * 1e3, "dx_abs_max": dx, "temp_mib": temp}
+  return {"ms": statistics.median(times), "dx_abs_max": dx, "temp_mib": temp}
 
 
 def table(results, notes):

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 
 POLICIES = ("none", "nothing", "dots", "fp8_gemms", "dots_and_fp8_gemms")
 
@@ -68,7 +67,7 @@ def bench(policy_name, recipe_name, layers, sz, k, repeats):
   import flax.linen as nn
   import te_jax
   from bench_layer import recipe_named  # pylint: disable=import-error
-  from _fp8_carry import carry_fp8_state  # pylint: disable=import-error
+  from _fp8_carry import time_steps  # pylint: disable=import-error
 
   r = recipe_named(recipe_name)
   b, s, e = sz["batch"], sz["seq"], sz["hidden"]
@@ -86,22 +85,8 @@ def bench(policy_name, recipe_name, layers, sz, k, repeats):
   hlo = compiled.as_text()
   gemm_calls = hlo.count('custom_call_target="te_jax_gemm"')
 
-  state = {"v": variables, "i": 0, "out": None}
-
-  def run(n):
-    for _ in range(n):
-      state["out"] = compiled(state["v"], xs[state["i"] % 2])
-      state["v"] = carry_fp8_state(state["v"], state["out"][1][0])
-      state["i"] += 1
-    return state["out"]
-
-  jax.block_until_ready(run(3))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(run(k))
-    times.append((time.perf_counter() - t0) / k * 1e3)
-  dx = float(jnp.max(jnp.abs(state["out"][1][1].astype(jnp.float32))))
+  times, _, out = time_steps(compiled, variables, xs, k, repeats)
+  dx = float(jnp.max(jnp.abs(out[1][1].astype(jnp.float32))))
   return {"ms": statistics.median(times), "times_ms": times,
           "temp_mib": temp / 2**20 if temp is not None else None,
           "gemm_calls": gemm_calls, "dx_abs_max": dx}
