@@ -6,6 +6,7 @@ gradients and FP8 state "gradients" must be equal bit for bit: the same
 functional layer runs on the same numbers (FP8 off and every recipe).
 """
 
+import re
 import warnings
 
 import flax.linen as nn
@@ -270,9 +271,9 @@ def test_remove_update_check_takes_the_callback_out_of_the_step():
 
   with te_jax.fp8_autocast(enabled=True, fp8_recipe=r):
     model = _mlp_model()
-    assert "debug_callback" in forward_jaxpr(model)
+    assert "pure_callback" in forward_jaxpr(model)
     assert tnx.remove_update_check(model) is model
-    assert "debug_callback" not in forward_jaxpr(model)
+    assert "pure_callback" not in forward_jaxpr(model)
     assert not any(isinstance(v, tnx.FP8Counters) for _, v in nnx.iter_graph(model))
     checked = _mlp_model()
   # Without the check a forgotten apply_fp8_updates goes unreported ...
@@ -288,6 +289,32 @@ def test_remove_update_check_takes_the_callback_out_of_the_step():
   # init_fp8_state puts the check back.
   tnx.init_fp8_state(unchecked, r)
   assert any(isinstance(v, tnx.FP8Counters) for _, v in nnx.iter_graph(unchecked))
+
+
+def test_update_check_runs_before_the_first_gemm():
+  # The check's predicate is read on the host; scheduled last (nothing read
+  # its result) that wait left the GPU idle between steps. It must come
+  # before the step's first matrix product.
+  r = recipe.DelayedScaling(amax_history_len=4)
+  x = rand(3, (4, 8, E))
+  with te_jax.fp8_autocast(enabled=True, fp8_recipe=r):
+    graphdef, st = nnx.split(_mlp_model())
+
+    def step(st, x):
+      model = nnx.merge(graphdef, st)
+      loss, grads = nnx.value_and_grad(
+          lambda m: jnp.mean(jnp.square(m(x).astype(jnp.float32))),
+          argnums=tnx.diff_state(0))(model)
+      tnx.apply_fp8_updates(model, grads)
+      return loss, nnx.state(model), grads
+
+    hlo = jax.jit(step).lower(st, x).compile().as_text()
+  entry = hlo[hlo.index("\nENTRY"):].splitlines()
+  cond = [i for i, l in enumerate(entry) if " conditional(" in l]
+  gemm = [i for i, l in enumerate(entry)
+          if re.search(r" dot\(|kind=kCustom|te_jax_fp8_gemm|__cublas", l)]
+  assert len(cond) == 1 and gemm, (cond, gemm)
+  assert cond[0] < gemm[0]
 
 
 def test_not_differentiating_the_state_warns():
