@@ -130,7 +130,7 @@ def main(argv=None):
   args = p.parse_args(argv)
   if args.no_state_check:
     from te_jax.nnx import state as nnx_state
-    nnx_state.track_updates = lambda module, kernel, state: state
+    nnx_state.track_updates = lambda module, kernel: None
   from bench_layer import environment, sizes  # pylint: disable=import-error
   sz = sizes(args.small)
   env = environment()

@@ -36,13 +36,15 @@ back with :func:`apply_fp8_updates` (see ``docs/nnx.md``)::
     for x, y in batches:
       loss = train_step(model, optimizer, x, y)
 
-Forgetting ``apply_fp8_updates`` raises an :class:`FP8StateWarning` at the
-second step (:func:`remove_update_check` takes that check out of a model).
+Forgetting ``apply_fp8_updates`` raises an :class:`FP8StateWarning` after the
+second step, read on the host without waiting for the device (a loop over
+``nnx.split`` states calls :func:`check_fp8_updates`;
+:func:`remove_update_check` takes the check out of a model).
 """
 
 from te_jax.nnx.state import (FP8State, FP8Counters, FP8StateWarning, WRT, diff_state,
                               apply_fp8_updates, accumulate_gradients, init_fp8_state,
-                              remove_update_check)
+                              remove_update_check, check_fp8_updates)
 from te_jax.nnx.linear import Linear, LayerNormLinear, LayerNorm, RMSNorm
 from te_jax.nnx.mlp import LayerNormMLP
 from te_jax.nnx.attention import MultiHeadAttention
@@ -66,6 +68,7 @@ __all__ = [
     "accumulate_gradients",
     "init_fp8_state",
     "remove_update_check",
+    "check_fp8_updates",
     "load_linen_variables",
     "linen_variables",
 ]

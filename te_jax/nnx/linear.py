@@ -76,7 +76,7 @@ def fp8_gemm(module: nnx.Module, settings: fp8_module.GemmSettings, x: jax.Array
   kernel_axes = None if kernel_axes is None else tuple(kernel_axes)
   state = None if recipe is None else st.gemm_state(module, name, recipe.scaling_mode())
   if state is not None and track:
-    state = st.track_updates(module, param_kernel, state)
+    st.track_updates(module, param_kernel)
   if split_output and recipe is not None and settings.unsharded():
     return fp8_module.split_gemm(x, kernel, bias, settings, state, contract_ndim)
   y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim, recipe=recipe,
@@ -296,7 +296,7 @@ class LayerNormLinear(nnx.Module):
         states, blocker = st.fused_states(self, settings, self.FP8_GEMMS)
       if blocker is None:
         if states[0] is not None:
-          states = (st.track_updates(self, self.kernel[...], states[0]),) + tuple(states[1:])
+          st.track_updates(self, self.kernel[...])
         return self._fused(x, scale, ln_bias, bias, settings, compute, states[0])
       log_unfused_norm(type(self).__name__, blocker)
     ln_out = apply_norm(x, scale, ln_bias, norm_type=self.layernorm_type,

@@ -145,7 +145,7 @@ class LayerNormMLP(nnx.Module):
         states, blocker = st.fused_states(self, settings, self.FP8_GEMMS)
       if blocker is None:
         if states[0] is not None:
-          states = (st.track_updates(self, wi, states[0]),) + tuple(states[1:])
+          st.track_updates(self, wi)
         return fused_norm_mlp(
             x, wi, wo, bi, bo,
             norm=norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
@@ -161,7 +161,7 @@ class LayerNormMLP(nnx.Module):
       mode = settings.recipe.scaling_mode()
       si, so = (st.gemm_state(self, n, mode) for n in self.FP8_GEMMS)
       if si is not None:
-        si = st.track_updates(self, wi, si)
+        st.track_updates(self, wi)
       y = fused_mlp.fp8_mlp(ln_out.reshape(m, e), wi.reshape(e, n_act * f), wo,
                             None if bi is None else bi.reshape(-1), bo, activations=acts,
                             recipe=settings.recipe, wi_state=si, wo_state=so,

@@ -28,18 +28,21 @@ values. Each module with FP8 state therefore keeps an :class:`FP8Counters`
 variable: a forward pass that sees the parameters changed since the previous
 forward pass counts one step, :func:`apply_fp8_updates` resets the count,
 and a count of 2 (a second optimizer step without an update of the FP8
-state) raises an :class:`FP8StateWarning` once per module, at run time (a
-``jax.debug.callback`` that runs only when a count reaches 2). Gradient accumulation (several
-forward passes on the same parameters, one update) and evaluation passes do
-not count as steps.
+state) raises an :class:`FP8StateWarning` once per module. The count is
+computed on the device; it is read on the host when the step's results are
+written into the model (``nnx.jit``, ``nnx.update``, eager calls), and only
+once it is ready, so the check never makes the host wait for the device (a
+step's count is usually read when the next step is written back). A loop
+that carries ``nnx.split`` states through ``jax.jit`` itself never writes
+them into the model: call :func:`check_fp8_updates` on its state now and
+then. Gradient accumulation (several forward passes on the same parameters,
+one update) and evaluation passes do not count as steps.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import warnings
-import weakref
 from typing import Any, Dict, Sequence, Tuple
 
 import jax
@@ -53,7 +56,7 @@ from te_jax.flax import fp8_module
 
 __all__ = ["FP8State", "FP8Counters", "FP8StateWarning", "WRT", "diff_state",
            "apply_fp8_updates", "accumulate_gradients", "init_fp8_state",
-           "remove_update_check",
+           "remove_update_check", "check_fp8_updates",
            "gemm_state", "fused_states", "track_updates", "add_fp8_state"]
 
 COUNTERS = "fp8_counters"
@@ -71,7 +74,23 @@ class FP8State(nnx.Variable):
 
 class FP8Counters(nnx.Variable):
   """Bookkeeping of a module's FP8 state updates (see the module docstring):
-  ``{"pending": int32, "probe": float32}``. Never differentiated."""
+  ``{"pending": int32, "probe": float32}``. Never differentiated.
+
+  Every write of a concrete (not traced) value is checked on the host,
+  without waiting for the device (:func:`_check_when_ready`).
+  """
+
+  def set_value(self, value, **kwargs):
+    super().set_value(value, **kwargs)
+    _check_when_ready(self, value)
+
+  def set_raw_value(self, value, **kwargs):      # nnx.jit writes results back here
+    super().set_raw_value(value, **kwargs)
+    _check_when_ready(self, value)
+
+  def update_from_state(self, variable_state):   # ... and nnx.update here
+    super().update_from_state(variable_state)
+    _check_when_ready(self, self.get_raw_value())
 
 
 class FP8StateWarning(UserWarning):
@@ -103,7 +122,7 @@ def add_fp8_state(module: nnx.Module, mode) -> None:
     setattr(module, name, FP8State(mode.init_state()))
   setattr(module, COUNTERS, FP8Counters(
       {"pending": jnp.zeros((), jnp.int32), "probe": jnp.full((), jnp.nan, jnp.float32)},
-      uid=next(_UIDS)))
+      uid=next(_UIDS), module=type(module).__name__))
 
 
 def init_fp8_state(model: nnx.Module, recipe) -> nnx.Module:
@@ -121,15 +140,13 @@ def init_fp8_state(model: nnx.Module, recipe) -> nnx.Module:
 
 
 def remove_update_check(model: nnx.Module) -> nnx.Module:
-  """Removes the run-time "FP8 state advanced" check from ``model``.
+  """Removes the "FP8 state advanced" check from ``model``.
 
   Deletes every :class:`FP8Counters` of the te_jax.nnx modules in
-  ``model``, so a forgotten :func:`apply_fp8_updates` is no longer reported.
-  For a loop known to call it every step (for example once the first steps
-  ran with the check): the check makes the host wait for the device inside
-  every step (TransformerLayer, DelayedScaling, H200, 2026-12-02: NNX step
-  1.055x the Linen one with the check, 1.019x without). Changes ``model``
-  in place and returns it; :func:`init_fp8_state` adds the check back.
+  ``model``, so a forgotten :func:`apply_fp8_updates` is no longer reported
+  (and the step no longer computes the counts: a few scalar operations per
+  module). Changes ``model`` in place and returns it; :func:`init_fp8_state`
+  adds the check back.
   """
   for _, m in nnx.iter_modules(model):
     if isinstance(getattr(m, COUNTERS, None), FP8Counters):
@@ -200,90 +217,81 @@ def fused_states(module: nnx.Module, settings, names: Sequence[str]):
   return tuple(getattr(module, n).get_value() for n in names), None
 
 
-# Traces that already carry an update check: one host callback per traced
-# step, not one per module.
-_CHECKED_TRACES = weakref.WeakSet()
 _WARNED = set()
+# uid -> the counts written last, not yet read (they were not ready).
+_UNREAD: Dict[int, list] = {}
 
 
-def _first_check_in_trace(x) -> bool:
-  trace = getattr(x, "_trace", None) if isinstance(x, jax.core.Tracer) else None
-  if trace is None:
-    return True
-  try:
-    if trace in _CHECKED_TRACES:
-      return False
-    _CHECKED_TRACES.add(trace)
-  except TypeError:
-    pass
-  return True
-
-
-def _report(module_name: str, uid: int, pending):
-  pending = int(np.max(np.asarray(pending)))    # (stacked layers give one per layer)
-  if pending < 2 or uid in _WARNED:
-    return
-  _WARNED.add(uid)
-  warnings.warn(FP8StateWarning(
+def _frozen_warning(module_name: str, pending: int) -> FP8StateWarning:
+  return FP8StateWarning(
       f"te_jax.nnx: the delayed-scaling FP8 state of {module_name} has not advanced "
       f"over {pending} optimizer steps (its parameters changed, its amax "
       "histories and scales did not): its scales are frozen. After each step call "
       "te_jax.nnx.apply_fp8_updates(model, grads), with grads from "
       "nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, te_jax.nnx.WRT)) "
-      "(parameters and FP8 state). See docs/nnx.md."), stacklevel=2)
+      "(parameters and FP8 state). See docs/nnx.md.")
 
 
-def _report_and_pass(report, pending):
-  report(pending)
-  return np.asarray(pending)
+def _check_when_ready(var: FP8Counters, value) -> None:
+  """Warns once per module when a count written into ``var`` reached 2.
 
-
-def track_updates(module: nnx.Module, kernel: jax.Array, state):
-  """Counts a forward pass of ``module`` (whose FP8 state is in use) that sees
-  ``kernel`` changed since its previous one, and checks the count at run time
-  (see the module docstring).
-
-  Returns ``state`` (the FP8 state this pass quantizes with), numerically
-  unchanged but made to depend on the check, so the check runs before the
-  step's first GEMM (see below).
+  Reads only counts the device has finished (``is_ready``); the others wait
+  for the next write. The counts only grow until ``apply_fp8_updates``
+  resets them, so reading the newest finished one is enough.
   """
+  pending = value.get("pending") if isinstance(value, dict) else None
+  if not isinstance(pending, jax.Array) or isinstance(pending, jax.core.Tracer):
+    return
+  uid = var.get_metadata("uid", 0)
+  if uid in _WARNED:
+    return
+  unread = _UNREAD.setdefault(uid, [])
+  unread.append(pending)
+  done = [p for p in unread if p.is_ready()]
+  del unread[:-2]                       # the newest two are all that matter
+  if not done:
+    return
+  unread[:] = [p for p in unread if not p.is_ready()]
+  count = int(np.max(np.asarray(done[-1])))      # stacked layers: one per layer
+  if count >= 2:
+    _WARNED.add(uid)
+    _UNREAD.pop(uid, None)
+    warnings.warn(_frozen_warning(var.get_metadata("module", "a te_jax.nnx module"), count),
+                  stacklevel=3)
+
+
+def check_fp8_updates(tree) -> None:
+  """Checks the update counts in ``tree`` now (waits for them).
+
+  For loops that never write their results into an NNX model (``jax.jit``
+  over ``nnx.split`` states): ``tree`` is the model or its ``nnx.State``.
+  Warns (:class:`FP8StateWarning`, once per module) when a module's FP8
+  state has not advanced over two optimizer steps.
+  """
+  if isinstance(tree, nnx.State):
+    variables = [v for _, v in nnx.to_flat_state(nnx.filter_state(tree, FP8Counters))]
+  else:
+    variables = [v for _, v in nnx.iter_graph(tree)]
+  for var in variables:
+    if isinstance(var, FP8Counters):
+      value = jax.block_until_ready(var.get_value())
+      _check_when_ready(var, value)
+
+
+def track_updates(module: nnx.Module, kernel: jax.Array) -> None:
+  """Counts a forward pass of ``module`` (whose FP8 state is in use) that sees
+  ``kernel`` changed since its previous one (see the module docstring). The
+  count is read on the host, never inside the step: a host read in the step
+  (a callback, or a ``lax.cond`` on the count) made the GPU wait for the
+  host every step (H200, 2026-12-02: the NNX TransformerLayer step under
+  DelayedScaling 1.055-1.067x the Linen one, 1.035x without it)."""
   var = getattr(module, COUNTERS, None)
   if not isinstance(var, FP8Counters):
-    return state
+    return
   c = var.get_value()
   probe = lax.stop_gradient(jnp.ravel(kernel)[0]).astype(jnp.float32)
   changed = probe != c["probe"]          # the stored NaN: a first pass counts
-  pending = c["pending"] + changed.astype(jnp.int32)
-  var.set_value({"pending": pending, "probe": probe})
-  if not _first_check_in_trace(kernel):
-    return state
-  report = functools.partial(_report, type(module).__name__, var.get_metadata("uid", 0))
-  # The host callback only when the count says "frozen": an unconditional
-  # one stops the GPU stream every step until Python has run it (measured
-  # on the H200, 2026-12-02: the NNX TransformerLayer step under
-  # DelayedScaling 9% slower than the Linen one). The branch returns the
-  # count through the callback, so XLA cannot see that `seen == pending`.
-  seen = lax.cond(
-      jnp.max(pending) >= 2,
-      lambda p: jax.pure_callback(functools.partial(_report_and_pass, report),
-                                  jax.ShapeDtypeStruct(p.shape, p.dtype), p,
-                                  vmap_method="broadcast_all"),
-      lambda p: p, pending)
-  # Reading the predicate makes the host wait for the device. Nothing reads
-  # the check's result, so XLA scheduled it last: the GPU then sat idle while
-  # the host returned from the step and dispatched the next one (NNX step
-  # 1.055x the Linen one, 2026-12-02). Scaling the state by exactly 1 through
-  # `seen` puts the wait before the first quantization instead, where the
-  # rest of the step is still ahead of the GPU.
-  one = (jnp.min(seen) >= 0).astype(jnp.float32)
-  return _scaled_x_state(state, one)
-
-
-def _scaled_x_state(state, one):
-  """``state`` with its input tensor's scale multiplied by ``one`` (1.0)."""
-  x = dict(state["x"])
-  x["scale"] = x["scale"] * one.astype(x["scale"].dtype)
-  return {**state, "x": x}
+  var.set_value({"pending": c["pending"] + changed.astype(jnp.int32), "probe": probe})
 
 
 # ------------------------------------------------------------- training ---
