@@ -198,3 +198,16 @@ def test_remat_bench_runs_each_policy_with_the_state_carried():
   assert res["gemm_calls"] >= 0 and len(res["times_ms"]) == 1
   with pytest.raises(KeyError):
     bench_remat.bench("no_such_policy", "delayed", 1, sz, k=1, repeats=1)
+
+
+def test_model_bench_sorts_kernels_and_carries_the_state():
+  import bench_model
+  kinds = {n: bench_model.kernel_kind(n) for n in (
+      "nvjet_qqtst_128x160_128x5_1x2_h_bz_coopA_NNT", "cudnn_generated_fort_native_sdpa_sm90",
+      "void te_jax::QuantizeTileKernel<256>(...)", "loop_multiply_fusion_3",
+      "flash_fwd_kernel", "sm90_xmma_gemm_e4m3")}
+  assert list(kinds.values()) == ["gemm", "attention", "te_jax", "other", "attention", "gemm"]
+  res = bench_model.run_one("cpu", "delayed", k=1, repeats=2, profile_steps=1, small=True)
+  assert res["ms"] > 0 and len(res["times"]) == 2 and res["steps_timed"] == 2
+  assert res["loss"] == res["loss"] and res["params"] > 0          # finite loss
+  assert res["fp8_scales_moved"] > 0                              # state carried, not frozen
