@@ -136,8 +136,9 @@ def main(argv=None):
                            else f"exit {proc.returncode}")
       results.append(json.loads(line[0][5:]))
       r = results[-1]
-      print(f"{recipe}: {r['ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s", file=sys.stderr,
-            flush=True)
+      print(f"{recipe}: {r['ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s; kernels "
+            + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_ms"].items())
+            + f", idle {r['idle_ms']:.1f} ms", file=sys.stderr, flush=True)
     except Exception as err:  # pylint: disable=broad-except
       ok = False
       print(f"{recipe}: FAILED {err}", file=sys.stderr, flush=True)
