@@ -116,6 +116,7 @@ def main(argv=None):
   p.add_argument("--small", action="store_true", help="tiny model (CPU smoke test)")
   p.add_argument("--one", help=argparse.SUPPRESS)   # run one recipe, print one JSON line
   p.add_argument("--timeout", type=int, default=300, help="seconds per recipe")
+  p.add_argument("--json-out", help="write the results so far to this JSON file after each recipe")
   args = p.parse_args(argv)
   if args.one:
     res = run_one(args.preset, args.one, args.k, args.repeats, args.profile_steps, args.small)
@@ -139,6 +140,10 @@ def main(argv=None):
       print(f"{recipe}: {r['ms']:.1f} ms/step, {r['tokens_per_s']:.0f} tokens/s; kernels "
             + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_ms"].items())
             + f", idle {r['idle_ms']:.1f} ms", file=sys.stderr, flush=True)
+      print(f"{recipe} largest kernels: {json.dumps(r['top'])}", file=sys.stderr, flush=True)
+      if args.json_out:           # after each recipe: a cut run keeps what it measured
+        with open(args.json_out, "w", encoding="utf-8") as fh:
+          json.dump(results, fh, indent=1)
     except Exception as err:  # pylint: disable=broad-except
       ok = False
       print(f"{recipe}: FAILED {err}", file=sys.stderr, flush=True)
