@@ -247,11 +247,11 @@ def _check_when_ready(var: FP8Counters, value) -> None:
     return
   unread = _UNREAD.setdefault(uid, [])
   unread.append(pending)
-  done = [p for p in unread if p.is_ready()]
-  del unread[:-2]                       # the newest two are all that matter
+  ready = [p.is_ready() for p in unread]          # once: a count may finish meanwhile
+  done = [p for p, r in zip(unread, ready) if r]
+  unread[:] = [p for p, r in zip(unread, ready) if not r][-2:]   # the newest matter
   if not done:
     return
-  unread[:] = [p for p in unread if not p.is_ready()]
   count = int(np.max(np.asarray(done[-1])))      # stacked layers: one per layer
   if count >= 2:
     _WARNED.add(uid)
