@@ -1,0 +1,187 @@
+"""The command line of ``train_gpt.py`` (and the flags ``compare_recipes.py`` shares).
+
+Flags with their defaults (``HelpFormatter``), the GPU presets' device check,
+and the multi-process start (``init_distributed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Optional
+
+import jax
+
+from gpt_model import ALL_PRESETS, GPU_PRESETS, LLAMA_PRESETS, RECIPES
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                    argparse.ArgumentDefaultsHelpFormatter):
+  """Keeps the epilog's line breaks; adds "(default: ...)" where a help string has none."""
+
+  def _get_help_string(self, action):
+    if "(default" in (action.help or ""):
+      return action.help
+    return super()._get_help_string(action)
+
+
+def _preset_default(name: str) -> str:
+  return "(default: from --preset: " + ", ".join(
+      f"{p} {ALL_PRESETS[p][name]}" for p in sorted(ALL_PRESETS)) + ")"
+
+
+def add_model_flags(parser: argparse.ArgumentParser):
+  """Flags shared with compare_recipes.py."""
+  parser.add_argument("--preset", default="cpu", choices=sorted(ALL_PRESETS),
+                      help="model size and training defaults: cpu (0.4M parameters, about "
+                           "70 s on two CPU cores), h200 (340M, needs a GPU), tiny (tests); "
+                           "Llama-style (RMSNorm, SwiGLU, rotary, grouped-query attention, "
+                           "no biases): llama (1.13B, seq 4096, needs a GPU), llama_tiny "
+                           "(tests)")
+  for name, typ, what in (
+      ("hidden", int, "model width"), ("layers", int, "transformer layers"),
+      ("heads", int, "attention heads"), ("mlp", int, "MLP hidden size"),
+      ("seq_len", int, "tokens per row"), ("batch", int, "rows per step"),
+      ("steps", int, "train until this step"), ("lr", float, "peak learning rate"),
+      ("warmup", int, "linear LR warmup steps"),
+      ("num_docs", int, "documents in the generated training corpus")):
+    parser.add_argument(f"--{name}", type=typ, default=None,
+                        help=f"{what} {_preset_default(name)}")
+  parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                      help="compute dtype " + _preset_default("dtype"))
+  parser.add_argument("--fsdp", type=int, default=-1,
+                      help="FSDP mesh axis size; -1 = devices / (dp * tp)")
+  parser.add_argument("--tp", type=int, default=1, help="tensor-parallel mesh axis size")
+  parser.add_argument("--dp", type=int, default=1, help="data-parallel mesh axis size")
+  parser.add_argument("--amax_history_len", type=int, default=16,
+                      help="amax history length of the delayed-scaling recipe")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="seed of the parameters, the corpus and the data order")
+  parser.add_argument("--remat", action="store_true", help="rematerialize each layer")
+  parser.add_argument("--no_progress", action="store_true",
+                      help="plain log lines instead of a progress bar")
+  parser.add_argument("--log_every", type=int, default=25,
+                      help="with --no_progress: print every N steps")
+  parser.add_argument("--force", action="store_true",
+                      help="run --preset " + " or ".join(sorted(GPU_PRESETS)) +
+                           " even where jax sees no GPU")
+
+
+def device_problem(preset: str) -> Optional[str]:
+  """Why ``preset`` cannot run on this machine's jax backend, or None."""
+  if preset not in GPU_PRESETS or jax.default_backend() != "cpu":
+    return None
+  small = "llama_tiny" if preset in LLAMA_PRESETS else "tiny"
+  return (f"--preset {preset} needs a GPU: {GPU_PRESETS[preset]}, and jax sees only the "
+          "CPU here (on a GPU machine, install a CUDA build of jax). Use --preset cpu "
+          f"(about 70 s on two cores) or --preset {small}, or pass --force to try anyway.")
+
+
+_EPILOG = """resuming (--ckpt_dir D --resume):
+  flags left out are taken from the checkpoint's train_gpt_run.json, so
+  "--ckpt_dir D --resume" alone continues the run to its --steps; a
+  run-defining flag (--preset --recipe --hidden --layers --heads --mlp
+  --kv_groups --dtype --amax_history_len --seq_len --batch --num_docs
+  --seed --lr --warmup) given with another value is an error. The LR
+  schedule keeps the first invocation's horizon (--lr_horizon, else its
+  --steps), so
+  "--steps 100" then "--steps 200 --resume" is bit-identical to one run of
+  "--steps 200 --lr_horizon 100"; to split a 200-step schedule, give the
+  first part --lr_horizon 200. A run already at --steps says so, exits 0.
+"""
+
+
+def build_parser(description: str) -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(description=description, epilog=_EPILOG,
+                                   formatter_class=HelpFormatter)
+  parser.add_argument("--recipe", default="delayed", choices=RECIPES,
+                      help="FP8 recipe of the transformer layers' GEMMs; none = FP8 off")
+  add_model_flags(parser)
+  # Here, not in add_model_flags: compare_recipes.py builds its Config without them.
+  parser.add_argument("--kv_groups", type=int, default=None,
+                      help="key/value heads (grouped-query attention; must divide --heads) "
+                           "(default: from --preset: " + ", ".join(
+                               f"{p} {ALL_PRESETS[p]['kv_groups']}" for p in
+                               sorted(LLAMA_PRESETS)) + "; the others --heads, i.e. "
+                           "multi-head attention)")
+  parser.add_argument("--peak_tflops", type=float, default=None,
+                      help="dense bf16 peak TFLOP/s of one device, for the model FLOP "
+                           "utilisation printed (default: known for H100/H200/A100 from "
+                           "the device kind; elsewhere no MFU)")
+  parser.add_argument("--lr_horizon", type=int, default=None,
+                      help="length of the LR schedule in steps (warmup, cosine decay to "
+                           "lr/10, then lr/10) (default: --steps of the run's first "
+                           "invocation; a resumed run keeps its checkpoint's)")
+  parser.add_argument("--ckpt_dir", default=None,
+                      help="orbax checkpoint directory (default: none, no checkpoints)")
+  parser.add_argument("--ckpt_every", type=int, default=0,
+                      help="checkpoint every N steps (0: only at the end)")
+  parser.add_argument("--resume", action="store_true",
+                      help="continue the run in --ckpt_dir from its latest checkpoint "
+                           "(see below)")
+  parser.add_argument("--out_dir", default="runs/train_gpt",
+                      help="where loss_curve.png and metrics.json go")
+  parser.add_argument("--sample_chars", type=int, default=80,
+                      help="greedy sample length after training (0: none)")
+  parser.add_argument("--sample_tokens", type=int, default=0,
+                      help="after training, greedily decode N tokens with the KV cache "
+                           "(decode=True) after a validation prompt and print the decode "
+                           "tokens/s (0: none)")
+  parser.add_argument("--eval_batches", type=int, default=2,
+                      help="held-out batches to evaluate after training (0: none)")
+  parser.add_argument("--coordinator_address", default=None,
+                      help="HOST:PORT where process 0 serves JAX's distributed runtime, for "
+                           "a run of several processes; give all three of "
+                           "--coordinator_address --num_processes --process_id, or none "
+                           "under SLURM's srun or Open MPI's mpirun, which set them "
+                           "(default: none: one process)")
+  parser.add_argument("--num_processes", type=int, default=None,
+                      help="processes in a multi-process run (default: none: one process, "
+                           "or what the cluster launcher sets)")
+  parser.add_argument("--process_id", type=int, default=None,
+                      help="this process's index, 0 .. --num_processes - 1 (default: none: "
+                           "one process, or what the cluster launcher sets)")
+  return parser
+
+
+_DISTRIBUTED_FLAGS = ("coordinator_address", "num_processes", "process_id")
+
+
+def cluster_launcher() -> Optional[str]:
+  """The launcher that started this process as one of several, or None.
+
+  The two whose settings ``jax.distributed.initialize()`` reads by itself:
+  SLURM's srun (one task per GPU: jax gives task i the GPU SLURM_LOCALID)
+  and Open MPI's mpirun. One task of either is an ordinary one-process run.
+  """
+  env = os.environ
+  if "SLURM_STEP_NODELIST" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    return "SLURM"
+  if "OMPI_MCA_orte_hnp_uri" in env and int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+    return "Open MPI"
+  return None
+
+
+def init_distributed(args, parser) -> bool:
+  """Starts JAX's multi-controller runtime if this process is one of several.
+
+  Must run before anything touches a jax backend. Returns whether it did.
+  """
+  given = {f: getattr(args, f) for f in _DISTRIBUTED_FLAGS}
+  launcher = cluster_launcher()
+  if launcher is None and all(v is None for v in given.values()):
+    return False
+  if launcher is None:
+    missing = [f"--{f}" for f, v in given.items() if v is None]
+    if missing:
+      parser.error(f"a run of several processes needs --coordinator_address, "
+                   f"--num_processes and --process_id (or SLURM's srun / Open MPI's "
+                   f"mpirun, which set them); missing {', '.join(missing)}")
+    if args.num_processes < 1 or not 0 <= args.process_id < args.num_processes:
+      parser.error(f"--process_id {args.process_id} must be in 0 .. {args.num_processes - 1} "
+                   f"(--num_processes {args.num_processes})")
+  # Flags given win; jax fills the rest from the launcher's environment.
+  # On CPU the cross-process collectives are gloo's (jax's default).
+  jax.distributed.initialize(coordinator_address=args.coordinator_address,
+                             num_processes=args.num_processes, process_id=args.process_id)
+  return True

@@ -1,0 +1,177 @@
+"""The GPT of the examples (Linen), its presets, and its FLOP accounting.
+
+``GPT``: token embedding, ``te_jax.flax.TransformerLayer`` blocks (GPT or
+Llama style), final norm, LM head. ``PRESETS`` / ``LLAMA_PRESETS``: model
+sizes and training defaults by name. ``model_flops_per_token`` and
+``peak_flops``: what the model FLOP utilisation printed by ``train_gpt.py``
+is computed from.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from te_jax import flax as tfx
+
+
+class GPT(nn.Module):
+  """Decoder-only transformer: embedding, TransformerLayers, norm, LM head.
+
+  The GEMMs of the transformer layers run in FP8 under ``fp8_autocast``; the
+  embedding and the (small) LM head stay in higher precision, as is usual.
+  """
+
+  vocab_size: int
+  hidden: int
+  layers: int
+  heads: int
+  mlp: int
+  dtype: Any = jnp.bfloat16
+  remat: bool = False
+  # "gpt": LayerNorm, GELU MLP. "llama": RMSNorm, SwiGLU MLP (silu(x W1) * x W2)
+  # and no LM-head bias. Both: rotary positions, no biases in the layers.
+  arch: str = "gpt"
+  kv_groups: Optional[int] = None      # key/value heads; None: one per head (MHA)
+  # KV-cache decoding (gpt_sampling.py): segment_ids and positions must be None.
+  decode: bool = False
+
+  @nn.compact
+  def __call__(self, tokens, segment_ids, positions):
+    if self.arch not in ARCHS:
+      raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}.")
+    llama = self.arch == "llama"
+    # The (tiny) embedding table is replicated: sharding it ("vocab", "embed")
+    # would make XLA re-shard the gathered activations to the batch layout.
+    embed = nn.Embed(self.vocab_size, self.hidden, dtype=self.dtype,
+                     embedding_init=nn.initializers.normal(1.0), name="embed")
+    x = embed(tokens)
+    block = nn.remat(tfx.TransformerLayer) if self.remat else tfx.TransformerLayer
+    arch_kw = dict(layernorm_type="rmsnorm", activations=("silu", "linear")) if llama else {}
+    if self.decode:
+      arch_kw["decode"] = True
+    for i in range(self.layers):
+      x = block(hidden_size=self.hidden, mlp_hidden_size=self.mlp,
+                num_attention_heads=self.heads, num_gqa_groups=self.kv_groups,
+                layer_type="decoder", enable_rotary_pos_emb=True, use_bias=False,
+                dtype=self.dtype, name=f"layer_{i}", **arch_kw)(
+                    x, segment_ids=segment_ids, segment_positions=positions)
+    norm = tfx.RMSNorm if llama else tfx.LayerNorm
+    x = norm(dtype=self.dtype, name="final_norm")(x)
+    logits = nn.DenseGeneral(
+        self.vocab_size, dtype=jnp.float32, name="lm_head", use_bias=not llama,
+        kernel_init=nn.with_logical_partitioning(
+            nn.initializers.normal(0.02), ("embed", "vocab")))(x.astype(jnp.float32))
+    return logits
+
+
+RECIPES = ("none", "delayed", "current", "blockwise")
+
+PRESETS = {
+    # 0.4M parameters; about 70 s on two CPU cores (200 steps at ~0.2 s).
+    "cpu": dict(hidden=128, layers=2, heads=4, mlp=512, seq_len=128, batch=16,
+                steps=200, lr=3e-3, warmup=30, dtype="float32", num_docs=4000),
+    # ~340M parameters, bf16 compute, 32k tokens per step: an H200 workload
+    # (~0.28 s/step). 12M characters of corpus, so 300 steps are < 1 epoch.
+    "h200": dict(hidden=1536, layers=12, heads=12, mlp=6144, seq_len=2048, batch=16,
+                 steps=1000, lr=6e-4, warmup=100, dtype="bfloat16", num_docs=100000),
+    # Tiny, for tests and notebooks.
+    "tiny": dict(hidden=64, layers=2, heads=2, mlp=128, seq_len=128, batch=4,
+                 steps=8, lr=3e-3, warmup=2, dtype="float32", num_docs=1000),
+}
+
+ARCHS = ("gpt", "llama")
+
+# Llama-style presets (arch "llama": RMSNorm, SwiGLU, rotary, grouped-query
+# attention, no biases). Kept apart from PRESETS because train_gpt_nnx.py
+# takes PRESETS and builds only the GPT architecture; --preset here takes
+# ALL_PRESETS.
+LLAMA_PRESETS = {
+    # 1.13B parameters for one H200 with AdamW; head_dim 128 (cuDNN flash). Per layer: attention
+    # 2 x 2048^2 (Q, out) + 2 x 2048 x 1024 (K, V: 8 groups of head_dim 128)
+    # = 12.6M, SwiGLU 3 x 2048 x 5632 = 34.6M (5632 = 8/3 x 2048 rounded up
+    # to a multiple of 256, as Llama does); 24 layers = 1.13B. The
+    # character vocabulary (64) makes the embedding and LM head 0.26M, so
+    # the parameters are all in the layers.
+    # Memory (estimate, to be measured on the H200): fp32 parameters,
+    # gradients and AdamW's two moments are 16 B/param = 18 GB. Saved
+    # activations without --remat are roughly 70 kB per token and layer in
+    # bf16/FP8 (x, normed x, Q/K/V before and after rotary, attention out,
+    # the 2 x 5632 gate/up outputs and their product), 1.7 MB per token for
+    # 24 layers: 8 x 4096 tokens = 57 GB; about 80-95 GB with the attention
+    # masks below and temporaries, inside 141 GB. 16 rows (~115 GB of
+    # activations) would not fit without --remat. 32k tokens per step, as
+    # --preset h200.
+    # Attention: rows of 4096 characters hold ~34 documents (up to ~106 in
+    # the last row first-fit-decreasing packing fills), more than
+    # TransformerLayer's default 8 of the packed cuDNN layout, so it runs
+    # cuDNN under the (B, 1, S, S) segment mask: 8 x 4096^2 bf16 = 0.27 GB
+    # per layer, 6.4 GB if all 24 are kept for the backward. Raising
+    # max_segments_per_seq instead costs jax's cuDNN backward scratch
+    # B x max_segments rows of S tokens (~260 MiB per unit for the h200
+    # preset's rows) and was slower than the masked path for many short
+    # documents (docs/benchmarks-log-2026-11.md, 2026-12-01).
+    # 100k documents = 12M characters: 1000 steps see it ~2.7 times
+    # (each step draws documents at random).
+    "llama": dict(arch="llama", hidden=2048, layers=24, heads=16, kv_groups=8, mlp=5632,
+                  seq_len=4096, batch=8, steps=1000, lr=3e-4, warmup=100,
+                  dtype="bfloat16", num_docs=100000),
+    # The same architecture at test size (a few seconds on a CPU): 4 query
+    # heads share 2 key/value heads; mlp = 3 x 64, as 8/3 x hidden rounded up.
+    "llama_tiny": dict(arch="llama", hidden=64, layers=2, heads=4, kv_groups=2, mlp=192,
+                       seq_len=128, batch=4, steps=8, lr=3e-3, warmup=2,
+                       dtype="float32", num_docs=1000),
+}
+ALL_PRESETS = {**PRESETS, **LLAMA_PRESETS}
+
+# Presets sized for a GPU: refused at start where jax sees only the CPU
+# (unless --force), with what they need.
+GPU_PRESETS = {
+    "h200": "it is sized for one H200 (340M parameters, 16 x 2048 tokens per step; on a "
+            "CPU it runs out of memory asking for ~186 GB)",
+    "llama": "it is sized for one H200 (1.13B parameters, 8 x 4096 tokens per step, "
+             "an estimated 80-95 GB of GPU memory with AdamW)",
+}
+
+
+def param_count(state) -> int:
+  return int(sum(np.prod(p.shape) for p in jax.tree.leaves(state.params["params"])))
+
+
+def model_flops_per_token(cfg, state) -> float:
+  """Training FLOPs per token of the model: ``6 N + 12 layers seq_len hidden``.
+
+  ``6 N``: every matrix product's forward (2 N) and backward (4 N), N the
+  parameters without the embedding table (a gather, not a product).
+  ``12 L S h``: the attention core, Q K^T and P V (2 S h FLOPs each per token
+  and layer forward, x3 with the backward), over the whole row of S tokens,
+  as PaLM's MFU counts it. Causal masking and packed documents mean far
+  fewer attention FLOPs are really needed, so this is the conventional
+  model-FLOPs figure MFU is quoted in, not the hardware's work.
+  """
+  n = param_count(state) - int(np.prod(state.params["params"]["embed"]["embedding"].shape))
+  return 6.0 * n + 12.0 * cfg.layers * cfg.seq_len * cfg.hidden
+
+
+# Dense (no sparsity) bf16 tensor-core peak per device, TFLOP/s, by device
+# kind; the first name found in ``device_kind`` wins, so the specific
+# variants come first. MFU divides by the bf16 peak for every recipe, FP8
+# ones included (their GEMMs may run at up to twice it: 1979 TFLOP/s on an
+# H100/H200), so recipes compare on one scale; an FP8 MFU above 50% of this
+# is possible in principle.
+PEAK_BF16_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("GH200", 989.0),
+                    ("H200", 989.0), ("H100", 989.0), ("A100", 312.0))
+
+
+def peak_flops(device, peak_tflops: Optional[float] = None) -> Optional[float]:
+  """The dense bf16 peak FLOP/s of ``device`` (``peak_tflops`` overrides); None if unknown."""
+  if peak_tflops:
+    return float(peak_tflops) * 1e12
+  if device.platform != "gpu":
+    return None
+  kind = device.device_kind
+  return next((t * 1e12 for name, t in PEAK_BF16_TFLOPS if name in kind), None)
