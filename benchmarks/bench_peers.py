@@ -30,6 +30,12 @@ Usage::
   python3 benchmarks/bench_peers.py                      # full sizes (H200)
   python3 benchmarks/bench_peers.py --small --k 2 --repeats 1   # CPU smoke test
   python3 benchmarks/bench_peers.py --libs te_jax,flax --blocks mlp
+  python3 benchmarks/bench_peers.py --libs te_jax,te --profile   # + kernel time by kind
+
+With ``--profile`` each row also traces 3 carried steps (``jax.profiler``)
+and reports kernel time per step by kind (GEMM, attention, te_jax's own
+kernels, other, idle) and its largest kernels, so a gap between the
+libraries can be located kernel by kernel in one call.
 """
 
 from __future__ import annotations
@@ -47,7 +53,11 @@ import te_jax
 from te_jax import flax as tfx
 from te_jax import recipe as recipe_lib
 
-from _fp8_carry import time_steps  # pylint: disable=import-error  (benchmarks/ is on sys.path)
+# pylint: disable=import-error  (benchmarks/ is on sys.path)
+from _fp8_carry import run_steps, time_steps
+from bench_layer import kernel_profile
+from bench_model import KINDS, kernel_kind
+# pylint: enable=import-error
 
 LIBS = ("te_jax", "te", "flax")
 BLOCKS = ("mlp", "layer")
@@ -164,8 +174,12 @@ def carry_state(variables, grads):
   return {k: (v if k == "params" else grads[k]) for k, v in variables.items()}
 
 
-def time_row(module, ctx, sz, k, repeats):
-  """{"ms", "dx_abs_max", "temp_mib"} of one block's training step."""
+def time_row(module, ctx, sz, k, repeats, profile=False):
+  """{"ms", "dx_abs_max", "temp_mib"} of one block's training step.
+
+  With ``profile``, also ``kernel_ms`` (per step, by kind and "idle") and
+  ``largest`` ([name, ms per step, launches per step] of the 12 largest).
+  """
   b, s, e = sz["batch"], sz["seq"], sz["hidden"]
   xs = [jax.random.normal(jax.random.key(i + 1), (b, s, e), BF16) for i in range(2)]
   rngs = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
@@ -186,9 +200,32 @@ def time_row(module, ctx, sz, k, repeats):
   except Exception:  # pylint: disable=broad-except
     temp = None
 
-  times, _, out = time_steps(compiled, variables, xs, k, repeats, carry_state)
+  times, variables, out = time_steps(compiled, variables, xs, k, repeats, carry_state)
   dx = float(jnp.max(jnp.abs(out[1][1].astype(jnp.float32))))
-  return {"ms": statistics.median(times), "dx_abs_max": dx, "temp_mib": temp}
+  row = {"ms": statistics.median(times), "dx_abs_max": dx, "temp_mib": temp}
+  if profile:   # the state keeps advancing from where the timing left it
+    kernels, total, span, _ = kernel_profile(
+        lambda n: run_steps(compiled, variables, xs, n, carry_state)[1], steps=3, top=10**6)
+    by_kind = dict.fromkeys(KINDS, 0.0)
+    for name, ms, _ in kernels:
+      by_kind[kernel_kind(name)] += ms
+    by_kind["idle"] = max(span - total, 0.0)
+    row["kernel_ms"] = {kind: round(ms, 3) for kind, ms in by_kind.items()}
+    row["largest"] = [[name[:120], round(ms, 3), n] for name, ms, n in kernels[:12]]
+  return row
+
+
+def kernel_table(results):
+  """Markdown: kernel ms per step by kind for every profiled row."""
+  kinds = KINDS + ("idle",)
+  lines = ["| block | row | " + " | ".join(f"{k} ms" for k in kinds) + " |",
+           "|---|---|" + "---:|" * len(kinds)]
+  for block, rows in results.items():
+    for label, r in rows:
+      if "kernel_ms" in r:
+        lines.append(f"| {block} | {label} | "
+                     + " | ".join(f"{r['kernel_ms'][k]:.3f}" for k in kinds) + " |")
+  return "\n".join(lines) if len(lines) > 2 else ""
 
 
 def table(results, notes):
@@ -220,7 +257,10 @@ def main(argv=None):
   p.add_argument("--blocks", default=",".join(BLOCKS), help=f"subset of {BLOCKS}")
   p.add_argument("--k", type=int, default=10, help="back-to-back steps per timing")
   p.add_argument("--repeats", type=int, default=5, help="timings; the median is kept")
-  p.add_argument("--json-out", help="also write the results to this JSON file")
+  p.add_argument("--json-out", help="also write the results so far to this JSON file "
+                                     "after each row")
+  p.add_argument("--profile", action="store_true",
+                 help="also trace 3 steps per row: kernel time by kind, largest kernels")
   args = p.parse_args(argv)
   libs, blocks = args.libs.split(","), args.blocks.split(",")
   for name, got, allowed in (("--libs", libs, LIBS), ("--blocks", blocks, BLOCKS)):
@@ -244,19 +284,21 @@ def main(argv=None):
     results[block] = []
     for label, module, ctx in rows:
       try:
-        r = time_row(module, ctx, sz, args.k, args.repeats)
+        r = time_row(module, ctx, sz, args.k, args.repeats, args.profile)
       except Exception as e:  # pylint: disable=broad-except
         r = {"error": f"{type(e).__name__}: {e}"}
       print(json.dumps({"block": block, "row": label, **r}), flush=True)
       results[block].append((label, r))
+      if args.json_out:   # a call cut short keeps the rows it finished
+        with open(args.json_out, "w", encoding="utf-8") as f:
+          json.dump({"sizes": sz, "results": results, "notes": notes}, f, indent=1)
       jax.clear_caches()
       gc.collect()
   print(f"\njax {jax.__version__}, {jax.devices()[0].device_kind}, "
         f"sizes {sz}, k={args.k}, repeats={args.repeats}")
   print(table(results, notes))
-  if args.json_out:
-    with open(args.json_out, "w", encoding="utf-8") as f:
-      json.dump({"sizes": sz, "results": results, "notes": notes}, f, indent=1)
+  if args.profile:
+    print("\nGPU kernel time per step (3-step trace):\n" + kernel_table(results))
 
 
 if __name__ == "__main__":

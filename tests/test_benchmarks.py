@@ -171,6 +171,22 @@ def test_peers_rows_time_a_carried_te_jax_step_on_cpu():
   assert r["ms"] > 0 and r["dx_abs_max"] > 0 and r["temp_mib"] is not None
 
 
+def test_peers_profile_reports_kernel_time_by_kind():
+  import bench_peers
+  sz = bench_peers.sizes(True)
+  label, module, ctx = bench_peers.te_jax_rows("mlp", sz)[1]
+  r = bench_peers.time_row(module, ctx, sz, k=1, repeats=1, profile=True)
+  # CPU traces hold no GPU kernels: every kind is present and zero.
+  assert set(r["kernel_ms"]) == {"gemm", "attention", "te_jax", "other", "idle"}
+  assert isinstance(r["largest"], list)
+  fake = {"kernel_ms": {"gemm": 9.5, "attention": 0.0, "te_jax": 1.25, "other": 0.5,
+                        "idle": 0.125}}
+  text = bench_peers.kernel_table({"mlp": [("te_jax delayed", fake), ("TE-JAX off", {"ms": 1})]})
+  lines = text.splitlines()
+  assert len(lines) == 3 and "| mlp | te_jax delayed | 9.500 | 0.000 | 1.250 | 0.500 | 0.125 |" in lines
+  assert bench_peers.kernel_table({"mlp": [("TE-JAX off", {"ms": 1})]}) == ""
+
+
 def test_layer_noguard_config_turns_the_outlier_guard_off():
   sz = bench_layer.sizes(True)
   for config, factor in (("mlp/te_delayed", recipe_lib.DelayedScaling().outlier_factor),
