@@ -55,6 +55,7 @@ from te_jax import dense as dense_lib
 from te_jax import recipe as recipe_lib
 from te_jax import remat
 from te_jax import scaling
+from te_jax.ops import concat_quantize as concat_op
 from te_jax.ops import normalization as norm_op
 
 __all__ = ["NormParams", "NormSpec", "MAX_HIDDEN", "fp8_norm_dense", "supported",
@@ -144,6 +145,7 @@ class _Config(NamedTuple):
   dtype: jnp.dtype          # output, dgrad and norm-output dtype
   has_bias: bool
   return_norm_output: bool
+  num_splits: int = 1       # > 1: the output is that many column blocks (a tuple)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -159,6 +161,8 @@ def _norm_dense_fwd(x, gamma, beta, kernel, bias, state, cfg):
   y = mode.gemm("fprop", qx.rowwise(), qk.columnwise(), out_dtype=cfg.dtype, bias=bias,
                 impl=impl)
   new_state = mode.update_state(state, {"x": qx.amax, "kernel": qk.amax})
+  if cfg.num_splits > 1:
+    y = tuple(jnp.split(y, cfg.num_splits, axis=1))
   out = y
   if cfg.return_norm_output:   # elementwise from the statistics: no second reduction
     out = (y, normalized(cfg.norm, x, gamma, beta, mean, rstd).astype(cfg.dtype))
@@ -173,7 +177,11 @@ def _norm_dense_bwd(cfg, res, g):
   g_ln = None
   if cfg.return_norm_output:
     g, g_ln = g
-  qg = mode.quantize(g, "grad", new_state, impl=impl)
+  if cfg.num_splits > 1:   # the gradients of the output blocks, never concatenated
+    qg = mode.quantize_fused(concat_op.concat_quantize, "grad", new_state, impl=impl,
+                             parts=tuple(g))
+  else:
+    qg = mode.quantize(g, "grad", new_state, impl=impl)
   dln = mode.gemm("dgrad", qg.rowwise(), qk, out_dtype=cfg.dtype, impl=impl)
   if g_ln is not None:   # both uses of the normalized input, summed in its dtype
     dln = dln + g_ln.astype(cfg.dtype)
@@ -181,7 +189,9 @@ def _norm_dense_bwd(cfg, res, g):
   dx, dgamma, dbeta = norm_grads(cfg.norm, dln, x, gamma, beta, mean, rstd, impl)
   dbias = None
   if cfg.has_bias:
-    dbias = jnp.sum(g.astype(jnp.float32), axis=0).astype(g.dtype)
+    parts = tuple(g) if cfg.num_splits > 1 else (g,)
+    dbias = jnp.concatenate([jnp.sum(p.astype(jnp.float32), axis=0).astype(p.dtype)
+                             for p in parts])
   return dx, dgamma, dbeta, dk, dbias, mode.update_state(new_state, {"grad": qg.amax})
 
 
@@ -192,9 +202,16 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
                    kernel: jax.Array, bias: Optional[jax.Array] = None, *, norm_type: str,
                    epsilon: float, zero_centered_gamma: bool, recipe: recipe_lib.Recipe,
                    fp8_state=None, impl: str = "auto", return_norm_output: bool = False,
-                   dtype=None):
+                   dtype=None, num_splits: int = 1):
   """``norm(x) @ kernel + bias`` with every GEMM in FP8 and the norm fused into
   the quantization of its output.
+
+  With ``num_splits`` > 1 the output comes back as that many equal column
+  blocks, as ``te_jax.dense.fp8_dense_split`` returns them (the fused Q/K/V
+  projection of attention behind its pre-norm): the blocks' gradients are
+  quantized without being concatenated where the block width is a multiple
+  of the recipe's ``token_block`` and there are at most 4 blocks; otherwise
+  the unsplit output is split (same values).
 
   Args:
     x: (..., K) float32/bfloat16/float16 input (before the norm).
@@ -214,9 +231,12 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
       ``dtype`` (computed elementwise from the statistics; its gradient flows
       back through the same norm backward).
     dtype: output (and normalized-output) dtype; default ``x.dtype``.
+    num_splits: number of output blocks (an int >= 1 dividing N).
 
   Returns:
-    (..., N) in ``dtype``, or ``(y, norm_output)`` with ``return_norm_output``.
+    (..., N) in ``dtype`` (a tuple of ``num_splits`` arrays (..., N /
+    num_splits) when ``num_splits`` > 1), or ``(y, norm_output)`` with
+    ``return_norm_output``.
 
   Raises:
     ValueError: shapes :func:`supported` rejects, or inconsistent ones.
@@ -237,13 +257,27 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
         f"hidden <= {MAX_HIDDEN}; got {m} tokens, hidden {k}. The norm "
         "cannot be padded (a padded row or column changes the statistics or the amax): "
         "use te_jax.flax.norm.apply_norm and te_jax.dense.fp8_dense instead.")
+  if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+    raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}.")
+  if n % num_splits:
+    raise ValueError(f"kernel's output dim ({n}) must be a multiple of num_splits "
+                     f"({num_splits}).")
   mode.check_state(fp8_state)
   out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
-  cfg = _Config(mode, impl, spec, out_dtype, bias is not None, bool(return_norm_output))
   align = mode.token_block
-  kp = dense_lib.pad_to(kernel, 1, align)
+  f = n // num_splits
+  # Blocks the concat-quantize kernel cannot take: split the whole output.
+  fused_split = 1 < num_splits <= concat_op.MAX_PARTS and f % align == 0
+  cfg = _Config(mode, impl, spec, out_dtype, bias is not None, bool(return_norm_output),
+                num_splits if fused_split else 1)
+  kp = dense_lib.pad_to(kernel, 1, align)   # fused_split: no column padding needed
   bp = None if bias is None else dense_lib.pad_to(bias.astype(out_dtype), 0, align)
   out = _norm_dense(x2d, gamma, beta, kp, bp, fp8_state, cfg)
   y, ln = out if return_norm_output else (out, None)
-  y = remat.tag_fp8_gemm(y[:, :n].reshape(*lead, n))   # for te_jax.remat's policies
+  if fused_split:   # each block tagged for te_jax.remat's policies
+    y = tuple(remat.tag_fp8_gemm(part.reshape(*lead, f)) for part in y)
+  else:
+    y = remat.tag_fp8_gemm(y[:, :n].reshape(*lead, n))
+    if num_splits > 1:
+      y = tuple(jnp.split(y, num_splits, axis=-1))
   return (y, ln.reshape(x.shape)) if return_norm_output else y

@@ -23,7 +23,7 @@ in FP8 without changing its parameters: ``nn.Dense(features,
 dot_general_cls=tfx.Fp8DotGeneral)``; ``Fp8Einsum`` does the same for an einsum.
 """
 
-from te_jax.flax.norm import LayerNorm, RMSNorm
+from te_jax.flax.norm import LayerNorm, NormParameters, RMSNorm
 from te_jax.flax.dense import DenseGeneral, LayerNormDenseGeneral
 from te_jax.flax.dot_general import Fp8DotGeneral, Fp8Einsum
 from te_jax.flax.mlp import LayerNormMLP
@@ -33,6 +33,7 @@ from te_jax.flax.transformer import TransformerLayer
 __all__ = [
     "LayerNorm",
     "RMSNorm",
+    "NormParameters",
     "DenseGeneral",
     "LayerNormDenseGeneral",
     "Fp8DotGeneral",

@@ -55,6 +55,7 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
+from te_jax import norm_dense
 from te_jax.flax import kv_cache, packed_attention
 from te_jax.flax.packed_attention import segment_attention_mask
 from te_jax.flax.dense import DenseGeneral, default_kernel_init
@@ -377,7 +378,8 @@ class MultiHeadAttention(nn.Module):
                segment_positions: Optional[jax.Array] = None,
                kv_segment_positions: Optional[jax.Array] = None,
                mask: Optional[jax.Array] = None,
-               deterministic: bool = True) -> jax.Array:
+               deterministic: bool = True,
+               input_norm: Optional[norm_dense.NormParams] = None) -> jax.Array:
     """Attends from ``inputs_q`` to ``inputs_kv`` (itself when None).
 
     Args:
@@ -393,6 +395,13 @@ class MultiHeadAttention(nn.Module):
       mask: optional boolean mask (True = attend), broadcastable to
         (B, heads, Sq, Skv); prefer (B, 1, Sq, Skv).
       deterministic: disables attention dropout when True.
+      input_norm: optional ``te_jax.norm_dense.NormParams`` of a norm applied
+        to ``inputs_q`` before the projections (a pre-norm whose parameters
+        the caller owns, e.g. ``te_jax.flax.NormParameters``; ``inputs_kv``
+        is not normalized). In FP8 the norm is fused into the quantization
+        of the projection's input where ``DenseGeneral`` can fuse it: Q/K/V
+        in one pass for self attention, the query (whose normalized output
+        then feeds the key/value projection) with grouped-query attention.
 
     Returns:
       (B, Sq, out_features) in the compute dtype.
@@ -424,11 +433,16 @@ class MultiHeadAttention(nn.Module):
 
     # The fused projections hand back q, k, v (k, v) as separate outputs, so
     # that in FP8 their gradients are quantized without a concatenation.
+    norm_kw = {} if input_norm is None else {"input_norm": input_norm}
     if self_attn and g == h and self.fuse_qkv:
       q, k, v = self._dense((3, h, d), "qkv", ("embed", "qkv", "heads", "kv"),
-                            dtype=compute, split=True)(inputs_q)
+                            dtype=compute, split=True)(inputs_q, **norm_kw)
     else:
-      q = self._dense((h, d), "query", ("embed", "heads", "kv"), dtype=compute)(inputs_q)
+      query = self._dense((h, d), "query", ("embed", "heads", "kv"), dtype=compute)
+      if input_norm is not None and self_attn:   # K and V read the query's norm output
+        q, inputs_kv = query(inputs_q, input_norm=input_norm, return_norm_output=True)
+      else:
+        q = query(inputs_q, **norm_kw)
       k, v = self._dense((2, g, d), "kv", ("embed", "qkv", "heads", "kv"),
                          dtype=compute, split=True)(inputs_kv)
 

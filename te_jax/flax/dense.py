@@ -326,13 +326,66 @@ class DenseGeneral(nn.Module):
   impl: str = "auto"
 
   @nn.compact
-  def __call__(self, inputs: jax.Array):
-    """Applies the projection; see the class docstring for shapes."""
-    return declare_and_apply_dense(
-        self, inputs, settings=fp8_module.read_autocast(self.impl), features=self.features, axis=self.axis, use_bias=self.use_bias,
-        dtype=self.dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-        bias_init=self.bias_init, kernel_axes=self.kernel_axes, bias_axes=self.bias_axes,
+  def __call__(self, inputs: jax.Array, *,
+               input_norm: Optional[norm_dense.NormParams] = None,
+               return_norm_output: bool = False):
+    """Applies the projection; see the class docstring for shapes.
+
+    Args:
+      inputs: (..., *in_dims).
+      input_norm: optional ``te_jax.norm_dense.NormParams`` (parameters owned
+        by the caller, e.g. ``te_jax.flax.NormParameters``): the projection
+        is applied to ``norm(inputs)`` over the last axis (``axis`` must be
+        -1). In FP8, unsharded, with tokens a multiple of the recipe's
+        ``token_block`` and in_dim a multiple of 128, the norm is fused into
+        the quantization of the GEMM's input (``te_jax.norm_dense``; INFO log
+        once per reason when it is not).
+      return_norm_output: with ``input_norm``, also return the normalized
+        input (..., in_dim) in the compute dtype: ``(y, norm_output)``.
+    """
+    settings = fp8_module.read_autocast(self.impl)
+    if input_norm is None:
+      if return_norm_output:
+        raise ValueError("return_norm_output=True needs an input_norm to return the "
+                         "output of.")
+      return declare_and_apply_dense(
+          self, inputs, settings=settings, features=self.features, axis=self.axis,
+          use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+          kernel_init=self.kernel_init, bias_init=self.bias_init,
+          kernel_axes=self.kernel_axes, bias_axes=self.bias_axes,
+          split_output=self.split_output)
+    if not isinstance(input_norm, norm_dense.NormParams):
+      raise TypeError(f"input_norm must be a te_jax.norm_dense.NormParams, got "
+                      f"{type(input_norm).__name__}.")
+    if fp8_module.canonicalize_axes(self.axis, inputs.ndim) != (inputs.ndim - 1,):
+      raise ValueError(f"input_norm normalizes the last axis of inputs, so the "
+                       f"projection must contract it alone: axis=-1, got {self.axis!r}.")
+    compute = self.dtype if self.dtype is not None else jnp.result_type(
+        inputs.dtype, self.param_dtype)
+    features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
+    if self.split_output and len(features) < 2:
+      raise ValueError(f"split_output=True unstacks the first of several feature dims; "
+                       f"features={features} has {len(features)}. Use features=(n, ...).")
+    if settings.recipe is not None:
+      blocker = fused_norm_blocker(settings, inputs)
+      if blocker is None:
+        states, blocker = fused_states(self, settings, (fp8_module.FP8_META,))
+      if blocker is None:
+        return fused_norm_dense(self, inputs, input_norm, settings, compute, states[0],
+                                features=features, use_bias=self.use_bias,
+                                return_norm_output=return_norm_output,
+                                num_splits=features[0] if self.split_output else 1)
+      log_unfused_norm(type(self).__name__, blocker)
+    ln_out = apply_norm(inputs, input_norm.gamma, input_norm.beta,
+                        norm_type=input_norm.norm_type, epsilon=input_norm.epsilon,
+                        zero_centered_gamma=input_norm.zero_centered_gamma, dtype=compute)
+    y = declare_and_apply_dense(
+        self, ln_out, settings=settings, features=self.features, axis=-1,
+        use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+        kernel_init=self.kernel_init, bias_init=self.bias_init,
+        kernel_axes=self.kernel_axes, bias_axes=self.bias_axes,
         split_output=self.split_output)
+    return (y, ln_out) if return_norm_output else y
 
 
 class LayerNormDenseGeneral(nn.Module):
@@ -414,7 +467,11 @@ class LayerNormDenseGeneral(nn.Module):
       if blocker is None:
         states, blocker = fused_states(self, settings, (fp8_module.FP8_META,))
       if blocker is None:
-        return _fused_norm_dense(self, inputs, scale, ln_bias, settings, compute, states[0])
+        norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
+                                     self.zero_centered_gamma)
+        return fused_norm_dense(self, inputs, norm, settings, compute, states[0],
+                                features=self.features, use_bias=self.use_bias,
+                                return_norm_output=self.return_layernorm_output)
       log_unfused_norm(type(self).__name__, blocker)
     ln_out = apply_norm(inputs, scale, ln_bias, norm_type=self.layernorm_type,
                         epsilon=self.epsilon,
@@ -429,31 +486,36 @@ class LayerNormDenseGeneral(nn.Module):
     return y
 
 
-def _fused_norm_dense(module: LayerNormDenseGeneral, inputs, scale, ln_bias, settings,
-                      compute, state):
-  """LayerNormDenseGeneral's FP8 path through ``te_jax.norm_dense.fp8_norm_dense``.
+def fused_norm_dense(module: nn.Module, inputs, norm: norm_dense.NormParams, settings,
+                     compute, state, *, features, use_bias: bool, return_norm_output: bool,
+                     num_splits: int = 1):
+  """The FP8 path of a norm + DenseGeneral through ``te_jax.norm_dense.fp8_norm_dense``.
 
-  Declares the kernel and bias after the norm's parameters, as the unfused
-  path does (Flax derives each parameter's init key from its position).
+  ``module`` holds the kernel and bias (its ``param_dtype``, ``kernel_init``,
+  ``bias_init``, ``kernel_axes``, ``bias_axes``); they are declared after the
+  norm's parameters, as the unfused path does (Flax derives each parameter's
+  init key from its position). With ``num_splits`` > 1 the output is a tuple
+  of ``features[0]`` arrays (..., *features[1:]) (``split_output``).
   """
   embed = inputs.shape[-1]
-  features = ((module.features,) if isinstance(module.features, int)
-              else tuple(module.features))
+  features = (features,) if isinstance(features, int) else tuple(features)
   kernel, bias, _ = declare_dense(
-      module, (embed,), features=features, use_bias=module.use_bias,
+      module, (embed,), features=features, use_bias=use_bias,
       param_dtype=module.param_dtype, kernel_init=module.kernel_init,
       bias_init=module.bias_init, kernel_axes=module.kernel_axes,
       bias_axes=module.bias_axes)
   lead = inputs.shape[:-1]
   out = norm_dense.fp8_norm_dense(
-      inputs.reshape(-1, embed), scale, ln_bias,
+      inputs.reshape(-1, embed), norm.gamma, norm.beta,
       fp8_module.gemm_kernel(settings, kernel, compute).reshape(embed, -1),
       None if bias is None else bias.astype(compute).reshape(-1),
-      norm_type=module.layernorm_type, epsilon=module.epsilon,
-      zero_centered_gamma=module.zero_centered_gamma, recipe=settings.recipe,
-      fp8_state=state, impl=settings.impl,
-      return_norm_output=module.return_layernorm_output, dtype=compute)
-  if module.return_layernorm_output:
-    y, ln_out = out
-    return y.reshape(lead + features), ln_out.reshape(inputs.shape)
-  return out.reshape(lead + features)
+      norm_type=norm.norm_type, epsilon=norm.epsilon,
+      zero_centered_gamma=norm.zero_centered_gamma, recipe=settings.recipe,
+      fp8_state=state, impl=settings.impl, return_norm_output=return_norm_output,
+      dtype=compute, num_splits=num_splits)
+  y, ln_out = out if return_norm_output else (out, None)
+  if num_splits > 1:
+    y = tuple(p.reshape(lead + features[1:]) for p in y)
+  else:
+    y = y.reshape(lead + features)
+  return (y, ln_out.reshape(inputs.shape)) if return_norm_output else y

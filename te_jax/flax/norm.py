@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-__all__ = ["LayerNorm", "RMSNorm", "norm_params", "apply_norm"]
+from te_jax import norm_dense
+
+__all__ = ["LayerNorm", "RMSNorm", "NormParameters", "norm_params", "apply_norm"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -79,21 +81,20 @@ class _Norm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    features = x.shape[-1]
-    check_norm_type(self._norm_type)
-    if self.scale_init is None:
-      init = nn.initializers.zeros if self.zero_centered_gamma else nn.initializers.ones
-    else:
-      init = self.scale_init
-    scale = self.param("scale", nn.with_logical_partitioning(init, self.scale_axes),
-                       (features,), self.param_dtype)
-    bias = None
-    if self._norm_type == "layernorm":
-      bias = self.param("bias", nn.with_logical_partitioning(self.bias_init, self.bias_axes),
-                        (features,), self.param_dtype)
+    scale, bias = _declare(self, x.shape[-1], self._norm_type)
     dtype = self.dtype if self.dtype is not None else x.dtype
     return apply_norm(x, scale, bias, norm_type=self._norm_type, epsilon=self.epsilon,
                       zero_centered_gamma=self.zero_centered_gamma, dtype=dtype)
+
+
+def _declare(module, features: int, norm_type: str):
+  """The (scale, bias or None) of a ``LayerNorm``/``RMSNorm``-shaped module
+  (its attributes name the initializers and axes)."""
+  return norm_params(module, features, norm_type=norm_type,
+                     zero_centered_gamma=module.zero_centered_gamma,
+                     scale_init=module.scale_init, bias_init=module.bias_init,
+                     axes=tuple(module.scale_axes), param_dtype=module.param_dtype,
+                     bias_axes=tuple(module.bias_axes), bias_name="bias")
 
 
 class LayerNorm(_Norm):
@@ -144,3 +145,40 @@ class RMSNorm(_Norm):
   """
 
   _norm_type = "rmsnorm"
+
+
+class NormParameters(nn.Module):
+  """A ``LayerNorm``'s or ``RMSNorm``'s parameters, declared as that module
+  declares them, returned instead of applied.
+
+  For a layer that fuses the norm into the FP8 quantization of the next
+  GEMM's input (``TransformerLayer``'s attention pre-norm, through
+  ``MultiHeadAttention(...)(x, input_norm=...)``): under the same name it
+  holds the same variables (``scale``, and ``bias`` for layernorm, same
+  initializers and logical axes), so a model switches between the fused and
+  the plain norm without touching its checkpoint.
+
+  Shapes: ``features`` (an int) -> a ``te_jax.norm_dense.NormParams`` with
+  gamma (features,) and beta (features,) or None.
+
+  Attributes:
+    norm_type: "layernorm" (default) or "rmsnorm".
+    epsilon, zero_centered_gamma, param_dtype, scale_init, bias_init,
+      scale_axes, bias_axes: as in ``LayerNorm``.
+  """
+
+  norm_type: str = "layernorm"
+  epsilon: float = 1e-6
+  zero_centered_gamma: bool = False
+  param_dtype: Dtype = jnp.float32
+  scale_init: Optional[Initializer] = None
+  bias_init: Initializer = nn.initializers.zeros
+  scale_axes: Tuple[str, ...] = ("embed",)
+  bias_axes: Tuple[str, ...] = ("embed",)
+
+  @nn.compact
+  def __call__(self, features: int):
+    """Declares (at init) and returns the parameters for inputs (..., features)."""
+    scale, bias = _declare(self, features, self.norm_type)
+    return norm_dense.NormParams(scale, bias, self.norm_type, self.epsilon,
+                                 self.zero_centered_gamma)

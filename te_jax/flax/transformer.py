@@ -12,7 +12,7 @@ from te_jax.flax import kv_cache
 from te_jax.flax.attention import MultiHeadAttention, check_input_3d, check_segment_arg
 from te_jax.flax.dense import default_kernel_init
 from te_jax.flax.mlp import LayerNormMLP
-from te_jax.flax.norm import LayerNorm, RMSNorm
+from te_jax.flax.norm import LayerNorm, NormParameters, RMSNorm
 
 __all__ = ["TransformerLayer"]
 
@@ -57,7 +57,12 @@ class TransformerLayer(nn.Module):
     intermediate_dropout: dropout after the MLP activation.
     activations: MLP activations, e.g. ("gelu",) or ("silu", "linear").
     fuse_activation_quantize: see ``LayerNormMLP`` (default True).
-    fuse_norm_quantize: see ``LayerNormMLP`` (default True).
+    fuse_norm_quantize: in FP8, each norm is fused into the quantization of
+      the GEMM input after it (default True): the MLP's (see
+      ``LayerNormMLP``) and the attention pre-norms, which the attention
+      applies to its input (``MultiHeadAttention(...)(x, input_norm=...)``);
+      the norm parameters keep their names either way. False: every norm in
+      XLA (to compare).
     enable_rotary_pos_emb: rotary embeddings in self attention (default False).
     rotary_base: rotary frequency base.
     use_bias: biases on every projection (default False).
@@ -114,6 +119,16 @@ class TransformerLayer(nn.Module):
                        f"{self.layernorm_type!r}.")
     return cls(epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
                dtype=dtype, param_dtype=self.param_dtype, name=name)
+
+  def _normed_attention(self, norm_name, attention, x, **kw):
+    """``attention(norm(x), **kw)``, the norm fused into the projection's
+    quantization (``fuse_norm_quantize``) or applied first."""
+    if not self.fuse_norm_quantize:
+      return attention(self._norm(norm_name, attention.dtype)(x), **kw)
+    norm = NormParameters(norm_type=self.layernorm_type, epsilon=self.epsilon,
+                          zero_centered_gamma=self.zero_centered_gamma,
+                          param_dtype=self.param_dtype, name=norm_name)(x.shape[-1])
+    return attention(x, input_norm=norm, **kw)
 
   def _attention(self, name, mask_type, rotary, dtype, decode=False):
     return MultiHeadAttention(
@@ -174,17 +189,18 @@ class TransformerLayer(nn.Module):
         inputs.dtype, self.param_dtype)
     x = inputs.astype(compute)
 
-    h = self._norm("pre_attention_norm", compute)(x)
-    h = self._attention("self_attention", mask_type, self.enable_rotary_pos_emb,
-                        compute, decode=self.decode)(h, segment_ids=segment_ids,
-                                 segment_positions=segment_positions,
-                                 deterministic=deterministic)
+    attention = self._attention("self_attention", mask_type, self.enable_rotary_pos_emb,
+                                compute, decode=self.decode)
+    h = self._normed_attention("pre_attention_norm", attention, x, segment_ids=segment_ids,
+                               segment_positions=segment_positions,
+                               deterministic=deterministic)
     x = x + self._drop(h, deterministic)
 
     if encoded is not None:
-      h = self._norm("pre_cross_attention_norm", compute)(x)
-      h = self._attention("cross_attention", "no_mask", False, compute)(
-          h, encoded, segment_ids=segment_ids if encoder_segment_ids is not None else None,
+      attention = self._attention("cross_attention", "no_mask", False, compute)
+      h = self._normed_attention(
+          "pre_cross_attention_norm", attention, x, inputs_kv=encoded,
+          segment_ids=segment_ids if encoder_segment_ids is not None else None,
           kv_segment_ids=encoder_segment_ids, deterministic=deterministic)
       x = x + self._drop(h, deterministic)
 
