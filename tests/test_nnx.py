@@ -156,6 +156,16 @@ def test_transformer_layer_parity(r, impl):
                 lambda: tnx.TransformerLayer(128, 256, 4, rngs=nnx.Rngs(0), **kw), (x,), r)
 
 
+def test_transformer_layer_fused_pre_norm_parity(impl):
+  """Multi-head (Q/K/V in one fused norm + projection) and with every norm in
+  XLA (fuse_norm_quantize=False): the NNX layer's numbers are the Linen one's."""
+  x = rand(11, X_SHAPE, jnp.bfloat16)
+  for kw in (dict(impl=impl, use_bias=True), dict(fuse_norm_quantize=False, impl=impl)):
+    assert_parity(tfx.TransformerLayer(128, 256, 4, **kw),
+                  lambda kw=kw: tnx.TransformerLayer(128, 256, 4, rngs=nnx.Rngs(0), **kw),
+                  (x,), "current")
+
+
 def test_decoder_layer_with_cross_attention_parity(impl):
   x, enc = rand(9, X_SHAPE, jnp.bfloat16), rand(10, X_SHAPE, jnp.bfloat16)
   kw = dict(num_gqa_groups=2, enable_rotary_pos_emb=True, layernorm_type="rmsnorm",

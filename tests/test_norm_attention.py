@@ -24,7 +24,7 @@ import pytest
 import te_jax
 from te_jax import dense, fp8_state, norm_dense, recipe
 from te_jax import flax as tfx
-from te_jax.flax import dense as flax_dense
+from te_jax.flax import fused_norm
 from te_jax.flax.norm import apply_norm
 
 from flax_cases import RECIPES, rel
@@ -231,7 +231,7 @@ def test_unfusable_input_norm_says_why(monkeypatch, caplog):
   """100 tokens per row (not a multiple of the token block): the norm runs in
   XLA, with an INFO line naming the module and the reason, and the result
   equals the XLA path's."""
-  flax_dense.log_unfused_norm.cache_clear()
+  fused_norm.log_unfused_norm.cache_clear()
   caplog.set_level(logging.INFO, logger="te_jax")
   r = recipe.Float8CurrentScaling()
   m, m_xla = _layer(), _layer(fuse_norm_quantize=False)

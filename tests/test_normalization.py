@@ -34,7 +34,7 @@ import pytest
 import te_jax
 from te_jax import dense, fp8_state, fused_mlp, norm_dense, recipe
 from te_jax import flax as tfx
-from te_jax.flax import dense as flax_dense
+from te_jax.flax import fused_norm
 from te_jax.flax.norm import apply_norm
 from te_jax.ops import normalization as nrm
 from te_jax.ops import quantize as quantize_op
@@ -514,7 +514,7 @@ def test_modules_fuse_norm_quantize_false_keeps_the_xla_norm(which, monkeypatch,
   """The opt-out: no fused norm, no log about it, and the same result as the
   fused path up to the norm's float32 rounding (the unfused path quantizes
   the compute-dtype norm output, here float32 too)."""
-  flax_dense.log_unfused_norm.cache_clear()
+  fused_norm.log_unfused_norm.cache_clear()
   caplog.set_level(logging.INFO, logger="te_jax")
   r = recipe.Float8CurrentScaling()
   x = _rand(34, (2, 128, 128), 2.0, 0.3)
@@ -550,7 +550,7 @@ def _unfused_reason(m, x, r, caplog, calls, init_recipe=None):
 
 
 def test_modules_fall_back_and_say_why(monkeypatch, caplog):
-  flax_dense.log_unfused_norm.cache_clear()
+  fused_norm.log_unfused_norm.cache_clear()
   caplog.set_level(logging.INFO, logger="te_jax")
   calls = _spy(monkeypatch)
   r = recipe.Float8CurrentScaling()

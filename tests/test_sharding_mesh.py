@@ -105,9 +105,14 @@ def _inputs(rows, seq_len, nb):
 def _model(kind):
   if kind == "mlp":
     return tfx.LayerNormMLP(intermediate_dim=MLP, dtype=jnp.bfloat16)
+  # Sharded GEMMs never take the fused norm + quantize path (its kernels have
+  # no sharding rule; fused_norm_blocker), so the single-device reference
+  # normalizes in XLA too: the comparison is of the sharding alone. Fused,
+  # the reference quantizes the float32 norm output instead of its bf16
+  # rounding, and the Q/K/V weight gradient moved by mean 0.063 (> TOL_MEAN).
   return tfx.TransformerLayer(hidden_size=HIDDEN, mlp_hidden_size=MLP,
                               num_attention_heads=HEADS, dtype=jnp.bfloat16,
-                              attention_impl="xla")
+                              attention_impl="xla", fuse_norm_quantize=False)
 
 
 def _loss_fn(model, kind):

@@ -36,9 +36,8 @@ import flax.linen as nn
 from te_jax import fused_mlp
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
-from te_jax.flax.dense import (default_kernel_init, fused_norm_blocker, fused_states,
-                               kernel_fan_in_init, log_unfused_norm,
-                               logical_partitioning_of)
+from te_jax.flax.dense import default_kernel_init, kernel_fan_in_init, logical_partitioning_of
+from te_jax.flax.fused_norm import fused_norm_blocker, fused_states, log_unfused_norm
 from te_jax.flax.norm import apply_norm, norm_params
 from te_jax.ops.act_quantize import ACTIVATIONS
 

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from te_jax import norm_dense
 from te_jax.flax.attention import (attention_core, check_attention_options, check_input_3d,
                                    resolve_segments)
 from te_jax.flax.dense import default_kernel_init
@@ -118,10 +119,13 @@ class MultiHeadAttention(nnx.Module):
                segment_positions: Optional[jax.Array] = None,
                kv_segment_positions: Optional[jax.Array] = None,
                mask: Optional[jax.Array] = None,
-               deterministic: Optional[bool] = None) -> jax.Array:
+               deterministic: Optional[bool] = None,
+               input_norm: Optional[norm_dense.NormParams] = None) -> jax.Array:
     """Attends from ``inputs_q`` to ``inputs_kv`` (cross) or to itself (self).
 
-    Arguments as ``te_jax.flax.MultiHeadAttention.__call__``; ``deterministic``
+    Arguments as ``te_jax.flax.MultiHeadAttention.__call__`` (``input_norm``:
+    a pre-norm of ``inputs_q`` fused into the projections' FP8 input
+    quantization, e.g. ``LayerNorm.norm_params()``); ``deterministic``
     defaults to the module attribute. Returns (B, Sq, out_features) in the
     compute dtype.
     """
@@ -144,10 +148,14 @@ class MultiHeadAttention(nnx.Module):
         inputs_q, inputs_kv, segment_ids, segment_positions,
         kv_segment_ids, kv_segment_positions)
     compute = compute_dtype(self.dtype, inputs_q.dtype, self.param_dtype)
+    norm_kw = {} if input_norm is None else {"input_norm": input_norm}
     if self.fused_qkv:
-      q, k, v = self.qkv(inputs_q)
+      q, k, v = self.qkv(inputs_q, **norm_kw)
     else:
-      q = self.query(inputs_q)
+      if input_norm is not None and self_attn:   # K and V read the query's norm output
+        q, inputs_kv = self.query(inputs_q, input_norm=input_norm, return_norm_output=True)
+      else:
+        q = self.query(inputs_q, **norm_kw)
       k, v = self.kv(inputs_kv.astype(compute))   # the Linen module's dtype=compute
     deterministic = self.deterministic if deterministic is None else deterministic
     dropout = self.attention_dropout > 0.0 and not deterministic

@@ -18,8 +18,8 @@ from flax import nnx
 from te_jax import dense as dense_lib
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
-from te_jax.flax.dense import (default_kernel_axes, default_kernel_init, fused_norm_blocker,
-                               kernel_fan_in_init, log_unfused_norm)
+from te_jax.flax.dense import default_kernel_axes, default_kernel_init, kernel_fan_in_init
+from te_jax.flax.fused_norm import fused_norm_blocker, log_unfused_norm
 from te_jax.flax.norm import apply_norm, check_norm_type
 from te_jax.nnx import state as st
 
@@ -115,6 +115,13 @@ class _Norm(nnx.Module):
                       epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
                       dtype=self.dtype if self.dtype is not None else x.dtype)
 
+  def norm_params(self) -> norm_dense.NormParams:
+    """The norm as a ``te_jax.norm_dense.NormParams``, for a layer that fuses
+    it into its own input quantization (``Linear(...)(x, input_norm=...)``)."""
+    bias = self.bias[...] if self._norm_type == "layernorm" else None
+    return norm_dense.NormParams(self.scale[...], bias, self._norm_type, self.epsilon,
+                                 self.zero_centered_gamma)
+
 
 class LayerNorm(_Norm):
   """``te_jax.flax.LayerNorm`` as an NNX module: ``LayerNorm(num_features, *,
@@ -201,8 +208,19 @@ class Linear(nnx.Module):
       self.bias = param(rngs, bias_init, self.out_features, param_dtype, bias_axes)
     st.add_fp8_state(self, mode)
 
-  def __call__(self, x: jax.Array):
-    """Applies the projection; see the class docstring for shapes."""
+  def __call__(self, x: jax.Array, *, input_norm: Optional[norm_dense.NormParams] = None,
+               return_norm_output: bool = False):
+    """Applies the projection; see the class docstring for shapes.
+
+    ``input_norm`` and ``return_norm_output``: as
+    ``te_jax.flax.DenseGeneral.__call__`` (the projection of ``norm(x)``, the
+    norm fused into the FP8 quantization of the GEMM input where it can be).
+    """
+    if input_norm is not None:
+      return self._normed(x, input_norm, return_norm_output)
+    if return_norm_output:
+      raise ValueError("return_norm_output=True needs an input_norm to return the "
+                       "output of.")
     settings = fp8_module.read_autocast(self.impl)
     axis = fp8_module.canonicalize_axes(self.axis, x.ndim)
     got = tuple(x.shape[a] for a in axis)
@@ -217,6 +235,55 @@ class Linear(nnx.Module):
     return fp8_gemm(self, settings, x.astype(compute), self.kernel[...], bias,
                     contract_ndim=len(axis), kernel_axes=self.kernel_axes,
                     split_output=self.split_output)
+
+  def _normed(self, x, norm, return_norm_output):
+    if not isinstance(norm, norm_dense.NormParams):
+      raise TypeError(f"input_norm must be a te_jax.norm_dense.NormParams, got "
+                      f"{type(norm).__name__}.")
+    if fp8_module.canonicalize_axes(self.axis, x.ndim) != (x.ndim - 1,):
+      raise ValueError(f"input_norm normalizes the last axis of x, so the projection "
+                       f"must contract it alone: axis=-1, got {self.axis!r}.")
+    compute = compute_dtype(self.dtype, x.dtype, self.param_dtype)
+    settings = fp8_module.read_autocast(self.impl)
+    if settings.recipe is not None and x.shape[-1:] == self.in_features:
+      blocker = fused_norm_blocker(settings, x)
+      if blocker is None:
+        states, blocker = st.fused_states(self, settings, self.FP8_GEMMS)
+      if blocker is None:
+        bias = self.bias[...].astype(compute) if self.use_bias else None
+        return fused_norm_linear(self, x, norm, bias, settings, compute, states[0],
+                                 return_norm_output=return_norm_output,
+                                 num_splits=self.out_features[0] if self.split_output else 1)
+      log_unfused_norm(type(self).__name__, blocker)
+    ln_out = apply_norm(x, norm.gamma, norm.beta, norm_type=norm.norm_type,
+                        epsilon=norm.epsilon, zero_centered_gamma=norm.zero_centered_gamma,
+                        dtype=compute)
+    y = self(ln_out)   # the plain projection checks in_features
+    return (y, ln_out) if return_norm_output else y
+
+
+def fused_norm_linear(module, x, norm, bias, settings, compute, state, *,
+                      return_norm_output: bool, num_splits: int = 1):
+  """A norm + projection's FP8 path through ``te_jax.norm_dense.fp8_norm_dense``
+  (``module``: a Linear or LayerNormLinear, its kernel (in, *out_features));
+  with ``num_splits`` > 1 the output is a tuple of ``out_features[0]`` arrays."""
+  if state is not None:
+    st.track_updates(module, module.kernel[...])
+  e, lead = x.shape[-1], x.shape[:-1]
+  out = norm_dense.fp8_norm_dense(
+      x.reshape(-1, e), norm.gamma, norm.beta,
+      fp8_module.gemm_kernel(settings, module.kernel[...], compute).reshape(e, -1),
+      None if bias is None else bias.reshape(-1), norm_type=norm.norm_type,
+      epsilon=norm.epsilon, zero_centered_gamma=norm.zero_centered_gamma,
+      recipe=settings.recipe, fp8_state=state, impl=settings.impl,
+      return_norm_output=return_norm_output, dtype=compute, num_splits=num_splits)
+  y, ln_out = out if return_norm_output else (out, None)
+  features = module.out_features
+  if num_splits > 1:
+    y = tuple(p.reshape(lead + features[1:]) for p in y)
+  else:
+    y = y.reshape(lead + features)
+  return (y, ln_out.reshape(x.shape)) if return_norm_output else y
 
 
 class LayerNormLinear(nnx.Module):
@@ -295,9 +362,10 @@ class LayerNormLinear(nnx.Module):
       if blocker is None:
         states, blocker = st.fused_states(self, settings, self.FP8_GEMMS)
       if blocker is None:
-        if states[0] is not None:
-          st.track_updates(self, self.kernel[...])
-        return self._fused(x, scale, ln_bias, bias, settings, compute, states[0])
+        norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
+                                     self.zero_centered_gamma)
+        return fused_norm_linear(self, x, norm, bias, settings, compute, states[0],
+                                 return_norm_output=self.return_layernorm_output)
       log_unfused_norm(type(self).__name__, blocker)
     ln_out = apply_norm(x, scale, ln_bias, norm_type=self.layernorm_type,
                         epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
@@ -305,18 +373,3 @@ class LayerNormLinear(nnx.Module):
     y = fp8_gemm(self, settings, ln_out, self.kernel[...], bias,
                  kernel_axes=self.kernel_axes)
     return (y, ln_out) if self.return_layernorm_output else y
-
-  def _fused(self, x, scale, ln_bias, bias, settings, compute, state):
-    """The FP8 path through ``te_jax.norm_dense.fp8_norm_dense``."""
-    e, lead = self.in_features, x.shape[:-1]
-    out = norm_dense.fp8_norm_dense(
-        x.reshape(-1, e), scale, ln_bias,
-        fp8_module.gemm_kernel(settings, self.kernel[...], compute).reshape(e, -1),
-        None if bias is None else bias.reshape(-1), norm_type=self.layernorm_type,
-        epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
-        recipe=settings.recipe, fp8_state=state, impl=settings.impl,
-        return_norm_output=self.return_layernorm_output, dtype=compute)
-    if self.return_layernorm_output:
-      y, ln_out = out
-      return y.reshape(lead + self.out_features), ln_out.reshape(x.shape)
-    return out.reshape(lead + self.out_features)

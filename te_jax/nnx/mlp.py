@@ -18,8 +18,8 @@ from te_jax import fused_mlp
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
 from te_jax.flax.mlp import check_activations, fused_core_blocker, fused_norm_mlp, log_unfused
-from te_jax.flax.dense import (default_kernel_init, fused_norm_blocker, kernel_fan_in_init,
-                               log_unfused_norm)
+from te_jax.flax.dense import default_kernel_init, kernel_fan_in_init
+from te_jax.flax.fused_norm import fused_norm_blocker, log_unfused_norm
 from te_jax.flax.norm import apply_norm, check_norm_type
 from te_jax.nnx import state as st
 from te_jax.nnx.linear import compute_dtype, fp8_gemm, ones, param, to_tuple, zeros

@@ -199,7 +199,7 @@ def gemm_state(module: nnx.Module, name: str, mode):
 
 
 def fused_states(module: nnx.Module, settings, names: Sequence[str]):
-  """``te_jax.flax.dense.fused_states`` for an NNX module: (states, None), or
+  """``te_jax.flax.fused_norm.fused_states`` for an NNX module: (states, None), or
   (None, reason) when the module takes the unfused path (whose GEMMs then
   handle, or report, the state). Same decisions as the Linen modules."""
   mode = settings.recipe.scaling_mode()

@@ -95,6 +95,7 @@ class TransformerLayer(nnx.Module):
           dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
           bias_init=bias_init, deterministic=deterministic, impl=impl, rngs=rngs)
 
+    self.fuse_norm_quantize = bool(fuse_norm_quantize)
     self.pre_attention_norm = norm()
     self.self_attention = attention("self", mask_type, enable_rotary_pos_emb)
     self.encoder_hidden_size = encoder_hidden_size
@@ -111,6 +112,13 @@ class TransformerLayer(nnx.Module):
         deterministic=deterministic, impl=impl, rngs=rngs)
     self.dropout = (nnx.Dropout(hidden_dropout, deterministic=deterministic, rngs=rngs)
                     if hidden_dropout > 0.0 else None)
+
+  def _normed_attention(self, norm, attention, x, **kw):
+    """``attention(norm(x), **kw)``, the norm fused into the projections'
+    quantization under ``fuse_norm_quantize`` (as the Linen layer)."""
+    if self.fuse_norm_quantize:
+      return attention(x, input_norm=norm.norm_params(), **kw)
+    return attention(norm(x), **kw)
 
   def _drop(self, x, deterministic):
     return x if self.dropout is None else self.dropout(x, deterministic=deterministic)
@@ -138,15 +146,15 @@ class TransformerLayer(nnx.Module):
     compute = compute_dtype(self.dtype, inputs.dtype, self.param_dtype)
     x = inputs.astype(compute)
 
-    h = self.pre_attention_norm(x)
-    h = self.self_attention(h, segment_ids=segment_ids, segment_positions=segment_positions,
-                            deterministic=deterministic)
+    h = self._normed_attention(self.pre_attention_norm, self.self_attention, x,
+                               segment_ids=segment_ids, segment_positions=segment_positions,
+                               deterministic=deterministic)
     x = x + self._drop(h, deterministic)
 
     if encoded is not None:
-      h = self.pre_cross_attention_norm(x)
-      h = self.cross_attention(
-          h, encoded, segment_ids=segment_ids if encoder_segment_ids is not None else None,
+      h = self._normed_attention(
+          self.pre_cross_attention_norm, self.cross_attention, x, inputs_kv=encoded,
+          segment_ids=segment_ids if encoder_segment_ids is not None else None,
           kv_segment_ids=encoder_segment_ids, deterministic=deterministic)
       x = x + self._drop(h, deterministic)
 

@@ -1,0 +1,77 @@
+"""When a Flax module's norm can be fused into the FP8 quantization of its GEMM input.
+
+The checks shared by every module with a fused norm + quantize path
+(``te_jax.flax.dense``, ``te_jax.flax.mlp`` and their NNX twins): whether the
+input and the active recipe allow it (:func:`fused_norm_blocker`), the FP8
+state the fused core uses (:func:`fused_states`), and the one INFO line that
+says why a module normalizes in XLA instead (:func:`log_unfused_norm`).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import flax.linen as nn
+
+from te_jax import fp8_state as state_lib
+from te_jax import norm_dense
+from te_jax.flax import fp8_module
+
+__all__ = ["fused_norm_blocker", "fused_states", "log_unfused_norm"]
+
+_NORM_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@functools.lru_cache(maxsize=None)
+def log_unfused_norm(module_name: str, reason: str):
+  """Says once per (module class, reason) why the norm was not fused."""
+  logging.getLogger("te_jax").info(
+      "te_jax: %s normalizes in XLA and quantizes the result separately (not the "
+      "fused norm + quantize kernels): %s", module_name, reason)
+
+
+def fused_norm_blocker(settings: fp8_module.GemmSettings, x: jax.Array) -> Optional[str]:
+  """Why the input ``x`` (..., embed) of an FP8 module cannot take the fused
+  norm path (``te_jax.norm_dense``), or None when it can. FP8 must be on."""
+  recipe = settings.recipe
+  if not settings.unsharded():
+    return "its GEMMs are sharded (the fused norm has no sharding rule)"
+  if jnp.dtype(x.dtype) not in _NORM_INPUT_DTYPES:
+    return f"the input is {x.dtype}, not float32, bfloat16 or float16"
+  m, k = math.prod(x.shape[:-1]), x.shape[-1]
+  if not norm_dense.supported(m, k, recipe):
+    return (f"{m} tokens, embed {k}: it needs tokens % "
+            f"{recipe.scaling_mode().token_block} == 0, embed % 128 == 0 and embed <= "
+            f"{norm_dense.MAX_HIDDEN} (a norm cannot be padded)")
+  return None
+
+
+def fused_states(module: nn.Module, settings: fp8_module.GemmSettings, names):
+  """(states, None) for a fused core that calls the functional layer with the
+  FP8 states of the GEMMs ``names`` (the variables two ``fp8_module.fp8_gemm``
+  calls of those names use), or (None, reason) when the module should take
+  the unfused path instead, whose ``fp8_gemm`` then handles them: the
+  variables hold another recipe's state (kept as they are there), or are
+  missing or of another shape (``fp8_gemm`` raises its error there).
+  Declares nothing unless it returns states.
+  """
+  mode = settings.recipe.scaling_mode()
+  coll = state_lib.FP8_COLLECTION
+  have = [module.has_variable(coll, n) for n in names]
+  if not mode.uses_state:
+    if any(have):
+      return None, "it holds FP8 state that the active recipe does not use"
+    return (None,) * len(names), None
+  if not all(have) and not module.is_mutable_collection(coll):
+    return None, "its FP8 state variables are missing"
+  want = jax.tree.map(lambda a: a.shape, jax.eval_shape(mode.init_state))
+  for n, h in zip(names, have):
+    if h and jax.tree.map(lambda a: a.shape, module.get_variable(coll, n)) != want:
+      return None, f"its FP8 state '{n}' does not fit the active recipe"
+  # Through declare_fp8_state: the same scan checks as the unfused path.
+  return tuple(fp8_module.declare_fp8_state(module, n, mode) for n in names), None
