@@ -227,6 +227,23 @@ def test_dense_general_input_norm_checks_its_arguments():
   np.testing.assert_array_equal(np.asarray(y), np.asarray(tfx.DenseGeneral(8).apply(v, want_ln)))
 
 
+def test_nnx_linear_input_norm_checks_its_arguments():
+  from flax import nnx   # pylint: disable=import-outside-toplevel
+  from te_jax import nnx as tnx   # pylint: disable=import-outside-toplevel
+  x = _rand(27, (2, 128, 128))
+  norm = tnx.LayerNorm(128, rngs=nnx.Rngs(0))
+  lin = tnx.Linear(128, 8, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="needs an input_norm"):
+    lin(x, return_norm_output=True)
+  with pytest.raises(TypeError, match="input_norm must be a te_jax.norm_dense.NormParams"):
+    lin(x, input_norm=(1.0, 0.0))
+  with pytest.raises(ValueError, match="axis=-1"):
+    tnx.Linear((2, 128), 8, axis=(-2, -1), rngs=nnx.Rngs(0))(x, input_norm=norm.norm_params())
+  y, ln = lin(x, input_norm=norm.norm_params(), return_norm_output=True)   # FP8 off
+  np.testing.assert_array_equal(np.asarray(ln), np.asarray(norm(x)))
+  np.testing.assert_array_equal(np.asarray(y), np.asarray(lin(norm(x))))
+
+
 def test_unfusable_input_norm_says_why(monkeypatch, caplog):
   """100 tokens per row (not a multiple of the token block): the norm runs in
   XLA, with an INFO line naming the module and the reason, and the result

@@ -32,7 +32,8 @@ from flax.core import meta
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
 # The fused-norm checks, used here and by the MLP and NNX modules.
-from te_jax.flax.fused_norm import fused_norm_blocker, fused_states, log_unfused_norm
+from te_jax.flax.fused_norm import (check_input_norm, fused_norm_blocker, fused_states,
+                                    log_unfused_norm)
 from te_jax.flax.norm import apply_norm, norm_params
 
 __all__ = ["DenseGeneral", "LayerNormDenseGeneral", "default_kernel_axes",
@@ -299,12 +300,7 @@ class DenseGeneral(nn.Module):
           kernel_init=self.kernel_init, bias_init=self.bias_init,
           kernel_axes=self.kernel_axes, bias_axes=self.bias_axes,
           split_output=self.split_output)
-    if not isinstance(input_norm, norm_dense.NormParams):
-      raise TypeError(f"input_norm must be a te_jax.norm_dense.NormParams, got "
-                      f"{type(input_norm).__name__}.")
-    if fp8_module.canonicalize_axes(self.axis, inputs.ndim) != (inputs.ndim - 1,):
-      raise ValueError(f"input_norm normalizes the last axis of inputs, so the "
-                       f"projection must contract it alone: axis=-1, got {self.axis!r}.")
+    check_input_norm(input_norm, self.axis, inputs.ndim)
     compute = self.dtype if self.dtype is not None else jnp.result_type(
         inputs.dtype, self.param_dtype)
     features = (self.features,) if isinstance(self.features, int) else tuple(self.features)

@@ -22,7 +22,7 @@ from te_jax import fp8_state as state_lib
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
 
-__all__ = ["fused_norm_blocker", "fused_states", "log_unfused_norm"]
+__all__ = ["check_input_norm", "fused_norm_blocker", "fused_states", "log_unfused_norm"]
 
 _NORM_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -75,3 +75,15 @@ def fused_states(module: nn.Module, settings: fp8_module.GemmSettings, names):
       return None, f"its FP8 state '{n}' does not fit the active recipe"
   # Through declare_fp8_state: the same scan checks as the unfused path.
   return tuple(fp8_module.declare_fp8_state(module, n, mode) for n in names), None
+
+
+def check_input_norm(input_norm, axis, ndim: int):
+  """Checks the ``input_norm`` argument of a projection contracting ``axis``
+  of an ndim-D input: a ``te_jax.norm_dense.NormParams``, and a projection
+  over the last axis alone (the axis the norm normalizes)."""
+  if not isinstance(input_norm, norm_dense.NormParams):
+    raise TypeError(f"input_norm must be a te_jax.norm_dense.NormParams, got "
+                    f"{type(input_norm).__name__}.")
+  if fp8_module.canonicalize_axes(axis, ndim) != (ndim - 1,):
+    raise ValueError(f"input_norm normalizes the last axis of the input, so the "
+                     f"projection must contract it alone: axis=-1, got {axis!r}.")

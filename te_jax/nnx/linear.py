@@ -19,7 +19,7 @@ from te_jax import dense as dense_lib
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
 from te_jax.flax.dense import default_kernel_axes, default_kernel_init, kernel_fan_in_init
-from te_jax.flax.fused_norm import fused_norm_blocker, log_unfused_norm
+from te_jax.flax.fused_norm import check_input_norm, fused_norm_blocker, log_unfused_norm
 from te_jax.flax.norm import apply_norm, check_norm_type
 from te_jax.nnx import state as st
 
@@ -237,12 +237,7 @@ class Linear(nnx.Module):
                     split_output=self.split_output)
 
   def _normed(self, x, norm, return_norm_output):
-    if not isinstance(norm, norm_dense.NormParams):
-      raise TypeError(f"input_norm must be a te_jax.norm_dense.NormParams, got "
-                      f"{type(norm).__name__}.")
-    if fp8_module.canonicalize_axes(self.axis, x.ndim) != (x.ndim - 1,):
-      raise ValueError(f"input_norm normalizes the last axis of x, so the projection "
-                       f"must contract it alone: axis=-1, got {self.axis!r}.")
+    check_input_norm(norm, self.axis, x.ndim)
     compute = compute_dtype(self.dtype, x.dtype, self.param_dtype)
     settings = fp8_module.read_autocast(self.impl)
     if settings.recipe is not None and x.shape[-1:] == self.in_features:
