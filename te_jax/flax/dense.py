@@ -33,7 +33,7 @@ from te_jax import norm_dense
 from te_jax.flax import fp8_module
 # The fused-norm checks, used here and by the MLP and NNX modules.
 from te_jax.flax.fused_norm import (check_input_norm, fused_norm_blocker, fused_states,
-                                    log_unfused_norm)
+                                    log_unfused_norm, norm_project)
 from te_jax.flax.norm import apply_norm, norm_params
 
 __all__ = ["DenseGeneral", "LayerNormDenseGeneral", "default_kernel_axes",
@@ -294,12 +294,7 @@ class DenseGeneral(nn.Module):
       if return_norm_output:
         raise ValueError("return_norm_output=True needs an input_norm to return the "
                          "output of.")
-      return declare_and_apply_dense(
-          self, inputs, settings=settings, features=self.features, axis=self.axis,
-          use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
-          kernel_init=self.kernel_init, bias_init=self.bias_init,
-          kernel_axes=self.kernel_axes, bias_axes=self.bias_axes,
-          split_output=self.split_output)
+      return self._project(settings, inputs)
     check_input_norm(input_norm, self.axis, inputs.ndim)
     compute = self.dtype if self.dtype is not None else jnp.result_type(
         inputs.dtype, self.param_dtype)
@@ -320,13 +315,16 @@ class DenseGeneral(nn.Module):
     ln_out = apply_norm(inputs, input_norm.gamma, input_norm.beta,
                         norm_type=input_norm.norm_type, epsilon=input_norm.epsilon,
                         zero_centered_gamma=input_norm.zero_centered_gamma, dtype=compute)
-    y = declare_and_apply_dense(
-        self, ln_out, settings=settings, features=self.features, axis=-1,
+    y = self._project(settings, ln_out)   # self.axis is the last one: checked above
+    return (y, ln_out) if return_norm_output else y
+
+  def _project(self, settings, x):
+    return declare_and_apply_dense(
+        self, x, settings=settings, features=self.features, axis=self.axis,
         use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
         kernel_init=self.kernel_init, bias_init=self.bias_init,
         kernel_axes=self.kernel_axes, bias_axes=self.bias_axes,
         split_output=self.split_output)
-    return (y, ln_out) if return_norm_output else y
 
 
 class LayerNormDenseGeneral(nn.Module):
@@ -438,25 +436,12 @@ def fused_norm_dense(module: nn.Module, inputs, norm: norm_dense.NormParams, set
   init key from its position). With ``num_splits`` > 1 the output is a tuple
   of ``features[0]`` arrays (..., *features[1:]) (``split_output``).
   """
-  embed = inputs.shape[-1]
   features = (features,) if isinstance(features, int) else tuple(features)
   kernel, bias, _ = declare_dense(
-      module, (embed,), features=features, use_bias=use_bias,
+      module, (inputs.shape[-1],), features=features, use_bias=use_bias,
       param_dtype=module.param_dtype, kernel_init=module.kernel_init,
       bias_init=module.bias_init, kernel_axes=module.kernel_axes,
       bias_axes=module.bias_axes)
-  lead = inputs.shape[:-1]
-  out = norm_dense.fp8_norm_dense(
-      inputs.reshape(-1, embed), norm.gamma, norm.beta,
-      fp8_module.gemm_kernel(settings, kernel, compute).reshape(embed, -1),
-      None if bias is None else bias.astype(compute).reshape(-1),
-      norm_type=norm.norm_type, epsilon=norm.epsilon,
-      zero_centered_gamma=norm.zero_centered_gamma, recipe=settings.recipe,
-      fp8_state=state, impl=settings.impl, return_norm_output=return_norm_output,
-      dtype=compute, num_splits=num_splits)
-  y, ln_out = out if return_norm_output else (out, None)
-  if num_splits > 1:
-    y = tuple(p.reshape(lead + features[1:]) for p in y)
-  else:
-    y = y.reshape(lead + features)
-  return (y, ln_out.reshape(inputs.shape)) if return_norm_output else y
+  return norm_project(inputs, norm, kernel, bias, settings, compute, state,
+                      features=features, return_norm_output=return_norm_output,
+                      num_splits=num_splits)

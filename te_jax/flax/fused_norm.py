@@ -4,7 +4,9 @@ The checks shared by every module with a fused norm + quantize path
 (``te_jax.flax.dense``, ``te_jax.flax.mlp`` and their NNX twins): whether the
 input and the active recipe allow it (:func:`fused_norm_blocker`), the FP8
 state the fused core uses (:func:`fused_states`), and the one INFO line that
-says why a module normalizes in XLA instead (:func:`log_unfused_norm`).
+says why a module normalizes in XLA instead (:func:`log_unfused_norm`); and
+the fused norm + projection call of the Linen and NNX dense modules
+(:func:`norm_project`).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from te_jax import fp8_state as state_lib
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
 
-__all__ = ["check_input_norm", "fused_norm_blocker", "fused_states", "log_unfused_norm"]
+__all__ = ["check_input_norm", "fused_norm_blocker", "fused_states", "log_unfused_norm",
+           "norm_project"]
 
 _NORM_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -87,3 +90,27 @@ def check_input_norm(input_norm, axis, ndim: int):
   if fp8_module.canonicalize_axes(axis, ndim) != (ndim - 1,):
     raise ValueError(f"input_norm normalizes the last axis of the input, so the "
                      f"projection must contract it alone: axis=-1, got {axis!r}.")
+
+
+def norm_project(x, norm: norm_dense.NormParams, kernel, bias, settings, compute, state, *,
+                 features, return_norm_output: bool, num_splits: int = 1):
+  """``te_jax.norm_dense.fp8_norm_dense`` on the 2-D views of a module's input
+  x (..., embed), kernel (embed, *features) in its parameter dtype and bias
+  (*features,) or None, in the module's shapes: (..., *features), a tuple of
+  ``features[0]`` arrays (..., *features[1:]) when ``num_splits`` > 1, and
+  with ``return_norm_output`` also the normalized x in ``compute``."""
+  embed, lead = x.shape[-1], x.shape[:-1]
+  out = norm_dense.fp8_norm_dense(
+      x.reshape(-1, embed), norm.gamma, norm.beta,
+      fp8_module.gemm_kernel(settings, kernel, compute).reshape(embed, -1),
+      None if bias is None else bias.astype(compute).reshape(-1),
+      norm_type=norm.norm_type, epsilon=norm.epsilon,
+      zero_centered_gamma=norm.zero_centered_gamma, recipe=settings.recipe,
+      fp8_state=state, impl=settings.impl, return_norm_output=return_norm_output,
+      dtype=compute, num_splits=num_splits)
+  y, ln_out = out if return_norm_output else (out, None)
+  if num_splits > 1:
+    y = tuple(p.reshape(lead + tuple(features[1:])) for p in y)
+  else:
+    y = y.reshape(lead + tuple(features))
+  return (y, ln_out.reshape(x.shape)) if return_norm_output else y

@@ -19,7 +19,8 @@ from te_jax import dense as dense_lib
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
 from te_jax.flax.dense import default_kernel_axes, default_kernel_init, kernel_fan_in_init
-from te_jax.flax.fused_norm import check_input_norm, fused_norm_blocker, log_unfused_norm
+from te_jax.flax.fused_norm import (check_input_norm, fused_norm_blocker, log_unfused_norm,
+                                    norm_project)
 from te_jax.flax.norm import apply_norm, check_norm_type
 from te_jax.nnx import state as st
 
@@ -264,21 +265,9 @@ def fused_norm_linear(module, x, norm, bias, settings, compute, state, *,
   with ``num_splits`` > 1 the output is a tuple of ``out_features[0]`` arrays."""
   if state is not None:
     st.track_updates(module, module.kernel[...])
-  e, lead = x.shape[-1], x.shape[:-1]
-  out = norm_dense.fp8_norm_dense(
-      x.reshape(-1, e), norm.gamma, norm.beta,
-      fp8_module.gemm_kernel(settings, module.kernel[...], compute).reshape(e, -1),
-      None if bias is None else bias.reshape(-1), norm_type=norm.norm_type,
-      epsilon=norm.epsilon, zero_centered_gamma=norm.zero_centered_gamma,
-      recipe=settings.recipe, fp8_state=state, impl=settings.impl,
-      return_norm_output=return_norm_output, dtype=compute, num_splits=num_splits)
-  y, ln_out = out if return_norm_output else (out, None)
-  features = module.out_features
-  if num_splits > 1:
-    y = tuple(p.reshape(lead + features[1:]) for p in y)
-  else:
-    y = y.reshape(lead + features)
-  return (y, ln_out.reshape(x.shape)) if return_norm_output else y
+  return norm_project(x, norm, module.kernel[...], bias, settings, compute, state,
+                      features=module.out_features, return_norm_output=return_norm_output,
+                      num_splits=num_splits)
 
 
 class LayerNormLinear(nnx.Module):
