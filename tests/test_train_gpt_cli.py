@@ -292,3 +292,46 @@ def test_kv_groups_that_do_not_divide_heads_are_a_usage_error(capsys):
   assert e.value.code == 2
   err = capsys.readouterr().err
   assert err.startswith("usage:") and "--kv_groups 3 must divide --heads 4" in err
+
+
+def test_small_vocabulary_embedding_is_a_one_hot_product_with_nn_embed_variables():
+  """gpt_model.OneHotEmbed (used for vocabularies up to ONE_HOT_VOCAB_MAX):
+  nn.Embed's variable and forward values exactly, and a table gradient at
+  least as close to the float32 one as nn.Embed's bf16 scatter-add."""
+  import gpt_model  # pylint: disable=import-error
+  tokens = jax.random.randint(jax.random.key(0), (4, 256), 0, 64)
+  one_hot = gpt_model.OneHotEmbed(64, 32, dtype=jnp.bfloat16)
+  embed = nn.Embed(64, 32, dtype=jnp.bfloat16, embedding_init=nn.initializers.normal(1.0))
+  v = one_hot.init(jax.random.key(1), tokens)
+  ve = embed.init(jax.random.key(1), tokens)
+  assert jax.tree.structure(v) == jax.tree.structure(ve)
+  np.testing.assert_array_equal(v["params"]["embedding"], ve["params"]["embedding"])
+  y = one_hot.apply(v, tokens)
+  assert y.dtype == jnp.bfloat16 and y.shape == (4, 256, 32)
+  np.testing.assert_array_equal(y, embed.apply(v, tokens))
+  cot = jax.random.normal(jax.random.key(2), y.shape, jnp.float32)
+
+  def grad(module):
+    return jax.grad(lambda v: jnp.sum(module.apply(v, tokens).astype(jnp.float32) * cot))(
+        v)["params"]["embedding"]
+
+  exact = jax.grad(lambda t: jnp.sum(jnp.take(t, tokens, axis=0) * cot))(v["params"]["embedding"])
+  err = float(jnp.abs(grad(one_hot) - exact).max())
+  err_embed = float(jnp.abs(grad(embed) - exact).max())
+  scale = float(jnp.abs(exact).max())
+  # the product sums in float32 and rounds once: a few bf16 ulps of the
+  # cotangent's rounding, against the scatter-add's bf16 partial sums
+  assert err <= err_embed and err < 2.0 ** -4 * scale, (err, err_embed, scale)
+  with pytest.raises(TypeError, match="tokens must be integers"):
+    one_hot.apply(v, tokens.astype(jnp.float32))
+  model = gpt_model.GPT(vocab_size=64, hidden=32, layers=1, heads=2, mlp=64)
+  assert gpt_model.ONE_HOT_VOCAB_MAX >= 64
+  seg = jnp.ones((1, 16), jnp.int32)
+  pos = jnp.arange(16)[None]
+  mv = model.init(jax.random.key(3), tokens[:1, :16], seg, pos)
+  assert mv["params"]["embed"]["embedding"].shape == (64, 32)
+  # the model's gradient has no scatter-add into the table (nn.Embed's has one)
+  loss = lambda v: jnp.sum(model.apply(v, tokens[:1, :16], seg, pos))
+  assert "scatter" not in str(jax.make_jaxpr(jax.grad(loss))(mv))
+  embed_loss = lambda v: jnp.sum(embed.apply(v, tokens))
+  assert "scatter" in str(jax.make_jaxpr(jax.grad(embed_loss))(ve))
