@@ -32,8 +32,7 @@ from flax.core import meta
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
 # The fused-norm checks, used here and by the MLP and NNX modules.
-from te_jax.flax.fused_norm import (check_input_norm, fused_norm_blocker, fused_states,
-                                    log_unfused_norm, norm_project)
+from te_jax.flax.fused_norm import check_input_norm, fused_norm_states, norm_project
 from te_jax.flax.norm import apply_norm, norm_params
 
 __all__ = ["DenseGeneral", "LayerNormDenseGeneral", "default_kernel_axes",
@@ -302,16 +301,12 @@ class DenseGeneral(nn.Module):
     if self.split_output and len(features) < 2:
       raise ValueError(f"split_output=True unstacks the first of several feature dims; "
                        f"features={features} has {len(features)}. Use features=(n, ...).")
-    if settings.recipe is not None:
-      blocker = fused_norm_blocker(settings, inputs)
-      if blocker is None:
-        states, blocker = fused_states(self, settings, (fp8_module.FP8_META,))
-      if blocker is None:
-        return fused_norm_dense(self, inputs, input_norm, settings, compute, states[0],
-                                features=features, use_bias=self.use_bias,
-                                return_norm_output=return_norm_output,
-                                num_splits=features[0] if self.split_output else 1)
-      log_unfused_norm(type(self).__name__, blocker)
+    states = fused_norm_states(self, settings, inputs, (fp8_module.FP8_META,))
+    if states is not None:
+      return fused_norm_dense(self, inputs, input_norm, settings, compute, states[0],
+                              features=features, use_bias=self.use_bias,
+                              return_norm_output=return_norm_output,
+                              num_splits=features[0] if self.split_output else 1)
     ln_out = apply_norm(inputs, input_norm.gamma, input_norm.beta,
                         norm_type=input_norm.norm_type, epsilon=input_norm.epsilon,
                         zero_centered_gamma=input_norm.zero_centered_gamma, dtype=compute)
@@ -401,17 +396,14 @@ class LayerNormDenseGeneral(nn.Module):
         zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init,
         bias_init=self.ln_bias_init, axes=tuple(self.ln_scale_axes),
         param_dtype=self.param_dtype, bias_axes=tuple(self.ln_bias_axes))
-    if settings.recipe is not None and self.fuse_norm_quantize:
-      blocker = fused_norm_blocker(settings, inputs)
-      if blocker is None:
-        states, blocker = fused_states(self, settings, (fp8_module.FP8_META,))
-      if blocker is None:
-        norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
-                                     self.zero_centered_gamma)
-        return fused_norm_dense(self, inputs, norm, settings, compute, states[0],
-                                features=self.features, use_bias=self.use_bias,
-                                return_norm_output=self.return_layernorm_output)
-      log_unfused_norm(type(self).__name__, blocker)
+    states = (fused_norm_states(self, settings, inputs, (fp8_module.FP8_META,))
+              if self.fuse_norm_quantize else None)
+    if states is not None:
+      norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
+                                   self.zero_centered_gamma)
+      return fused_norm_dense(self, inputs, norm, settings, compute, states[0],
+                              features=self.features, use_bias=self.use_bias,
+                              return_norm_output=self.return_layernorm_output)
     ln_out = apply_norm(inputs, scale, ln_bias, norm_type=self.layernorm_type,
                         epsilon=self.epsilon,
                         zero_centered_gamma=self.zero_centered_gamma, dtype=compute)

@@ -24,8 +24,8 @@ from te_jax import fp8_state as state_lib
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
 
-__all__ = ["check_input_norm", "fused_norm_blocker", "fused_states", "log_unfused_norm",
-           "norm_project"]
+__all__ = ["check_input_norm", "fused_norm_blocker", "fused_states", "fused_norm_states",
+           "log_unfused_norm", "norm_project"]
 
 _NORM_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -78,6 +78,24 @@ def fused_states(module: nn.Module, settings: fp8_module.GemmSettings, names):
       return None, f"its FP8 state '{n}' does not fit the active recipe"
   # Through declare_fp8_state: the same scan checks as the unfused path.
   return tuple(fp8_module.declare_fp8_state(module, n, mode) for n in names), None
+
+
+def fused_norm_states(module, settings: fp8_module.GemmSettings, x: jax.Array, names,
+                      find_states=fused_states):
+  """The FP8 states (a tuple, one per GEMM in ``names``) with which ``module``
+  takes its fused norm + quantize path for input ``x``, or None when it
+  normalizes in XLA instead: silently with FP8 off, else after
+  :func:`log_unfused_norm` says why. ``find_states``: :func:`fused_states`
+  (Linen) or ``te_jax.nnx.state.fused_states`` (NNX), same contract."""
+  if settings.recipe is None:
+    return None
+  blocker = fused_norm_blocker(settings, x)
+  if blocker is None:
+    states, blocker = find_states(module, settings, names)
+    if blocker is None:
+      return states
+  log_unfused_norm(type(module).__name__, blocker)
+  return None
 
 
 def check_input_norm(input_norm, axis, ndim: int):

@@ -37,7 +37,7 @@ from te_jax import fused_mlp
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
 from te_jax.flax.dense import default_kernel_init, kernel_fan_in_init, logical_partitioning_of
-from te_jax.flax.fused_norm import fused_norm_blocker, fused_states, log_unfused_norm
+from te_jax.flax.fused_norm import fused_norm_states
 from te_jax.flax.norm import apply_norm, norm_params
 from te_jax.ops.act_quantize import ACTIVATIONS
 
@@ -247,19 +247,16 @@ class LayerNormMLP(nn.Module):
       if not fused:
         log_unfused("LayerNormMLP", blocker)
     names = ("wi_fp8_meta", "wo_fp8_meta")
-    if fused and self.fuse_norm_quantize:
-      blocker = fused_norm_blocker(settings, inputs)
-      if blocker is None:
-        states, blocker = fused_states(self, settings, names)
-      if blocker is None:
-        return fused_norm_mlp(
-            inputs, wi, wo, None if bi is None else bi.astype(compute),
-            None if bo is None else bo.astype(compute),
-            norm=norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
-                                       self.zero_centered_gamma),
-            settings=settings, states=states, activations=acts, dtype=compute,
-            return_norm_output=self.return_layernorm_output)
-      log_unfused_norm(type(self).__name__, blocker)
+    states = (fused_norm_states(self, settings, inputs, names)
+              if fused and self.fuse_norm_quantize else None)
+    if states is not None:
+      return fused_norm_mlp(
+          inputs, wi, wo, None if bi is None else bi.astype(compute),
+          None if bo is None else bo.astype(compute),
+          norm=norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
+                                     self.zero_centered_gamma),
+          settings=settings, states=states, activations=acts, dtype=compute,
+          return_norm_output=self.return_layernorm_output)
 
     ln_out = apply_norm(inputs, scale, ln_bias, norm_type=self.layernorm_type,
                         epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,

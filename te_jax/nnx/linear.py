@@ -19,8 +19,7 @@ from te_jax import dense as dense_lib
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
 from te_jax.flax.dense import default_kernel_axes, default_kernel_init, kernel_fan_in_init
-from te_jax.flax.fused_norm import (check_input_norm, fused_norm_blocker, log_unfused_norm,
-                                    norm_project)
+from te_jax.flax.fused_norm import check_input_norm, fused_norm_states, norm_project
 from te_jax.flax.norm import apply_norm, check_norm_type
 from te_jax.nnx import state as st
 
@@ -241,16 +240,13 @@ class Linear(nnx.Module):
     check_input_norm(norm, self.axis, x.ndim)
     compute = compute_dtype(self.dtype, x.dtype, self.param_dtype)
     settings = fp8_module.read_autocast(self.impl)
-    if settings.recipe is not None and x.shape[-1:] == self.in_features:
-      blocker = fused_norm_blocker(settings, x)
-      if blocker is None:
-        states, blocker = st.fused_states(self, settings, self.FP8_GEMMS)
-      if blocker is None:
-        bias = self.bias[...].astype(compute) if self.use_bias else None
-        return fused_norm_linear(self, x, norm, bias, settings, compute, states[0],
-                                 return_norm_output=return_norm_output,
-                                 num_splits=self.out_features[0] if self.split_output else 1)
-      log_unfused_norm(type(self).__name__, blocker)
+    states = (fused_norm_states(self, settings, x, self.FP8_GEMMS, st.fused_states)
+              if x.shape[-1:] == self.in_features else None)
+    if states is not None:
+      bias = self.bias[...].astype(compute) if self.use_bias else None
+      return fused_norm_linear(self, x, norm, bias, settings, compute, states[0],
+                               return_norm_output=return_norm_output,
+                               num_splits=self.out_features[0] if self.split_output else 1)
     ln_out = apply_norm(x, norm.gamma, norm.beta, norm_type=norm.norm_type,
                         epsilon=norm.epsilon, zero_centered_gamma=norm.zero_centered_gamma,
                         dtype=compute)
@@ -341,16 +337,13 @@ class LayerNormLinear(nnx.Module):
     scale = self.scale[...]
     ln_bias = self.ln_bias[...] if self.layernorm_type == "layernorm" else None
     bias = self.bias[...].astype(compute) if self.use_bias else None
-    if settings.recipe is not None and self.fuse_norm_quantize:
-      blocker = fused_norm_blocker(settings, x)
-      if blocker is None:
-        states, blocker = st.fused_states(self, settings, self.FP8_GEMMS)
-      if blocker is None:
-        norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
-                                     self.zero_centered_gamma)
-        return fused_norm_linear(self, x, norm, bias, settings, compute, states[0],
-                                 return_norm_output=self.return_layernorm_output)
-      log_unfused_norm(type(self).__name__, blocker)
+    states = (fused_norm_states(self, settings, x, self.FP8_GEMMS, st.fused_states)
+              if self.fuse_norm_quantize else None)
+    if states is not None:
+      norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
+                                   self.zero_centered_gamma)
+      return fused_norm_linear(self, x, norm, bias, settings, compute, states[0],
+                               return_norm_output=self.return_layernorm_output)
     ln_out = apply_norm(x, scale, ln_bias, norm_type=self.layernorm_type,
                         epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
                         dtype=compute)
