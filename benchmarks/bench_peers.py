@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 
 import jax
@@ -174,11 +175,15 @@ def carry_state(variables, grads):
   return {k: (v if k == "params" else grads[k]) for k, v in variables.items()}
 
 
-def time_row(module, ctx, sz, k, repeats, profile=False):
+def time_row(module, ctx, sz, k, repeats, profile=False, hlo_path=None):
   """{"ms", "dx_abs_max", "temp_mib"} of one block's training step.
 
-  With ``profile``, also ``kernel_ms`` (per step, by kind and "idle") and
-  ``largest`` ([name, ms per step, launches per step] of the 12 largest).
+  With ``profile``, also ``kernel_ms`` (per step, by kind and "idle"),
+  ``largest`` ([name, ms per step, launches per step] of the 12 largest) and
+  ``kernels`` (the same for every kernel, for the JSON file). With
+  ``hlo_path``, the compiled step's optimized HLO is written there: XLA's
+  kernels in a trace are named after its fusions (``loop_add_fusion``), and
+  the HLO says what each one computes.
   """
   b, s, e = sz["batch"], sz["seq"], sz["hidden"]
   xs = [jax.random.normal(jax.random.key(i + 1), (b, s, e), BF16) for i in range(2)]
@@ -194,6 +199,9 @@ def time_row(module, ctx, sz, k, repeats, profile=False):
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     compiled = step.lower(variables, xs[0]).compile()
+  if hlo_path:
+    with open(hlo_path, "w", encoding="utf-8") as f:
+      f.write(compiled.as_text())
   temp = None
   try:
     temp = compiled.memory_analysis().temp_size_in_bytes / 2**20
@@ -212,6 +220,7 @@ def time_row(module, ctx, sz, k, repeats, profile=False):
     by_kind["idle"] = max(span - total, 0.0)
     row["kernel_ms"] = {kind: round(ms, 3) for kind, ms in by_kind.items()}
     row["largest"] = [[name[:120], round(ms, 3), n] for name, ms, n in kernels[:12]]
+    row["kernels"] = [[name, round(ms, 4), n] for name, ms, n in kernels]
   return row
 
 
@@ -260,7 +269,10 @@ def main(argv=None):
   p.add_argument("--json-out", help="also write the results so far to this JSON file "
                                      "after each row")
   p.add_argument("--profile", action="store_true",
-                 help="also trace 3 steps per row: kernel time by kind, largest kernels")
+                 help="also trace 3 steps per row: kernel time by kind, largest kernels "
+                      "(every kernel in the --json-out file)")
+  p.add_argument("--hlo-dir", help="write each row's optimized HLO to DIR/<block>_<row>.hlo.txt "
+                                   "(what XLA's fusions in the profile compute)")
   args = p.parse_args(argv)
   libs, blocks = args.libs.split(","), args.blocks.split(",")
   for name, got, allowed in (("--libs", libs, LIBS), ("--blocks", blocks, BLOCKS)):
@@ -283,11 +295,16 @@ def main(argv=None):
       rows += flax_rows(block, sz)
     results[block] = []
     for label, module, ctx in rows:
+      hlo_path = None
+      if args.hlo_dir:
+        os.makedirs(args.hlo_dir, exist_ok=True)
+        hlo_path = os.path.join(args.hlo_dir, f"{block}_{label.replace(' ', '_')}.hlo.txt")
       try:
-        r = time_row(module, ctx, sz, args.k, args.repeats, args.profile)
+        r = time_row(module, ctx, sz, args.k, args.repeats, args.profile, hlo_path)
       except Exception as e:  # pylint: disable=broad-except
         r = {"error": f"{type(e).__name__}: {e}"}
-      print(json.dumps({"block": block, "row": label, **r}), flush=True)
+      shown = {key: v for key, v in r.items() if key != "kernels"}
+      print(json.dumps({"block": block, "row": label, **shown}), flush=True)
       results[block].append((label, r))
       if args.json_out:   # a call cut short keeps the rows it finished
         with open(args.json_out, "w", encoding="utf-8") as f:

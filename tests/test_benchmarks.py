@@ -1,5 +1,7 @@
 """Benchmark helpers that decide what a timing measures."""
 
+import json
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -178,7 +180,7 @@ def test_peers_profile_reports_kernel_time_by_kind():
   r = bench_peers.time_row(module, ctx, sz, k=1, repeats=1, profile=True)
   # CPU traces hold no GPU kernels: every kind is present and zero.
   assert set(r["kernel_ms"]) == {"gemm", "attention", "te_jax", "other", "idle"}
-  assert isinstance(r["largest"], list)
+  assert isinstance(r["largest"], list) and isinstance(r["kernels"], list)
   fake = {"kernel_ms": {"gemm": 9.5, "attention": 0.0, "te_jax": 1.25, "other": 0.5,
                         "idle": 0.125}}
   text = bench_peers.kernel_table({"mlp": [("te_jax delayed", fake), ("TE-JAX off", {"ms": 1})]})
@@ -227,3 +229,17 @@ def test_model_bench_sorts_kernels_and_carries_the_state():
   assert res["ms"] > 0 and len(res["times"]) == 2 and res["steps_timed"] == 2
   assert res["loss"] == res["loss"] and res["params"] > 0          # finite loss
   assert res["fp8_scales_moved"] > 0                              # state carried, not frozen
+
+
+def test_peers_hlo_dir_writes_each_rows_optimized_hlo(tmp_path):
+  import bench_peers
+  out = tmp_path / "rows.json"
+  bench_peers.main(["--small", "--libs", "te_jax", "--blocks", "mlp", "--k", "1",
+                    "--repeats", "1", "--hlo-dir", str(tmp_path / "hlo"),
+                    "--json-out", str(out)])
+  files = sorted(p.name for p in (tmp_path / "hlo").iterdir())
+  assert files == ["mlp_te_jax_blockwise.hlo.txt", "mlp_te_jax_current.hlo.txt",
+                   "mlp_te_jax_delayed.hlo.txt", "mlp_te_jax_off.hlo.txt"], files
+  text = (tmp_path / "hlo" / "mlp_te_jax_off.hlo.txt").read_text()
+  assert "HloModule" in text and "ENTRY" in text
+  assert json.loads(out.read_text())["results"]["mlp"]
