@@ -32,6 +32,14 @@ Usage::
   python3 benchmarks/bench_peers.py --libs te_jax,flax --blocks mlp
   python3 benchmarks/bench_peers.py --libs te_jax,te --profile   # + kernel time by kind
 
+Accumulation: te_jax's per-tensor recipes accumulate the dgrad and wgrad
+GEMMs in split (float32-promoted) mode by default; TE-JAX 2.20.2 runs every
+FP8 GEMM with fast accumulation unless
+``NVTE_FP8_GEMM_HIGH_PRECISION_ACCUMULATION=1`` (its
+``cpp_extensions/gemm.py``). ``--fastacc`` adds te_jax rows with fast
+accumulation in every GEMM ("te_jax delayed fastacc", "te_jax current
+fastacc"): the like-for-like rows beside TE-JAX's defaults.
+
 With ``--profile`` each row also traces 3 carried steps (``jax.profiler``)
 and reports kernel time per step by kind (GEMM, attention, te_jax's own
 kernels, other, idle) and its largest kernels, so a gap between the
@@ -84,11 +92,16 @@ class _Residual(nn.Module):
 
 # ------------------------------------------------------------ the libraries --
 
-def te_jax_rows(block, sz):
-  """[(label, module, autocast context factory)] for te_jax."""
+def te_jax_rows(block, sz, fastacc=False):
+  """[(label, module, autocast context factory)] for te_jax; with ``fastacc``
+  also delayed and current scaling with fast accumulation in every GEMM."""
   recipes = {"off": None, "delayed": recipe_lib.DelayedScaling(),
              "current": recipe_lib.Float8CurrentScaling(),
              "blockwise": recipe_lib.Float8BlockScaling()}
+  if fastacc:
+    fast = dict(fast_accum_fprop=True, fast_accum_dgrad=True, fast_accum_wgrad=True)
+    recipes["delayed fastacc"] = recipe_lib.DelayedScaling(**fast)
+    recipes["current fastacc"] = recipe_lib.Float8CurrentScaling(**fast)
   rows = []
   for name, r in recipes.items():
     if block == "mlp":
@@ -271,6 +284,9 @@ def main(argv=None):
   p.add_argument("--profile", action="store_true",
                  help="also trace 3 steps per row: kernel time by kind, largest kernels "
                       "(every kernel in the --json-out file)")
+  p.add_argument("--fastacc", action="store_true",
+                 help="add te_jax delayed/current rows with fast accumulation in every GEMM "
+                      "(TE-JAX 2.20.2's default)")
   p.add_argument("--hlo-dir", help="write each row's optimized HLO to DIR/<block>_<row>.hlo.txt "
                                    "(what XLA's fusions in the profile compute)")
   args = p.parse_args(argv)
@@ -284,7 +300,7 @@ def main(argv=None):
   for block in blocks:
     rows = []
     if "te_jax" in libs:
-      rows += te_jax_rows(block, sz)
+      rows += te_jax_rows(block, sz, args.fastacc)
     if "te" in libs:
       te, why = te_rows(block, sz)
       if te is not None:

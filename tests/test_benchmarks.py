@@ -243,3 +243,19 @@ def test_peers_hlo_dir_writes_each_rows_optimized_hlo(tmp_path):
   text = (tmp_path / "hlo" / "mlp_te_jax_off.hlo.txt").read_text()
   assert "HloModule" in text and "ENTRY" in text
   assert json.loads(out.read_text())["results"]["mlp"]
+
+
+def test_peers_fastacc_rows_turn_fast_accumulation_on_in_every_gemm():
+  import bench_peers
+  sz = bench_peers.sizes(True)
+  plain = [label for label, _, _ in bench_peers.te_jax_rows("mlp", sz)]
+  rows = bench_peers.te_jax_rows("mlp", sz, fastacc=True)
+  labels = [label for label, _, _ in rows]
+  assert labels == plain + ["te_jax delayed fastacc", "te_jax current fastacc"]
+  for label, _, ctx in rows:
+    with ctx():
+      r = te_jax.get_fp8_context().recipe
+    if label.endswith("fastacc"):
+      assert (r.fast_accum_fprop, r.fast_accum_dgrad, r.fast_accum_wgrad) == (True,) * 3
+    elif label != "te_jax off" and label != "te_jax blockwise":
+      assert (r.fast_accum_dgrad, r.fast_accum_wgrad) == (False, False), label
