@@ -53,7 +53,7 @@ def kernel_kind(name: str) -> str:
   return "other"
 
 
-def run_one(preset, recipe, k, repeats, profile_steps, small):
+def run_one(preset, recipe, k, repeats, profile_steps, small, doc_window=False):
   """Times and profiles one recipe; returns a dict (one JSON line)."""
   sys.path.insert(0, os.path.join(HERE, "..", "examples"))
   import jax  # pylint: disable=import-outside-toplevel
@@ -64,7 +64,8 @@ def run_one(preset, recipe, k, repeats, profile_steps, small):
 
   extra = dict(hidden=64, layers=2, heads=4, mlp=128, seq_len=128, batch=2) if small else {}
   cfg = train_gpt.Config(preset=preset, recipe=recipe, num_docs=2000 if small else 20000,
-                         out_dir=None, progress=False, eval_batches=0, **extra)
+                         out_dir=None, progress=False, eval_batches=0, doc_window=doc_window,
+                         **extra)
   trainer = train_gpt.Trainer(cfg)
   state = trainer.init()
   batches = [trainer.batch(i) for i in range(2)]
@@ -99,7 +100,7 @@ def run_one(preset, recipe, k, repeats, profile_steps, small):
     kinds[kernel_kind(name)] += kms
   top = {kind: sorted(((n, round(t, 3)) for n, t, _ in rows if kernel_kind(n) == kind),
                       key=lambda r: -r[1])[:4] for kind in KINDS}
-  return {"recipe": recipe, "ms": ms, "times": times, "tokens_per_s": tokens / (ms / 1e3),
+  return {"recipe": recipe, "doc_window": trainer.doc_window, "ms": ms, "times": times, "tokens_per_s": tokens / (ms / 1e3),
           "mfu": None if peak is None else flops / peak, "loss": loss,
           "params": train_gpt.param_count(state), "kernels_ms": kinds, "kernel_total_ms": total,
           "idle_ms": max(span - total, 0.0), "top": top, "steps_timed": k * repeats,
@@ -117,9 +118,13 @@ def main(argv=None):
   p.add_argument("--one", help=argparse.SUPPRESS)   # run one recipe, print one JSON line
   p.add_argument("--timeout", type=int, default=300, help="seconds per recipe")
   p.add_argument("--json-out", help="write the results so far to this JSON file after each recipe")
+  p.add_argument("--doc-window", action="store_true",
+                 help="train_gpt's --doc_window: attention only over a band as wide as the "
+                      "longest document")
   args = p.parse_args(argv)
   if args.one:
-    res = run_one(args.preset, args.one, args.k, args.repeats, args.profile_steps, args.small)
+    res = run_one(args.preset, args.one, args.k, args.repeats, args.profile_steps, args.small,
+                  args.doc_window)
     print("JSON " + json.dumps(res), flush=True)
     return 0
 
@@ -127,7 +132,8 @@ def main(argv=None):
   for recipe in [r for r in args.recipes.split(",") if r]:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", recipe, "--preset", args.preset,
            "--k", str(args.k), "--repeats", str(args.repeats),
-           "--profile-steps", str(args.profile_steps)] + (["--small"] if args.small else [])
+           "--profile-steps", str(args.profile_steps)] + (["--small"] if args.small else []) + (
+               ["--doc-window"] if args.doc_window else [])
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                             cwd=HERE, check=False)
@@ -155,7 +161,8 @@ def format_tables(results, args) -> str:
   from bench_layer import environment  # pylint: disable=import-error,import-outside-toplevel
   env = environment()
   base = next((r for r in results if r["recipe"] == "none"), None)
-  lines = [f"### train_gpt.py --preset {args.preset}, {env['date']}, {env['device']}, "
+  window = " --doc_window" if args.doc_window else ""
+  lines = [f"### train_gpt.py --preset {args.preset}{window}, {env['date']}, {env['device']}, "
            f"jax {env['jax']}, flax {env['flax']}", "",
            f"Median of {args.repeats} timings of {args.k} steps after 3 warm-ups, state carried; "
            f"kernel time from a trace of {args.profile_steps} steps.", "",

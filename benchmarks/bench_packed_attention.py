@@ -12,6 +12,13 @@ tokens (scaled to S; ``bench_layer._packed_segment_ids``). Paths:
   device-side check fails and the masked cuDNN fallback runs.
 - ``xla``: XLA attention under the (B, 1, S, S) segment mask (the packed
   path before 2026-12-01, and the path off GPU).
+- ``masked``: cuDNN attention under that mask as a dense bias (the packed
+  path's fallback, and the path of rows with more documents than
+  ``max_segments``).
+- ``band_wN``: ``packed_attention.banded_self_attention`` with window N
+  (``max_document_length``): the masked cuDNN attention restricted to a
+  left sliding window of N keys, behind its device-side check (rows with a
+  longer document take the full masked attention).
 
 Protocol: 3 warmup calls, then k back-to-back calls, median of repeats;
 "temp MiB" is XLA's compiled temporary allocation for the step
@@ -23,6 +30,8 @@ Protocol: 3 warmup calls, then k back-to-back calls, median of repeats;
 
 ``--gpt-rows``: the rows of ``examples/train_gpt.py``'s "h200" preset
 (16 x 2048 tokens of short documents, up to ~60 per row; 12 heads x 128).
+``--llama-rows``: those of its "llama" preset (8 x 4096 tokens, ~34
+documents of at most 370 per row; 16 query heads, 8 key/value heads of 128).
 """
 
 from __future__ import annotations
@@ -37,7 +46,7 @@ import time
 _EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
 
-def _step(path, ids, causal=True):
+def _step(path, ids, causal=True):  # pylint: disable=too-many-return-statements
   import jax
   import jax.numpy as jnp
   from te_jax.flax import packed_attention as pa
@@ -51,6 +60,13 @@ def _step(path, ids, causal=True):
       out = jax.nn.dot_product_attention(q, k, v, mask=same, is_causal=causal,
                                          implementation="xla")
       return jnp.where((ids != 0)[:, :, None, None], out, 0)
+    if path == "masked":
+      out = jax.nn.dot_product_attention(q, k, v, mask=pa.segment_attention_mask(ids, ids),
+                                         is_causal=causal, implementation="cudnn")
+      return jnp.where((ids != 0)[:, :, None, None], out, 0)
+    if path.startswith("band_w"):
+      return pa.banded_self_attention(q, k, v, ids, window=int(path.removeprefix("band_w")),
+                                      scale=scale, implementation="cudnn")
     m = int(path.removeprefix("packed_m"))
     return pa.packed_self_attention(q, k, v, ids, is_causal=causal, max_segments=m,
                                     scale=scale)
@@ -76,12 +92,15 @@ def main(argv=None):
                  "packed_m1,xla")
   p.add_argument("--gpt-rows", action="store_true",
                  help="the packed batches of examples/train_gpt.py's h200 preset")
+  p.add_argument("--llama-rows", action="store_true",
+                 help="the packed batches of examples/train_gpt.py's llama preset")
   p.add_argument("--k", type=int, default=10)
   p.add_argument("--repeats", type=int, default=3)
   args = p.parse_args(argv)
   b, s, h, d = (2, 256, 4, 64) if args.small else (8, 2048, 32, 128)
   ids = _packed_segment_ids(b, s)
-  if args.gpt_rows:
+  groups = None
+  if args.gpt_rows or args.llama_rows:
     # examples/ is not a package: load train_gpt.py from its file, registered in
     # sys.modules first (its dataclasses look their module up there).
     spec = importlib.util.spec_from_file_location(
@@ -89,13 +108,16 @@ def main(argv=None):
     train_gpt = sys.modules["train_gpt"] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(train_gpt)
     from te_jax import packing  # pylint: disable=import-outside-toplevel
-    b, s, h, d = 16, 2048, 12, 128
+    b, s, h, d = (8, 4096, 16, 128) if args.llama_rows else (16, 2048, 12, 128)
+    groups = 8 if args.llama_rows else None
     ids = jnp.asarray(train_gpt.make_batch(train_gpt.make_corpus(20000), 0, b, s)[1])
     print(f"documents per row: max {int(packing.documents_per_row(ids).max())}, "
           f"mean {float(packing.documents_per_row(ids).mean()):.1f}")
   keys = jax.random.split(jax.random.key(0), 3)
-  q, k, v = (jax.random.normal(kk, (b, s, h, d), jnp.bfloat16) for kk in keys)
-  print(f"B {b}, S {s}, heads {h}, head_dim {d}, causal, bf16, fwd+bwd; "
+  q = jax.random.normal(keys[0], (b, s, h, d), jnp.bfloat16)
+  k, v = (jax.random.normal(kk, (b, s, groups or h, d), jnp.bfloat16) for kk in keys[1:])
+  print(f"B {b}, S {s}, heads {h} (key/value {groups or h}), head_dim {d}, causal, bf16, "
+        f"fwd+bwd; "
         f"{jax.devices()[0].device_kind}, jax {jax.__version__}")
   print("| path | ms | temp MiB |\n|---|---:|---:|")
   for path in [x for x in args.paths.split(",") if x]:

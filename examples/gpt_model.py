@@ -39,6 +39,11 @@ class GPT(nn.Module):
   kv_groups: Optional[int] = None      # key/value heads; None: one per head (MHA)
   # KV-cache decoding (gpt_sampling.py): segment_ids and positions must be None.
   decode: bool = False
+  # The longest document of the packed rows, or None: self attention then
+  # computes only a causal band that wide (TransformerLayer's
+  # max_document_length; exact, with a device-side fallback). Not used when
+  # decoding (no segments).
+  max_document_length: Optional[int] = None
 
   @nn.compact
   def __call__(self, tokens, segment_ids, positions):
@@ -58,6 +63,7 @@ class GPT(nn.Module):
       x = block(hidden_size=self.hidden, mlp_hidden_size=self.mlp,
                 num_attention_heads=self.heads, num_gqa_groups=self.kv_groups,
                 layer_type="decoder", enable_rotary_pos_emb=True, use_bias=False,
+                max_document_length=None if self.decode else self.max_document_length,
                 dtype=self.dtype, name=f"layer_{i}", **arch_kw)(
                     x, segment_ids=segment_ids, segment_positions=positions)
     norm = tfx.RMSNorm if llama else tfx.LayerNorm
@@ -151,7 +157,10 @@ LLAMA_PRESETS = {
     # max_segments_per_seq instead costs jax's cuDNN backward scratch
     # B x max_segments rows of S tokens (~260 MiB per unit for the h200
     # preset's rows) and was slower than the masked path for many short
-    # documents (docs/benchmarks-log-2026-11.md, 2026-12-01).
+    # documents (docs/benchmarks-log-2026-11.md, 2026-12-01). --doc_window
+    # (train_gpt.py) bands the masked path to the longest document instead
+    # (370 characters: a 384-token band, about a fifth of the causal
+    # triangle's logits).
     # 100k documents = 12M characters: 1000 steps see it ~2.7 times
     # (each step draws documents at random).
     "llama": dict(arch="llama", hidden=2048, layers=24, heads=16, kv_groups=8, mlp=5632,

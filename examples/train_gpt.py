@@ -100,8 +100,8 @@ from gpt_runs import (RUN_CONFIG_FILE, RUN_FIELDS, ResumeError, lr_horizon, prog
 
 __all__ = [
     # defined here
-    "Config", "Trainer", "train", "main", "build_parser", "make_recipe", "make_mesh",
-    "make_optimizer", "loss_fn", "MESH_RESOURCE",
+    "Config", "Trainer", "train", "main", "build_parser", "document_window", "make_recipe",
+    "make_mesh", "make_optimizer", "loss_fn", "MESH_RESOURCE",
     # re-exported from the example's other parts
     "HelpFormatter", "add_model_flags", "cluster_launcher", "device_problem",
     "init_distributed", "CHARS", "PAD_ID", "VOCAB_SIZE", "decode", "encode", "make_batch",
@@ -141,6 +141,7 @@ class Config:
   seed: int = 0
   num_docs: Optional[int] = None
   remat: bool = False
+  doc_window: bool = False         # attention only over a band as wide as the longest document
   ckpt_dir: Optional[str] = None
   ckpt_every: int = 0              # 0: only at the end
   resume: bool = False
@@ -166,6 +167,15 @@ class Config:
       raise ValueError(f"--kv_groups {cfg.kv_groups} must divide --heads {cfg.heads} "
                        "(each key/value head serves heads / kv_groups query heads).")
     return cfg
+
+
+def document_window(docs, seq_len: int, multiple: int = 128) -> Optional[int]:
+  """The attention band for ``--doc_window``: the longest document (a row holds
+  at most ``seq_len`` of it) rounded up to ``multiple`` tokens (whole cuDNN
+  tiles), or None when that is the whole row (no band to gain)."""
+  longest = min(max(len(d) for d in docs), seq_len)
+  window = -(-longest // multiple) * multiple
+  return window if window < seq_len else None
 
 
 def make_recipe(name: str, amax_history_len: int = 16):
@@ -231,12 +241,14 @@ class Trainer:
     if cfg.batch % self.batch_shards:
       raise ValueError(f"--batch {cfg.batch} must be divisible by the {self.batch_shards} "
                        "batch shards (dp x fsdp).")
-    self.model = GPT(VOCAB_SIZE, cfg.hidden, cfg.layers, cfg.heads, cfg.mlp,
-                     dtype=jnp.dtype(cfg.dtype), remat=cfg.remat, arch=cfg.arch,
-                     kv_groups=cfg.kv_groups)
-    self.tx = make_optimizer(cfg)
     self.docs = make_corpus(cfg.num_docs, cfg.seed)
     self.eval_docs = make_corpus(200, cfg.seed + 12345)
+    self.doc_window = (document_window(self.docs + self.eval_docs, cfg.seq_len)
+                       if cfg.doc_window else None)
+    self.model = GPT(VOCAB_SIZE, cfg.hidden, cfg.layers, cfg.heads, cfg.mlp,
+                     dtype=jnp.dtype(cfg.dtype), remat=cfg.remat, arch=cfg.arch,
+                     kv_groups=cfg.kv_groups, max_document_length=self.doc_window)
+    self.tx = make_optimizer(cfg)
     block = self.recipe.token_block if self.recipe is not None else 16
     self.block = max(block, 16)
     self.batch_sharding = NamedSharding(self.mesh, P(("dp", "fsdp"), None))
@@ -566,7 +578,8 @@ def main(argv=None):
                warmup=args.warmup, num_docs=args.num_docs, dtype=args.dtype,
                kv_groups=args.kv_groups, peak_tflops=args.peak_tflops, fsdp=args.fsdp,
                tp=args.tp, dp=args.dp, amax_history_len=args.amax_history_len, seed=args.seed,
-               remat=args.remat, ckpt_dir=args.ckpt_dir, ckpt_every=args.ckpt_every,
+               remat=args.remat, doc_window=args.doc_window, ckpt_dir=args.ckpt_dir,
+               ckpt_every=args.ckpt_every,
                resume=args.resume, out_dir=args.out_dir, sample_chars=args.sample_chars,
                sample_tokens=args.sample_tokens,
                eval_batches=args.eval_batches,

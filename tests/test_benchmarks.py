@@ -259,3 +259,11 @@ def test_peers_fastacc_rows_turn_fast_accumulation_on_in_every_gemm():
       assert (r.fast_accum_fprop, r.fast_accum_dgrad, r.fast_accum_wgrad) == (True,) * 3
     elif label != "te_jax off" and label != "te_jax blockwise":
       assert (r.fast_accum_dgrad, r.fast_accum_wgrad) == (False, False), label
+
+
+def test_packed_attention_bench_runs_its_xla_path_on_cpu(capsys):
+  import bench_packed_attention
+  assert bench_packed_attention.main(["--small", "--paths", "xla", "--k", "1",
+                                      "--repeats", "1"]) == 0
+  rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| xla |")]
+  assert len(rows) == 1 and float(rows[0].split("|")[2]) > 0

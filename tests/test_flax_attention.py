@@ -14,6 +14,7 @@ from te_jax import flax as tfx
 
 from flax_cases import RECIPES, rel
 from te_jax.flax import attention as attn_lib
+from te_jax.flax import attention_core as core_lib
 
 # Q/K/V and output projections are FP8 GEMMs (~3.5 % each, see
 # test_flax_dense.py); the softmax can amplify logit errors slightly, so the
@@ -184,7 +185,7 @@ def test_attention_dropout_and_explicit_core():
                                          jnp.array([[1] * 5 + [2] * 3] * 2))
   ref = jax.jit(lambda q, k, v, m: jax.nn.dot_product_attention(
       q, k, v, mask=m, is_causal=True))(q, k, vv, mask)
-  got = jax.jit(lambda q, k, v, m: attn_lib._reference_attention(
+  got = jax.jit(lambda q, k, v, m: core_lib._reference_attention(
       q, k, v, m, True, None, 0.0))(q, k, vv, mask)
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 

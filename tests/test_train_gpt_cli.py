@@ -335,3 +335,26 @@ def test_small_vocabulary_embedding_is_a_one_hot_product_with_nn_embed_variables
   assert "scatter" not in str(jax.make_jaxpr(jax.grad(loss))(mv))
   embed_loss = lambda v: jnp.sum(embed.apply(v, tokens))
   assert "scatter" in str(jax.make_jaxpr(jax.grad(embed_loss))(ve))
+
+
+def test_document_window_is_the_longest_document_in_whole_tiles():
+  docs = [np.zeros(n) for n in (5, 300, 129)]
+  assert train_gpt.document_window(docs, 4096) == 384
+  assert train_gpt.document_window(docs, 384) is None          # the whole row: no band
+  assert train_gpt.document_window([np.zeros(5000)], 4096) is None
+  assert train_gpt.document_window([np.zeros(100)], 4096, multiple=64) == 128
+
+
+def test_doc_window_trains_the_same_model_bit_for_bit():
+  """--doc_window bands every layer's self attention (the corpus's documents
+  are at most 370 characters: a 384-token band of 512-token rows) and the
+  losses are those of the full attention."""
+  flags = ["--preset", "llama_tiny", "--seq_len", "512", "--batch", "2", "--steps", "3"]
+  cfg = train_gpt.Config(preset="llama_tiny", seq_len=512, batch=2, doc_window=True,
+                         out_dir=None, progress=False)
+  trainer = train_gpt.Trainer(cfg)
+  assert trainer.doc_window == 384 and trainer.model.max_document_length == 384
+  band = train_gpt.main(flags + ["--doc_window"] + QUIET)
+  full = train_gpt.main(flags + QUIET)
+  assert len(band["losses"]) == 3
+  np.testing.assert_array_equal(band["losses"], full["losses"])

@@ -24,7 +24,12 @@ per-document offsets instead of a mask, for rows of at most
 ``max_segments_per_seq`` documents, each one contiguous run of its id; a
 batch that breaks either rule is detected on the device and runs cuDNN
 attention under the (B, 1, S, S) segment mask instead (same answer,
-slower). Other masks (cross attention with segment ids, an explicit
+slower). With ``max_document_length`` W (causal only), packed self attention
+takes neither: under the segment mask it computes only the band of keys at
+most W - 1 positions back (cuDNN's sliding window skips the tiles outside
+it), which is exact while every document fits in W tokens; a batch with a
+longer document is detected on the device and runs the full masked
+attention (``te_jax.flax.packed_attention.banded_self_attention``). Other masks (cross attention with segment ids, an explicit
 ``mask``) take XLA under "auto" (cuDNN in jax takes a mask only as a dense
 additive bias); "cudnn" forces cuDNN (the mask then becomes that bias).
 Under "auto" the cuDNN path is staged beside the XLA one with
@@ -48,7 +53,6 @@ Flax's convention; see ``te_jax.flax.kv_cache``.
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable, Optional
 
 import jax
@@ -56,8 +60,11 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from te_jax import norm_dense
-from te_jax.flax import kv_cache, packed_attention
-from te_jax.flax.packed_attention import segment_attention_mask
+from te_jax.flax import kv_cache
+from te_jax.flax.attention_core import (and_masks, apply_rotary, attention_core,
+                                        check_attention_options, check_input_3d,
+                                        check_segment_arg, resolve_segments,
+                                        segment_attention_mask)
 from te_jax.flax.dense import DenseGeneral, default_kernel_init
 
 __all__ = ["MultiHeadAttention", "apply_rotary", "segment_attention_mask", "check_input_3d",
@@ -66,226 +73,6 @@ __all__ = ["MultiHeadAttention", "apply_rotary", "segment_attention_mask", "chec
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
-_MASK_TYPES = ("causal", "no_mask")
-_IMPLS = ("auto", "xla", "cudnn")
-
-
-def apply_rotary(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
-  """Rotates (B, S, H, D) ``x`` by (B, S) integer ``positions`` (rotate-half layout)."""
-  d = x.shape[-1]
-  if d % 2:
-    raise ValueError(f"rotary embeddings need an even head_dim, got {d}.")
-  half = d // 2
-  inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / d)
-  angle = positions.astype(jnp.float32)[..., None] * inv_freq     # (B, S, half)
-  sin = jnp.sin(angle)[:, :, None, :]
-  cos = jnp.cos(angle)[:, :, None, :]
-  x32 = x.astype(jnp.float32)
-  x1, x2 = x32[..., :half], x32[..., half:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
-
-
-def _and_masks(a, b):
-  if a is None:
-    return b
-  if b is None:
-    return a
-  return jnp.logical_and(a, b)
-
-
-def check_input_3d(name: str, x) -> None:
-  """Raises ValueError unless ``x`` (argument ``name``) is (batch, seq, hidden)."""
-  shape = tuple(jnp.shape(x))
-  if len(shape) != 3:
-    raise ValueError(f"{name} must have shape (batch, seq, hidden), got {shape} "
-                     f"({len(shape)}-D).")
-
-
-def check_segment_arg(name: str, ids, like_name: str, like) -> None:
-  """Checks that ``ids`` (argument ``name``; None passes) is an integer
-  (batch, seq) array matching the first two dims of ``like`` (argument
-  ``like_name``); raises ValueError/TypeError naming both."""
-  if ids is None:
-    return
-  shape, want = tuple(jnp.shape(ids)), tuple(jnp.shape(like)[:2])
-  if shape != want:
-    raise ValueError(f"{name} must have shape (batch, seq) = {want} matching "
-                     f"{like_name}, got {shape}.")
-  dtype = getattr(ids, "dtype", None)
-  dtype = jnp.asarray(ids).dtype if dtype is None else dtype
-  if not jnp.issubdtype(dtype, jnp.integer):
-    raise TypeError(f"{name} must have an integer dtype, got {jnp.dtype(dtype).name}.")
-
-
-def _reference_attention(q, k, v, mask, is_causal, dropout_rng, rate):
-  """Explicit attention (fp32 softmax) with dropout on the probabilities."""
-  h, g = q.shape[2], k.shape[2]
-  if h != g:
-    k = jnp.repeat(k, h // g, axis=2)
-    v = jnp.repeat(v, h // g, axis=2)
-  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k,
-                      preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
-  if is_causal:
-    sq, sk = q.shape[1], k.shape[1]
-    causal = jnp.tril(jnp.ones((sq, sk), jnp.bool_))[None, None]
-    mask = _and_masks(mask, causal)
-  if mask is not None:
-    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1)
-  if rate > 0.0:
-    keep = jax.random.bernoulli(dropout_rng, 1.0 - rate, probs.shape)
-    probs = jnp.where(keep, probs / (1.0 - rate), 0.0)
-  return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
-
-
-def check_attention_options(attn_mask_type: str, attention_impl: str,
-                            max_segments_per_seq: int) -> None:
-  """Raises ValueError for an unknown mask type or attention implementation, or
-  ``max_segments_per_seq < 1`` (the options of ``MultiHeadAttention``)."""
-  if attn_mask_type not in _MASK_TYPES:
-    raise ValueError(f"attn_mask_type must be one of {_MASK_TYPES}, got "
-                     f"{attn_mask_type!r}.")
-  if max_segments_per_seq < 1:
-    raise ValueError(f"max_segments_per_seq must be >= 1, got {max_segments_per_seq}.")
-  if attention_impl not in _IMPLS:
-    raise ValueError(f"attention_impl must be one of {_IMPLS}, got "
-                     f"{attention_impl!r}.")
-
-
-def _flash_shapes(q) -> bool:
-  return (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
-          and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0)
-
-
-def _use_cudnn(attention_impl, q, has_mask) -> bool:
-  if attention_impl == "cudnn":
-    return True
-  if attention_impl == "xla":
-    return False
-  return not has_mask and _flash_shapes(q)
-
-
-def _use_packed(attention_impl, q, packed_self, extra_mask) -> bool:
-  """Packed self attention in cuDNN's packed layout (see the module docs)."""
-  if not packed_self or extra_mask or attention_impl == "xla":
-    return False
-  if attention_impl == "auto" and not _flash_shapes(q):
-    return False
-  return packed_attention.log_if_unavailable()
-
-
-def _fused_or_xla(attention_impl, max_segments, q, k, v, segment_ids, kv_segment_ids,
-                  self_attn, mask, full_mask, is_causal, head_dim):
-  """Attention without dropout: cuDNN (packed or not) where chosen, else XLA.
-
-  With attention_impl="auto" the cuDNN path is staged beside the XLA one by
-  ``lax.platform_dependent``, so that a computation compiled for the host
-  CPU of a GPU machine (CPU arrays) lowers the XLA path instead of failing.
-  """
-  def xla():
-    return jax.nn.dot_product_attention(q, k, v, mask=full_mask, is_causal=is_causal,
-                                        implementation="xla")
-  packed_self = segment_ids is not None and self_attn and kv_segment_ids is segment_ids
-  if _use_packed(attention_impl, q, packed_self, mask is not None):
-    def fused():
-      return packed_attention.packed_self_attention(
-          q, k, v, segment_ids, is_causal=is_causal,
-          max_segments=max_segments, scale=head_dim ** -0.5)
-  elif _use_cudnn(attention_impl, q, full_mask is not None):
-    def fused():
-      return jax.nn.dot_product_attention(q, k, v, mask=full_mask, is_causal=is_causal,
-                                          implementation="cudnn")
-  else:
-    return xla()
-  if attention_impl == "auto":
-    return jax.lax.platform_dependent(cuda=fused, default=xla)
-  return fused()
-
-
-def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, self_attn: bool,
-                   segment_ids: Optional[jax.Array] = None,
-                   kv_segment_ids: Optional[jax.Array] = None,
-                   segment_positions: Optional[jax.Array] = None,
-                   kv_segment_positions: Optional[jax.Array] = None,
-                   mask: Optional[jax.Array] = None, attn_mask_type: str = "causal",
-                   enable_rotary_pos_emb: bool = False, rotary_base: float = 10000.0,
-                   attention_impl: str = "auto", max_segments_per_seq: int = 8,
-                   dropout_rate: float = 0.0,
-                   dropout_rng: Optional[jax.Array] = None) -> jax.Array:
-  """The attention of ``MultiHeadAttention`` between its projections.
-
-  Rotary embeddings, segment and extra masks, the choice of implementation
-  (module docs) and the zeroing of padding queries, on projected heads.
-  ``te_jax.nnx.MultiHeadAttention`` calls it too.
-
-  Args:
-    q: (B, Sq, heads, head_dim) queries.
-    k, v: (B, Skv, groups, head_dim) keys and values (groups divides heads).
-    self_attn: whether k and v come from the queries' sequence (packed self
-      attention may then take cuDNN's packed layout).
-    segment_ids, kv_segment_ids: (B, Sq) / (B, Skv) document ids (0 =
-      padding), as given to the module (``kv_segment_ids`` already defaulted).
-    segment_positions, kv_segment_positions: rotary positions (default
-      ``arange``), already defaulted as in the module.
-    mask: optional boolean mask (True = attend) broadcastable to
-      (B, heads, Sq, Skv).
-    attn_mask_type, enable_rotary_pos_emb, rotary_base, attention_impl,
-      max_segments_per_seq: the module's options.
-    dropout_rate: dropout on the probabilities; > 0 only when dropout is on.
-    dropout_rng: the key of that dropout (needed when ``dropout_rate > 0``).
-
-  Returns:
-    (B, Sq, heads, head_dim), in the dtype the core computed.
-  """
-  d = q.shape[-1]
-  if enable_rotary_pos_emb:
-    b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
-    qpos = segment_positions
-    if qpos is None:
-      qpos = jnp.broadcast_to(jnp.arange(sq)[None], (b, sq))
-    kpos = kv_segment_positions
-    if kpos is None:
-      kpos = jnp.broadcast_to(jnp.arange(skv)[None], (b, skv))
-    q = apply_rotary(q, qpos, rotary_base)
-    k = apply_rotary(k, kpos, rotary_base)
-
-  full_mask = _and_masks(segment_attention_mask(segment_ids, kv_segment_ids),
-                         None if mask is None else mask.astype(jnp.bool_))
-  is_causal = attn_mask_type == "causal"
-  if dropout_rate > 0.0:
-    out = _reference_attention(q, k, v, full_mask, is_causal, dropout_rng, dropout_rate)
-  else:
-    out = _fused_or_xla(attention_impl, max_segments_per_seq, q, k, v, segment_ids,
-                        kv_segment_ids, self_attn, mask, full_mask, is_causal, d)
-  if segment_ids is not None:      # padding queries output 0 on every path
-    out = jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
-  return out
-
-
-def resolve_segments(inputs_q, inputs_kv, segment_ids, segment_positions, kv_segment_ids,
-                     kv_segment_positions):
-  """Checks the segment arguments against their inputs and fills in self attention.
-
-  ``segment_ids``/``segment_positions`` must be (B, Sq) like ``inputs_q``, the
-  ``kv_`` ones (B, Skv) like ``inputs_kv`` (``inputs_q`` when it is None).
-  Returns ``(inputs_kv, kv_segment_ids, kv_segment_positions)``: for self
-  attention (``inputs_kv`` None) the queries' inputs and segments. Shared by
-  the Linen and NNX MultiHeadAttention.
-  """
-  self_attn = inputs_kv is None
-  kv_name, kv_like = ("inputs_q", inputs_q) if self_attn else ("inputs_kv", inputs_kv)
-  check_segment_arg("segment_ids", segment_ids, "inputs_q", inputs_q)
-  check_segment_arg("segment_positions", segment_positions, "inputs_q", inputs_q)
-  check_segment_arg("kv_segment_ids", kv_segment_ids, kv_name, kv_like)
-  check_segment_arg("kv_segment_positions", kv_segment_positions, kv_name, kv_like)
-  if self_attn:
-    inputs_kv = inputs_q
-    if kv_segment_ids is None:
-      kv_segment_ids = segment_ids
-    if kv_segment_positions is None:
-      kv_segment_positions = segment_positions
-  return inputs_kv, kv_segment_ids, kv_segment_positions
 
 
 class MultiHeadAttention(nn.Module):
@@ -336,6 +123,14 @@ class MultiHeadAttention(nn.Module):
       gradient accumulator to the backward pass's scratch memory and some
       time, so rows of many short documents gain nothing from a large value
       (measured trade-offs: BENCHMARKS.md, benchmarks/bench_packed_attention.py).
+    max_document_length: None (default) or the longest document (in tokens)
+      the packed rows are expected to hold; causal only. Packed self
+      attention then computes only the band of keys at most this many
+      positions back (cuDNN skips the tiles outside it: about S *
+      max_document_length logits per head instead of S**2 / 2), in place of
+      the packed layout above. Checked on the device: a batch with a longer
+      document runs full causal attention under the segment mask (same
+      answer, slower). For rows of many short documents.
     dtype: compute/output dtype; None promotes input and param dtype.
     param_dtype: parameter dtype (default float32).
     kernel_init, bias_init: initializers of the projections.
@@ -357,6 +152,7 @@ class MultiHeadAttention(nn.Module):
   out_features: Optional[int] = None
   attention_impl: str = "auto"
   max_segments_per_seq: int = 8
+  max_document_length: Optional[int] = None
   dtype: Optional[Dtype] = None
   param_dtype: Dtype = jnp.float32
   kernel_init: Initializer = default_kernel_init
@@ -407,7 +203,7 @@ class MultiHeadAttention(nn.Module):
       (B, Sq, out_features) in the compute dtype.
     """
     check_attention_options(self.attn_mask_type, self.attention_impl,
-                            self.max_segments_per_seq)
+                            self.max_segments_per_seq, self.max_document_length)
     if self.decode:
       kv_cache.check_decode_inputs(inputs_kv, segment_ids=segment_ids,
                                    kv_segment_ids=kv_segment_ids,
@@ -457,7 +253,7 @@ class MultiHeadAttention(nn.Module):
                 dropout_rng=self.make_rng("dropout") if dropout else None)
     if step is not None:   # rotated and masked by the cache: a plain masked core
       out = attention_core(step.q, step.k, step.v, self_attn=False,
-                           mask=_and_masks(mask, step.mask), attn_mask_type="no_mask",
+                           mask=and_masks(mask, step.mask), attn_mask_type="no_mask",
                            attention_impl=self.attention_impl, **drop)
     else:
       out = attention_core(
@@ -467,7 +263,8 @@ class MultiHeadAttention(nn.Module):
           attn_mask_type=self.attn_mask_type,
           enable_rotary_pos_emb=self.enable_rotary_pos_emb, rotary_base=self.rotary_base,
           attention_impl=self.attention_impl,
-          max_segments_per_seq=self.max_segments_per_seq, **drop)
+          max_segments_per_seq=self.max_segments_per_seq,
+          max_document_length=self.max_document_length, **drop)
     out = out.astype(compute)
     out = self._dense(self.out_features or embed, "out", ("heads", "kv", "embed"),
                       axis=(-2, -1), dtype=compute)(out)

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["segment_attention_mask", "segment_layout", "packed_cudnn_available",
-           "packed_self_attention"]
+           "packed_self_attention", "document_spans_fit", "banded_self_attention"]
 
 # cuDNN's ragged (packed) layout in flash attention: 9.6.0 and later.
 _MIN_CUDNN = 90600
@@ -232,3 +232,69 @@ def packed_self_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                         scale=scale),
       q, k, v)
   return jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
+
+
+def document_spans_fit(segment_ids: jax.Array, window: int) -> jax.Array:
+  """() bool: every document of every row is one run of at most ``window`` tokens.
+
+  A document is the tokens of one nonzero id; padding (0) is not counted.
+  An id that occurs in two runs of a row fails the check (its first and
+  last token may lie further apart than the runs' lengths say).
+
+  Args:
+    segment_ids: (B, S) integer segment ids.
+    window: Python int >= 1.
+  """
+  if segment_ids.ndim != 2:
+    raise ValueError(f"segment_ids must be (batch, seq), got shape {segment_ids.shape}.")
+  if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+    raise TypeError(f"segment_ids must be integers, got {segment_ids.dtype}.")
+  ids = segment_ids.astype(jnp.int32)
+  prev = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)))
+  start = (ids != 0) & (ids != prev)
+  # as segment_layout: a run's id exceeds every id before it, or the id has two runs
+  one_run_each = jnp.all(~start | (ids > lax.cummax(prev, axis=1)))
+  pos = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
+  run_start = lax.cummax(jnp.where(start, pos, 0), axis=1)
+  run_length = jnp.where(ids != 0, pos - run_start + 1, 0)
+  return one_run_each & jnp.all(run_length <= window)
+
+
+def banded_self_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                          segment_ids: jax.Array, *, window: int, scale: float,
+                          implementation: str) -> jax.Array:
+  """Causal self attention of packed rows whose documents are short: only a band.
+
+  When every document spans at most ``window`` tokens (checked on the device,
+  :func:`document_spans_fit`), no query can see a key more than
+  ``window - 1`` positions back, so causal attention under the segment mask
+  equals the same attention restricted to that band (a left sliding window:
+  ``local_window_size=(window - 1, 0)``), which cuDNN computes tile by tile
+  and skips everything outside: about S * window instead of S**2 / 2 logits
+  per head. A batch with a longer document (or an id in two runs) runs the
+  full causal attention under the segment mask instead: the same answer,
+  slower.
+
+  Args:
+    q: (B, S, heads, D) queries.
+    k, v: (B, S, groups, D) keys and values (groups divides heads).
+    segment_ids: (B, S) integer document ids, 0 = padding.
+    window: Python int >= 1, the longest document the band serves.
+    scale: logit scale, usually ``D ** -0.5``.
+    implementation: "cudnn" or "xla" (``jax.nn.dot_product_attention``'s).
+
+  Returns:
+    (B, S, heads, D) attention output, 0 at padding queries.
+  """
+  if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+    raise ValueError(f"window must be an int >= 1, got {window!r}.")
+  same = segment_attention_mask(segment_ids, segment_ids)
+  attend = functools.partial(jax.nn.dot_product_attention, mask=same, scale=scale,
+                             is_causal=True, implementation=implementation)
+  if window >= q.shape[1]:      # the band is the whole causal triangle
+    out = attend(q, k, v)
+  else:
+    out = lax.cond(document_spans_fit(segment_ids, window),
+                   lambda q, k, v: attend(q, k, v, local_window_size=(window - 1, 0)),
+                   attend, q, k, v)
+  return jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))

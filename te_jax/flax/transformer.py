@@ -69,6 +69,8 @@ class TransformerLayer(nn.Module):
     attention_impl: "auto", "xla" or "cudnn" (see MultiHeadAttention).
     max_segments_per_seq: documents per packed row in cuDNN's packed layout
       (default 8; see MultiHeadAttention).
+    max_document_length: the self attention's (default None; causal only; see
+      MultiHeadAttention): the longest packed document, for a banded core.
     dtype: compute/output dtype; None promotes input and param dtype.
     param_dtype: parameter dtype (default float32).
     kernel_init, bias_init: initializers of the projections.
@@ -105,6 +107,7 @@ class TransformerLayer(nn.Module):
   use_bias: bool = False
   attention_impl: str = "auto"
   max_segments_per_seq: int = 8
+  max_document_length: Optional[int] = None
   dtype: Optional[Dtype] = None
   param_dtype: Dtype = jnp.float32
   kernel_init: Initializer = default_kernel_init
@@ -130,7 +133,7 @@ class TransformerLayer(nn.Module):
                           param_dtype=self.param_dtype, name=norm_name)(x.shape[-1])
     return attention(x, input_norm=norm, **kw)
 
-  def _attention(self, name, mask_type, rotary, dtype, decode=False):
+  def _attention(self, name, mask_type, rotary, dtype, decode=False, max_document_length=None):
     return MultiHeadAttention(
         num_attention_heads=self.num_attention_heads, head_dim=self.head_dim,
         num_gqa_groups=self.num_gqa_groups, attn_mask_type=mask_type,
@@ -138,6 +141,7 @@ class TransformerLayer(nn.Module):
         rotary_base=self.rotary_base, use_bias=self.use_bias,
         out_features=self.hidden_size, attention_impl=self.attention_impl,
         max_segments_per_seq=self.max_segments_per_seq,
+        max_document_length=max_document_length,
         dtype=dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
         bias_init=self.bias_init, impl=self.impl, decode=decode, name=name)
 
@@ -190,7 +194,8 @@ class TransformerLayer(nn.Module):
     x = inputs.astype(compute)
 
     attention = self._attention("self_attention", mask_type, self.enable_rotary_pos_emb,
-                                compute, decode=self.decode)
+                                compute, decode=self.decode,
+                                max_document_length=self.max_document_length)
     h = self._normed_attention("pre_attention_norm", attention, x, segment_ids=segment_ids,
                                segment_positions=segment_positions,
                                deterministic=deterministic)

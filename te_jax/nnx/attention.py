@@ -15,8 +15,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from te_jax import norm_dense
-from te_jax.flax.attention import (attention_core, check_attention_options, check_input_3d,
-                                   resolve_segments)
+from te_jax.flax.attention_core import (attention_core, check_attention_options, check_input_3d,
+                                        resolve_segments)
 from te_jax.flax.dense import default_kernel_init
 from te_jax.nnx.linear import Linear, compute_dtype, to_tuple, zeros
 
@@ -52,8 +52,8 @@ class MultiHeadAttention(nnx.Module):
     attention_dropout: dropout on the probabilities (the "dropout" stream of
       ``rngs``; off in ``model.eval()`` mode or with ``deterministic=True``).
     enable_rotary_pos_emb, rotary_base, fuse_qkv, use_bias, attention_impl,
-    max_segments_per_seq, dtype, param_dtype, kernel_init, bias_init, impl:
-      as the Linen module.
+    max_segments_per_seq, max_document_length, dtype, param_dtype,
+      kernel_init, bias_init, impl: as the Linen module.
     out_features: output width (default in_features).
     deterministic: default of the call argument.
     rngs: ``nnx.Rngs``.
@@ -66,8 +66,8 @@ class MultiHeadAttention(nnx.Module):
                enable_rotary_pos_emb: bool = False, rotary_base: float = 10000.0,
                fuse_qkv: bool = True, use_bias: bool = False,
                out_features: Optional[int] = None, attention_impl: str = "auto",
-               max_segments_per_seq: int = 8, dtype: Optional[Dtype] = None,
-               param_dtype: Dtype = jnp.float32,
+               max_segments_per_seq: int = 8, max_document_length: Optional[int] = None,
+               dtype: Optional[Dtype] = None, param_dtype: Dtype = jnp.float32,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = zeros,
                deterministic: bool = False, impl: str = "auto", rngs: nnx.Rngs):
     (h,) = to_tuple("num_attention_heads", num_attention_heads)
@@ -78,7 +78,8 @@ class MultiHeadAttention(nnx.Module):
     if kv_features is not None and attention_type == "self":
       raise ValueError("kv_features is for attention_type='cross'; self attention takes "
                        "its keys and values from inputs_q.")
-    check_attention_options(attn_mask_type, attention_impl, max_segments_per_seq)
+    check_attention_options(attn_mask_type, attention_impl, max_segments_per_seq,
+                            max_document_length)
     if not 0.0 <= attention_dropout < 1.0:
       raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}.")
     g = h if num_gqa_groups is None else to_tuple("num_gqa_groups", num_gqa_groups)[0]
@@ -94,6 +95,7 @@ class MultiHeadAttention(nnx.Module):
                                                                 out_features)[0]
     self.attn_mask_type, self.attention_impl = attn_mask_type, attention_impl
     self.max_segments_per_seq = int(max_segments_per_seq)
+    self.max_document_length = max_document_length
     self.attention_dropout = float(attention_dropout)
     self.enable_rotary_pos_emb, self.rotary_base = bool(enable_rotary_pos_emb), rotary_base
     self.dtype, self.param_dtype, self.impl = dtype, param_dtype, impl
@@ -166,6 +168,7 @@ class MultiHeadAttention(nnx.Module):
         attn_mask_type=self.attn_mask_type, enable_rotary_pos_emb=self.enable_rotary_pos_emb,
         rotary_base=self.rotary_base, attention_impl=self.attention_impl,
         max_segments_per_seq=self.max_segments_per_seq,
+        max_document_length=self.max_document_length,
         dropout_rate=self.attention_dropout if dropout else 0.0,
         dropout_rng=self.rngs() if dropout else None)
     return self.out(out.astype(compute))

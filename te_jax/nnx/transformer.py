@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from te_jax.flax.attention import check_input_3d, check_segment_arg
+from te_jax.flax.attention_core import check_input_3d, check_segment_arg
 from te_jax.flax.dense import default_kernel_init
 from te_jax.flax.norm import check_norm_type
 from te_jax.nnx.attention import MultiHeadAttention
@@ -42,8 +42,8 @@ class TransformerLayer(nnx.Module):
     zero_centered_gamma, hidden_dropout, attention_dropout,
     intermediate_dropout, activations, fuse_activation_quantize, fuse_norm_quantize,
     enable_rotary_pos_emb, rotary_base, use_bias, attention_impl,
-    max_segments_per_seq, dtype, param_dtype, kernel_init, bias_init, impl:
-      as the Linen module.
+    max_segments_per_seq, max_document_length, dtype, param_dtype,
+      kernel_init, bias_init, impl: as the Linen module.
     encoder_hidden_size: width of the encoder output a decoder attends to;
       builds the cross-attention sublayer (decoder only).
     deterministic: default of the call argument (``model.train()`` /
@@ -62,8 +62,8 @@ class TransformerLayer(nnx.Module):
                fuse_norm_quantize: bool = True,
                enable_rotary_pos_emb: bool = False, rotary_base: float = 10000.0,
                use_bias: bool = False, attention_impl: str = "auto",
-               max_segments_per_seq: int = 8, dtype: Optional[Dtype] = None,
-               param_dtype: Dtype = jnp.float32,
+               max_segments_per_seq: int = 8, max_document_length: Optional[int] = None,
+               dtype: Optional[Dtype] = None, param_dtype: Dtype = jnp.float32,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = zeros,
                deterministic: bool = False, impl: str = "auto", rngs: nnx.Rngs):
     (self.hidden_size,) = to_tuple("hidden_size", hidden_size)
@@ -85,19 +85,20 @@ class TransformerLayer(nnx.Module):
       return norm_cls(e, epsilon=epsilon, zero_centered_gamma=zero_centered_gamma,
                       dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def attention(attention_type, mask, rotary, kv_features=None):
+    def attention(attention_type, mask, rotary, kv_features=None, document_length=None):
       return MultiHeadAttention(
           num_attention_heads, e, attention_type=attention_type, kv_features=kv_features,
           head_dim=head_dim, num_gqa_groups=num_gqa_groups, attn_mask_type=mask,
           attention_dropout=attention_dropout, enable_rotary_pos_emb=rotary,
           rotary_base=rotary_base, use_bias=use_bias, out_features=e,
           attention_impl=attention_impl, max_segments_per_seq=max_segments_per_seq,
-          dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
+          max_document_length=document_length, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
           bias_init=bias_init, deterministic=deterministic, impl=impl, rngs=rngs)
 
     self.fuse_norm_quantize = bool(fuse_norm_quantize)
     self.pre_attention_norm = norm()
-    self.self_attention = attention("self", mask_type, enable_rotary_pos_emb)
+    self.self_attention = attention("self", mask_type, enable_rotary_pos_emb,
+                                    document_length=max_document_length)
     self.encoder_hidden_size = encoder_hidden_size
     if encoder_hidden_size is not None:
       self.pre_cross_attention_norm = norm()

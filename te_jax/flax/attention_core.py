@@ -1,0 +1,288 @@
+"""The attention core of ``MultiHeadAttention`` (Linen and NNX) between its projections.
+
+Rotary embeddings (:func:`apply_rotary`), segment and extra masks, the choice
+of implementation (XLA, cuDNN flash attention, cuDNN's packed layout, or the
+causal band for short documents; the rules are in ``te_jax.flax.attention``'s
+module docs) and the zeroing of padding queries: :func:`attention_core`.
+The argument checks both MultiHeadAttentions share live here too.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from te_jax.flax import packed_attention
+from te_jax.flax.packed_attention import segment_attention_mask
+
+__all__ = ["apply_rotary", "segment_attention_mask", "and_masks", "check_input_3d",
+           "check_segment_arg", "check_attention_options", "attention_core", "resolve_segments"]
+
+_MASK_TYPES = ("causal", "no_mask")
+_IMPLS = ("auto", "xla", "cudnn")
+
+
+def apply_rotary(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> jax.Array:
+  """Rotates (B, S, H, D) ``x`` by (B, S) integer ``positions`` (rotate-half layout)."""
+  d = x.shape[-1]
+  if d % 2:
+    raise ValueError(f"rotary embeddings need an even head_dim, got {d}.")
+  half = d // 2
+  inv_freq = base ** (-jnp.arange(half, dtype=jnp.float32) * 2.0 / d)
+  angle = positions.astype(jnp.float32)[..., None] * inv_freq     # (B, S, half)
+  sin = jnp.sin(angle)[:, :, None, :]
+  cos = jnp.cos(angle)[:, :, None, :]
+  x32 = x.astype(jnp.float32)
+  x1, x2 = x32[..., :half], x32[..., half:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def and_masks(a, b):
+  if a is None:
+    return b
+  if b is None:
+    return a
+  return jnp.logical_and(a, b)
+
+
+def check_input_3d(name: str, x) -> None:
+  """Raises ValueError unless ``x`` (argument ``name``) is (batch, seq, hidden)."""
+  shape = tuple(jnp.shape(x))
+  if len(shape) != 3:
+    raise ValueError(f"{name} must have shape (batch, seq, hidden), got {shape} "
+                     f"({len(shape)}-D).")
+
+
+def check_segment_arg(name: str, ids, like_name: str, like) -> None:
+  """Checks that ``ids`` (argument ``name``; None passes) is an integer
+  (batch, seq) array matching the first two dims of ``like`` (argument
+  ``like_name``); raises ValueError/TypeError naming both."""
+  if ids is None:
+    return
+  shape, want = tuple(jnp.shape(ids)), tuple(jnp.shape(like)[:2])
+  if shape != want:
+    raise ValueError(f"{name} must have shape (batch, seq) = {want} matching "
+                     f"{like_name}, got {shape}.")
+  dtype = getattr(ids, "dtype", None)
+  dtype = jnp.asarray(ids).dtype if dtype is None else dtype
+  if not jnp.issubdtype(dtype, jnp.integer):
+    raise TypeError(f"{name} must have an integer dtype, got {jnp.dtype(dtype).name}.")
+
+
+def _reference_attention(q, k, v, mask, is_causal, dropout_rng, rate):
+  """Explicit attention (fp32 softmax) with dropout on the probabilities."""
+  h, g = q.shape[2], k.shape[2]
+  if h != g:
+    k = jnp.repeat(k, h // g, axis=2)
+    v = jnp.repeat(v, h // g, axis=2)
+  logits = jnp.einsum("bqhd,bkhd->bhqk", q, k,
+                      preferred_element_type=jnp.float32) / math.sqrt(q.shape[-1])
+  if is_causal:
+    sq, sk = q.shape[1], k.shape[1]
+    causal = jnp.tril(jnp.ones((sq, sk), jnp.bool_))[None, None]
+    mask = and_masks(mask, causal)
+  if mask is not None:
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1)
+  if rate > 0.0:
+    keep = jax.random.bernoulli(dropout_rng, 1.0 - rate, probs.shape)
+    probs = jnp.where(keep, probs / (1.0 - rate), 0.0)
+  return jnp.einsum("bhqk,bkhd->bqhd", probs.astype(v.dtype), v)
+
+
+def check_attention_options(attn_mask_type: str, attention_impl: str,
+                            max_segments_per_seq: int,
+                            max_document_length: Optional[int] = None) -> None:
+  """Raises ValueError for an unknown mask type or attention implementation,
+  ``max_segments_per_seq < 1``, or a ``max_document_length`` that is not None
+  or an int >= 1 with causal masking (the options of ``MultiHeadAttention``)."""
+  if attn_mask_type not in _MASK_TYPES:
+    raise ValueError(f"attn_mask_type must be one of {_MASK_TYPES}, got "
+                     f"{attn_mask_type!r}.")
+  if max_segments_per_seq < 1:
+    raise ValueError(f"max_segments_per_seq must be >= 1, got {max_segments_per_seq}.")
+  if max_document_length is not None:
+    if (isinstance(max_document_length, bool) or not isinstance(max_document_length, int)
+        or max_document_length < 1):
+      raise ValueError(f"max_document_length must be None or an int >= 1, got "
+                       f"{max_document_length!r}.")
+    if attn_mask_type != "causal":
+      raise ValueError(f"max_document_length bands causal attention (cuDNN's window "
+                       f"looks left only); attn_mask_type is {attn_mask_type!r}. Use "
+                       "attn_mask_type='causal' or max_document_length=None.")
+  if attention_impl not in _IMPLS:
+    raise ValueError(f"attention_impl must be one of {_IMPLS}, got "
+                     f"{attention_impl!r}.")
+
+
+def _flash_shapes(q) -> bool:
+  return (jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16)
+          and q.shape[-1] <= 128 and q.shape[-1] % 8 == 0)
+
+
+def _use_cudnn(attention_impl, q, has_mask) -> bool:
+  if attention_impl == "cudnn":
+    return True
+  if attention_impl == "xla":
+    return False
+  return not has_mask and _flash_shapes(q)
+
+
+def _use_packed(attention_impl, q, packed_self, extra_mask) -> bool:
+  """Packed self attention in cuDNN's packed layout (see the module docs)."""
+  if not packed_self or extra_mask or attention_impl == "xla":
+    return False
+  if attention_impl == "auto" and not _flash_shapes(q):
+    return False
+  return packed_attention.log_if_unavailable()
+
+
+@functools.lru_cache(maxsize=None)
+def _log_no_band(reason: str):
+  logging.getLogger("te_jax").info(
+      "te_jax: MultiHeadAttention's max_document_length is not used here (full "
+      "attention instead of the band): %s", reason)
+
+
+def _fused_or_xla(attention_impl, max_segments, q, k, v, segment_ids, kv_segment_ids,
+                  self_attn, mask, full_mask, is_causal, head_dim, max_document_length=None):
+  """Attention without dropout: cuDNN (packed, banded or plain) where chosen, else XLA.
+
+  With attention_impl="auto" the cuDNN path is staged beside the XLA one by
+  ``lax.platform_dependent``, so that a computation compiled for the host
+  CPU of a GPU machine (CPU arrays) lowers the XLA path instead of failing.
+  """
+  def xla():
+    return jax.nn.dot_product_attention(q, k, v, mask=full_mask, is_causal=is_causal,
+                                        implementation="xla")
+  packed_self = segment_ids is not None and self_attn and kv_segment_ids is segment_ids
+  if max_document_length is not None:
+    if packed_self and is_causal and mask is None:
+      return _banded(attention_impl, q, k, v, segment_ids, max_document_length, head_dim)
+    _log_no_band("it needs causal self attention over segment_ids without an extra mask")
+  if _use_packed(attention_impl, q, packed_self, mask is not None):
+    def fused():
+      return packed_attention.packed_self_attention(
+          q, k, v, segment_ids, is_causal=is_causal,
+          max_segments=max_segments, scale=head_dim ** -0.5)
+  elif _use_cudnn(attention_impl, q, full_mask is not None):
+    def fused():
+      return jax.nn.dot_product_attention(q, k, v, mask=full_mask, is_causal=is_causal,
+                                          implementation="cudnn")
+  else:
+    return xla()
+  if attention_impl == "auto":
+    return jax.lax.platform_dependent(cuda=fused, default=xla)
+  return fused()
+
+
+def _banded(attention_impl, q, k, v, segment_ids, window, head_dim):
+  """``packed_attention.banded_self_attention`` in cuDNN where it is chosen, else
+  in XLA (the same answer; a band saves XLA no work)."""
+  def run(implementation):
+    return packed_attention.banded_self_attention(
+        q, k, v, segment_ids, window=window, scale=head_dim ** -0.5,
+        implementation=implementation)
+  if attention_impl == "xla" or (attention_impl == "auto" and not _flash_shapes(q)):
+    return run("xla")
+  if attention_impl == "auto":
+    return jax.lax.platform_dependent(cuda=lambda: run("cudnn"), default=lambda: run("xla"))
+  return run("cudnn")
+
+
+def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, self_attn: bool,
+                   segment_ids: Optional[jax.Array] = None,
+                   kv_segment_ids: Optional[jax.Array] = None,
+                   segment_positions: Optional[jax.Array] = None,
+                   kv_segment_positions: Optional[jax.Array] = None,
+                   mask: Optional[jax.Array] = None, attn_mask_type: str = "causal",
+                   enable_rotary_pos_emb: bool = False, rotary_base: float = 10000.0,
+                   attention_impl: str = "auto", max_segments_per_seq: int = 8,
+                   dropout_rate: float = 0.0,
+                   dropout_rng: Optional[jax.Array] = None,
+                   max_document_length: Optional[int] = None) -> jax.Array:
+  """The attention of ``MultiHeadAttention`` between its projections.
+
+  Rotary embeddings, segment and extra masks, the choice of implementation
+  (module docs) and the zeroing of padding queries, on projected heads.
+  ``te_jax.nnx.MultiHeadAttention`` calls it too.
+
+  Args:
+    q: (B, Sq, heads, head_dim) queries.
+    k, v: (B, Skv, groups, head_dim) keys and values (groups divides heads).
+    self_attn: whether k and v come from the queries' sequence (packed self
+      attention may then take cuDNN's packed layout).
+    segment_ids, kv_segment_ids: (B, Sq) / (B, Skv) document ids (0 =
+      padding), as given to the module (``kv_segment_ids`` already defaulted).
+    segment_positions, kv_segment_positions: rotary positions (default
+      ``arange``), already defaulted as in the module.
+    mask: optional boolean mask (True = attend) broadcastable to
+      (B, heads, Sq, Skv).
+    attn_mask_type, enable_rotary_pos_emb, rotary_base, attention_impl,
+      max_segments_per_seq: the module's options.
+    dropout_rate: dropout on the probabilities; > 0 only when dropout is on.
+    dropout_rng: the key of that dropout (needed when ``dropout_rate > 0``).
+    max_document_length: the module's option: with it, causal packed self
+      attention computes only a band of this width where every document
+      fits in it (``packed_attention.banded_self_attention``).
+
+  Returns:
+    (B, Sq, heads, head_dim), in the dtype the core computed.
+  """
+  d = q.shape[-1]
+  if enable_rotary_pos_emb:
+    b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
+    qpos = segment_positions
+    if qpos is None:
+      qpos = jnp.broadcast_to(jnp.arange(sq)[None], (b, sq))
+    kpos = kv_segment_positions
+    if kpos is None:
+      kpos = jnp.broadcast_to(jnp.arange(skv)[None], (b, skv))
+    q = apply_rotary(q, qpos, rotary_base)
+    k = apply_rotary(k, kpos, rotary_base)
+
+  full_mask = and_masks(segment_attention_mask(segment_ids, kv_segment_ids),
+                         None if mask is None else mask.astype(jnp.bool_))
+  is_causal = attn_mask_type == "causal"
+  if dropout_rate > 0.0:
+    if max_document_length is not None:
+      _log_no_band("attention dropout runs an explicit softmax")
+    out = _reference_attention(q, k, v, full_mask, is_causal, dropout_rng, dropout_rate)
+  else:
+    out = _fused_or_xla(attention_impl, max_segments_per_seq, q, k, v, segment_ids,
+                        kv_segment_ids, self_attn, mask, full_mask, is_causal, d,
+                        max_document_length)
+  if segment_ids is not None:      # padding queries output 0 on every path
+    out = jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
+  return out
+
+
+def resolve_segments(inputs_q, inputs_kv, segment_ids, segment_positions, kv_segment_ids,
+                     kv_segment_positions):
+  """Checks the segment arguments against their inputs and fills in self attention.
+
+  ``segment_ids``/``segment_positions`` must be (B, Sq) like ``inputs_q``, the
+  ``kv_`` ones (B, Skv) like ``inputs_kv`` (``inputs_q`` when it is None).
+  Returns ``(inputs_kv, kv_segment_ids, kv_segment_positions)``: for self
+  attention (``inputs_kv`` None) the queries' inputs and segments. Shared by
+  the Linen and NNX MultiHeadAttention.
+  """
+  self_attn = inputs_kv is None
+  kv_name, kv_like = ("inputs_q", inputs_q) if self_attn else ("inputs_kv", inputs_kv)
+  check_segment_arg("segment_ids", segment_ids, "inputs_q", inputs_q)
+  check_segment_arg("segment_positions", segment_positions, "inputs_q", inputs_q)
+  check_segment_arg("kv_segment_ids", kv_segment_ids, kv_name, kv_like)
+  check_segment_arg("kv_segment_positions", kv_segment_positions, kv_name, kv_like)
+  if self_attn:
+    inputs_kv = inputs_q
+    if kv_segment_ids is None:
+      kv_segment_ids = segment_ids
+    if kv_segment_positions is None:
+      kv_segment_positions = segment_positions
+  return inputs_kv, kv_segment_ids, kv_segment_positions
