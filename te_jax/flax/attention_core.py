@@ -44,6 +44,7 @@ def apply_rotary(x: jax.Array, positions: jax.Array, base: float = 10000.0) -> j
 
 
 def and_masks(a, b):
+  """The logical AND of two boolean masks, either of which may be None."""
   if a is None:
     return b
   if b is None:
@@ -248,7 +249,7 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, self_attn: bool,
     k = apply_rotary(k, kpos, rotary_base)
 
   full_mask = and_masks(segment_attention_mask(segment_ids, kv_segment_ids),
-                         None if mask is None else mask.astype(jnp.bool_))
+                        None if mask is None else mask.astype(jnp.bool_))
   is_causal = attn_mask_type == "causal"
   if dropout_rate > 0.0:
     if max_document_length is not None:
