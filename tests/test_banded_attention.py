@@ -9,7 +9,6 @@ changes which logits are computed but not which are masked: bit-exact.
 
 import logging
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
