@@ -34,8 +34,8 @@ from te_jax import sharding as sharding_lib
 from te_jax.ops import concat_quantize as concat_op
 from te_jax.ops import quantize as quantize_op
 
-__all__ = ["fp8_dense", "fp8_dense_split", "dense", "dense_general", "scaling_mode_of",
-           "pad_to"]
+__all__ = ["fp8_dense", "fp8_dense_split", "split_blocks", "dense", "dense_general",
+           "scaling_mode_of", "pad_to"]
 
 
 class _Config(NamedTuple):
@@ -179,6 +179,21 @@ def _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, num_splits):
   return tuple(remat.tag_fp8_gemm(part[:m].reshape(*lead, f)) for part in y)
 
 
+def split_blocks(n: int, num_splits, mode: scaling.ScalingMode) -> Tuple[int, bool]:
+  """Checks ``num_splits`` for an output of ``n`` columns; returns the block
+  width and whether the blocks' gradients can be quantized apart
+  (``ops/concat_quantize.py``: 2 to ``MAX_PARTS`` blocks, each a multiple of
+  the mode's ``token_block``). Shared by ``fp8_dense_split`` and
+  ``te_jax.norm_dense.fp8_norm_dense``."""
+  if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+    raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}.")
+  if n % num_splits:
+    raise ValueError(f"kernel's output dim ({n}) must be a multiple of num_splits "
+                     f"({num_splits}).")
+  f = n // num_splits
+  return f, 1 < num_splits <= concat_op.MAX_PARTS and f % mode.token_block == 0
+
+
 def fp8_dense_split(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
                     num_splits: int, recipe: recipe_lib.Recipe, fp8_state=None,
                     impl: str = "auto") -> Tuple[jax.Array, ...]:
@@ -215,14 +230,8 @@ def fp8_dense_split(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] =
   ((2, 128, 256), (2, 128, 256), (2, 128, 256))
   """
   mode = _check_dense_args(x, kernel, bias, recipe, fp8_state)
-  if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-    raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}.")
-  n = kernel.shape[1]
-  if n % num_splits:
-    raise ValueError(f"kernel's output dim ({n}) must be a multiple of num_splits "
-                     f"({num_splits}).")
-  f = n // num_splits
-  if num_splits == 1 or num_splits > concat_op.MAX_PARTS or f % mode.token_block:
+  _, fused = split_blocks(kernel.shape[1], num_splits, mode)
+  if not fused:
     y = _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, 1)[0]
     return tuple(jnp.split(y, num_splits, axis=-1))
   return _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, num_splits)

@@ -257,17 +257,11 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
         f"hidden <= {MAX_HIDDEN}; got {m} tokens, hidden {k}. The norm "
         "cannot be padded (a padded row or column changes the statistics or the amax): "
         "use te_jax.flax.norm.apply_norm and te_jax.dense.fp8_dense instead.")
-  if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-    raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}.")
-  if n % num_splits:
-    raise ValueError(f"kernel's output dim ({n}) must be a multiple of num_splits "
-                     f"({num_splits}).")
+  # Blocks the concat-quantize kernel cannot take: split the whole output.
+  f, fused_split = dense_lib.split_blocks(n, num_splits, mode)
   mode.check_state(fp8_state)
   out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
   align = mode.token_block
-  f = n // num_splits
-  # Blocks the concat-quantize kernel cannot take: split the whole output.
-  fused_split = 1 < num_splits <= concat_op.MAX_PARTS and f % align == 0
   cfg = _Config(mode, impl, spec, out_dtype, bias is not None, bool(return_norm_output),
                 num_splits if fused_split else 1)
   kp = dense_lib.pad_to(kernel, 1, align)   # fused_split: no column padding needed

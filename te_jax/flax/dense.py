@@ -33,7 +33,7 @@ from te_jax import norm_dense
 from te_jax.flax import fp8_module
 # The fused-norm checks, used here and by the MLP and NNX modules.
 from te_jax.flax.fused_norm import check_input_norm, fused_norm_states, norm_project
-from te_jax.flax.norm import apply_norm, norm_params
+from te_jax.flax.norm import apply_norm, apply_norm_params, norm_params
 
 __all__ = ["DenseGeneral", "LayerNormDenseGeneral", "default_kernel_axes",
            "declare_and_apply_dense", "declare_dense", "kernel_fan_in_init",
@@ -307,9 +307,7 @@ class DenseGeneral(nn.Module):
                               features=features, use_bias=self.use_bias,
                               return_norm_output=return_norm_output,
                               num_splits=features[0] if self.split_output else 1)
-    ln_out = apply_norm(inputs, input_norm.gamma, input_norm.beta,
-                        norm_type=input_norm.norm_type, epsilon=input_norm.epsilon,
-                        zero_centered_gamma=input_norm.zero_centered_gamma, dtype=compute)
+    ln_out = apply_norm_params(inputs, input_norm, compute)
     y = self._project(settings, ln_out)   # self.axis is the last one: checked above
     return (y, ln_out) if return_norm_output else y
 

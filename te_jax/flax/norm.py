@@ -15,7 +15,8 @@ import flax.linen as nn
 
 from te_jax import norm_dense
 
-__all__ = ["LayerNorm", "RMSNorm", "NormParameters", "norm_params", "apply_norm"]
+__all__ = ["LayerNorm", "RMSNorm", "NormParameters", "norm_params", "apply_norm",
+           "apply_norm_params"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -66,6 +67,15 @@ def apply_norm(x: jax.Array, scale: jax.Array, bias: Optional[jax.Array], *,
   if bias is not None:
     y = y + bias.astype(jnp.float32)
   return y.astype(dtype)
+
+
+def apply_norm_params(x: jax.Array, norm: norm_dense.NormParams, dtype) -> jax.Array:
+  """:func:`apply_norm` with the parameters and options of a
+  ``te_jax.norm_dense.NormParams`` (the unfused path of a projection's
+  ``input_norm``)."""
+  return apply_norm(x, norm.gamma, norm.beta, norm_type=norm.norm_type,
+                    epsilon=norm.epsilon, zero_centered_gamma=norm.zero_centered_gamma,
+                    dtype=dtype)
 
 
 class _Norm(nn.Module):

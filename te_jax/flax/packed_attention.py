@@ -62,6 +62,22 @@ def segment_attention_mask(q_segment_ids: Optional[jax.Array],
   return q_segment_ids[:, None, :, None] == kv
 
 
+def _document_runs(segment_ids: jax.Array):
+  """Checks (B, S) integer ``segment_ids``; returns them as int32, where each
+  run of a nonzero id starts (bool (B, S)), and a () bool: no id has two runs."""
+  if segment_ids.ndim != 2:
+    raise ValueError(f"segment_ids must be (batch, seq), got shape {segment_ids.shape}.")
+  if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+    raise TypeError(f"segment_ids must be integers, got {segment_ids.dtype}.")
+  ids = segment_ids.astype(jnp.int32)
+  prev = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)))
+  start = (ids != 0) & (ids != prev)
+  # A run's id must exceed every id before it: then no id has two runs
+  # (ids that decrease or repeat after padding fail the check).
+  one_run_each = jnp.all(~start | (ids > lax.cummax(prev, axis=1)))
+  return ids, start, one_run_each
+
+
 def segment_layout(segment_ids: jax.Array,
                    max_segments: int) -> Tuple[jax.Array, jax.Array, jax.Array]:
   """Per-row document lengths and start offsets of packed ``segment_ids``.
@@ -81,21 +97,11 @@ def segment_layout(segment_ids: jax.Array,
     occurs in two runs (which the ragged layout would split into two
     documents that cannot see each other, unlike the segment mask).
   """
-  if segment_ids.ndim != 2:
-    raise ValueError(f"segment_ids must be (batch, seq), got shape {segment_ids.shape}.")
-  if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-    raise TypeError(f"segment_ids must be integers, got {segment_ids.dtype}.")
   if max_segments < 1:
     raise ValueError(f"max_segments must be >= 1, got {max_segments}.")
-  ids = segment_ids.astype(jnp.int32)
+  ids, start, one_run_each = _document_runs(segment_ids)
   b, s = ids.shape
   m = max_segments
-  prev = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)))
-  start = (ids != 0) & (ids != prev)
-  # A run's id must exceed every id before it: then no id has two runs
-  # (ids that decrease or repeat after padding go to the fallback).
-  seen = lax.cummax(prev, axis=1)
-  one_run_each = jnp.all(~start | (ids > seen))
   count = jnp.sum(start, axis=1)
   fits = one_run_each & jnp.all(count <= m)
 
@@ -245,15 +251,7 @@ def document_spans_fit(segment_ids: jax.Array, window: int) -> jax.Array:
     segment_ids: (B, S) integer segment ids.
     window: Python int >= 1.
   """
-  if segment_ids.ndim != 2:
-    raise ValueError(f"segment_ids must be (batch, seq), got shape {segment_ids.shape}.")
-  if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-    raise TypeError(f"segment_ids must be integers, got {segment_ids.dtype}.")
-  ids = segment_ids.astype(jnp.int32)
-  prev = jnp.pad(ids[:, :-1], ((0, 0), (1, 0)))
-  start = (ids != 0) & (ids != prev)
-  # as segment_layout: a run's id exceeds every id before it, or the id has two runs
-  one_run_each = jnp.all(~start | (ids > lax.cummax(prev, axis=1)))
+  ids, start, one_run_each = _document_runs(segment_ids)
   pos = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
   run_start = lax.cummax(jnp.where(start, pos, 0), axis=1)
   run_length = jnp.where(ids != 0, pos - run_start + 1, 0)

@@ -20,7 +20,7 @@ from te_jax import norm_dense
 from te_jax.flax import fp8_module
 from te_jax.flax.dense import default_kernel_axes, default_kernel_init, kernel_fan_in_init
 from te_jax.flax.fused_norm import check_input_norm, fused_norm_states, norm_project
-from te_jax.flax.norm import apply_norm, check_norm_type
+from te_jax.flax.norm import apply_norm, apply_norm_params, check_norm_type
 from te_jax.nnx import state as st
 
 __all__ = ["Linear", "LayerNormLinear", "LayerNorm", "RMSNorm", "fp8_gemm", "param",
@@ -247,9 +247,7 @@ class Linear(nnx.Module):
       return fused_norm_linear(self, x, norm, bias, settings, compute, states[0],
                                return_norm_output=return_norm_output,
                                num_splits=self.out_features[0] if self.split_output else 1)
-    ln_out = apply_norm(x, norm.gamma, norm.beta, norm_type=norm.norm_type,
-                        epsilon=norm.epsilon, zero_centered_gamma=norm.zero_centered_gamma,
-                        dtype=compute)
+    ln_out = apply_norm_params(x, norm, compute)
     y = self(ln_out)   # the plain projection checks in_features
     return (y, ln_out) if return_norm_output else y
 
