@@ -53,7 +53,7 @@ def kernel_kind(name: str) -> str:
   return "other"
 
 
-def run_one(preset, recipe, k, repeats, profile_steps, small, doc_window=False):
+def run_one(preset, recipe, k, repeats, profile_steps, small, doc_window=None):
   """Times and profiles one recipe; returns a dict (one JSON line)."""
   sys.path.insert(0, os.path.join(HERE, "..", "examples"))
   import jax  # pylint: disable=import-outside-toplevel
@@ -118,9 +118,9 @@ def main(argv=None):
   p.add_argument("--one", help=argparse.SUPPRESS)   # run one recipe, print one JSON line
   p.add_argument("--timeout", type=int, default=300, help="seconds per recipe")
   p.add_argument("--json-out", help="write the results so far to this JSON file after each recipe")
-  p.add_argument("--doc-window", action="store_true",
+  p.add_argument("--doc-window", action=argparse.BooleanOptionalAction, default=None,
                  help="train_gpt's --doc_window: attention only over a band as wide as the "
-                      "longest document")
+                      "longest document (default: the preset's, on for llama)")
   args = p.parse_args(argv)
   if args.one:
     res = run_one(args.preset, args.one, args.k, args.repeats, args.profile_steps, args.small,
@@ -133,7 +133,8 @@ def main(argv=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--one", recipe, "--preset", args.preset,
            "--k", str(args.k), "--repeats", str(args.repeats),
            "--profile-steps", str(args.profile_steps)] + (["--small"] if args.small else []) + (
-               ["--doc-window"] if args.doc_window else [])
+               [] if args.doc_window is None else
+               ["--doc-window" if args.doc_window else "--no-doc-window"])
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                             cwd=HERE, check=False)
@@ -161,7 +162,8 @@ def format_tables(results, args) -> str:
   from bench_layer import environment  # pylint: disable=import-error,import-outside-toplevel
   env = environment()
   base = next((r for r in results if r["recipe"] == "none"), None)
-  window = " --doc_window" if args.doc_window else ""
+  bands = sorted({r["doc_window"] for r in results if r.get("doc_window")})
+  window = f" (attention band {', '.join(map(str, bands))} tokens)" if bands else ""
   lines = [f"### train_gpt.py --preset {args.preset}{window}, {env['date']}, {env['device']}, "
            f"jax {env['jax']}, flax {env['flax']}", "",
            f"Median of {args.repeats} timings of {args.k} steps after 3 warm-ups, state carried; "

@@ -102,7 +102,10 @@ def main(argv=None):
   groups = None
   if args.gpt_rows or args.llama_rows:
     # examples/ is not a package: load train_gpt.py from its file, registered in
-    # sys.modules first (its dataclasses look their module up there).
+    # sys.modules first (its dataclasses look their module up there), with
+    # examples/ on the path for the modules it imports (gpt_cli, gpt_model).
+    if _EXAMPLES not in sys.path:
+      sys.path.insert(0, _EXAMPLES)
     spec = importlib.util.spec_from_file_location(
         "train_gpt", os.path.join(_EXAMPLES, "train_gpt.py"))
     train_gpt = sys.modules["train_gpt"] = importlib.util.module_from_spec(spec)

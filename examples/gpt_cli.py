@@ -98,10 +98,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                       help="FP8 recipe of the transformer layers' GEMMs; none = FP8 off")
   add_model_flags(parser)
   # Here, not in add_model_flags: compare_recipes.py builds its Config without them.
-  parser.add_argument("--doc_window", action="store_true",
+  parser.add_argument("--doc_window", action=argparse.BooleanOptionalAction, default=None,
                       help="self attention computes only a causal band as wide as the "
                            "corpus's longest document (rounded up to 128 tokens): the same "
-                           "answer, less work on rows of many short documents")
+                           "answer, less work on rows of many short documents (default: "
+                           "on for --preset llama, off for the others)")
   parser.add_argument("--kv_groups", type=int, default=None,
                       help="key/value heads (grouped-query attention; must divide --heads) "
                            "(default: from --preset: " + ", ".join(

@@ -158,14 +158,16 @@ LLAMA_PRESETS = {
     # B x max_segments rows of S tokens (~260 MiB per unit for the h200
     # preset's rows) and was slower than the masked path for many short
     # documents (docs/benchmarks-log-2026-11.md, 2026-12-01). --doc_window
-    # (train_gpt.py) bands the masked path to the longest document instead
-    # (370 characters: a 384-token band, about a fifth of the causal
-    # triangle's logits).
+    # (train_gpt.py, on by default here) bands the masked path to the
+    # longest document instead (370 characters: a 384-token band, about a
+    # fifth of the causal triangle's logits). Measured on the H200
+    # (2026-12-03, run V in docs/benchmarks-log-2026-12.md): attention
+    # 200 -> 61 ms of a delayed-scaling step, the step 472 -> 334 ms.
     # 100k documents = 12M characters: 1000 steps see it ~2.7 times
     # (each step draws documents at random).
     "llama": dict(arch="llama", hidden=2048, layers=24, heads=16, kv_groups=8, mlp=5632,
                   seq_len=4096, batch=8, steps=1000, lr=3e-4, warmup=100,
-                  dtype="bfloat16", num_docs=100000),
+                  dtype="bfloat16", num_docs=100000, doc_window=True),
     # The same architecture at test size (a few seconds on a CPU): 4 query
     # heads share 2 key/value heads; mlp = 3 x 64, as 8/3 x hidden rounded up.
     "llama_tiny": dict(arch="llama", hidden=64, layers=2, heads=4, kv_groups=2, mlp=192,

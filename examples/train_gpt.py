@@ -141,7 +141,8 @@ class Config:
   seed: int = 0
   num_docs: Optional[int] = None
   remat: bool = False
-  doc_window: bool = False         # attention only over a band as wide as the longest document
+  doc_window: Optional[bool] = None  # attention only over a band as wide as the longest
+                                   # document; None: the preset's (on for llama)
   ckpt_dir: Optional[str] = None
   ckpt_every: int = 0              # 0: only at the end
   resume: bool = False
@@ -159,6 +160,7 @@ class Config:
       raise ValueError(f"recipe must be one of {RECIPES}, got {self.recipe!r}.")
     base = dict(ALL_PRESETS[self.preset])
     base.setdefault("arch", "gpt")
+    base.setdefault("doc_window", False)
     cfg = dataclasses.replace(
         self, **{k: v for k, v in base.items() if getattr(self, k) is None})
     if cfg.arch not in ARCHS:

@@ -3,6 +3,7 @@
 import json
 
 import jax
+import flax.linen as nn
 import jax.numpy as jnp
 import pytest
 
@@ -171,6 +172,22 @@ def test_peers_rows_time_a_carried_te_jax_step_on_cpu():
   assert label == "te_jax delayed"
   r = bench_peers.time_row(module, ctx, sz, k=1, repeats=1)
   assert r["ms"] > 0 and r["dx_abs_max"] > 0 and r["temp_mib"] is not None
+
+
+@pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float32])
+def test_peers_te_jax_and_flax_rows_hold_the_requested_parameter_dtype(param_dtype):
+  """bf16 by default: TE-JAX's rows hold bf16 parameters (its dtype=bf16 sets
+  both), so te_jax's and Flax's must too for a like-for-like step."""
+  import bench_peers
+  sz = bench_peers.sizes(True)
+  x = jnp.zeros((sz["batch"], sz["seq"], sz["hidden"]), jnp.bfloat16)
+  rows = bench_peers.te_jax_rows("mlp", sz, param_dtype=param_dtype)[:1] + \
+      bench_peers.flax_rows("mlp", sz, param_dtype=param_dtype)
+  for label, module, ctx in rows:
+    with ctx():
+      shapes = jax.eval_shape(module.init, jax.random.key(0), x)
+    dtypes = {p.dtype for p in jax.tree.leaves(nn.meta.unbox(shapes["params"]))}
+    assert dtypes == {jnp.dtype(param_dtype)}, (label, dtypes)
 
 
 def test_peers_profile_reports_kernel_time_by_kind():
