@@ -446,7 +446,8 @@ def _train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
   print(f"te_jax {te_jax.__version__} | {jax.default_backend()} x{len(jax.devices())} "
         f"mesh {dict(trainer.mesh.shape)} | recipe {cfg.recipe} | "
         f"{n_params / 1e6:.2f}M params, {cfg.layers} layers, hidden {cfg.hidden}, "
-        f"{cfg.dtype} | batch {cfg.batch}x{cfg.seq_len} | steps {start}->{cfg.steps}")
+        f"{cfg.dtype} | batch {cfg.batch}x{cfg.seq_len} | steps {start}->{cfg.steps}"
+        + (f" | attention band {trainer.doc_window} tokens" if trainer.doc_window else ""))
   if jax.process_count() > 1:
     print(f"{jax.process_count()} processes, {jax.local_device_count()} devices each; "
           "this log is process 0's")
