@@ -16,8 +16,8 @@ Compute is bf16 everywhere. Parameters are bf16 by default
 rows (built with ``dtype=bf16``) hold bf16 parameters (their optimized HLO
 takes ``bf16[4096,16384]`` kernels), and te_jax and Flax get
 ``param_dtype=bf16`` to match. ``--param-dtype float32`` gives te_jax and
-Flax their float32 default (the rows of issue 22's table, measured until
-2026-12-03): each weight is then converted or quantized from float32 and its
+Flax their float32 default (the te_jax rows of runs T and U, before
+2026-12-03's run V): each weight is then converted or quantized from float32 and its
 gradient written in float32, which TE-JAX's bf16 rows do not pay.
 
 Protocol (the issue's, as a user comparing libraries would): a step is

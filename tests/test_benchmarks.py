@@ -2,8 +2,8 @@
 
 import json
 
-import jax
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import pytest
 
