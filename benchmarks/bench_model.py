@@ -100,7 +100,8 @@ def run_one(preset, recipe, k, repeats, profile_steps, small, doc_window=None):
     kinds[kernel_kind(name)] += kms
   top = {kind: sorted(((n, round(t, 3)) for n, t, _ in rows if kernel_kind(n) == kind),
                       key=lambda r: -r[1])[:4] for kind in KINDS}
-  return {"recipe": recipe, "doc_window": trainer.doc_window, "ms": ms, "times": times, "tokens_per_s": tokens / (ms / 1e3),
+  return {"recipe": recipe, "doc_window": trainer.doc_window, "ms": ms, "times": times,
+          "tokens_per_s": tokens / (ms / 1e3),
           "mfu": None if peak is None else flops / peak, "loss": loss,
           "params": train_gpt.param_count(state), "kernels_ms": kinds, "kernel_total_ms": total,
           "idle_ms": max(span - total, 0.0), "top": top, "steps_timed": k * repeats,

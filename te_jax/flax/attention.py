@@ -29,9 +29,10 @@ takes neither: under the segment mask it computes only the band of keys at
 most W - 1 positions back (cuDNN's sliding window skips the tiles outside
 it), which is exact while every document fits in W tokens; a batch with a
 longer document is detected on the device and runs the full masked
-attention (``te_jax.flax.packed_attention.banded_self_attention``). Other masks (cross attention with segment ids, an explicit
-``mask``) take XLA under "auto" (cuDNN in jax takes a mask only as a dense
-additive bias); "cudnn" forces cuDNN (the mask then becomes that bias).
+attention (``te_jax.flax.packed_attention.banded_self_attention``).
+Other masks (cross attention with segment ids, an explicit ``mask``) take
+XLA under "auto" (cuDNN in jax takes a mask only as a dense additive bias);
+"cudnn" forces cuDNN (the mask then becomes that bias).
 Under "auto" the cuDNN path is staged beside the XLA one with
 ``jax.lax.platform_dependent``, so a computation compiled for a GPU host's
 CPU (arrays placed there) runs XLA attention. Attention dropout
@@ -125,8 +126,8 @@ class MultiHeadAttention(nn.Module):
       (measured trade-offs: BENCHMARKS.md, benchmarks/bench_packed_attention.py).
     max_document_length: None (default) or the longest document (in tokens)
       the packed rows are expected to hold; causal only. Packed self
-      attention then computes only the band of keys at most this many
-      positions back (cuDNN skips the tiles outside it: about S *
+      attention then computes only the band of keys at most
+      ``max_document_length - 1`` positions back (cuDNN skips the tiles outside it: about S *
       max_document_length logits per head instead of S**2 / 2), in place of
       the packed layout above. Checked on the device: a batch with a longer
       document runs full causal attention under the segment mask (same

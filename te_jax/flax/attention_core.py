@@ -159,15 +159,22 @@ def _fused_or_xla(attention_impl, max_segments, q, k, v, segment_ids, kv_segment
   ``lax.platform_dependent``, so that a computation compiled for the host
   CPU of a GPU machine (CPU arrays) lowers the XLA path instead of failing.
   """
-  def xla():
+  def xla_attention():
     return jax.nn.dot_product_attention(q, k, v, mask=full_mask, is_causal=is_causal,
                                         implementation="xla")
   packed_self = segment_ids is not None and self_attn and kv_segment_ids is segment_ids
-  if max_document_length is not None:
-    if packed_self and is_causal and mask is None:
-      return _banded(attention_impl, q, k, v, segment_ids, max_document_length, head_dim)
+  banded = max_document_length is not None and packed_self and is_causal and mask is None
+  if max_document_length is not None and not banded:
     _log_no_band("it needs causal self attention over segment_ids without an extra mask")
-  if _use_packed(attention_impl, q, packed_self, mask is not None):
+  fused, xla = None, xla_attention
+  if banded:
+    band = functools.partial(packed_attention.banded_self_attention, q, k, v, segment_ids,
+                             window=max_document_length, scale=head_dim ** -0.5)
+    # In XLA the band saves no work; the answer is the same.
+    xla = functools.partial(band, implementation="xla")
+    if _use_cudnn(attention_impl, q, has_mask=False):
+      fused = functools.partial(band, implementation="cudnn")
+  elif _use_packed(attention_impl, q, packed_self, mask is not None):
     def fused():
       return packed_attention.packed_self_attention(
           q, k, v, segment_ids, is_causal=is_causal,
@@ -176,25 +183,11 @@ def _fused_or_xla(attention_impl, max_segments, q, k, v, segment_ids, kv_segment
     def fused():
       return jax.nn.dot_product_attention(q, k, v, mask=full_mask, is_causal=is_causal,
                                           implementation="cudnn")
-  else:
+  if fused is None:
     return xla()
   if attention_impl == "auto":
     return jax.lax.platform_dependent(cuda=fused, default=xla)
   return fused()
-
-
-def _banded(attention_impl, q, k, v, segment_ids, window, head_dim):
-  """``packed_attention.banded_self_attention`` in cuDNN where it is chosen, else
-  in XLA (the same answer; a band saves XLA no work)."""
-  def run(implementation):
-    return packed_attention.banded_self_attention(
-        q, k, v, segment_ids, window=window, scale=head_dim ** -0.5,
-        implementation=implementation)
-  if attention_impl == "xla" or (attention_impl == "auto" and not _flash_shapes(q)):
-    return run("xla")
-  if attention_impl == "auto":
-    return jax.lax.platform_dependent(cuda=lambda: run("cudnn"), default=lambda: run("xla"))
-  return run("cudnn")
 
 
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, self_attn: bool,

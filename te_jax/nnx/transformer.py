@@ -92,8 +92,9 @@ class TransformerLayer(nnx.Module):
           attention_dropout=attention_dropout, enable_rotary_pos_emb=rotary,
           rotary_base=rotary_base, use_bias=use_bias, out_features=e,
           attention_impl=attention_impl, max_segments_per_seq=max_segments_per_seq,
-          max_document_length=document_length, dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
-          bias_init=bias_init, deterministic=deterministic, impl=impl, rngs=rngs)
+          max_document_length=document_length, dtype=dtype, param_dtype=param_dtype,
+          kernel_init=kernel_init, bias_init=bias_init, deterministic=deterministic, impl=impl,
+          rngs=rngs)
 
     self.fuse_norm_quantize = bool(fuse_norm_quantize)
     self.pre_attention_norm = norm()
