@@ -32,7 +32,8 @@ are the matmul FLOPs of fwd+bwd (3x forward).
 Name suffixes: ``_unfused`` sets ``fuse_activation_quantize=False`` (the
 modules' default is the fused MLP core); ``_xlanorm`` sets
 ``fuse_norm_quantize=False`` (XLA's LayerNorm before the fused core instead
-of the norm + quantize kernels); ``_fastacc`` turns on fast
+of the norm + quantize kernels; with ``te_off``, XLA's norm instead of te_jax's
+unquantized norm kernels); ``_fastacc`` turns on fast
 accumulation in all three GEMMs (TE-JAX's default, not ours); ``_noguard``
 sets ``DelayedScaling(outlier_factor=None)`` (no outlier guard, TE's rule);
 ``_packed``
@@ -64,13 +65,13 @@ MLP_CONFIGS = ["mlp/te_off", "mlp/te_delayed", "mlp/te_current", "mlp/te_block",
                "mlp/flax_fp8", "mlp/flax_bf16", "mlp/te_delayed_unfused",
                "mlp/te_current_unfused", "mlp/te_block_unfused", "mlp/te_delayed_fastacc",
                "mlp/te_current_fastacc", "mlp/te_delayed_xlanorm", "mlp/te_current_xlanorm",
-               "mlp/te_block_xlanorm", "mlp/te_delayed_noguard"]
+               "mlp/te_block_xlanorm", "mlp/te_delayed_noguard", "mlp/te_off_xlanorm"]
 LAYER_CONFIGS = ["layer/te_off", "layer/te_delayed", "layer/te_current", "layer/te_block",
                  "layer/te_delayed_unfused", "layer/te_current_unfused",
                  "layer/te_block_unfused", "layer/te_delayed_fastacc",
                  "layer/te_current_fastacc", "layer/te_delayed_xlanorm",
                  "layer/te_current_xlanorm", "layer/te_block_xlanorm",
-                 "layer/te_delayed_noguard",
+                 "layer/te_delayed_noguard", "layer/te_off_xlanorm",
                  "layer/te_off_packed", "layer/te_block_packed",
                  "layer/te_block_packed_xla",
                  "attn/core", "attn/module_off", "attn/te_delayed", "attn/te_current",

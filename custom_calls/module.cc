@@ -26,6 +26,7 @@ XLA_FFI_Error* TeJaxNormQuantizeTensorwise(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxNormQuantizeCurrent(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxNormQuantizeBlockwise(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxNormBackward(XLA_FFI_CallFrame*);
+XLA_FFI_Error* TeJaxNormStats(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxGemm(XLA_FFI_CallFrame*);
 }
 }  // namespace te_jax
@@ -59,6 +60,7 @@ NB_MODULE(_te_jax_ffi, m) {
     d["te_jax_norm_quantize_current"] = Capsule(te_jax::TeJaxNormQuantizeCurrent);
     d["te_jax_norm_quantize_blockwise"] = Capsule(te_jax::TeJaxNormQuantizeBlockwise);
     d["te_jax_norm_backward"] = Capsule(te_jax::TeJaxNormBackward);
+    d["te_jax_norm_stats"] = Capsule(te_jax::TeJaxNormStats);
     d["te_jax_gemm"] = Capsule(te_jax::TeJaxGemm);
     return d;
   });

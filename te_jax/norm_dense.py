@@ -59,7 +59,7 @@ from te_jax.ops import concat_quantize as concat_op
 from te_jax.ops import normalization as norm_op
 
 __all__ = ["NormParams", "NormSpec", "MAX_HIDDEN", "fp8_norm_dense", "supported",
-           "norm_spec", "quantize_normalized", "normalized", "norm_grads"]
+           "norm_spec", "quantize_normalized", "normalized", "norm_grads", "normalize"]
 
 # The largest normalized dim the CUDA kernels take (the backward's limit).
 MAX_HIDDEN = norm_op.MAX_CUDA_HIDDEN
@@ -275,3 +275,78 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
     if num_splits > 1:
       y = tuple(jnp.split(y, num_splits, axis=-1))
   return (y, ln.reshape(x.shape)) if return_norm_output else y
+
+
+# ------------------------------------------------ the norm without FP8 ---
+
+class _NormConfig(NamedTuple):
+  norm: NormSpec
+  dtype: jnp.dtype     # output dtype
+  impl: str
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _normalize(x, gamma, beta, cfg):
+  return _normalize_fwd(x, gamma, beta, cfg)[0]
+
+
+def _normalize_fwd(x, gamma, beta, cfg):
+  mean, rstd = norm_op.norm_stats(x, norm_type=cfg.norm.norm_type, epsilon=cfg.norm.epsilon,
+                                  impl=cfg.impl)
+  y = normalized(cfg.norm, x, gamma, beta, mean, rstd).astype(cfg.dtype)
+  return y, (x, gamma, beta, mean, rstd)
+
+
+def _normalize_bwd(cfg, res, dy):
+  x, gamma, beta, mean, rstd = res
+  return norm_grads(cfg.norm, dy, x, gamma, beta, mean, rstd, cfg.impl)
+
+
+_normalize.defvjp(_normalize_fwd, _normalize_bwd)
+
+
+def normalize(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array] = None, *,
+              norm_type: str, epsilon: float, zero_centered_gamma: bool = False,
+              dtype=None, impl: str = "auto") -> jax.Array:
+  """``norm(x)`` over the last axis, unquantized, with the norm kernels' backward.
+
+  The same values as ``te_jax.flax.norm.apply_norm`` (float32 from the
+  input, the statistics, then ``(x - mean) * rstd * gamma' + beta`` rounded
+  once to ``dtype``), computed as: the statistics pass
+  (``ops.normalization.norm_stats``), one elementwise XLA pass writing the
+  output, and for the gradient one kernel for dx, dgamma and dbeta
+  (``ops.normalization.norm_backward``) instead of XLA's reductions. The
+  residuals are ``x`` and two float32 numbers per row. For the layers'
+  norms when FP8 is off (or their fused norm + quantize path is not taken).
+
+  The CUDA kernels have no sharding rule: call this where ``x`` is not
+  sharded (``te_jax.flax`` modules use ``apply_norm`` when a mesh is active).
+
+  Args:
+    x: (..., H) float32/bfloat16/float16.
+    gamma: (H,) scale (``gamma - 1`` with ``zero_centered_gamma``).
+    beta: (H,) shift, or None (None for rmsnorm).
+    norm_type: "layernorm" or "rmsnorm".
+    epsilon: Python float >= 0 added to the variance (mean square).
+    zero_centered_gamma: the scale is ``1 + gamma``.
+    dtype: output dtype; default ``x.dtype``.
+    impl: "auto", "cuda" or "reference"; the CUDA path takes
+      ``ops.normalization.norm_supported(M, H)`` shapes (M = prod(...)).
+
+  Returns:
+    (..., H) in ``dtype``. Gradients: dx in x's dtype, dgamma and dbeta in
+    gamma's and beta's.
+  """
+  spec = norm_spec(norm_type, epsilon, zero_centered_gamma)
+  if not hasattr(x, "ndim") or x.ndim < 1:
+    raise ValueError(f"x must be an array (..., H), got {getattr(x, 'shape', type(x))}.")
+  h = x.shape[-1]
+  for name, p in (("gamma", gamma), ("beta", beta)):
+    if p is not None and getattr(p, "shape", None) != (h,):
+      raise ValueError(f"{name} must have shape ({h},) for x {x.shape}, got "
+                       f"{getattr(p, 'shape', type(p))}.")
+  if norm_type == "rmsnorm" and beta is not None:
+    raise ValueError("beta must be None for norm_type='rmsnorm'.")
+  out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
+  y = _normalize(x.reshape(-1, h), gamma, beta, _NormConfig(spec, out_dtype, impl))
+  return y.reshape(x.shape)

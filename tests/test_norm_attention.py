@@ -260,7 +260,8 @@ def test_unfusable_input_norm_says_why(monkeypatch, caplog):
     y1 = jax.jit(m.apply)(v, x)
     y0 = jax.jit(m_xla.apply)(v, x)
   assert calls == [], calls
-  assert "DenseGeneral normalizes in XLA" in caplog.text and "200 tokens" in caplog.text
+  assert ("DenseGeneral quantizes its normalized input in a separate pass" in caplog.text
+          and "200 tokens" in caplog.text), caplog.text
   np.testing.assert_array_equal(np.asarray(y1), np.asarray(y0))
 
 

@@ -526,7 +526,7 @@ def test_modules_fuse_norm_quantize_false_keeps_the_xla_norm(which, monkeypatch,
   calls = _spy(monkeypatch)
   l0, g0 = _module_grads(xla_m, v, x, r, cot)
   assert "dense" not in calls and "mlp" not in calls, calls
-  assert "normalizes in XLA" not in caplog.text, caplog.text
+  assert "quantizes its normalized input in a separate pass" not in caplog.text, caplog.text
   if which == "mlp":   # still the fused activation core, without the norm
     assert "mlp-unnormed" in calls, calls
   calls.clear()
@@ -551,17 +551,23 @@ def _unfused_reason(m, x, r, caplog, calls, init_recipe=None):
 
 def test_modules_fall_back_and_say_why(monkeypatch, caplog):
   fused_norm.log_unfused_norm.cache_clear()
+  fused_norm.log_xla_norm.cache_clear()
   caplog.set_level(logging.INFO, logger="te_jax")
   calls = _spy(monkeypatch)
   r = recipe.Float8CurrentScaling()
   dense_m, mlp_m = MODULES["dense"](), MODULES["mlp"]()
   text = _unfused_reason(dense_m, _rand(40, (2, 100, 128)), r, caplog, calls)[0]
-  assert "LayerNormDenseGeneral normalizes in XLA" in text and "200 tokens, embed 128" in text
+  assert ("LayerNormDenseGeneral quantizes its normalized input in a separate pass" in text
+          and "200 tokens, embed 128" in text), text
   text = _unfused_reason(dense_m, _rand(41, (2, 128, 192)), r, caplog, calls)[0]
   assert "embed % 128 == 0" in text, text
   # The MLP's fused core runs, but embed is beyond the norm kernels' limit.
   text = _unfused_reason(mlp_m, _rand(43, (1, 16, 8320)), r, caplog, calls)[0]
-  assert "LayerNormMLP normalizes in XLA" in text and "embed <= 8192" in text, text
+  assert ("LayerNormMLP quantizes its normalized input in a separate pass" in text
+          and "embed <= 8192" in text), text
+  # ... and neither do te_jax's unquantized norm kernels: XLA normalizes.
+  assert "LayerNormMLP normalizes in XLA (not te_jax's norm kernels)" in text, text
+  assert "hidden <= 8192" in text, text
   assert "mlp-unnormed" in calls
   # State of another recipe in the variables: the unfused path keeps it as is.
   for m in (dense_m, mlp_m):
@@ -573,7 +579,7 @@ def test_modules_fall_back_and_say_why(monkeypatch, caplog):
   # Logged once per reason.
   caplog.clear()
   _unfused_reason(dense_m, _rand(41, (2, 128, 192)), r, caplog, calls)
-  assert "normalizes in XLA" not in caplog.text
+  assert "separate pass" not in caplog.text
   x = _rand(44, (2, 128, 128))
   # FP8 off: never the fused norm, and no log about it.
   caplog.clear()
@@ -581,7 +587,7 @@ def test_modules_fall_back_and_say_why(monkeypatch, caplog):
   for which, make in sorted(MODULES.items()):
     mm = make()
     mm.apply(nn.unbox(mm.init(jax.random.key(0), x)), x)
-  assert not calls and "normalizes in XLA" not in caplog.text
+  assert not calls and "separate pass" not in caplog.text
 
 
 # ---------------------------------------------------------- GPU vs ref ---

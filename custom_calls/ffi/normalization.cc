@@ -10,6 +10,9 @@
 //                                    sinv_t (cuBLASLt layouts), mean, rstd
 //   te_jax_norm_backward:            dy, x, gamma, mean, rstd -> dx, dgamma,
 //                                    dbeta, partial (scratch, discarded)
+//   te_jax_norm_stats:               x -> mean, rstd (the statistics pass
+//                                    alone: the forward of the norm without
+//                                    FP8, whose output XLA writes from them)
 //
 // Forward operands: x (M, H) f32/bf16/f16; gamma (H,) f32; beta (H,) f32 or
 // a (0,) placeholder (no beta). Attributes: rmsnorm (0: layernorm, 1:
@@ -183,6 +186,26 @@ ffi::Error BlockwiseImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   return CudaError(LaunchQuantize(a, stream, q), "norm_quantize_blockwise (cast)");
 }
 
+ffi::Error StatsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> mean,
+                     ffi::Result<ffi::Buffer<ffi::F32>> rstd, int64_t rmsnorm, float epsilon) {
+  if (auto e = CheckFlag(rmsnorm, "rmsnorm"); e.failure()) return e;
+  if (!std::isfinite(epsilon) || epsilon < 0.f) return Bad("epsilon must be finite and >= 0");
+  auto xd = x.dimensions();
+  if (xd.size() != 2) return Bad("x must be 2-D");
+  const int64_t M = xd[0], H = xd[1];
+  NormStatsArgs s;
+  if (auto e = GetInType(x, &s.in, "x"); e.failure()) return e;
+  if (!IsVector(*mean, rmsnorm ? 0 : M)) return Bad("mean must be (M,) for layernorm, (0,) for rmsnorm");
+  if (!IsVector(*rstd, M)) return Bad("rstd must be (M,)");
+  s.x = x.untyped_data();
+  s.M = M;
+  s.H = H;
+  s.epsilon = epsilon;
+  s.mean = rmsnorm ? nullptr : mean->typed_data();
+  s.rstd = rstd->typed_data();
+  return CudaError(LaunchNormStats(s, stream), "norm_stats");
+}
+
 ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::F32> gamma, ffi::Buffer<ffi::F32> mean,
                         ffi::Buffer<ffi::F32> rstd, ffi::Result<ffi::AnyBuffer> dx,
@@ -296,6 +319,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxNormBackward, BackwardImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()       // partial (P, blocks, H)
                                   .Attr<int64_t>("rmsnorm")           // 0/1
                                   .Attr<int64_t>("zero_centered_gamma"),  // 0/1
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxNormStats, StatsImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()              // x (M, H)
+                                  .Ret<ffi::Buffer<ffi::F32>>()       // mean (M,) or (0,)
+                                  .Ret<ffi::Buffer<ffi::F32>>()       // rstd (M,)
+                                  .Attr<int64_t>("rmsnorm")           // 0/1
+                                  .Attr<float>("epsilon"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax

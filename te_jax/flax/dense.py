@@ -32,8 +32,9 @@ from flax.core import meta
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
 # The fused-norm checks, used here and by the MLP and NNX modules.
-from te_jax.flax.fused_norm import check_input_norm, fused_norm_states, norm_project
-from te_jax.flax.norm import apply_norm, apply_norm_params, norm_params
+from te_jax.flax.fused_norm import (check_input_norm, fused_norm_states, module_norm,
+                                    norm_project)
+from te_jax.flax.norm import norm_params
 
 __all__ = ["DenseGeneral", "LayerNormDenseGeneral", "default_kernel_axes",
            "declare_and_apply_dense", "declare_dense", "kernel_fan_in_init",
@@ -284,7 +285,9 @@ class DenseGeneral(nn.Module):
         -1). In FP8, unsharded, with tokens a multiple of the recipe's
         ``token_block`` and in_dim a multiple of 128, the norm is fused into
         the quantization of the GEMM's input (``te_jax.norm_dense``; INFO log
-        once per reason when it is not).
+        once per reason when it is not); otherwise it runs on te_jax's
+        unquantized norm kernels (``te_jax.norm_dense.normalize``), or in
+        XLA where a mesh of several devices is active.
       return_norm_output: with ``input_norm``, also return the normalized
         input (..., in_dim) in the compute dtype: ``(y, norm_output)``.
     """
@@ -307,7 +310,7 @@ class DenseGeneral(nn.Module):
                               features=features, use_bias=self.use_bias,
                               return_norm_output=return_norm_output,
                               num_splits=features[0] if self.split_output else 1)
-    ln_out = apply_norm_params(inputs, input_norm, compute)
+    ln_out = module_norm(type(self).__name__, settings, inputs, input_norm, compute)
     y = self._project(settings, ln_out)   # self.axis is the last one: checked above
     return (y, ln_out) if return_norm_output else y
 
@@ -332,9 +335,11 @@ class LayerNormDenseGeneral(nn.Module):
   ``te_jax.norm_dense.MAX_HIDDEN``), the norm is fused into the quantization
   of its output and its backward is one kernel (``te_jax.norm_dense``); the
   normalized input is quantized from float32 rather than from the compute
-  dtype. Otherwise (INFO log once per reason), or with
-  ``fuse_norm_quantize=False``, the norm runs in XLA. Same variables either
-  way.
+  dtype. Otherwise (INFO log once per reason), and with FP8 off, the norm
+  runs on te_jax's statistics and backward kernels unquantized
+  (``te_jax.norm_dense.normalize``) unless a mesh of several devices is
+  active (then in XLA). With ``fuse_norm_quantize=False`` it always runs in
+  XLA. Same variables either way.
 
   Parameters (logical axis names):
     ``scale`` (embed,) ``ln_scale_axes`` = ("embed",).
@@ -352,7 +357,8 @@ class LayerNormDenseGeneral(nn.Module):
     zero_centered_gamma: store gamma - 1, initialized to zeros.
     return_layernorm_output: also return the normalized input.
     fuse_norm_quantize: in FP8, normalize and quantize in one pass where the
-      shapes allow it (default True); False keeps XLA's norm (to compare).
+      shapes allow it, else (and with FP8 off) normalize on te_jax's kernels
+      (default True); False keeps XLA's norm (to compare).
     use_bias: add a bias after the projection (default False).
     dtype: compute/output dtype; None promotes input and param dtype.
     param_dtype: parameter dtype (default float32).
@@ -394,17 +400,16 @@ class LayerNormDenseGeneral(nn.Module):
         zero_centered_gamma=self.zero_centered_gamma, scale_init=self.scale_init,
         bias_init=self.ln_bias_init, axes=tuple(self.ln_scale_axes),
         param_dtype=self.param_dtype, bias_axes=tuple(self.ln_bias_axes))
+    norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
+                                 self.zero_centered_gamma)
     states = (fused_norm_states(self, settings, inputs, (fp8_module.FP8_META,))
               if self.fuse_norm_quantize else None)
     if states is not None:
-      norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
-                                   self.zero_centered_gamma)
       return fused_norm_dense(self, inputs, norm, settings, compute, states[0],
                               features=self.features, use_bias=self.use_bias,
                               return_norm_output=self.return_layernorm_output)
-    ln_out = apply_norm(inputs, scale, ln_bias, norm_type=self.layernorm_type,
-                        epsilon=self.epsilon,
-                        zero_centered_gamma=self.zero_centered_gamma, dtype=compute)
+    ln_out = module_norm("LayerNormDenseGeneral", settings, inputs, norm, compute,
+                         kernels=self.fuse_norm_quantize)
     y = declare_and_apply_dense(
         self, ln_out, settings=settings, features=self.features,
         axis=-1, use_bias=self.use_bias,

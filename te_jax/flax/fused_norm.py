@@ -6,7 +6,9 @@ input and the active recipe allow it (:func:`fused_norm_blocker`), the FP8
 state the fused core uses (:func:`fused_states`), and the one INFO line that
 says why a module normalizes in XLA instead (:func:`log_unfused_norm`); and
 the fused norm + projection call of the Linen and NNX dense modules
-(:func:`norm_project`).
+(:func:`norm_project`); and the norm those modules apply when it is not
+fused (:func:`module_norm`): te_jax's norm kernels
+(``te_jax.norm_dense.normalize``) where the input is not sharded, else XLA's.
 """
 
 from __future__ import annotations
@@ -22,10 +24,14 @@ import flax.linen as nn
 
 from te_jax import fp8_state as state_lib
 from te_jax import norm_dense
+from te_jax import sharding as sharding_lib
 from te_jax.flax import fp8_module
+from te_jax.flax.norm import apply_norm
+from te_jax.ops import normalization as norm_op
 
 __all__ = ["check_input_norm", "fused_norm_blocker", "fused_states", "fused_norm_states",
-           "log_unfused_norm", "norm_project"]
+           "log_unfused_norm", "log_xla_norm", "norm_project", "norm_kernel_blocker",
+           "module_norm"]
 
 _NORM_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -34,8 +40,61 @@ _NORM_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype
 def log_unfused_norm(module_name: str, reason: str):
   """Says once per (module class, reason) why the norm was not fused."""
   logging.getLogger("te_jax").info(
-      "te_jax: %s normalizes in XLA and quantizes the result separately (not the "
-      "fused norm + quantize kernels): %s", module_name, reason)
+      "te_jax: %s quantizes its normalized input in a separate pass (not the fused "
+      "norm + quantize kernels): %s", module_name, reason)
+
+
+@functools.lru_cache(maxsize=None)
+def log_xla_norm(module_name: str, reason: str):
+  """Says once per (module class, reason) why a norm runs in XLA."""
+  logging.getLogger("te_jax").info(
+      "te_jax: %s normalizes in XLA (not te_jax's norm kernels): %s", module_name, reason)
+
+
+def norm_kernel_blocker(settings: fp8_module.GemmSettings, x: jax.Array) -> Optional[str]:
+  """Why a module's unquantized norm of ``x`` (..., H) cannot run on te_jax's
+  norm kernels (``te_jax.norm_dense.normalize``), or None when it can.
+
+  The kernels have no sharding rule, so a mesh of more than one device in
+  the context, or an autocast whose mesh resource shards the GEMMs, sends the
+  norm to XLA (which partitions it). A jit over several devices with no mesh
+  in the context cannot be seen here: there XLA runs the kernels on
+  replicated operands.
+  """
+  if not settings.unsharded():
+    return "its GEMMs are sharded (the norm kernels have no sharding rule)"
+  mesh = sharding_lib.get_mesh()
+  if mesh is not None and mesh.size > 1:
+    return (f"a mesh of {mesh.size} devices is active (the norm kernels have no "
+            "sharding rule)")
+  if jnp.dtype(x.dtype) not in _NORM_INPUT_DTYPES:
+    return f"the input is {x.dtype}, not float32, bfloat16 or float16"
+  m, h = math.prod(x.shape[:-1]), x.shape[-1]
+  if not norm_op.norm_supported(m, h):
+    return (f"{m} tokens, hidden {h}: the kernels take hidden <= {norm_dense.MAX_HIDDEN} "
+            "and at least one token")
+  return None
+
+
+def module_norm(module_name: str, settings: fp8_module.GemmSettings, x: jax.Array,
+                norm: norm_dense.NormParams, dtype, kernels: bool = True) -> jax.Array:
+  """``norm(x)`` (..., H) in ``dtype`` for a module whose norm is not fused
+  into an FP8 quantize: ``te_jax.norm_dense.normalize`` (the statistics and
+  backward kernels, ``settings.impl``) unless :func:`norm_kernel_blocker`
+  objects, then XLA's ``apply_norm`` after one INFO line saying why; XLA's
+  silently with ``kernels=False`` (the module's ``fuse_norm_quantize=False``).
+  The outputs agree up to the statistics' float32 summation order (bit for
+  bit on the reference path); the gradients are the closed form's."""
+  blocker = norm_kernel_blocker(settings, x) if kernels else "not asked for"
+  if blocker is None:
+    return norm_dense.normalize(x, norm.gamma, norm.beta, norm_type=norm.norm_type,
+                                epsilon=norm.epsilon,
+                                zero_centered_gamma=norm.zero_centered_gamma, dtype=dtype,
+                                impl=settings.impl)
+  if kernels:
+    log_xla_norm(module_name, blocker)
+  return apply_norm(x, norm.gamma, norm.beta, norm_type=norm.norm_type, epsilon=norm.epsilon,
+                    zero_centered_gamma=norm.zero_centered_gamma, dtype=dtype)
 
 
 def fused_norm_blocker(settings: fp8_module.GemmSettings, x: jax.Array) -> Optional[str]:

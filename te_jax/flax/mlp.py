@@ -37,8 +37,8 @@ from te_jax import fused_mlp
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
 from te_jax.flax.dense import default_kernel_init, kernel_fan_in_init, logical_partitioning_of
-from te_jax.flax.fused_norm import fused_norm_states
-from te_jax.flax.norm import apply_norm, norm_params
+from te_jax.flax.fused_norm import fused_norm_states, module_norm
+from te_jax.flax.norm import norm_params
 from te_jax.ops.act_quantize import ACTIVATIONS
 
 __all__ = ["LayerNormMLP", "ACTIVATIONS", "check_activations", "fused_core_blocker", "log_unfused",
@@ -158,8 +158,10 @@ class LayerNormMLP(nn.Module):
     fuse_activation_quantize: run the block as one fused FP8 core where it
       can (see above). Default True; False always takes the unfused path.
     fuse_norm_quantize: with the fused core, also normalize and quantize in
-      one pass where the shapes allow it (default True); False keeps XLA's
-      norm (to compare).
+      one pass where the shapes allow it; otherwise (FP8 off included) the
+      norm runs unquantized on te_jax's statistics and backward kernels
+      (``te_jax.norm_dense.normalize``) where no mesh of several devices is
+      active (default True). False keeps XLA's norm (to compare).
     use_bias: biases on both projections (default False).
     dtype: compute/output dtype; None promotes input and param dtype.
     param_dtype: parameter dtype (default float32).
@@ -247,20 +249,19 @@ class LayerNormMLP(nn.Module):
       if not fused:
         log_unfused("LayerNormMLP", blocker)
     names = ("wi_fp8_meta", "wo_fp8_meta")
+    norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
+                                 self.zero_centered_gamma)
     states = (fused_norm_states(self, settings, inputs, names)
               if fused and self.fuse_norm_quantize else None)
     if states is not None:
       return fused_norm_mlp(
           inputs, wi, wo, None if bi is None else bi.astype(compute),
-          None if bo is None else bo.astype(compute),
-          norm=norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
-                                     self.zero_centered_gamma),
+          None if bo is None else bo.astype(compute), norm=norm,
           settings=settings, states=states, activations=acts, dtype=compute,
           return_norm_output=self.return_layernorm_output)
 
-    ln_out = apply_norm(inputs, scale, ln_bias, norm_type=self.layernorm_type,
-                        epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
-                        dtype=compute)
+    ln_out = module_norm("LayerNormMLP", settings, inputs, norm, compute,
+                         kernels=self.fuse_norm_quantize)
     if fused:
       # One custom VJP for both GEMMs: the activation is computed and
       # quantized in one pass, forward and backward (te_jax.fused_mlp).

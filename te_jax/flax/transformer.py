@@ -61,8 +61,9 @@ class TransformerLayer(nn.Module):
       the GEMM input after it (default True): the MLP's (see
       ``LayerNormMLP``) and the attention pre-norms, which the attention
       applies to its input (``MultiHeadAttention(...)(x, input_norm=...)``);
-      the norm parameters keep their names either way. False: every norm in
-      XLA (to compare).
+      the norm parameters keep their names either way. With FP8 off they run
+      on te_jax's unquantized norm kernels. False: every norm in XLA (to
+      compare).
     enable_rotary_pos_emb: rotary embeddings in self attention (default False).
     rotary_base: rotary frequency base.
     use_bias: biases on every projection (default False).

@@ -19,8 +19,8 @@ from te_jax import dense as dense_lib
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
 from te_jax.flax.dense import default_kernel_axes, default_kernel_init, kernel_fan_in_init
-from te_jax.flax.fused_norm import check_input_norm, fused_norm_states, norm_project
-from te_jax.flax.norm import apply_norm, apply_norm_params, check_norm_type
+from te_jax.flax.fused_norm import check_input_norm, fused_norm_states, module_norm, norm_project
+from te_jax.flax.norm import apply_norm, check_norm_type
 from te_jax.nnx import state as st
 
 __all__ = ["Linear", "LayerNormLinear", "LayerNorm", "RMSNorm", "fp8_gemm", "param",
@@ -247,7 +247,7 @@ class Linear(nnx.Module):
       return fused_norm_linear(self, x, norm, bias, settings, compute, states[0],
                                return_norm_output=return_norm_output,
                                num_splits=self.out_features[0] if self.split_output else 1)
-    ln_out = apply_norm_params(x, norm, compute)
+    ln_out = module_norm("nnx.Linear", settings, x, norm, compute)
     y = self(ln_out)   # the plain projection checks in_features
     return (y, ln_out) if return_norm_output else y
 
@@ -335,16 +335,15 @@ class LayerNormLinear(nnx.Module):
     scale = self.scale[...]
     ln_bias = self.ln_bias[...] if self.layernorm_type == "layernorm" else None
     bias = self.bias[...].astype(compute) if self.use_bias else None
+    norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
+                                 self.zero_centered_gamma)
     states = (fused_norm_states(self, settings, x, self.FP8_GEMMS, st.fused_states)
               if self.fuse_norm_quantize else None)
     if states is not None:
-      norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
-                                   self.zero_centered_gamma)
       return fused_norm_linear(self, x, norm, bias, settings, compute, states[0],
                                return_norm_output=self.return_layernorm_output)
-    ln_out = apply_norm(x, scale, ln_bias, norm_type=self.layernorm_type,
-                        epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
-                        dtype=compute)
+    ln_out = module_norm("nnx.LayerNormLinear", settings, x, norm, compute,
+                         kernels=self.fuse_norm_quantize)
     y = fp8_gemm(self, settings, ln_out, self.kernel[...], bias,
                  kernel_axes=self.kernel_axes)
     return (y, ln_out) if self.return_layernorm_output else y

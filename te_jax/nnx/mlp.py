@@ -19,8 +19,8 @@ from te_jax import norm_dense
 from te_jax.flax import fp8_module
 from te_jax.flax.mlp import check_activations, fused_core_blocker, fused_norm_mlp, log_unfused
 from te_jax.flax.dense import default_kernel_init, kernel_fan_in_init
-from te_jax.flax.fused_norm import fused_norm_states
-from te_jax.flax.norm import apply_norm, check_norm_type
+from te_jax.flax.fused_norm import fused_norm_states, module_norm
+from te_jax.flax.norm import check_norm_type
 from te_jax.nnx import state as st
 from te_jax.nnx.linear import compute_dtype, fp8_gemm, ones, param, to_tuple, zeros
 from te_jax.ops.act_quantize import ACTIVATIONS
@@ -139,21 +139,20 @@ class LayerNormMLP(nnx.Module):
       fused = blocker is None
       if not fused:
         log_unfused("nnx.LayerNormMLP", blocker)
+    norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
+                                 self.zero_centered_gamma)
     states = (fused_norm_states(self, settings, x, self.FP8_GEMMS, st.fused_states)
               if fused and self.fuse_norm_quantize else None)
     if states is not None:
       if states[0] is not None:
         st.track_updates(self, wi)
       return fused_norm_mlp(
-          x, wi, wo, bi, bo,
-          norm=norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
-                                     self.zero_centered_gamma),
+          x, wi, wo, bi, bo, norm=norm,
           settings=settings, states=states, activations=acts, dtype=compute,
           return_norm_output=self.return_layernorm_output)
 
-    ln_out = apply_norm(x, scale, ln_bias, norm_type=self.layernorm_type,
-                        epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
-                        dtype=compute)
+    ln_out = module_norm("nnx.LayerNormMLP", settings, x, norm, compute,
+                         kernels=self.fuse_norm_quantize)
     if fused:   # both GEMMs in one custom VJP, the activation fused into quantization
       mode = settings.recipe.scaling_mode()
       si, so = (st.gemm_state(self, n, mode) for n in self.FP8_GEMMS)

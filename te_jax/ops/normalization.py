@@ -7,7 +7,9 @@ statistics the backward needs. On the CUDA path ``y`` is never written in
 16 or 32 bits: a statistics kernel, then the 128x128-tile quantize kernel
 computing ``y`` in its prologue (``custom_calls/kernels/normalization.cu``).
 ``norm_backward`` computes dx, dgamma and dbeta from dy in one kernel and a
-small reduction of per-block partial sums.
+small reduction of per-block partial sums. ``norm_stats`` is the statistics
+pass alone: with ``norm_apply_reference`` (one XLA elementwise pass) it is
+the forward of a norm whose output is not quantized.
 
 The numerics are those of ``te_jax.flax.norm.apply_norm`` (float32 from the
 input's dtype, in its order of operations)::
@@ -64,6 +66,7 @@ __all__ = [
     "norm_forward_reference",
     "norm_backward_reference",
     "norm_quantize_reference",
+    "norm_stats",
     "norm_quantize",
     "norm_backward",
     "norm_supported",
@@ -255,6 +258,36 @@ def _check_cuda_shape(m, h):
         f"the CUDA normalization kernels do not take M={m}, H={h}: they need M <= "
         f"{_CUDA_MAX_ROWS} and H <= {MAX_CUDA_HIDDEN}. Check norm_supported(m, h) first, "
         "or pass impl='reference'.")
+
+
+def norm_stats(x: jax.Array, *, norm_type: str, epsilon: float, impl: str = "auto"
+               ) -> Tuple[Optional[jax.Array], jax.Array]:
+  """The row statistics of ``norm(x)``, for a norm whose output is not quantized.
+
+  Args:
+    x: (M, H) float32/bfloat16/float16.
+    norm_type: "layernorm" or "rmsnorm".
+    epsilon: Python float >= 0, added to the variance (mean square).
+    impl: "auto", "cuda" or "reference" (see ``ops/_native.py``).
+
+  Returns:
+    (mean float32 (M,) or None for rmsnorm, rstd float32 (M,)), as
+    :func:`norm_stats_reference`; the CUDA values agree with it to
+    ``STATS_RTOL`` (another summation order). ``norm_apply_reference`` turns
+    them into the output, as ``norm_quantize``'s kernels do.
+
+  Raises:
+    ValueError/TypeError for bad arguments; ValueError when the CUDA path is
+    chosen and ``norm_supported(M, H)`` is False.
+  """
+  _check_options(norm_type, epsilon, False)
+  quantize_op.check_input(x, "x", 2)
+
+  def cuda():
+    _check_cuda_shape(*x.shape)
+    return normalization_cuda.norm_stats(x, norm_type == "rmsnorm", float(epsilon))
+  return _native.dispatch(impl, cuda, lambda: norm_stats_reference(
+      x, norm_type=norm_type, epsilon=epsilon))
 
 
 def norm_quantize(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array], *,

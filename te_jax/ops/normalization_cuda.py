@@ -20,7 +20,7 @@ import numpy as np
 from te_jax.ops.fp8 import QuantizedTensor, nan_scale_inv_if_non_finite
 from te_jax.ops.quantize_cuda import native_scale_shapes
 
-__all__ = ["norm_quantize", "norm_backward", "MAX_HIDDEN", "backward_blocks"]
+__all__ = ["norm_stats", "norm_quantize", "norm_backward", "MAX_HIDDEN", "backward_blocks"]
 
 _F32 = jnp.float32
 MAX_HIDDEN = 8192   # custom_calls/kernels/normalization.h: kNormBwdMaxHidden
@@ -43,6 +43,15 @@ def _f32(a):
 def backward_blocks(m: int) -> int:
   """Number of CUDA blocks (rows of partial sums) of the backward for m rows."""
   return max(1, min(int(m), _BWD_BLOCKS))
+
+
+def norm_stats(x, rms: bool, epsilon: float):
+  """(mean or None, rstd), float32 (M,) each; see ``normalization.norm_stats``."""
+  m = x.shape[0]
+  mean, rstd = jax.ffi.ffi_call(
+      "te_jax_norm_stats", (_sds((0,) if rms else (m,), _F32), _sds((m,), _F32)))(
+          x, rmsnorm=np.int64(rms), epsilon=np.float32(epsilon))
+  return (None if rms else mean), rstd
 
 
 def norm_quantize(x, gamma, beta, rms: bool, epsilon: float, zero_centered: bool, mode: str,
