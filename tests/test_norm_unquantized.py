@@ -8,7 +8,8 @@ CPU (CI):
     dtype); its gradients (the closed-form backward) equal ``jax.vjp`` of
     ``apply_norm`` to float32 accuracy; bad arguments;
   * LayerNormMLP, LayerNormDenseGeneral and their NNX twins with FP8 off take
-    it (spied) with the same output and gradients as XLA's norm; an active
+    it (spied) from hidden ``MIN_KERNEL_HIDDEN`` on, with the same output and
+    gradients as XLA's norm; narrower ones keep XLA's silently; an active
     mesh of more than one device sends them to XLA and says why, once.
 GPU (``gpu`` marker): ``norm_stats`` against the reference evaluated on the
 CPU backend (rows not a multiple of 128, hidden 4096, 8192 and odd sizes,
@@ -35,6 +36,7 @@ from flax_cases import rel
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 EPS = 1e-6
+HID = fused_norm.MIN_KERNEL_HIDDEN   # the narrowest hidden size that takes the kernels
 NORMS = [("layernorm", False), ("layernorm", True), ("rmsnorm", False), ("rmsnorm", True)]
 
 
@@ -157,7 +159,7 @@ def _grads(m, v, x, cot):
 @pytest.mark.parametrize("norm_type", ["layernorm", "rmsnorm"])
 def test_linen_modules_take_the_norm_kernels_with_fp8_off(which, norm_type, monkeypatch):
   m = LINEN[which](layernorm_type=norm_type)
-  x = _rand(10, (2, 36, 64), 2.0, 0.3)
+  x = _rand(10, (2, 9, HID), 2.0, 0.3)
   v = nn.unbox(jax.jit(m.init)(jax.random.key(0), x))
   v = jax.tree.map(lambda a: a + 0.05 * jnp.cos(jnp.arange(a.size).reshape(a.shape)), v)
   cot = _rand(11, jax.eval_shape(m.apply, v, x).shape)
@@ -174,13 +176,24 @@ def test_linen_modules_take_the_norm_kernels_with_fp8_off(which, norm_type, monk
     assert rel(a, b) < 1e-5, (path, rel(a, b))
 
 
+def test_narrow_norms_stay_in_xla_silently(monkeypatch, caplog):
+  fused_norm.log_xla_norm.cache_clear()
+  caplog.set_level(logging.INFO, logger="te_jax")
+  calls = _spy(monkeypatch)
+  for which in sorted(LINEN):
+    m = LINEN[which]()
+    x = _rand(14, (2, 9, HID - 128))
+    m.apply(nn.unbox(m.init(jax.random.key(0), x)), x)
+  assert not calls and "te_jax's norm kernels" not in caplog.text, (calls, caplog.text)
+
+
 def test_nnx_modules_take_the_norm_kernels_with_fp8_off(monkeypatch):
   from flax import nnx   # pylint: disable=import-outside-toplevel
   from te_jax import nnx as tnx   # pylint: disable=import-outside-toplevel
   rngs = nnx.Rngs(0)
-  x = _rand(12, (2, 36, 64), 2.0, 0.3)
-  mods = [tnx.LayerNormLinear(64, 96, rngs=rngs),
-          tnx.LayerNormMLP(64, 128, activations=("gelu",), rngs=rngs)]
+  x = _rand(12, (2, 9, HID), 2.0, 0.3)
+  mods = [tnx.LayerNormLinear(HID, 96, rngs=rngs),
+          tnx.LayerNormMLP(HID, 128, activations=("gelu",), rngs=rngs)]
   calls = _spy(monkeypatch)
   for mod in mods:
     y = mod(x)
@@ -201,7 +214,7 @@ def test_a_mesh_sends_the_norm_to_xla_and_says_why(monkeypatch, caplog):
   fused_norm.log_xla_norm.cache_clear()
   caplog.set_level(logging.INFO, logger="te_jax")
   m = LINEN["mlp"]()
-  x = _rand(13, (2, 36, 64))
+  x = _rand(13, (2, 9, HID))
   v = nn.unbox(jax.jit(m.init)(jax.random.key(0), x))
   calls = _spy(monkeypatch)
   monkeypatch.setattr(sharding_lib, "get_mesh", lambda mesh=None: _Mesh())
@@ -283,7 +296,7 @@ def test_gpu_module_runs_the_norm_kernels_with_fp8_off():
   """LayerNormMLP with FP8 off on the GPU: the compiled step calls the
   statistics and backward kernels, and XLA has no norm reduction left."""
   m = tfx.LayerNormMLP(intermediate_dim=1024, activations=("gelu",), dtype=BF16)
-  x = _rand(24, (2, 128, 512), 2.0, 0.3, BF16)
+  x = _rand(24, (2, 128, HID), 2.0, 0.3, BF16)
   v = nn.unbox(jax.jit(m.init)(jax.random.key(0), x))
   cot = _rand(25, x.shape, dtype=BF16)
   step = jax.jit(jax.grad(lambda v, x: jnp.sum(m.apply(v, x).astype(F32) * cot),

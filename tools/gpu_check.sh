@@ -47,10 +47,6 @@ if want test; then
   # time 231 s on 2026-12-02); the two files that time kernels or check
   # command buffers run alone afterwards.
   serial=("$REPO/tests/test_gpu_gemm_autotune.py" "$REPO/tests/test_gpu_command_buffers.py")
-  # tests/conftest.py's compilation cache has only run on CPUs so far (it
-  # came in after the last GPU suite, 2026-12-03): off here until one GPU run
-  # with TE_JAX_TEST_COMPILE_CACHE=1 passes.
-  export TE_JAX_TEST_COMPILE_CACHE="${TE_JAX_TEST_COMPILE_CACHE:-0}"
   if python3 -c "import xdist" 2>/dev/null && [[ -z "${PYTEST_ARGS:-}" ]]; then
     (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -m gpu -n 4 \
       --dist loadfile "$REPO/tests" -p no:cacheprovider --ignore="${serial[0]}" \

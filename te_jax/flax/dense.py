@@ -286,8 +286,8 @@ class DenseGeneral(nn.Module):
         ``token_block`` and in_dim a multiple of 128, the norm is fused into
         the quantization of the GEMM's input (``te_jax.norm_dense``; INFO log
         once per reason when it is not); otherwise it runs on te_jax's
-        unquantized norm kernels (``te_jax.norm_dense.normalize``), or in
-        XLA where a mesh of several devices is active.
+        unquantized norm kernels (``te_jax.norm_dense.normalize``) for
+        in_dim >= 4096, or in XLA (narrower, or a mesh of several devices).
       return_norm_output: with ``input_norm``, also return the normalized
         input (..., in_dim) in the compute dtype: ``(y, norm_output)``.
     """
@@ -337,8 +337,8 @@ class LayerNormDenseGeneral(nn.Module):
   normalized input is quantized from float32 rather than from the compute
   dtype. Otherwise (INFO log once per reason), and with FP8 off, the norm
   runs on te_jax's statistics and backward kernels unquantized
-  (``te_jax.norm_dense.normalize``) unless a mesh of several devices is
-  active (then in XLA). With ``fuse_norm_quantize=False`` it always runs in
+  (``te_jax.norm_dense.normalize``) for embed >= 4096 unless a mesh of
+  several devices is active (else in XLA, measured faster below 4096). With ``fuse_norm_quantize=False`` it always runs in
   XLA. Same variables either way.
 
   Parameters (logical axis names):

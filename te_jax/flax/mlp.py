@@ -160,8 +160,8 @@ class LayerNormMLP(nn.Module):
     fuse_norm_quantize: with the fused core, also normalize and quantize in
       one pass where the shapes allow it; otherwise (FP8 off included) the
       norm runs unquantized on te_jax's statistics and backward kernels
-      (``te_jax.norm_dense.normalize``) where no mesh of several devices is
-      active (default True). False keeps XLA's norm (to compare).
+      (``te_jax.norm_dense.normalize``) where embed >= 4096 and no mesh of
+      several devices is active (default True). False keeps XLA's norm (to compare).
     use_bias: biases on both projections (default False).
     dtype: compute/output dtype; None promotes input and param dtype.
     param_dtype: parameter dtype (default float32).

@@ -62,8 +62,8 @@ class TransformerLayer(nn.Module):
       ``LayerNormMLP``) and the attention pre-norms, which the attention
       applies to its input (``MultiHeadAttention(...)(x, input_norm=...)``);
       the norm parameters keep their names either way. With FP8 off they run
-      on te_jax's unquantized norm kernels. False: every norm in XLA (to
-      compare).
+      on te_jax's unquantized norm kernels (hidden >= 4096). False: every
+      norm in XLA (to compare).
     enable_rotary_pos_emb: rotary embeddings in self attention (default False).
     rotary_base: rotary frequency base.
     use_bias: biases on every projection (default False).
