@@ -342,7 +342,7 @@ def normalize(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array] = None, 
     raise ValueError(f"x must be an array (..., H), got {getattr(x, 'shape', type(x))}.")
   h = x.shape[-1]
   for name, p in (("gamma", gamma), ("beta", beta)):
-    if p is not None and getattr(p, "shape", None) != (h,):
+    if (p is not None or name == "gamma") and getattr(p, "shape", None) != (h,):
       raise ValueError(f"{name} must have shape ({h},) for x {x.shape}, got "
                        f"{getattr(p, 'shape', type(p))}.")
   if norm_type == "rmsnorm" and beta is not None:

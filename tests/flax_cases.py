@@ -1,5 +1,6 @@
-"""Recipes and the error measure shared by the te_jax.flax module tests."""
+"""Recipes, inputs and the error measure shared by the te_jax.flax module tests."""
 
+import jax.numpy as jnp
 import numpy as np
 
 from te_jax import recipe
@@ -21,3 +22,17 @@ def rel(a, b):
   a = np.asarray(a, np.float64)
   b = np.asarray(b, np.float64)
   return float(np.linalg.norm((a - b).ravel()) / np.linalg.norm(b.ravel()))
+
+
+def rand(seed, shape, scale=1.0, shift=0.0, dtype=jnp.float32):
+  """Normal(shift, scale) values of ``shape`` from numpy seed ``seed``, in ``dtype``."""
+  x = np.random.default_rng(seed).standard_normal(shape) * scale + shift
+  return jnp.asarray(x, dtype)
+
+
+def norm_params(norm_type, zero_centered, h, seed=1, dtype=jnp.float32):
+  """A norm's (gamma, beta) of width h, near 1 (near 0 when zero-centered)
+  and near 0; beta None for rmsnorm."""
+  gamma = rand(seed, (h,), 0.2, 0.0 if zero_centered else 1.0, dtype)
+  beta = rand(seed + 1, (h,), 0.1, 0.0, dtype) if norm_type == "layernorm" else None
+  return gamma, beta

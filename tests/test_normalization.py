@@ -40,6 +40,7 @@ from te_jax.ops import normalization as nrm
 from te_jax.ops import quantize as quantize_op
 
 from flax_cases import RECIPES, rel
+from flax_cases import norm_params as _params, rand as _rand
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -48,17 +49,6 @@ COLL = fp8_state.FP8_COLLECTION
 EPS = 1e-6
 # (norm_type, zero_centered_gamma): every combination.
 NORMS = [("layernorm", False), ("layernorm", True), ("rmsnorm", False), ("rmsnorm", True)]
-
-
-def _rand(seed, shape, scale=1.0, shift=0.0, dtype=F32):
-  x = np.random.default_rng(seed).standard_normal(shape) * scale + shift
-  return jnp.asarray(x, dtype)
-
-
-def _params(norm_type, zc, h, seed=1, dtype=F32):
-  gamma = _rand(seed, (h,), 0.2, 0.0 if zc else 1.0, dtype)
-  beta = _rand(seed + 1, (h,), 0.1, 0.0, dtype) if norm_type == "layernorm" else None
-  return gamma, beta
 
 
 def _bits(a):

@@ -338,8 +338,9 @@ class LayerNormDenseGeneral(nn.Module):
   dtype. Otherwise (INFO log once per reason), and with FP8 off, the norm
   runs on te_jax's statistics and backward kernels unquantized
   (``te_jax.norm_dense.normalize``) for embed >= 4096 unless a mesh of
-  several devices is active (else in XLA, measured faster below 4096). With ``fuse_norm_quantize=False`` it always runs in
-  XLA. Same variables either way.
+  several devices is active (else in XLA, measured faster below 4096).
+  With ``fuse_norm_quantize=False`` it always runs in XLA. Same variables
+  either way.
 
   Parameters (logical axis names):
     ``scale`` (embed,) ``ln_scale_axes`` = ("embed",).

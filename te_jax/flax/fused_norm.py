@@ -3,12 +3,14 @@
 The checks shared by every module with a fused norm + quantize path
 (``te_jax.flax.dense``, ``te_jax.flax.mlp`` and their NNX twins): whether the
 input and the active recipe allow it (:func:`fused_norm_blocker`), the FP8
-state the fused core uses (:func:`fused_states`), and the one INFO line that
-says why a module normalizes in XLA instead (:func:`log_unfused_norm`); and
-the fused norm + projection call of the Linen and NNX dense modules
-(:func:`norm_project`); and the norm those modules apply when it is not
-fused (:func:`module_norm`): te_jax's norm kernels
-(``te_jax.norm_dense.normalize``) where the input is not sharded, else XLA's.
+state the fused core uses (:func:`fused_states`), the INFO line that says
+why a module quantizes its normalized input in a separate pass instead
+(:func:`log_unfused_norm`), and the fused norm + projection call of the
+Linen and NNX dense modules (:func:`norm_project`). Then the norm those
+modules apply when it is not fused (:func:`module_norm`): te_jax's norm
+kernels unquantized (``te_jax.norm_dense.normalize``) where the hidden size
+is at least :data:`MIN_KERNEL_HIDDEN` and the input is not sharded, else
+XLA's (:func:`log_xla_norm` says why, when it is not the size).
 """
 
 from __future__ import annotations
@@ -29,9 +31,9 @@ from te_jax.flax import fp8_module
 from te_jax.flax.norm import apply_norm
 from te_jax.ops import normalization as norm_op
 
-__all__ = ["MIN_KERNEL_HIDDEN", "check_input_norm", "fused_norm_blocker", "fused_states", "fused_norm_states",
-           "log_unfused_norm", "log_xla_norm", "norm_project", "norm_kernel_blocker",
-           "module_norm"]
+__all__ = ["MIN_KERNEL_HIDDEN", "check_input_norm", "fused_norm_blocker", "fused_states",
+           "fused_norm_states", "log_unfused_norm", "log_xla_norm", "norm_project",
+           "norm_kernel_blocker", "module_norm"]
 
 _NORM_INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # The narrowest hidden size whose unquantized norm runs on te_jax's kernels
