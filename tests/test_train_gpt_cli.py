@@ -378,7 +378,7 @@ def test_doc_window_bands_the_model_without_changing_its_loss_or_gradients():
   tokens, seg, pos = (jnp.asarray(a) for a in train_gpt.make_batch(trainer.docs, 0, 1, 512))
   assert int(train_gpt.packing.documents_per_row(seg).max()) > 1     # a packed row
   full = trainer.model.clone(max_document_length=None)
-  v = full.init(jax.random.key(0), tokens, seg, pos)
+  v = jax.jit(full.init)(jax.random.key(0), tokens, seg, pos)
 
   def loss_grad(model):
     def loss(v):
