@@ -233,6 +233,11 @@ def _run(step, steps=3, model=None, r=None):
       warnings.simplefilter("always")
       for i in range(steps):
         step(model, optimizer, rand(10 + i, (4, 8, E)))
+        # The update check reads a count only once the device has finished
+        # it (at the next write): wait here, or on a loaded machine the
+        # third step can come before the second's count is ready and the
+        # warning waits for a fourth (seen once in a full CPU run).
+        jax.block_until_ready(nnx.state(model))
         jax.effects_barrier()
         hist.append(_history(model))
   return model, hist, [w for w in caught if issubclass(w.category, tnx.FP8StateWarning)]
