@@ -340,13 +340,7 @@ def normalize(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array] = None, 
   spec = norm_spec(norm_type, epsilon, zero_centered_gamma)
   if not hasattr(x, "ndim") or x.ndim < 1:
     raise ValueError(f"x must be an array (..., H), got {getattr(x, 'shape', type(x))}.")
-  h = x.shape[-1]
-  for name, p in (("gamma", gamma), ("beta", beta)):
-    if (p is not None or name == "gamma") and getattr(p, "shape", None) != (h,):
-      raise ValueError(f"{name} must have shape ({h},) for x {x.shape}, got "
-                       f"{getattr(p, 'shape', type(p))}.")
-  if norm_type == "rmsnorm" and beta is not None:
-    raise ValueError("beta must be None for norm_type='rmsnorm'.")
+  x2d = x.reshape(-1, x.shape[-1])
+  norm_op.check_norm_params(x2d, gamma, beta, norm_type)
   out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
-  y = _normalize(x.reshape(-1, h), gamma, beta, _NormConfig(spec, out_dtype, impl))
-  return y.reshape(x.shape)
+  return _normalize(x2d, gamma, beta, _NormConfig(spec, out_dtype, impl)).reshape(x.shape)

@@ -1,5 +1,6 @@
 """Recipes, inputs and the error measure shared by the te_jax.flax module tests."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -36,3 +37,12 @@ def norm_params(norm_type, zero_centered, h, seed=1, dtype=jnp.float32):
   gamma = rand(seed, (h,), 0.2, 0.0 if zero_centered else 1.0, dtype)
   beta = rand(seed + 1, (h,), 0.1, 0.0, dtype) if norm_type == "layernorm" else None
   return gamma, beta
+
+
+def vjp_run(fn, args, cot):
+  """Jitted ``(fn(*args), vjp(cot))``: the output and the cotangent of every
+  argument. ``cot`` is a constant of the program (placed where it lives)."""
+  def f(*a):
+    y, vjp = jax.vjp(fn, *a)
+    return y, vjp(cot)
+  return jax.jit(f)(*args)

@@ -27,7 +27,7 @@ from te_jax import flax as tfx
 from te_jax.flax import fused_norm
 from te_jax.flax.norm import apply_norm
 
-from flax_cases import RECIPES, rel
+from flax_cases import RECIPES, rel, vjp_run
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 COLL = fp8_state.FP8_COLLECTION
@@ -45,13 +45,6 @@ def _state(r):
     return None
   st = fp8_state.init_dense_state(r.amax_history_len)
   return jax.tree.map(lambda a: a + (0.5 if a.ndim == 0 else 3.0), st)
-
-
-def _vjp_run(fn, args, cot):
-  def f(*a):
-    y, vjp = jax.vjp(fn, *a)
-    return y, vjp(cot)
-  return jax.jit(f)(*args)
 
 
 # ----------------------------------------------- fp8_norm_dense(num_splits) ---
@@ -95,10 +88,10 @@ def test_norm_dense_split_equals_the_unsplit_output_split(rname, n_split, width,
     return (parts, ln) if ret else parts
 
   args = (x, gamma, beta, kernel, bias, st)
-  y1, g1 = _vjp_run(split, args, cot)
+  y1, g1 = vjp_run(split, args, cot)
   apart = n_split <= 4 and width % r.scaling_mode().token_block == 0
   assert bool(concat_calls) == apart, (concat_calls, apart)
-  y0, g0 = _vjp_run(whole, args, cot)
+  y0, g0 = vjp_run(whole, args, cot)
   parts1 = y1[0] if ret else y1
   assert isinstance(parts1, tuple) and len(parts1) == n_split
   assert all(p.shape == (2, m // 2, width) for p in parts1)

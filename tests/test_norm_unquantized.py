@@ -32,17 +32,12 @@ from te_jax.flax import fused_norm
 from te_jax.flax.norm import apply_norm
 from te_jax.ops import normalization as nrm
 
-from flax_cases import norm_params as _params, rand as _rand, rel
+from flax_cases import norm_params as _params, rand as _rand, rel, vjp_run
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 EPS = 1e-6
 HID = fused_norm.MIN_KERNEL_HIDDEN   # the narrowest hidden size that takes the kernels
 NORMS = [("layernorm", False), ("layernorm", True), ("rmsnorm", False), ("rmsnorm", True)]
-
-
-def _vjp(fn, args, cot):
-  y, pull = jax.vjp(fn, *args)
-  return y, pull(cot)
 
 
 # ------------------------------------------------------------ references ---
@@ -65,8 +60,8 @@ def test_normalize_reference_is_apply_norm(norm_type, zc, dtype, out_dtype):
     return apply_norm(x, g, b, dtype=out_dtype, **kw)
 
   args = (x, gamma, beta)
-  y1, g1 = jax.jit(lambda *a: _vjp(ours, a, cot))(*args)
-  y0, g0 = jax.jit(lambda *a: _vjp(xla, a, cot))(*args)
+  y1, g1 = vjp_run(ours, args, cot)
+  y0, g0 = vjp_run(xla, args, cot)
   assert y1.dtype == jnp.dtype(out_dtype) and y1.shape == x.shape
   np.testing.assert_array_equal(np.asarray(y1, np.float32), np.asarray(y0, np.float32))
   for name, a, b in zip(("dx", "dgamma", "dbeta"), g1, g0):
@@ -269,8 +264,9 @@ def test_gpu_normalize_matches_reference(norm_type, zc):
   def fn(impl):
     return lambda x, g, b: norm_dense.normalize(x, g, b, impl=impl, **kw)
 
-  y1, g1 = jax.jit(lambda *a: _vjp(fn("cuda"), a, cot))(x, gamma, beta)
-  y0, g0 = _on_cpu(lambda *a: _vjp(fn("reference"), a[:3], a[3]), x, gamma, beta, cot)
+  y1, g1 = vjp_run(fn("cuda"), (x, gamma, beta), cot)
+  y0, g0 = vjp_run(fn("reference"), jax.device_put((x, gamma, beta), _CPU),
+                   jax.device_put(cot, _CPU))
   a, b = np.asarray(y1, np.float32), np.asarray(y0, np.float32)
   excess = np.abs(a - b) - (2 ** -7 * np.maximum(np.abs(a), np.abs(b)) + 1e-4)
   assert np.all(excess <= 0), float(excess.max())

@@ -40,7 +40,7 @@ from te_jax.ops import normalization as nrm
 from te_jax.ops import quantize as quantize_op
 
 from flax_cases import RECIPES, rel
-from flax_cases import norm_params as _params, rand as _rand
+from flax_cases import norm_params as _params, rand as _rand, vjp_run
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -275,13 +275,6 @@ def _dense_args(norm_type, zc, dtype=F32, bias=True):
   return x, gamma, beta, kernel, b
 
 
-def _vjp_run(fn, args, cot):
-  def f(*a):
-    y, vjp = jax.vjp(fn, *a)
-    return y, vjp(cot)
-  return jax.jit(f)(*args)
-
-
 def _check_grads(g1, g0, tol, what):
   for i, (a, b) in enumerate(zip(g1, g0)):
     assert (a is None) == (b is None), (what, i)
@@ -320,8 +313,8 @@ def test_norm_dense_matches_unfused(rname, norm_type, zc, bias, ret):
     return (y, ln) if ret else y
 
   args = (x, gamma, beta, kernel, b, st)
-  y1, g1 = _vjp_run(fused, args, cot)
-  y0, g0 = _vjp_run(unfused, args, cot)
+  y1, g1 = vjp_run(fused, args, cot)
+  y0, g0 = vjp_run(unfused, args, cot)
   for a, c in zip(jax.tree.leaves(y1), jax.tree.leaves(y0)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
   _check_grads(g1[:5], g0[:5], 1e-6, rname)
@@ -351,8 +344,8 @@ def test_norm_dense_bf16_within_fp8_tolerance(rname):
                     zero_centered_gamma=False, dtype=F32)
     return ln @ kernel + b
 
-  y1, g1 = _vjp_run(fused, (x, gamma, beta, kernel, b, st), cot)
-  y0, g0 = _vjp_run(exact, (x, gamma, beta, kernel, b, st), cot.astype(F32))
+  y1, g1 = vjp_run(fused, (x, gamma, beta, kernel, b, st), cot)
+  y0, g0 = vjp_run(exact, (x, gamma, beta, kernel, b, st), cot.astype(F32))
   assert y1.dtype == BF16 and g1[0].dtype == BF16
   assert 1e-4 < rel(y1, y0) < FWD_TOL, rel(y1, y0)
   for i in range(5):
@@ -386,8 +379,8 @@ def test_fused_mlp_with_norm_matches_unfused(rname, norm_type, zc):
                              wi_state=si, wo_state=so, impl="reference"), ln
 
   args = (x, gamma, beta, wi, wo, si, so)
-  y1, g1 = _vjp_run(fused, args, cot)
-  y0, g0 = _vjp_run(unfused, args, cot)
+  y1, g1 = vjp_run(fused, args, cot)
+  y0, g0 = vjp_run(unfused, args, cot)
   for a, c in zip(y1, y0):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
   _check_grads(g1[:5], g0[:5], 1e-6, rname)
@@ -703,8 +696,8 @@ def test_gpu_norm_dense_and_mlp_match_reference(rname):
 
   for fn, args, c in ((dense_fn, (x, gamma, beta, kernel, st), cot),
                       (mlp_fn, (x, gamma, beta, wi, wo, st), cot_mlp)):
-    y1, g1 = _vjp_run(fn("cuda"), args, c)
-    y0, g0 = jax.device_put(_vjp_run(fn("reference"), jax.device_put(args, _CPU),
+    y1, g1 = vjp_run(fn("cuda"), args, c)
+    y0, g0 = jax.device_put(vjp_run(fn("reference"), jax.device_put(args, _CPU),
                                      jax.device_put(c, _CPU)), jax.devices()[0])
     assert rel(y1, y0) < 1e-2, rel(y1, y0)
     for i in range(len(args) - 1):

@@ -61,6 +61,17 @@ def log_xla_norm(module_name: str, reason: str):
       "te_jax: %s normalizes in XLA (not te_jax's norm kernels): %s", module_name, reason)
 
 
+def _input_blocker(settings: fp8_module.GemmSettings, x: jax.Array, no_rule: str
+                   ) -> Optional[str]:
+  """What both norm paths refuse: sharded GEMMs (``no_rule`` says which path
+  has no sharding rule) and input dtypes the kernels do not read."""
+  if not settings.unsharded():
+    return f"its GEMMs are sharded ({no_rule})"
+  if jnp.dtype(x.dtype) not in _NORM_INPUT_DTYPES:
+    return f"the input is {x.dtype}, not float32, bfloat16 or float16"
+  return None
+
+
 def norm_kernel_blocker(settings: fp8_module.GemmSettings, x: jax.Array) -> Optional[str]:
   """Why a module's unquantized norm of ``x`` (..., H) cannot run on te_jax's
   norm kernels (``te_jax.norm_dense.normalize``), or None when it can.
@@ -71,14 +82,13 @@ def norm_kernel_blocker(settings: fp8_module.GemmSettings, x: jax.Array) -> Opti
   in the context cannot be seen here: there XLA runs the kernels on
   replicated operands.
   """
-  if not settings.unsharded():
-    return "its GEMMs are sharded (the norm kernels have no sharding rule)"
+  blocker = _input_blocker(settings, x, "the norm kernels have no sharding rule")
+  if blocker is not None:
+    return blocker
   mesh = sharding_lib.get_mesh()
   if mesh is not None and mesh.size > 1:
     return (f"a mesh of {mesh.size} devices is active (the norm kernels have no "
             "sharding rule)")
-  if jnp.dtype(x.dtype) not in _NORM_INPUT_DTYPES:
-    return f"the input is {x.dtype}, not float32, bfloat16 or float16"
   m, h = math.prod(x.shape[:-1]), x.shape[-1]
   if not norm_op.norm_supported(m, h):
     return (f"{m} tokens, hidden {h}: the kernels take hidden <= {norm_dense.MAX_HIDDEN} "
@@ -96,14 +106,13 @@ def module_norm(module_name: str, settings: fp8_module.GemmSettings, x: jax.Arra
   and below :data:`MIN_KERNEL_HIDDEN`, where XLA's norm measured faster.
   The outputs agree up to the statistics' float32 summation order (bit for
   bit on the reference path); the gradients are the closed form's."""
-  kernels = kernels and x.shape[-1] >= MIN_KERNEL_HIDDEN
-  blocker = norm_kernel_blocker(settings, x) if kernels else "not asked for"
-  if blocker is None:
-    return norm_dense.normalize(x, norm.gamma, norm.beta, norm_type=norm.norm_type,
-                                epsilon=norm.epsilon,
-                                zero_centered_gamma=norm.zero_centered_gamma, dtype=dtype,
-                                impl=settings.impl)
-  if kernels:
+  if kernels and x.shape[-1] >= MIN_KERNEL_HIDDEN:
+    blocker = norm_kernel_blocker(settings, x)
+    if blocker is None:
+      return norm_dense.normalize(x, norm.gamma, norm.beta, norm_type=norm.norm_type,
+                                  epsilon=norm.epsilon,
+                                  zero_centered_gamma=norm.zero_centered_gamma, dtype=dtype,
+                                  impl=settings.impl)
     log_xla_norm(module_name, blocker)
   return apply_norm(x, norm.gamma, norm.beta, norm_type=norm.norm_type, epsilon=norm.epsilon,
                     zero_centered_gamma=norm.zero_centered_gamma, dtype=dtype)
@@ -113,10 +122,9 @@ def fused_norm_blocker(settings: fp8_module.GemmSettings, x: jax.Array) -> Optio
   """Why the input ``x`` (..., embed) of an FP8 module cannot take the fused
   norm path (``te_jax.norm_dense``), or None when it can. FP8 must be on."""
   recipe = settings.recipe
-  if not settings.unsharded():
-    return "its GEMMs are sharded (the fused norm has no sharding rule)"
-  if jnp.dtype(x.dtype) not in _NORM_INPUT_DTYPES:
-    return f"the input is {x.dtype}, not float32, bfloat16 or float16"
+  blocker = _input_blocker(settings, x, "the fused norm has no sharding rule")
+  if blocker is not None:
+    return blocker
   m, k = math.prod(x.shape[:-1]), x.shape[-1]
   if not norm_dense.supported(m, k, recipe):
     return (f"{m} tokens, embed {k}: it needs tokens % "

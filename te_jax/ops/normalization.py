@@ -70,6 +70,7 @@ __all__ = [
     "norm_quantize",
     "norm_backward",
     "norm_supported",
+    "check_norm_params",
 ]
 
 NORM_TYPES = ("layernorm", "rmsnorm")
@@ -100,8 +101,9 @@ def _check_options(norm_type, epsilon, zero_centered_gamma):
                     f"{zero_centered_gamma!r}.")
 
 
-def _check_params(x, gamma, beta, norm_type):
-  """Checks x (M, H), gamma (H,) and beta (H,) or None (rmsnorm: None)."""
+def check_norm_params(x, gamma, beta, norm_type):
+  """Checks x (M, H) float32/bfloat16/float16, gamma (H,) and beta (H,) or
+  None (rmsnorm: None); ValueError/TypeError naming the bad one."""
   quantize_op.check_input(x, "x", 2)
   h = x.shape[1]
   quantize_op.check_input(gamma, "gamma", 1)
@@ -176,7 +178,7 @@ def norm_forward_reference(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Ar
   dtype=jnp.float32)`` bit for bit (same operations in the same order).
   """
   _check_options(norm_type, epsilon, zero_centered_gamma)
-  _check_params(x, gamma, beta, norm_type)
+  check_norm_params(x, gamma, beta, norm_type)
   mean, rstd = norm_stats_reference(x, norm_type=norm_type, epsilon=epsilon)
   return (norm_apply_reference(x, gamma, beta, mean, rstd,
                                zero_centered_gamma=zero_centered_gamma), mean, rstd)
@@ -217,7 +219,7 @@ def norm_backward_reference(dy: jax.Array, x: jax.Array, gamma: jax.Array,
 
 def _check_backward_args(dy, x, gamma, mean, rstd, norm_type, zero_centered_gamma):
   _check_options(norm_type, 0.0, zero_centered_gamma)
-  _check_params(x, gamma, None, norm_type)
+  check_norm_params(x, gamma, None, norm_type)
   quantize_op.check_input(dy, "dy", 2)
   if dy.shape != x.shape:
     raise ValueError(f"dy must have x's shape {x.shape}, got {dy.shape}.")
@@ -319,7 +321,7 @@ def norm_quantize(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array], *,
     chosen and ``norm_supported(M, H)`` is False.
   """
   _check_options(norm_type, epsilon, zero_centered_gamma)
-  _check_params(x, gamma, beta, norm_type)
+  check_norm_params(x, gamma, beta, norm_type)
   dtype, scale = quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
 
   def cuda():
