@@ -53,7 +53,23 @@ def kernel_kind(name: str) -> str:
   return "other"
 
 
-def run_one(preset, recipe, k, repeats, profile_steps, small, doc_window=None):
+def _norm_variant(kernels_from, bwd_blocks):
+  """A/B switches for te_jax's norm kernels, set in this (one-recipe) process only:
+  the narrowest hidden size that takes the unquantized norm kernels, and a fixed
+  grid for the norm backward kernel instead of ``backward_blocks``' rule."""
+  from te_jax.flax import fused_norm  # pylint: disable=import-outside-toplevel
+  from te_jax.ops import normalization_cuda  # pylint: disable=import-outside-toplevel
+  label = []
+  if kernels_from is not None:
+    fused_norm.MIN_KERNEL_HIDDEN = kernels_from
+    label.append(f"norm kernels from {kernels_from}")
+  if bwd_blocks is not None:
+    normalization_cuda.backward_blocks = lambda m, h: max(1, min(int(m), bwd_blocks))
+    label.append(f"norm bwd {bwd_blocks} blocks")
+  return ", ".join(label)
+
+
+def run_one(preset, recipe, k, repeats, profile_steps, small, doc_window=None, variant=""):
   """Times and profiles one recipe; returns a dict (one JSON line)."""
   sys.path.insert(0, os.path.join(HERE, "..", "examples"))
   import jax  # pylint: disable=import-outside-toplevel
@@ -100,7 +116,8 @@ def run_one(preset, recipe, k, repeats, profile_steps, small, doc_window=None):
     kinds[kernel_kind(name)] += kms
   top = {kind: sorted(((n, round(t, 3)) for n, t, _ in rows if kernel_kind(n) == kind),
                       key=lambda r: -r[1])[:4] for kind in KINDS}
-  return {"recipe": recipe, "doc_window": trainer.doc_window, "ms": ms, "times": times,
+  return {"recipe": recipe + (f" ({variant})" if variant else ""),
+          "doc_window": trainer.doc_window, "ms": ms, "times": times,
           "tokens_per_s": tokens / (ms / 1e3),
           "mfu": None if peak is None else flops / peak, "loss": loss,
           "params": train_gpt.param_count(state), "kernels_ms": kinds, "kernel_total_ms": total,
@@ -122,10 +139,16 @@ def main(argv=None):
   p.add_argument("--doc-window", action=argparse.BooleanOptionalAction, default=None,
                  help="train_gpt's --doc_window: attention only over a band as wide as the "
                       "longest document (default: the preset's, on for llama)")
+  p.add_argument("--norm-kernels-from", type=int, default=None,
+                 help="A/B: take the unquantized norm kernels from this hidden size on "
+                      "(fused_norm.MIN_KERNEL_HIDDEN)")
+  p.add_argument("--norm-bwd-blocks", type=int, default=None,
+                 help="A/B: a fixed CUDA grid for the norm backward kernel")
   args = p.parse_args(argv)
   if args.one:
+    variant = _norm_variant(args.norm_kernels_from, args.norm_bwd_blocks)
     res = run_one(args.preset, args.one, args.k, args.repeats, args.profile_steps, args.small,
-                  args.doc_window)
+                  args.doc_window, variant)
     print("JSON " + json.dumps(res), flush=True)
     return 0
 
@@ -135,7 +158,10 @@ def main(argv=None):
            "--k", str(args.k), "--repeats", str(args.repeats),
            "--profile-steps", str(args.profile_steps)] + (["--small"] if args.small else []) + (
                [] if args.doc_window is None else
-               ["--doc-window" if args.doc_window else "--no-doc-window"])
+               ["--doc-window" if args.doc_window else "--no-doc-window"]) + [
+                   f"--{name}={val}" for name, val in (
+                       ("norm-kernels-from", args.norm_kernels_from),
+                       ("norm-bwd-blocks", args.norm_bwd_blocks)) if val is not None]
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout,
                             cwd=HERE, check=False)
@@ -162,7 +188,7 @@ def main(argv=None):
 def format_tables(results, args) -> str:
   from bench_layer import environment  # pylint: disable=import-error,import-outside-toplevel
   env = environment()
-  base = next((r for r in results if r["recipe"] == "none"), None)
+  base = next((r for r in results if r["recipe"].split(" (")[0] == "none"), None)
   bands = sorted({r["doc_window"] for r in results if r.get("doc_window")})
   window = f" (attention band {', '.join(map(str, bands))} tokens)" if bands else ""
   lines = [f"### train_gpt.py --preset {args.preset}{window}, {env['date']}, {env['device']}, "

@@ -11,7 +11,7 @@ accumulation, HIGHEST asks for split accumulation).
 Bytes for quantize are the minimal traffic (read x once, write every output),
 so a kernel that reads x twice (current scaling) is charged once.
 
-Usage: python3 benchmarks/bench_ops.py [--quick] [--only quantize|gemm|accuracy]
+Usage: python3 benchmarks/bench_ops.py [--quick] [--only quantize|norm|gemm|accuracy]
 Prints a table and, last, a markdown section for BENCHMARKS.md.
 """
 
@@ -28,7 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from te_jax.ops import cuda_available
 from te_jax.ops import gemm as gemm_ops
+from te_jax.ops import normalization as norm_ops
+from te_jax.ops import normalization_cuda
 from te_jax.ops import quantize as q
 
 E4M3, E5M2, BF16, F32 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16, jnp.float32
@@ -90,6 +93,41 @@ def quantize_rows(m=8192, k=8192):
                      unit="TB/s"))
     print(f"  {rows[-1]['name']}: ours {rows[-1]['ours']:.2f} TB/s, XLA {rows[-1]['ref']:.2f} TB/s",
           flush=True)
+  return rows
+
+
+# ------------------------------------------------------- norm backward ---
+
+def norm_backward_rows(shapes=((32768, 1536), (32768, 2048), (16384, 4096), (16384, 8192))):
+  """NormBwdKernel (RMSNorm, bf16) with backward_blocks' grid and with the old fixed 264
+  blocks, against XLA's backward of the reference norm; bytes = read x, dy, write dx."""
+  if not cuda_available():
+    raise SystemExit("--only norm times the CUDA norm kernel: needs a GPU and the built module")
+  rows = []
+  for m, h in shapes:
+    keys = jax.random.split(jax.random.PRNGKey(m + h), 2 * SETS)
+    gamma = 1.0 + 0.1 * _rand(keys[0], (h,), F32)
+    sets = []
+    for i in range(SETS):
+      x = _rand(keys[2 * i], (m, h), BF16)
+      _, rstd = norm_ops.norm_stats(x, norm_type="rmsnorm", epsilon=1e-6, impl="reference")
+      sets.append((_rand(keys[2 * i + 1], (m, h), BF16), x, rstd))
+    nbytes = 3 * m * h * 2
+
+    def kernel(blocks):
+      return jax.jit(lambda dy, x, rstd: normalization_cuda.norm_backward(
+          dy, x, gamma, None, rstd, False, blocks=blocks))
+
+    xla = jax.jit(lambda dy, x, rstd: norm_ops.norm_backward(
+        dy, x, gamma, None, rstd, norm_type="rmsnorm", zero_centered_gamma=False,
+        impl="reference"))
+    grid = normalization_cuda.backward_blocks(m, h)
+    t_new, t_old, t_xla = bench(kernel(None), sets), bench(kernel(264), sets), bench(xla, sets)
+    name = f"norm bwd rmsnorm {m}x{h} bf16, {grid} vs 264 blocks"
+    rows.append(dict(kind="norm", name=name, ours=nbytes / t_new / 1e12,
+                     old=nbytes / t_old / 1e12, ref=nbytes / t_xla / 1e12))
+    print(f"  {name}: {rows[-1]['ours']:.2f} TB/s ({grid} blocks), {rows[-1]['old']:.2f} "
+          f"(264), XLA {rows[-1]['ref']:.2f}", flush=True)
   return rows
 
 
@@ -187,6 +225,9 @@ def report(rows):
     if r["kind"] == "quantize":
       print(f"{r['name']:<58} {r['ours']:>8.2f} TB/s {r['ref']:>7.2f} TB/s "
             f"{r['ours'] / r['ref']:>7.2f}x")
+    elif r["kind"] == "norm":
+      print(f"{r['name']:<58} {r['ours']:>8.2f} TB/s {r['old']:>7.2f} TB/s "
+            f"{r['ours'] / r['old']:>7.2f}x (XLA {r['ref']:.2f} TB/s)")
     elif r["kind"] == "gemm":
       print(f"{r['name']:<58} {r['ours']:>6.0f} TFLOP/s {'(bf16=1)':>12} {r['ratio']:>7.2f}x")
     else:
@@ -199,6 +240,11 @@ def report(rows):
   for r in rows:
     if r["kind"] == "quantize":
       md.append(f"| {r['name']} | {r['ours']:.2f} | {r['ref']:.2f} | {r['ours'] / r['ref']:.2f}x |")
+  norms = [r for r in rows if r["kind"] == "norm"]
+  if norms:
+    md += ["", "| norm backward (RMSNorm, bf16) | te_jax TB/s | 264 blocks TB/s | XLA TB/s |",
+           "|---|---|---|---|"]
+    md += [f"| {r['name']} | {r['ours']:.2f} | {r['old']:.2f} | {r['ref']:.2f} |" for r in norms]
   md += ["", "| GEMM (MxNxK), bf16 output | TFLOP/s | vs bf16 jnp.dot |", "|---|---|---|"]
   for r in rows:
     if r["kind"] == "gemm":
@@ -214,13 +260,15 @@ def report(rows):
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--quick", action="store_true", help="small GEMM shapes only")
-  p.add_argument("--only", choices=["quantize", "gemm", "accuracy"], default=None)
+  p.add_argument("--only", choices=["quantize", "norm", "gemm", "accuracy"], default=None)
   args = p.parse_args()
   shapes = [(4096, 4096, 4096)] if args.quick else [
       (4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192), (4096, 7168, 16384)]
   rows = []
   if args.only in (None, "quantize"):
     rows += quantize_rows()
+  if args.only in (None, "norm"):
+    rows += norm_backward_rows()
   if args.only in (None, "gemm"):
     rows += gemm_rows(shapes)
   if args.only in (None, "accuracy"):

@@ -25,10 +25,15 @@ __all__ = ["norm_stats", "norm_quantize", "norm_backward", "MAX_HIDDEN", "backwa
 _F32 = jnp.float32
 MAX_HIDDEN = 8192   # custom_calls/kernels/normalization.h: kNormBwdMaxHidden
 # CUDA blocks of the backward kernel: each takes every `blocks`-th row and
-# writes one row of partial dgamma/dbeta sums. 264 = 2 x the H200's 132 SMs
-# (two 512-thread blocks fit per SM at H = 4096); a constant rather than the
-# device's SM count so that results do not depend on the GPU model.
-_BWD_BLOCKS = 264
+# writes one row of partial dgamma/dbeta sums. The kernel runs H / 8 threads
+# per block within a 64-register budget (launch bounds of 1024 threads), so an
+# SM holds 1024 / threads blocks: the grid fills the H200's 132 SMs with that
+# many (264 at H = 4096, 528 at H = 2048, where a fixed 264 left half of each
+# SM's threads idle). Constants rather than the device's SM count so that
+# results (the partial sums' order) do not depend on the GPU model.
+_BWD_SMS = 132
+_BWD_THREADS_PER_SM = 1024
+_BWD_MAX_BLOCKS_PER_SM = 8
 
 
 def _sds(shape, dtype):
@@ -40,9 +45,11 @@ def _f32(a):
   return jnp.zeros((0,), _F32) if a is None else a.astype(_F32)
 
 
-def backward_blocks(m: int) -> int:
-  """Number of CUDA blocks (rows of partial sums) of the backward for m rows."""
-  return max(1, min(int(m), _BWD_BLOCKS))
+def backward_blocks(m: int, h: int) -> int:
+  """Number of CUDA blocks (rows of partial sums) of the backward for (m, h) rows."""
+  threads = (-(-h // 8) + 31) // 32 * 32   # one thread per 8 columns, whole warps
+  per_sm = max(1, min(_BWD_MAX_BLOCKS_PER_SM, _BWD_THREADS_PER_SM // threads))
+  return max(1, min(int(m), _BWD_SMS * per_sm))
 
 
 def norm_stats(x, rms: bool, epsilon: float):
@@ -89,15 +96,18 @@ def norm_quantize(x, gamma, beta, rms: bool, epsilon: float, zero_centered: bool
   return (q,) + stats_out(mean, rstd)
 
 
-def norm_backward(dy, x, gamma, mean, rstd, zero_centered: bool):
-  """(dx in x.dtype, dgamma and dbeta in gamma.dtype, dbeta None for rmsnorm)."""
+def norm_backward(dy, x, gamma, mean, rstd, zero_centered: bool, blocks: int | None = None):
+  """(dx in x.dtype, dgamma and dbeta in gamma.dtype, dbeta None for rmsnorm).
+
+  ``blocks`` overrides :func:`backward_blocks` (benchmarks compare grids with it).
+  """
   rms = mean is None
   m, h = x.shape
   # The kernel reads both with one element type. Widening to the common type
   # is exact, and dx (computed in float32) is rounded once, to x.dtype: the
   # reference's values. Costs an XLA convert pass only for mixed dtypes.
   common = jnp.promote_types(dy.dtype, x.dtype)
-  blocks = backward_blocks(m)
+  blocks = backward_blocks(m, h) if blocks is None else int(blocks)
   outs = (_sds((m, h), common), _sds((h,), _F32), _sds((0,) if rms else (h,), _F32),
           _sds((1 if rms else 2, blocks, h), _F32))
   dx, dgamma, dbeta, _ = jax.ffi.ffi_call("te_jax_norm_backward", outs)(
