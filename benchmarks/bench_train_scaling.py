@@ -39,7 +39,6 @@ MESHES = {  # name -> (dp, fsdp, tp)
 
 def worker(spec):
   """Runs one training run in this process; prints one JSON line."""
-  import jax
   import numpy as np
   # examples/train_gpt.py: _launch puts examples/ on the worker's PYTHONPATH.
   import train_gpt  # pylint: disable=import-error

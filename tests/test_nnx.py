@@ -6,7 +6,6 @@ gradients and FP8 state "gradients" must be equal bit for bit: the same
 functional layer runs on the same numbers (FP8 off and every recipe).
 """
 
-import re
 import warnings
 
 import flax.linen as nn
@@ -22,7 +21,6 @@ import te_jax
 from te_jax import fp8_state, recipe
 from te_jax import flax as tfx
 from te_jax import nnx as tnx
-from te_jax.nnx import state as tnx_state
 
 from flax_cases import RECIPES
 
