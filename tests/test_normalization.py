@@ -37,6 +37,7 @@ from te_jax import flax as tfx
 from te_jax.flax import fused_norm
 from te_jax.flax.norm import apply_norm
 from te_jax.ops import normalization as nrm
+from te_jax.ops import normalization_cuda
 from te_jax.ops import quantize as quantize_op
 
 from flax_cases import RECIPES, rel
@@ -144,6 +145,20 @@ def test_backward_reference_dtypes():
                                  norm_type="layernorm", zero_centered_gamma=False,
                                  impl="reference")
   assert dx.dtype == BF16 and dg.dtype == BF16 and db.dtype == BF16
+
+
+@pytest.mark.parametrize("h,expected", [(8, 1056), (1024, 1056), (1536, 660), (2048, 528),
+                                         (4096, 264), (6144, 132), (8192, 132)])
+def test_norm_backward_grid_fills_the_sms_by_block_width(h, expected):
+  """The backward kernel's grid: as many h/8-thread blocks as fit in 132 SMs of 1024
+  threads (at most 8 per SM), and never more blocks than rows."""
+  assert normalization_cuda.backward_blocks(100_000, h) == expected
+  threads = -(-h // 256) * 32      # one thread per 8 columns, whole warps
+  per_sm = expected // 132
+  assert expected == 132 * per_sm and per_sm * threads <= 1024   # all resident at once
+  assert per_sm == 8 or (per_sm + 1) * threads > 1024             # and no SM left half idle
+  assert normalization_cuda.backward_blocks(7, h) == 7
+  assert normalization_cuda.backward_blocks(1, h) == 1
 
 
 @pytest.mark.parametrize("mode", nrm.MODES)
