@@ -594,8 +594,10 @@ def test_modules_fall_back_and_say_why(monkeypatch, caplog):
 
 _CPU = jax.devices("cpu")[0]
 # (M, H): rows not a multiple of 128 (and fewer than one tile), hidden 4096,
-# 8192, and odd sizes (edge tiles, H % 8 != 0: the scalar load paths).
-_GPU_SHAPES = [(200, 4096), (1000, 8192), (72, 200), (130, 100), (256, 1024)]
+# 8192, and odd sizes (edge tiles, H % 8 != 0: the scalar load paths); at
+# 8192 and 2048 more rows than the backward's grid (132 and 528 blocks), so a
+# block strides over several rows and the last stride is partial.
+_GPU_SHAPES = [(200, 4096), (1000, 8192), (2100, 2048), (72, 200), (130, 100), (256, 1024)]
 _GPU_DTYPES = [BF16, F16, F32]
 
 
