@@ -161,6 +161,14 @@ def test_norm_backward_grid_fills_the_sms_by_block_width(h, expected):
   assert normalization_cuda.backward_blocks(1, h) == 1
 
 
+@pytest.mark.parametrize("blocks", [0, 65536, 2.0, True])
+def test_norm_backward_grid_override_is_checked_at_trace_time(blocks):
+  x = jnp.zeros((4, 256), BF16)
+  with pytest.raises(ValueError, match=r"blocks must be an int in \[1, 65535\]"):
+    jax.eval_shape(lambda x: normalization_cuda.norm_backward(
+        x, x, jnp.ones((256,), F32), None, jnp.ones((4,), F32), False, blocks=blocks), x)
+
+
 @pytest.mark.parametrize("mode", nrm.MODES)
 def test_quantize_reference_is_quantize_by_mode(mode):
   x = _rand(6, (M, H), 2.0, -0.2, BF16)

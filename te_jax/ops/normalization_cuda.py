@@ -47,7 +47,7 @@ def _f32(a):
 
 def backward_blocks(m: int, h: int) -> int:
   """Number of CUDA blocks (rows of partial sums) of the backward for (m, h) rows."""
-  threads = (-(-h // 8) + 31) // 32 * 32   # one thread per 8 columns, whole warps
+  threads = (-(-h // 8) + 31) // 32 * 32   # as LaunchNormBackward launches it (normalization.cu)
   per_sm = max(1, min(_BWD_MAX_BLOCKS_PER_SM, _BWD_THREADS_PER_SM // threads))
   return max(1, min(int(m), _BWD_SMS * per_sm))
 
@@ -107,7 +107,10 @@ def norm_backward(dy, x, gamma, mean, rstd, zero_centered: bool, blocks: int | N
   # is exact, and dx (computed in float32) is rounded once, to x.dtype: the
   # reference's values. Costs an XLA convert pass only for mixed dtypes.
   common = jnp.promote_types(dy.dtype, x.dtype)
-  blocks = backward_blocks(m, h) if blocks is None else int(blocks)
+  if blocks is None:
+    blocks = backward_blocks(m, h)
+  elif isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= 65535:
+    raise ValueError(f"blocks must be an int in [1, 65535] (the kernel's grid), got {blocks!r}.")
   outs = (_sds((m, h), common), _sds((h,), _F32), _sds((0,) if rms else (h,), _F32),
           _sds((1 if rms else 2, blocks, h), _F32))
   dx, dgamma, dbeta, _ = jax.ffi.ffi_call("te_jax_norm_backward", outs)(
