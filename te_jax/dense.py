@@ -57,15 +57,17 @@ def _dense_2d_fwd(x, kernel, bias, state, cfg):
   mode, impl = cfg.mode, cfg.impl
   qx = mode.quantize(x, "x", state, impl=impl)
   qk = mode.quantize(kernel, "kernel", state, impl=impl)
-  y = mode.gemm("fprop", qx.rowwise(), qk.columnwise(), out_dtype=x.dtype, bias=bias,
-                impl=impl)
+  if cfg.num_splits > 1:   # each block from its own GEMM: no slice copies
+    y = mode.gemm_split("fprop", qx.rowwise(), qk.columnwise(), cfg.num_splits,
+                        out_dtype=x.dtype, bias=bias, impl=impl)
+  else:
+    y = mode.gemm("fprop", qx.rowwise(), qk.columnwise(), out_dtype=x.dtype, bias=bias,
+                  impl=impl)
   new_state = mode.update_state(state, {"x": qx.amax, "kernel": qk.amax})
   # Only the copies the backward GEMMs read are kept: x.T for wgrad and the
   # kernel for dgrad, both FP8 (half the bytes of a bf16 activation).
   res = (qx.columnwise(), qk.rowwise(), new_state, jnp.zeros((0,), x.dtype),
          jnp.zeros((0,), kernel.dtype))
-  if cfg.num_splits > 1:
-    y = tuple(jnp.split(y, cfg.num_splits, axis=1))
   return y, res
 
 

@@ -20,8 +20,9 @@
 //
 // Algorithm selection (ffi/gemm_autotune.h). On the first use of a problem
 // (the plan cache key below) the handler asks cuBLASLt's heuristic for up to
-// TE_JAX_GEMM_AUTOTUNE_ALGOS answers (default 8), times them and caches the
-// fastest for the process; 1 keeps the heuristic's first answer untimed.
+// TE_JAX_GEMM_AUTOTUNE_ALGOS answers, times them and caches the fastest for
+// the process; 1 (the default, gemm_autotune.h says why) keeps the
+// heuristic's first answer untimed.
 // TE_JAX_GEMM_LOG=1 prints each problem's candidates and winner to stderr.
 //
 // Command buffers. The handler is declared kCmdBufferCompatible, so XLA may

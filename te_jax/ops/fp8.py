@@ -105,6 +105,29 @@ class ScaledTensor:
     s = self.scale_inv if self.block_shape is None else self.scale_inv.T
     return ScaledTensor(self.data.T, s, self.block_shape)
 
+  def row_blocks(self, n: int) -> Tuple["ScaledTensor", ...]:
+    """The ``n`` equal row blocks of this (rows, cols) matrix, each with its
+    own slice of the scales: (rows / n, cols) each.
+
+    ``rows / n`` must be a whole number of scale tiles (any size for
+    per-tensor scales, a multiple of ``block_shape[0]`` for blockwise ones),
+    so that every block's values dequantize exactly as they did in the whole.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+      raise ValueError(f"n must be an int >= 1, got {n!r}.")
+    rows = self.shape[0]
+    bm = 1 if self.block_shape is None else self.block_shape[0]
+    if rows % n or (rows // n) % bm:
+      raise ValueError(f"cannot split {rows} rows into {n} equal blocks of whole "
+                       f"{bm}-row scale tiles (block_shape {self.block_shape}).")
+    size = rows // n
+    return tuple(
+        ScaledTensor(self.data[i * size:(i + 1) * size],
+                     self.scale_inv if self.block_shape is None
+                     else self.scale_inv[i * size // bm:(i + 1) * size // bm],
+                     self.block_shape)
+        for i in range(n))
+
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """Returns ``data * scale_inv`` (broadcast over tiles) in ``dtype``."""
     if self.block_shape is None:

@@ -1,0 +1,142 @@
+"""A fused projection whose output is used in blocks (attention's Q/K/V).
+
+In FP8 the blocks come out of their own GEMMs (``ScalingMode.gemm_split``),
+never as slices of one (tokens, 3 * heads * head_dim) product: each slice
+would be a copy of the block (three 128 MiB copies per step at 16384 tokens,
+hidden 4096).
+
+* ``ScaledTensor.row_blocks``: the blocks dequantize to the rows of the whole;
+  bad splits are refused with the reason.
+* CPU: the programs of ``fp8_dense_split`` and
+  ``fp8_norm_dense(num_splits=3)`` hold no product as wide as the whole
+  output but the weight gradient's. (Their values and gradients equal those
+  of splitting the whole output: ``test_concat_quantize.py``,
+  ``test_norm_attention.py``.)
+* GPU (``gpu`` marker): the compiled FP8 attention step holds no
+  floating-point array the size of the whole Q/K/V output or its gradient.
+"""
+
+import math
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import flax.linen as nn
+
+import te_jax
+from te_jax import dense, fp8_state, norm_dense, recipe
+from te_jax import flax as tfx
+from te_jax.ops import quantize as qop
+from te_jax.ops.fp8 import ScaledTensor
+
+RECIPES = {
+    "delayed": recipe.DelayedScaling(amax_history_len=4),
+    "current": recipe.Float8CurrentScaling(),
+    "blockwise": recipe.Float8BlockScaling(),
+}
+
+
+def _state(r):
+  return fp8_state.init_dense_state(r.amax_history_len) if r.scaling_mode().uses_state else None
+
+
+# ------------------------------------------------------------ row_blocks ---
+
+@pytest.mark.parametrize("block_shape", [None, (1, 128), (128, 128)])
+def test_row_blocks_dequantize_to_the_rows_of_the_whole(block_shape):
+  x = jax.random.normal(jax.random.PRNGKey(0), (768, 256)) * jnp.linspace(0.1, 30, 768)[:, None]
+  if block_shape is None:
+    q = qop.quantize_tensorwise(x, jnp.float32(2.0), impl="reference")
+  else:
+    q = qop.quantize_blockwise(x, block_shape=block_shape, impl="reference")
+  whole = ScaledTensor(q.data, q.scale_inv, q.block_shape)
+  parts = whole.row_blocks(3)
+  assert len(parts) == 3 and all(p.shape == (256, 256) for p in parts)
+  assert all(p.block_shape == whole.block_shape for p in parts)
+  np.testing.assert_array_equal(
+      np.concatenate([np.asarray(p.dequantize()) for p in parts]),
+      np.asarray(whole.dequantize()))
+  # The scales differ between blocks (the rows were scaled 0.1 to 30), so a
+  # block given another block's scales would not dequantize as asserted.
+  if block_shape is not None:
+    assert float(parts[0].scale_inv.max()) < float(parts[2].scale_inv.min())
+
+
+def test_row_blocks_refuses_blocks_that_cut_a_scale_tile():
+  t = ScaledTensor(jnp.zeros((384, 128), jnp.float8_e4m3fn), jnp.ones((3, 1)), (128, 128))
+  with pytest.raises(ValueError, match="cannot split 384 rows into 2 .* 128-row"):
+    t.row_blocks(2)   # 192-row blocks would cut the second 128-row tile
+  with pytest.raises(ValueError, match="cannot split 384 rows into 5"):
+    ScaledTensor(t.data, jnp.float32(1.0)).row_blocks(5)
+  for bad in (0, True, 1.5):
+    with pytest.raises(ValueError, match="n must be an int >= 1"):
+      t.row_blocks(bad)
+
+
+# ------------------------------------------------------------------ CPU ----
+
+def _dot_widths(fn, *args):
+  """The last dims of every dot_general result in ``fn``'s lowered program."""
+  text = jax.jit(fn).lower(*args).as_text()
+  return [int(m.group(1)) for m in
+          re.finditer(r"stablehlo\.dot_general.*-> tensor<(?:\d+x)*(\d+)x\w+>", text)]
+
+
+@pytest.mark.parametrize("rname", sorted(RECIPES))
+def test_fp8_split_forward_has_no_whole_product(rname):
+  """fp8_dense_split and fp8_norm_dense(num_splits=3): the forward's output
+  blocks are three GEMMs of width 128, and no product (forward or backward)
+  is 384 wide but the weight gradient's (K, N) one."""
+  r = RECIPES[rname]
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 128, 256)).astype(jnp.bfloat16)
+  w = (jax.random.normal(jax.random.PRNGKey(2), (256, 384)) * 0.06).astype(jnp.bfloat16)
+  gamma, beta = jnp.ones((256,), jnp.bfloat16), jnp.zeros((256,), jnp.bfloat16)
+  st = _state(r)
+
+  def plain(x, w, st):
+    return dense.fp8_dense_split(x, w, num_splits=3, recipe=r, fp8_state=st,
+                                 impl="reference")
+
+  def normed(x, w, st):
+    return norm_dense.fp8_norm_dense(x, gamma, beta, w, None, norm_type="layernorm",
+                                     epsilon=1e-6, zero_centered_gamma=False, recipe=r,
+                                     fp8_state=st, impl="reference", num_splits=3)
+
+  for fn in (plain, normed):
+    assert _dot_widths(fn, x, w, st).count(128) == 3, fn.__name__
+    assert 384 not in _dot_widths(fn, x, w, st), fn.__name__
+
+    def loss(x, w, st, fn=fn):
+      return sum(jnp.sum(y.astype(jnp.float32) * (i + 1)) for i, y in enumerate(fn(x, w, st)))
+    widths = _dot_widths(jax.grad(loss, argnums=(0, 1)), x, w, st)
+    # Backward: dgrad (tokens, K=256) and the one wgrad (K, N=384): 384 once.
+    assert widths.count(384) == 1, (fn.__name__, widths)
+
+
+# ------------------------------------------------------------- CUDA (H200) --
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rname", sorted(RECIPES))
+def test_gpu_attention_step_has_no_whole_qkv_array(rname):
+  """The compiled FP8 attention step (x 2 x 128 tokens, hidden 512, 4 heads)
+  has no bf16/f16/f32 array of 256 x 1536 elements: neither the Q/K/V output
+  sliced into blocks nor its gradient assembled from dq, dk, dv. (The FP8
+  gradient the concat-quantize kernel writes has that size and is FP8; the
+  kernel and its gradient, 512 x 1536, are another size.) With FP8 off XLA
+  has both: it merges per-block dots back into one (fp8_module.fp8_gemm)."""
+  mha = tfx.MultiHeadAttention(num_attention_heads=4, dtype=jnp.bfloat16)
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 128, 512)).astype(jnp.bfloat16)
+  with te_jax.fp8_autocast(enabled=True, fp8_recipe=RECIPES[rname]):
+    v = nn.unbox(mha.init(jax.random.PRNGKey(1), x))
+    hlo = jax.jit(jax.grad(lambda v: jnp.sum(mha.apply(v, x).astype(jnp.float32)))).lower(
+        v).compile().as_text()
+  whole = []
+  for line in hlo.splitlines():   # "%name = (bf16[256,512]{1,0}, u8[..]) op(...)"
+    result = re.match(r"\s*(?:ROOT )?%?\S+ = (.*?) [\w.$-]+\(", line)
+    for m in re.finditer(r"\b(?:bf16|f16|f32)\[([\d,]+)\]", result.group(1) if result else ""):
+      if math.prod(int(d) for d in m.group(1).split(",")) == 256 * 1536:
+        whole.append(line.strip()[:300])
+  assert "te_jax_gemm" in hlo
+  assert not whole, whole
