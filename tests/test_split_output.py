@@ -1,7 +1,8 @@
 """A fused projection whose output is used in blocks (attention's Q/K/V).
 
-In FP8 the blocks come out of their own GEMMs (``ScalingMode.gemm_split``),
-never as slices of one (tokens, 3 * heads * head_dim) product: each slice
+The blocks come out of their own GEMMs (``ScalingMode.gemm_split`` in FP8,
+one dot each with FP8 off), never as slices of one (tokens, 3 * heads *
+head_dim) product: each slice
 would be a copy of the block (three 128 MiB copies per step at 16384 tokens,
 hidden 4096).
 
@@ -12,8 +13,12 @@ hidden 4096).
   output but the weight gradient's. (Their values and gradients equal those
   of splitting the whole output: ``test_concat_quantize.py``,
   ``test_norm_attention.py``.)
-* GPU (``gpu`` marker): the compiled FP8 attention step holds no
-  floating-point array the size of the whole Q/K/V output or its gradient.
+* FP8 off: ``fp8_module.plain_split_gemm``, one dot per block behind its
+  own ``optimization_barrier``, equals the split of the one dot (values and
+  gradients) and leaves no 1536-wide product in the attention program.
+* GPU (``gpu`` marker): the compiled attention step, every recipe and FP8
+  off, holds no floating-point array the size of the whole Q/K/V output or
+  its gradient.
 """
 
 import math
@@ -28,6 +33,7 @@ import flax.linen as nn
 import te_jax
 from te_jax import dense, fp8_state, norm_dense, recipe
 from te_jax import flax as tfx
+from te_jax.flax import fp8_module
 from te_jax.ops import quantize as qop
 from te_jax.ops.fp8 import ScaledTensor
 
@@ -115,20 +121,64 @@ def test_fp8_split_forward_has_no_whole_product(rname):
     assert widths.count(384) == 1, (fn.__name__, widths)
 
 
+def test_fp8_off_split_equals_the_split_of_one_dot():
+  """plain_split_gemm (one dot per block) against one dot and a split:
+  values and the gradients of x, kernel and bias, float32 on the CPU."""
+  kx, kw, kb, kc = jax.random.split(jax.random.PRNGKey(3), 4)
+  x = jax.random.normal(kx, (2, 64, 96))
+  w = jax.random.normal(kw, (96, 3, 4, 16)) * 0.1
+  b = jax.random.normal(kb, (3, 4, 16))
+  cots = jax.random.normal(kc, (3, 2, 64, 4, 16))
+
+  def split(x, w, b):
+    return fp8_module.plain_split_gemm(x, w, b, contract_ndim=1)
+
+  def whole(x, w, b):
+    y = dense.dense_general(x, w, b, contract_ndim=1)
+    return tuple(y[:, :, i] for i in range(3))
+
+  def loss(fn, x, w, b):
+    return sum(jnp.sum(y * c) for y, c in zip(fn(x, w, b), cots))
+
+  got = (split(x, w, b), jax.grad(loss, (1, 2, 3))(split, x, w, b))
+  want = (whole(x, w, b), jax.grad(loss, (1, 2, 3))(whole, x, w, b))
+  for a, c in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-6, atol=1e-6)
+  assert 192 not in _dot_widths(split, x, w, b)
+  assert _dot_widths(split, x, w, b).count(64) == 3
+
+
+def test_fp8_off_attention_has_no_whole_qkv_product():
+  """The FP8-off MultiHeadAttention (fused Q/K/V kernel, Linen and NNX)
+  computes Q, K and V with one dot each, behind a barrier per block: no
+  1536-wide product in its gradient program."""
+  mha = tfx.MultiHeadAttention(num_attention_heads=4, dtype=jnp.float32)
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 128, 512))
+  v = nn.unbox(mha.init(jax.random.PRNGKey(1), x))
+  assert v["params"]["qkv"]["kernel"].shape == (512, 3, 4, 128)
+  grad = jax.grad(lambda v, x: jnp.sum(mha.apply(v, x) ** 2), argnums=(0, 1))
+  widths = _dot_widths(grad, v, x)
+  assert 1536 not in widths and widths.count(512) >= 3, widths
+  text = jax.jit(grad).lower(v, x).as_text()
+  assert text.count("stablehlo.optimization_barrier") >= 3
+
+
 # ------------------------------------------------------------- CUDA (H200) --
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rname", sorted(RECIPES))
+@pytest.mark.parametrize("rname", [None] + sorted(RECIPES))
 def test_gpu_attention_step_has_no_whole_qkv_array(rname):
-  """The compiled FP8 attention step (x 2 x 128 tokens, hidden 512, 4 heads)
-  has no bf16/f16/f32 array of 256 x 1536 elements: neither the Q/K/V output
-  sliced into blocks nor its gradient assembled from dq, dk, dv. (The FP8
-  gradient the concat-quantize kernel writes has that size and is FP8; the
-  kernel and its gradient, 512 x 1536, are another size.) With FP8 off XLA
-  has both: it merges per-block dots back into one (fp8_module.fp8_gemm)."""
+  """The compiled attention step (x 2 x 128 tokens, hidden 512, 4 heads),
+  FP8 off and every recipe, has no bf16/f16/f32 array of 256 x 1536
+  elements: neither the Q/K/V output sliced into blocks nor its gradient
+  assembled from dq, dk, dv. (The FP8 gradient the concat-quantize kernel
+  writes has that size and is FP8; the kernel and its gradient, 512 x 1536,
+  are another size.) Without the barriers of plain_split_gemm, XLA merged
+  the FP8-off per-block dots back into one and this failed."""
   mha = tfx.MultiHeadAttention(num_attention_heads=4, dtype=jnp.bfloat16)
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 128, 512)).astype(jnp.bfloat16)
-  with te_jax.fp8_autocast(enabled=True, fp8_recipe=RECIPES[rname]):
+  with te_jax.fp8_autocast(enabled=rname is not None,
+                           fp8_recipe=RECIPES[rname] if rname else None):
     v = nn.unbox(mha.init(jax.random.PRNGKey(1), x))
     hlo = jax.jit(jax.grad(lambda v: jnp.sum(mha.apply(v, x).astype(jnp.float32)))).lower(
         v).compile().as_text()
@@ -138,5 +188,5 @@ def test_gpu_attention_step_has_no_whole_qkv_array(rname):
     for m in re.finditer(r"\b(?:bf16|f16|f32)\[([\d,]+)\]", result.group(1) if result else ""):
       if math.prod(int(d) for d in m.group(1).split(",")) == 256 * 1536:
         whole.append(line.strip()[:300])
-  assert "te_jax_gemm" in hlo
+  assert ("te_jax_gemm" in hlo) == (rname is not None)
   assert not whole, whole

@@ -79,6 +79,8 @@ def fp8_gemm(module: nnx.Module, settings: fp8_module.GemmSettings, x: jax.Array
     st.track_updates(module, param_kernel)
   if split_output and recipe is not None and settings.unsharded():
     return fp8_module.split_gemm(x, kernel, bias, settings, state, contract_ndim)
+  if split_output and recipe is None:
+    return fp8_module.plain_split_gemm(x, kernel, bias, contract_ndim)
   y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim, recipe=recipe,
                               fp8_state=state, impl=impl, kernel_axes=kernel_axes,
                               mesh_resource=settings.mesh_resource)
