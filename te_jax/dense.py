@@ -57,12 +57,9 @@ def _dense_2d_fwd(x, kernel, bias, state, cfg):
   mode, impl = cfg.mode, cfg.impl
   qx = mode.quantize(x, "x", state, impl=impl)
   qk = mode.quantize(kernel, "kernel", state, impl=impl)
-  if cfg.num_splits > 1:   # each block from its own GEMM: no slice copies
-    y = mode.gemm_split("fprop", qx.rowwise(), qk.columnwise(), cfg.num_splits,
-                        out_dtype=x.dtype, bias=bias, impl=impl)
-  else:
-    y = mode.gemm("fprop", qx.rowwise(), qk.columnwise(), out_dtype=x.dtype, bias=bias,
-                  impl=impl)
+  # num_splits > 1: a tuple of blocks, each from its own GEMM (no slice copies).
+  y = mode.gemm("fprop", qx.rowwise(), qk.columnwise(), out_dtype=x.dtype, bias=bias,
+                impl=impl, num_splits=cfg.num_splits)
   new_state = mode.update_state(state, {"x": qx.amax, "kernel": qk.amax})
   # Only the copies the backward GEMMs read are kept: x.T for wgrad and the
   # kernel for dgrad, both FP8 (half the bytes of a bf16 activation).

@@ -158,12 +158,9 @@ def _norm_dense_fwd(x, gamma, beta, kernel, bias, state, cfg):
   mode, impl = cfg.mode, cfg.impl
   qx, mean, rstd = quantize_normalized(mode, cfg.norm, x, gamma, beta, state, impl)
   qk = mode.quantize(kernel, "kernel", state, impl=impl)
-  if cfg.num_splits > 1:   # each block from its own GEMM: no slice copies
-    y = mode.gemm_split("fprop", qx.rowwise(), qk.columnwise(), cfg.num_splits,
-                        out_dtype=cfg.dtype, bias=bias, impl=impl)
-  else:
-    y = mode.gemm("fprop", qx.rowwise(), qk.columnwise(), out_dtype=cfg.dtype, bias=bias,
-                  impl=impl)
+  # num_splits > 1: a tuple of blocks, each from its own GEMM (no slice copies).
+  y = mode.gemm("fprop", qx.rowwise(), qk.columnwise(), out_dtype=cfg.dtype, bias=bias,
+                impl=impl, num_splits=cfg.num_splits)
   new_state = mode.update_state(state, {"x": qx.amax, "kernel": qk.amax})
   out = y
   if cfg.return_norm_output:   # elementwise from the statistics: no second reduction

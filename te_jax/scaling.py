@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -100,25 +100,23 @@ class ScalingMode(abc.ABC):
     return False
 
   def gemm(self, which: str, a: ScaledTensor, b: ScaledTensor, *, out_dtype,
-           bias: Optional[jax.Array] = None, impl: str = "auto") -> jax.Array:
+           bias: Optional[jax.Array] = None, impl: str = "auto",
+           num_splits: int = 1) -> Union[jax.Array, Tuple[jax.Array, ...]]:
     """``a @ b.T`` (a (M, K), b (N, K)) as GEMM ``which`` ("fprop", "dgrad",
-    "wgrad"), with this mode's accumulation setting for it; (M, N) ``out_dtype``."""
-    return gemm_op.gemm(a, b, out_dtype=out_dtype, bias=bias,
-                        fast_accum=self.fast_accum(which), impl=impl)
+    "wgrad"), with this mode's accumulation setting for it; (M, N) ``out_dtype``.
 
-  def gemm_split(self, which: str, a: ScaledTensor, b: ScaledTensor, num_splits: int, *,
-                 out_dtype, bias: Optional[jax.Array] = None,
-                 impl: str = "auto") -> Tuple[jax.Array, ...]:
-    """``gemm`` whose (M, N) output comes back as ``num_splits`` column blocks
-    (M, N / num_splits), one GEMM per row block of ``b`` (``b.row_blocks``).
-
-    Each block is written where its user reads it. Splitting one (M, N)
-    output afterwards costs a copy of every block: for the fused Q/K/V
-    projection at 16384 tokens x 3 x 4096 bf16, three 128 MiB copies per
-    step, 0.24 ms on an H200, while the three narrower GEMMs took no longer
-    than the one (TransformerLayer, 2026-12-04). ``N / num_splits`` must be
-    a whole number of ``b``'s scale tiles.
+    With ``num_splits`` > 1 the output comes back as a tuple of that many
+    column blocks (M, N / num_splits), one GEMM per row block of ``b``
+    (``b.row_blocks``): each block is written where its user reads it.
+    Splitting one (M, N) output afterwards costs a copy of every block: for
+    the fused Q/K/V projection at 16384 tokens x 3 x 4096 bf16, three 128 MiB
+    copies per step, 0.24 ms on an H200, while the three narrower GEMMs took
+    no longer than the one (TransformerLayer, 2026-12-04). ``N / num_splits``
+    must be a whole number of ``b``'s scale tiles.
     """
+    if num_splits == 1:
+      return gemm_op.gemm(a, b, out_dtype=out_dtype, bias=bias,
+                          fast_accum=self.fast_accum(which), impl=impl)
     f = b.shape[0] // num_splits
     return tuple(
         self.gemm(which, a, part, out_dtype=out_dtype, impl=impl,

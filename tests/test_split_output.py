@@ -1,10 +1,9 @@
 """A fused projection whose output is used in blocks (attention's Q/K/V).
 
-The blocks come out of their own GEMMs (``ScalingMode.gemm_split`` in FP8,
-one dot each with FP8 off), never as slices of one (tokens, 3 * heads *
-head_dim) product: each slice
-would be a copy of the block (three 128 MiB copies per step at 16384 tokens,
-hidden 4096).
+The blocks come out of their own GEMMs (``ScalingMode.gemm(num_splits=)``
+in FP8, one dot each with FP8 off), never as slices of one (tokens, 3 *
+heads * head_dim) product: each slice would be a copy of the block (three
+128 MiB copies per step at 16384 tokens, hidden 4096).
 
 * ``ScaledTensor.row_blocks``: the blocks dequantize to the rows of the whole;
   bad splits are refused with the reason.
