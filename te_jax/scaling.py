@@ -114,14 +114,17 @@ class ScalingMode(abc.ABC):
     no longer than the one (TransformerLayer, 2026-12-04). ``N / num_splits``
     must be a whole number of ``b``'s scale tiles.
     """
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+      raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}.")
     if num_splits == 1:
       return gemm_op.gemm(a, b, out_dtype=out_dtype, bias=bias,
                           fast_accum=self.fast_accum(which), impl=impl)
-    f = b.shape[0] // num_splits
+    parts = b.row_blocks(num_splits)   # checks that the blocks keep whole tiles
+    f = parts[0].shape[0]
     return tuple(
         self.gemm(which, a, part, out_dtype=out_dtype, impl=impl,
                   bias=None if bias is None else bias[i * f:(i + 1) * f])
-        for i, part in enumerate(b.row_blocks(num_splits)))
+        for i, part in enumerate(parts))
 
   # -- state ------------------------------------------------------------------
 

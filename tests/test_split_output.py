@@ -80,6 +80,20 @@ def test_row_blocks_refuses_blocks_that_cut_a_scale_tile():
       t.row_blocks(bad)
 
 
+def test_gemm_num_splits_is_checked():
+  mode = recipe.Float8CurrentScaling().scaling_mode()
+  a = ScaledTensor(jnp.ones((32, 32), jnp.float8_e4m3fn), jnp.float32(1.0))
+  b = ScaledTensor(jnp.ones((48, 32), jnp.float8_e4m3fn), jnp.float32(2.0))
+  parts = mode.gemm("fprop", a, b, out_dtype=jnp.float32, num_splits=3, impl="reference")
+  assert len(parts) == 3 and all(p.shape == (32, 16) for p in parts)
+  np.testing.assert_array_equal(np.asarray(parts[2]), np.full((32, 16), 64.0, np.float32))
+  for bad in (0, True, 2.0):
+    with pytest.raises(ValueError, match="num_splits must be an int >= 1"):
+      mode.gemm("fprop", a, b, out_dtype=jnp.float32, num_splits=bad, impl="reference")
+  with pytest.raises(ValueError, match="cannot split 48 rows into 5"):
+    mode.gemm("fprop", a, b, out_dtype=jnp.float32, num_splits=5, impl="reference")
+
+
 # ------------------------------------------------------------------ CPU ----
 
 def _dot_widths(fn, *args):

@@ -50,9 +50,9 @@ from te_jax import sharding as sharding_lib
 from te_jax.autocast import get_fp8_context
 from te_jax.ops import check_impl
 
-__all__ = ["split_gemm", "plain_split_gemm", "GemmSettings", "read_autocast", "fp8_gemm", "fp8_mlp_core", "gemm_kernel",
-           "canonicalize_axes", "declare_fp8_state", "keep_unused_fp8_state",
-           "check_scanned_state", "enclosing_scan", "FP8_META"]
+__all__ = ["split_gemm", "plain_split_gemm", "GemmSettings", "read_autocast", "fp8_gemm",
+           "fp8_mlp_core", "gemm_kernel", "canonicalize_axes", "declare_fp8_state",
+           "keep_unused_fp8_state", "check_scanned_state", "enclosing_scan", "FP8_META"]
 
 FP8_META = "fp8_meta"
 
