@@ -200,14 +200,17 @@ def fp8_dense_split(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] =
 
   The values are those of ``jnp.split(fp8_dense(x, kernel, bias, ...),
   num_splits, axis=-1)``, for a fused projection whose outputs are used
-  apart (Q, K and V of attention). The difference is in the backward pass:
-  the blocks' gradients are quantized for the dgrad and wgrad GEMMs straight
-  from the separate arrays (``ops/concat_quantize.py``) instead of XLA first
-  concatenating them (a 16384 x 12288 bf16 Q/K/V gradient: 768 MiB of memory
-  traffic less per step). Where that path does not apply (a block width not a
-  multiple of the recipe's alignment, 16 per-tensor and 128 blockwise, or
-  more than 4 blocks), the output of ``fp8_dense`` is split instead: same
-  values, with the concatenation. Unsharded only (no ``kernel_axes``): the
+  apart (Q, K and V of attention), but no array of the whole output is
+  written. Forward, each block comes out of its own GEMM on a row block of
+  the FP8 kernel (``ScalingMode.gemm(num_splits=)``) instead of being copied
+  out of one product; backward, the blocks' gradients are quantized for the
+  dgrad and wgrad GEMMs straight from the separate arrays
+  (``ops/concat_quantize.py``) instead of XLA first concatenating them (a
+  16384 x 12288 bf16 Q/K/V gradient: 768 MiB of memory traffic less per
+  step). Where that path does not apply (a block width not a multiple of the
+  recipe's alignment, 16 per-tensor and 128 blockwise, or more than 4
+  blocks), the output of ``fp8_dense`` is split instead: same values, with
+  the copies and the concatenation. Unsharded only (no ``kernel_axes``): the
   sharded GEMMs of ``te_jax.sharded_dense`` keep the plain dense.
 
   Args:

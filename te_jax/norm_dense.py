@@ -207,10 +207,10 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
 
   With ``num_splits`` > 1 the output comes back as that many equal column
   blocks, as ``te_jax.dense.fp8_dense_split`` returns them (the fused Q/K/V
-  projection of attention behind its pre-norm): the blocks' gradients are
-  quantized without being concatenated where the block width is a multiple
-  of the recipe's ``token_block`` and there are at most 4 blocks; otherwise
-  the unsplit output is split (same values).
+  projection of attention behind its pre-norm): each block from its own
+  GEMM and the blocks' gradients quantized without being concatenated where
+  the block width is a multiple of the recipe's ``token_block`` and there
+  are at most 4 blocks; otherwise the unsplit output is split (same values).
 
   Args:
     x: (..., K) float32/bfloat16/float16 input (before the norm).
