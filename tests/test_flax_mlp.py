@@ -173,3 +173,46 @@ def test_mlp_impl_attribute_reaches_every_op(fused, name, monkeypatch):
     assert fused_calls == ([impl] if fused else []), fused_calls
     # 2 x (quantize x, kernel, grad + 3 GEMMs) at least
     assert len(seen) >= 12 and set(seen) == {impl}, (impl, seen)
+
+
+@pytest.mark.parametrize("acts", [("gelu",), ("silu", "linear")])
+def test_unfused_activation_saves_only_its_input(acts):
+  """FP8 off, the backward keeps h (the activation's input) and z (the wo
+  GEMM's input), and nothing else of their size: the activation runs under
+  jax.checkpoint (te_jax.flax.mlp.activate). Differentiated directly it kept
+  six (tokens, mlp) arrays here, gelu's tanh among them, which XLA writes as
+  a second full-size forward output. Linen and NNX; values and gradients
+  equal to the plain activation."""
+  from flax import nnx
+  from te_jax import nnx as tnnx
+  tokens, mlp_dim = 48, 64
+  x = rand(0, (2, 24, 32)).astype(jnp.bfloat16)
+  linen = tfx.LayerNormMLP(intermediate_dim=mlp_dim, activations=acts, dtype=jnp.bfloat16)
+  v = nn.unbox(linen.init(jax.random.PRNGKey(1), x))
+  module = tnnx.LayerNormMLP(32, mlp_dim, activations=acts, dtype=jnp.bfloat16,
+                             rngs=nnx.Rngs(1))
+  graphdef, state = nnx.split(module)
+  for fn, params in ((lambda v, x: linen.apply(v, x), v),
+                     (lambda s, x: nnx.merge(graphdef, s)(x), state)):
+    _, f_vjp = jax.vjp(fn, params, x)
+    big = [leaf.shape for leaf in jax.tree.leaves(f_vjp)   # (batch, seq, ...) activations
+           if leaf.shape[:2] == (2, 24) and leaf.size >= tokens * mlp_dim]
+    assert len(big) == 2, big
+
+  def plain(p, x):   # the same block with the activation differentiated directly
+    h = jnp.einsum("bse,eam->bsam", nn.LayerNorm(epsilon=1e-6, dtype=jnp.bfloat16).apply(
+        {"params": {"scale": p["scale"], "bias": p["ln_bias"]}}, x), p["wi_kernel"].astype(
+            jnp.bfloat16))
+    z = ACT[acts[0]](h[..., 0, :])
+    for i in range(1, len(acts)):
+      z = z * ACT[acts[i]](h[..., i, :])
+    return jnp.einsum("bsm,me->bse", z.astype(jnp.bfloat16), p["wo_kernel"].astype(jnp.bfloat16))
+
+  loss = lambda f: lambda p, x: jnp.sum(f(p, x).astype(jnp.float32) ** 2)
+  got = jax.grad(loss(lambda p, x: linen.apply({"params": p}, x)), argnums=(0, 1))(v["params"], x)
+  want = jax.grad(loss(plain), argnums=(0, 1))(v["params"], x)
+  # bf16 everywhere: x's gradient passes through the norm's backward, which
+  # te_jax sums in its own order (3.5e-3 measured here); the parameters'
+  # gradients agree to 1e-7 or exactly.
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert rel(a, b) < 1e-2, rel(a, b)

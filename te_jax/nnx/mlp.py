@@ -17,13 +17,13 @@ from flax import nnx
 from te_jax import fused_mlp
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
-from te_jax.flax.mlp import check_activations, fused_core_blocker, fused_norm_mlp, log_unfused
+from te_jax.flax.mlp import (activate, check_activations, fused_core_blocker, fused_norm_mlp,
+                             log_unfused)
 from te_jax.flax.dense import default_kernel_init, kernel_fan_in_init
 from te_jax.flax.fused_norm import fused_norm_states, module_norm
 from te_jax.flax.norm import check_norm_type
 from te_jax.nnx import state as st
 from te_jax.nnx.linear import compute_dtype, fp8_gemm, ones, param, to_tuple, zeros
-from te_jax.ops.act_quantize import ACTIVATIONS
 
 __all__ = ["LayerNormMLP"]
 
@@ -167,10 +167,7 @@ class LayerNormMLP(nnx.Module):
 
     h = fp8_gemm(self, settings, ln_out, wi, bi, name="wi_fp8_meta",
                  kernel_axes=self.kernel_axes_1)
-    z = ACTIVATIONS[acts[0]].jax_fn(h[..., 0, :])      # h: (..., n_act, mlp)
-    for i in range(1, n_act):
-      z = z * ACTIVATIONS[acts[i]].jax_fn(h[..., i, :])
-    z = z.astype(compute)
+    z = activate(h, acts).astype(compute)      # h: (..., n_act, mlp)
     if self.intermediate_dropout is not None:
       z = self.intermediate_dropout(z, deterministic=deterministic)
     y = fp8_gemm(self, settings, z, wo, bo, name="wo_fp8_meta",
