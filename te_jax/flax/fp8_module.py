@@ -50,8 +50,8 @@ from te_jax import sharding as sharding_lib
 from te_jax.autocast import get_fp8_context
 from te_jax.ops import check_impl
 
-__all__ = ["split_gemm", "plain_split_gemm", "GemmSettings", "read_autocast", "fp8_gemm",
-           "fp8_mlp_core", "gemm_kernel", "canonicalize_axes", "declare_fp8_state",
+__all__ = ["split_gemm", "plain_split_gemm", "gemm_output", "GemmSettings", "read_autocast",
+           "fp8_gemm", "fp8_mlp_core", "gemm_kernel", "canonicalize_axes", "declare_fp8_state",
            "keep_unused_fp8_state", "check_scanned_state", "enclosing_scan", "FP8_META"]
 
 FP8_META = "fp8_meta"
@@ -343,30 +343,41 @@ def fp8_gemm(module: nn.Module, settings: GemmSettings, x: jax.Array, kernel: ja
     kernel_axes: logical axis names of the kernel, one per dim.
     split_output: return the output unstacked along its first out dim, a
       tuple of ``out_dims[0]`` arrays (*lead, *out_dims[1:]). In FP8 and
-      unsharded, through ``te_jax.dense.fp8_dense_split`` (the gradients of
-      the parts are quantized without being concatenated).
+      unsharded, through ``te_jax.dense.fp8_dense_split`` (each part from its
+      own GEMM, the parts' gradients quantized without being concatenated);
+      with FP8 off one dot per part (:func:`plain_split_gemm`).
 
   Returns:
     (*lead, *out_dims) array in ``x.dtype``, or the tuple (``split_output``).
   """
-  recipe, impl = settings.recipe, settings.impl
+  recipe = settings.recipe
   kernel = gemm_kernel(settings, kernel, x.dtype)
   kernel_axes = None if kernel_axes is None else tuple(kernel_axes)
   state = None if recipe is None else declare_fp8_state(module, name, recipe.scaling_mode())
-  if split_output and recipe is not None and settings.unsharded():
-    y = split_gemm(x, kernel, bias, settings, state, contract_ndim)
-  elif split_output and recipe is None:
-    y = plain_split_gemm(x, kernel, bias, contract_ndim)
-  else:
-    y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim,
-                                recipe=recipe, fp8_state=state, impl=impl,
-                                kernel_axes=kernel_axes,
-                                mesh_resource=settings.mesh_resource)
-    if split_output:   # sharded FP8: the blocks are slices of the one output
-      lead = (slice(None),) * (x.ndim - contract_ndim)
-      y = tuple(y[lead + (i,)] for i in range(kernel.shape[contract_ndim]))
+  y = gemm_output(x, kernel, bias, settings, state, contract_ndim=contract_ndim,
+                  kernel_axes=kernel_axes, split_output=split_output)
   if state is None:
     y = keep_unused_fp8_state(module, y, (name,))
+  return y
+
+
+def gemm_output(x, kernel, bias, settings: GemmSettings, state, *, contract_ndim: int,
+                kernel_axes, split_output: bool):
+  """The GEMM of :func:`fp8_gemm` once the module has its kernel and state
+  (shared by the Linen and NNX modules): a split output through
+  :func:`split_gemm` (FP8, unsharded) or :func:`plain_split_gemm` (FP8 off),
+  everything else through ``te_jax.dense.dense_general``."""
+  recipe = settings.recipe
+  if split_output and recipe is not None and settings.unsharded():
+    return split_gemm(x, kernel, bias, settings, state, contract_ndim)
+  if split_output and recipe is None:
+    return plain_split_gemm(x, kernel, bias, contract_ndim)
+  y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim, recipe=recipe,
+                              fp8_state=state, impl=settings.impl, kernel_axes=kernel_axes,
+                              mesh_resource=settings.mesh_resource)
+  if split_output:   # sharded FP8: the blocks are slices of the one output
+    lead = (slice(None),) * (x.ndim - contract_ndim)
+    y = tuple(y[lead + (i,)] for i in range(kernel.shape[contract_ndim]))
   return y
 
 

@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from te_jax import dense as dense_lib
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
 from te_jax.flax.dense import default_kernel_axes, default_kernel_init, kernel_fan_in_init
@@ -70,24 +69,15 @@ def fp8_gemm(module: nnx.Module, settings: fp8_module.GemmSettings, x: jax.Array
   recipe that keeps state). ``track``: count this call for the update check
   (one GEMM per module call does). Arguments otherwise as the Linen helper.
   """
-  recipe, impl = settings.recipe, settings.impl
+  recipe = settings.recipe
   param_kernel = kernel
   kernel = fp8_module.gemm_kernel(settings, kernel, x.dtype)
   kernel_axes = None if kernel_axes is None else tuple(kernel_axes)
   state = None if recipe is None else st.gemm_state(module, name, recipe.scaling_mode())
   if state is not None and track:
     st.track_updates(module, param_kernel)
-  if split_output and recipe is not None and settings.unsharded():
-    return fp8_module.split_gemm(x, kernel, bias, settings, state, contract_ndim)
-  if split_output and recipe is None:
-    return fp8_module.plain_split_gemm(x, kernel, bias, contract_ndim)
-  y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim, recipe=recipe,
-                              fp8_state=state, impl=impl, kernel_axes=kernel_axes,
-                              mesh_resource=settings.mesh_resource)
-  if split_output:
-    lead = (slice(None),) * (x.ndim - contract_ndim)
-    y = tuple(y[lead + (i,)] for i in range(kernel.shape[contract_ndim]))
-  return y
+  return fp8_module.gemm_output(x, kernel, bias, settings, state, contract_ndim=contract_ndim,
+                                kernel_axes=kernel_axes, split_output=split_output)
 
 
 class _Norm(nnx.Module):
