@@ -191,6 +191,17 @@ class _NullContext:
 
 # ------------------------------------------------------------------ timing --
 
+def keep_rows(rows, recipes):
+  """The rows whose recipe (the label after the library's name) is in
+  ``recipes``; ValueError naming any recipe no row has."""
+  recipes = [r.strip() for r in recipes]
+  names = {label.split(" ", 1)[1] for label, _, _ in rows}
+  unknown = [r for r in recipes if r not in names]
+  if unknown:
+    raise ValueError(f"--recipes: no row is named {unknown}; the rows are {sorted(names)}")
+  return [row for row in rows if row[0].split(" ", 1)[1] in recipes]
+
+
 def carry_state(variables, grads):
   """The next step's variables: every non-``params`` collection is its gradient."""
   return {k: (v if k == "params" else grads[k]) for k, v in variables.items()}
@@ -295,6 +306,8 @@ def main(argv=None):
   p.add_argument("--fastacc", action="store_true",
                  help="add te_jax delayed/current rows with fast accumulation in every GEMM "
                       "(TE-JAX 2.20.2's default)")
+  p.add_argument("--recipes", help="only these rows of each library, by recipe name "
+                                    "(e.g. 'off' or 'off,delayed fastacc'); default all")
   p.add_argument("--param-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                  help="te_jax's and Flax's parameter dtype (TE-JAX's rows hold bf16 "
                       "parameters either way: its dtype=bf16 sets both)")
@@ -320,6 +333,8 @@ def main(argv=None):
         notes.append(why)
     if "flax" in libs:
       rows += flax_rows(block, sz, jnp.dtype(args.param_dtype))
+    if args.recipes:   # an A/B of one change times only the rows it touches
+      rows = keep_rows(rows, args.recipes.split(","))
     results[block] = []
     for label, module, ctx in rows:
       hlo_path = None

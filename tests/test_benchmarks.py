@@ -284,3 +284,12 @@ def test_packed_attention_bench_runs_its_xla_path_on_cpu(capsys):
                                       "--repeats", "1"]) == 0
   rows = [l for l in capsys.readouterr().out.splitlines() if l.startswith("| xla |")]
   assert len(rows) == 1 and float(rows[0].split("|")[2]) > 0
+
+
+def test_peers_keep_rows_selects_by_recipe_and_names_an_unknown_one():
+  import bench_peers
+  rows = [("te_jax off", 1, 2), ("te_jax delayed fastacc", 3, 4), ("TE-JAX off", 5, 6)]
+  assert bench_peers.keep_rows(rows, ["off"]) == [rows[0], rows[2]]
+  assert bench_peers.keep_rows(rows, [" delayed fastacc"]) == [rows[1]]
+  with pytest.raises(ValueError, match="blockwise"):
+    bench_peers.keep_rows(rows, ["blockwise"])
