@@ -207,10 +207,11 @@ def carry_state(variables, grads):
   return {k: (v if k == "params" else grads[k]) for k, v in variables.items()}
 
 
-def time_row(module, ctx, sz, k, repeats, profile=False, hlo_path=None):
+def time_row(module, ctx, sz, k, repeats, profile=False, hlo_path=None, profile_steps=3):
   """{"ms", "dx_abs_max", "temp_mib"} of one block's training step.
 
-  With ``profile``, also ``kernel_ms`` (per step, by kind and "idle"),
+  With ``profile``, also ``kernel_ms`` (per step over ``profile_steps``
+  traced steps, by kind and "idle"),
   ``largest`` ([name, ms per step, launches per step] of the 12 largest) and
   ``kernels`` (the same for every kernel, for the JSON file). With
   ``hlo_path``, the compiled step's optimized HLO is written there: XLA's
@@ -245,7 +246,8 @@ def time_row(module, ctx, sz, k, repeats, profile=False, hlo_path=None):
   row = {"ms": statistics.median(times), "dx_abs_max": dx, "temp_mib": temp}
   if profile:   # the state keeps advancing from where the timing left it
     kernels, total, span, _ = kernel_profile(
-        lambda n: run_steps(compiled, variables, xs, n, carry_state)[1], steps=3, top=10**6)
+        lambda n: run_steps(compiled, variables, xs, n, carry_state)[1], steps=profile_steps,
+        top=10**6)
     by_kind = dict.fromkeys(KINDS, 0.0)
     for name, ms, _ in kernels:
       by_kind[kernel_kind(name)] += ms
@@ -303,6 +305,9 @@ def main(argv=None):
   p.add_argument("--profile", action="store_true",
                  help="also trace 3 steps per row: kernel time by kind, largest kernels "
                       "(every kernel in the --json-out file)")
+  p.add_argument("--profile-steps", type=int, default=3,
+                 help="steps in each --profile trace (as many as --k compares the trace's "
+                      "span per step with the timed step)")
   p.add_argument("--fastacc", action="store_true",
                  help="add te_jax delayed/current rows with fast accumulation in every GEMM "
                       "(TE-JAX 2.20.2's default)")
@@ -342,7 +347,8 @@ def main(argv=None):
         os.makedirs(args.hlo_dir, exist_ok=True)
         hlo_path = os.path.join(args.hlo_dir, f"{block}_{label.replace(' ', '_')}.hlo.txt")
       try:
-        r = time_row(module, ctx, sz, args.k, args.repeats, args.profile, hlo_path)
+        r = time_row(module, ctx, sz, args.k, args.repeats, args.profile, hlo_path,
+                     args.profile_steps)
       except Exception as e:  # pylint: disable=broad-except
         r = {"error": f"{type(e).__name__}: {e}"}
       shown = {key: v for key, v in r.items() if key != "kernels"}
@@ -359,7 +365,8 @@ def main(argv=None):
         f"{args.param_dtype}")
   print(table(results, notes))
   if args.profile:
-    print("\nGPU kernel time per step (3-step trace):\n" + kernel_table(results))
+    print(f"\nGPU kernel time per step ({args.profile_steps}-step trace):\n"
+          + kernel_table(results))
 
 
 if __name__ == "__main__":
