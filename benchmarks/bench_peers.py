@@ -60,6 +60,7 @@ import gc
 import json
 import os
 import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -208,7 +209,12 @@ def carry_state(variables, grads):
 
 
 def time_row(module, ctx, sz, k, repeats, profile=False, hlo_path=None, profile_steps=3):
-  """{"ms", "dx_abs_max", "temp_mib"} of one block's training step.
+  """{"ms", "dx_abs_max", "temp_mib", "window"} of one block's training step.
+
+  ``window`` is the wall-clock [start, end] (Unix seconds) of the warm-ups
+  and timings: the H200 runs these steps at its power cap with lowered
+  clocks, and a power log (``nvidia-smi --query-gpu=timestamp,power.draw,
+  clocks.sm``) read over the window gives each row's energy per step.
 
   With ``profile``, also ``kernel_ms`` (per step over ``profile_steps``
   traced steps, by kind and "idle"),
@@ -241,9 +247,11 @@ def time_row(module, ctx, sz, k, repeats, profile=False, hlo_path=None, profile_
   except Exception:  # pylint: disable=broad-except
     temp = None
 
+  start = time.time()
   times, variables, out = time_steps(compiled, variables, xs, k, repeats, carry_state)
+  window = [round(start, 3), round(time.time(), 3)]
   dx = float(jnp.max(jnp.abs(out[1][1].astype(jnp.float32))))
-  row = {"ms": statistics.median(times), "dx_abs_max": dx, "temp_mib": temp}
+  row = {"ms": statistics.median(times), "dx_abs_max": dx, "temp_mib": temp, "window": window}
   if profile:   # the state keeps advancing from where the timing left it
     kernels, total, span, _ = kernel_profile(
         lambda n: run_steps(compiled, variables, xs, n, carry_state)[1], steps=profile_steps,
