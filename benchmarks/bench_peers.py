@@ -47,10 +47,15 @@ FP8 GEMM with fast accumulation unless
 accumulation in every GEMM ("te_jax delayed fastacc", "te_jax current
 fastacc"): the like-for-like rows beside TE-JAX's defaults.
 
-With ``--profile`` each row also traces 3 carried steps (``jax.profiler``)
-and reports kernel time per step by kind (GEMM, attention, te_jax's own
-kernels, other, idle) and its largest kernels, so a gap between the
-libraries can be located kernel by kernel in one call.
+With ``--profile`` each row also traces ``--profile-steps`` (3) carried
+steps (``jax.profiler``) and reports kernel time per step by kind (GEMM,
+attention, te_jax's own kernels, other, idle) and its largest kernels, so a
+gap between the libraries can be located kernel by kernel in one call.
+
+With ``--clocks`` a background ``nvidia-smi`` samples the SM clock, and each
+row shows its mean clock over its timed steps and the share of samples held
+down by the power cap: on the H200 these steps run capped, so two rows can
+differ by the energy they spend as well as by their kernels.
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ from te_jax import recipe as recipe_lib
 
 # pylint: disable=import-error  (benchmarks/ is on sys.path)
 from _fp8_carry import run_steps, time_steps
+from _gpu_clocks import ClockLog
 from bench_layer import kernel_profile
 from bench_model import KINDS, kernel_kind
 # pylint: enable=import-error
@@ -211,10 +217,9 @@ def carry_state(variables, grads):
 def time_row(module, ctx, sz, k, repeats, profile=False, hlo_path=None, profile_steps=3):
   """{"ms", "dx_abs_max", "temp_mib", "window"} of one block's training step.
 
-  ``window`` is the wall-clock [start, end] (Unix seconds) of the warm-ups
-  and timings: the H200 runs these steps at its power cap with lowered
-  clocks, and a power log (``nvidia-smi --query-gpu=timestamp,power.draw,
-  clocks.sm``) read over the window gives each row's energy per step.
+  ``window`` is the wall-clock [start, end] (Unix seconds) of the timed
+  steps: the H200 runs these steps at its power cap with lowered clocks,
+  and ``_gpu_clocks.ClockLog`` (``--clocks``) reads the clock over it.
 
   With ``profile``, also ``kernel_ms`` (per step over ``profile_steps``
   traced steps, by kind and "idle"),
@@ -247,9 +252,9 @@ def time_row(module, ctx, sz, k, repeats, profile=False, hlo_path=None, profile_
   except Exception:  # pylint: disable=broad-except
     temp = None
 
-  start = time.time()
   times, variables, out = time_steps(compiled, variables, xs, k, repeats, carry_state)
-  window = [round(start, 3), round(time.time(), 3)]
+  end = time.time()   # the timings ran back to back just before: their span ends here
+  window = [round(end - sum(times) * k / 1e3, 3), round(end, 3)]
   dx = float(jnp.max(jnp.abs(out[1][1].astype(jnp.float32))))
   row = {"ms": statistics.median(times), "dx_abs_max": dx, "temp_mib": temp, "window": window}
   if profile:   # the state keeps advancing from where the timing left it
@@ -280,9 +285,13 @@ def kernel_table(results):
 
 
 def table(results, notes):
-  """Markdown: ms, ratio to the library's own FP8-off row, max |dx|, temp MiB."""
-  lines = ["| block | row | ms / step | vs own FP8 off | max abs dx | temp MiB |",
-           "|---|---|---|---|---|---|"]
+  """Markdown: ms, ratio to the library's own FP8-off row, max |dx|, temp MiB;
+  with a clock log (``--clocks``) also the row's mean SM clock and the share
+  of its samples held down by the power cap."""
+  with_clock = any(r.get("clock") for rows in results.values() for _, r in rows)
+  lines = ["| block | row | ms / step | vs own FP8 off | max abs dx | temp MiB |"
+           + (" SM MHz (power-capped) |" if with_clock else ""),
+           "|---|---|---|---|---|---|" + ("---|" if with_clock else "")]
   for block, rows in results.items():
     base = {}
     for label, r in rows:
@@ -296,8 +305,12 @@ def table(results, notes):
         lines.append(f"| {block} | {label} | failed: {r['error'][:80]} | | | |")
         continue
       temp = "-" if r["temp_mib"] is None else f"{r['temp_mib']:.0f}"
+      clock = ""
+      if with_clock:
+        c = r.get("clock")
+        clock = " - |" if not c else f" {c['sm_mhz']:.0f} ({c['power_capped']:.0%}) |"
       lines.append(f"| {block} | {label} | {r['ms']:.3f} | {ratio} | {r['dx_abs_max']:.3g} "
-                   f"| {temp} |")
+                   f"| {temp} |" + clock)
   return "\n".join(lines + [f"\nNote: {n}" for n in notes])
 
 
@@ -316,6 +329,9 @@ def main(argv=None):
   p.add_argument("--profile-steps", type=int, default=3,
                  help="steps in each --profile trace (as many as --k compares the trace's "
                       "span per step with the timed step)")
+  p.add_argument("--clocks", action="store_true",
+                 help="sample the SM clock with nvidia-smi and report each row's mean clock "
+                      "and its share of samples held down by the power cap")
   p.add_argument("--fastacc", action="store_true",
                  help="add te_jax delayed/current rows with fast accumulation in every GEMM "
                       "(TE-JAX 2.20.2's default)")
@@ -334,6 +350,9 @@ def main(argv=None):
       p.error(f"{name}: unknown {bad}; choose from {allowed}")
   sz = sizes(args.small)
   notes, results = [], {}
+  clocks = ClockLog.start() if args.clocks else None
+  if args.clocks and clocks is None:
+    notes.append(ClockLog.why_not)
   for block in blocks:
     rows = []
     if "te_jax" in libs:
@@ -359,6 +378,8 @@ def main(argv=None):
                      args.profile_steps)
       except Exception as e:  # pylint: disable=broad-except
         r = {"error": f"{type(e).__name__}: {e}"}
+      if clocks is not None and "window" in r:
+        r["clock"] = clocks.summary(*r["window"])
       shown = {key: v for key, v in r.items() if key != "kernels"}
       print(json.dumps({"block": block, "row": label, **shown}), flush=True)
       results[block].append((label, r))
@@ -368,6 +389,8 @@ def main(argv=None):
                      "notes": notes}, f, indent=1)
       jax.clear_caches()
       gc.collect()
+  if clocks is not None:
+    clocks.close()
   print(f"\njax {jax.__version__}, {jax.devices()[0].device_kind}, "
         f"sizes {sz}, k={args.k}, repeats={args.repeats}, te_jax/Flax parameters "
         f"{args.param_dtype}")

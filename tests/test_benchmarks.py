@@ -293,3 +293,44 @@ def test_peers_keep_rows_selects_by_recipe_and_names_an_unknown_one():
   assert bench_peers.keep_rows(rows, [" delayed fastacc"]) == [rows[1]]
   with pytest.raises(ValueError, match="blockwise"):
     bench_peers.keep_rows(rows, ["blockwise"])
+
+
+# ------------------------------------------------------------ _gpu_clocks.py --
+
+def test_clock_samples_parse_and_summarize_over_a_window():
+  import _gpu_clocks
+  text = ("timestamp, clocks.current.sm [MHz], clocks_throttle_reasons.active\n"
+          "2026/12/04 16:21:20.000, 1980, 0x0000000000000000\n"
+          "2026/12/04 16:21:20.500, 1400, 0x0000000000000004\n"
+          "Field \"x\" is not a valid field to query.\n"
+          "2026/12/04 16:21:21.000, 1500, 0x0000000000000005\n"
+          "2026/12/04 16:21:2")   # a half-written last line
+  samples = _gpu_clocks.parse_samples(text)
+  assert [s[1:] for s in samples] == [(1980.0, 0), (1400.0, 4), (1500.0, 5)]
+  t0 = samples[0][0]
+  assert samples[2][0] - t0 == pytest.approx(1.0)
+  got = _gpu_clocks.summarize(samples, t0 + 0.25, t0 + 1.0)
+  assert got == {"sm_mhz": 1450.0, "power_capped": 1.0, "samples": 2}
+  assert _gpu_clocks.summarize(samples, t0, t0 + 0.6)["power_capped"] == 0.5
+  assert _gpu_clocks.summarize(samples, t0 + 2, t0 + 3) is None
+
+
+def test_peers_table_shows_the_clock_column_only_with_a_clock_log():
+  import bench_peers
+  row = lambda ms, clock=None: {"ms": ms, "dx_abs_max": 1e-3, "temp_mib": 10.0, "clock": clock}
+  plain = bench_peers.table({"mlp": [("te_jax off", row(20.0))]}, [])
+  assert "SM MHz" not in plain
+  text = bench_peers.table({"mlp": [("te_jax off", row(20.0)),
+                                    ("te_jax delayed", row(10.0, {"sm_mhz": 1468.4,
+                                                                 "power_capped": 0.9,
+                                                                 "samples": 9}))]}, [])
+  assert "SM MHz (power-capped)" in text
+  assert "| mlp | te_jax delayed | 10.000 | 2.000x | 0.001 | 10 | 1468 (90%) |" in text
+  assert "| mlp | te_jax off | 20.000 | 1.000x | 0.001 | 10 | - |" in text
+
+
+def test_clock_log_says_why_when_nvidia_smi_is_missing(monkeypatch):
+  import _gpu_clocks
+  monkeypatch.setattr(_gpu_clocks.shutil, "which", lambda name: None)
+  assert _gpu_clocks.ClockLog.start() is None
+  assert "nvidia-smi is not on PATH" in _gpu_clocks.ClockLog.why_not
