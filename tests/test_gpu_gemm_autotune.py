@@ -16,13 +16,15 @@ fastest (``custom_calls/ffi/gemm_autotune.h``; ``custom_calls/README.md``,
    pick the same algorithm (cuBLASLt is deterministic for
    one algorithm on one GPU model), else results within tolerance: the
    winner may be another algorithm, which sums in another order;
-4. with 8 answers timed, an FP8 step recorded as an XLA command buffer
+4. ``TE_JAX_GEMM_PICK`` names an answer per accumulation mode, untimed,
+   and a bad value warns and keeps the default;
+5. with 8 answers timed, an FP8 step recorded as an XLA command buffer
    still equals the unrecorded step bit for bit when the GEMMs' first
    (selecting) calls happen during the recorded program's first run (which
    XLA 0.11.2 ran uncaptured on the H200; the capture branch is by design).
 
 The environment variables are read once per process, and the plan cache
-lives as long as the process: 2-4 run in fresh subprocesses.
+lives as long as the process: 2-5 run in fresh subprocesses.
 """
 
 import json
@@ -123,14 +125,14 @@ def test_bias(bias_dtype, blocks):
   _check(a, b, BF16, 2 * _TOL[BF16], bias=bias)
 
 
-# ------------------------------------------------- subprocesses (2, 3, 4) ---
+# ---------------------------------------------- subprocesses (2, 3, 4, 5) ---
 
 def _run(script, tmp_path, args=(), **env_vars):
   """Runs `script` in a fresh python with these environment variables; returns
   (stdout, stderr). It imports the te_jax this process imported (the
   installed one, with the CUDA module) and the helpers in tests/."""
   env = dict(os.environ)
-  for var in ("TE_JAX_GEMM_AUTOTUNE_ALGOS", "TE_JAX_GEMM_LOG"):
+  for var in ("TE_JAX_GEMM_AUTOTUNE_ALGOS", "TE_JAX_GEMM_LOG", "TE_JAX_GEMM_PICK"):
     env.pop(var, None)
   env.update(env_vars)
   paths = [_TESTS]
@@ -166,8 +168,9 @@ def _selections(log):
   return sels
 
 
-# A 4096^3 E4M3 GEMM with fast accumulation and bf16 output (an fprop), run
-# twice; saves the output to argv[1] and prints a JSON line.
+# A 4096^3 E4M3 GEMM with bf16 output, run twice, with fast accumulation
+# (an fprop) unless argv[2] is "split"; saves the output to argv[1] and
+# prints a JSON line.
 _GEMM_SCRIPT = r"""
 import json, sys
 import numpy as np
@@ -180,7 +183,8 @@ def operand(rows, k, seed):
   return ScaledTensor(jnp.asarray(x).astype(jnp.float8_e4m3fn), jnp.asarray(0.5, jnp.float32))
 
 a, b = operand(4096, 4096, 1), operand(4096, 4096, 2)
-f = jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.bfloat16, fast_accum=True,
+fast = len(sys.argv) < 3 or sys.argv[2] != "split"
+f = jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.bfloat16, fast_accum=fast,
                                        impl="cuda"))
 first = np.asarray(f(a, b), np.float32)
 again = np.asarray(f(a, b), np.float32)
@@ -191,9 +195,10 @@ print(json.dumps({"repeat_equal": bool(np.array_equal(first, again)),
 """
 
 
-def _gemm_run(tmp_path, name, **env_vars):
+def _gemm_run(tmp_path, name, accumulation="fast", **env_vars):
   out_file = tmp_path / f"{name}.npy"
-  stdout, stderr = _run(_GEMM_SCRIPT, tmp_path, [out_file], TE_JAX_GEMM_LOG="1", **env_vars)
+  stdout, stderr = _run(_GEMM_SCRIPT, tmp_path, [out_file, accumulation], TE_JAX_GEMM_LOG="1",
+                        **env_vars)
   res = json.loads(stdout.strip().splitlines()[-1])
   sels = [s for s in _selections(stderr) if s["mnk"] == (4096, 4096, 4096)]
   assert len(sels) == 1, f"want one selection for the problem, got {len(sels)}:\n{stderr[-4000:]}"
@@ -229,6 +234,24 @@ def test_default_is_untimed_and_matches_tuned(tuned_run, tmp_path):
     assert _rel_err(tuned, plain) < 2e-2, (sel_tuned["winner"], sel_plain["winner"])
     print(f"timing chose [{sel_tuned['winner']}] over the heuristic's "
           f"[{sel_plain['winner']}]\n{log_tuned}")
+
+
+def test_pick_names_an_answer_for_one_accumulation_mode_untimed(tmp_path):
+  """TE_JAX_GEMM_PICK=split=1: the split-accumulation GEMM takes the
+  heuristic's second usable answer (the last if it gives one), untimed;
+  the fast-accumulation GEMM keeps the default."""
+  _, split, log = _gemm_run(tmp_path, "split", "split", TE_JAX_GEMM_PICK="split=1")
+  assert not split["timed"], log[-3000:]
+  want = min(1, split["n"] - 1)
+  assert f"TE_JAX_GEMM_PICK: usable answer {want} of {split['n']}, not timed" in log, log[-3000:]
+  _, fast, log_fast = _gemm_run(tmp_path, "fast", "fast", TE_JAX_GEMM_PICK="split=1")
+  assert fast["n"] == 1 and "(the default): not timed" in log_fast, log_fast[-3000:]
+
+
+def test_pick_with_a_bad_value_warns_and_keeps_the_default(tmp_path):
+  _, sel, log = _gemm_run(tmp_path, "bad", "split", TE_JAX_GEMM_PICK="split=banana")
+  assert "ignoring TE_JAX_GEMM_PICK=split=banana" in log, log[-3000:]
+  assert sel["n"] == 1 and "(the default): not timed" in log, log[-3000:]
 
 
 # LayerNormMLP fwd+bwd per recipe as in test_gpu_command_buffers.py, with

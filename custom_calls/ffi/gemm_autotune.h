@@ -89,6 +89,77 @@ inline int AlgoCount() {
   return n;
 }
 
+// TE_JAX_GEMM_PICK: an experiment knob, unset by default. The timed steps of
+// a training run hold the H200 at its power cap (BENCHMARKS.md, run Z: the
+// SM clock at 1365-1770 MHz, lowest for the split-accumulation GEMMs), so
+// an algorithm's cost beside the rest of the step depends on the energy it
+// spends as well as on its isolated speed, which the timing above measures
+// at full clock. This knob lets a whole step be timed with another of the
+// heuristic's answers: "K" takes the K-th usable answer (0-based, untimed;
+// the last one where there are fewer) for every GEMM, "split=K" only for
+// GEMMs with split accumulation (the per-tensor dgrad and wgrad by default,
+// and every blockwise GEMM), "fast=K" only for those with fast
+// accumulation; "fast=K,split=L" sets both. Where it applies it replaces
+// the timing. Anything else: a warning, and the knob is off.
+struct PickSetting {
+  int fast = -1;   // < 0: not set
+  int split = -1;
+};
+
+inline bool ParsePickIndex(const std::string& text, int* out) {
+  if (text.empty()) return false;
+  char* end = nullptr;
+  const long x = std::strtol(text.c_str(), &end, 10);
+  if (*end != '\0' || x < 0 || x >= kMaxAlgos) return false;
+  *out = static_cast<int>(x);
+  return true;
+}
+
+// "K", "split=K", "fast=K" or "fast=K,split=L" (either order); false for
+// anything else.
+inline bool ParsePick(const std::string& value, PickSetting* out) {
+  PickSetting p;
+  int k = 0;
+  if (ParsePickIndex(value, &k)) {
+    p.fast = p.split = k;
+    *out = p;
+    return true;
+  }
+  size_t start = 0;
+  while (start <= value.size()) {
+    const size_t comma = std::min(value.find(',', start), value.size());
+    const std::string part = value.substr(start, comma - start);
+    const size_t eq = part.find('=');
+    if (eq == std::string::npos || !ParsePickIndex(part.substr(eq + 1), &k)) return false;
+    const std::string name = part.substr(0, eq);
+    int* slot = name == "fast" ? &p.fast : name == "split" ? &p.split : nullptr;
+    if (slot == nullptr || *slot >= 0) return false;  // unknown or repeated
+    *slot = k;
+    start = comma + 1;
+  }
+  *out = p;
+  return true;
+}
+
+// The answer TE_JAX_GEMM_PICK names for a GEMM with (fast) or without fast
+// accumulation, or -1. Read once per process, at the first GEMM.
+inline int PickFor(bool fast) {
+  static const PickSetting p = [] {
+    PickSetting s;
+    const char* v = std::getenv("TE_JAX_GEMM_PICK");
+    if (v == nullptr || *v == '\0') return s;
+    if (!ParsePick(v, &s)) {
+      std::fprintf(stderr,
+                   "te_jax: ignoring TE_JAX_GEMM_PICK=%s (want K, split=K, fast=K or "
+                   "fast=K,split=L with 0 <= K < %d)\n",
+                   v, kMaxAlgos);
+      return PickSetting{};
+    }
+    return s;
+  }();
+  return fast ? p.fast : p.split;
+}
+
 // TE_JAX_GEMM_LOG: set and not "0" prints each problem's selection to stderr.
 inline bool LogEnabled() {
   static const bool on = [] {
