@@ -284,6 +284,23 @@ def kernel_table(results):
   return "\n".join(lines) if len(lines) > 2 else ""
 
 
+def peer_table(results):
+  """Markdown: each te_jax row's step time over TE-JAX's row of the same
+  recipe (a fast-accumulation row against TE-JAX's plain one, which
+  accumulates fast by default); "" when no row pairs up."""
+  lines = ["| block | te_jax row | TE-JAX row | te_jax / TE-JAX |", "|---|---|---|---|"]
+  for block, rows in results.items():
+    te = {label.split(" ", 1)[1]: r for label, r in rows if label.startswith("TE-JAX ")}
+    for label, r in rows:
+      if not label.startswith("te_jax ") or "ms" not in r:
+        continue
+      recipe = label.split(" ", 1)[1].removesuffix(" fastacc")
+      peer = te.get(recipe)
+      if peer is not None and "ms" in peer:
+        lines.append(f"| {block} | {label} | TE-JAX {recipe} | {r['ms'] / peer['ms']:.3f} |")
+  return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def table(results, notes):
   """Markdown: ms, ratio to the library's own FP8-off row, max |dx|, temp MiB;
   with a clock log (``--clocks``) also the row's mean SM clock and the share
@@ -395,6 +412,9 @@ def main(argv=None):
         f"sizes {sz}, k={args.k}, repeats={args.repeats}, te_jax/Flax parameters "
         f"{args.param_dtype}")
   print(table(results, notes))
+  versus = peer_table(results)
+  if versus:
+    print("\nte_jax / TE-JAX, same recipe (below 1: te_jax faster):\n" + versus)
   if args.profile:
     print(f"\nGPU kernel time per step ({args.profile_steps}-step trace):\n"
           + kernel_table(results))

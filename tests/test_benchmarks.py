@@ -334,3 +334,16 @@ def test_clock_log_says_why_when_nvidia_smi_is_missing(monkeypatch):
   monkeypatch.setattr(_gpu_clocks.shutil, "which", lambda name: None)
   assert _gpu_clocks.ClockLog.start() is None
   assert "nvidia-smi is not on PATH" in _gpu_clocks.ClockLog.why_not
+
+
+def test_peers_versus_table_pairs_te_jax_rows_with_te_jax_s_same_recipe():
+  import bench_peers
+  row = lambda ms: {"ms": ms, "dx_abs_max": 1e-3, "temp_mib": 10.0}
+  results = {"layer": [("te_jax delayed", row(20.5)), ("te_jax delayed fastacc", row(19.8)),
+                       ("te_jax blockwise", row(24.0)), ("te_jax current", {"error": "x"}),
+                       ("TE-JAX delayed", row(20.0)), ("TE-JAX current", row(21.0))]}
+  text = bench_peers.peer_table(results)
+  assert "| layer | te_jax delayed | TE-JAX delayed | 1.025 |" in text
+  assert "| layer | te_jax delayed fastacc | TE-JAX delayed | 0.990 |" in text
+  assert "blockwise" not in text and "te_jax current" not in text
+  assert bench_peers.peer_table({"mlp": [("te_jax off", row(1.0))]}) == ""
