@@ -341,11 +341,11 @@ def main(argv=None):
   p.add_argument("--json-out", help="also write the results so far to this JSON file "
                                      "after each row")
   p.add_argument("--profile", action="store_true",
-                 help="also trace 3 steps per row: kernel time by kind, largest kernels "
-                      "(every kernel in the --json-out file)")
+                 help="also trace --profile-steps steps per row: kernel time by kind, "
+                      "largest kernels (every kernel in the --json-out file)")
   p.add_argument("--profile-steps", type=int, default=3,
-                 help="steps in each --profile trace (as many as --k compares the trace's "
-                      "span per step with the timed step)")
+                 help="steps in each --profile trace (default 3; a short trace runs at a "
+                      "higher clock than the timed steps under the power cap)")
   p.add_argument("--clocks", action="store_true",
                  help="sample the SM clock with nvidia-smi and report each row's mean clock "
                       "and its share of samples held down by the power cap")
@@ -370,44 +370,49 @@ def main(argv=None):
   clocks = ClockLog.start() if args.clocks else None
   if args.clocks and clocks is None:
     notes.append(ClockLog.why_not)
-  for block in blocks:
-    rows = []
-    if "te_jax" in libs:
-      rows += te_jax_rows(block, sz, args.fastacc, jnp.dtype(args.param_dtype))
-    if "te" in libs:
-      te, why = te_rows(block, sz)
-      if te is not None:
-        rows += te
-      elif why not in notes:
-        notes.append(why)
-    if "flax" in libs:
-      rows += flax_rows(block, sz, jnp.dtype(args.param_dtype))
-    if args.recipes:   # an A/B of one change times only the rows it touches
-      rows = keep_rows(rows, args.recipes.split(","))
-    results[block] = []
-    for label, module, ctx in rows:
-      hlo_path = None
-      if args.hlo_dir:
-        os.makedirs(args.hlo_dir, exist_ok=True)
-        hlo_path = os.path.join(args.hlo_dir, f"{block}_{label.replace(' ', '_')}.hlo.txt")
-      try:
-        r = time_row(module, ctx, sz, args.k, args.repeats, args.profile, hlo_path,
-                     args.profile_steps)
-      except Exception as e:  # pylint: disable=broad-except
-        r = {"error": f"{type(e).__name__}: {e}"}
-      if clocks is not None and "window" in r:
-        r["clock"] = clocks.summary(*r["window"])
-      shown = {key: v for key, v in r.items() if key != "kernels"}
-      print(json.dumps({"block": block, "row": label, **shown}), flush=True)
-      results[block].append((label, r))
-      if args.json_out:   # a call cut short keeps the rows it finished
-        with open(args.json_out, "w", encoding="utf-8") as f:
-          json.dump({"sizes": sz, "param_dtype": args.param_dtype, "results": results,
-                     "notes": notes}, f, indent=1)
-      jax.clear_caches()
-      gc.collect()
-  if clocks is not None:
-    clocks.close()
+  try:
+    for block in blocks:
+      rows = []
+      if "te_jax" in libs:
+        rows += te_jax_rows(block, sz, args.fastacc, jnp.dtype(args.param_dtype))
+      if "te" in libs:
+        te, why = te_rows(block, sz)
+        if te is not None:
+          rows += te
+        elif why not in notes:
+          notes.append(why)
+      if "flax" in libs:
+        rows += flax_rows(block, sz, jnp.dtype(args.param_dtype))
+      if args.recipes:   # an A/B of one change times only the rows it touches
+        try:
+          rows = keep_rows(rows, args.recipes.split(","))
+        except ValueError as e:
+          p.error(str(e))
+      results[block] = []
+      for label, module, ctx in rows:
+        hlo_path = None
+        if args.hlo_dir:
+          os.makedirs(args.hlo_dir, exist_ok=True)
+          hlo_path = os.path.join(args.hlo_dir, f"{block}_{label.replace(' ', '_')}.hlo.txt")
+        try:
+          r = time_row(module, ctx, sz, args.k, args.repeats, args.profile, hlo_path,
+                       args.profile_steps)
+        except Exception as e:  # pylint: disable=broad-except
+          r = {"error": f"{type(e).__name__}: {e}"}
+        if clocks is not None and "window" in r:
+          r["clock"] = clocks.summary(*r["window"])
+        shown = {key: v for key, v in r.items() if key != "kernels"}
+        print(json.dumps({"block": block, "row": label, **shown}), flush=True)
+        results[block].append((label, r))
+        if args.json_out:   # a call cut short keeps the rows it finished
+          with open(args.json_out, "w", encoding="utf-8") as f:
+            json.dump({"sizes": sz, "param_dtype": args.param_dtype, "results": results,
+                       "notes": notes}, f, indent=1)
+        jax.clear_caches()
+        gc.collect()
+  finally:   # the background nvidia-smi must not outlive a failed run
+    if clocks is not None:
+      clocks.close()
   print(f"\njax {jax.__version__}, {jax.devices()[0].device_kind}, "
         f"sizes {sz}, k={args.k}, repeats={args.repeats}, te_jax/Flax parameters "
         f"{args.param_dtype}")
