@@ -61,7 +61,9 @@ def summarize(samples, start: float, end: float) -> dict | None:
 
 
 class ClockLog:
-  """A background ``nvidia-smi`` sampling GPU 0 every ``interval_ms``.
+  """A background ``nvidia-smi`` sampling GPU 0 every ``interval_ms``
+  (nvidia-smi's index, which ignores ``CUDA_VISIBLE_DEVICES``: the
+  benchmarks run on the machine's first GPU).
 
   ``ClockLog.start()`` returns None (and says why in ``ClockLog.why_not``)
   where nvidia-smi is missing; use as a context manager otherwise.
