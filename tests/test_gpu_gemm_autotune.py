@@ -238,7 +238,7 @@ def test_default_is_untimed_and_matches_tuned(tuned_run, tmp_path):
 
 def test_pick_names_an_answer_for_one_accumulation_mode_untimed(tmp_path):
   """TE_JAX_GEMM_PICK=split=1: the split-accumulation GEMM takes the
-  heuristic's second usable answer (the last if it gives one), untimed;
+  heuristic's second usable answer (its last where it gives fewer), untimed;
   the fast-accumulation GEMM keeps the default."""
   _, split, log = _gemm_run(tmp_path, "split", "split", TE_JAX_GEMM_PICK="split=1")
   assert not split["timed"], log[-3000:]
