@@ -198,15 +198,22 @@ class _NullContext:
 
 # ------------------------------------------------------------------ timing --
 
+def split_label(label):
+  """A row label's (library, recipe): "te_jax delayed fastacc" ->
+  ("te_jax", "delayed fastacc")."""
+  lib, recipe = label.split(" ", 1)
+  return lib, recipe
+
+
 def keep_rows(rows, recipes):
   """The rows whose recipe (the label after the library's name) is in
   ``recipes``; ValueError naming any recipe no row has."""
   recipes = [r.strip() for r in recipes]
-  names = {label.split(" ", 1)[1] for label, _, _ in rows}
+  names = {split_label(label)[1] for label, _, _ in rows}
   unknown = [r for r in recipes if r not in names]
   if unknown:
     raise ValueError(f"--recipes: no row is named {unknown}; the rows are {sorted(names)}")
-  return [row for row in rows if row[0].split(" ", 1)[1] in recipes]
+  return [row for row in rows if split_label(row[0])[1] in recipes]
 
 
 def carry_state(variables, grads):
@@ -290,11 +297,12 @@ def peer_table(results):
   accumulates fast by default); "" when no row pairs up."""
   lines = ["| block | te_jax row | TE-JAX row | te_jax / TE-JAX |", "|---|---|---|---|"]
   for block, rows in results.items():
-    te = {label.split(" ", 1)[1]: r for label, r in rows if label.startswith("TE-JAX ")}
+    te = {split_label(label)[1]: r for label, r in rows if split_label(label)[0] == "TE-JAX"}
     for label, r in rows:
-      if not label.startswith("te_jax ") or "ms" not in r:
+      lib, recipe = split_label(label)
+      if lib != "te_jax" or "ms" not in r:
         continue
-      recipe = label.split(" ", 1)[1].removesuffix(" fastacc")
+      recipe = recipe.removesuffix(" fastacc")
       peer = te.get(recipe)
       if peer is not None and "ms" in peer:
         lines.append(f"| {block} | {label} | TE-JAX {recipe} | {r['ms'] / peer['ms']:.3f} |")
@@ -312,11 +320,11 @@ def table(results, notes):
   for block, rows in results.items():
     base = {}
     for label, r in rows:
-      lib = label.split(" ")[0]
-      if label.endswith(" off"):
+      lib, recipe = split_label(label)
+      if recipe == "off":
         base[lib] = r["ms"]
     for label, r in rows:
-      lib = label.split(" ")[0]
+      lib = split_label(label)[0]
       ratio = f"{base[lib] / r['ms']:.3f}x" if lib in base and "ms" in r else "-"
       if "error" in r:
         lines.append(f"| {block} | {label} | failed: {r['error'][:80]} | | | |")
