@@ -67,6 +67,16 @@ constexpr int kMaxReps = 100;
 // choice does not flip between processes on timing noise.
 constexpr float kMargin = 0.01f;
 
+// A non-negative decimal integer and nothing else (not empty); false otherwise.
+inline bool ParseNonNegative(const char* text, long* out) {
+  if (*text == '\0') return false;
+  char* end = nullptr;
+  const long x = std::strtol(text, &end, 10);
+  if (*end != '\0' || x < 0) return false;
+  *out = x;
+  return true;
+}
+
 // TE_JAX_GEMM_AUTOTUNE_ALGOS: how many heuristic answers to time. Unset or
 // empty: kDefaultAlgos (1); 0 or 1: the heuristic's first answer, no timing;
 // anything else that is not a non-negative integer: a warning and the
@@ -75,9 +85,8 @@ inline int AlgoCount() {
   static const int n = [] {
     const char* v = std::getenv("TE_JAX_GEMM_AUTOTUNE_ALGOS");
     if (v == nullptr || *v == '\0') return kDefaultAlgos;
-    char* end = nullptr;
-    const long x = std::strtol(v, &end, 10);
-    if (*end != '\0' || x < 0) {
+    long x = 0;
+    if (!ParseNonNegative(v, &x)) {
       std::fprintf(stderr,
                    "te_jax: ignoring TE_JAX_GEMM_AUTOTUNE_ALGOS=%s (not an integer >= 0); "
                    "using the default, %d\n",
@@ -107,10 +116,8 @@ struct PickSetting {
 };
 
 inline bool ParsePickIndex(const std::string& text, int* out) {
-  if (text.empty()) return false;
-  char* end = nullptr;
-  const long x = std::strtol(text.c_str(), &end, 10);
-  if (*end != '\0' || x < 0 || x >= kMaxAlgos) return false;
+  long x = 0;
+  if (!ParseNonNegative(text.c_str(), &x) || x >= kMaxAlgos) return false;
   *out = static_cast<int>(x);
   return true;
 }
