@@ -47,6 +47,11 @@ FP8 GEMM with fast accumulation unless
 accumulation in every GEMM ("te_jax delayed fastacc", "te_jax current
 fastacc"): the like-for-like rows beside TE-JAX's defaults.
 
+``--backward-chunks N`` adds te_jax delayed and blockwise rows whose MLP
+backward runs on N token chunks (``LayerNormMLP.backward_chunks``), e.g.
+"te_jax delayed chunks4": their temp memory and step time against the
+unchunked rows.
+
 With ``--profile`` each row also traces ``--profile-steps`` (3) carried
 steps (``jax.profiler``) and reports kernel time per step by kind (GEMM,
 attention, te_jax's own kernels, other, idle) and its largest kernels, so a
@@ -106,9 +111,11 @@ class _Residual(nn.Module):
 
 # ------------------------------------------------------------ the libraries --
 
-def te_jax_rows(block, sz, fastacc=False, param_dtype=BF16):
+def te_jax_rows(block, sz, fastacc=False, param_dtype=BF16, backward_chunks=1):
   """[(label, module, autocast context factory)] for te_jax; with ``fastacc``
-  also delayed and current scaling with fast accumulation in every GEMM."""
+  also delayed and current scaling with fast accumulation in every GEMM;
+  with ``backward_chunks`` > 1 also delayed and blockwise scaling with the
+  MLP's backward on that many token chunks ("delayed chunks4")."""
   recipes = {"off": None, "delayed": recipe_lib.DelayedScaling(),
              "current": recipe_lib.Float8CurrentScaling(),
              "blockwise": recipe_lib.Float8BlockScaling()}
@@ -116,14 +123,21 @@ def te_jax_rows(block, sz, fastacc=False, param_dtype=BF16):
     fast = dict(fast_accum_fprop=True, fast_accum_dgrad=True, fast_accum_wgrad=True)
     recipes["delayed fastacc"] = recipe_lib.DelayedScaling(**fast)
     recipes["current fastacc"] = recipe_lib.Float8CurrentScaling(**fast)
+  chunks = {name: 1 for name in recipes}
+  if backward_chunks > 1:
+    for name in ("delayed", "blockwise"):
+      recipes[f"{name} chunks{backward_chunks}"] = recipes[name]
+      chunks[f"{name} chunks{backward_chunks}"] = backward_chunks
   rows = []
   for name, r in recipes.items():
     if block == "mlp":
       m = _Residual(tfx.LayerNormMLP(intermediate_dim=sz["mlp"], activations=("gelu",),
-                                     dtype=BF16, param_dtype=param_dtype))
+                                     dtype=BF16, param_dtype=param_dtype,
+                                     backward_chunks=chunks[name]))
     else:
       m = tfx.TransformerLayer(sz["hidden"], sz["mlp"], sz["heads"], layer_type="decoder",
-                               activations=("gelu",), dtype=BF16, param_dtype=param_dtype)
+                               activations=("gelu",), dtype=BF16, param_dtype=param_dtype,
+                               mlp_backward_chunks=chunks[name])
     ctx = lambda r=r: te_jax.fp8_autocast(enabled=r is not None, fp8_recipe=r)
     rows.append((f"te_jax {name}", m, ctx))
   return rows
@@ -360,6 +374,9 @@ def main(argv=None):
   p.add_argument("--fastacc", action="store_true",
                  help="add te_jax delayed/current rows with fast accumulation in every GEMM "
                       "(TE-JAX 2.20.2's default)")
+  p.add_argument("--backward-chunks", type=int, default=1,
+                 help="N > 1: add te_jax delayed/blockwise rows with the MLP backward on N "
+                      "token chunks (LayerNormMLP.backward_chunks; less memory, more time)")
   p.add_argument("--recipes", help="only these rows of each library, by recipe name "
                                     "(e.g. 'off' or 'off,delayed fastacc'); default all")
   p.add_argument("--param-dtype", choices=("bfloat16", "float32"), default="bfloat16",
@@ -382,7 +399,8 @@ def main(argv=None):
     for block in blocks:
       rows = []
       if "te_jax" in libs:
-        rows += te_jax_rows(block, sz, args.fastacc, jnp.dtype(args.param_dtype))
+        rows += te_jax_rows(block, sz, args.fastacc, jnp.dtype(args.param_dtype),
+                            args.backward_chunks)
       if "te" in libs:
         te, why = te_rows(block, sz)
         if te is not None:

@@ -26,6 +26,18 @@ the quantization of the first GEMM's input and its backward is one kernel
 (``te_jax.norm_dense``; ``te_jax.flax.LayerNormMLP`` uses it), so the
 normalized input is never written in 16 or 32 bits either.
 
+Memory. The backward's peak holds ``h``, ``g @ wo.T`` (both ``tokens x mlp``
+in bf16) and both FP8 copies of ``dh`` at once. ``backward_chunks=n`` runs
+that half of the backward (the dgrad GEMM, the activation backward, the
+dgrad GEMM of ``wi``) on n row chunks, so only a chunk of the last two is
+live; the chunks' columnwise ``dh`` and dgrads are then concatenated for the
+wgrad and the norm backward. The slices and concatenations copy, and the
+GEMMs are smaller, so it costs time: on an H200 (2026-12-04, the MLP block
+of ``benchmarks/bench_peers.py``, 16384 tokens, 4096 -> 16384 -> 4096,
+delayed scaling) temp memory 1600 -> 1280 (n=2) -> 1216 MiB (n=4), step
+time +3 to +4%. Results equal the unchunked ones bit for bit in the
+reference; on the GPU the chunks' GEMMs may pick other algorithms.
+
 Shapes are not padded here: :func:`supported` says whether a problem can take
 this path (token count a multiple of the recipe's ``token_block``, the other
 dims multiples of 128); ``te_jax.flax.LayerNormMLP`` uses the unfused path
@@ -44,6 +56,7 @@ otherwise.
 from __future__ import annotations
 
 import functools
+import numbers
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import jax
@@ -55,8 +68,9 @@ from te_jax import recipe as recipe_lib
 from te_jax import remat
 from te_jax import scaling
 from te_jax.ops import act_quantize as act_op
+from te_jax.ops.fp8 import ScaledTensor
 
-__all__ = ["fp8_mlp", "supported"]
+__all__ = ["fp8_mlp", "supported", "check_backward_chunks", "chunk_bounds"]
 
 
 class _MlpConfig(NamedTuple):
@@ -68,6 +82,23 @@ class _MlpConfig(NamedTuple):
   dtype: jnp.dtype                      # GEMM outputs (h, y, and dgrad into a norm)
   norm: Optional[norm_dense.NormSpec]   # a norm fused into the quantization of x
   return_norm_output: bool = False      # also output norm(x) in dtype
+  backward_chunks: int = 1              # row chunks of the backward's dgrad half
+
+
+def check_backward_chunks(chunks, recipe: Optional[recipe_lib.Recipe] = None) -> None:
+  """Raises unless ``chunks`` is a valid ``backward_chunks`` (an int >= 1; above
+  1 only for a recipe whose quantization of a piece of a tensor is that of
+  the whole). ``recipe`` None checks the value alone."""
+  if isinstance(chunks, bool) or not isinstance(chunks, numbers.Integral):
+    raise TypeError(f"backward_chunks must be an int, got {chunks!r}.")
+  if chunks < 1:
+    raise ValueError(f"backward_chunks must be >= 1 (1: unsplit), got {chunks}.")
+  if chunks > 1 and recipe is not None and recipe.scaling_mode().scales_from_whole_tensor:
+    raise ValueError(
+        f"backward_chunks={chunks} needs a recipe that quantizes a piece of a tensor "
+        f"as it would the whole (DelayedScaling, Float8BlockScaling); "
+        f"{type(recipe).__name__} takes each scale from the whole gradient's amax. "
+        f"Use backward_chunks=1 with it.")
 
 
 def supported(m: int, k: int, f: int, n: int, recipe: recipe_lib.Recipe,
@@ -113,6 +144,57 @@ def _mlp_fwd(x, gamma, beta, wi, bi, wo, bo, states, cfg):
              protos, norm_res)
 
 
+def chunk_bounds(m: int, chunks: int, token_block: int) -> Tuple[Tuple[int, int], ...]:
+  """Row ranges [r0, r1) splitting ``m`` tokens into at most ``chunks`` pieces
+  as even as whole ``token_block``s allow (fewer where m has fewer blocks)."""
+  blocks = m // token_block
+  n = max(1, min(chunks, blocks))
+  cuts = [token_block * (i * blocks // n) for i in range(n)] + [m]
+  return tuple((cuts[i], cuts[i + 1]) for i in range(n))
+
+
+def _rows(t: ScaledTensor, r0: int, r1: int) -> ScaledTensor:
+  """Rows [r0, r1) of a rowwise operand (a per-tensor scale is shared)."""
+  s = t.scale_inv if t.scale_inv.ndim == 0 else t.scale_inv[r0:r1]
+  return ScaledTensor(t.data[r0:r1], s, t.block_shape)
+
+
+def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype):
+  """dh = (g @ wo.T) * act'(h), quantized, and its dgrad ``dh @ wi.T``, one
+  row chunk at a time (``cfg.backward_chunks``): only a chunk of the bf16
+  ``g @ wo.T`` and of the rowwise FP8 ``dh`` is live at once. Returns the
+  dgrad (M, K) in ``dx_dtype``, dh's columnwise operand for the wgrad, its
+  amax (None for blockwise), and the bias gradient of wi (or None)."""
+  mode, impl = cfg.mode, cfg.impl
+  dxs, cols, col_scales, amaxes, dbis = [], [], [], [], []
+  for r0, r1 in chunk_bounds(h.shape[0], cfg.backward_chunks, mode.token_block):
+    dz = mode.gemm("dgrad", _rows(qg.rowwise(), r0, r1), qwo, out_dtype=h.dtype, impl=impl)
+    # dh = dz * act'(h) quantized in the pass that reads dz and h. Delayed
+    # scaling quantizes with the state's scale and blockwise per tile, so a
+    # chunk's FP8 values are those of the whole tensor.
+    q = mode.quantize_fused(act_op.dact_quantize, "grad", si, impl=impl, dz=dz, h=h[r0:r1],
+                            activations=cfg.activations)
+    dxs.append(mode.gemm("dgrad", q.rowwise(), qwi, out_dtype=dx_dtype, impl=impl))
+    cols.append(q.data_t)
+    col_scales.append(q.scale_inv_t)
+    amaxes.append(q.amax)
+    if cfg.has_bi:   # one more pass over dz and h, only when wi has a bias
+      dh = act_op.activation_backward(dz, h[r0:r1], cfg.activations)
+      dbis.append(jnp.sum(dh.astype(jnp.float32), axis=0))
+  if len(dxs) == 1:
+    dbi = None if not dbis else dbis[0].astype(h.dtype)
+    return dxs[0], q.columnwise(), q.amax, dbi
+  amax = None if q.amax is None else jnp.max(jnp.stack(amaxes))
+  if q.block_shape is None:   # delayed: one scale for every chunk ...
+    # ... and any chunk's non-finite amax poisons the whole wgrad operand.
+    scale_t = jnp.where(jnp.isfinite(amax), q.scale_inv_t, jnp.float32(jnp.nan))
+  else:   # blockwise: tiles of 128 tokens, never across a chunk boundary
+    scale_t = jnp.concatenate(col_scales, axis=1)
+  col = ScaledTensor(jnp.concatenate(cols, axis=1), scale_t, q.block_shape)
+  dbi = None if not dbis else sum(dbis[1:], dbis[0]).astype(h.dtype)
+  return jnp.concatenate(dxs, axis=0), col, amax, dbi
+
+
 def _mlp_bwd(cfg, res, g):
   mode, impl = cfg.mode, cfg.impl
   qx_t, qwi, h, qz_t, qwo, (si, so), (x_p, wi_p, wo_p), norm_res = res
@@ -120,27 +202,19 @@ def _mlp_bwd(cfg, res, g):
   if cfg.return_norm_output:
     g, g_norm = g
   qg = mode.quantize(g, "grad", so, impl=impl)
-  dz = mode.gemm("dgrad", qg.rowwise(), qwo, out_dtype=h.dtype, impl=impl)
   dwo = mode.gemm("wgrad", qz_t, qg.columnwise(), out_dtype=wo_p.dtype, impl=impl)
-  # dh = dz * act'(h) quantized in the pass that reads dz and h.
-  qdh = mode.quantize_fused(act_op.dact_quantize, "grad", si, impl=impl, dz=dz, h=h,
-                            activations=cfg.activations)
   dgamma = dbeta = None
-  if norm_res is None:
-    dx = mode.gemm("dgrad", qdh.rowwise(), qwi, out_dtype=x_p.dtype, impl=impl)
-  else:   # the gradient of norm(x) (compute dtype, as unfused), then the norm's backward
-    dxn = mode.gemm("dgrad", qdh.rowwise(), qwi, out_dtype=cfg.dtype, impl=impl)
+  dx_dtype = x_p.dtype if norm_res is None else cfg.dtype
+  dx, qdh_t, dh_amax, dbi = _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype)
+  if norm_res is not None:   # dx is the gradient of norm(x) (compute dtype, as unfused)
     if g_norm is not None:   # both uses of norm(x), summed in its dtype
-      dxn = dxn + g_norm.astype(cfg.dtype)
-    dx, dgamma, dbeta = norm_dense.norm_grads(cfg.norm, dxn, *norm_res, impl)
-  dwi = mode.gemm("wgrad", qx_t, qdh.columnwise(), out_dtype=wi_p.dtype, impl=impl)
-  dbi = dbo = None
-  if cfg.has_bi:   # one more pass over dz and h, only when wi has a bias
-    dh = act_op.activation_backward(dz, h, cfg.activations)
-    dbi = jnp.sum(dh, axis=0).astype(h.dtype)
+      dx = dx + g_norm.astype(cfg.dtype)
+    dx, dgamma, dbeta = norm_dense.norm_grads(cfg.norm, dx, *norm_res, impl)
+  dwi = mode.gemm("wgrad", qx_t, qdh_t, out_dtype=wi_p.dtype, impl=impl)
+  dbo = None
   if cfg.has_bo:
     dbo = jnp.sum(g.astype(jnp.float32), axis=0).astype(g.dtype)
-  new_states = (mode.update_state(si, {"grad": qdh.amax}),
+  new_states = (mode.update_state(si, {"grad": dh_amax}),
                 mode.update_state(so, {"grad": qg.amax}))
   return dx, dgamma, dbeta, dwi, dbi, dwo, dbo, new_states
 
@@ -152,7 +226,7 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
             bo: Optional[jax.Array] = None, *, activations: Sequence[str],
             recipe: recipe_lib.Recipe, wi_state=None, wo_state=None,
             impl: str = "auto", norm: Optional[norm_dense.NormParams] = None,
-            dtype=None, return_norm_output: bool = False):
+            dtype=None, return_norm_output: bool = False, backward_chunks: int = 1):
   """``act(x @ wi + bi) @ wo + bo`` with FP8 GEMMs and fused activation-quantize.
 
   Args:
@@ -178,15 +252,23 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
       ``x.dtype``; with ``norm``, the compute dtype when x comes in another).
     return_norm_output: with ``norm``, also return ``norm(x)`` (M, K) in
       ``dtype`` (its gradient goes through the same norm backward).
+    backward_chunks: split the backward's ``g @ wo.T``, activation backward
+      and dgrad of ``wi`` into this many row chunks (whole ``token_block``s;
+      default 1, unsplit) to trade speed for peak memory: see "Memory" above.
+      Delayed and blockwise scaling only (current scaling needs the whole
+      gradient's amax before any of it is quantized).
 
   Returns:
     (M, N) in ``dtype``, or ``(y, norm(x))`` with ``return_norm_output``.
 
   Raises:
-    ValueError: shapes that :func:`supported` rejects, or inconsistent ones.
+    ValueError: shapes that :func:`supported` rejects, or inconsistent ones;
+      ``backward_chunks`` below 1, or above 1 under current scaling.
+    TypeError: ``backward_chunks`` not an int.
   """
   acts = tuple(activations)
   mode = dense_lib.scaling_mode_of(recipe)
+  check_backward_chunks(backward_chunks, recipe)
   if x.ndim != 2 or wi.ndim != 2 or wo.ndim != 2:
     raise ValueError(f"x, wi, wo must be 2-D, got {x.shape}, {wi.shape}, {wo.shape}.")
   (m, k), (f, n) = x.shape, wo.shape
@@ -220,7 +302,7 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
     raise ValueError(f"wi_state and wo_state: {e}") from None
   out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
   cfg = _MlpConfig(mode, impl, acts, bi is not None, bo is not None, out_dtype, spec,
-                   bool(return_norm_output))
+                   bool(return_norm_output), backward_chunks)
   cast = lambda b: None if b is None else b.astype(out_dtype)
   # The weights are quantized in their own dtype (float32 parameters: one
   # pass, no convert to x.dtype first); their gradients come back in it.

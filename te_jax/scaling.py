@@ -82,11 +82,15 @@ class ScalingMode(abc.ABC):
     token_block: class constant, the multiple FP8 GEMMs need along the token
       dim (and K, N); the layers zero-pad to it.
     uses_state: class constant, whether each GEMM carries state between steps.
+    scales_from_whole_tensor: class constant, whether a tensor's scale comes
+      from the tensor itself (its amax), so that a piece of it cannot be
+      quantized before the whole is known.
   """
 
   recipe: Any
   token_block: ClassVar[int] = 16
   uses_state: ClassVar[bool] = False
+  scales_from_whole_tensor: ClassVar[bool] = False
 
   def dtype(self, role: str):
     """FP8 dtype of ``role``: the gradient in ``bwd_dtype``, the rest ``fwd_dtype``."""
@@ -234,6 +238,8 @@ class CurrentScalingMode(_PerTensorMode):
   from it where the unsharded kernel derives it (``quantize_from_amax``), so
   one device and many agree bit for bit.
   """
+
+  scales_from_whole_tensor: ClassVar[bool] = True
 
   def quantize(self, x, role, state=None, *, impl="auto", columnwise=True, amax_axes=()):
     dtype = self.dtype(role)

@@ -278,6 +278,20 @@ def test_peers_fastacc_rows_turn_fast_accumulation_on_in_every_gemm():
       assert (r.fast_accum_dgrad, r.fast_accum_wgrad) == (False, False), label
 
 
+@pytest.mark.parametrize("block", ["mlp", "layer"])
+def test_peers_backward_chunks_rows_chunk_the_mlp_backward(block):
+  import bench_peers
+  sz = bench_peers.sizes(True)
+  plain = [label for label, _, _ in bench_peers.te_jax_rows(block, sz)]
+  rows = bench_peers.te_jax_rows(block, sz, backward_chunks=4)
+  assert [label for label, _, _ in rows] == plain + ["te_jax delayed chunks4",
+                                                     "te_jax blockwise chunks4"]
+  for label, module, _ in rows:
+    mlp = module.block if block == "mlp" else module
+    got = mlp.backward_chunks if block == "mlp" else mlp.mlp_backward_chunks
+    assert got == (4 if label.endswith("chunks4") else 1), label
+
+
 def test_packed_attention_bench_runs_its_xla_path_on_cpu(capsys):
   import bench_packed_attention
   assert bench_packed_attention.main(["--small", "--paths", "xla", "--k", "1",

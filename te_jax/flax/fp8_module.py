@@ -450,7 +450,7 @@ def plain_split_gemm(x, kernel, bias, contract_ndim):
 
 
 def fp8_mlp_core(module: nn.Module, settings: GemmSettings, x2d, wi2d, bi, wo, bo, *,
-                 activations, names=("wi_fp8_meta", "wo_fp8_meta")):
+                 activations, names=("wi_fp8_meta", "wo_fp8_meta"), backward_chunks: int = 1):
   """``te_jax.fused_mlp.fp8_mlp`` with the module's FP8 state.
 
   Uses (and updates) the same state variables as two :func:`fp8_gemm` calls
@@ -464,5 +464,5 @@ def fp8_mlp_core(module: nn.Module, settings: GemmSettings, x2d, wi2d, bi, wo, b
   si, so = (declare_fp8_state(module, n, mode) for n in names)
   y = fused_mlp.fp8_mlp(x2d, wi2d, wo, bi, bo, activations=activations,
                         recipe=settings.recipe, wi_state=si, wo_state=so,
-                        impl=settings.impl)
+                        impl=settings.impl, backward_chunks=backward_chunks)
   return y if si is not None else keep_unused_fp8_state(module, y, names)

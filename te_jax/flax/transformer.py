@@ -57,6 +57,7 @@ class TransformerLayer(nn.Module):
     intermediate_dropout: dropout after the MLP activation.
     activations: MLP activations, e.g. ("gelu",) or ("silu", "linear").
     fuse_activation_quantize: see ``LayerNormMLP`` (default True).
+    mlp_backward_chunks: the MLP's ``LayerNormMLP.backward_chunks`` (default 1).
     fuse_norm_quantize: in FP8, each norm is fused into the quantization of
       the GEMM input after it (default True): the MLP's (see
       ``LayerNormMLP``) and the attention pre-norms, which the attention
@@ -102,6 +103,7 @@ class TransformerLayer(nn.Module):
   intermediate_dropout: float = 0.0
   activations: Sequence[str] = ("gelu",)
   fuse_activation_quantize: bool = True
+  mlp_backward_chunks: int = 1
   fuse_norm_quantize: bool = True
   enable_rotary_pos_emb: bool = False
   rotary_base: float = 10000.0
@@ -214,6 +216,7 @@ class TransformerLayer(nn.Module):
         intermediate_dim=self.mlp_hidden_size, activations=tuple(self.activations),
         intermediate_dropout_rate=self.intermediate_dropout,
         fuse_activation_quantize=self.fuse_activation_quantize,
+        backward_chunks=self.mlp_backward_chunks,
         fuse_norm_quantize=self.fuse_norm_quantize, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
         zero_centered_gamma=self.zero_centered_gamma, use_bias=self.use_bias,
         dtype=compute, param_dtype=self.param_dtype, kernel_init=self.kernel_init,

@@ -18,7 +18,7 @@ from te_jax import fused_mlp
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
 from te_jax.flax.mlp import (activate, check_activations, fused_core_blocker, fused_norm_mlp,
-                             log_unfused)
+                             log_unfused, warn_unchunked)
 from te_jax.flax.dense import default_kernel_init, kernel_fan_in_init
 from te_jax.flax.fused_norm import fused_norm_states, module_norm
 from te_jax.flax.norm import check_norm_type
@@ -52,7 +52,8 @@ class LayerNormMLP(nnx.Module):
       "dropout" stream of ``rngs``); off in ``model.eval()`` mode or with
       ``deterministic=True``.
     layernorm_type, epsilon, zero_centered_gamma, return_layernorm_output,
-    fuse_activation_quantize, fuse_norm_quantize, use_bias, dtype, param_dtype, kernel_init,
+    fuse_activation_quantize, backward_chunks, fuse_norm_quantize, use_bias, dtype,
+    param_dtype, kernel_init,
     bias_init, scale_init, ln_bias_init, kernel_axes_1, kernel_axes_2,
     ln_scale_axes, ln_bias_axes, impl: as the Linen module.
     deterministic: default of the call argument (``model.train()`` /
@@ -67,8 +68,8 @@ class LayerNormMLP(nnx.Module):
                intermediate_dropout_rate: float = 0.0, layernorm_type: str = "layernorm",
                epsilon: float = 1e-6, zero_centered_gamma: bool = False,
                return_layernorm_output: bool = False,
-               fuse_activation_quantize: bool = True, fuse_norm_quantize: bool = True,
-               use_bias: bool = False,
+               fuse_activation_quantize: bool = True, backward_chunks: int = 1,
+               fuse_norm_quantize: bool = True, use_bias: bool = False,
                dtype: Optional[Dtype] = None, param_dtype: Dtype = jnp.float32,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = zeros,
                scale_init: Optional[Initializer] = None, ln_bias_init: Initializer = zeros,
@@ -87,6 +88,8 @@ class LayerNormMLP(nnx.Module):
     self.return_layernorm_output = bool(return_layernorm_output)
     self.fuse_activation_quantize, self.use_bias = bool(fuse_activation_quantize), bool(use_bias)
     self.fuse_norm_quantize = bool(fuse_norm_quantize)
+    fused_mlp.check_backward_chunks(backward_chunks)   # the recipe is checked per call
+    self.backward_chunks = int(backward_chunks)
     self.dtype, self.param_dtype, self.impl = dtype, param_dtype, impl
     self.kernel_axes_1, self.kernel_axes_2 = tuple(kernel_axes_1), tuple(kernel_axes_2)
     self.intermediate_dropout_rate = float(intermediate_dropout_rate)
@@ -125,6 +128,7 @@ class LayerNormMLP(nnx.Module):
     n_act = len(acts)
     compute = compute_dtype(self.dtype, x.dtype, self.param_dtype)
     settings = fp8_module.read_autocast(self.impl)
+    fused_mlp.check_backward_chunks(self.backward_chunks, settings.recipe)
     scale = self.scale[...]
     ln_bias = self.ln_bias[...] if self.layernorm_type == "layernorm" else None
     wi, wo = self.wi_kernel[...], self.wo_kernel[...]
@@ -139,6 +143,8 @@ class LayerNormMLP(nnx.Module):
       fused = blocker is None
       if not fused:
         log_unfused("nnx.LayerNormMLP", blocker)
+        if self.backward_chunks > 1:
+          warn_unchunked("nnx.LayerNormMLP", self.backward_chunks, blocker)
     norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
                                  self.zero_centered_gamma)
     states = (fused_norm_states(self, settings, x, self.FP8_GEMMS, st.fused_states)
@@ -149,7 +155,8 @@ class LayerNormMLP(nnx.Module):
       return fused_norm_mlp(
           x, wi, wo, bi, bo, norm=norm,
           settings=settings, states=states, activations=acts, dtype=compute,
-          return_norm_output=self.return_layernorm_output)
+          return_norm_output=self.return_layernorm_output,
+          backward_chunks=self.backward_chunks)
 
     ln_out = module_norm("nnx.LayerNormMLP", settings, x, norm, compute,
                          kernels=self.fuse_norm_quantize)
@@ -161,7 +168,7 @@ class LayerNormMLP(nnx.Module):
       y = fused_mlp.fp8_mlp(ln_out.reshape(m, e), wi.reshape(e, n_act * f), wo,
                             None if bi is None else bi.reshape(-1), bo, activations=acts,
                             recipe=settings.recipe, wi_state=si, wo_state=so,
-                            impl=settings.impl)
+                            impl=settings.impl, backward_chunks=self.backward_chunks)
       y = y.reshape(*lead, e)
       return (y, ln_out) if self.return_layernorm_output else y
 

@@ -40,7 +40,8 @@ class TransformerLayer(nnx.Module):
     hidden_size, mlp_hidden_size, num_attention_heads, num_gqa_groups,
     head_dim, layer_type, self_attn_mask_type, layernorm_type, epsilon,
     zero_centered_gamma, hidden_dropout, attention_dropout,
-    intermediate_dropout, activations, fuse_activation_quantize, fuse_norm_quantize,
+    intermediate_dropout, activations, fuse_activation_quantize, mlp_backward_chunks,
+    fuse_norm_quantize,
     enable_rotary_pos_emb, rotary_base, use_bias, attention_impl,
     max_segments_per_seq, max_document_length, dtype, param_dtype,
       kernel_init, bias_init, impl: as the Linen module.
@@ -59,7 +60,7 @@ class TransformerLayer(nnx.Module):
                zero_centered_gamma: bool = False, hidden_dropout: float = 0.0,
                attention_dropout: float = 0.0, intermediate_dropout: float = 0.0,
                activations: Sequence[str] = ("gelu",), fuse_activation_quantize: bool = True,
-               fuse_norm_quantize: bool = True,
+               mlp_backward_chunks: int = 1, fuse_norm_quantize: bool = True,
                enable_rotary_pos_emb: bool = False, rotary_base: float = 10000.0,
                use_bias: bool = False, attention_impl: str = "auto",
                max_segments_per_seq: int = 8, max_document_length: Optional[int] = None,
@@ -107,7 +108,7 @@ class TransformerLayer(nnx.Module):
     self.mlp = LayerNormMLP(
         e, mlp_hidden_size, activations=tuple(activations),
         intermediate_dropout_rate=intermediate_dropout,
-        fuse_activation_quantize=fuse_activation_quantize,
+        fuse_activation_quantize=fuse_activation_quantize, backward_chunks=mlp_backward_chunks,
         fuse_norm_quantize=fuse_norm_quantize, layernorm_type=layernorm_type,
         epsilon=epsilon, zero_centered_gamma=zero_centered_gamma, use_bias=use_bias,
         dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, bias_init=bias_init,
