@@ -29,14 +29,17 @@ normalized input is never written in 16 or 32 bits either.
 Memory. The backward's peak holds ``h``, ``g @ wo.T`` (both ``tokens x mlp``
 in bf16) and both FP8 copies of ``dh`` at once. ``backward_chunks=n`` runs
 that half of the backward (the dgrad GEMM, the activation backward, the
-dgrad GEMM of ``wi``) on n row chunks, so only a chunk of the last two is
-live; the chunks' columnwise ``dh`` and dgrads are then concatenated for the
-wgrad and the norm backward. The slices and concatenations copy, and the
-GEMMs are smaller, so it costs time: on an H200 (2026-12-04, the MLP block
-of ``benchmarks/bench_peers.py``, 16384 tokens, 4096 -> 16384 -> 4096,
-delayed scaling) temp memory 1600 -> 1280 (n=2) -> 1216 MiB (n=4), step
-time +3 to +4%. Results equal the unchunked ones bit for bit in the
-reference; on the GPU the chunks' GEMMs may pick other algorithms.
+dgrad GEMM of ``wi``) on n row chunks, so only a chunk of ``g @ wo.T`` and
+of the rowwise ``dh`` is live at once; the chunks' columnwise ``dh`` (kept)
+and dgrads are then concatenated for the wgrad and the norm backward. The slices and concatenations copy, and the
+GEMMs are smaller, so it costs time. On an H200 (2026-12-04, the blocks of
+``benchmarks/bench_peers.py --backward-chunks``, 16384 tokens, 4096 ->
+16384 -> 4096, bf16 parameters) the MLP block's temp memory under delayed
+scaling fell from 1600 to 1280 MiB (n=2, +1.7% step time) and 1216 MiB
+(n=4, +3.2 to +3.7%); blockwise 1618 -> 1234 MiB at n=4 (+1.6 to +2.1%).
+Results equal the unchunked ones bit for bit in the reference, except float
+sums over the tokens (the bias and norm parameter gradients, in another
+order); on the GPU the chunks' GEMMs may pick other algorithms.
 
 Shapes are not padded here: :func:`supported` says whether a problem can take
 this path (token count a multiple of the recipe's ``token_block``, the other
