@@ -31,12 +31,13 @@ in bf16) and both FP8 copies of ``dh`` at once. ``backward_chunks=n`` runs
 that half of the backward (the dgrad GEMM, the activation backward, the
 dgrad GEMM of ``wi``) on n row chunks, so only a chunk of ``g @ wo.T`` and
 of the rowwise ``dh`` is live at once; the chunks' columnwise ``dh`` (kept)
-and dgrads are then concatenated for the wgrad and the norm backward. The slices and concatenations copy, and the
-GEMMs are smaller, so it costs time. On an H200 (2026-12-04, the blocks of
-``benchmarks/bench_peers.py --backward-chunks``, 16384 tokens, 4096 ->
-16384 -> 4096, bf16 parameters) the MLP block's temp memory under delayed
-scaling fell from 1600 to 1280 MiB (n=2, +1.7% step time) and 1216 MiB
-(n=4, +3.2 to +3.7%); blockwise 1618 -> 1234 MiB at n=4 (+1.6 to +2.1%).
+and dgrads are then concatenated for the wgrad and the norm backward. The
+slices and concatenations copy, and the GEMMs are smaller, so it costs
+time. On an H200 (2026-12-04, the blocks of ``benchmarks/bench_peers.py
+--backward-chunks``, 16384 tokens, 4096 -> 16384 -> 4096, bf16 parameters)
+the MLP block's temp memory under delayed scaling fell from 1600 to 1280
+MiB (n=2, +1.7% step time) and 1216 MiB (n=4, +3.2 to +3.7%); blockwise
+1618 -> 1234 MiB at n=4 (+1.6 to +2.1%).
 Results equal the unchunked ones bit for bit in the reference, except float
 sums over the tokens (the bias and norm parameter gradients, in another
 order); on the GPU the chunks' GEMMs may pick other algorithms.
@@ -305,7 +306,7 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
     raise ValueError(f"wi_state and wo_state: {e}") from None
   out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
   cfg = _MlpConfig(mode, impl, acts, bi is not None, bo is not None, out_dtype, spec,
-                   bool(return_norm_output), backward_chunks)
+                   bool(return_norm_output), int(backward_chunks))
   cast = lambda b: None if b is None else b.astype(out_dtype)
   # The weights are quantized in their own dtype (float32 parameters: one
   # pass, no convert to x.dtype first); their gradients come back in it.
