@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax import recipe
+from te_jax import fp8_state, recipe
 
 # Factories, so every test builds its own recipe instance.
 RECIPES = {
@@ -46,3 +46,14 @@ def vjp_run(fn, args, cot):
     y, vjp = jax.vjp(fn, *a)
     return y, vjp(cot)
   return jax.jit(f)(*args)
+
+
+def mlp_states(r):
+  """(wi_state, wo_state) for ``fused_mlp.fp8_mlp`` under recipe ``r``: under
+  DelayedScaling two states with non-trivial, different scales; else
+  (None, None)."""
+  if not isinstance(r, recipe.DelayedScaling):
+    return None, None
+  st = fp8_state.init_dense_state(r.amax_history_len)
+  st = jax.tree.map(lambda a: a + (0.5 if a.ndim == 0 else 3.0), st)   # non-trivial scales
+  return st, jax.tree.map(lambda a: a * 0.5, st)

@@ -20,7 +20,7 @@ from te_jax import dense, fp8_state, fused_mlp, recipe
 from te_jax import flax as tfx
 from te_jax.ops import act_quantize as act_op
 
-from flax_cases import RECIPES, rel
+from flax_cases import RECIPES, mlp_states, rel
 
 M, K, F, N = 256, 128, 256, 128
 
@@ -37,14 +37,6 @@ def _args(acts, bias):
   bi = _rand(3, (n_act * F,), 0.1) if bias else None
   bo = _rand(4, (N,), 0.1) if bias else None
   return x, wi, wo, bi, bo
-
-
-def _states(r):
-  if not isinstance(r, recipe.DelayedScaling):
-    return None, None
-  st = fp8_state.init_dense_state(r.amax_history_len)
-  st = jax.tree.map(lambda a: a + (0.5 if a.ndim == 0 else 3.0), st)   # non-trivial scales
-  return st, jax.tree.map(lambda a: a * 0.5, st)
 
 
 def _fused(x, wi, wo, bi, bo, si, so, r, acts):
@@ -64,7 +56,7 @@ def _emulated(x, wi, wo, bi, bo, si, so, r, acts):
 def test_fused_matches_two_dense_layers(rname, acts, bias):
   r = RECIPES[rname]()
   x, wi, wo, bi, bo = _args(acts, bias)
-  si, so = _states(r)
+  si, so = mlp_states(r)
   cot = _rand(5, (M, N))
   argn = (0, 1, 2) + ((3, 4) if bias else ())
 
@@ -212,7 +204,7 @@ def test_fused_cuda_matches_reference(rname, acts):
   r = RECIPES[rname]()
   x, wi, wo, bi, bo = (None if a is None else a.astype(jnp.bfloat16)
                        for a in _args(acts, True))
-  si, so = _states(r)
+  si, so = mlp_states(r)
   cot = _rand(5, (M, N)).astype(jnp.bfloat16)
 
   def run(impl, device):

@@ -18,11 +18,11 @@ import pytest
 from flax import nnx
 
 import te_jax
-from te_jax import fp8_state, fused_mlp, norm_dense, recipe
+from te_jax import fused_mlp, norm_dense, recipe
 from te_jax import flax as tfx
 from te_jax import nnx as tnx
 
-from flax_cases import RECIPES, rel
+from flax_cases import RECIPES, mlp_states, rel
 
 M, K, F, N = 384, 128, 256, 128   # 3 blocks of 128 tokens: uneven chunks for blockwise
 CHUNKABLE = ("delayed", "block")
@@ -32,14 +32,6 @@ def _rand(seed, shape, scale=1.0):
   return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, jnp.float32)
 
 
-def _states(r):
-  if not isinstance(r, recipe.DelayedScaling):
-    return None, None
-  st = fp8_state.init_dense_state(r.amax_history_len)
-  st = jax.tree.map(lambda a: a + (0.5 if a.ndim == 0 else 3.0), st)   # non-trivial scales
-  return st, jax.tree.map(lambda a: a * 0.5, st)
-
-
 def _grads(r, acts, chunks, *, bias=False, norm=False, impl="reference", g_scale=1.0):
   n_act = len(acts)
   x = _rand(0, (M, K))
@@ -47,7 +39,7 @@ def _grads(r, acts, chunks, *, bias=False, norm=False, impl="reference", g_scale
   bi = _rand(3, (n_act * F,), 0.1) if bias else None
   bo = _rand(4, (N,), 0.1) if bias else None
   gamma, beta = _rand(6, (K,), 0.1) + 1.0, _rand(7, (K,), 0.1)
-  si, so = _states(r)
+  si, so = mlp_states(r)
   cot = _rand(5, (M, N)) * g_scale
 
   def f(x, wi, wo, bi, bo, gamma, beta, si, so):
@@ -106,7 +98,7 @@ def test_an_inf_in_the_gradient_surfaces_through_every_chunk():
   n_act = 1
   x = _rand(0, (M, K))
   wi, wo = _rand(1, (K, n_act * F), 0.09), _rand(2, (F, N), 0.06)
-  si, so = _states(r)
+  si, so = mlp_states(r)
   # A row of the first of 3 chunks. The gradient is quantized whole (its
   # scale inverse becomes NaN), so every chunk's GEMMs read the NaN.
   cot = _rand(5, (M, N)).at[3, 0].set(jnp.inf)
