@@ -123,21 +123,20 @@ def te_jax_rows(block, sz, fastacc=False, param_dtype=BF16, backward_chunks=1):
     fast = dict(fast_accum_fprop=True, fast_accum_dgrad=True, fast_accum_wgrad=True)
     recipes["delayed fastacc"] = recipe_lib.DelayedScaling(**fast)
     recipes["current fastacc"] = recipe_lib.Float8CurrentScaling(**fast)
-  chunks = {name: 1 for name in recipes}
+  specs = [(name, r, 1) for name, r in recipes.items()]   # (row name, recipe, chunks)
   if backward_chunks > 1:
-    for name in ("delayed", "blockwise"):
-      recipes[f"{name} chunks{backward_chunks}"] = recipes[name]
-      chunks[f"{name} chunks{backward_chunks}"] = backward_chunks
+    specs += [(f"{name} chunks{backward_chunks}", recipes[name], backward_chunks)
+              for name in ("delayed", "blockwise")]
   rows = []
-  for name, r in recipes.items():
+  for name, r, chunks in specs:
     if block == "mlp":
       m = _Residual(tfx.LayerNormMLP(intermediate_dim=sz["mlp"], activations=("gelu",),
                                      dtype=BF16, param_dtype=param_dtype,
-                                     backward_chunks=chunks[name]))
+                                     backward_chunks=chunks))
     else:
       m = tfx.TransformerLayer(sz["hidden"], sz["mlp"], sz["heads"], layer_type="decoder",
                                activations=("gelu",), dtype=BF16, param_dtype=param_dtype,
-                               mlp_backward_chunks=chunks[name])
+                               mlp_backward_chunks=chunks)
     ctx = lambda r=r: te_jax.fp8_autocast(enabled=r is not None, fp8_recipe=r)
     rows.append((f"te_jax {name}", m, ctx))
   return rows
@@ -390,6 +389,8 @@ def main(argv=None):
     bad = [g for g in got if g not in allowed]
     if bad:
       p.error(f"{name}: unknown {bad}; choose from {allowed}")
+  if args.backward_chunks < 1:
+    p.error(f"--backward-chunks must be >= 1, got {args.backward_chunks}")
   sz = sizes(args.small)
   notes, results = [], {}
   clocks = ClockLog.start() if args.clocks else None

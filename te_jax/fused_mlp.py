@@ -157,12 +157,6 @@ def chunk_bounds(m: int, chunks: int, token_block: int) -> Tuple[Tuple[int, int]
   return tuple((cuts[i], cuts[i + 1]) for i in range(n))
 
 
-def _rows(t: ScaledTensor, r0: int, r1: int) -> ScaledTensor:
-  """Rows [r0, r1) of a rowwise operand (a per-tensor scale is shared)."""
-  s = t.scale_inv if t.scale_inv.ndim == 0 else t.scale_inv[r0:r1]
-  return ScaledTensor(t.data[r0:r1], s, t.block_shape)
-
-
 def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype):
   """dh = (g @ wo.T) * act'(h), quantized, and its dgrad ``dh @ wi.T``, one
   row chunk at a time (``cfg.backward_chunks``): only a chunk of the bf16
@@ -172,7 +166,7 @@ def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype):
   mode, impl = cfg.mode, cfg.impl
   dxs, cols, col_scales, amaxes, dbis = [], [], [], [], []
   for r0, r1 in chunk_bounds(h.shape[0], cfg.backward_chunks, mode.token_block):
-    dz = mode.gemm("dgrad", _rows(qg.rowwise(), r0, r1), qwo, out_dtype=h.dtype, impl=impl)
+    dz = mode.gemm("dgrad", qg.rowwise().rows(r0, r1), qwo, out_dtype=h.dtype, impl=impl)
     # dh = dz * act'(h) quantized in the pass that reads dz and h. Delayed
     # scaling quantizes with the state's scale and blockwise per tile, so a
     # chunk's FP8 values are those of the whole tensor.

@@ -292,6 +292,13 @@ def test_peers_backward_chunks_rows_chunk_the_mlp_backward(block):
     assert got == (4 if label.endswith("chunks4") else 1), label
 
 
+def test_peers_backward_chunks_below_one_is_a_usage_error(capsys):
+  import bench_peers
+  with pytest.raises(SystemExit):
+    bench_peers.main(["--small", "--libs", "te_jax", "--backward-chunks", "0"])
+  assert "--backward-chunks must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_packed_attention_bench_runs_its_xla_path_on_cpu(capsys):
   import bench_packed_attention
   assert bench_packed_attention.main(["--small", "--paths", "xla", "--k", "1",

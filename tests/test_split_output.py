@@ -69,6 +69,21 @@ def test_row_blocks_dequantize_to_the_rows_of_the_whole(block_shape):
     assert float(parts[0].scale_inv.max()) < float(parts[2].scale_inv.min())
 
 
+@pytest.mark.parametrize("block_shape", [(1, 128), (128, 128)])
+def test_rows_keep_their_scales_up_to_a_partial_last_tile(block_shape):
+  x = jax.random.normal(jax.random.PRNGKey(1), (300, 256)) * jnp.linspace(0.1, 30, 300)[:, None]
+  q = qop.quantize_blockwise(x, block_shape=block_shape, impl="reference")
+  whole = ScaledTensor(q.data, q.scale_inv, q.block_shape)
+  want = np.asarray(whole.dequantize())
+  for start, stop in ((0, 128), (128, 300), (256, 300)):   # 300: inside the last tile
+    np.testing.assert_array_equal(np.asarray(whole.rows(start, stop).dequantize()),
+                                  want[start:stop])
+  if block_shape == (128, 128):
+    for start, stop in ((64, 128), (0, 200), (128, 128), (0, 301)):
+      with pytest.raises(ValueError, match=r"do not start and end on 128-row scale tiles"):
+        whole.rows(start, stop)
+
+
 def test_row_blocks_refuses_blocks_that_cut_a_scale_tile():
   t = ScaledTensor(jnp.zeros((384, 128), jnp.float8_e4m3fn), jnp.ones((3, 1)), (128, 128))
   with pytest.raises(ValueError, match="cannot split 384 rows into 2 .* 128-row"):

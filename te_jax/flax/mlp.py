@@ -42,28 +42,24 @@ from te_jax.flax.norm import norm_params
 from te_jax.ops.act_quantize import ACTIVATIONS
 
 __all__ = ["LayerNormMLP", "ACTIVATIONS", "activate", "check_activations", "fused_core_blocker",
-           "log_unfused", "warn_unchunked", "fused_norm_mlp"]
+           "log_unfused", "fused_norm_mlp"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
 
 
 @functools.lru_cache(maxsize=None)
-def log_unfused(owner: str, reason: str):
+def log_unfused(owner: str, reason: str, backward_chunks: int = 1):
   """Says once per reason why ``owner`` (a LayerNormMLP, Linen or NNX) took
-  the unfused FP8 path."""
+  the unfused FP8 path; warns too where its ``backward_chunks`` (a memory
+  saving the user asked for) has no effect there."""
   logging.getLogger("te_jax").info(
       "te_jax: %s runs as two FP8 dense layers (not the fused "
       "activation-quantize core, which holds less memory): %s", owner, reason)
-
-
-@functools.lru_cache(maxsize=None)
-def warn_unchunked(owner: str, chunks: int, reason: str):
-  """Warns once per reason that ``owner``'s ``backward_chunks`` (a memory
-  saving the user asked for) has no effect because the fused core cannot run."""
-  logging.getLogger("te_jax").warning(
-      "te_jax: %s backward_chunks=%d has no effect: the block runs as two FP8 dense "
-      "layers because %s", owner, chunks, reason)
+  if backward_chunks > 1:
+    logging.getLogger("te_jax").warning(
+        "te_jax: %s backward_chunks=%d has no effect: the block runs as two FP8 dense "
+        "layers because %s", owner, backward_chunks, reason)
 
 
 def fused_core_blocker(m, embed, f, settings, acts, dropout) -> Optional[str]:
@@ -285,9 +281,7 @@ class LayerNormMLP(nn.Module):
       blocker = fused_core_blocker(m, embed, f, settings, acts, dropout)
       fused = blocker is None
       if not fused:
-        log_unfused("LayerNormMLP", blocker)
-        if self.backward_chunks > 1:
-          warn_unchunked("LayerNormMLP", self.backward_chunks, blocker)
+        log_unfused("LayerNormMLP", blocker, self.backward_chunks)
     names = ("wi_fp8_meta", "wo_fp8_meta")
     norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
                                  self.zero_centered_gamma)

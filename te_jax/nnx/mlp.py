@@ -18,7 +18,7 @@ from te_jax import fused_mlp
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
 from te_jax.flax.mlp import (activate, check_activations, fused_core_blocker, fused_norm_mlp,
-                             log_unfused, warn_unchunked)
+                             log_unfused)
 from te_jax.flax.dense import default_kernel_init, kernel_fan_in_init
 from te_jax.flax.fused_norm import fused_norm_states, module_norm
 from te_jax.flax.norm import check_norm_type
@@ -142,9 +142,7 @@ class LayerNormMLP(nnx.Module):
       blocker = fused_core_blocker(m, e, f, settings, acts, dropout)
       fused = blocker is None
       if not fused:
-        log_unfused("nnx.LayerNormMLP", blocker)
-        if self.backward_chunks > 1:
-          warn_unchunked("nnx.LayerNormMLP", self.backward_chunks, blocker)
+        log_unfused("nnx.LayerNormMLP", blocker, self.backward_chunks)
     norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
                                  self.zero_centered_gamma)
     states = (fused_norm_states(self, settings, x, self.FP8_GEMMS, st.fused_states)

@@ -105,6 +105,22 @@ class ScaledTensor:
     s = self.scale_inv if self.block_shape is None else self.scale_inv.T
     return ScaledTensor(self.data.T, s, self.block_shape)
 
+  def rows(self, start: int, stop: int) -> "ScaledTensor":
+    """Rows [start, stop) of this (rows, cols) matrix with their slice of the
+    scales. Both ends must fall on scale-tile boundaries (anywhere for
+    per-tensor scales, multiples of ``block_shape[0]`` for blockwise ones;
+    ``stop`` may also be the last row), so that the rows dequantize exactly as
+    they did in the whole."""
+    total = self.shape[0]
+    bm = 1 if self.block_shape is None else self.block_shape[0]
+    if not (0 <= start < stop <= total) or start % bm or (stop % bm and stop != total):
+      raise ValueError(f"rows [{start}, {stop}) of {total} do not start and end on "
+                       f"{bm}-row scale tiles (block_shape {self.block_shape}).")
+    if self.block_shape is None:
+      return ScaledTensor(self.data[start:stop], self.scale_inv, None)
+    return ScaledTensor(self.data[start:stop], self.scale_inv[start // bm:-(-stop // bm)],
+                        self.block_shape)
+
   def row_blocks(self, n: int) -> Tuple["ScaledTensor", ...]:
     """The ``n`` equal row blocks of this (rows, cols) matrix, each with its
     own slice of the scales: (rows / n, cols) each.
@@ -121,12 +137,7 @@ class ScaledTensor:
       raise ValueError(f"cannot split {rows} rows into {n} equal blocks of whole "
                        f"{bm}-row scale tiles (block_shape {self.block_shape}).")
     size = rows // n
-    return tuple(
-        ScaledTensor(self.data[i * size:(i + 1) * size],
-                     self.scale_inv if self.block_shape is None
-                     else self.scale_inv[i * size // bm:(i + 1) * size // bm],
-                     self.block_shape)
-        for i in range(n))
+    return tuple(self.rows(i * size, (i + 1) * size) for i in range(n))
 
   def dequantize(self, dtype=jnp.float32) -> jax.Array:
     """Returns ``data * scale_inv`` (broadcast over tiles) in ``dtype``."""
