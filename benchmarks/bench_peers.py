@@ -61,6 +61,12 @@ With ``--clocks`` a background ``nvidia-smi`` samples the SM clock, and each
 row shows its mean clock over its timed steps and the share of samples held
 down by the power cap: on the H200 these steps run capped, so two rows can
 differ by the energy they spend as well as by their kernels.
+
+``--rounds N`` times every row N times, the row order reversed in every
+other round, and reports each row's median (its samples in ``ms_rounds``):
+under the cap the same step moved by up to 3% between samples
+(2026-12-04, run AB), more than the gaps between the libraries, and in one
+round TE-JAX's rows always come after te_jax's.
 """
 
 from __future__ import annotations
@@ -229,6 +235,19 @@ def keep_rows(rows, recipes):
   return [row for row in rows if split_label(row[0])[1] in recipes]
 
 
+def merge_rounds(samples):
+  """One row's result from its rounds' results: the first round's (memory,
+  |dx|, profile) with ``ms`` the median over the rounds and every round's in
+  ``ms_rounds``; a round that failed makes the row failed."""
+  failed = [r for r in samples if "ms" not in r]
+  if failed:
+    return failed[0]
+  merged = dict(samples[0])
+  merged["ms_rounds"] = [r["ms"] for r in samples]
+  merged["ms"] = statistics.median(merged["ms_rounds"])
+  return merged
+
+
 def carry_state(variables, grads):
   """The next step's variables: every non-``params`` collection is its gradient."""
   return {k: (v if k == "params" else grads[k]) for k, v in variables.items()}
@@ -381,6 +400,9 @@ def main(argv=None):
   p.add_argument("--param-dtype", choices=("bfloat16", "float32"), default="bfloat16",
                  help="te_jax's and Flax's parameter dtype (TE-JAX's rows hold bf16 "
                       "parameters either way: its dtype=bf16 sets both)")
+  p.add_argument("--rounds", type=int, default=1,
+                 help="time every row this many times, reversing the row order in every "
+                      "other round; a row's ms is the median over the rounds")
   p.add_argument("--hlo-dir", help="write each row's optimized HLO to DIR/<block>_<row>.hlo.txt "
                                    "(what XLA's fusions in the profile compute)")
   args = p.parse_args(argv)
@@ -389,8 +411,9 @@ def main(argv=None):
     bad = [g for g in got if g not in allowed]
     if bad:
       p.error(f"{name}: unknown {bad}; choose from {allowed}")
-  if args.backward_chunks < 1:
-    p.error(f"--backward-chunks must be >= 1, got {args.backward_chunks}")
+  for name, value in (("--backward-chunks", args.backward_chunks), ("--rounds", args.rounds)):
+    if value < 1:
+      p.error(f"{name} must be >= 1, got {value}")
   sz = sizes(args.small)
   notes, results = [], {}
   clocks = ClockLog.start() if args.clocks else None
@@ -415,34 +438,38 @@ def main(argv=None):
           rows = keep_rows(rows, args.recipes.split(","))
         except ValueError as e:
           p.error(str(e))
-      results[block] = []
-      for label, module, ctx in rows:
-        hlo_path = None
-        if args.hlo_dir:
-          os.makedirs(args.hlo_dir, exist_ok=True)
-          hlo_path = os.path.join(args.hlo_dir, f"{block}_{label.replace(' ', '_')}.hlo.txt")
-        try:
-          r = time_row(module, ctx, sz, args.k, args.repeats, args.profile, hlo_path,
-                       args.profile_steps)
-        except Exception as e:  # pylint: disable=broad-except
-          r = {"error": f"{type(e).__name__}: {e}"}
-        if clocks is not None and "window" in r:
-          r["clock"] = clocks.summary(*r["window"])
-        shown = {key: v for key, v in r.items() if key != "kernels"}
-        print(json.dumps({"block": block, "row": label, **shown}), flush=True)
-        results[block].append((label, r))
-        if args.json_out:   # a call cut short keeps the rows it finished
-          with open(args.json_out, "w", encoding="utf-8") as f:
-            json.dump({"sizes": sz, "param_dtype": args.param_dtype, "results": results,
-                       "notes": notes}, f, indent=1)
-        jax.clear_caches()
-        gc.collect()
+      samples = {label: [] for label, _, _ in rows}
+      for rnd in range(args.rounds):
+        # Every other round backwards: no row is always timed first under the cap.
+        for label, module, ctx in (rows if rnd % 2 == 0 else rows[::-1]):
+          hlo_path = None
+          if args.hlo_dir and rnd == 0:
+            os.makedirs(args.hlo_dir, exist_ok=True)
+            hlo_path = os.path.join(args.hlo_dir, f"{block}_{label.replace(' ', '_')}.hlo.txt")
+          try:   # the trace (--profile) in the first round only
+            r = time_row(module, ctx, sz, args.k, args.repeats, args.profile and rnd == 0,
+                         hlo_path, args.profile_steps)
+          except Exception as e:  # pylint: disable=broad-except
+            r = {"error": f"{type(e).__name__}: {e}"}
+          if clocks is not None and "window" in r:
+            r["clock"] = clocks.summary(*r["window"])
+          shown = {key: v for key, v in r.items() if key != "kernels"}
+          print(json.dumps({"block": block, "row": label, "round": rnd, **shown}), flush=True)
+          samples[label].append(r)
+          results[block] = [(name, merge_rounds(samples[name])) for name, _, _ in rows
+                            if samples[name]]
+          if args.json_out:   # a call cut short keeps the rows it finished
+            with open(args.json_out, "w", encoding="utf-8") as f:
+              json.dump({"sizes": sz, "param_dtype": args.param_dtype, "rounds": args.rounds,
+                         "results": results, "notes": notes}, f, indent=1)
+          jax.clear_caches()
+          gc.collect()
   finally:   # the background nvidia-smi must not outlive a failed run
     if clocks is not None:
       clocks.close()
   print(f"\njax {jax.__version__}, {jax.devices()[0].device_kind}, "
-        f"sizes {sz}, k={args.k}, repeats={args.repeats}, te_jax/Flax parameters "
-        f"{args.param_dtype}")
+        f"sizes {sz}, k={args.k}, repeats={args.repeats}, rounds={args.rounds}, "
+        f"te_jax/Flax parameters {args.param_dtype}")
   print(table(results, notes))
   versus = peer_table(results)
   if versus:

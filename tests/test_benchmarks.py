@@ -368,3 +368,32 @@ def test_peers_versus_table_pairs_te_jax_rows_with_te_jax_s_same_recipe():
   assert "| layer | te_jax delayed fastacc | TE-JAX delayed | 0.990 |" in text
   assert "blockwise" not in text and "te_jax current" not in text
   assert bench_peers.peer_table({"mlp": [("te_jax off", row(1.0))]}) == ""
+
+
+def test_peers_merge_rounds_keeps_the_median_and_every_sample():
+  import bench_peers
+  rounds = [{"ms": 3.0, "temp_mib": 7.0, "kernels": ["k"]}, {"ms": 1.0, "temp_mib": 7.0},
+            {"ms": 2.0, "temp_mib": 7.0}]
+  merged = bench_peers.merge_rounds(rounds)
+  assert merged["ms"] == 2.0 and merged["ms_rounds"] == [3.0, 1.0, 2.0]
+  assert merged["kernels"] == ["k"] and "ms_rounds" not in rounds[0]   # the first round's extras
+  assert bench_peers.merge_rounds([{"ms": 1.0}, {"error": "boom"}]) == {"error": "boom"}
+
+
+def test_peers_rounds_alternate_the_row_order_and_report_medians(tmp_path, capsys):
+  import bench_peers
+  out = tmp_path / "rows.json"
+  bench_peers.main(["--small", "--libs", "te_jax", "--blocks", "mlp", "--recipes",
+                    "off,delayed", "--k", "1", "--repeats", "1", "--rounds", "3",
+                    "--json-out", str(out)])
+  timed = [json.loads(line) for line in capsys.readouterr().out.splitlines()
+           if line.startswith("{")]
+  assert [(r["round"], r["row"]) for r in timed] == [
+      (0, "te_jax off"), (0, "te_jax delayed"), (1, "te_jax delayed"), (1, "te_jax off"),
+      (2, "te_jax off"), (2, "te_jax delayed")]
+  rows = dict(json.loads(out.read_text())["results"]["mlp"])
+  for label, r in rows.items():
+    samples = [t["ms"] for t in timed if t["row"] == label]
+    assert r["ms_rounds"] == samples and r["ms"] == sorted(samples)[1], label
+  with pytest.raises(SystemExit):
+    bench_peers.main(["--small", "--rounds", "0"])
