@@ -236,9 +236,10 @@ def keep_rows(rows, recipes):
 
 
 def merge_rounds(samples):
-  """One row's result from its rounds' results: the first round's (memory,
-  |dx|, profile) with ``ms`` the median over the rounds and every round's in
-  ``ms_rounds``; a round that failed makes the row failed."""
+  """One row's result from its rounds' results: the first round's other
+  fields (memory, |dx|, clock, profile) with ``ms`` the median over the
+  rounds and every round's in ``ms_rounds``; a round that failed makes the
+  row failed."""
   failed = [r for r in samples if "ms" not in r]
   if failed:
     return failed[0]
@@ -456,8 +457,8 @@ def main(argv=None):
           shown = {key: v for key, v in r.items() if key != "kernels"}
           print(json.dumps({"block": block, "row": label, "round": rnd, **shown}), flush=True)
           samples[label].append(r)
-          results[block] = [(name, merge_rounds(samples[name])) for name, _, _ in rows
-                            if samples[name]]
+          results[block] = [(row, merge_rounds(samples[row])) for row, _, _ in rows
+                            if samples[row]]
           if args.json_out:   # a call cut short keeps the rows it finished
             with open(args.json_out, "w", encoding="utf-8") as f:
               json.dump({"sizes": sz, "param_dtype": args.param_dtype, "rounds": args.rounds,
