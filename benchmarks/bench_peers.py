@@ -72,6 +72,7 @@ round TE-JAX's rows always come after te_jax's.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -354,7 +355,7 @@ def table(results, notes):
     base = {}
     for label, r in rows:
       lib, recipe = split_label(label)
-      if recipe == "off":
+      if recipe == "off" and "ms" in r:   # a failed off row leaves no base
         base[lib] = r["ms"]
     for label, r in rows:
       lib = split_label(label)[0]
@@ -370,6 +371,42 @@ def table(results, notes):
       lines.append(f"| {block} | {label} | {r['ms']:.3f} | {ratio} | {r['dx_abs_max']:.3g} "
                    f"| {temp} |" + clock)
   return "\n".join(lines + [f"\nNote: {n}" for n in notes])
+
+
+def block_rows(block, libs, sz, args, notes):
+  """The rows of ``block`` for the chosen libraries, in timing order; a
+  library that cannot run adds its reason to ``notes`` instead."""
+  rows = []
+  if "te_jax" in libs:
+    rows += te_jax_rows(block, sz, args.fastacc, jnp.dtype(args.param_dtype),
+                        args.backward_chunks)
+  if "te" in libs:
+    te, why = te_rows(block, sz)
+    if te is not None:
+      rows += te
+    elif why not in notes:
+      notes.append(why)
+  if "flax" in libs:
+    rows += flax_rows(block, sz, jnp.dtype(args.param_dtype))
+  return rows
+
+
+def time_sample(block, label, module, ctx, sz, args, clocks, first_round: bool):
+  """One timing of one row (:func:`time_row`) with its clock (``--clocks``);
+  a failure becomes the row's {"error"}. The HLO dump and the trace
+  (``--hlo-dir``, ``--profile``) are taken in the first round only."""
+  hlo_path = None
+  if args.hlo_dir and first_round:
+    os.makedirs(args.hlo_dir, exist_ok=True)
+    hlo_path = os.path.join(args.hlo_dir, f"{block}_{label.replace(' ', '_')}.hlo.txt")
+  try:
+    r = time_row(module, ctx, sz, args.k, args.repeats, args.profile and first_round,
+                 hlo_path, args.profile_steps)
+  except Exception as e:  # pylint: disable=broad-except
+    r = {"error": f"{type(e).__name__}: {e}"}
+  if clocks is not None and "window" in r:
+    r["clock"] = clocks.summary(*r["window"])
+  return r
 
 
 def main(argv=None):
@@ -420,20 +457,10 @@ def main(argv=None):
   clocks = ClockLog.start() if args.clocks else None
   if args.clocks and clocks is None:
     notes.append(ClockLog.why_not)
-  try:
+  # The background nvidia-smi must not outlive a failed run.
+  with clocks or contextlib.nullcontext():
     for block in blocks:
-      rows = []
-      if "te_jax" in libs:
-        rows += te_jax_rows(block, sz, args.fastacc, jnp.dtype(args.param_dtype),
-                            args.backward_chunks)
-      if "te" in libs:
-        te, why = te_rows(block, sz)
-        if te is not None:
-          rows += te
-        elif why not in notes:
-          notes.append(why)
-      if "flax" in libs:
-        rows += flax_rows(block, sz, jnp.dtype(args.param_dtype))
+      rows = block_rows(block, libs, sz, args, notes)
       if args.recipes:   # an A/B of one change times only the rows it touches
         try:
           rows = keep_rows(rows, args.recipes.split(","))
@@ -443,17 +470,7 @@ def main(argv=None):
       for rnd in range(args.rounds):
         # Every other round backwards: no row is always timed first under the cap.
         for label, module, ctx in (rows if rnd % 2 == 0 else rows[::-1]):
-          hlo_path = None
-          if args.hlo_dir and rnd == 0:
-            os.makedirs(args.hlo_dir, exist_ok=True)
-            hlo_path = os.path.join(args.hlo_dir, f"{block}_{label.replace(' ', '_')}.hlo.txt")
-          try:   # the trace (--profile) in the first round only
-            r = time_row(module, ctx, sz, args.k, args.repeats, args.profile and rnd == 0,
-                         hlo_path, args.profile_steps)
-          except Exception as e:  # pylint: disable=broad-except
-            r = {"error": f"{type(e).__name__}: {e}"}
-          if clocks is not None and "window" in r:
-            r["clock"] = clocks.summary(*r["window"])
+          r = time_sample(block, label, module, ctx, sz, args, clocks, rnd == 0)
           shown = {key: v for key, v in r.items() if key != "kernels"}
           print(json.dumps({"block": block, "row": label, "round": rnd, **shown}), flush=True)
           samples[label].append(r)
@@ -465,9 +482,6 @@ def main(argv=None):
                          "results": results, "notes": notes}, f, indent=1)
           jax.clear_caches()
           gc.collect()
-  finally:   # the background nvidia-smi must not outlive a failed run
-    if clocks is not None:
-      clocks.close()
   print(f"\njax {jax.__version__}, {jax.devices()[0].device_kind}, "
         f"sizes {sz}, k={args.k}, repeats={args.repeats}, rounds={args.rounds}, "
         f"te_jax/Flax parameters {args.param_dtype}")

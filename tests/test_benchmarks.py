@@ -154,6 +154,15 @@ def test_peers_table_ratios_are_against_each_librarys_own_fp8_off_row():
   assert "failed: boom" in text and "Note: a note" in text
 
 
+def test_peers_table_survives_a_failed_fp8_off_row():
+  import bench_peers
+  row = {"ms": 10.0, "dx_abs_max": 1e-3, "temp_mib": 10.0}
+  text = bench_peers.table({"mlp": [("te_jax off", {"error": "oom"}),
+                                    ("te_jax delayed", row)]}, [])
+  assert "| mlp | te_jax off | failed: oom |" in text
+  assert "| mlp | te_jax delayed | 10.000 | - |" in text   # no base: no ratio
+
+
 def test_peers_te_rows_say_why_when_transformer_engine_is_missing():
   import bench_peers
   rows, why = bench_peers.te_rows("mlp", bench_peers.sizes(True))
