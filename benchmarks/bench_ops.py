@@ -1,6 +1,6 @@
 """Benchmarks of te_jax's CUDA quantize kernels and cuBLASLt FP8 GEMMs.
 
-Protocol (DESIGN.md): each function is jitted; one measurement is k=20
+Protocol (docs/design.md): each function is jitted; one measurement is k=20
 back-to-back calls with one block at the end, rotating over 4 input sets (so
 inputs are not L2-resident); the median of 5 measurements is reported.
 Baselines are timed in the same run: XLA's reference quantize path

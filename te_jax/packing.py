@@ -1,7 +1,7 @@
 """Sequence packing and token-count padding for FP8 training.
 
 In JAX every shape is static, so te_jax makes the token dimension regular by
-construction (see DESIGN.md): the input pipeline packs variable-length
+construction (see docs/design.md): the input pipeline packs variable-length
 documents into fixed ``(num_rows, seq_len)`` buffers, and the token dimension
 is padded so that every shard's share is a multiple of the FP8 scaling block.
 Every device then runs the same shapes and the same collectives.

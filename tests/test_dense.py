@@ -104,7 +104,7 @@ def _emulated(x2d, w, g, r, st):
 
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_custom_vjp_quantizes_the_right_operands(name):
-  """fprop/dgrad/wgrad equal an emulation that quantizes exactly as DESIGN.md says."""
+  """fprop/dgrad/wgrad equal an emulation that quantizes exactly as docs/design.md says."""
   r = RECIPES[name]
   x, w, _ = _inputs(m=3 * 128)
   x2d = x.reshape(-1, x.shape[-1])
