@@ -52,11 +52,10 @@ namespace te_jax {
 namespace gemm_autotune {
 
 // TE_JAX_GEMM_AUTOTUNE_ALGOS when unset: the heuristic's first answer,
-// untimed. Timing 8 answers made whole training steps slower, not faster, on
-// the H200 (2026-12-02, bench_layer, state carried: LayerNormMLP current
-// scaling 12.94 vs 12.50 ms, TransformerLayer blockwise 24.78 vs 24.55 ms):
-// an isolated timing does not predict the GEMM's time beside the rest of the
-// step. So selection by timing is opt-in until a step shows it winning.
+// untimed. Timing 8 answers made whole training steps slower, not faster
+// (BENCHMARKS.md, "GEMM algorithm"): an isolated timing does not predict the
+// GEMM's time beside the rest of the step. So selection by timing is opt-in
+// until a step shows it winning.
 constexpr int kDefaultAlgos = 1;
 constexpr int kMaxAlgos = 32;           // larger requests are clamped
 constexpr size_t kRounds = 5;           // timed samples per candidate (median kept)
@@ -99,8 +98,8 @@ inline int AlgoCount() {
 }
 
 // TE_JAX_GEMM_PICK: an experiment knob, unset by default. The timed steps of
-// a training run hold the H200 at its power cap (BENCHMARKS.md, run Z: the
-// SM clock at 1365-1770 MHz, lowest for the split-accumulation GEMMs), so
+// a training run hold the GPU at its power cap (the SM clock well below its
+// maximum, lowest for the split-accumulation GEMMs; BENCHMARKS.md), so
 // an algorithm's cost beside the rest of the step depends on the energy it
 // spends as well as on its isolated speed, which the timing above measures
 // at full clock. This knob lets a whole step be timed with another of the

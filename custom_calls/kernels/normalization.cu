@@ -15,14 +15,9 @@
 // and the statistics need whole rows; a block owning whole rows (128 rows x
 // 4096 bf16 = 1 MB) could not keep them on chip to write the transposed
 // copy. So x is read twice from HBM (statistics, then the tile pass) and v
-// is never written in 16 or 32 bits: 2 x 128 MiB read + 2 x 64 MiB FP8
-// written at 16384 x 4096 bf16. Measured there (H200, 2026-12-02, median of
-// 5 x 20 jitted calls; a one-off script, not in the tree): per-tensor 0.165 ms, current
-// 0.193, blockwise 0.181, vs XLA's LayerNorm + the quantize kernel 0.194 /
-// 0.226 (H = 8192: 0.305 / 0.389 / 0.335 vs 0.379 / 0.436). The tile pass
-// is most of it (~0.12 ms, vs ~0.09 ms for QuantizeTileKernel on a bf16
-// input of that size): the prologue's per-row statistics loads are the
-// next thing to look at.
+// is never written in 16 or 32 bits. The tile pass takes most of the time;
+// its per-row statistics loads are the next thing to look at (timings:
+// docs/custom-calls-log-2026-12.md).
 //
 // Numerics: v and the amax are bit-identical to ops/normalization.py's
 // norm_apply_reference given the same statistics (prologue::NormValue
@@ -38,9 +33,8 @@
 // over the rows: per row, the two sums c1, c2 (a block reduction), then dx;
 // the dgamma/dbeta partial sums stay in registers over the block's rows and
 // are written once per block, then NormBwdFinalizeKernel sums them in a fixed
-// order. Reads x and dy once, writes dx once (~3 x 128 MiB at 16384 x 4096
-// bf16): 0.170 ms measured there, vs 0.443 ms for XLA's LayerNorm backward
-// (H = 8192: 0.371 vs 0.855). dx differs from the reference only
+// order. Reads x and dy once and writes dx once, the least memory traffic
+// a norm backward can have. dx differs from the reference only
 // through c1 and c2 (summation order): with equal c1, c2 the formula is the
 // same operation for operation (u - xhat * c2 fused, as XLA contracts it).
 #include "kernels/normalization.h"
@@ -146,9 +140,9 @@ __global__ void __launch_bounds__(kThreads) NormStatsKernel(NormStatsArgs a) {
 // One 128-thread block per row for H <= 8192 (every shape the Python op
 // sends: the backward's limit): each thread keeps its kVecs x 8 elements of
 // the row in registers, so x is read from HBM once and the variance and
-// amax passes cost no memory traffic. (Measured on the H200 at 16384 x 4096
-// bf16: the warp-per-row kernel above, re-reading the row for each pass,
-// took about one HBM pass per pass: its L1/L2 hits did not materialize.)
+// amax passes cost no memory traffic. (The warp-per-row kernel above
+// re-reads the row for each pass, and those reads go to HBM: L1/L2 do not
+// keep the row between passes.)
 constexpr int kRowThreads = 128;
 constexpr int64_t kRowKernelMaxH = 8 * kRowThreads * kSub;  // kVecs <= 8
 
