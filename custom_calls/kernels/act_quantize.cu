@@ -26,11 +26,10 @@ namespace {
 // a thread's 8x8 sub-tile at a time (prologue::ComputeRows) and cast and
 // store each row of the rowwise copy as soon as it is computed; they differ
 // in what the columnwise copy needs. Same bytes as QuantizeTileKernel would
-// write for v. They issue an instruction on 77-91% of cycles (Nsight
-// Compute, H200), so the casts go two per cvt (Cast2) and bytes are placed
-// by byte_perm: per-element casts, shifts and selects took ~7 of the ~46
-// instructions per element (per-tensor gelu forward 0.510 -> 0.415 ms on
-// 16384^2 bf16, benchmarks/act_math.cu).
+// write for v. They are bound by instruction issue, so the casts go two
+// per cvt (Cast2) and bytes are placed by byte_perm: per-element casts,
+// shifts and selects were a sixth of the instructions per element
+// (profile and timings: docs/benchmarks-log-2026-11.md).
 
 // Launch bound of ActQuantizeTensorKernel and ActQuantizeVec128Kernel: 3
 // blocks per SM (at most 80 registers) wherever the loop fits that without
@@ -115,12 +114,9 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop>())
 // so that the 8 lanes of each 16-byte access phase hit distinct banks (the
 // 256-byte stride alone would put all 8 on the same ones). Once every thread
 // has read its values back, the transposed bytes reuse that memory: 64 KB +
-// 8.5 KB static fit 3 blocks per SM (ActMinBlocks). 16384^2 bf16 gelu
-// forward on the H200 (benchmarks/act_math.cu): 0.548 ms at 2 blocks per SM
-// with a 16 KB byte tile of its own, 0.469 ms at 3. (Before: casting both
-// copies after the tile was complete, as QuantizeTileKernel does, took
-// 0.625 / 0.749 ms forward / backward, this kernel 0.620 / 0.725 with one
-// cast per element, 0.582 / 0.696 with Cast2.)
+// 8.5 KB static fit 3 blocks per SM (ActMinBlocks), where a byte tile of its
+// own would fit 2 and run slower (benchmarks/act_math.cu; the timings of
+// this layout against the others are in docs/benchmarks-log-2026-11.md).
 constexpr int kScratchF4 = kSub * kSub / 4;
 constexpr int kScratchBytes = kThreads * kScratchF4 * 16;
 static_assert(kScratchBytes >= kTile * kTile, "the transposed bytes reuse the scratch");

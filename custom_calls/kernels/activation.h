@@ -24,10 +24,10 @@ __device__ __forceinline__ float Sub(float a, float b) { return __fsub_rn(a, b);
 
 // 1 / d, correctly rounded, for d in [1, 2] (d = 1 + e with e = exp(-|x|),
 // or NaN): the hardware estimate and one Newton step. Bit-identical to
-// __frcp_rn on every float in [1, 2] (checked exhaustively on the H200,
+// __frcp_rn on every float in [1, 2] (checked exhaustively by
 // benchmarks/act_math.cu), without __frcp_rn's special-case path for
-// subnormal/huge d, a call that kept the loops from being scheduled: an
-// amax pass over gelu(h) took 0.305 ms with __frcp_rn, 0.234 ms with this.
+// subnormal/huge d, a call that kept the loops from being scheduled
+// (the timings are in docs/benchmarks-log-2026-11.md).
 __device__ __forceinline__ float RcpOnePlus(float d) {
   float r;
   asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(d));
@@ -38,8 +38,8 @@ __device__ __forceinline__ float RcpOnePlus(float d) {
 // integer and a fraction of a power of 2): t = -|x| log2(e) rounded, 2^t by
 // the hardware ex2 (MUFU.EX2), and the part of -|x| that the rounding of t
 // dropped, r = -|x| - t ln2 (two FMAs, ln 2 in a high and a low part),
-// added back as 2^t (1 + r). Within 2.53 ulps of double exp on [-87, 0]
-// (expf: 1.93; benchmarks/act_math.cu on the H200). |x| is capped at 128 first (NaN kept), so that
+// added back as 2^t (1 + r). Within 3 ulps of double exp on [-87, 0]
+// (benchmarks/act_math.cu checks it). |x| is capped at 128 first (NaN kept), so that
 // x = +-inf gives 0 and not inf - inf. Where exp(-|x|) is below 2^-126
 // (|x| > 87.3) the result is 0, where expf returns a subnormal: ex2 without
 // flush-to-zero costs three more instructions, and such values become FP8

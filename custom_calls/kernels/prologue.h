@@ -76,10 +76,10 @@ struct RowInputs {
 // a template parameter and the host picks it (ChooseLoop), so that every
 // kernel's registers are those of its own loop: with the choice made inside
 // one kernel, all loops shared the register budget of the largest (the
-// runtime switch over 8 activations for a gated pair): 90 registers, 2
-// blocks per SM, and an amax pass over gelu(h) ran 2.5x slower than the same
-// math in a kernel of its own (benchmarks/act_math.cu, H200: 0.757 vs 0.305 ms
-// for 512 MB).
+// runtime switch over 8 activations for a gated pair), which cost 2 of 3
+// blocks per SM and made an amax pass over gelu(h) several times slower than
+// the same math in a kernel of its own (benchmarks/act_math.cu; timings in
+// docs/benchmarks-log-2026-11.md).
 enum class ActLoop : int {
   kGelu,    // act0 = gelu, not gated
   kSilu,    // act0 = silu, not gated
