@@ -42,6 +42,11 @@ A state whose "gradient" came back as zeros (its module's output did not
 reach the loss) has scale 0; that reads as "no scale yet": the module
 quantizes with scale 1 until its next update.
 
+A GEMM used several times in one step (a shared layer, tied weights, a
+block applied twice) reads its state through :func:`merge_uses`
+(``te_jax.fp8_merge``): autodiff would otherwise SUM the uses' new states;
+with it they merge into one update, the largest amax in one history entry.
+
 Microbatches merge exactly (:func:`accumulate_gradients`): the histories with
 ``max`` (the newest entry becomes the largest microbatch amax) and the scales
 with ``min`` over the positive ones (the scale falls as the amax grows), which
@@ -70,6 +75,7 @@ from typing import Any, Dict
 import jax
 import jax.numpy as jnp
 
+from te_jax.fp8_merge import merge_uses, shared_state
 from te_jax.ops.quantize import compute_scale, is_positive_amax
 
 __all__ = [
@@ -82,6 +88,8 @@ __all__ = [
     "apply_fp8_updates",
     "ignored_outliers",
     "migrate_scale_inv",
+    "merge_uses",
+    "shared_state",
 ]
 
 FP8_COLLECTION = "_overwrite_with_gradient"
