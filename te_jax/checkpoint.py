@@ -343,6 +343,8 @@ def restore(directory: str, step: Optional[int] = None, *, target: Any,
   Returns:
     A pytree of the same structure as ``target``, every leaf a ``jax.Array``.
   """
+  if backend not in _BACKENDS:
+    raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}.")
   directory = os.path.abspath(directory)
   if step is None:
     step = latest_step(directory)
@@ -354,7 +356,12 @@ def restore(directory: str, step: Optional[int] = None, *, target: Any,
         f"no checkpoint for step {step} under {directory}; have {available_steps(directory)}.")
   default_sharding = _default_sharding()
   flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-  if os.path.exists(os.path.join(path, _META)) and backend != "orbax":
+  is_npz = os.path.exists(os.path.join(path, _META))
+  if backend != "auto" and is_npz != (backend == "numpy"):
+    written = "the numpy backend (.npz)" if is_npz else "orbax"
+    raise ValueError(f"checkpoint {path} was written by {written}, not with backend="
+                     f"{backend!r}; restore it with backend='auto' (reads either format).")
+  if is_npz:
     with open(os.path.join(path, _META)) as fh:
       meta = json.load(fh)
     _check_npz_paths(path, meta, flat)

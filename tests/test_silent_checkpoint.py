@@ -59,3 +59,16 @@ def test_checkpoint_without_paths_restores_by_position_with_a_warning(tmp_path):
   with pytest.warns(UserWarning, match="by position only"):
     got = checkpoint.restore(tmp_path, 1, target=_tree(), backend="numpy")
   np.testing.assert_array_equal(got["params"]["encoder"]["kernel"], 1.0)
+
+
+def test_restore_refuses_an_unknown_backend(tmp_path):
+  checkpoint.save(tmp_path, 1, _tree(), backend="numpy")
+  with pytest.raises(ValueError, match="backend must be one of"):
+    checkpoint.restore(tmp_path, 1, target=_tree(), backend="npz")
+
+
+def test_restore_with_the_other_backend_named_says_which_wrote_it(tmp_path):
+  # backend="orbax" on an npz checkpoint used to hand the npz directory to orbax.
+  checkpoint.save(tmp_path, 1, _tree(), backend="numpy")
+  with pytest.raises(ValueError, match="written by the numpy backend"):
+    checkpoint.restore(tmp_path, 1, target=_tree(), backend="orbax")
