@@ -1,8 +1,11 @@
 """The FP8 autocast context: the one piece of global state in te_jax.
 
-Layers read the active context at trace time, so it must be entered around
-the *tracing* of a function (the first call of a ``jax.jit`` function, or the
-``init``/``apply`` call), not merely around a cached call.
+Layers read the active context at trace time. The context is also part of
+JAX's tracing and compilation cache key (``jax.make_user_context``): a
+``jax.jit`` function traced under one autocast and called under another
+(another recipe, FP8 switched on or off, another mesh resource) is traced
+again for it instead of silently running the first one; calls under an equal
+autocast (recipes compare by value) reuse the compiled program.
 
 Example::
 
@@ -44,6 +47,20 @@ class FP8Context:
 
 
 _CONTEXT = contextvars.ContextVar("te_jax_fp8_context", default=FP8Context())
+
+# What of the context the layers read (read_autocast: the recipe only when
+# enabled, and the mesh resource), held in a JAX user context so that it is
+# part of the jit cache key. None is the state outside any autocast.
+_JIT_KEY = jax.make_user_context(default_value=None)
+
+
+def _jit_key(ctx: FP8Context):
+  """The part of ``ctx`` that changes what a traced function computes; None
+  where that is what no autocast gives (an autocast that changes nothing
+  does not retrace)."""
+  if not ctx.enabled and ctx.mesh_resource is None:
+    return None
+  return (ctx.enabled, ctx.recipe if ctx.enabled else None, ctx.mesh_resource)
 
 
 def _check_mesh_resource(mesh_resource):
@@ -104,6 +121,7 @@ def fp8_autocast(enabled: bool = True,
   ctx = FP8Context(enabled=enabled, recipe=fp8_recipe, mesh_resource=mesh_resource)
   token = _CONTEXT.set(ctx)
   try:
-    yield ctx
+    with _JIT_KEY(_jit_key(ctx)):
+      yield ctx
   finally:
     _CONTEXT.reset(token)

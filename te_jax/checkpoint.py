@@ -24,8 +24,11 @@ either backend:
   the default dtype raises.
 
 orbax is imported lazily. When it is missing, ``backend="auto"`` falls back
-to a single-host ``.npz`` file per step (exact bytes, same directory layout);
-``backend="orbax"`` raises an ImportError that says what to install.
+to a single-host ``.npz`` file per step (exact bytes, same directory layout)
+that stores each leaf's key path beside it: a target whose leaves have other
+names (a changed model with same-shape layers renamed) is refused with the
+differing paths, as orbax refuses it; ``backend="orbax"`` raises an
+ImportError that says what to install.
 
 Example::
 
@@ -40,6 +43,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from typing import Any, Optional
 
 import jax
@@ -160,7 +164,8 @@ def save(directory: str, step: int, tree: Any, *, keep: Optional[int] = 3,
     finally:
       ckptr.close()
   else:
-    leaves = jax.tree.leaves(tree)
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    leaves = [leaf for _, leaf in flat]
     arrays, dtypes = {}, []
     for i, leaf in enumerate(leaves):
       if _is_python_scalar(leaf):
@@ -179,7 +184,8 @@ def save(directory: str, step: int, tree: Any, *, keep: Optional[int] = 3,
     os.makedirs(tmp)
     np.savez(os.path.join(tmp, _NPZ), **arrays)
     with open(os.path.join(tmp, _META), "w") as fh:
-      json.dump({"num_leaves": len(leaves), "dtypes": dtypes}, fh)
+      json.dump({"num_leaves": len(leaves), "dtypes": dtypes,
+                 "paths": [list(_path_key(p)) for p, _ in flat]}, fh)
   old = path + ".old"
   if os.path.exists(path):
     if os.path.exists(old):
@@ -278,6 +284,48 @@ def _orbax_leaf_metadata(ckptr, path: str) -> dict:
   return {_path_key(p): m for p, m in flat}
 
 
+def _check_npz_paths(path: str, meta: dict, flat) -> None:
+  """Raises unless the leaves saved in the npz checkpoint at ``path`` are the
+  target's, by key path and in order.
+
+  The npz file stores leaf i as ``leaf_i``: without this check a changed model
+  whose layers have the same shapes under other names would silently get each
+  layer's weights in another layer. Checkpoints written before the paths were
+  stored restore by position, with a warning.
+  """
+  target = [_path_key(p) for p, _ in flat]
+  saved = meta.get("paths")
+  if saved is None:
+    if meta["num_leaves"] != len(flat):
+      raise ValueError(f"checkpoint {path} has {meta['num_leaves']} arrays but the "
+                       f"target has {len(flat)}; restore into the same structure.")
+    warnings.warn(
+        f"te_jax.checkpoint: {path} was saved without key paths (an older te_jax), so "
+        "its leaves are restored by position only and a renamed layer of the same shape "
+        "would go unnoticed. Save it again to store the paths.", stacklevel=3)
+    return
+  saved = [tuple(p) for p in saved]
+  if saved == target:
+    return
+  only_saved = [p for p in saved if p not in set(target)]
+  only_target = [p for p in target if p not in set(saved)]
+  if only_saved or only_target:
+    detail = (f"only in the checkpoint: {_show_paths(only_saved)}; "
+              f"only in the target: {_show_paths(only_target)}")
+  else:
+    detail = "the same leaves in another order"
+  raise ValueError(
+      f"checkpoint {path} does not hold the target's leaves ({detail}). Restore into a "
+      "target of the structure that was saved (the same model and optimizer), or "
+      "rename the saved leaves first.")
+
+
+def _show_paths(paths, limit: int = 5) -> str:
+  """The first ``limit`` of ``paths`` (``_path_key`` tuples) as ``a/b/c``."""
+  shown = ["/".join(p) for p in paths[:limit]]
+  return str(shown) + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
 def restore(directory: str, step: Optional[int] = None, *, target: Any,
             backend: str = "auto") -> Any:
   """Restores step ``step`` (default: the latest) into the structure of ``target``.
@@ -295,6 +343,8 @@ def restore(directory: str, step: Optional[int] = None, *, target: Any,
   Returns:
     A pytree of the same structure as ``target``, every leaf a ``jax.Array``.
   """
+  if backend not in _BACKENDS:
+    raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}.")
   directory = os.path.abspath(directory)
   if step is None:
     step = latest_step(directory)
@@ -306,12 +356,15 @@ def restore(directory: str, step: Optional[int] = None, *, target: Any,
         f"no checkpoint for step {step} under {directory}; have {available_steps(directory)}.")
   default_sharding = _default_sharding()
   flat, treedef = jax.tree_util.tree_flatten_with_path(target)
-  if os.path.exists(os.path.join(path, _META)) and backend != "orbax":
+  is_npz = os.path.exists(os.path.join(path, _META))
+  if backend != "auto" and is_npz != (backend == "numpy"):
+    written = "the numpy backend (.npz)" if is_npz else "orbax"
+    raise ValueError(f"checkpoint {path} was written by {written}, not with backend="
+                     f"{backend!r}; restore it with backend='auto' (reads either format).")
+  if is_npz:
     with open(os.path.join(path, _META)) as fh:
       meta = json.load(fh)
-    if meta["num_leaves"] != len(flat):
-      raise ValueError(f"checkpoint {path} has {meta['num_leaves']} arrays but the "
-                       f"target has {len(flat)}; restore into the same structure.")
+    _check_npz_paths(path, meta, flat)
     with np.load(os.path.join(path, _NPZ)) as data:
       out = []
       for i, ((p, leaf), dt) in enumerate(zip(flat, meta["dtypes"])):

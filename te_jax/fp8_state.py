@@ -42,6 +42,11 @@ A state whose "gradient" came back as zeros (its module's output did not
 reach the loss) has scale 0; that reads as "no scale yet": the module
 quantizes with scale 1 until its next update.
 
+A GEMM used several times in one step (a shared layer, tied weights, a
+block applied twice) reads its state through :func:`merge_uses`
+(``te_jax.fp8_merge``): autodiff would otherwise SUM the uses' new states;
+with it they merge into one update, the largest amax in one history entry.
+
 Microbatches merge exactly (:func:`accumulate_gradients`): the histories with
 ``max`` (the newest entry becomes the largest microbatch amax) and the scales
 with ``min`` over the positive ones (the scale falls as the amax grows), which
@@ -64,11 +69,13 @@ Example (plain optax loop with gradient accumulation)::
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Dict
 
 import jax
 import jax.numpy as jnp
 
+from te_jax.fp8_merge import merge_uses, shared_state
 from te_jax.ops.quantize import compute_scale, is_positive_amax
 
 __all__ = [
@@ -81,6 +88,8 @@ __all__ = [
     "apply_fp8_updates",
     "ignored_outliers",
     "migrate_scale_inv",
+    "merge_uses",
+    "shared_state",
 ]
 
 FP8_COLLECTION = "_overwrite_with_gradient"
@@ -213,13 +222,13 @@ def ignored_outliers(tree: Any, recipe) -> jax.Array:
     return count
   def visit(node):
     nonlocal count
-    if isinstance(node, dict) and "amax_history" in node and "scale" in node:
+    if isinstance(node, Mapping) and "amax_history" in node and "scale" in node:
       hist = jnp.asarray(node["amax_history"], jnp.float32)
       flat = hist.reshape(-1, hist.shape[-1])   # stacked layers (nn.scan) too
       flags = jax.vmap(
           lambda h: _outlier_and_reduced(h, recipe.amax_compute_algo, factor)[0])(flat)
       count = count + jnp.sum(flags, dtype=jnp.int32)
-    elif isinstance(node, dict):
+    elif isinstance(node, Mapping):   # a dict or a flax FrozenDict
       for v in node.values():
         visit(v)
   visit(tree)
@@ -234,36 +243,110 @@ def _merge(path, a, b):
   return jnp.maximum(a, b)
 
 
+def _fp8_part(tree: Any):
+  """``tree[FP8_COLLECTION]``, or None when ``tree`` is not a mapping holding it.
+  A mapping is a dict or a ``flax.core.FrozenDict`` (not a dict subclass)."""
+  if isinstance(tree, Mapping) and FP8_COLLECTION in tree:
+    return tree[FP8_COLLECTION]
+  return None
+
+
+def _check_same_state_tree(a, b, what: str):
+  """Raises a ValueError naming the paths that only one of two FP8 state
+  trees holds (a model changed between them, or two models' trees)."""
+  paths_a = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(a)[0]}
+  paths_b = {jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(b)[0]}
+  if paths_a != paths_b:
+    raise ValueError(
+        f"{what}: the two FP8 states ('{FP8_COLLECTION}') hold different tensors: only in "
+        f"the first {sorted(paths_a - paths_b)[:5]}, only in the second "
+        f"{sorted(paths_b - paths_a)[:5]}. Pass trees of the same model.")
+
+
 def accumulate_gradients(acc: Any, grads: Any) -> Any:
   """Adds two gradient trees, merging the FP8 state with ``max``.
 
   Args:
-    acc: accumulated gradients, a Flax variables-like dict (or any pytree).
+    acc: accumulated gradients, a Flax variables-like dict or FrozenDict (or
+      any pytree).
     grads: gradients of one more microbatch, same structure.
 
   Returns:
     ``acc + grads`` for parameters; for ``FP8_COLLECTION`` the exact merge of
-    the module docstring (histories by max, scales by min).
+    the module docstring (histories by max, scales by min), in the container
+    type of ``acc``.
+
+  Raises:
+    ValueError: only one of the two holds FP8 state (one microbatch's
+      gradients were taken with respect to the parameters alone, so its
+      amaxes would be lost), or their FP8 states hold different tensors.
   """
-  if isinstance(acc, dict) and FP8_COLLECTION in acc:
-    out = {k: jax.tree.map(jnp.add, v, grads[k]) for k, v in acc.items()
-           if k != FP8_COLLECTION}
-    out[FP8_COLLECTION] = jax.tree_util.tree_map_with_path(
-        _merge, acc[FP8_COLLECTION], grads[FP8_COLLECTION])
-    return out
-  return jax.tree.map(jnp.add, acc, grads)
+  acc_state, new_state = _fp8_part(acc), _fp8_part(grads)
+  if acc_state is None and new_state is None:
+    return jax.tree.map(jnp.add, acc, grads)
+  if acc_state is None or new_state is None:
+    has, lacks = ("acc", "grads") if new_state is None else ("grads", "acc")
+    raise ValueError(
+        f"accumulate_gradients: {has} holds the FP8 state ('{FP8_COLLECTION}') but {lacks} "
+        "does not, so that microbatch's amaxes would be lost. Take every microbatch's "
+        "gradients with respect to the whole variables (jax.grad(loss_fn)(variables, "
+        "batch), parameters and FP8 state), not variables['params'] alone.")
+  if set(acc) != set(grads):
+    raise ValueError(f"accumulate_gradients: acc has collections {sorted(acc)} but grads "
+                     f"has {sorted(grads)}; pass gradients of the same variables.")
+  _check_same_state_tree(acc_state, new_state, "accumulate_gradients")
+  out = {k: jax.tree.map(jnp.add, v, grads[k]) for k, v in acc.items()
+         if k != FP8_COLLECTION}
+  out[FP8_COLLECTION] = jax.tree_util.tree_map_with_path(_merge, acc_state, new_state)
+  return type(acc)(out)
 
 
-def apply_fp8_updates(variables: Dict[str, Any], grads: Dict[str, Any]) -> Dict[str, Any]:
+def _keep_where_unused(new, old):
+  """``new``, except the tensors whose state came back as zeros (scale 0: no
+  GEMM used that state in the step, e.g. its output did not reach the
+  loss), which keep ``old``: their amax history is not wiped."""
+  if isinstance(new, Mapping) and "scale" in new and "amax_history" in new:
+    used = jnp.asarray(new["scale"]) > 0
+    return {k: jnp.where(used, v, old[k]) if k in old else v for k, v in new.items()}
+  if isinstance(new, Mapping):
+    return {k: _keep_where_unused(v, old[k]) if k in old else v for k, v in new.items()}
+  return new
+
+
+def apply_fp8_updates(variables: Mapping[str, Any], grads: Mapping[str, Any]) -> Any:
   """Returns ``variables`` with its FP8 state replaced by the one in ``grads``.
 
-  For training loops that do not use ``TrainState.apply_gradients``.
+  For training loops that do not use ``TrainState.apply_gradients``. A
+  tensor whose state came back as zeros (no GEMM used it in the step) keeps
+  its state, as ``te_jax.nnx.apply_fp8_updates`` does. The result has the
+  container type of ``variables`` (dict or ``flax.core.FrozenDict``).
+
+  Args:
+    variables: the model's variables (``"params"``, ``FP8_COLLECTION``, ...).
+    grads: ``jax.grad`` of the loss with respect to the whole ``variables``
+      (or their ``accumulate_gradients``).
+
+  Raises:
+    ValueError: ``variables`` holds FP8 state but ``grads`` holds none (the
+      gradients were taken with respect to ``variables["params"]`` only: the
+      scales would silently stay frozen), or the two FP8 states hold
+      different tensors.
   """
-  if FP8_COLLECTION not in grads:
-    return dict(variables)
+  old = _fp8_part(variables)
+  new = _fp8_part(grads)
+  if old is not None and new is None:
+    raise ValueError(
+        f"apply_fp8_updates: variables hold the delayed-scaling FP8 state "
+        f"('{FP8_COLLECTION}') but grads has none, so the scales would stay frozen. "
+        "Differentiate with respect to the whole variables, jax.grad(loss_fn)(variables, "
+        "...) (parameters and FP8 state), and update the parameters from grads['params'].")
   out = dict(variables)
-  out[FP8_COLLECTION] = grads[FP8_COLLECTION]
-  return out
+  if new is not None:
+    if old is not None:
+      _check_same_state_tree(old, new, "apply_fp8_updates")
+      new = _keep_where_unused(new, old)
+    out[FP8_COLLECTION] = new
+  return type(variables)(out) if isinstance(variables, Mapping) else out
 
 
 def migrate_scale_inv(tree: Any) -> Any:
@@ -278,7 +361,7 @@ def migrate_scale_inv(tree: Any) -> Any:
   >>> migrate_scale_inv(old)["x"]["scale"].tolist()
   4.0
   """
-  if isinstance(tree, dict):
+  if isinstance(tree, Mapping):   # a dict or a flax FrozenDict
     if set(tree) == {"amax_history", "scale_inv"}:
       s_inv = jnp.asarray(tree["scale_inv"], jnp.float32)
       ok = jnp.isfinite(s_inv) & (s_inv > 0)
