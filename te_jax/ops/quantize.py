@@ -12,16 +12,21 @@ delayed scaling the caller owns the scale); power-of-2 scales are rounded
 *down*, so ``|x| * scale`` never exceeds the FP8 max. Saturation applies to
 finite values only: a tensor or tile holding an Inf or NaN gets a NaN
 scale_inv (and, where the op derives the scale, NaN data), so the GEMM that
-reads it is non-finite, as the unquantized product would be.
+reads it is non-finite, as the unquantized product would be. Every amax is
+``te_jax.ops.fp8.amax``, which propagates a NaN on every backend.
 
 The "columnwise" copy an op can write in the same pass is the quantization of
 ``x.T`` with the same ``block_shape``: for per-tensor scaling and for
 128x128 blocks it equals the transpose of the rowwise copy; for 1x128 tiles it
 is ``x`` tiled 128x1, the operand layout the weight-gradient GEMM needs.
 
-The three ops with a fused prologue (``act_quantize``, ``dact_quantize``,
-``concat_quantize``) take one ``mode`` of :data:`MODES` and share
-:func:`check_mode_args`, so their options agree.
+The ops with a fused prologue (``act_quantize``, ``dact_quantize``,
+``concat_quantize``, ``norm_quantize``) take one ``mode`` of :data:`MODES`
+(``tiling.QUANTIZE_MODES`` names each mode's tile layout) and share
+:func:`check_mode_args`, so their options agree. :func:`quantize_by_mode`
+takes the same options (and a ``block_shape`` for "blockwise") and writes
+both copies of a tensor in one pass: the public
+``te_jax.quantize.quantize_rowwise_columnwise``.
 
 >>> import jax.numpy as jnp
 >>> q = quantize_blockwise(jnp.ones((4, 256)), (1, 128), columnwise=True)
