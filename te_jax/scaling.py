@@ -40,8 +40,8 @@ What a ``ScalingMode`` owns:
 
 Adding a recipe: write its frozen dataclass in ``recipe.py`` with a
 ``scaling_mode()`` that returns a new ``ScalingMode`` subclass here; if it
-needs a new kernel, add a ``mode`` to the ops (``ops/quantize.py``'s
-``MODES``) and map to it in ``quantize``/``quantize_fused``. Nothing in the
+needs a new kernel, add a ``mode`` or a tile layout to the ops tiling table
+(``te_jax/ops/tiling.py``) and map to it in ``quantize``/``quantize_fused``. Nothing in the
 dense, MLP, attention or sharding code changes. ``docs/recipes.md`` walks
 through it.
 """
@@ -53,19 +53,24 @@ import dataclasses
 from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
-import jax.numpy as jnp
-from jax import lax
 
 from te_jax import fp8_state as state_lib
 from te_jax.ops import gemm as gemm_op
 from te_jax.ops import quantize as quantize_op
-from te_jax.ops.fp8 import QuantizedTensor, ScaledTensor, nan_scale_inv_if_non_finite
+from te_jax.ops import tiling
+from te_jax.ops.fp8 import (QuantizedTensor, ScaledTensor, amax as amax_of,
+                            nan_scale_inv_if_non_finite, pmax_amax)
 
 __all__ = ["ROLES", "GEMMS", "ScalingMode", "DelayedScalingMode", "CurrentScalingMode",
            "BlockScalingMode"]
 
 ROLES = ("x", "kernel", "grad")
 GEMMS = ("fprop", "dgrad", "wgrad")
+# Float8BlockScaling's layout of each role, and the fused-prologue ops mode
+# that writes the layout of x and grad (the only operands those ops make).
+_ROLE_LAYOUTS = {"x": tiling.TILE_1X128, "grad": tiling.TILE_1X128,
+                 "kernel": tiling.BLOCK_128X128}
+_FUSED_MODE = "blockwise"
 
 
 def _check_role(role):
@@ -112,11 +117,11 @@ class ScalingMode(abc.ABC):
     With ``num_splits`` > 1 the output comes back as a tuple of that many
     column blocks (M, N / num_splits), one GEMM per row block of ``b``
     (``b.row_blocks``): each block is written where its user reads it.
-    Splitting one (M, N) output afterwards costs a copy of every block: for
-    the fused Q/K/V projection at 16384 tokens x 3 x 4096 bf16, three 128 MiB
-    copies per step, 0.24 ms on an H200, while the three narrower GEMMs took
-    no longer than the one (TransformerLayer, 2026-12-04). ``N / num_splits``
-    must be a whole number of ``b``'s scale tiles.
+    Splitting one (M, N) output afterwards would cost a copy of every block
+    (the whole output read and written once more), while the narrower GEMMs
+    take no longer than the one (BENCHMARKS.md has the figures for the
+    fused Q/K/V projection). ``N / num_splits`` must be a whole number of
+    ``b``'s scale tiles.
     """
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
       raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}.")
@@ -222,7 +227,7 @@ class DelayedScalingMode(_PerTensorMode):
     q = quantize_op.quantize_tensorwise(x, self._scale(state, role), self.dtype(role),
                                         columnwise=columnwise, impl=impl)
     if amax_axes:  # one amax everywhere, and a non-finite one poisons every shard
-      q = nan_scale_inv_if_non_finite(q.replace(amax=lax.pmax(q.amax, tuple(amax_axes))))
+      q = nan_scale_inv_if_non_finite(q.replace(amax=pmax_amax(q.amax, tuple(amax_axes))))
     return q
 
   def quantize_fused(self, op, role, state=None, *, impl="auto", **operands):
@@ -245,7 +250,7 @@ class CurrentScalingMode(_PerTensorMode):
     dtype = self.dtype(role)
     if not amax_axes:
       return quantize_op.quantize_current(x, dtype, columnwise=columnwise, impl=impl)
-    amax = lax.pmax(jnp.max(jnp.abs(x.astype(jnp.float32))), tuple(amax_axes))
+    amax = pmax_amax(amax_of(x), tuple(amax_axes))
     return quantize_op.quantize_from_amax(x, amax, dtype, columnwise=columnwise, impl=impl)
 
   def quantize_fused(self, op, role, state=None, *, impl="auto", **operands):
@@ -257,16 +262,23 @@ class BlockScalingMode(ScalingMode):
   """One scale per tile (``Float8BlockScaling``, DeepSeek-V3 style).
 
   x and grad: 1x128 tiles along the contraction dim (their columnwise copy,
-  for wgrad, is 1x128 along tokens); kernel: 128x128 blocks. No state, no
-  cross-device reduction (a tile never spans devices: shards are padded to
-  ``token_block``), fp32 accumulation everywhere.
+  for wgrad, is 1x128 along tokens); kernel: 128x128 blocks (the rows of
+  ``te_jax.ops.tiling``). No state, no cross-device reduction (a tile never
+  spans devices: shards are padded to ``token_block``), fp32 accumulation
+  everywhere.
   """
 
-  token_block: ClassVar[int] = 128
+  # The columnwise copies of x and grad are tiled along tokens, so the token
+  # dim is padded to whole tiles.
+  token_block: ClassVar[int] = _ROLE_LAYOUTS["x"].block_shape[1]
+
+  def layout(self, role: str) -> tiling.TileLayout:
+    """The tiling-table row ``role`` is quantized in."""
+    _check_role(role)
+    return _ROLE_LAYOUTS[role]
 
   def block_shape(self, role: str) -> Tuple[int, int]:
-    _check_role(role)
-    return (128, 128) if role == "kernel" else (1, 128)
+    return self.layout(role).block_shape
 
   def quantize(self, x, role, state=None, *, impl="auto", columnwise=True, amax_axes=()):
     return quantize_op.quantize_blockwise(x, self.block_shape(role), self.dtype(role),
@@ -274,5 +286,5 @@ class BlockScalingMode(ScalingMode):
                                           columnwise=columnwise, impl=impl)
 
   def quantize_fused(self, op, role, state=None, *, impl="auto", **operands):
-    return op(**operands, mode="blockwise", dtype=self.dtype(role),
+    return op(**operands, mode=_FUSED_MODE, dtype=self.dtype(role),
               power_2_scale=self.recipe.power_2_scale, impl=impl)

@@ -2,9 +2,9 @@
 
 Quantize: bit-exact (FP8 bytes, scale_inv and amax; NaN compared as NaN)
 against the reference evaluated on the CPU backend, except where the CPU
-backend itself departs from the spec: amax with NaNs (XLA:CPU's reduce-max
-drops NaN; jnp.max semantics propagate it) and denormal results (XLA:CPU
-flushes them); there numpy float32 is the reference. Not against the reference
+backend itself departs from the spec: denormal results (XLA:CPU flushes
+them); there numpy float32 is the reference. (The reference's amax
+propagates NaN on every backend: ``te_jax.ops.fp8.amax``.) Not against the reference
 compiled for the GPU: XLA:GPU's float32 division is not correctly rounded
 (seen on the H200, jax 0.11.2: 1/1.8211383 -> 0.54910707 instead of the IEEE
 0.54910713), so its `fp8_max / amax` and `1 / scale` can be 1 ulp off, which
@@ -24,6 +24,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from te_jax import quantize as public_quantize
 from te_jax.ops import _native
 from te_jax.ops import gemm as gemm_ops
 from te_jax.ops import quantize as q
@@ -243,6 +244,33 @@ def _check_blockwise(x, block, fp8, pow2):
   assert got.data_t is None and got.scale_inv_t is None
   _bits_equal(got.data, want.data, "data (rowwise only)")
   _bits_equal(got.scale_inv, want.scale_inv, "scale_inv (rowwise only)")
+
+
+# The public one-pass quantize, every recipe's layout (te_jax.quantize).
+ROWWISE_COLUMNWISE_LAYOUTS = [
+    ("tensorwise", dict(scale=3.0)),
+    ("current", {}),
+    ("blockwise", dict(block_shape=(1, 128), power_2_scale=True)),
+    ("blockwise", dict(block_shape=(1, 128))),
+    ("blockwise", dict(block_shape=(128, 128), power_2_scale=True)),
+]
+
+
+@pytest.mark.parametrize("shape", [(256, 512), (130, 300), (1, 130), (640, 384)])
+@pytest.mark.parametrize("special", [False, True])
+@pytest.mark.parametrize("fp8", [E4M3, E5M2])
+def test_quantize_rowwise_columnwise(shape, special, fp8):
+  x = _input(shape, BF16, 5, special=special, spread=True)
+  for mode, options in ROWWISE_COLUMNWISE_LAYOUTS:
+    f = lambda impl, mode=mode, options=options: lambda x: (
+        public_quantize.quantize_rowwise_columnwise(x, mode, fp8, impl=impl, **options))
+    got, want = jax.jit(f("cuda"))(x), _jit_cpu(f("reference"), x)
+    for name in ("data", "scale_inv", "data_t", "scale_inv_t", "amax"):
+      if getattr(want, name) is None:
+        assert getattr(got, name) is None, (mode, name)
+      else:
+        _bits_equal(getattr(got, name), getattr(want, name), f"{mode} {options} {name}")
+    assert got.block_shape == want.block_shape
 
 
 def test_quantize_blockwise_bad_block_shape():

@@ -11,6 +11,9 @@ branch. (On the H200 the same is checked with real CPU arrays:
 tests/test_gpu_flax.py::test_cpu_arrays_on_gpu_host.)
 """
 
+import os
+import re
+
 import numpy as np
 import pytest
 
@@ -22,19 +25,11 @@ from te_jax import fp8_state
 from te_jax import fused_mlp
 from te_jax import recipe as recipe_lib
 from te_jax.ops import _native
+from cuda_lowering import gpu_host  # pylint: disable=unused-import  (a fixture)
 
 RECIPES = {"delayed": recipe_lib.DelayedScaling, "current": recipe_lib.Float8CurrentScaling,
            "block": recipe_lib.Float8BlockScaling}
 M, K, F = 128, 256, 384
-
-
-@pytest.fixture
-def gpu_host(monkeypatch):
-  """resolve_impl as on a GPU machine with the module built: "auto" -> "cuda"."""
-  real = _native.resolve_impl
-  monkeypatch.delenv("TE_JAX_IMPL", raising=False)
-  monkeypatch.setattr(_native, "resolve_impl",
-                      lambda impl: "cuda" if _native._requested(impl) == "auto" else real(impl))
 
 
 def _operands():
@@ -112,3 +107,35 @@ def test_impl_errors(monkeypatch):
     monkeypatch.delenv("TE_JAX_IMPL")
     with pytest.raises(RuntimeError, match="impl='cuda' was requested"):
       _native.dispatch("cuda", lambda: 0, lambda: 1)
+
+
+def environment_variables(sources):
+  """Names of the environment variables read in ``sources`` ({path: text}):
+  ``os.environ.get("X"`` / ``os.environ["X"]`` / ``os.getenv("X"`` in Python,
+  ``std::getenv("X")`` / ``getenv("X")`` in C++."""
+  pattern = re.compile(r"""(?:os\.environ(?:\.get)?|os\.getenv|getenv)[(\[]\s*["'](\w+)["']""")
+  return {name for text in sources.values() for name in pattern.findall(text)}
+
+
+def _library_sources():
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = {}
+  for sub, exts in (("te_jax", (".py",)), ("custom_calls", (".cc", ".cu", ".h", ".cuh"))):
+    for dirpath, _, files in os.walk(os.path.join(root, sub)):
+      for f in files:
+        if f.endswith(exts):
+          with open(os.path.join(dirpath, f), encoding="utf-8") as fh:
+            out[os.path.join(dirpath, f)] = fh.read()
+  return out
+
+
+def test_native_docstring_lists_every_environment_variable():
+  names = environment_variables(_library_sources())
+  assert "TE_JAX_IMPL" in names and len(names) >= 4
+  doc = _native.__doc__
+  missing = sorted(n for n in names if f"``{n}``" not in doc)
+  assert not missing, f"read but not listed in te_jax/ops/_native.py's docstring: {missing}"
+  # the check sees a variable added in Python or C++
+  assert environment_variables({"a.py": 'os.environ.get("TE_JAX_NEW", "")',
+                                "b.h": 'std::getenv("TE_JAX_OTHER")'}) == {
+                                    "TE_JAX_NEW", "TE_JAX_OTHER"}

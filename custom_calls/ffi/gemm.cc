@@ -12,7 +12,10 @@
 // Scale modes (attrs a_mode / b_mode): 0 per-tensor scalar, 1 VEC128 (1x128
 // tiles along K; scales (ceil(K/128), rows) with rows contiguous), 2
 // BLK128x128 (scales (ceil(rows/128), roundup(ceil(K/128), 4)), K-blocks
-// contiguous). quantize_blockwise writes exactly these layouts.
+// contiguous). quantize_blockwise writes exactly these layouts. The ids and
+// layouts are the rows of the Python tiling table (te_jax/ops/tiling.py,
+// TileLayout.gemm_mode); tests/test_tiling.py checks ScaleMode() below
+// against it.
 //
 // gemm_cuda.py checks all of this at trace time; the handler checks it again
 // because the target can be called directly (jax.ffi.ffi_call) and a wrong

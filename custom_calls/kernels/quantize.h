@@ -46,6 +46,8 @@ enum ActId : int {
 };
 
 // How scales are chosen; each CUDA block handles one 128x128 tile of x.
+// The values are the GEMM mode ids of te_jax/ops/tiling.py's layouts
+// (tests/test_tiling.py checks them).
 enum class ScaleMode : int {
   kTensor = 0,    // one scale for the whole tensor (given or from amax_in)
   kVec128 = 1,    // 1x128 rowwise tiles (+ 128x1 tiles for the columnwise copy)

@@ -12,7 +12,18 @@ built with nvcc and cuBLASLt. Every op takes ``impl``:
 * ``"reference"``: the pure-JAX spec.
 
 The environment variable ``TE_JAX_IMPL`` (``reference`` or ``cuda``) replaces
-``"auto"``; it is the only environment variable te_jax reads.
+``"auto"``. te_jax reads four environment variables: this one, in Python
+whenever an op is traced, and three in the CUDA GEMM handler
+(``custom_calls/ffi/gemm_autotune.h``), read once per process at the first
+GEMM:
+
+* ``TE_JAX_IMPL``: ``reference`` or ``cuda`` in place of ``impl="auto"``;
+* ``TE_JAX_GEMM_AUTOTUNE_ALGOS``: how many of cuBLASLt's heuristic answers
+  to time on a GEMM problem's first call (unset: 1, the first answer untimed);
+* ``TE_JAX_GEMM_PICK``: an experiment knob naming the answer to use
+  (``K``, ``split=K``, ``fast=K`` or ``fast=K,split=L``);
+* ``TE_JAX_GEMM_LOG``: set and not ``0``, prints each problem's candidates
+  and choice to stderr.
 """
 
 from __future__ import annotations

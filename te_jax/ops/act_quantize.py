@@ -33,6 +33,7 @@ from jax import lax
 from te_jax.ops import _native
 from te_jax.ops import act_quantize_cuda
 from te_jax.ops import quantize as quantize_op
+from te_jax.ops import tiling
 from te_jax.ops.fp8 import QuantizedTensor
 
 __all__ = [
@@ -61,7 +62,6 @@ _GELU_C3 = np.float32(0.134145)  # 3 * 0.044715, rounded once
 _SQRT_HALF = np.float32(np.sqrt(0.5))
 _INV_SQRT_2PI = np.float32(1.0 / np.sqrt(2.0 * np.pi))
 _QUICK = np.float32(1.702)
-_CUDA_MAX_ROWS = 65535 * 128  # 128-row tiles on grid.y, which CUDA caps at 65535
 
 
 # ------------------------------------------------------------ activations ---
@@ -142,9 +142,9 @@ class Activation(NamedTuple):
       through ``exp``/``expm1`` only, never ``1 - tanh`` or ``1 - sigmoid`` by
       subtraction: two float32 implementations of tanh (CUDA's ``tanhf``,
       XLA's) differ by ulps near +-1, which ``1 - t^2`` turns into relative
-      errors of 100% and more (gelu backward on 3 x N(0, 1) inputs, E5M2:
-      2.2% of FP8 values differed, by up to 48 steps, with the tanh form;
-      none with this one).
+      errors of 100% and more, enough to move the FP8 values of a gelu
+      backward by many steps; with the ``exp`` forms the two paths differ
+      by at most one FP8 step on rare elements (module doc).
     jax_fn: the function the unfused MLP path applies in the compute dtype
       (differentiated by JAX).
   """
@@ -274,14 +274,15 @@ def dact_quantize_reference(dz: jax.Array, h: jax.Array, activations: Sequence[s
 def act_quantize_supported(m: int, f: int, n_act: int) -> bool:
   """Whether the CUDA path takes h (m, n_act*f) (and dz (m, f)).
 
-  Any m up to 65535*128 and any f for one activation; gated units (n_act=2)
-  need f % 8 == 0 (a thread's 8 output columns must not straddle h0 and h1).
+  Any m up to ``tiling.CUDA_MAX_ROWS`` (65535*128) and any f for one
+  activation; gated units (n_act=2) need f % 8 == 0 (a thread's 8 output
+  columns must not straddle h0 and h1).
   This checks shapes only, not whether a GPU or the native module is present
   (``impl="auto"`` falls back to the reference there by itself).
   """
   ints = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
              for v in (m, f, n_act))
-  return (ints and n_act in (1, 2) and 1 <= m <= _CUDA_MAX_ROWS and f >= 1 and
+  return (ints and n_act in (1, 2) and 1 <= m <= tiling.CUDA_MAX_ROWS and f >= 1 and
           (n_act == 1 or f % 8 == 0))
 
 
@@ -293,7 +294,7 @@ def _check_cuda_shape(m: int, f: int, n_act: int):
   if not act_quantize_supported(m, f, n_act):
     raise ValueError(
         f"the CUDA act_quantize kernels do not take M={m}, F={f}, n_act={n_act}: they "
-        f"need M <= {_CUDA_MAX_ROWS} and, for a gated unit, F % 8 == 0. Check "
+        f"need M <= {tiling.CUDA_MAX_ROWS} and, for a gated unit, F % 8 == 0. Check "
         f"act_quantize_supported(m, f, n_act) first, or pass impl='reference'.")
 
 

@@ -4,8 +4,8 @@
 One call reads h (and dz) and writes both FP8 copies of v = act(h) or
 dact(dz, h) plus the scales: v itself never reaches memory. The blockwise
 scales come back in the LOGICAL layout of ``quantize_blockwise`` through the
-same slice/transpose as ``quantize_cuda.py``, which ``gemm_cuda.py`` undoes
-(XLA cancels the pair under ``jit``).
+layout's ``from_native`` (``tiling.py``), which ``gemm_cuda.py`` undoes (XLA
+cancels the pair under ``jit``).
 
 Argument checks live in ``act_quantize.py``; this module assumes them.
 """
@@ -16,8 +16,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_jax.ops import quantize_cuda
+from te_jax.ops import tiling
 from te_jax.ops.fp8 import QuantizedTensor, nan_scale_inv_if_non_finite
-from te_jax.ops.quantize_cuda import native_scale_shapes
 
 __all__ = ["act_quantize"]
 
@@ -61,10 +62,11 @@ def act_quantize(h, dz, kernel_ids, mode: str, dtype, scale, power_2_scale: bool
         "te_jax_act_quantize_current", fp8 + (_sds((), _F32), _sds((), _F32)))(
             h, dz_arg, power_2_scale=np.int64(bool(power_2_scale)), **attrs)
     return QuantizedTensor(data, scale_inv, data_t, scale_inv, amax)
-  # blockwise: 1x128 rowwise, 128x1 for the columnwise copy (= 1x128 of v.T).
-  s_shape, st_shape = native_scale_shapes(m, w, (1, 128))
+  # blockwise: the mode's tiles rowwise, and the same tiles of v.T for the
+  # columnwise copy.
+  layout = tiling.mode_layout(mode)
+  s_out, st_out = quantize_cuda.blockwise_scale_outputs(m, w, layout, True)
   data, s, data_t, st = jax.ffi.ffi_call(
-      "te_jax_act_quantize_blockwise",
-      (fp8[0], _sds(s_shape, _F32), fp8[1], _sds(st_shape, _F32)))(
+      "te_jax_act_quantize_blockwise", (fp8[0], s_out, fp8[1], st_out))(
           h, dz_arg, power_2_scale=np.int64(bool(power_2_scale)), **attrs)
-  return QuantizedTensor(data, s[:, :m].T, data_t, st[:, :w].T, None, (1, 128))
+  return quantize_cuda.blockwise_result(data, s, data_t, st, m, w, layout)

@@ -28,6 +28,7 @@ import numpy as np
 from te_jax.ops import _native
 from te_jax.ops import concat_quantize_cuda
 from te_jax.ops import quantize as quantize_op
+from te_jax.ops import tiling
 from te_jax.ops.fp8 import QuantizedTensor
 
 __all__ = ["MODES", "concat_quantize", "concat_quantize_reference",
@@ -35,7 +36,6 @@ __all__ = ["MODES", "concat_quantize", "concat_quantize_reference",
 
 MODES = quantize_op.MODES
 MAX_PARTS = 4  # custom_calls/kernels/quantize.h: kMaxConcatParts
-_CUDA_MAX_ROWS = 65535 * 128  # 128-row tiles on grid.y, which CUDA caps at 65535
 
 
 
@@ -64,12 +64,13 @@ def concat_quantize_supported(m: int, f: int, n_parts: int) -> bool:
   """Whether the CUDA path takes ``n_parts`` parts of shape (m, f).
 
   1 to 4 parts, f % 8 == 0 (a thread's 8 columns must lie in one part) and m
-  up to 65535*128. Shapes only: ``impl="auto"`` falls back to the reference
-  by itself where there is no GPU or native module.
+  up to ``tiling.CUDA_MAX_ROWS`` (65535*128). Shapes only: ``impl="auto"``
+  falls back to the reference by itself where there is no GPU or native
+  module.
   """
   ints = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
              for v in (m, f, n_parts))
-  return (ints and 1 <= n_parts <= MAX_PARTS and 1 <= m <= _CUDA_MAX_ROWS and f >= 8
+  return (ints and 1 <= n_parts <= MAX_PARTS and 1 <= m <= tiling.CUDA_MAX_ROWS and f >= 8
           and f % 8 == 0)
 
 
@@ -108,7 +109,7 @@ def concat_quantize(parts: Sequence[jax.Array], *, mode: str, dtype, scale=None,
       raise ValueError(
           f"the CUDA concat_quantize kernel does not take {len(parts)} parts of shape "
           f"({m}, {f}): it needs 1 to {MAX_PARTS} parts, F % 8 == 0 and M <= "
-          f"{_CUDA_MAX_ROWS}. Check concat_quantize_supported first, or pass "
+          f"{tiling.CUDA_MAX_ROWS}. Check concat_quantize_supported first, or pass "
           "impl='reference'.")
     return concat_quantize_cuda.concat_quantize(parts, mode, dtype, scale, power_2_scale)
   return _native.dispatch(impl, cuda, lambda: concat_quantize_reference(

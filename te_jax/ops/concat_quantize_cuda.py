@@ -3,8 +3,8 @@
 
 One call reads the parts and writes both FP8 copies of their concatenation
 plus the scales; the concatenation itself never reaches memory. Blockwise
-scales come back in the LOGICAL layout through the same slice/transpose as
-``quantize_cuda.py``. Argument checks live in ``concat_quantize.py``.
+scales come back in the LOGICAL layout through the layout's ``from_native``
+(``tiling.py``), as in ``quantize_cuda.py``. Argument checks live in ``concat_quantize.py``.
 """
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_jax.ops import quantize_cuda
+from te_jax.ops import tiling
 from te_jax.ops.fp8 import QuantizedTensor, nan_scale_inv_if_non_finite
-from te_jax.ops.quantize_cuda import native_scale_shapes
 
 __all__ = ["concat_quantize"]
 
@@ -41,9 +42,9 @@ def concat_quantize(parts, mode: str, dtype, scale, power_2_scale: bool):
     data, data_t, scale_inv, amax = jax.ffi.ffi_call(
         "te_jax_concat_quantize_current", fp8 + (_sds((), _F32), _sds((), _F32)))(*parts)
     return QuantizedTensor(data, scale_inv, data_t, scale_inv, amax)
-  s_shape, st_shape = native_scale_shapes(m, w, (1, 128))
+  layout = tiling.mode_layout(mode)
+  s_out, st_out = quantize_cuda.blockwise_scale_outputs(m, w, layout, True)
   data, s, data_t, st = jax.ffi.ffi_call(
-      "te_jax_concat_quantize_blockwise",
-      (fp8[0], _sds(s_shape, _F32), fp8[1], _sds(st_shape, _F32)))(
+      "te_jax_concat_quantize_blockwise", (fp8[0], s_out, fp8[1], st_out))(
           *parts, power_2_scale=np.int64(bool(power_2_scale)))
-  return QuantizedTensor(data, s[:, :m].T, data_t, st[:, :w].T, None, (1, 128))
+  return quantize_cuda.blockwise_result(data, s, data_t, st, m, w, layout)

@@ -17,8 +17,9 @@ from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-__all__ = ["FP8_DTYPES", "fp8_max", "ScaledTensor", "QuantizedTensor",
+__all__ = ["FP8_DTYPES", "fp8_max", "amax", "pmax_amax", "ScaledTensor", "QuantizedTensor",
            "dequantize_blockwise_reference", "nan_scale_inv_if_non_finite"]
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -35,6 +36,42 @@ def fp8_max(dtype) -> float:
   if dtype not in _FP8_MAX:
     raise TypeError(f"dtype must be float8_e4m3fn or float8_e5m2, got {dtype}.")
   return _FP8_MAX[dtype]
+
+
+# |v| as bits: clearing the sign bit of a float32 is its absolute value, and
+# for non-negative floats the unsigned integer order of the bits is the float
+# order with every NaN above +Inf. A max over these bits is therefore a
+# NaN-propagating max|v| on every backend, which a float reduce-max is not:
+# XLA:CPU's vectorized reduce-max drops a NaN (and can return -inf) for some
+# shapes. The CUDA kernels reduce the same bits (custom_calls/kernels/tile.cuh,
+# AbsBits).
+_ABS_MASK = 0x7FFFFFFF
+
+
+def _abs_bits(v: jax.Array) -> jax.Array:
+  bits = lax.bitcast_convert_type(v.astype(jnp.float32), jnp.uint32)
+  return bits & jnp.uint32(_ABS_MASK)
+
+
+def amax(x: jax.Array, axis=None) -> jax.Array:
+  """``max|x|`` over ``axis`` (all axes by default) as float32, NaN wherever
+  the reduced elements hold a NaN, on every backend.
+
+  Exact: no flush of subnormals, the same value as the kernels' amax. Every
+  amax te_jax's references and scaling modes take goes through this.
+
+  >>> float(amax(jnp.array([1.0, -3.0, 2.0])))
+  3.0
+  >>> amax(jnp.ones((128, 128)).at[127, 127].set(jnp.nan)).tolist()
+  nan
+  """
+  return lax.bitcast_convert_type(jnp.max(_abs_bits(x), axis=axis), jnp.float32)
+
+
+def pmax_amax(value: jax.Array, axis_name) -> jax.Array:
+  """``lax.pmax`` of amaxes (values >= 0 or NaN) over mesh axes ``axis_name``,
+  NaN-propagating like :func:`amax` (a plain ``pmax`` may drop a NaN on CPU)."""
+  return lax.bitcast_convert_type(lax.pmax(_abs_bits(value), axis_name), jnp.float32)
 
 
 def tile(x: jax.Array, block_shape) -> Tuple[jax.Array, int, int]:

@@ -4,7 +4,7 @@
 Hopper wants FP8 operands contiguous along the contraction dimension, so the
 FP8 layers always hand over the copy (rowwise or columnwise) that is.
 
-Scaling modes (the pairs cuBLASLt accepts):
+Scaling pairs: ``tiling.GEMM_PAIRS``, the pairs cuBLASLt accepts:
 
 * per-tensor x per-tensor (E4M3 x E4M3, E4M3 x E5M2, E5M2 x E4M3);
 * blockwise: a 1x128 / b 128x128 (fprop, dgrad), a 1x128 / b 1x128 (wgrad),
@@ -24,12 +24,12 @@ from jax import lax
 
 from te_jax.ops import _native
 from te_jax.ops import gemm_cuda
+from te_jax.ops import tiling
 from te_jax.ops.fp8 import FP8_DTYPES, ScaledTensor
 
 __all__ = ["gemm_reference", "gemm"]
 
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))
-_BLOCK_PAIRS = (((1, 128), (128, 128)), ((1, 128), (1, 128)), ((128, 128), (1, 128)))
 
 
 def gemm_reference(a: ScaledTensor, b: ScaledTensor, out_dtype=jnp.bfloat16,
@@ -63,9 +63,12 @@ def _check(a, b, out_dtype, bias):
     if a.dtype == jnp.float8_e5m2 and b.dtype == jnp.float8_e5m2:
       raise TypeError("E5M2 x E5M2 is not a supported FP8 GEMM; quantize one "
                       "operand as E4M3.")
-  elif (a.block_shape, b.block_shape) not in _BLOCK_PAIRS:
+  elif (tiling.layout_of(a.block_shape), tiling.layout_of(b.block_shape)) not in \
+      tiling.GEMM_PAIRS:
+    supported = tuple((la.block_shape, lb.block_shape) for la, lb in tiling.GEMM_PAIRS
+                      if not la.per_tensor)
     raise ValueError(f"unsupported block-shape pair {a.block_shape} x "
-                     f"{b.block_shape}; supported: {_BLOCK_PAIRS}.")
+                     f"{b.block_shape}; supported: {supported}.")
   if jnp.dtype(out_dtype) not in _OUT_DTYPES:
     raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}.")
   if bias is not None and bias.shape != (b.shape[0],):

@@ -2,13 +2,15 @@
 (FFI handler in ``custom_calls/ffi/gemm.cc``).
 
 Operands are ``ScaledTensor``s with the logical scale layout; the blockwise
-scales are put back into cuBLASLt's layout with the inverse of the
-transpose/slice that ``quantize_cuda.py`` applied, which XLA cancels under
-``jit``. Everything the handler validates is checked here first, at trace
-time, with an error naming the argument: FP8 operand dtypes (not E5M2 x E5M2),
-2-D operands sharing K, M, N and K multiples of 16 (FP8 tensor core GEMMs need
-16-byte aligned leading dimensions), the output dtype, scale dtypes and
-layouts, the scaling pair and the bias. The handler repeats these checks for
+scales are put back into cuBLASLt's layout by ``TileLayout.to_native``
+(``tiling.py``), the inverse of the transpose/slice that ``quantize_cuda.py``
+applied, which XLA cancels under ``jit``. The ``a_mode`` / ``b_mode``
+attributes are the layouts' ``gemm_mode``. Everything the handler validates
+is checked here first, at trace time, with an error naming the argument: FP8
+operand dtypes (not E5M2 x E5M2), 2-D operands sharing K, M, N and K
+multiples of 16 (FP8 tensor core GEMMs need 16-byte aligned leading
+dimensions), the output dtype, scale dtypes and layouts, the scaling pair
+and the bias. The handler repeats these checks for
 direct ``ffi_call`` users; pointer alignment is the handler's alone (it tells
 cuBLASLt the real alignment).
 """
@@ -21,11 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_jax.ops import tiling
 from te_jax.ops.fp8 import ScaledTensor
 
 __all__ = ["WORKSPACE", "gemm", "native_scale"]
 
-_MODES = {None: 0, (1, 128): 1, (128, 128): 2}
 _BIAS_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 _OUT_DTYPES = _BIAS_DTYPES
 _E4M3, _E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
@@ -36,32 +38,29 @@ _E4M3, _E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
 WORKSPACE = jax.ShapeDtypeStruct(((32 << 20) + 256,), jnp.uint8)
 
 
-def _cdiv(a: int, b: int) -> int:
-  return -(-a // b)
+def _layout(t: ScaledTensor, name: str) -> tiling.TileLayout:
+  """The tiling-table row of operand ``t``; ValueError where the GEMM has none."""
+  layout = tiling.layout_of(t.block_shape)
+  if layout is None:
+    known = ", ".join(str(l.block_shape) for l in tiling.LAYOUTS)
+    raise ValueError(f"{name}.block_shape must be one of {known}, got {t.block_shape}.")
+  return layout
 
 
 def native_scale(t: ScaledTensor, name: str):
-  """(mode, scale_inv in cuBLASLt's layout) for operand ``t`` (rows, K)."""
+  """(layout, scale_inv in cuBLASLt's layout) for operand ``t`` (rows, K)."""
   rows, k = t.shape
-  bs = None if t.block_shape is None else tuple(t.block_shape)
-  if bs not in _MODES:
-    raise ValueError(f"{name}.block_shape must be None, (1, 128) or (128, 128), got {bs}.")
+  layout = _layout(t, name)
   s = jnp.asarray(t.scale_inv)
-  if s.dtype != jnp.float32:
-    raise TypeError(f"{name}.scale_inv must be float32, got {s.dtype}.")
-  if bs is None:
-    if s.shape != ():
-      raise ValueError(f"{name}.scale_inv must be a scalar for per-tensor scaling, got {s.shape}.")
-    return 0, s
-  want = (_cdiv(rows, bs[0]), _cdiv(k, bs[1]))
+  if s.dtype != layout.scale_dtype:
+    raise TypeError(f"{name}.scale_inv must be {layout.scale_dtype}, got {s.dtype}.")
+  want = layout.scale_shape(rows, k)
   if s.shape != want:
-    raise ValueError(f"{name}.scale_inv must have shape {want} for block_shape {bs}, "
-                     f"got {s.shape}.")
-  if bs == (1, 128):
-    return 1, s.T  # (ceil(K/128), rows), rows contiguous; rows % 16 == 0 so no padding
-  kb = want[1]
-  pad = -kb % 4  # leading dimension of the BLK128x128 grid is a multiple of 4
-  return 2, (jnp.pad(s, ((0, 0), (0, pad))) if pad else s)
+    if layout.per_tensor:
+      raise ValueError(f"{name}.scale_inv must be a scalar for per-tensor scaling, got {s.shape}.")
+    raise ValueError(f"{name}.scale_inv must have shape {want} for block_shape "
+                     f"{layout.block_shape}, got {s.shape}.")
+  return layout, layout.to_native(s)
 
 
 def gemm(a: ScaledTensor, b: ScaledTensor, out_dtype, bias: Optional[jax.Array] = None,
@@ -86,9 +85,9 @@ def gemm(a: ScaledTensor, b: ScaledTensor, out_dtype, bias: Optional[jax.Array] 
   if k % 16:
     raise ValueError(f"a.shape[1] and b.shape[1] (K) must be multiples of 16 for the cuBLASLt "
                      f"FP8 GEMM, got {k}.")
-  a_mode, a_s = native_scale(a, "a")
-  b_mode, b_s = native_scale(b, "b")
-  if (a_mode == 0) != (b_mode == 0) or (a_mode == 2 and b_mode == 2):
+  a_layout, a_s = native_scale(a, "a")
+  b_layout, b_s = native_scale(b, "b")
+  if (a_layout, b_layout) not in tiling.GEMM_PAIRS:
     raise ValueError(f"unsupported scaling pair a.block_shape={a.block_shape}, "
                      f"b.block_shape={b.block_shape}.")
   if bias is None:
@@ -103,6 +102,6 @@ def gemm(a: ScaledTensor, b: ScaledTensor, out_dtype, bias: Optional[jax.Array] 
       "te_jax_gemm",
       (jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype)), WORKSPACE))(
           a.data, b.data, a_s, b_s, bias_arg,
-          a_mode=np.int64(a_mode), b_mode=np.int64(b_mode),
+          a_mode=np.int64(a_layout.gemm_mode), b_mode=np.int64(b_layout.gemm_mode),
           fast_accum=np.int64(bool(fast_accum)), has_bias=np.int64(bias is not None))
   return out

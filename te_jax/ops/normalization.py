@@ -53,6 +53,7 @@ from jax import lax
 from te_jax.ops import _native
 from te_jax.ops import normalization_cuda
 from te_jax.ops import quantize as quantize_op
+from te_jax.ops import tiling
 from te_jax.ops.fp8 import QuantizedTensor
 
 __all__ = [
@@ -83,7 +84,6 @@ STATS_RTOL = 2e-6
 # sums of the closed form are added in another order.
 BACKWARD_RTOL = 1e-5
 MAX_CUDA_HIDDEN = normalization_cuda.MAX_HIDDEN
-_CUDA_MAX_ROWS = 65535 * 128  # 128-row tiles on grid.y, which CUDA caps at 65535
 _F32 = jnp.float32
 
 
@@ -245,20 +245,21 @@ def norm_quantize_reference(x: jax.Array, gamma: jax.Array, beta: Optional[jax.A
 def norm_supported(m: int, h: int) -> bool:
   """Whether the CUDA kernels take x (m, h), forward and backward.
 
-  Any m up to 65535*128 and 1 <= h <= ``MAX_CUDA_HIDDEN`` (the backward
-  kernel holds a row in one block of up to 1024 threads x 8 columns). This
+  Any m up to ``tiling.CUDA_MAX_ROWS`` (65535*128) and 1 <= h <=
+  ``MAX_CUDA_HIDDEN`` (the backward kernel holds a row in one block of up to
+  1024 threads x 8 columns). This
   checks shapes only (``impl="auto"`` falls back to the reference where no
   GPU or native module is present by itself).
   """
   ints = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in (m, h))
-  return ints and 1 <= m <= _CUDA_MAX_ROWS and 1 <= h <= MAX_CUDA_HIDDEN
+  return ints and 1 <= m <= tiling.CUDA_MAX_ROWS and 1 <= h <= MAX_CUDA_HIDDEN
 
 
 def _check_cuda_shape(m, h):
   if not norm_supported(m, h):
     raise ValueError(
         f"the CUDA normalization kernels do not take M={m}, H={h}: they need M <= "
-        f"{_CUDA_MAX_ROWS} and H <= {MAX_CUDA_HIDDEN}. Check norm_supported(m, h) first, "
+        f"{tiling.CUDA_MAX_ROWS} and H <= {MAX_CUDA_HIDDEN}. Check norm_supported(m, h) first, "
         "or pass impl='reference'.")
 
 

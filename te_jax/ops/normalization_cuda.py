@@ -4,8 +4,8 @@
 ``Prologue::kNorm`` tile kernels of ``act_quantize.cu``).
 
 ``norm_quantize`` returns exactly the pytree of the reference: the
-``QuantizedTensor`` (blockwise scales in the LOGICAL layout through the same
-slice/transpose as ``quantize_cuda.py``, which ``gemm_cuda.py`` undoes), the
+``QuantizedTensor`` (blockwise scales in the LOGICAL layout through the
+layout's ``from_native`` (``tiling.py``), which ``gemm_cuda.py`` undoes), the
 mean (None for rmsnorm) and rstd. gamma and beta reach the kernels as
 float32 (an exact conversion). Argument checks live in ``normalization.py``;
 this module assumes them.
@@ -17,8 +17,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_jax.ops import quantize_cuda
+from te_jax.ops import tiling
 from te_jax.ops.fp8 import QuantizedTensor, nan_scale_inv_if_non_finite
-from te_jax.ops.quantize_cuda import native_scale_shapes
 
 __all__ = ["norm_stats", "norm_quantize", "norm_backward", "MAX_HIDDEN", "backward_blocks"]
 
@@ -86,13 +87,14 @@ def norm_quantize(x, gamma, beta, rms: bool, epsilon: float, zero_centered: bool
         "te_jax_norm_quantize_current", fp8 + scalars + stats)(
             *operands, power_2_scale=np.int64(bool(power_2_scale)), **attrs)
     return (QuantizedTensor(data, scale_inv, data_t, scale_inv, amax),) + stats_out(mean, rstd)
-  # blockwise: 1x128 rowwise, 128x1 for the columnwise copy (= 1x128 of y.T).
-  s_shape, st_shape = native_scale_shapes(m, h, (1, 128))
+  # blockwise: the mode's tiles rowwise, and the same tiles of y.T for the
+  # columnwise copy.
+  layout = tiling.mode_layout(mode)
+  s_out, st_out = quantize_cuda.blockwise_scale_outputs(m, h, layout, True)
   data, s, data_t, st, mean, rstd = jax.ffi.ffi_call(
-      "te_jax_norm_quantize_blockwise",
-      (fp8[0], _sds(s_shape, _F32), fp8[1], _sds(st_shape, _F32)) + stats)(
+      "te_jax_norm_quantize_blockwise", (fp8[0], s_out, fp8[1], st_out) + stats)(
           *operands, power_2_scale=np.int64(bool(power_2_scale)), **attrs)
-  q = QuantizedTensor(data, s[:, :m].T, data_t, st[:, :h].T, None, (1, 128))
+  q = quantize_cuda.blockwise_result(data, s, data_t, st, m, h, layout)
   return (q,) + stats_out(mean, rstd)
 
 

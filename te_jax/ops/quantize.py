@@ -6,22 +6,27 @@ and the public dispatcher ``<op>(..., impl="auto")``. The CUDA path agrees
 with the reference bit for bit. Every op returns a
 :class:`~te_jax.ops.fp8.QuantizedTensor`.
 
-Numerics (DESIGN.md): ``q = saturating_cast(x * scale)``, ``scale_inv =
+Numerics (``docs/design.md``): ``q = saturating_cast(x * scale)``, ``scale_inv =
 1 / scale``; a tensor or tile whose amax is 0 gets scale 1 (for per-tensor
 delayed scaling the caller owns the scale); power-of-2 scales are rounded
 *down*, so ``|x| * scale`` never exceeds the FP8 max. Saturation applies to
 finite values only: a tensor or tile holding an Inf or NaN gets a NaN
 scale_inv (and, where the op derives the scale, NaN data), so the GEMM that
-reads it is non-finite, as the unquantized product would be.
+reads it is non-finite, as the unquantized product would be. Every amax is
+``te_jax.ops.fp8.amax``, which propagates a NaN on every backend.
 
 The "columnwise" copy an op can write in the same pass is the quantization of
 ``x.T`` with the same ``block_shape``: for per-tensor scaling and for
 128x128 blocks it equals the transpose of the rowwise copy; for 1x128 tiles it
 is ``x`` tiled 128x1, the operand layout the weight-gradient GEMM needs.
 
-The three ops with a fused prologue (``act_quantize``, ``dact_quantize``,
-``concat_quantize``) take one ``mode`` of :data:`MODES` and share
-:func:`check_mode_args`, so their options agree.
+The ops with a fused prologue (``act_quantize``, ``dact_quantize``,
+``concat_quantize``, ``norm_quantize``) take one ``mode`` of :data:`MODES`
+(``tiling.QUANTIZE_MODES`` names each mode's tile layout) and share
+:func:`check_mode_args`, so their options agree. :func:`quantize_by_mode`
+takes the same options (and a ``block_shape`` for "blockwise") and writes
+both copies of a tensor in one pass: the public
+``te_jax.quantize.quantize_rowwise_columnwise``.
 
 >>> import jax.numpy as jnp
 >>> q = quantize_blockwise(jnp.ones((4, 256)), (1, 128), columnwise=True)
@@ -40,8 +45,10 @@ from jax import lax
 
 from te_jax.ops import _native
 from te_jax.ops import quantize_cuda
-from te_jax.ops.fp8 import (FP8_DTYPES, QuantizedTensor, dequantize_blockwise_reference,
-                            fp8_max, nan_scale_inv_if_non_finite, tile)
+from te_jax.ops import tiling
+from te_jax.ops.fp8 import (FP8_DTYPES, QuantizedTensor, amax as amax_of,
+                            dequantize_blockwise_reference, fp8_max,
+                            nan_scale_inv_if_non_finite, tile)
 
 __all__ = [
     "MODES",
@@ -55,6 +62,7 @@ __all__ = [
     "quantize_from_amax_reference",
     "quantize_blockwise_reference",
     "quantize_by_mode_reference",
+    "quantize_by_mode",
     "dequantize_blockwise_reference",
     "quantize_tensorwise",
     "quantize_current",
@@ -62,9 +70,10 @@ __all__ = [
     "quantize_blockwise",
 ]
 
-# Modes of the fused-prologue quantize ops: a given per-tensor scale (delayed
-# scaling), the per-tensor scale of this tensor's amax, 1x128 tiles.
-MODES = ("tensorwise", "current", "blockwise")
+# Modes of the fused-prologue quantize ops (tiling.QUANTIZE_MODES names the
+# layout of each): a given per-tensor scale (delayed scaling), the per-tensor
+# scale of this tensor's amax, "blockwise" tiles.
+MODES = tuple(tiling.QUANTIZE_MODES)
 _INPUT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _F32_MAX = float(jnp.finfo(jnp.float32).max)
 
@@ -213,7 +222,7 @@ def quantize_tensorwise_reference(x: jax.Array, scale: jax.Array, dtype, *,
   scale = jnp.asarray(scale, jnp.float32)
   data = saturating_cast(xf * scale, dtype)
   return nan_scale_inv_if_non_finite(
-      _per_tensor(data, 1.0 / scale, jnp.max(jnp.abs(xf)), columnwise))
+      _per_tensor(data, 1.0 / scale, amax_of(xf), columnwise))
 
 
 def quantize_from_amax_reference(x: jax.Array, amax: jax.Array, dtype, *,
@@ -228,15 +237,13 @@ def quantize_from_amax_reference(x: jax.Array, amax: jax.Array, dtype, *,
 def quantize_current_reference(x: jax.Array, dtype, *,
                                columnwise: bool = False) -> QuantizedTensor:
   """Current scaling: the scale of this tensor's own amax ``max|x|``."""
-  amax = jnp.max(jnp.abs(x.astype(jnp.float32)))
-  return quantize_from_amax_reference(x, amax, dtype, columnwise=columnwise)
+  return quantize_from_amax_reference(x, amax_of(x), dtype, columnwise=columnwise)
 
 
 def _blockwise(x, block_shape, dtype, power_2_scale):
   """(data, scale_inv) of 2-D ``x`` quantized per (bm, bk) tile."""
   tiles, m, k = tile(x.astype(jnp.float32), block_shape)
-  amax = jnp.max(jnp.abs(tiles), axis=(1, 3))
-  scale = compute_scale(amax, dtype, power_2_scale=power_2_scale)
+  scale = compute_scale(amax_of(tiles, axis=(1, 3)), dtype, power_2_scale=power_2_scale)
   data = saturating_cast(tiles * scale[:, None, :, None], dtype)
   data = data.reshape(tiles.shape[0] * tiles.shape[1], -1)[:m, :k]
   return data, 1.0 / scale
@@ -273,21 +280,27 @@ def quantize_blockwise_reference(x: jax.Array, block_shape=(1, 128),
 
 # jit: the fused-prologue references call this eagerly in tests; one
 # compilation instead of one per op (inlined under an outer jit).
-@functools.partial(jax.jit, static_argnames=("mode", "dtype", "power_2_scale"))
+@functools.partial(jax.jit, static_argnames=("mode", "dtype", "power_2_scale",
+                                             "block_shape"))
 def quantize_by_mode_reference(v: jax.Array, mode: str, dtype, scale=None,
-                               power_2_scale: bool = False) -> QuantizedTensor:
+                               power_2_scale: bool = False, block_shape=None
+                               ) -> QuantizedTensor:
   """The reference quantization of 2-D ``v`` in a :data:`MODES` mode, both copies.
 
   "tensorwise": :func:`quantize_tensorwise_reference` with ``scale``;
   "current": :func:`quantize_current_reference`; "blockwise":
-  :func:`quantize_blockwise_reference` with 1x128 tiles. The spec of the
-  fused-prologue ops, applied to the float32 value they compute.
+  :func:`quantize_blockwise_reference` with ``block_shape`` tiles, by default
+  the mode's (``tiling.QUANTIZE_MODES``: 1x128). The spec of the
+  fused-prologue ops, applied to the float32 value they compute, and of
+  :func:`quantize_by_mode`.
   """
   if mode == "tensorwise":
     return quantize_tensorwise_reference(v, scale, dtype, columnwise=True)
   if mode == "current":
     return quantize_current_reference(v, dtype, columnwise=True)
-  return quantize_blockwise_reference(v, (1, 128), dtype, power_2_scale, columnwise=True)
+  if block_shape is None:
+    block_shape = tiling.mode_layout(mode).block_shape
+  return quantize_blockwise_reference(v, block_shape, dtype, power_2_scale, columnwise=True)
 
 
 # ------------------------------------------------------------ dispatchers ---
@@ -390,3 +403,48 @@ def quantize_blockwise(x: jax.Array, block_shape=(1, 128), dtype=jnp.float8_e4m3
   return _native.dispatch(impl, cuda, lambda: quantize_blockwise_reference(
       x, block_shape, dtype, power_2_scale, columnwise=columnwise))
 
+
+
+def quantize_by_mode(x: jax.Array, mode: str, dtype=jnp.float8_e4m3fn, *, scale=None,
+                     block_shape=None, power_2_scale: bool = False,
+                     impl: str = "auto") -> QuantizedTensor:
+  """Rowwise and columnwise FP8 copies of 2-D ``x`` in one pass, in any recipe's layout.
+
+  The CUDA path is one kernel that reads ``x`` once and writes both copies;
+  the reference is :func:`quantize_by_mode_reference`.
+
+  Args:
+    x: (M, K) float32/bfloat16/float16.
+    mode: "tensorwise" (the given ``scale``: delayed scaling), "current" (the
+      scale of ``max|x|``) or "blockwise" (one scale per tile).
+    dtype: ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``.
+    scale: float32 scalar, for "tensorwise" only.
+    block_shape: "blockwise" only: (1, 128) (default; the columnwise copy is
+      then ``x`` tiled 128x1) or (128, 128); the reference takes any tile.
+    power_2_scale: "blockwise" only: round the scales down to powers of two.
+    impl: "auto", "cuda" or "reference".
+
+  Returns:
+    A ``QuantizedTensor``: data (M, K) and data_t (K, M), the quantization of
+    ``x.T`` in the same layout. Per tensor: scale_inv = scale_inv_t float32
+    scalars and amax = max|x|. Blockwise: scale_inv (ceil(M/bm), ceil(K/bk)),
+    scale_inv_t (ceil(K/bm), ceil(M/bk)), amax None.
+  """
+  check_input(x, "x", 2)
+  dtype, scale = check_mode_args(mode, dtype, scale, power_2_scale)
+  if mode != "blockwise":
+    if block_shape is not None:
+      raise ValueError(f"block_shape applies to mode='blockwise' only, got mode={mode!r} "
+                       f"and block_shape={block_shape!r}.")
+  else:
+    block_shape = check_block_shape(block_shape if block_shape is not None
+                                    else tiling.mode_layout(mode).block_shape)
+
+  def cuda():
+    if mode == "tensorwise":
+      return quantize_cuda.quantize_tensorwise(x, scale, dtype, True)
+    if mode == "current":
+      return quantize_cuda.quantize_current(x, dtype, True)
+    return quantize_cuda.quantize_blockwise(x, block_shape, dtype, power_2_scale, True)
+  return _native.dispatch(impl, cuda, lambda: quantize_by_mode_reference(
+      x, mode, dtype, scale, power_2_scale, block_shape))
