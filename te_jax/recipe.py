@@ -91,13 +91,6 @@ class Recipe:
         "(see te_jax.scaling).")
 
   @property
-  def is_blockwise(self) -> bool:
-    """Whether scales are per tile. Dead: no library code reads it (the FP8
-    layers ask the ``ScalingMode``); it stays only while tests/test_dense.py
-    does, and goes with that read."""
-    return isinstance(self, Float8BlockScaling)
-
-  @property
   def token_block(self) -> int:
     """Multiple that FP8 GEMMs need along the token dimension."""
     return self.scaling_mode().token_block

@@ -81,7 +81,7 @@ def _emulated(x2d, w, g, r, st):
 
   def qd(t, role):
     dtype = r.bwd_dtype if role == "grad" else r.fwd_dtype
-    if r.is_blockwise:
+    if isinstance(r, recipe.Float8BlockScaling):
       if role == "kernel":
         return qop.dequantize_blockwise_reference(
             *blocks(t, (128, 128), dtype), (128, 128)), None
