@@ -1,0 +1,52 @@
+// Helpers shared by te_jax's CUTLASS-based sm_90a GEMMs (dense blockwise and
+// grouped): te_jax's native scale layouts as CuTe layouts, and the
+// scheduler's raster order. Device-independent; includes CuTe.
+#pragma once
+
+#include <cstdint>
+
+#include "cute/tensor.hpp"
+#include "cutlass/gemm/kernel/tile_scheduler_params.h"
+
+namespace te_jax {
+namespace sm90 {
+
+// Rows padded as te_jax's VEC128 scale grid pads them (custom_calls/README.md).
+inline int RoundUp4(int x) { return (x + 3) / 4 * 4; }
+inline int KBlocks(int k) { return (k + 127) / 128; }
+
+// The CuTe layout of te_jax's native scale grid of an operand with `rows`
+// rows (CUTLASS's M or N) and contraction length k, for CUTLASS's scale
+// layout type LayoutSF with `kGran` rows per scale:
+//   kGran 1   (VEC128): scale (r, kb) at kb * ld + r, ld = roundup(rows, 4)
+//   kGran 128 (BLK):    scale (r, kb) at (r / 128) * ld + kb, ld = roundup(ceil(k/128), 4)
+// `ld` < 0 takes those defaults; the grouped GEMM passes the whole tensor's
+// ld for one group's slice. For kGran 1 the layout claims roundup(rows, 4)
+// rows: the padding exists in memory, and CUTLASS's bulk-copy path for these
+// scales asks for a multiple of 4 (its results for those rows are never stored).
+template <class LayoutSF, int kGran>
+LayoutSF NativeScaleLayout(int rows, int k, int ld = -1) {
+  using namespace cute;
+  const int kb = KBlocks(k);
+  if constexpr (kGran == 1) {
+    const int r4 = RoundUp4(rows);
+    if (ld < 0) ld = r4;
+    return LayoutSF(make_shape(make_shape(Int<1>{}, r4), make_shape(Int<128>{}, kb), 1),
+                    make_stride(make_stride(_0{}, _1{}), make_stride(_0{}, ld), ld * kb));
+  } else {
+    static_assert(kGran == 128, "te_jax scales are 1x128 or 128x128");
+    const int rb = (rows + 127) / 128;
+    if (ld < 0) ld = RoundUp4(kb);
+    return LayoutSF(make_shape(make_shape(Int<128>{}, rb), make_shape(Int<128>{}, kb), 1),
+                    make_stride(make_stride(_0{}, ld), make_stride(_0{}, _1{}), ld * rb));
+  }
+}
+
+// TileOrder::raster (0 heuristic, 1 along M, 2 along N) as CUTLASS's enum.
+inline cutlass::gemm::kernel::detail::RasterOrderOptions RasterOrder(int raster) {
+  using R = cutlass::gemm::kernel::detail::RasterOrderOptions;
+  return raster == 1 ? R::AlongM : raster == 2 ? R::AlongN : R::Heuristic;
+}
+
+}  // namespace sm90
+}  // namespace te_jax
