@@ -12,8 +12,8 @@ namespace te_jax {
 namespace sm90 {
 
 // Rows padded as te_jax's VEC128 scale grid pads them (custom_calls/README.md).
-inline int RoundUp4(int x) { return (x + 3) / 4 * 4; }
-inline int KBlocks(int k) { return (k + 127) / 128; }
+CUTE_HOST_DEVICE int RoundUp4(int x) { return (x + 3) / 4 * 4; }
+CUTE_HOST_DEVICE int KBlocks(int k) { return (k + 127) / 128; }
 
 // The CuTe layout of te_jax's native scale grid of an operand with `rows`
 // rows (CUTLASS's M or N) and contraction length k, for CUTLASS's scale
@@ -25,7 +25,7 @@ inline int KBlocks(int k) { return (k + 127) / 128; }
 // rows: the padding exists in memory, and CUTLASS's bulk-copy path for these
 // scales asks for a multiple of 4 (its results for those rows are never stored).
 template <class LayoutSF, int kGran>
-LayoutSF NativeScaleLayout(int rows, int k, int ld = -1) {
+CUTE_HOST_DEVICE LayoutSF NativeScaleLayout(int rows, int k, int ld = -1) {
   using namespace cute;
   const int kb = KBlocks(k);
   if constexpr (kGran == 1) {
