@@ -354,8 +354,7 @@ void RunChecks(const std::vector<VariantInfo>& variants, int sms) {
 struct Pass {
   const char* name;
   Axis axis;
-  long m, n, k;     // rows: a (m, k) tokens x hidden; contraction: m, n outputs, k tokens
-  bool a_e5m2;      // the gradient operand of dgrad / wgrad under HYBRID (per-tensor)
+  long m, n, k;  // rows: a (m, k) tokens x hidden; contraction: m, n outputs, k tokens
 };
 
 struct TimingRow {
@@ -505,9 +504,9 @@ TimingRow TimeConfig(const VariantInfo& v, const Pass& pass, bool skewed, int sm
 
 void RunTiming(const std::vector<VariantInfo>& variants, int sms, int rounds, const char* device) {
   // 16 experts x 1024 tokens, hidden 4096, expert width 2048.
-  const Pass fprop{"fprop", Axis::kRows, 16384, 2048, 4096, false};
-  const Pass dgrad{"dgrad", Axis::kRows, 16384, 4096, 2048, true};
-  const Pass wgrad{"wgrad", Axis::kContraction, 2048, 4096, 16384, true};
+  const Pass fprop{"fprop", Axis::kRows, 16384, 2048, 4096};
+  const Pass dgrad{"dgrad", Axis::kRows, 16384, 4096, 2048};
+  const Pass wgrad{"wgrad", Axis::kContraction, 2048, 4096, 16384};
   struct Job { sm90::GroupedVariant v; const Pass* pass; };
   const Job jobs[] = {
       {sm90::GroupedVariant::kTensorE4M3Fast, &fprop},
@@ -527,9 +526,7 @@ void RunTiming(const std::vector<VariantInfo>& variants, int sms, int rounds, co
     for (bool skewed : {false, true}) {
       for (const VariantInfo& v : variants) {
         if (v.id != j.v) continue;
-        Pass pass = *j.pass;
-        pass.a_e5m2 = v.a_e5m2;
-        rows.push_back(TimeConfig(v, pass, skewed, sms, lt, lt_ws, lt_ws_bytes, rounds));
+        rows.push_back(TimeConfig(v, *j.pass, skewed, sms, lt, lt_ws, lt_ws_bytes, rounds));
       }
     }
   }

@@ -55,16 +55,29 @@ FLAGS=(-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-const
   nvcc --version | tail -1
 } 2>&1 | tee "$OUT/kernels_env.log"
 
+# deps FILE: FILE and the repository headers it includes, recursively
+# ("kernels/..." under custom_calls/, the harness headers under benchmarks/).
+deps() {
+  local f=$1 inc
+  echo "$f"
+  for inc in $(sed -n 's/^#include "\(.*\)"/\1/p' "$f"); do
+    if [[ -f "custom_calls/$inc" ]]; then deps "custom_calls/$inc"
+    elif [[ -f "benchmarks/$inc" ]]; then deps "benchmarks/$inc"
+    fi
+  done
+}
+export -f deps
+
 # compile SOURCE: its object in $KBUILD, unless the stamp beside the object
-# (hash of the source, every sm90 and harness header, the CUTLASS version,
-# the flags and nvcc's version) matches.
+# (hash of the source and the repository headers it includes, the CUTLASS
+# version, the flags and nvcc's version) matches.
 compile() {
   local src=$1 name obj stamp s
   name=$(basename "$src" .cu)
   [[ "$src" == benchmarks/* ]] && name="bench_$name"  # the harness beside the kernels' table
   obj="$KBUILD/$name.o"
-  stamp=$( (cat "$src" custom_calls/kernels/*sm90*.cuh benchmarks/gemm_sm90_bench.cuh \
-              benchmarks/check_cuda.h "$CUTLASS_DIR/VERSION" 2>/dev/null; echo "$FLAGS_STR"; \
+  stamp=$( (deps "$src" | sort -u | xargs cat; cat "$CUTLASS_DIR/VERSION"; \
+            echo "${FLAGS_STR//$CUTLASS_DIR/CUTLASS_DIR}"; \
             nvcc --version) | sha256sum | cut -c1-16)
   if [[ -f "$obj" && "$(cat "$KBUILD/$name.stamp" 2>/dev/null)" == "$stamp" ]]; then
     echo "$name: reused"

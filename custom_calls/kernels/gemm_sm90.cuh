@@ -63,7 +63,7 @@ struct BlockwiseGemmArgs {
   X(kVecBlkCoop128x128C1x2, "vecblk_coop_128x128_c1x2", kVec128, kBlk128x128) \
   X(kVecBlkCoop128x128C2x1, "vecblk_coop_128x128_c2x1", kVec128, kBlk128x128) \
   X(kVecBlkPing64x128C1x2, "vecblk_ping_64x128_c1x2", kVec128, kBlk128x128)   \
-  X(kSwapBlkVecCoop128x192C2x1, "swap_blkvec_coop_128x192_c2x1", kVec128, kBlk128x128) \
+  X(kSwapBlkVecCoop128x160C2x1, "swap_blkvec_coop_128x160_c2x1", kVec128, kBlk128x128) \
   X(kVecVecCoop128x128C1x2, "vecvec_coop_128x128_c1x2", kVec128, kVec128)
 
 enum class BlockwiseVariant : int {

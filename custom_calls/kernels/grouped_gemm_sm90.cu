@@ -3,6 +3,8 @@
 // unit (grouped_gemm_sm90_<variant>.cu).
 #include <cuda_bf16.h>
 
+#include <algorithm>
+
 #include "kernels/gemm_sm90.cuh"
 #include "kernels/grouped_gemm_sm90_table.cuh"
 
