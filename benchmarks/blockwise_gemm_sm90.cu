@@ -16,9 +16,9 @@
 // Build (tools/gpu_kernels.sh does): nvcc -std=c++17 -O3
 //   -gencode=arch=compute_90a,code=sm_90a -Icustom_calls -I.cutlass/include
 //   benchmarks/blockwise_gemm_sm90.cu <kernel objects> -lcublasLt
-// Run: blockwise_gemm_sm90 [--quick] [--sweep] [--rounds N]
-//   --quick: checks + 3 shapes; --sweep: also time raster order x swizzle
-//   for each variant on each shape (prints the best).
+// Run: blockwise_gemm_sm90 [--checks | --timing] [--only v1,v2] [--quick]
+//   [--sweep] [--rounds N]. --quick: 3 shapes; --sweep: also time raster
+//   order x swizzle for each variant on each shape (prints the best).
 // Prints CHECK lines, one TIME line per shape, and a summary table last.
 #include <cstring>
 #include <memory>
@@ -281,24 +281,23 @@ Row TimeShape(const TimedShape& s, const std::vector<Variant>& variants, int sms
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false, sweep = false;
-  int rounds = 7;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--quick")) quick = true;
-    else if (!std::strcmp(argv[i], "--sweep")) sweep = true;
-    else if (!std::strcmp(argv[i], "--rounds") && i + 1 < argc) rounds = std::atoi(argv[++i]);
-    else {
-      std::fprintf(stderr, "usage: %s [--quick] [--sweep] [--rounds N]\n", argv[0]);
-      return 2;
-    }
+  const bench::Options opt = bench::ParseOptions(argc, argv);
+  if (opt.list) {
+    for (const Variant& v : AllVariants()) std::printf("%s\n", v.name);
+    return 0;
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const int sms = bench::SmCount();
   std::printf("device: %s, %d SMs, %d MiB L2\n", prop.name, sms, prop.l2CacheSize >> 20);
-  const std::vector<Variant> variants = AllVariants();
-
-  RunChecks(variants, sms);
+  std::vector<Variant> variants;
+  for (const Variant& v : AllVariants())
+    if (opt.Keeps(v.name)) variants.push_back(v);
+  if (opt.checks) RunChecks(variants, sms);
+  if (!opt.timing) {
+    std::printf("checks: %s (%d failure(s))\n", failures ? "FAILED" : "all passed", failures);
+    return failures ? 1 : 0;
+  }
 
   // Shapes (M, N, K): 8192^3 and the layer shapes of BENCHMARKS.md (MLP
   // 8 x 2048 tokens, 4096 -> 16384 -> 4096; its backward), the Llama preset of
@@ -328,7 +327,7 @@ int main(int argc, char** argv) {
   };
   std::vector<TimedShape> shapes;
   for (const auto& s : all) {
-    if (!quick || !std::strcmp(s.label, "square8k") || !std::strcmp(s.label, "mlp_fc1_fprop") ||
+    if (!opt.quick || !std::strcmp(s.label, "square8k") || !std::strcmp(s.label, "mlp_fc1_fprop") ||
         !std::strcmp(s.label, "mlp_fc1_wgrad"))
       shapes.push_back(s);
   }
@@ -338,10 +337,10 @@ int main(int argc, char** argv) {
   void* lt_ws = DeviceAlloc<uint8_t>(lt_ws_bytes);
   std::vector<Row> rows;
   for (const auto& s : shapes)
-    rows.push_back(TimeShape(s, variants, sms, lt, lt_ws, lt_ws_bytes, rounds, sweep));
+    rows.push_back(TimeShape(s, variants, sms, lt, lt_ws, lt_ws_bytes, opt.rounds, opt.sweep));
 
   std::printf("\nSUMMARY (TFLOP/s, median; best of %zu variants%s vs cuBLASLt blockwise) on %s\n",
-              variants.size(), sweep ? " x tile orders" : "", prop.name);
+              variants.size(), opt.sweep ? " x tile orders" : "", prop.name);
   std::printf("%-20s %6s %6s %6s %9s %9s %7s  %s\n", "shape", "M", "N", "K", "cublaslt", "ours",
               "ratio", "best variant");
   for (const Row& r : rows)

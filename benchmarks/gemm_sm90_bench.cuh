@@ -359,6 +359,45 @@ inline int RotatingSets(size_t bytes_per_set) {
   return static_cast<int>(std::max<size_t>(2, std::min<size_t>(8, want)));
 }
 
+// Command-line options shared by the harnesses: "--list" prints the variant
+// names; "--checks" / "--timing" run one part only (default both); "--only a,b" keeps the named variants
+// (tools/gpu_kernels.sh checks each variant in its own process, so a variant
+// that faults cannot take the others down, then times those that passed).
+struct Options {
+  bool checks = true, timing = true, quick = false, sweep = false, list = false;
+  int rounds = 7;
+  std::vector<std::string> only;
+  bool Keeps(const char* name) const {
+    return only.empty() || std::find(only.begin(), only.end(), name) != only.end();
+  }
+};
+inline Options ParseOptions(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--checks") o.timing = false;
+    else if (a == "--list") o.list = true;
+    else if (a == "--timing") o.checks = false;
+    else if (a == "--quick") o.quick = true;
+    else if (a == "--sweep") o.sweep = true;
+    else if (a == "--rounds" && i + 1 < argc) o.rounds = std::atoi(argv[++i]);
+    else if (a == "--only" && i + 1 < argc) {
+      std::string list = argv[++i];
+      for (size_t at = 0; at <= list.size();) {
+        const size_t comma = std::min(list.find(',', at), list.size());
+        if (comma > at) o.only.push_back(list.substr(at, comma - at));
+        at = comma + 1;
+      }
+    } else {
+      std::fprintf(stderr,
+                   "usage: %s [--list | --checks | --timing] [--only v1,v2] [--quick] "
+                   "[--sweep] [--rounds N]\n", argv[0]);
+      std::exit(2);
+    }
+  }
+  return o;
+}
+
 inline int SmCount() {
   int dev = 0, sms = 0;
   CHECK_CUDA(cudaGetDevice(&dev));

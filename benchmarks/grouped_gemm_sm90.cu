@@ -19,7 +19,8 @@
 //    a loop of per-group cuBLASLt bf16 GEMMs, and one bf16 GEMM of the whole
 //    size (the ceiling of any bf16 grouped GEMM).
 //
-// Build: see tools/gpu_kernels.sh. Run: grouped_gemm_sm90 [--rounds N]
+// Build: see tools/gpu_kernels.sh. Run: grouped_gemm_sm90 [--checks | --timing]
+//   [--only v1,v2] [--rounds N] (default 7)
 #include <cstring>
 #include <memory>
 
@@ -545,22 +546,20 @@ void RunTiming(const std::vector<VariantInfo>& variants, int sms, int rounds, co
 }  // namespace
 
 int main(int argc, char** argv) {
-  int rounds = 5;
-  for (int i = 1; i < argc; ++i) {
-    if (!std::strcmp(argv[i], "--rounds") && i + 1 < argc) {
-      rounds = std::atoi(argv[++i]);
-    } else {
-      std::fprintf(stderr, "usage: %s [--rounds N]\n", argv[0]);
-      return 2;
-    }
+  const bench::Options opt = bench::ParseOptions(argc, argv);
+  if (opt.list) {
+    for (const VariantInfo& v : AllVariants()) std::printf("%s\n", v.name);
+    return 0;
   }
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const int sms = bench::SmCount();
   std::printf("device: %s, %d SMs\n", prop.name, sms);
-  const auto variants = AllVariants();
-  RunChecks(variants, sms);
-  RunTiming(variants, sms, rounds, prop.name);
+  std::vector<VariantInfo> variants;
+  for (const VariantInfo& v : AllVariants())
+    if (opt.Keeps(v.name)) variants.push_back(v);
+  if (opt.checks) RunChecks(variants, sms);
+  if (opt.timing) RunTiming(variants, sms, opt.rounds, prop.name);
   std::printf("checks: %s (%d failure(s))\n", failures ? "FAILED" : "all passed", failures);
   return failures ? 1 : 0;
 }

@@ -114,16 +114,26 @@ fi
 [[ "${BUILD_ONLY:-0}" == 1 ]] && exit 0
 
 status=0
-if want blockwise; then
-  timeout 300 "$KBUILD/blockwise_gemm_sm90" ${BLOCKWISE_ARGS:-} > "$OUT/blockwise_gemm_sm90.log" 2>&1 \
-    || { echo "blockwise_gemm_sm90: exit $? (see $OUT/blockwise_gemm_sm90.log)"; status=1; }
-  grep -E "FAIL|SKIP" "$OUT/blockwise_gemm_sm90.log" | head -20
-fi
-if want grouped; then
-  timeout 240 "$KBUILD/grouped_gemm_sm90" ${GROUPED_ARGS:-} > "$OUT/grouped_gemm_sm90.log" 2>&1 \
-    || { echo "grouped_gemm_sm90: exit $? (see $OUT/grouped_gemm_sm90.log)"; status=1; }
-  grep -E "FAIL" "$OUT/grouped_gemm_sm90.log" | head -20
-fi
+# run_harness NAME TIMEOUT ARGS: each variant's checks in its own process (a
+# variant that faults cannot take the others down), then one timing run of
+# the variants that passed. Logs: $OUT/NAME_checks.log, $OUT/NAME.log.
+run_harness() {
+  local name=$1 limit=$2 args=$3 bin="$KBUILD/$1" v pass=() rc
+  : > "$OUT/${name}_checks.log"
+  for v in $("$bin" --list); do
+    timeout 120 "$bin" --checks --only "$v" >> "$OUT/${name}_checks.log" 2>&1
+    rc=$?
+    if [[ $rc -eq 0 ]]; then pass+=("$v"); else echo "$name: $v FAILED its checks (exit $rc)"; status=1; fi
+  done
+  grep -E "FAIL|SKIP" "$OUT/${name}_checks.log" | head -20
+  echo "$name: checks passed by ${#pass[@]} variant(s): ${pass[*]}"
+  [[ ${#pass[@]} -eq 0 ]] && return
+  # shellcheck disable=SC2086  # args is a word list
+  timeout "$limit" "$bin" --timing --only "$(IFS=,; echo "${pass[*]}")" $args \
+    > "$OUT/$name.log" 2>&1 || { echo "$name timing: exit $? (see $OUT/$name.log)"; status=1; }
+}
+want blockwise && run_harness blockwise_gemm_sm90 240 "${BLOCKWISE_ARGS:-}"
+want grouped && run_harness grouped_gemm_sm90 200 "${GROUPED_ARGS:-}"
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader 2>/dev/null \
   | sed 's/^/after: /'
 for log in blockwise_gemm_sm90 grouped_gemm_sm90; do

@@ -41,6 +41,7 @@ template <Fp8 kTypeA, Fp8 kTypeB, bool kBlockwise, bool kFastAccum, int kGranA, 
           int kClusterN>
 struct GroupedConfig {
   static constexpr bool kIsBlockwise = kBlockwise;
+  static constexpr int kScaleGranB = kGranB;  // 128: rows-grouped blockwise; 1: contraction
   using ElementA = Fp8Element<kTypeA>;
   using ElementB = Fp8Element<kTypeB>;
   using ElementD = cutlass::bfloat16_t;
@@ -210,7 +211,7 @@ __global__ void GroupedSetupKernel(GroupedGemmArgs p, GroupTable table,
       t.stride_b[g] = make_stride(int64_t(k), _1{}, _0{});
       t.stride_d[g] = make_stride(int64_t(n), _1{}, _0{});
       if constexpr (!Cfg::kIsBlockwise) t.alpha[g] = p.a_sinv[0] * p.b_sinv[g];
-      if constexpr (Cfg::kIsBlockwise) {
+      if constexpr (Cfg::kIsBlockwise && Cfg::kScaleGranB == 128) {
         const int ld_a = RoundUp4(m), kb = KBlocks(k), ld_b = RoundUp4(kb);
         t.ptr_sfa[g] = p.a_sinv + start;  // VEC128: rows contiguous
         t.ptr_sfb[g] = p.b_sinv + int64_t(g) * ((n + 127) / 128) * ld_b;
@@ -226,7 +227,7 @@ __global__ void GroupedSetupKernel(GroupedGemmArgs p, GroupTable table,
       t.stride_b[g] = make_stride(int64_t(k), _1{}, _0{});
       t.stride_d[g] = make_stride(int64_t(n), _1{}, _0{});
       if constexpr (!Cfg::kIsBlockwise) t.alpha[g] = p.a_sinv[0] * p.b_sinv[0];
-      if constexpr (Cfg::kIsBlockwise) {
+      if constexpr (Cfg::kIsBlockwise && Cfg::kScaleGranB == 1) {
         const int ld_a = RoundUp4(m), ld_b = RoundUp4(n);
         t.ptr_sfa[g] = p.a_sinv + (start / 128) * ld_a;
         t.ptr_sfb[g] = p.b_sinv + (start / 128) * ld_b;
