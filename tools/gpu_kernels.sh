@@ -3,10 +3,12 @@
 # the CUTLASS-based kernels and the two standalone harnesses, run the checks
 # and timings, write logs to $OUT, print a short table last.
 #
-# Usage (from the repo root): bash tools/gpu_kernels.sh [build] [blockwise] [grouped]
-#   (default: all three). Needs the CUTLASS headers in .cutlass/include (an
-#   ignored folder: `pip download --no-deps nvidia-cutlass==4.2.0.0`, unzip,
-#   copy cutlass_library/source/include; carry .cutlass with the call).
+# Usage (from the repo root): bash tools/gpu_kernels.sh [fetch] [build] [blockwise] [grouped]
+#   (default: build blockwise grouped). Needs the CUTLASS headers in .cutlass/include or as
+#   .cutlass/cutlass-<version>-include.tar.gz (an ignored folder, made by
+#   `bash tools/gpu_kernels.sh fetch` on a machine with PyPI: the
+#   nvidia-cutlass 4.2.0.0 wheel's cutlass_library/source/include); carry
+#   .cutlass with the call.
 # Env:
 #   CUTLASS_DIR   default $REPO/.cutlass (include/ inside; build/ for objects)
 #   KBUILD        object/binary folder, default $CUTLASS_DIR/build. An object
@@ -32,7 +34,31 @@ STEPS=("$@")
 want() { local s; for s in "${STEPS[@]}"; do [[ "$s" == "$1" ]] && return 0; done; return 1; }
 t0=$(date +%s)
 cd "$REPO" || exit 1
+CUTLASS_VERSION=4.2.0.0
 
+# fetch (on a CPU machine with PyPI, not on the GPU machine): the wheel's
+# C++ headers into $CUTLASS_DIR/include and a tarball of them beside it.
+if want fetch; then
+  tmp=$(mktemp -d)
+  python3 -m pip download --no-deps --dest "$tmp" "nvidia-cutlass==$CUTLASS_VERSION" > /dev/null \
+    && python3 -m zipfile -e "$tmp"/nvidia_cutlass-*.whl "$tmp/whl" \
+    || { echo "gpu_kernels: could not fetch nvidia-cutlass==$CUTLASS_VERSION"; exit 1; }
+  rm -rf "$CUTLASS_DIR/include"
+  mkdir -p "$CUTLASS_DIR"
+  cp -r "$tmp/whl/cutlass_library/source/include" "$CUTLASS_DIR/include"
+  echo "nvidia-cutlass $CUTLASS_VERSION (PyPI wheel), cutlass_library/source/include" \
+    > "$CUTLASS_DIR/VERSION"
+  tar -czf "$CUTLASS_DIR/cutlass-$CUTLASS_VERSION-include.tar.gz" -C "$CUTLASS_DIR" include
+  rm -rf "$tmp"
+  echo "gpu_kernels: CUTLASS $CUTLASS_VERSION headers in $CUTLASS_DIR"
+  [[ ${#STEPS[@]} -eq 1 ]] && exit 0
+fi
+
+# A carried tarball of the include tree is unpacked once.
+if [[ ! -f "$CUTLASS_DIR/include/cutlass/cutlass.h" ]] && ls "$CUTLASS_DIR"/cutlass-*-include.tar.gz \
+    > /dev/null 2>&1; then
+  tar -xzf "$(ls "$CUTLASS_DIR"/cutlass-*-include.tar.gz | head -1)" -C "$CUTLASS_DIR"
+fi
 [[ -f "$CUTLASS_DIR/include/cutlass/cutlass.h" ]] || {
   echo "gpu_kernels: no CUTLASS headers in $CUTLASS_DIR/include (see the header of this script)"
   exit 1
