@@ -86,14 +86,11 @@ std::vector<double> HostReference(const Operands& op) {
   std::vector<double> out(size_t(op.m) * op.n);
   for (long i = 0; i < op.m; ++i) {
     for (long j = 0; j < op.n; ++j) {
-      double acc = 0;
-      for (long k0 = 0; k0 < op.k; k0 += 128) {
-        double part = 0;
-        for (long kk = k0; kk < std::min(op.k, k0 + 128); ++kk)
-          part += double(a[i * op.k + kk]) * b[j * op.k + kk];
-        acc += part * ScaleAt(sa, op.ga, op.a_mode, i, k0) * ScaleAt(sb, op.gb, op.b_mode, j, k0);
-      }
-      out[size_t(i) * op.n + j] = acc;
+      out[size_t(i) * op.n + j] =
+          bench::BlockDot(&a[i * op.k], &b[j * op.k], 0, op.k, [&](long k0) {
+            return double(ScaleAt(sa, op.ga, op.a_mode, i, k0)) *
+                   ScaleAt(sb, op.gb, op.b_mode, j, k0);
+          });
     }
   }
   return out;
@@ -282,10 +279,7 @@ Row TimeShape(const TimedShape& s, const std::vector<Variant>& variants, int sms
 
 int main(int argc, char** argv) {
   const bench::Options opt = bench::ParseOptions(argc, argv);
-  if (opt.list) {
-    for (const Variant& v : AllVariants()) std::printf("%s\n", v.name);
-    return 0;
-  }
+  if (bench::ListVariants(opt, AllVariants())) return 0;
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const int sms = bench::SmCount();

@@ -189,6 +189,21 @@ inline ErrorNorm HostDiff(const std::vector<__nv_bfloat16>& got, const std::vect
   return {w2 > 0 ? std::sqrt(d2 / w2) : (d2 > 0 ? INFINITY : 0.0), bad};
 }
 
+// sum over the 128-blocks [b0, b0 + 128) of [lo, hi) of (a . b over the
+// block) * scale(b0), in float64: the reference of a GEMM whose partial sums
+// are scaled once per 128 of the contraction. a, b: one row each, indexed
+// by the contraction.
+template <class Scale>
+double BlockDot(const float* a, const float* b, long lo, long hi, Scale scale) {
+  double acc = 0;
+  for (long b0 = lo; b0 < hi; b0 += 128) {
+    double part = 0;
+    for (long t = b0; t < std::min(hi, b0 + 128); ++t) part += double(a[t]) * b[t];
+    acc += part * scale(b0);
+  }
+  return acc;
+}
+
 // fp8 bytes to float on the host.
 inline std::vector<float> Fp8ToFloat(const std::vector<uint8_t>& bytes, bool e5m2) {
   std::vector<float> f(bytes.size());
@@ -396,6 +411,14 @@ inline Options ParseOptions(int argc, char** argv) {
     }
   }
   return o;
+}
+
+// Prints the variant names (--list) and returns true, or does nothing.
+template <class V>
+bool ListVariants(const Options& o, const std::vector<V>& variants) {
+  if (!o.list) return false;
+  for (const V& v : variants) std::printf("%s\n", v.name);
+  return true;
 }
 
 inline int SmCount() {

@@ -124,7 +124,7 @@ struct Problem {
       const long size = host_sizes[g], e = s + std::max<long>(size, 0);
       start->push_back(s);
       end->push_back(std::min(e, extent));
-      valid->push_back(size >= 0 && e <= extent && size % multiple == 0);
+      valid->push_back(size >= 0 && e <= extent && size % multiple == 0 && s % multiple == 0);
       s = std::min(e, extent);
     }
   }
@@ -166,35 +166,21 @@ std::vector<double> HostReference(const Problem& p) {
       const std::vector<float> sbg(sb.begin() + size_t(g) * (blockwise ? p.gb.count() : 1),
                                    sb.begin() + size_t(g + 1) * (blockwise ? p.gb.count() : 1));
       for (long r = start[g]; r < end[g]; ++r)
-        for (long j = 0; j < p.n; ++j) {
-          double acc = 0;
-          for (long k0 = 0; k0 < p.k; k0 += 128) {
-            double part = 0;
-            for (long kk = k0; kk < std::min(p.k, k0 + 128); ++kk)
-              part += double(a[r * p.k + kk]) * bg[j * p.k + kk];
-            const double s = blockwise ? double(bench::ScaleAt(sa, p.ga, vec, r, k0)) *
-                                             bench::ScaleAt(sbg, p.gb, blk, j, k0)
-                                       : double(sa[0]) * sbg[0];
-            acc += part * s;
-          }
-          out[size_t(r) * p.n + j] = acc;
-        }
+        for (long j = 0; j < p.n; ++j)
+          out[size_t(r) * p.n + j] = bench::BlockDot(&a[r * p.k], &bg[j * p.k], 0, p.k, [&](long k0) {
+            return blockwise ? double(bench::ScaleAt(sa, p.ga, vec, r, k0)) *
+                                   bench::ScaleAt(sbg, p.gb, blk, j, k0)
+                             : double(sa[0]) * sbg[0];
+          });
     } else {
       double* og = out.data() + size_t(g) * p.m * p.n;
       for (long i = 0; i < p.m; ++i)
-        for (long j = 0; j < p.n; ++j) {
-          double acc = 0;
-          for (long t0 = start[g]; t0 < end[g]; t0 += 128) {
-            double part = 0;
-            for (long t = t0; t < std::min(end[g], t0 + 128); ++t)
-              part += double(a[i * p.k + t]) * b[j * p.k + t];
-            const double s = blockwise ? double(bench::ScaleAt(sa, p.ga, vec, i, t0)) *
-                                             bench::ScaleAt(sb, p.gb, vec, j, t0)
-                                       : double(sa[0]) * sb[0];
-            acc += part * s;
-          }
-          og[size_t(i) * p.n + j] = acc;
-        }
+        for (long j = 0; j < p.n; ++j)
+          og[size_t(i) * p.n + j] = bench::BlockDot(&a[i * p.k], &b[j * p.k], start[g], end[g], [&](long t0) {
+            return blockwise ? double(bench::ScaleAt(sa, p.ga, vec, i, t0)) *
+                                   bench::ScaleAt(sb, p.gb, vec, j, t0)
+                             : double(sa[0]) * sb[0];
+          });
     }
   }
   return out;
@@ -547,10 +533,7 @@ void RunTiming(const std::vector<VariantInfo>& variants, int sms, int rounds, co
 
 int main(int argc, char** argv) {
   const bench::Options opt = bench::ParseOptions(argc, argv);
-  if (opt.list) {
-    for (const VariantInfo& v : AllVariants()) std::printf("%s\n", v.name);
-    return 0;
-  }
+  if (bench::ListVariants(opt, AllVariants())) return 0;
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const int sms = bench::SmCount();

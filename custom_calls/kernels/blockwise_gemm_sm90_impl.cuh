@@ -100,8 +100,8 @@ struct BlockwiseConfig {
                    {M, N, K, 1},
                    {static_cast<const ElementA*>(ptr_a), stride_a,
                     static_cast<const ElementB*>(ptr_b), stride_b, sfa,
-                    NativeScaleLayout<LayoutSFA, kGranA>(M, K), sfb,
-                    NativeScaleLayout<LayoutSFB, kGranB>(N, K)},
+                    NativeScaleLayout<LayoutSFA, kGranA>(kGranA == 1 ? RoundUp4(M) : M, K), sfb,
+                    NativeScaleLayout<LayoutSFB, kGranB>(kGranB == 1 ? RoundUp4(N) : N, K)},
                    {{}, nullptr, stride_d, static_cast<ElementD*>(p.out), stride_d},
                    hw};
     args.epilogue.thread.alpha = 1.0f;
@@ -127,16 +127,9 @@ struct BlockwiseConfig {
 
   static cudaError_t Launch(const BlockwiseGemmArgs& p, void* workspace, size_t workspace_bytes,
                             int sm_count, cudaStream_t stream) {
-    Arguments args = MakeArguments(p, sm_count);
+    const Arguments args = MakeArguments(p, sm_count);
     if (Gemm::get_workspace_size(args) > workspace_bytes) return cudaErrorInvalidValue;
-    Gemm gemm;
-    if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess)
-      return cudaErrorInvalidValue;
-    if (gemm.run(stream) != cutlass::Status::kSuccess) {
-      const cudaError_t e = cudaGetLastError();
-      return e == cudaSuccess ? cudaErrorLaunchFailure : e;
-    }
-    return cudaGetLastError();
+    return RunCutlass<Gemm>(args, workspace, stream);
   }
 };
 

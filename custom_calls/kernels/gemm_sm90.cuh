@@ -114,8 +114,9 @@ cudaError_t LaunchBlockwiseGemm(BlockwiseVariant v, const BlockwiseGemmArgs& arg
 // Group sizes: any size >= 0 for kRows; multiples of 16 (per-tensor) or 128
 // (blockwise, so no scale block straddles two groups) for kContraction; the
 // caller pads each group to the recipe's token block. A group that breaks
-// this, a negative size, or sizes summing past the buffer make that group's
-// output NaN (the kernel cannot raise from the device; NaN surfaces).
+// this (by its size, or by its start after such a group), a negative size,
+// or sizes summing past the buffer make that group's output NaN (the kernel
+// cannot raise from the device; NaN surfaces).
 enum class GroupedAxis : int { kRows = 0, kContraction = 1 };
 enum class GroupedScaling : int { kTensor = 0, kBlockwise = 1 };
 

@@ -167,8 +167,8 @@ struct GroupedConfig {
 // group writes its entries. Group g's slice of the grouped axis is
 // [start, start + size), start = sum of the previous sizes (negative ones
 // count as 0), clamped to the buffer; a group that is negative, overruns the
-// buffer or breaks the alignment `multiple` is kGroupInvalid and computes
-// nothing (the fill kernel NaNs its output).
+// buffer, or whose size or start breaks the alignment `multiple` is
+// kGroupInvalid and computes nothing (the fill kernel NaNs its output).
 template <class Cfg>
 __global__ void GroupedSetupKernel(GroupedGemmArgs p, GroupTable table,
                                    typename Cfg::Arrays t, int multiple) {
@@ -184,7 +184,8 @@ __global__ void GroupedSetupKernel(GroupedGemmArgs p, GroupTable table,
     for (int g = 0; g < groups; ++g) {
       const int64_t size = smem_sizes[g];
       const int64_t end = start + (size > 0 ? size : 0);
-      const bool invalid = size < 0 || end > extent || size % multiple != 0;
+      // A slice must also start aligned: an invalid size before it shifts it.
+      const bool invalid = size < 0 || end > extent || size % multiple != 0 || start % multiple;
       table.bounds[g] = start;
       table.status[g] = invalid ? kGroupInvalid : (size == 0 ? kGroupEmpty : kGroupOk);
       any_invalid |= invalid;
@@ -260,17 +261,9 @@ struct GroupedKernel {
     const size_t smem = sizeof(int64_t) * static_cast<size_t>(p.groups);
     if (smem > 48 * 1024) return cudaErrorInvalidValue;  // > 6144 groups
     GroupedSetupKernel<Cfg><<<1, 256, smem, stream>>>(p, table, t, multiple);
-    cudaError_t e = cudaGetLastError();
+    const cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
-    auto args = Cfg::MakeArguments(p, t, sm_count);
-    Gemm gemm;
-    if (gemm.initialize(args, t.cutlass_workspace, stream) != cutlass::Status::kSuccess)
-      return cudaErrorInvalidValue;
-    if (gemm.run(stream) != cutlass::Status::kSuccess) {
-      e = cudaGetLastError();
-      return e == cudaSuccess ? cudaErrorLaunchFailure : e;
-    }
-    return cudaGetLastError();
+    return RunCutlass<Gemm>(Cfg::MakeArguments(p, t, sm_count), t.cutlass_workspace, stream);
   }
 };
 
