@@ -25,20 +25,20 @@
 namespace te_jax {
 namespace sm90 {
 
-// One kernel configuration. kGranA / kGranB: rows per scale of CUTLASS's A
-// and B (1 = a VEC128 operand, 128 = a BLK128x128 operand). kSwap: CUTLASS's
-// A is te_jax's b (the problem is solved transposed; the output is written
-// column-major, which is te_jax's row-major (m, n)).
+// One kernel configuration. kGranA / kGranB: rows per scale of a and b
+// (1 = a VEC128 operand, 128 = a BLK128x128 operand); kStreamK: CUTLASS's
+// stream-K tile scheduler (splits the K loop of the last wave's tiles over
+// idle CTAs; needs workspace) instead of the persistent data-parallel one.
+// CUTLASS's A is te_jax's a, B its b, D its out, all as laid out in memory.
 template <int kTileM, int kTileN, int kClusterM, int kClusterN, bool kPingpong, int kGranA,
-          int kGranB, bool kSwap>
+          int kGranB, bool kStreamK>
 struct BlockwiseConfig {
   using ElementA = cutlass::float_e4m3_t;
   using ElementB = cutlass::float_e4m3_t;
   using ElementD = cutlass::bfloat16_t;
   using LayoutA = cutlass::layout::RowMajor;     // (M, K), K contiguous
   using LayoutB = cutlass::layout::ColumnMajor;  // (K, N) column-major = (N, K) row-major
-  using LayoutD = cute::conditional_t<kSwap, cutlass::layout::ColumnMajor,
-                                      cutlass::layout::RowMajor>;
+  using LayoutD = cutlass::layout::RowMajor;
   using TileShape = cute::Shape<cute::Int<kTileM>, cute::Int<kTileN>, cute::_128>;
   using ClusterShape = cute::Shape<cute::Int<kClusterM>, cute::Int<kClusterN>, cute::_1>;
   // A VEC128 operand's scales are rows-contiguous (MN-major), a BLK128x128
@@ -70,8 +70,10 @@ struct BlockwiseConfig {
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       MainloopSchedule>::CollectiveOp;
+  using Scheduler = cute::conditional_t<kStreamK, cutlass::gemm::StreamKScheduler,
+                                        cutlass::gemm::PersistentScheduler>;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<cute::Shape<int, int, int, int>, Mainloop,
-                                                      Epilogue>;
+                                                      Epilogue, Scheduler>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using Arguments = typename Gemm::Arguments;
   using StrideA = typename Gemm::GemmKernel::StrideA;
@@ -80,27 +82,18 @@ struct BlockwiseConfig {
 
   // The CUTLASS arguments of te_jax's problem (no device access).
   static Arguments MakeArguments(const BlockwiseGemmArgs& p, int sm_count) {
-    const int M = static_cast<int>(kSwap ? p.n : p.m), N = static_cast<int>(kSwap ? p.m : p.n);
-    const int K = static_cast<int>(p.k);
-    const void* ptr_a = kSwap ? p.b : p.a;
-    const void* ptr_b = kSwap ? p.a : p.b;
-    const float* sfa = kSwap ? p.b_sinv : p.a_sinv;
-    const float* sfb = kSwap ? p.a_sinv : p.b_sinv;
-    StrideA stride_a = cute::make_stride(int64_t(K), cute::_1{}, int64_t(0));
-    StrideB stride_b = cute::make_stride(int64_t(K), cute::_1{}, int64_t(0));
-    StrideD stride_d;
-    if constexpr (kSwap) {
-      stride_d = cute::make_stride(cute::_1{}, int64_t(M), int64_t(0));  // (M', N') col-major
-    } else {
-      stride_d = cute::make_stride(int64_t(N), cute::_1{}, int64_t(0));
-    }
+    const int M = static_cast<int>(p.m), N = static_cast<int>(p.n), K = static_cast<int>(p.k);
+    const StrideA stride_a = cute::make_stride(int64_t(K), cute::_1{}, int64_t(0));
+    const StrideB stride_b = cute::make_stride(int64_t(K), cute::_1{}, int64_t(0));
+    const StrideD stride_d = cute::make_stride(int64_t(N), cute::_1{}, int64_t(0));
     cutlass::KernelHardwareInfo hw;
     hw.sm_count = sm_count;
     Arguments args{cutlass::gemm::GemmUniversalMode::kGemm,
                    {M, N, K, 1},
-                   {static_cast<const ElementA*>(ptr_a), stride_a,
-                    static_cast<const ElementB*>(ptr_b), stride_b, sfa,
-                    NativeScaleLayout<LayoutSFA, kGranA>(kGranA == 1 ? RoundUp4(M) : M, K), sfb,
+                   {static_cast<const ElementA*>(p.a), stride_a,
+                    static_cast<const ElementB*>(p.b), stride_b, p.a_sinv,
+                    NativeScaleLayout<LayoutSFA, kGranA>(kGranA == 1 ? RoundUp4(M) : M, K),
+                    p.b_sinv,
                     NativeScaleLayout<LayoutSFB, kGranB>(kGranB == 1 ? RoundUp4(N) : N, K)},
                    {{}, nullptr, stride_d, static_cast<ElementD*>(p.out), stride_d},
                    hw};

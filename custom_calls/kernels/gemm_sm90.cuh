@@ -54,16 +54,14 @@ struct BlockwiseGemmArgs {
   TileOrder order;
 };
 
-// One compiled kernel configuration each. Names: scale kinds of CUTLASS's A
-// and B ("Vec" 1x128, "Blk" 128x128), schedule, CTA tile (M x N of CUTLASS's
-// problem), cluster. "Swap" variants compute out^T = b @ a^T (CUTLASS's A is
-// te_jax's b, the output is written column-major), which lets the token
-// dimension take a tile that is not a multiple of 128.
-#define TE_JAX_SM90_BLOCKWISE_VARIANTS(X)                                      \
-  X(kVecBlkCoop128x128C1x2, "vecblk_coop_128x128_c1x2", kVec128, kBlk128x128) \
-  X(kVecBlkCoop128x128C2x1, "vecblk_coop_128x128_c2x1", kVec128, kBlk128x128) \
-  X(kVecBlkPing64x128C1x2, "vecblk_ping_64x128_c1x2", kVec128, kBlk128x128)   \
-  X(kSwapBlkVecCoop128x160C2x1, "swap_blkvec_coop_128x160_c2x1", kVec128, kBlk128x128) \
+// One compiled kernel configuration each. Names: scale kinds of a and b
+// ("vec" 1x128, "blk" 128x128), schedule, CTA tile (M x N), cluster,
+// tile scheduler (persistent data-parallel unless "streamk").
+#define TE_JAX_SM90_BLOCKWISE_VARIANTS(X)                                                   \
+  X(kVecBlkCoop128x128C1x2, "vecblk_coop_128x128_c1x2", kVec128, kBlk128x128)               \
+  X(kVecBlkCoop128x128C2x1, "vecblk_coop_128x128_c2x1", kVec128, kBlk128x128)               \
+  X(kVecBlkPing64x128C1x2, "vecblk_ping_64x128_c1x2", kVec128, kBlk128x128)                 \
+  X(kVecBlkCoop128x128C1x2StreamK, "vecblk_coop_128x128_c1x2_streamk", kVec128, kBlk128x128) \
   X(kVecVecCoop128x128C1x2, "vecvec_coop_128x128_c1x2", kVec128, kVec128)
 
 enum class BlockwiseVariant : int {
@@ -79,7 +77,7 @@ const char* BlockwiseVariantName(BlockwiseVariant v);
 const char* CheckBlockwiseGemm(BlockwiseVariant v, const BlockwiseGemmArgs& args);
 
 // Scratch bytes the launch needs (0 for the persistent data-parallel
-// scheduler these variants use); the caller provides them.
+// scheduler; stream-K's partial tiles); the caller provides them.
 size_t BlockwiseGemmWorkspace(BlockwiseVariant v, const BlockwiseGemmArgs& args, int sm_count);
 
 // Enqueues the GEMM on `stream`; allocates nothing and never synchronizes.
