@@ -1,0 +1,548 @@
+// Checks and times te_jax's own sm_90a grouped FP8 GEMM
+// (custom_calls/kernels/gemm_sm90.cuh, built on CUTLASS's pointer-array
+// grouped kernels) for mixture-of-experts layers: group sizes on the device,
+// rows grouped (fprop, dgrad) or the contraction grouped (wgrad), per-tensor
+// or blockwise scaling.
+//
+// 1. Checks against a float64 host reference: odd shapes (k, n not multiples
+//    of 128), empty groups, one group, 1-row groups, rows after the last
+//    group (must be 0), invalid sizes (negative, overrunning, misaligned:
+//    that group must be NaN); outputs poisoned first; every run repeated and
+//    compared bit for bit; and one CUDA-graph check: the launch captured
+//    once, group_sizes changed on the device, the replay must compute the
+//    new grouping (no host synchronization, no shapes baked in).
+// 2. Timing, 16 experts, 16 x 1024 tokens, hidden 4096, expert width 2048
+//    (fprop (16384, 2048, 4096), dgrad (16384, 4096, 2048), wgrad 16 x
+//    (2048, 4096) over 16384 tokens), balanced and skewed (one expert with
+//    half the tokens): ours against a loop of per-group cuBLASLt FP8 GEMMs
+//    (same scaling; the host knows the sizes, as te_jax's loop would need),
+//    a loop of per-group cuBLASLt bf16 GEMMs, and one bf16 GEMM of the whole
+//    size (the ceiling of any bf16 grouped GEMM).
+//
+// Build: see tools/gpu_kernels.sh. Run: grouped_gemm_sm90 [--checks | --timing]
+//   [--only v1,v2] [--rounds N] (default 7)
+#include <cstring>
+#include <memory>
+
+#include "gemm_sm90_bench.cuh"
+#include "kernels/gemm_sm90.cuh"
+
+namespace {
+
+namespace sm90 = te_jax::sm90;
+using Axis = sm90::GroupedAxis;
+using Scaling = sm90::GroupedScaling;
+using bench::DeviceAlloc;
+
+constexpr double kTol = 1e-2;  // bfloat16 output (tests/test_cuda_ops.py)
+int failures = 0;
+
+struct VariantInfo {
+  sm90::GroupedVariant id;
+  const char* name;
+  Scaling scaling;
+  bool a_e5m2, b_e5m2;
+};
+std::vector<VariantInfo> AllVariants() {
+  std::vector<VariantInfo> v;
+#define TE_JAX_X(id, name, scaling, a_type, b_type)                                    \
+  v.push_back({sm90::GroupedVariant::id, name, Scaling::scaling,                       \
+               sm90::Fp8::a_type == sm90::Fp8::kE5M2, sm90::Fp8::b_type == sm90::Fp8::kE5M2});
+  TE_JAX_SM90_GROUPED_VARIANTS(TE_JAX_X)
+#undef TE_JAX_X
+  return v;
+}
+
+// One grouped problem's device operands (one input set). Rows: a (m, k),
+// b (G, n, k), out (m, n). Contraction: a (m, k), b (n, k), out (G, m, n).
+struct Problem {
+  Axis axis;
+  Scaling scaling;
+  int groups;
+  long m, n, k;
+  bool a_e5m2, b_e5m2;
+  bench::ScaleGrid ga{}, gb{};  // gb: one expert's grid for rows
+  uint8_t *a = nullptr, *b = nullptr;
+  float *sa = nullptr, *sb = nullptr;
+  int32_t* sizes = nullptr;
+  std::vector<int32_t> host_sizes;
+
+  Problem(Axis ax, Scaling sc, const std::vector<int32_t>& sz, long m_, long n_, long k_,
+          bool ae, bool be, uint64_t seed)
+      : axis(ax), scaling(sc), groups(static_cast<int>(sz.size())), m(m_), n(n_), k(k_),
+        a_e5m2(ae), b_e5m2(be), host_sizes(sz) {
+    const bool rows = axis == Axis::kRows;
+    const long b_rows = rows ? long(groups) * n : n;
+    a = DeviceAlloc<uint8_t>(m * k);
+    b = DeviceAlloc<uint8_t>(b_rows * k);
+    ae ? bench::FillFp8<__nv_fp8_e5m2>(a, m * k, seed) : bench::FillFp8<__nv_fp8_e4m3>(a, m * k, seed);
+    be ? bench::FillFp8<__nv_fp8_e5m2>(b, b_rows * k, seed + 1)
+       : bench::FillFp8<__nv_fp8_e4m3>(b, b_rows * k, seed + 1);
+    const auto vec = sm90::ScaleMode::kVec128, blk = sm90::ScaleMode::kBlk128x128;
+    if (scaling == Scaling::kTensor) {
+      ga = {1, 1, 1};
+      gb = {rows ? groups : 1, 1, 1};
+    } else {
+      ga = bench::Grid(vec, m, k);
+      gb = bench::Grid(rows ? blk : vec, n, k);
+    }
+    const int experts = rows && scaling == Scaling::kBlockwise ? groups : 1;
+    sa = DeviceAlloc<float>(ga.count());
+    sb = DeviceAlloc<float>(gb.count() * experts);
+    bench::FillScales(sa, ga.outer, ga.ld, ga.valid, seed + 2);
+    bench::FillScales(sb, gb.outer * experts, gb.ld, gb.valid, seed + 3);
+    sizes = DeviceAlloc<int32_t>(groups);
+    SetSizes(sz);
+  }
+  ~Problem() {
+    for (void* p : {static_cast<void*>(a), static_cast<void*>(b), static_cast<void*>(sa),
+                    static_cast<void*>(sb), static_cast<void*>(sizes)})
+      cudaFree(p);
+  }
+  Problem(const Problem&) = delete;
+  Problem& operator=(const Problem&) = delete;
+
+  void SetSizes(const std::vector<int32_t>& sz) {
+    host_sizes = sz;
+    CHECK_CUDA(cudaMemcpy(sizes, sz.data(), sz.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+  }
+  size_t out_elems() const { return axis == Axis::kRows ? size_t(m) * n : size_t(groups) * m * n; }
+  sm90::GroupedGemmArgs Args(void* out) const {
+    sm90::GroupedGemmArgs p;
+    p.axis = axis; p.scaling = scaling; p.groups = groups;
+    p.m = m; p.n = n; p.k = k;
+    p.group_sizes = sizes; p.a = a; p.b = b; p.a_sinv = sa; p.b_sinv = sb; p.out = out;
+    return p;
+  }
+  // Slice [start, end) of the grouped axis per group, and whether the
+  // group is valid (gemm_sm90.cuh's rules); mirrors the setup kernel.
+  void Slices(std::vector<long>* start, std::vector<long>* end, std::vector<bool>* valid) const {
+    const long extent = axis == Axis::kRows ? m : k;
+    const int multiple = axis == Axis::kRows ? 1 : scaling == Scaling::kBlockwise ? 128 : 16;
+    long s = 0;
+    for (int g = 0; g < groups; ++g) {
+      const long size = host_sizes[g], e = s + std::max<long>(size, 0);
+      start->push_back(s);
+      end->push_back(std::min(e, extent));
+      valid->push_back(size >= 0 && e <= extent && size % multiple == 0 && s % multiple == 0);
+      s = std::min(e, extent);
+    }
+  }
+  long covered() const {
+    std::vector<long> s, e;
+    std::vector<bool> v;
+    Slices(&s, &e, &v);
+    long c = 0;
+    for (int g = 0; g < groups; ++g) c += v[g] ? e[g] - s[g] : 0;
+    return c;
+  }
+};
+
+// float64 reference; NaN where the kernel must write NaN (invalid groups).
+std::vector<double> HostReference(const Problem& p) {
+  const bool rows = p.axis == Axis::kRows, blockwise = p.scaling == Scaling::kBlockwise;
+  const long b_rows = rows ? long(p.groups) * p.n : p.n;
+  const auto a = bench::Fp8ToFloat(bench::ToHost<uint8_t>(p.a, p.m * p.k), p.a_e5m2);
+  const auto b = bench::Fp8ToFloat(bench::ToHost<uint8_t>(p.b, b_rows * p.k), p.b_e5m2);
+  const int experts = rows && blockwise ? p.groups : 1;
+  const auto sa = bench::ToHost<float>(p.sa, p.ga.count());
+  const auto sb = bench::ToHost<float>(p.sb, p.gb.count() * experts);
+  std::vector<long> start, end;
+  std::vector<bool> valid;
+  p.Slices(&start, &end, &valid);
+  std::vector<double> out(p.out_elems(), 0.0);
+  const auto vec = sm90::ScaleMode::kVec128, blk = sm90::ScaleMode::kBlk128x128;
+  for (int g = 0; g < p.groups; ++g) {
+    if (!valid[g]) {
+      if (rows) {
+        std::fill(out.begin() + start[g] * p.n, out.begin() + end[g] * p.n, NAN);
+      } else {
+        std::fill(out.begin() + size_t(g) * p.m * p.n, out.begin() + size_t(g + 1) * p.m * p.n, NAN);
+      }
+      continue;
+    }
+    if (rows) {
+      const float* bg = b.data() + size_t(g) * p.n * p.k;
+      const std::vector<float> sbg(sb.begin() + size_t(g) * (blockwise ? p.gb.count() : 1),
+                                   sb.begin() + size_t(g + 1) * (blockwise ? p.gb.count() : 1));
+      for (long r = start[g]; r < end[g]; ++r)
+        for (long j = 0; j < p.n; ++j)
+          out[size_t(r) * p.n + j] = bench::BlockDot(&a[r * p.k], &bg[j * p.k], 0, p.k, [&](long k0) {
+            return blockwise ? double(bench::ScaleAt(sa, p.ga, vec, r, k0)) *
+                                   bench::ScaleAt(sbg, p.gb, blk, j, k0)
+                             : double(sa[0]) * sbg[0];
+          });
+    } else {
+      double* og = out.data() + size_t(g) * p.m * p.n;
+      for (long i = 0; i < p.m; ++i)
+        for (long j = 0; j < p.n; ++j)
+          og[size_t(i) * p.n + j] = bench::BlockDot(&a[i * p.k], &b[j * p.k], start[g], end[g], [&](long t0) {
+            return blockwise ? double(bench::ScaleAt(sa, p.ga, vec, i, t0)) *
+                                   bench::ScaleAt(sb, p.gb, vec, j, t0)
+                             : double(sa[0]) * sb[0];
+          });
+    }
+  }
+  return out;
+}
+
+// Where the reference is NaN the output must be NaN; elsewhere the norm
+// error over the finite part, and no other non-finite element.
+bool Compare(const std::vector<__nv_bfloat16>& got, const std::vector<double>& want, double* rel,
+             long long* bad) {
+  double d2 = 0, w2 = 0;
+  *bad = 0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double g = __bfloat162float(got[i]);
+    if (std::isnan(want[i])) {
+      *bad += !std::isnan(g);
+      continue;
+    }
+    if (!std::isfinite(g)) { ++*bad; continue; }
+    d2 += (g - want[i]) * (g - want[i]);
+    w2 += want[i] * want[i];
+  }
+  *rel = w2 > 0 ? std::sqrt(d2 / w2) : (d2 > 0 ? INFINITY : 0.0);
+  return *bad == 0 && *rel < kTol;
+}
+
+// Launch with a workspace of the size asked for (grown as needed).
+bool Launch(sm90::GroupedVariant v, const sm90::GroupedGemmArgs& p, int sms, cudaStream_t s) {
+  static void* ws = nullptr;
+  static size_t ws_bytes = 0;
+  const size_t need = sm90::GroupedGemmWorkspace(v, p, sms);
+  if (need > ws_bytes) {
+    if (ws) CHECK_CUDA(cudaFree(ws));
+    CHECK_CUDA(cudaMalloc(&ws, need));
+    ws_bytes = need;
+  }
+  return sm90::LaunchGroupedGemm(v, p, ws, ws_bytes, sms, s) == cudaSuccess;
+}
+
+void CheckOne(const VariantInfo& v, const Problem& p, const char* what, int sms) {
+  const auto want = HostReference(p);
+  const size_t n_out = p.out_elems();
+  void* out = DeviceAlloc<uint16_t>(n_out);
+  const char* why = sm90::CheckGroupedGemm(v.id, p.Args(out));
+  if (why) {
+    std::printf("CHECK %-28s %-34s FAIL (rejected: %s)\n", v.name, what, why);
+    ++failures;
+    CHECK_CUDA(cudaFree(out));
+    return;
+  }
+  std::vector<__nv_bfloat16> first;
+  bool ok = true, same = true, pass = false;
+  double rel = 0;
+  long long bad = 0;
+  for (int run = 0; run < 2 && ok; ++run) {
+    bench::Poison(out, n_out);
+    ok = Launch(v.id, p.Args(out), sms, 0) && cudaDeviceSynchronize() == cudaSuccess;
+    if (!ok) break;
+    auto got = bench::ToHost<__nv_bfloat16>(out, n_out);
+    if (run == 0) {
+      pass = Compare(got, want, &rel, &bad);
+      first = std::move(got);
+    } else {
+      same = std::memcmp(first.data(), got.data(), n_out * 2) == 0;
+    }
+  }
+  pass = pass && ok && same;
+  failures += !pass;
+  std::printf("CHECK %-28s %-34s rel_err=%.2e wrong_nonfinite=%lld repeat=%s %s\n", v.name, what,
+              rel, bad, same ? "same" : "DIFFERS", pass ? "PASS" : ok ? "FAIL" : "FAIL (launch)");
+  CHECK_CUDA(cudaFree(out));
+}
+
+// The launch recorded into a CUDA graph once, replayed after group_sizes
+// changed on the device: the replay must follow the new sizes.
+void CheckGraph(const VariantInfo& v, Problem& p, const std::vector<int32_t>& new_sizes,
+                const char* what, int sms) {
+  const size_t n_out = p.out_elems();
+  void* out = DeviceAlloc<uint16_t>(n_out);
+  const size_t ws_bytes = sm90::GroupedGemmWorkspace(v.id, p.Args(out), sms);
+  void* ws = DeviceAlloc<uint8_t>(ws_bytes);
+  cudaStream_t s;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  const cudaError_t launched = sm90::LaunchGroupedGemm(v.id, p.Args(out), ws, ws_bytes, sms, s);
+  CHECK_CUDA(cudaStreamEndCapture(s, &graph));
+  bool pass = launched == cudaSuccess;
+  double rel = 0;
+  long long bad = 0;
+  if (pass) {
+    CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    p.SetSizes(new_sizes);
+    const auto want = HostReference(p);
+    bench::Poison(out, n_out);
+    CHECK_CUDA(cudaGraphLaunch(exec, s));
+    CHECK_CUDA(cudaStreamSynchronize(s));
+    pass = Compare(bench::ToHost<__nv_bfloat16>(out, n_out), want, &rel, &bad);
+    CHECK_CUDA(cudaGraphExecDestroy(exec));
+  }
+  failures += !pass;
+  std::printf("CHECK %-28s %-34s rel_err=%.2e wrong_nonfinite=%lld %s\n", v.name, what, rel, bad,
+              pass ? "PASS" : "FAIL");
+  CHECK_CUDA(cudaGraphDestroy(graph));
+  CHECK_CUDA(cudaStreamDestroy(s));
+  CHECK_CUDA(cudaFree(ws));
+  CHECK_CUDA(cudaFree(out));
+}
+
+void RunChecks(const std::vector<VariantInfo>& variants, int sms) {
+  uint64_t seed = 500;
+  for (const VariantInfo& v : variants) {
+    const bool blockwise = v.scaling == Scaling::kBlockwise;
+    const bool rows_ok = v.id != sm90::GroupedVariant::kBlockwiseContraction;
+    const bool contraction_ok = v.id != sm90::GroupedVariant::kBlockwiseRows;
+    if (rows_ok) {  // m = 200 rows, n = 272, k = 400: none a multiple of 128
+      struct Case { const char* what; std::vector<int32_t> sizes; };
+      const Case cases[] = {
+          {"rows: 0,1,130,37 (+32 tail rows)", {0, 1, 130, 37}},
+          {"rows: one group", {200}},
+          {"rows: all empty", {0, 0, 0}},
+          {"rows: -5 and overrun -> NaN", {64, -5, 100, 80}},
+      };
+      for (const Case& c : cases) {
+        Problem p(Axis::kRows, v.scaling, c.sizes, 200, 272, 400, v.a_e5m2, v.b_e5m2, seed += 10);
+        CheckOne(v, p, c.what, sms);
+      }
+      Problem p(Axis::kRows, v.scaling, {16, 0, 100, 3}, 200, 272, 400, v.a_e5m2, v.b_e5m2,
+                seed += 10);
+      CheckGraph(v, p, {50, 50, 0, 90}, "rows: graph replay, new sizes", sms);
+    }
+    if (contraction_ok) {  // m = 144, n = 264 (not multiples of 128), k = 640 tokens
+      const int32_t u = blockwise ? 128 : 16;
+      struct Case { const char* what; std::vector<int32_t> sizes; };
+      const Case cases[] = {
+          {"contraction: 0,u,3u,... (tail)", {0, u, 3 * u, blockwise ? 0 : 9 * u}},
+          {"contraction: one group", {640}},
+          {"contraction: misaligned -> NaN", {u, u + 8, u}},
+      };
+      for (const Case& c : cases) {
+        Problem p(Axis::kContraction, v.scaling, c.sizes, 144, 264, 640, v.a_e5m2, v.b_e5m2,
+                  seed += 10);
+        CheckOne(v, p, c.what, sms);
+      }
+      Problem p(Axis::kContraction, v.scaling, {u, 2 * u, 0}, 144, 264, 640, v.a_e5m2, v.b_e5m2,
+                seed += 10);
+      CheckGraph(v, p, {0, u, 3 * u}, "contraction: graph replay", sms);
+    }
+  }
+}
+
+
+
+// ------------------------------------------------------------------ timing --
+
+// One timed pass: the problem of ours, the per-group cuBLASLt FP8 loop with
+// the same scaling, a per-group bf16 loop and one whole-size bf16 GEMM.
+struct Pass {
+  const char* name;
+  Axis axis;
+  long m, n, k;  // rows: a (m, k) tokens x hidden; contraction: m, n outputs, k tokens
+};
+
+struct TimingRow {
+  std::string label;
+  double ours, loop_fp8, loop_bf16, single_bf16;
+};
+
+// Group sizes: balanced (16 x 1024) or skewed (one group holds half the
+// tokens; the rest spread in multiples of 128).
+std::vector<int32_t> Sizes(int groups, long tokens, bool skewed) {
+  std::vector<int32_t> s(groups, static_cast<int32_t>(tokens / groups));
+  if (!skewed) return s;
+  s[0] = static_cast<int32_t>(tokens / 2);
+  const long blocks = tokens / 2 / 128;
+  for (int g = 1; g < groups; ++g)
+    s[g] = static_cast<int32_t>(128 * (blocks / (groups - 1) + (g - 1 < blocks % (groups - 1))));
+  return s;
+}
+
+TimingRow TimeConfig(const VariantInfo& v, const Pass& pass, bool skewed, int sms,
+                     cublasLtHandle_t lt, void* lt_ws, size_t lt_ws_bytes, int rounds) {
+  const int G = 16;
+  const bool rows = pass.axis == Axis::kRows, blockwise = v.scaling == Scaling::kBlockwise;
+  const long tokens = rows ? pass.m : pass.k;
+  const auto sizes = Sizes(G, tokens, skewed);
+  const int sets = 2;  // each set's operands are > 100 MB, past the L2
+  std::vector<std::unique_ptr<Problem>> ps;
+  for (int i = 0; i < sets; ++i)
+    ps.emplace_back(new Problem(pass.axis, v.scaling, sizes, pass.m, pass.n, pass.k, v.a_e5m2,
+                                v.b_e5m2, 9000 + 10 * i));
+  const Problem& p0 = *ps[0];
+  void* out = DeviceAlloc<uint16_t>(p0.out_elems());
+  void* ref = DeviceAlloc<uint16_t>(p0.out_elems());
+  std::vector<long> start, end;
+  std::vector<bool> valid;
+  p0.Slices(&start, &end, &valid);
+
+  // Per-group cuBLASLt FP8 GEMMs on the same buffers. Rows blockwise: each
+  // group's 1x128 scales as cuBLASLt's contiguous (ceil(k/128), rows) grid.
+  const auto ta = v.a_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
+  const auto tb = v.b_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
+  const int a_mode = blockwise ? 1 : 0, b_mode = blockwise ? (rows ? 2 : 1) : 0;
+  const bool fast = v.id == sm90::GroupedVariant::kTensorE4M3Fast;
+  std::vector<std::unique_ptr<bench::LtGemm>> loop;
+  std::vector<std::vector<float*>> group_sa(sets);
+  for (int g = 0; g < G; ++g) {
+    const long sz = end[g] - start[g];
+    if (rows)
+      loop.emplace_back(new bench::LtGemm(lt, sz, pass.n, pass.k, ta, tb, CUDA_R_16BF, a_mode,
+                                          b_mode, fast, lt_ws, lt_ws_bytes));
+    else
+      loop.emplace_back(new bench::LtGemm(lt, pass.m, pass.n, sz, ta, tb, CUDA_R_16BF, a_mode,
+                                          b_mode, fast, lt_ws, lt_ws_bytes, pass.k, pass.k));
+    for (int i = 0; i < sets && rows && blockwise; ++i) {
+      const int kb = bench::KBlocks(pass.k);
+      float* s = DeviceAlloc<float>(size_t(kb) * sz);
+      CHECK_CUDA(cudaMemcpy2D(s, sz * 4, ps[i]->sa + start[g], ps[i]->ga.ld * 4, sz * 4, kb,
+                              cudaMemcpyDeviceToDevice));
+      group_sa[i].push_back(s);
+    }
+  }
+  auto run_loop = [&](int r, void* o) {
+    const Problem& p = *ps[r % sets];
+    bool ok = true;
+    for (int g = 0; g < G && ok; ++g) {
+      auto* d = static_cast<__nv_bfloat16*>(o);
+      if (rows) {
+        const float* sa = blockwise ? group_sa[r % sets][g] : p.sa;
+        const float* sb = blockwise ? p.sb + size_t(g) * p.gb.count() : p.sb + g;
+        ok = loop[g]->Run(p.a + start[g] * p.k, p.b + size_t(g) * p.n * p.k, sa, sb,
+                          d + start[g] * p.n, 0) == CUBLAS_STATUS_SUCCESS;
+      } else {
+        const size_t off = blockwise ? size_t(start[g] / 128) : 0;
+        ok = loop[g]->Run(p.a + start[g], p.b + start[g], p.sa + off * p.ga.ld,
+                          p.sb + off * p.gb.ld, d + size_t(g) * p.m * p.n, 0) ==
+             CUBLAS_STATUS_SUCCESS;
+      }
+    }
+    return ok;
+  };
+  // Check ours against the loop on set 0 (every group is valid here).
+  bench::Poison(ref, p0.out_elems());
+  bench::Poison(out, p0.out_elems());
+  const bool loop_ok = run_loop(0, ref);
+  const bool ours_ok = Launch(v.id, p0.Args(out), sms, 0);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  const auto e = bench::DeviceDiff(out, ref, p0.out_elems());
+  const bool pass_ok = loop_ok && ours_ok && e.bad == 0 && e.rel < kTol;
+  failures += !pass_ok;
+
+  // bf16 operands of the same shapes (fresh random data).
+  const long b_rows = rows ? long(G) * pass.n : pass.n;
+  auto* a16 = DeviceAlloc<__nv_bfloat16>(pass.m * pass.k);
+  auto* b16 = DeviceAlloc<__nv_bfloat16>(b_rows * pass.k);
+  bench::FillBf16(a16, pass.m * pass.k, 77);
+  bench::FillBf16(b16, b_rows * pass.k, 78);
+  std::vector<std::unique_ptr<bench::LtGemm>> loop16;
+  for (int g = 0; g < G; ++g) {
+    const long sz = end[g] - start[g];
+    loop16.emplace_back(rows ? new bench::LtGemm(lt, sz, pass.n, pass.k, CUDA_R_16BF, CUDA_R_16BF,
+                                                 CUDA_R_16BF, 0, 0, false, lt_ws, lt_ws_bytes)
+                             : new bench::LtGemm(lt, pass.m, pass.n, sz, CUDA_R_16BF, CUDA_R_16BF,
+                                                 CUDA_R_16BF, 0, 0, false, lt_ws, lt_ws_bytes,
+                                                 pass.k, pass.k));
+  }
+  bench::LtGemm single16(lt, pass.m, pass.n, pass.k, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF, 0, 0,
+                         false, lt_ws, lt_ws_bytes);
+  std::vector<bench::Candidate> cands = {
+      {"ours", [&](int r) { return Launch(v.id, ps[r % sets]->Args(out), sms, 0); }},
+      {"loop_fp8", [&](int r) { return run_loop(r, out); }},
+      {"loop_bf16",
+       [&](int) {
+         bool ok = true;
+         for (int g = 0; g < G && ok; ++g) {
+           const size_t a_off = rows ? start[g] * pass.k : start[g];
+           const size_t b_off = rows ? size_t(g) * pass.n * pass.k : start[g];
+           const size_t d_off = rows ? start[g] * pass.n : size_t(g) * pass.m * pass.n;
+           ok = loop16[g]->Run(a16 + a_off, b16 + b_off, nullptr, nullptr,
+                               static_cast<__nv_bfloat16*>(out) + d_off, 0) ==
+                CUBLAS_STATUS_SUCCESS;
+         }
+         return ok;
+       }},
+      {"single_bf16",
+       [&](int) {
+         return single16.Run(a16, b16, nullptr, nullptr, out, 0) == CUBLAS_STATUS_SUCCESS;
+       }},
+  };
+  const auto ms = bench::TimeInterleaved(cands, rounds);
+  const double useful = 2.0 * (rows ? p0.covered() * pass.n * pass.k
+                                    : pass.m * pass.n * p0.covered());
+  const double whole = 2.0 * pass.m * pass.n * pass.k;
+  TimingRow row{std::string(pass.name) + (skewed ? " skewed" : " balanced") + " " + v.name,
+                useful / ms[0] * 1e-9, useful / ms[1] * 1e-9, useful / ms[2] * 1e-9,
+                whole / ms[3] * 1e-9};
+  std::printf("TIME %-52s ours %6.0f  loop_fp8 %6.0f  loop_bf16 %6.0f  single_bf16 %6.0f TF/s"
+              "  check vs loop rel=%.1e %s\n",
+              row.label.c_str(), row.ours, row.loop_fp8, row.loop_bf16, row.single_bf16, e.rel,
+              pass_ok ? "ok" : "FAIL");
+  std::fflush(stdout);
+  for (auto& v2 : group_sa)
+    for (float* s : v2) CHECK_CUDA(cudaFree(s));
+  for (void* q : {out, ref, static_cast<void*>(a16), static_cast<void*>(b16)})
+    CHECK_CUDA(cudaFree(q));
+  return row;
+}
+
+void RunTiming(const std::vector<VariantInfo>& variants, int sms, int rounds, const char* device) {
+  // 16 experts x 1024 tokens, hidden 4096, expert width 2048.
+  const Pass fprop{"fprop", Axis::kRows, 16384, 2048, 4096};
+  const Pass dgrad{"dgrad", Axis::kRows, 16384, 4096, 2048};
+  const Pass wgrad{"wgrad", Axis::kContraction, 2048, 4096, 16384};
+  struct Job { sm90::GroupedVariant v; const Pass* pass; };
+  const Job jobs[] = {
+      {sm90::GroupedVariant::kTensorE4M3Fast, &fprop},
+      {sm90::GroupedVariant::kTensorE4M3Split, &fprop},
+      {sm90::GroupedVariant::kTensorE5M2E4M3Split, &dgrad},
+      {sm90::GroupedVariant::kTensorE5M2E4M3Split, &wgrad},
+      {sm90::GroupedVariant::kBlockwiseRows, &fprop},
+      {sm90::GroupedVariant::kBlockwiseRows, &dgrad},
+      {sm90::GroupedVariant::kBlockwiseContraction, &wgrad},
+  };
+  cublasLtHandle_t lt;
+  CHECK_LT(cublasLtCreate(&lt));
+  const size_t lt_ws_bytes = size_t(32) << 20;
+  void* lt_ws = DeviceAlloc<uint8_t>(lt_ws_bytes);
+  std::vector<TimingRow> rows;
+  for (const Job& j : jobs) {
+    for (bool skewed : {false, true}) {
+      for (const VariantInfo& v : variants) {
+        if (v.id != j.v) continue;
+        rows.push_back(TimeConfig(v, *j.pass, skewed, sms, lt, lt_ws, lt_ws_bytes, rounds));
+      }
+    }
+  }
+  std::printf("\nSUMMARY grouped (TFLOP/s of the useful FLOPs, median) on %s\n", device);
+  std::printf("%-52s %7s %8s %9s %11s %8s %8s\n", "pass / groups / variant", "ours", "loop_fp8",
+              "loop_bf16", "single_bf16", "/loop8", "/bf16");
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const TimingRow& r = rows[i];
+    std::printf("%-52s %7.0f %8.0f %9.0f %11.0f %8.3f %8.3f", r.label.c_str(), r.ours, r.loop_fp8,
+                r.loop_bf16, r.single_bf16, r.ours / r.loop_fp8, r.ours / r.loop_bf16);
+    if (i % 2 == 1) std::printf("  skewed/balanced %.3f", r.ours / rows[i - 1].ours);
+    std::printf("\n");
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bench::Options opt = bench::ParseOptions(argc, argv);
+  if (bench::ListVariants(opt, AllVariants())) return 0;
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const int sms = bench::SmCount();
+  std::printf("device: %s, %d SMs\n", prop.name, sms);
+  std::vector<VariantInfo> variants;
+  for (const VariantInfo& v : AllVariants())
+    if (opt.Keeps(v.name)) variants.push_back(v);
+  if (opt.checks) RunChecks(variants, sms);
+  if (opt.timing) RunTiming(variants, sms, opt.rounds, prop.name);
+  std::printf("checks: %s (%d failure(s))\n", failures ? "FAILED" : "all passed", failures);
+  return failures ? 1 : 0;
+}

@@ -1,0 +1,170 @@
+// Hopper (sm_90a) FP8 GEMMs built on CUTLASS: the plain interface.
+//
+// This header includes no CUTLASS: the kernels live in
+// blockwise_gemm_sm90_*.cu and grouped_gemm_sm90_*.cu (one translation unit
+// per kernel configuration, so they compile in parallel), and callers (the
+// benchmark harnesses now, an FFI handler later) see only these functions.
+//
+// Layouts are te_jax's (custom_calls/README.md, "Scale layouts"): row-major
+// a (M, K) and b (N, K), both K-contiguous ("TN"), out (M, N) row-major
+// bfloat16, out = a @ b^T. Block scales are the native layouts the quantize
+// kernels write and cuBLASLt reads, so no relayout is needed:
+//   VEC128 (1x128 along K):  (ceil(K/128), roundup(rows, 4)) floats, rows contiguous;
+//   BLK128x128:               (ceil(rows/128), roundup(ceil(K/128), 4)), K-blocks contiguous.
+// Numerics: the tensor cores' partial sums are scaled and added into fp32
+// accumulators once per 128 of K (CUTLASS's blockwise mainloop), as
+// DeepSeek-V3 prescribes; the output is rounded to bfloat16 once.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace te_jax {
+namespace sm90 {
+
+// The numbers of custom_calls/ffi/gemm.cc's a_mode / b_mode attributes.
+enum class ScaleMode : int { kTensor = 0, kVec128 = 1, kBlk128x128 = 2 };
+
+// FP8 element type of an operand.
+enum class Fp8 : int { kE4M3 = 0, kE5M2 = 1 };
+
+// Scheduler knobs read at run time (no recompilation): the order in which a
+// persistent CTA walks output tiles and the width of the swizzled band.
+struct TileOrder {
+  int raster = 0;   // 0 heuristic, 1 along M, 2 along N
+  int swizzle = 1;  // 1, 2, 4 or 8
+};
+
+// ---------------------------------------------------------------- dense ----
+
+// out (m, n) = a (m, k) @ b (n, k)^T with block scales. m, n, k >= 1;
+// k % 16 == 0 and n % 8 == 0 (16-byte rows for the bulk copies); pointers
+// 16-byte aligned.
+struct BlockwiseGemmArgs {
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;       // (m, k) E4M3
+  const void* b = nullptr;       // (n, k) E4M3
+  const float* a_sinv = nullptr;
+  const float* b_sinv = nullptr;
+  ScaleMode a_mode = ScaleMode::kVec128;
+  ScaleMode b_mode = ScaleMode::kBlk128x128;
+  void* out = nullptr;           // (m, n) bfloat16
+  TileOrder order;
+};
+
+// One compiled kernel configuration each. Names: scale kinds of a and b
+// ("vec" 1x128, "blk" 128x128), schedule, CTA tile (M x N), cluster,
+// tile scheduler (persistent data-parallel unless "streamk").
+#define TE_JAX_SM90_BLOCKWISE_VARIANTS(X)                                                   \
+  X(kVecBlkCoop128x128C1x2, "vecblk_coop_128x128_c1x2", kVec128, kBlk128x128)               \
+  X(kVecBlkCoop128x128C2x1, "vecblk_coop_128x128_c2x1", kVec128, kBlk128x128)               \
+  X(kVecBlkPing64x128C1x2, "vecblk_ping_64x128_c1x2", kVec128, kBlk128x128)                 \
+  X(kVecBlkCoop128x128C1x2StreamK, "vecblk_coop_128x128_c1x2_streamk", kVec128, kBlk128x128) \
+  X(kVecVecCoop128x128C1x2, "vecvec_coop_128x128_c1x2", kVec128, kVec128)
+
+enum class BlockwiseVariant : int {
+#define TE_JAX_X(id, name, a_mode, b_mode) id,
+  TE_JAX_SM90_BLOCKWISE_VARIANTS(TE_JAX_X)
+#undef TE_JAX_X
+  kCount
+};
+
+const char* BlockwiseVariantName(BlockwiseVariant v);
+
+// nullptr when variant v can run args, else why not (a static string).
+const char* CheckBlockwiseGemm(BlockwiseVariant v, const BlockwiseGemmArgs& args);
+
+// Scratch bytes the launch needs (0 for the persistent data-parallel
+// scheduler; stream-K's partial tiles); the caller provides them.
+size_t BlockwiseGemmWorkspace(BlockwiseVariant v, const BlockwiseGemmArgs& args, int sm_count);
+
+// Enqueues the GEMM on `stream`; allocates nothing and never synchronizes.
+// sm_count: the device's multiprocessor count (the persistent grid's size).
+cudaError_t LaunchBlockwiseGemm(BlockwiseVariant v, const BlockwiseGemmArgs& args,
+                                void* workspace, size_t workspace_bytes, int sm_count,
+                                cudaStream_t stream);
+
+// -------------------------------------------------------------- grouped ----
+
+// Grouped FP8 GEMM over consecutive groups (mixture of experts), with the
+// group sizes read from the device (jax.lax.ragged_dot's `group_sizes`), so
+// the launch has no data-dependent shapes and no host synchronization: a
+// setup kernel turns group_sizes into the per-group problem shapes and
+// pointers CUTLASS's grouped GEMM reads from device memory, and a fill
+// kernel writes what no group covers.
+//
+// kRows (fprop, dgrad): out (m, n) = for each group g, its rows of a (m, k)
+//   @ b[g]^T, b (G, n, k). Rows after the last group are written as 0 (as
+//   ragged_dot does). Group g's rows start at sum(group_sizes[:g]).
+// kContraction (wgrad): out (G, m, n) = for each group g, a[:, cols_g] @
+//   b[:, cols_g]^T over its columns (tokens) of a (m, k) and b (n, k); an
+//   empty group's (m, n) block is written as 0.
+//
+// Scales:
+//   kTensor: a_sinv (1,); b_sinv (G,) one per expert weight for kRows, (1,)
+//     for kContraction (both operands are activations / gradients).
+//   kBlockwise, kRows: a VEC128 native (ceil(k/128), roundup(m, 4)); b
+//     BLK128x128 per expert (G, ceil(n/128), roundup(ceil(k/128), 4)).
+//   kBlockwise, kContraction: a and b VEC128 along the contraction (tokens):
+//     (ceil(k/128), roundup(m, 4)) and (ceil(k/128), roundup(n, 4)).
+// Group sizes: any size >= 0 for kRows; multiples of 16 (per-tensor) or 128
+// (blockwise, so no scale block straddles two groups) for kContraction; the
+// caller pads each group to the recipe's token block. A group that breaks
+// this (by its size, or by its start after such a group), a negative size,
+// or sizes summing past the buffer make that group's output NaN (the kernel
+// cannot raise from the device; NaN surfaces).
+enum class GroupedAxis : int { kRows = 0, kContraction = 1 };
+enum class GroupedScaling : int { kTensor = 0, kBlockwise = 1 };
+
+struct GroupedGemmArgs {
+  GroupedAxis axis = GroupedAxis::kRows;
+  GroupedScaling scaling = GroupedScaling::kTensor;
+  int64_t groups = 0;                   // G >= 1
+  int64_t m = 0, n = 0, k = 0;          // see above; k % 16 == 0, n % 8 == 0
+  const int32_t* group_sizes = nullptr;  // (G,) on the device
+  const void* a = nullptr;
+  const void* b = nullptr;
+  const float* a_sinv = nullptr;
+  const float* b_sinv = nullptr;
+  void* out = nullptr;                  // bfloat16
+  TileOrder order;
+};
+
+// Each: FP8 types of a and b, scaling, accumulation. "split": partial sums
+// promoted to fp32 every 128 of K (per-tensor: CUTLASS's promotion interval
+// of 4 wgmma k-steps); "fast": the tensor cores' own accumulation (per-tensor
+// fprop only, as te_jax's fast_accum). HYBRID gradients are E5M2 (a = the
+// gradient in dgrad and wgrad).
+#define TE_JAX_SM90_GROUPED_VARIANTS(X)                                                     \
+  X(kTensorE4M3Split, "tensor_e4m3_split", kTensor, kE4M3, kE4M3)                           \
+  X(kTensorE4M3Fast, "tensor_e4m3_fast", kTensor, kE4M3, kE4M3)                             \
+  X(kTensorE5M2E4M3Split, "tensor_e5m2xe4m3_split", kTensor, kE5M2, kE4M3)                  \
+  X(kBlockwiseRows, "blockwise_rows_vecblk", kBlockwise, kE4M3, kE4M3)                      \
+  X(kBlockwiseContraction, "blockwise_contraction_vecvec", kBlockwise, kE4M3, kE4M3)
+
+enum class GroupedVariant : int {
+#define TE_JAX_X(id, name, scaling, a_type, b_type) id,
+  TE_JAX_SM90_GROUPED_VARIANTS(TE_JAX_X)
+#undef TE_JAX_X
+  kCount
+};
+
+const char* GroupedVariantName(GroupedVariant v);
+
+// nullptr when variant v can run args (host-visible checks only: shapes,
+// pointers, the variant's scaling and axis), else why not.
+const char* CheckGroupedGemm(GroupedVariant v, const GroupedGemmArgs& args);
+
+// Scratch bytes: the per-group arrays the setup kernel writes plus CUTLASS's
+// own (TMA descriptors per SM). Depends on G, the variant and sm_count only.
+size_t GroupedGemmWorkspace(GroupedVariant v, const GroupedGemmArgs& args, int sm_count);
+
+// Enqueues setup, GEMM and fill on `stream`: three kernels, no allocation,
+// no synchronization (valid under stream capture).
+cudaError_t LaunchGroupedGemm(GroupedVariant v, const GroupedGemmArgs& args, void* workspace,
+                              size_t workspace_bytes, int sm_count, cudaStream_t stream);
+
+}  // namespace sm90
+}  // namespace te_jax

@@ -1,0 +1,153 @@
+// The variant table and the fill kernel of gemm_sm90.cuh's grouped GEMM.
+// No CUTLASS here: each variant's setup + GEMM is in its own translation
+// unit (grouped_gemm_sm90_<variant>.cu).
+#include <cuda_bf16.h>
+
+#include <algorithm>
+
+#include "kernels/gemm_sm90.cuh"
+#include "kernels/grouped_gemm_sm90_table.cuh"
+
+namespace te_jax {
+namespace sm90 {
+namespace variants {
+#define TE_JAX_X(id, name, scaling, a_type, b_type)                                    \
+  const char* id##Check(const GroupedGemmArgs& p);                                    \
+  size_t id##Workspace(const GroupedGemmArgs& p, int sms);                            \
+  cudaError_t id##Launch(const GroupedGemmArgs& p, void* ws, size_t bytes, int sms,   \
+                         int multiple, cudaStream_t s);
+TE_JAX_SM90_GROUPED_VARIANTS(TE_JAX_X)
+#undef TE_JAX_X
+}  // namespace variants
+
+namespace {
+
+struct Entry {
+  const char* name;
+  GroupedScaling scaling;
+  bool rows, contraction;  // the axes its kernel serves
+  const char* (*check)(const GroupedGemmArgs&);
+  size_t (*workspace)(const GroupedGemmArgs&, int);
+  cudaError_t (*launch)(const GroupedGemmArgs&, void*, size_t, int, int, cudaStream_t);
+};
+
+constexpr bool ServesRows(GroupedVariant v) { return v != GroupedVariant::kBlockwiseContraction; }
+constexpr bool ServesContraction(GroupedVariant v) { return v != GroupedVariant::kBlockwiseRows; }
+
+const Entry kEntries[] = {
+#define TE_JAX_X(id, name, scaling, a_type, b_type)                                         \
+  {name, GroupedScaling::scaling, ServesRows(GroupedVariant::id),                           \
+   ServesContraction(GroupedVariant::id), variants::id##Check, variants::id##Workspace,     \
+   variants::id##Launch},
+    TE_JAX_SM90_GROUPED_VARIANTS(TE_JAX_X)
+#undef TE_JAX_X
+};
+
+const Entry* Find(GroupedVariant v) {
+  const int i = static_cast<int>(v);
+  return i >= 0 && i < static_cast<int>(GroupedVariant::kCount) ? &kEntries[i] : nullptr;
+}
+
+// Alignment of a group's slice of the grouped axis: rows take any size; a
+// contraction slice must start on a 16-byte boundary (TMA) and, blockwise,
+// on a scale block.
+int Multiple(const GroupedGemmArgs& p) {
+  if (p.axis == GroupedAxis::kRows) return 1;
+  return p.scaling == GroupedScaling::kBlockwise ? 128 : 16;
+}
+
+constexpr int kFillRows = 16;  // output rows per block of the rows fill
+
+// 8 bfloat16 of one value, stored as one 16-byte vector.
+__device__ inline void Store8(__nv_bfloat16* p, __nv_bfloat16 v) {
+  const __nv_bfloat162 v2 = __halves2bfloat162(v, v);
+  uint4 u;
+  u.x = u.y = u.z = u.w = *reinterpret_cast<const uint32_t*>(&v2);
+  *reinterpret_cast<uint4*>(p) = u;
+}
+
+// kRows: rows past the last group get 0, rows of an invalid group NaN. A
+// block whose rows all lie in valid groups returns at once (the usual case).
+__global__ void FillRowsKernel(__nv_bfloat16* out, int64_t m, int64_t n, int groups,
+                               GroupTable table) {
+  const int64_t r0 = int64_t(blockIdx.x) * kFillRows;
+  const int64_t covered = table.bounds[groups];
+  if (r0 + kFillRows <= covered && *table.any_invalid == 0) return;
+  const __nv_bfloat16 zero = __float2bfloat16(0.0f), nan = __float2bfloat16(NAN);
+  for (int64_t r = r0; r < r0 + kFillRows && r < m; ++r) {
+    bool fill_nan = false;
+    if (r < covered) {
+      int lo = 0, hi = groups - 1;  // the group holding row r: last g with bounds[g] <= r
+      while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (table.bounds[mid] <= r) lo = mid; else hi = mid - 1;
+      }
+      if (table.status[lo] != kGroupInvalid) continue;
+      fill_nan = true;
+    }
+    for (int64_t c = threadIdx.x * 8; c < n; c += blockDim.x * 8)
+      Store8(out + r * n + c, fill_nan ? nan : zero);
+  }
+}
+
+// kContraction: an empty group's (m, n) block gets 0, an invalid one's NaN.
+__global__ void FillBlocksKernel(__nv_bfloat16* out, int64_t block_elems, GroupTable table) {
+  const int g = blockIdx.y;
+  const int32_t status = table.status[g];
+  if (status == kGroupOk) return;
+  const __nv_bfloat16 v = __float2bfloat16(status == kGroupEmpty ? 0.0f : NAN);
+  __nv_bfloat16* block = out + int64_t(g) * block_elems;
+  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 8; i < block_elems;
+       i += int64_t(gridDim.x) * blockDim.x * 8)
+    Store8(block + i, v);
+}
+
+}  // namespace
+
+const char* GroupedVariantName(GroupedVariant v) {
+  const Entry* e = Find(v);
+  return e ? e->name : "?";
+}
+
+const char* CheckGroupedGemm(GroupedVariant v, const GroupedGemmArgs& p) {
+  const Entry* e = Find(v);
+  if (!e) return "unknown variant";
+  if (p.scaling != e->scaling) return "the variant is compiled for the other scaling";
+  if (p.axis == GroupedAxis::kRows ? !e->rows : !e->contraction)
+    return "the variant does not serve this grouped axis";
+  if (p.groups < 1 || p.groups > 6144) return "groups must be in [1, 6144]";
+  if (p.m < 1 || p.n < 1 || p.k < 1) return "m, n and k must be >= 1";
+  if (p.k % 16) return "k must be a multiple of 16 (16-byte rows for TMA)";
+  if (p.n % 8) return "n must be a multiple of 8 (16-byte output rows)";
+  if (p.m > INT32_MAX || p.n > INT32_MAX || p.k > INT32_MAX) return "dimensions exceed int32";
+  if (!p.group_sizes || !p.a || !p.b || !p.a_sinv || !p.b_sinv || !p.out) return "null pointer";
+  return e->check(p);
+}
+
+size_t GroupedGemmWorkspace(GroupedVariant v, const GroupedGemmArgs& p, int sm_count) {
+  const Entry* e = Find(v);
+  return e ? e->workspace(p, sm_count) : 0;
+}
+
+cudaError_t LaunchGroupedGemm(GroupedVariant v, const GroupedGemmArgs& p, void* workspace,
+                              size_t workspace_bytes, int sm_count, cudaStream_t stream) {
+  if (CheckGroupedGemm(v, p) != nullptr) return cudaErrorInvalidValue;
+  if (reinterpret_cast<uintptr_t>(workspace) % kWorkspaceAlign) return cudaErrorInvalidValue;
+  cudaError_t e = Find(v)->launch(p, workspace, workspace_bytes, sm_count, Multiple(p), stream);
+  if (e != cudaSuccess) return e;
+  const GroupTable table = CarveGroupTable(workspace, p.groups);
+  auto* out = static_cast<__nv_bfloat16*>(p.out);
+  if (p.axis == GroupedAxis::kRows) {
+    const unsigned blocks = static_cast<unsigned>((p.m + kFillRows - 1) / kFillRows);
+    FillRowsKernel<<<blocks, 128, 0, stream>>>(out, p.m, p.n, static_cast<int>(p.groups), table);
+  } else {
+    const int64_t elems = p.m * p.n;
+    const unsigned chunks = static_cast<unsigned>(std::min<int64_t>((elems / 8 + 255) / 256, 64));
+    FillBlocksKernel<<<dim3(chunks, static_cast<unsigned>(p.groups)), 256, 0, stream>>>(
+        out, elems, table);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace sm90
+}  // namespace te_jax

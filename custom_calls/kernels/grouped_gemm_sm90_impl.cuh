@@ -1,0 +1,292 @@
+// CUTLASS 4.x instantiation of te_jax's grouped FP8 GEMM (sm_90a) and its
+// setup kernel. Included only by grouped_gemm_sm90_<variant>.cu; callers use
+// gemm_sm90.cuh.
+//
+// CUTLASS's pointer-array grouped kernels (KernelPtrArrayTmaWarpSpecialized
+// Cooperative[FP8FastAccum | FP8Blockwise]) read every group's problem
+// shape, operand pointers, strides (and scale pointers / layouts, or the
+// per-group alpha) from device arrays and rewrite their TMA descriptors on
+// the device when a CTA moves to another group; the persistent grid is
+// sized from the SM count alone. So nothing here depends on group_sizes on
+// the host: SetupKernel fills those arrays from group_sizes on the stream,
+// right before the GEMM.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
+#include "cutlass/epilogue/collective/collective_builder.hpp"
+#include "cutlass/gemm/collective/collective_builder.hpp"
+#include "cutlass/gemm/device/gemm_universal_adapter.h"
+#include "cutlass/gemm/dispatch_policy.hpp"
+#include "cutlass/gemm/group_array_problem_shape.hpp"
+#include "cutlass/gemm/kernel/gemm_universal.hpp"
+#include "kernels/gemm_sm90.cuh"
+#include "kernels/grouped_gemm_sm90_table.cuh"
+#include "kernels/sm90_common.cuh"
+
+namespace te_jax {
+namespace sm90 {
+
+template <Fp8 kType>
+using Fp8Element = cute::conditional_t<kType == Fp8::kE4M3, cutlass::float_e4m3_t,
+                                       cutlass::float_e5m2_t>;
+
+// One grouped kernel configuration: 128x128x128 CTA tiles, cooperative
+// schedule, clusters of kClusterN CTAs along N. kBlockwise: CUTLASS's
+// blockwise mainloop with kGranA / kGranB rows per scale (as
+// BlockwiseConfig); otherwise per-tensor FP8 with one alpha per group.
+template <Fp8 kTypeA, Fp8 kTypeB, bool kBlockwise, bool kFastAccum, int kGranA, int kGranB,
+          int kClusterN>
+struct GroupedConfig {
+  static constexpr bool kIsBlockwise = kBlockwise;
+  static constexpr int kScaleGranB = kGranB;  // 128: rows-grouped blockwise; 1: contraction
+  using ElementA = Fp8Element<kTypeA>;
+  using ElementB = Fp8Element<kTypeB>;
+  using ElementD = cutlass::bfloat16_t;
+  using LayoutA = cutlass::layout::RowMajor;
+  using LayoutB = cutlass::layout::ColumnMajor;
+  using LayoutD = cutlass::layout::RowMajor;
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
+  using ClusterShape = cute::Shape<cute::_1, cute::Int<kClusterN>, cute::_1>;
+  using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
+  using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<
+      kGranA, kGranB, 128, kGranA == 1 ? cute::GMMA::Major::MN : cute::GMMA::Major::K,
+      kGranB == 1 ? cute::GMMA::Major::MN : cute::GMMA::Major::K>;
+  using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
+  using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
+  using MainloopSchedule = cute::conditional_t<
+      kBlockwise, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
+      cute::conditional_t<kFastAccum,
+                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum,
+                          cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>>;
+  using OperandA = cute::conditional_t<kBlockwise, cute::tuple<LayoutA*, LayoutSFA*>, LayoutA*>;
+  using OperandB = cute::conditional_t<kBlockwise, cute::tuple<LayoutB*, LayoutSFB*>, LayoutB*>;
+
+  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, 8,
+      ElementD, LayoutD*, 8, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
+  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, OperandA, 16, ElementB,
+      OperandB, 16, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<
+          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      MainloopSchedule>::CollectiveOp;
+  using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
+  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
+  using Arguments = typename Gemm::Arguments;
+  using StrideA = typename Gemm::GemmKernel::InternalStrideA;
+  using StrideB = typename Gemm::GemmKernel::InternalStrideB;
+  using StrideD = typename Gemm::GemmKernel::InternalStrideD;
+  using Shape3 = typename ProblemShape::UnderlyingProblemShape;
+
+  // The per-group arrays, carved from the workspace after the GroupTable.
+  struct Arrays {
+    Shape3* shapes;
+    const ElementA** ptr_a;
+    const ElementB** ptr_b;
+    ElementD** ptr_d;
+    StrideA* stride_a;
+    StrideB* stride_b;
+    StrideD* stride_d;
+    const float** ptr_sfa;
+    const float** ptr_sfb;
+    LayoutSFA* layout_sfa;
+    LayoutSFB* layout_sfb;
+    float* alpha;
+    const float** alpha_ptr;
+    void* cutlass_workspace;
+  };
+
+  // Byte offsets of the arrays; the same on host and device.
+  static size_t Carve(void* base, int64_t groups, Arrays* out) {
+    char* p = static_cast<char*>(base);
+    size_t off = GroupTableBytes(groups);
+    auto take = [&](auto** field, size_t elem) {
+      if (out) *field = reinterpret_cast<cute::remove_pointer_t<decltype(field)>>(p + off);
+      off = AlignUp(off + elem * groups);
+    };
+    Arrays a{};
+    Arrays* t = out ? out : &a;
+    take(&t->shapes, sizeof(Shape3));
+    take(&t->ptr_a, sizeof(void*));
+    take(&t->ptr_b, sizeof(void*));
+    take(&t->ptr_d, sizeof(void*));
+    take(&t->stride_a, sizeof(StrideA));
+    take(&t->stride_b, sizeof(StrideB));
+    take(&t->stride_d, sizeof(StrideD));
+    take(&t->ptr_sfa, sizeof(void*));
+    take(&t->ptr_sfb, sizeof(void*));
+    take(&t->layout_sfa, sizeof(LayoutSFA));
+    take(&t->layout_sfb, sizeof(LayoutSFB));
+    take(&t->alpha, sizeof(float));
+    take(&t->alpha_ptr, sizeof(void*));
+    if (out) out->cutlass_workspace = p + off;
+    return off;
+  }
+
+  static Arguments MakeArguments(const GroupedGemmArgs& p, const Arrays& t, int sm_count) {
+    cutlass::KernelHardwareInfo hw;
+    hw.sm_count = sm_count;
+    Arguments args;
+    args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
+    args.problem_shape = {static_cast<int>(p.groups), t.shapes, nullptr};  // shapes on device only
+    if constexpr (kBlockwise) {
+      args.mainloop = {t.ptr_a, t.stride_a, t.ptr_b, t.stride_b, t.ptr_sfa, t.layout_sfa,
+                       t.ptr_sfb, t.layout_sfb};
+    } else {
+      args.mainloop = {t.ptr_a, t.stride_a, t.ptr_b, t.stride_b};
+    }
+    args.epilogue = {{}, nullptr, nullptr, t.ptr_d, t.stride_d};
+    auto& fusion = args.epilogue.thread;
+    fusion.beta = 0.0f;
+    if constexpr (kBlockwise) {
+      fusion.alpha = 1.0f;
+    } else {
+      fusion.alpha_ptr_array = t.alpha_ptr;  // a_sinv * b_sinv of the group
+      fusion.dAlpha = {cute::_0{}, cute::_0{}, 1};
+    }
+    args.hw_info = hw;
+    args.scheduler.raster_order = RasterOrder(p.order.raster);
+    args.scheduler.max_swizzle_size = p.order.swizzle;
+    return args;
+  }
+
+  static size_t Workspace(const GroupedGemmArgs& p, int sm_count) {
+    Arrays t{};
+    const size_t arrays = Carve(nullptr, p.groups, nullptr);
+    return arrays + AlignUp(Gemm::get_workspace_size(MakeArguments(p, t, sm_count)));
+  }
+};
+
+// Fills the GroupTable and the per-group arrays from group_sizes: one block;
+// the sizes go to shared memory, thread 0 scans them, then one thread per
+// group writes its entries. Group g's slice of the grouped axis is
+// [start, start + size), start = sum of the previous sizes (negative ones
+// count as 0), clamped to the buffer; a group that is negative, overruns the
+// buffer, or whose size or start breaks the alignment `multiple` is
+// kGroupInvalid and computes nothing (the fill kernel NaNs its output).
+template <class Cfg>
+__global__ void GroupedSetupKernel(GroupedGemmArgs p, GroupTable table,
+                                   typename Cfg::Arrays t, int multiple) {
+  extern __shared__ int64_t smem_sizes[];
+  const int groups = static_cast<int>(p.groups);
+  const bool rows = p.axis == GroupedAxis::kRows;
+  const int64_t extent = rows ? p.m : p.k;
+  for (int g = threadIdx.x; g < groups; g += blockDim.x) smem_sizes[g] = p.group_sizes[g];
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int64_t start = 0;
+    int32_t any_invalid = 0;
+    for (int g = 0; g < groups; ++g) {
+      const int64_t size = smem_sizes[g];
+      const int64_t end = start + (size > 0 ? size : 0);
+      // A slice must also start aligned: an invalid size before it shifts it.
+      const bool invalid = size < 0 || end > extent || size % multiple != 0 || start % multiple;
+      table.bounds[g] = start;
+      table.status[g] = invalid ? kGroupInvalid : (size == 0 ? kGroupEmpty : kGroupOk);
+      any_invalid |= invalid;
+      start = end < extent ? end : extent;
+    }
+    table.bounds[groups] = start;
+    *table.any_invalid = any_invalid;
+  }
+  __syncthreads();
+  using namespace cute;
+  const int m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+  for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+    const int64_t start = table.bounds[g];
+    const int size = table.status[g] == kGroupOk ? static_cast<int>(smem_sizes[g]) : 0;
+    const auto* a = static_cast<const typename Cfg::ElementA*>(p.a);
+    const auto* b = static_cast<const typename Cfg::ElementB*>(p.b);
+    auto* d = static_cast<typename Cfg::ElementD*>(p.out);
+    if (rows) {  // rows [start, start + size) of a and out; expert g's b
+      t.shapes[g] = make_shape(size, n, k);
+      t.ptr_a[g] = a + start * k;
+      t.ptr_b[g] = b + int64_t(g) * n * k;
+      t.ptr_d[g] = d + start * n;
+      t.stride_a[g] = make_stride(int64_t(k), _1{}, _0{});
+      t.stride_b[g] = make_stride(int64_t(k), _1{}, _0{});
+      t.stride_d[g] = make_stride(int64_t(n), _1{}, _0{});
+      if constexpr (!Cfg::kIsBlockwise) t.alpha[g] = p.a_sinv[0] * p.b_sinv[g];
+      if constexpr (Cfg::kIsBlockwise && Cfg::kScaleGranB == 128) {
+        const int ld_a = RoundUp4(m), kb = KBlocks(k), ld_b = RoundUp4(kb);
+        t.ptr_sfa[g] = p.a_sinv + start;  // VEC128: rows contiguous
+        t.ptr_sfb[g] = p.b_sinv + int64_t(g) * ((n + 127) / 128) * ld_b;
+        t.layout_sfa[g] = NativeScaleLayout<typename Cfg::LayoutSFA, 1>(size, k, ld_a);
+        t.layout_sfb[g] = NativeScaleLayout<typename Cfg::LayoutSFB, 128>(n, k);
+      }
+    } else {  // columns [start, start + size) of a (m, k) and b (n, k); block g of out
+      t.shapes[g] = make_shape(size ? m : 0, n, size);  // no tiles for an empty group
+      t.ptr_a[g] = a + start;
+      t.ptr_b[g] = b + start;
+      t.ptr_d[g] = d + int64_t(g) * m * n;
+      t.stride_a[g] = make_stride(int64_t(k), _1{}, _0{});
+      t.stride_b[g] = make_stride(int64_t(k), _1{}, _0{});
+      t.stride_d[g] = make_stride(int64_t(n), _1{}, _0{});
+      if constexpr (!Cfg::kIsBlockwise) t.alpha[g] = p.a_sinv[0] * p.b_sinv[0];
+      if constexpr (Cfg::kIsBlockwise && Cfg::kScaleGranB == 1) {
+        const int ld_a = RoundUp4(m), ld_b = RoundUp4(n);
+        t.ptr_sfa[g] = p.a_sinv + (start / 128) * ld_a;
+        t.ptr_sfb[g] = p.b_sinv + (start / 128) * ld_b;
+        t.layout_sfa[g] = NativeScaleLayout<typename Cfg::LayoutSFA, 1>(m, size, ld_a);
+        t.layout_sfb[g] = NativeScaleLayout<typename Cfg::LayoutSFB, 1>(n, size, ld_b);
+      }
+    }
+    t.alpha_ptr[g] = &t.alpha[g];
+  }
+}
+
+// Setup + GEMM of one configuration (the fill runs in the dispatcher).
+template <class Cfg>
+struct GroupedKernel {
+  static const char* Check(const GroupedGemmArgs& p) {
+    using Gemm = typename Cfg::Gemm;
+    typename Cfg::Arrays t{};
+    if (Gemm::can_implement(Cfg::MakeArguments(p, t, 1)) != cutlass::Status::kSuccess)
+      return "CUTLASS can_implement rejected the problem";
+    return nullptr;
+  }
+
+  static cudaError_t Launch(const GroupedGemmArgs& p, void* workspace, size_t workspace_bytes,
+                            int sm_count, int multiple, cudaStream_t stream) {
+    using Gemm = typename Cfg::Gemm;
+    if (Cfg::Workspace(p, sm_count) > workspace_bytes) return cudaErrorInvalidValue;
+    typename Cfg::Arrays t;
+    Cfg::Carve(workspace, p.groups, &t);
+    const GroupTable table = CarveGroupTable(workspace, p.groups);
+    const size_t smem = sizeof(int64_t) * static_cast<size_t>(p.groups);
+    if (smem > 48 * 1024) return cudaErrorInvalidValue;  // > 6144 groups
+    GroupedSetupKernel<Cfg><<<1, 256, smem, stream>>>(p, table, t, multiple);
+    const cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+    return RunCutlass<Gemm>(Cfg::MakeArguments(p, t, sm_count), t.cutlass_workspace, stream);
+  }
+};
+
+}  // namespace sm90
+}  // namespace te_jax
+
+// Defines one grouped variant's entry points (declared by the table in
+// grouped_gemm_sm90.cu) for a GroupedConfig.
+#define TE_JAX_SM90_DEFINE_GROUPED(id, ...)                                                    \
+  namespace te_jax {                                                                           \
+  namespace sm90 {                                                                             \
+  namespace variants {                                                                         \
+  using id##Config = GroupedConfig<__VA_ARGS__>;                                               \
+  const char* id##Check(const GroupedGemmArgs& p) {                                            \
+    return GroupedKernel<id##Config>::Check(p);                                                \
+  }                                                                                            \
+  size_t id##Workspace(const GroupedGemmArgs& p, int sms) {                                    \
+    return id##Config::Workspace(p, sms);                                                      \
+  }                                                                                            \
+  cudaError_t id##Launch(const GroupedGemmArgs& p, void* ws, size_t bytes, int sms,            \
+                         int multiple, cudaStream_t s) {                                       \
+    return GroupedKernel<id##Config>::Launch(p, ws, bytes, sms, multiple, s);                  \
+  }                                                                                            \
+  }                                                                                            \
+  }                                                                                            \
+  }

@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# One device call for te_jax's own sm_90a FP8 GEMMs (issue 46, phase 1): build
+# the CUTLASS-based kernels and the two standalone harnesses, run the checks
+# and timings, write logs to $OUT, print a short table last.
+#
+# Usage (from the repo root): bash tools/gpu_kernels.sh [fetch] [build] [blockwise] [grouped]
+#   (default: build blockwise grouped). Needs the CUTLASS headers in .cutlass/include or as
+#   .cutlass/cutlass-<version>-include.tar.gz (an ignored folder, made by
+#   `bash tools/gpu_kernels.sh fetch` on a machine with PyPI: the
+#   nvidia-cutlass 4.2.0.0 wheel's cutlass_library/source/include); carry
+#   .cutlass with the call.
+# Env:
+#   CUTLASS_DIR   default $REPO/.cutlass (include/ inside; build/ for objects)
+#   KBUILD        object/binary folder, default $CUTLASS_DIR/build. An object
+#                 whose stamp (hash of its sources, the headers, the flags and
+#                 nvcc's version) matches is reused, so objects built on a CPU
+#                 machine and carried inside .cutlass skip the compile here.
+#   CUBLAS_ROOT   folder with include/cublasLt.h and lib/libcublasLt.so* when
+#                 the toolkit has none (CPU build checks); default: toolkit's.
+#   JOBS          parallel compiles, default nproc
+#   BLOCKWISE_ARGS  extra harness arguments (e.g. "--sweep", "--quick")
+#   GROUPED_ARGS
+#   BUILD_ONLY=1  compile and link, run nothing (for machines without a GPU)
+set -uo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+OUT="${OUT:-/tmp/te_jax_out}"
+CUTLASS_DIR="${CUTLASS_DIR:-$REPO/.cutlass}"
+KBUILD="${KBUILD:-$CUTLASS_DIR/build}"
+JOBS="${JOBS:-$(nproc)}"
+mkdir -p "$OUT" "$KBUILD"
+STEPS=("$@")
+[[ ${#STEPS[@]} -eq 0 ]] && STEPS=(build blockwise grouped)
+want() { local s; for s in "${STEPS[@]}"; do [[ "$s" == "$1" ]] && return 0; done; return 1; }
+t0=$(date +%s)
+cd "$REPO" || exit 1
+CUTLASS_VERSION=4.2.0.0
+
+# fetch (on a CPU machine with PyPI, not on the GPU machine): the wheel's
+# C++ headers into $CUTLASS_DIR/include and a tarball of them beside it.
+if want fetch; then
+  tmp=$(mktemp -d)
+  python3 -m pip download --no-deps --dest "$tmp" "nvidia-cutlass==$CUTLASS_VERSION" > /dev/null \
+    && python3 -m zipfile -e "$tmp"/nvidia_cutlass-*.whl "$tmp/whl" \
+    || { echo "gpu_kernels: could not fetch nvidia-cutlass==$CUTLASS_VERSION"; exit 1; }
+  rm -rf "$CUTLASS_DIR/include"
+  mkdir -p "$CUTLASS_DIR"
+  cp -r "$tmp/whl/cutlass_library/source/include" "$CUTLASS_DIR/include"
+  echo "nvidia-cutlass $CUTLASS_VERSION (PyPI wheel), cutlass_library/source/include" \
+    > "$CUTLASS_DIR/VERSION"
+  tar -czf "$CUTLASS_DIR/cutlass-$CUTLASS_VERSION-include.tar.gz" -C "$CUTLASS_DIR" include
+  rm -rf "$tmp"
+  echo "gpu_kernels: CUTLASS $CUTLASS_VERSION headers in $CUTLASS_DIR"
+  [[ ${#STEPS[@]} -eq 1 ]] && exit 0
+fi
+
+# A carried tarball of the include tree is unpacked once.
+if [[ ! -f "$CUTLASS_DIR/include/cutlass/cutlass.h" ]] && ls "$CUTLASS_DIR"/cutlass-*-include.tar.gz \
+    > /dev/null 2>&1; then
+  tar -xzf "$(ls "$CUTLASS_DIR"/cutlass-*-include.tar.gz | head -1)" -C "$CUTLASS_DIR"
+fi
+[[ -f "$CUTLASS_DIR/include/cutlass/cutlass.h" ]] || {
+  echo "gpu_kernels: no CUTLASS headers in $CUTLASS_DIR/include (see the header of this script)"
+  exit 1
+}
+# Include / link flags for cuBLASLt when the toolkit has none; not part of
+# the object stamps (an object built against the wheel's headers is reused).
+CUBLAS_INC=()
+CUBLAS_LINK=(-lcublasLt)
+if [[ -n "${CUBLAS_ROOT:-}" ]]; then
+  CUBLAS_INC=(-I"$CUBLAS_ROOT/include")
+  CUBLAS_LINK=(-L"$CUBLAS_ROOT/lib" -Xlinker -rpath="$CUBLAS_ROOT/lib" -l:libcublasLt.so.13)
+fi
+FLAGS=(-std=c++17 -O3 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr -DNDEBUG
+       -Icustom_calls -Ibenchmarks -I"$CUTLASS_DIR/include")
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,power.draw,power.limit \
+    --format=csv 2>/dev/null || echo "no nvidia-smi"
+  nvcc --version | tail -1
+} 2>&1 | tee "$OUT/kernels_env.log"
+
+# deps FILE: FILE and the repository headers it includes, recursively
+# ("kernels/..." under custom_calls/, the harness headers under benchmarks/).
+deps() {
+  local f=$1 inc
+  echo "$f"
+  for inc in $(sed -n 's/^#include "\(.*\)"/\1/p' "$f"); do
+    if [[ -f "custom_calls/$inc" ]]; then deps "custom_calls/$inc"
+    elif [[ -f "benchmarks/$inc" ]]; then deps "benchmarks/$inc"
+    fi
+  done
+}
+export -f deps
+
+# compile SOURCE: its object in $KBUILD, unless the stamp beside the object
+# (hash of the source and the repository headers it includes, the CUTLASS
+# version, the flags and nvcc's version) matches.
+compile() {
+  local src=$1 name obj stamp s
+  name=$(basename "$src" .cu)
+  [[ "$src" == benchmarks/* ]] && name="bench_$name"  # the harness beside the kernels' table
+  obj="$KBUILD/$name.o"
+  stamp=$( (deps "$src" | sort -u | xargs cat; cat "$CUTLASS_DIR/VERSION"; \
+            echo "${FLAGS_STR//$CUTLASS_DIR/CUTLASS_DIR}"; \
+            nvcc --version) | sha256sum | cut -c1-16)
+  if [[ -f "$obj" && "$(cat "$KBUILD/$name.stamp" 2>/dev/null)" == "$stamp" ]]; then
+    echo "$name: reused"
+    return 0
+  fi
+  s=$(date +%s)
+  # shellcheck disable=SC2086  # word lists on purpose
+  if nvcc $FLAGS_STR $CUBLAS_INC_STR -Xptxas -v -c "$src" -o "$obj" > "$KBUILD/$name.log" 2>&1; then
+    echo "$stamp" > "$KBUILD/$name.stamp"
+    echo "$name: compiled in $(( $(date +%s) - s )) s ($(grep -o 'Used [0-9]* registers' \
+      "$KBUILD/$name.log" | sort -u | tr '\n' ' '))"
+  else
+    echo "$name: COMPILE FAILED (see $KBUILD/$name.log)"; tail -20 "$KBUILD/$name.log"
+    return 1
+  fi
+}
+export -f compile
+export KBUILD CUTLASS_DIR
+export FLAGS_STR="${FLAGS[*]}" CUBLAS_INC_STR="${CUBLAS_INC[*]}"
+
+if want build; then
+  s=$(date +%s)
+  # Kernels first in the list: they take longest (about a minute each).
+  ls custom_calls/kernels/*sm90*.cu benchmarks/blockwise_gemm_sm90.cu benchmarks/grouped_gemm_sm90.cu \
+    | xargs -P "$JOBS" -I{} bash -c 'compile "$1"' _ {} 2>&1 | tee "$OUT/kernels_build.log"
+  for h in blockwise grouped; do
+    nvcc "${FLAGS[@]}" "$KBUILD/bench_${h}_gemm_sm90.o" "$KBUILD/${h}_gemm_sm90"*.o \
+      "${CUBLAS_LINK[@]}" -o "$KBUILD/${h}_gemm_sm90" \
+      >> "$OUT/kernels_build.log" 2>&1 \
+      || { echo "link of ${h}_gemm_sm90 FAILED"; tail -20 "$OUT/kernels_build.log"; exit 1; }
+  done
+  echo "build: $(( $(date +%s) - s )) s (objects and binaries in $KBUILD)" | tee -a "$OUT/kernels_build.log"
+fi
+[[ "${BUILD_ONLY:-0}" == 1 ]] && exit 0
+
+status=0
+# run_harness NAME TIMEOUT ARGS: each variant's checks in its own process (a
+# variant that faults cannot take the others down), then one timing run of
+# the variants that passed. Logs: $OUT/NAME_checks.log, $OUT/NAME.log.
+run_harness() {
+  local name=$1 limit=$2 args=$3 bin="$KBUILD/$1" v pass=() rc
+  : > "$OUT/${name}_checks.log"
+  for v in $("$bin" --list); do
+    timeout 120 "$bin" --checks --only "$v" >> "$OUT/${name}_checks.log" 2>&1
+    rc=$?
+    if [[ $rc -eq 0 ]]; then pass+=("$v"); else echo "$name: $v FAILED its checks (exit $rc)"; status=1; fi
+  done
+  grep -E "FAIL|SKIP" "$OUT/${name}_checks.log" | head -20
+  echo "$name: checks passed by ${#pass[@]} variant(s): ${pass[*]}"
+  [[ ${#pass[@]} -eq 0 ]] && return
+  # shellcheck disable=SC2086  # args is a word list
+  timeout "$limit" "$bin" --timing --only "$(IFS=,; echo "${pass[*]}")" $args \
+    > "$OUT/$name.log" 2>&1 || { echo "$name timing: exit $? (see $OUT/$name.log)"; status=1; }
+}
+want blockwise && run_harness blockwise_gemm_sm90 240 "${BLOCKWISE_ARGS:-}"
+want grouped && run_harness grouped_gemm_sm90 200 "${GROUPED_ARGS:-}"
+nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader 2>/dev/null \
+  | sed 's/^/after: /'
+for log in blockwise_gemm_sm90 grouped_gemm_sm90; do
+  [[ -f "$OUT/$log.log" ]] && sed -n '/^SUMMARY/,$p' "$OUT/$log.log"
+done
+echo "gpu_kernels: $(( $(date +%s) - t0 )) s in all"
+exit $status
