@@ -22,6 +22,11 @@ rotary, grouped-query attention, 8 x 4096 tokens, AdamW) and each recipe
 The last table is the budget behind the speed-up: the FP8 step can only
 gain what its GEMMs lose, less what quantization adds.
 
+A recipe written ``<recipe>+keep`` (``delayed+keep``) runs with the fused
+norm layers keeping their FP8 copies for the backward
+(``model_memory.keep_fp8_copies``): the step time and memory of the layers
+before they quantized again in the backward, beside today's.
+
   python3 benchmarks/bench_model.py                           # H200, llama preset
   python3 benchmarks/bench_model.py --preset cpu --small      # CPU smoke test
 """
@@ -147,7 +152,9 @@ def device_memory(trainer, state, batch):
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--preset", default="llama", help="a train_gpt.py preset")
-  p.add_argument("--recipes", default=",".join(RECIPES), help="none,delayed,current,blockwise")
+  p.add_argument("--recipes", default=",".join(RECIPES),
+                 help="none,delayed,current,blockwise; <recipe>+keep: the FP8 copies kept "
+                      "(see above)")
   p.add_argument("--k", type=int, default=10, help="back-to-back steps per timing")
   p.add_argument("--repeats", type=int, default=5, help="timings; the median is kept")
   p.add_argument("--profile-steps", type=int, default=2, help="steps in the kernel trace")
@@ -165,9 +172,14 @@ def main(argv=None):
                  help="A/B: a fixed CUDA grid for the norm backward kernel")
   args = p.parse_args(argv)
   if args.one:
+    from model_memory import (keep_fp8_copies,  # pylint: disable=import-error,import-outside-toplevel
+                              split_recipe)
     variant = _norm_variant(args.norm_kernels_from, args.norm_bwd_blocks)
-    res = run_one(args.preset, args.one, args.k, args.repeats, args.profile_steps, args.small,
-                  args.doc_window, variant)
+    recipe, keep = split_recipe(args.one)
+    with keep_fp8_copies(keep):
+      res = run_one(args.preset, recipe, args.k, args.repeats, args.profile_steps, args.small,
+                    args.doc_window, ", ".join(v for v in (variant, keep and "FP8 copies kept")
+                                               if v))
     print("JSON " + json.dumps(res), flush=True)
     return 0
 

@@ -19,6 +19,10 @@ Two views, FP8 recipes side by side with bf16 (recipe ``none``):
   probabilities), on a GPU cuDNN's; that row differs, the FP8-vs-bf16
   comparison of the others does not.
 
+A recipe written ``<recipe>+keep`` (e.g. ``delayed+keep``) runs with
+:func:`keep_fp8_copies`: the fused norm layers keep their FP8 copies for the
+backward instead of quantizing again there (before/after in one table).
+
   python3 benchmarks/model_memory.py --batches 4,8 --recipes none,delayed,blockwise
   python3 benchmarks/model_memory.py --dump /tmp/xla_mem --top 25 --batches 8
   python3 benchmarks/model_memory.py residuals --preset llama --set layers=1,batch=1
@@ -29,6 +33,8 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import contextlib
+import functools
 import glob
 import json
 import math
@@ -44,6 +50,35 @@ GIB = float(1 << 30)
 MIB = float(1 << 20)
 STATS = ("argument", "temp", "output", "alias", "peak")
 HOST_STATS = ("host_argument", "host_temp", "host_output")
+
+
+KEEP = "+keep"
+
+
+@contextlib.contextmanager
+def keep_fp8_copies(enabled: bool = True):
+  """Within: ``te_jax.fused_mlp.fp8_mlp`` and ``te_jax.norm_dense.fp8_norm_dense``
+  keep the FP8 copies of their inputs and kernels for the backward
+  (``save_original_input`` / ``save_original_kernel`` = False), the layers'
+  behaviour before they quantized again in the backward (the modules look
+  both up at call time). Nothing changes with ``enabled`` False."""
+  from te_jax import fused_mlp, norm_dense  # pylint: disable=import-outside-toplevel
+  saved = [(m, n, getattr(m, n)) for m, n in ((fused_mlp, "fp8_mlp"),
+                                              (norm_dense, "fp8_norm_dense"))]
+  if enabled:
+    for module, name, fn in saved:
+      setattr(module, name, functools.partial(fn, save_original_input=False,
+                                              save_original_kernel=False))
+  try:
+    yield
+  finally:
+    for module, name, fn in saved:
+      setattr(module, name, fn)
+
+
+def split_recipe(name: str):
+  """``("delayed", True)`` for ``"delayed+keep"``, ``(name, False)`` otherwise."""
+  return (name[:-len(KEEP)], True) if name.endswith(KEEP) else (name, False)
 
 
 # ----------------------------------------------------- residuals (traced) --
@@ -141,6 +176,7 @@ def model_residuals(recipe: str, overrides: dict) -> List[Residual]:
   import te_jax  # pylint: disable=import-outside-toplevel
   import train_gpt  # pylint: disable=import-error,import-outside-toplevel
 
+  recipe, keep = split_recipe(recipe)
   cfg = train_gpt.Config(recipe=recipe, out_dir=None, **overrides).resolved()
   model = train_gpt.GPT(train_gpt.VOCAB_SIZE, cfg.hidden, cfg.layers, cfg.heads, cfg.mlp,
                         dtype=jnp.dtype(cfg.dtype), arch=cfg.arch, kv_groups=cfg.kv_groups)
@@ -148,7 +184,7 @@ def model_residuals(recipe: str, overrides: dict) -> List[Residual]:
   shape = (cfg.batch, cfg.seq_len)
   tokens = jnp.zeros(shape, jnp.int32)
   batch = (tokens, tokens + 1, jnp.broadcast_to(jnp.arange(cfg.seq_len, dtype=jnp.int32), shape))
-  with te_jax.fp8_autocast(enabled=rec is not None, fp8_recipe=rec):
+  with te_jax.fp8_autocast(enabled=rec is not None, fp8_recipe=rec), keep_fp8_copies(keep):
     variables = nn.meta.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), *batch)))
     return saved_residuals(lambda v: train_gpt.loss_fn(model, v, batch)[0], variables)
 
@@ -198,13 +234,14 @@ def compile_step(preset: str, recipe: str, batch: int, overrides: dict,
   import train_gpt  # pylint: disable=import-error,import-outside-toplevel
 
   kw = dict(overrides)
+  recipe, keep = split_recipe(recipe)
   if offload_optimizer:
     kw["offload_optimizer"] = True
   cfg = train_gpt.Config(preset=preset, recipe=recipe, batch=batch, out_dir=None,
                          progress=False, eval_batches=0, **kw)
   trainer = train_gpt.Trainer(cfg)
   rows = jax.ShapeDtypeStruct((batch, trainer.cfg.seq_len), jnp.int32)
-  with trainer._ctx():  # pylint: disable=protected-access
+  with trainer._ctx(), keep_fp8_copies(keep):  # pylint: disable=protected-access
     state = jax.eval_shape(trainer._init, jax.random.PRNGKey(0))  # pylint: disable=protected-access
     return trainer._step.lower(state, (rows,) * 3).compile()  # pylint: disable=protected-access
 

@@ -86,3 +86,18 @@ def test_bench_model_reports_device_memory_per_recipe():
   table = bench_model.format_tables([base, res], Args)
   row = [l for l in table.splitlines() if l.startswith("| delayed |")][0]
   assert "| 0.500x |" in row and "args+temp GiB" in table
+
+
+def test_keep_variant_restores_the_previous_residuals_and_only_within():
+  """``delayed+keep`` keeps the FP8 copies (the layers' old residuals); the
+  switch is undone afterwards."""
+  small = dict(preset="llama", hidden=256, layers=1, heads=2, kv_groups=1, mlp=768,
+               seq_len=256, batch=1, doc_window=False)
+
+  def fp8_in_mlp(recipe):
+    return sum(r.nbytes for r in model_memory.model_residuals(recipe, small)
+               if r.dtype.startswith("float8") and not r.argument
+               and model_memory.layer_of(r.where).endswith("/mlp"))
+
+  assert fp8_in_mlp("delayed+keep") > 0
+  assert fp8_in_mlp("delayed") == 0
