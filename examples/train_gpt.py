@@ -18,12 +18,21 @@ optimizer state and the FP8 delayed-scaling state) are written with orbax.
   python3 examples/train_gpt.py --sample_tokens 64   # then decode with the KV cache
   python3 examples/train_gpt.py --preset h200 --recipe delayed   # needs a GPU
   python3 examples/train_gpt.py --preset llama    # Llama-style, 1.13B: one H200
+  python3 examples/train_gpt.py --preset llama --offload_optimizer   # AdamW state on host
   python3 examples/train_gpt.py --ckpt_dir /tmp/gpt --steps 100   # then:
   python3 examples/train_gpt.py --ckpt_dir /tmp/gpt --steps 200 --resume
 
-Outputs (``--out_dir``): ``loss_curve.png`` and ``metrics.json``. Each run
-prints tokens/s and, where the device's dense bf16 peak is known (or given
-by ``--peak_tflops``), the model FLOP utilisation (``model_flops_per_token``).
+Outputs (``--out_dir``): ``loss_curve.png`` and ``metrics.json``, both over
+the whole run (a resumed run reads the earlier steps' losses from its
+checkpoint). Each run prints tokens/s and, where the device's dense bf16
+peak is known (or given by ``--peak_tflops``), the model FLOP utilisation
+(``model_flops_per_token``). The progress bar is drawn on a terminal only;
+elsewhere (a log file, a pipe) a line every ``--log_every`` steps.
+
+``--offload_optimizer`` keeps AdamW's moments in host memory between steps
+(``te_jax.offload``): the same losses, 8 bytes per parameter less on the
+device during the forward and backward passes, at the cost of moving them
+to the device and back for each update.
 
 Presets: ``cpu``, ``tiny`` and ``h200`` are GPTs (LayerNorm, GELU MLP);
 ``llama`` and ``llama_tiny`` are Llama-style (RMSNorm, SwiGLU, grouped-query
@@ -56,7 +65,9 @@ horizon. With ``--resume``:
   --resume`` equals one run of ``--steps 200 --lr_horizon 100`` (steps
   100-199 at lr/10). To split one 200-step schedule into parts, give the
   first part ``--lr_horizon 200``. ``--lr_horizon`` on a resume sets a new
-  horizon from there on (said at start; no longer the uninterrupted run);
+  horizon from there on (said at start; no longer the uninterrupted run).
+  A resumed run says at start what the schedule does for its steps (the
+  rest of the decay, or lr/10 past the horizon);
 * a checkpoint already at (or past) ``--steps``: says the run is finished
   and exits 0.
 """
