@@ -13,10 +13,19 @@ rotary, grouped-query attention, 8 x 4096 tokens, AdamW) and each recipe
   ``--profile-steps`` steps, by kind: cuBLAS(Lt) matrix products, attention
   (cuDNN / flash kernels), te_jax's own kernels (quantize, norm, amax), and
   everything else (XLA fusions, copies, the optimizer); "idle" is the time
-  per step the GPU ran no kernel.
+  per step the GPU ran no kernel;
+* device memory: the compiled step's arguments + temp
+  (``memory_analysis()``, what XLA reserves for one step; per buffer:
+  ``benchmarks/model_memory.py``) and the device's peak bytes in use over
+  the whole run (allocator statistics; GPU only).
 
 The last table is the budget behind the speed-up: the FP8 step can only
 gain what its GEMMs lose, less what quantization adds.
+
+A recipe written ``<recipe>+keep`` (``delayed+keep``) runs with the fused
+norm layers keeping their FP8 copies for the backward
+(``model_memory.keep_fp8_copies``): the step time and memory of the layers
+before they quantized again in the backward, beside today's.
 
   python3 benchmarks/bench_model.py                           # H200, llama preset
   python3 benchmarks/bench_model.py --preset cpu --small      # CPU smoke test
@@ -111,6 +120,7 @@ def run_one(preset, recipe, k, repeats, profile_steps, small, doc_window=None, v
     return last
 
   rows, total, span, _ = kernel_profile(profiled, steps=profile_steps, top=10**6)
+  memory = device_memory(trainer, live["state"], batches[0])
   kinds = {kind: 0.0 for kind in KINDS}
   for name, kms, _ in rows:
     kinds[kernel_kind(name)] += kms
@@ -122,13 +132,29 @@ def run_one(preset, recipe, k, repeats, profile_steps, small, doc_window=None, v
           "mfu": None if peak is None else flops / peak, "loss": loss,
           "params": train_gpt.param_count(state), "kernels_ms": kinds, "kernel_total_ms": total,
           "idle_ms": max(span - total, 0.0), "top": top, "steps_timed": k * repeats,
-          "fp8_scales_moved": moved}
+          "fp8_scales_moved": moved, "memory": memory}
+
+
+def device_memory(trainer, state, batch):
+  """{"args_temp": bytes, "peak_in_use": bytes or None}: the compiled step's
+  arguments + temp (the step was compiled already: jax's compilation cache
+  serves it) and the device allocator's peak so far (None where the backend
+  keeps no statistics, e.g. the CPU)."""
+  from model_memory import memory_stats  # pylint: disable=import-error,import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  with trainer._ctx():  # pylint: disable=protected-access
+    stats = memory_stats(trainer._step.lower(state, batch).compile())  # pylint: disable=protected-access
+  allocator = jax.devices()[0].memory_stats() or {}
+  return {"args_temp": stats["argument"] + stats["temp"],
+          "peak_in_use": allocator.get("peak_bytes_in_use")}
 
 
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--preset", default="llama", help="a train_gpt.py preset")
-  p.add_argument("--recipes", default=",".join(RECIPES), help="none,delayed,current,blockwise")
+  p.add_argument("--recipes", default=",".join(RECIPES),
+                 help="none,delayed,current,blockwise; <recipe>+keep: the FP8 copies kept "
+                      "(see above)")
   p.add_argument("--k", type=int, default=10, help="back-to-back steps per timing")
   p.add_argument("--repeats", type=int, default=5, help="timings; the median is kept")
   p.add_argument("--profile-steps", type=int, default=2, help="steps in the kernel trace")
@@ -146,9 +172,14 @@ def main(argv=None):
                  help="A/B: a fixed CUDA grid for the norm backward kernel")
   args = p.parse_args(argv)
   if args.one:
+    from model_memory import (keep_fp8_copies,  # pylint: disable=import-error,import-outside-toplevel
+                              split_recipe)
     variant = _norm_variant(args.norm_kernels_from, args.norm_bwd_blocks)
-    res = run_one(args.preset, args.one, args.k, args.repeats, args.profile_steps, args.small,
-                  args.doc_window, variant)
+    recipe, keep = split_recipe(args.one)
+    with keep_fp8_copies(keep):
+      res = run_one(args.preset, recipe, args.k, args.repeats, args.profile_steps, args.small,
+                    args.doc_window, ", ".join(v for v in (variant, keep and "FP8 copies kept")
+                                               if v))
     print("JSON " + json.dumps(res), flush=True)
     return 0
 
@@ -195,16 +226,26 @@ def format_tables(results, args) -> str:
            f"jax {env['jax']}, flax {env['flax']}", "",
            f"Median of {args.repeats} timings of {args.k} steps after 3 warm-ups, state carried; "
            f"kernel time from a trace of {args.profile_steps} steps.", "",
+           "Device memory: the compiled step's arguments + temp (GiB, and against bf16) "
+           "and the allocator's peak in use over the run.", "",
            "| recipe | ms / step | tokens/s | vs bf16 | MFU | loss | GEMM ms | attention ms "
-           "| te_jax kernels ms | other ms | idle ms |",
-           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "| te_jax kernels ms | other ms | idle ms | args+temp GiB | mem vs bf16 "
+           "| peak in use GiB |",
+           "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in results:
     k = r["kernels_ms"]
     vs = f"{base['ms'] / r['ms']:.3f}x" if base else "-"
     mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
+    mem = r.get("memory") or {}
+    ref = (base.get("memory") or {}).get("args_temp") if base else None
+    used = mem.get("args_temp")
+    peak = mem.get("peak_in_use")
     lines.append(f"| {r['recipe']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {vs} | {mfu} | "
                  f"{r['loss']:.3f} | {k['gemm']:.1f} | {k['attention']:.1f} | {k['te_jax']:.1f} "
-                 f"| {k['other']:.1f} | {r['idle_ms']:.1f} |")
+                 f"| {k['other']:.1f} | {r['idle_ms']:.1f} | "
+                 f"{'-' if used is None else f'{used / 2**30:.2f}'} | "
+                 f"{f'{used / ref:.3f}x' if used and ref else '-'} | "
+                 f"{'-' if peak is None else f'{peak / 2**30:.2f}'} |")
   lines += ["", "Largest kernels per kind (ms per step):", ""]
   for r in [r for r in results if r["kernel_total_ms"] > 0]:
     lines.append(f"- {r['recipe']}: " + "; ".join(

@@ -1,7 +1,10 @@
 """The command line of ``train_gpt.py`` (and the flags ``compare_recipes.py`` shares).
 
-Flags with their defaults (``HelpFormatter``), the GPU presets' device check,
-and the multi-process start (``init_distributed``).
+Flags with their defaults (``HelpFormatter``), usage errors in two lines
+(``Parser``), the GPU presets' device check, and the multi-process start
+(``init_distributed``). Imports no jax at module level: ``train_gpt.py``
+parses its command line with this before jax loads, so ``--help`` and usage
+errors answer at once.
 """
 
 from __future__ import annotations
@@ -10,9 +13,7 @@ import argparse
 import os
 from typing import Optional
 
-import jax
-
-from gpt_model import ALL_PRESETS, GPU_PRESETS, LLAMA_PRESETS, RECIPES
+from gpt_presets import ALL_PRESETS, GPU_PRESETS, LLAMA_PRESETS, RECIPES
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter,
@@ -23,6 +24,16 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter,
     if "(default" in (action.help or ""):
       return action.help
     return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+  """An ``ArgumentParser`` whose usage errors are two lines: a short usage
+  line pointing to ``--help``, then the error (argparse's own usage line
+  lists every flag: about 20 lines before the message)."""
+
+  def error(self, message):
+    self.exit(2, f"usage: {self.prog} [flags]  (--help lists them)\n"
+                 f"{self.prog}: error: {message}\n")
 
 
 def _preset_default(name: str) -> str:
@@ -69,6 +80,7 @@ def add_model_flags(parser: argparse.ArgumentParser):
 
 def device_problem(preset: str) -> Optional[str]:
   """Why ``preset`` cannot run on this machine's jax backend, or None."""
+  import jax  # pylint: disable=import-outside-toplevel
   if preset not in GPU_PRESETS or jax.default_backend() != "cpu":
     return None
   small = "llama_tiny" if preset in LLAMA_PRESETS else "tiny"
@@ -92,8 +104,7 @@ _EPILOG = """resuming (--ckpt_dir D --resume):
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(description=description, epilog=_EPILOG,
-                                   formatter_class=HelpFormatter)
+  parser = Parser(description=description, epilog=_EPILOG, formatter_class=HelpFormatter)
   parser.add_argument("--recipe", default="delayed", choices=RECIPES,
                       help="FP8 recipe of the transformer layers' GEMMs; none = FP8 off")
   add_model_flags(parser)
@@ -124,6 +135,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
   parser.add_argument("--resume", action="store_true",
                       help="continue the run in --ckpt_dir from its latest checkpoint "
                            "(see below)")
+  parser.add_argument("--offload_optimizer", action="store_true",
+                      help="keep the optimizer state (AdamW's moments) in host memory between "
+                           "steps (te_jax.offload; the same losses, less device memory); "
+                           "under FSDP each device's shard goes to its host")
   parser.add_argument("--out_dir", default="runs/train_gpt",
                       help="where loss_curve.png and metrics.json go")
   parser.add_argument("--sample_chars", type=int, default=80,
@@ -187,6 +202,7 @@ def init_distributed(args, parser) -> bool:
                    f"(--num_processes {args.num_processes})")
   # Flags given win; jax fills the rest from the launcher's environment.
   # On CPU the cross-process collectives are gloo's (jax's default).
+  import jax  # pylint: disable=import-outside-toplevel
   jax.distributed.initialize(coordinator_address=args.coordinator_address,
                              num_processes=args.num_processes, process_id=args.process_id)
   return True

@@ -1,8 +1,10 @@
 """Run bookkeeping of ``train_gpt.py``: checkpoints, resuming, progress, loss plots.
 
 Every checkpoint step directory holds ``train_gpt_run.json`` (``RUN_FIELDS``,
-``--steps`` and the LR horizon); ``resume_point`` checks a run against it
-(see ``train_gpt.py``'s docstring, "Resuming").
+``--steps`` and the LR horizon), which ``resume_point`` checks a run against
+(see ``train_gpt.py``'s docstring, "Resuming"), and ``train_gpt_history.json``
+(the loss of every step of the run so far), from which a resumed run's
+metrics.json and loss plot cover the whole run.
 """
 
 from __future__ import annotations
@@ -55,8 +57,14 @@ def save_checkpoint(ckpt_dir: str, step: int, state, keep: int = 3) -> str:
 
 
 def progress_bar(total, initial, enabled):
-  """A tqdm bar for ``total`` steps from ``initial``; None when disabled or without tqdm."""
+  """A tqdm bar for ``total`` steps from ``initial``; None when disabled, when
+  stdout is not a terminal (a log file or a pipe would get every redraw), or
+  without tqdm. None means plain log lines every ``--log_every`` steps."""
   if not enabled:
+    return None
+  if not sys.stdout.isatty():
+    print("(output is not a terminal: a log line every --log_every steps instead of a "
+          "progress bar)")
     return None
   try:
     from tqdm.auto import tqdm  # pylint: disable=import-outside-toplevel
@@ -92,6 +100,41 @@ def save_loss_plot(path: str, curves: dict, title: str) -> bool:
   return True
 
 
+def final_loss_window(n: int) -> int:
+  """How many of the last of ``n`` step losses the reported final loss
+  averages: 10, or a quarter of a shorter run (at least 1), so that a short
+  run's figure is not the mean of its first, untrained steps."""
+  return max(1, min(10, n // 4))
+
+
+def describe_sample(prompt: str, text: str, steps: int) -> str:
+  """The greedy sample ``text`` (``prompt`` + continuation) as printed after
+  training, saying so when the continuation holds nothing but blanks (what a
+  model of few steps predicts: the most frequent character)."""
+  rest = text[len(prompt):] if text.startswith(prompt) else text
+  if rest.strip():
+    return repr(text)
+  return (f"{prompt!r} + {len(rest)} blank characters: after {steps} steps the model "
+          "predicts the most frequent character only (--preset cpu's 200 steps learn words)")
+
+
+def lr_schedule_note(cfg, start: int) -> str:
+  """What the LR schedule (warmup, cosine decay to lr/10 at the horizon, then
+  lr/10) does for steps ``start`` .. ``cfg.steps - 1``: said when a run resumes."""
+  horizon, end, floor = lr_horizon(cfg), cfg.steps, cfg.lr * 0.1
+  span = f"steps {start}-{end - 1}"
+  if end <= horizon:
+    return (f"LR schedule: {span} continue its decay (horizon {horizon} steps, lr/10 = "
+            f"{floor:g} at step {horizon}).")
+  extra = (f"run at its final lr/10 = {floor:g}: to decay over them instead, give "
+           f"--lr_horizon {end} (the run then differs from one uninterrupted run).")
+  if start >= horizon:
+    return (f"LR schedule: {span} are past its horizon ({horizon} steps, the first "
+            f"invocation's --steps or --lr_horizon) and " + extra)
+  return (f"LR schedule: steps {start}-{horizon - 1} finish its decay (horizon {horizon} "
+          f"steps); steps {horizon}-{end - 1} " + extra)
+
+
 def smooth(values, window: int = 10):
   """Trailing moving average (same length)."""
   v = np.asarray(values, np.float64)
@@ -111,6 +154,7 @@ RUN_FIELDS = ("preset", "recipe", "hidden", "layers", "heads", "mlp", "dtype",
               "amax_history_len", "seq_len", "batch", "num_docs", "seed", "lr", "warmup",
               "weight_decay", "kv_groups")
 RUN_CONFIG_FILE = "train_gpt_run.json"
+HISTORY_FILE = "train_gpt_history.json"
 # Config fields without a command-line flag (named as such in errors).
 _NO_FLAG = ("weight_decay",)
 
@@ -137,6 +181,23 @@ def read_run_config(ckpt_dir: str, step: int) -> Optional[dict]:
     return None
   with open(path) as fh:
     return json.load(fh)
+
+
+def write_history(step_dir: str, steps, losses) -> None:
+  """Writes the run's (step, loss) history so far into a checkpoint's step directory."""
+  with open(os.path.join(step_dir, HISTORY_FILE), "w") as fh:
+    json.dump({"steps": list(steps), "losses": list(losses)}, fh)
+
+
+def read_history(ckpt_dir: str, step: int):
+  """(steps, losses) of the run up to checkpoint ``step``; ([], []) for a
+  checkpoint written without them."""
+  path = os.path.join(ckpt_dir, str(step), HISTORY_FILE)
+  if not os.path.exists(path):
+    return [], []
+  with open(path) as fh:
+    hist = json.load(fh)
+  return list(hist["steps"]), list(hist["losses"])
 
 
 def run_config_mismatch(cfg, stored: dict) -> list[str]:

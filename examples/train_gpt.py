@@ -18,12 +18,21 @@ optimizer state and the FP8 delayed-scaling state) are written with orbax.
   python3 examples/train_gpt.py --sample_tokens 64   # then decode with the KV cache
   python3 examples/train_gpt.py --preset h200 --recipe delayed   # needs a GPU
   python3 examples/train_gpt.py --preset llama    # Llama-style, 1.13B: one H200
+  python3 examples/train_gpt.py --preset llama --offload_optimizer   # AdamW state on host
   python3 examples/train_gpt.py --ckpt_dir /tmp/gpt --steps 100   # then:
   python3 examples/train_gpt.py --ckpt_dir /tmp/gpt --steps 200 --resume
 
-Outputs (``--out_dir``): ``loss_curve.png`` and ``metrics.json``. Each run
-prints tokens/s and, where the device's dense bf16 peak is known (or given
-by ``--peak_tflops``), the model FLOP utilisation (``model_flops_per_token``).
+Outputs (``--out_dir``): ``loss_curve.png`` and ``metrics.json``, both over
+the whole run (a resumed run reads the earlier steps' losses from its
+checkpoint). Each run prints tokens/s and, where the device's dense bf16
+peak is known (or given by ``--peak_tflops``), the model FLOP utilisation
+(``model_flops_per_token``). The progress bar is drawn on a terminal only;
+elsewhere (a log file, a pipe) a line every ``--log_every`` steps.
+
+``--offload_optimizer`` keeps AdamW's moments in host memory between steps
+(``te_jax.offload``): the same losses, 8 bytes per parameter less on the
+device during the forward and backward passes, at the cost of moving them
+to the device and back for each update.
 
 Presets: ``cpu``, ``tiny`` and ``h200`` are GPTs (LayerNorm, GELU MLP);
 ``llama`` and ``llama_tiny`` are Llama-style (RMSNorm, SwiGLU, grouped-query
@@ -56,12 +65,22 @@ horizon. With ``--resume``:
   --resume`` equals one run of ``--steps 200 --lr_horizon 100`` (steps
   100-199 at lr/10). To split one 200-step schedule into parts, give the
   first part ``--lr_horizon 200``. ``--lr_horizon`` on a resume sets a new
-  horizon from there on (said at start; no longer the uninterrupted run);
+  horizon from there on (said at start; no longer the uninterrupted run).
+  A resumed run says at start what the schedule does for its steps (the
+  rest of the decay, or lr/10 past the horizon);
 * a checkpoint already at (or past) ``--steps``: says the run is finished
   and exits 0.
 """
 
 from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__":
+  # --help and usage errors answer before jax loads (seconds): the parser
+  # (gpt_cli, beside this file) imports no jax. main() parses again.
+  import gpt_cli as _early_cli
+  _early_cli.build_parser(__doc__.splitlines()[0]).parse_args()
 
 import argparse
 import contextlib
@@ -69,7 +88,6 @@ import dataclasses
 import json
 import math
 import os
-import sys
 import time
 from typing import Optional
 
@@ -82,7 +100,7 @@ from flax.training import train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import te_jax
-from te_jax import packing, recipe as recipe_lib, sharding
+from te_jax import offload, packing, recipe as recipe_lib, sharding
 
 # The example's other parts, beside this file (examples/ is sys.path[0] when
 # it runs by path). Their public names are re-exported here, where the tests,
@@ -94,14 +112,16 @@ from gpt_data import (CHARS, PAD_ID, VOCAB_SIZE, decode, encode, make_batch, mak
                       make_document)
 from gpt_model import (ALL_PRESETS, ARCHS, GPT, GPU_PRESETS, LLAMA_PRESETS, PEAK_BF16_TFLOPS,
                        PRESETS, RECIPES, model_flops_per_token, param_count, peak_flops)
-from gpt_runs import (RUN_CONFIG_FILE, RUN_FIELDS, ResumeError, lr_horizon, progress_bar,
-                      read_run_config, restore_checkpoint, resume_point, run_config,
-                      run_config_mismatch, save_checkpoint, save_loss_plot, smooth)
+from gpt_runs import (HISTORY_FILE, RUN_CONFIG_FILE, RUN_FIELDS, ResumeError, describe_sample,
+                      final_loss_window, lr_horizon, lr_schedule_note, progress_bar,
+                      read_history, read_run_config, restore_checkpoint, resume_point,
+                      run_config, run_config_mismatch, save_checkpoint, save_loss_plot, smooth,
+                      write_history)
 
 __all__ = [
     # defined here
     "Config", "Trainer", "train", "main", "build_parser", "document_window", "make_recipe",
-    "make_mesh", "make_optimizer", "loss_fn", "MESH_RESOURCE",
+    "make_mesh", "mesh_problem", "make_optimizer", "loss_fn", "MESH_RESOURCE",
     # re-exported from the example's other parts
     "HelpFormatter", "add_model_flags", "cluster_launcher", "device_problem",
     "init_distributed", "CHARS", "PAD_ID", "VOCAB_SIZE", "decode", "encode", "make_batch",
@@ -141,6 +161,7 @@ class Config:
   seed: int = 0
   num_docs: Optional[int] = None
   remat: bool = False
+  offload_optimizer: bool = False  # optimizer state in host memory (te_jax.offload)
   doc_window: Optional[bool] = None  # attention only over a band as wide as the longest
                                    # document; None: the preset's (on for llama)
   ckpt_dir: Optional[str] = None
@@ -202,6 +223,22 @@ def make_mesh(fsdp: int = -1, tp: int = 1, dp: int = 1, devices=None) -> Mesh:
   return Mesh(np.array(devices).reshape(dp, fsdp, tp), ("dp", "fsdp", "tp"))
 
 
+def mesh_problem(cfg: Config) -> Optional[str]:
+  """Why the mesh flags (--fsdp --tp --dp) and --batch of a resolved ``cfg``
+  do not fit the devices jax sees, with what would; None when they do."""
+  try:
+    mesh = make_mesh(cfg.fsdp, cfg.tp, cfg.dp)
+  except ValueError as e:
+    return str(e)
+  shards = sharding.mesh_axis_size(mesh, ("dp", "fsdp"))
+  if cfg.batch % shards:
+    fits = -(-cfg.batch // shards) * shards
+    return (f"--batch {cfg.batch} must be divisible by the {shards} batch shards (dp x fsdp "
+            f"over {len(jax.devices())} devices): use --batch {fits}, or a mesh with fewer "
+            "batch shards (--tp / --fsdp)")
+  return None
+
+
 MESH_RESOURCE = sharding.MeshResource(dp_resource="dp", fsdp_resource="fsdp",
                                       tp_resource="tp")
 
@@ -217,9 +254,11 @@ def make_optimizer(cfg: Config):
   sched = optax.warmup_cosine_decay_schedule(
       0.0, cfg.lr, warmup_steps=max(1, cfg.warmup),
       decay_steps=max(lr_horizon(cfg), cfg.warmup + 1), end_value=cfg.lr * 0.1)
-  return optax.chain(optax.clip_by_global_norm(1.0),
-                     optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay,
-                                 mask=_decay_mask))
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay,
+                               mask=_decay_mask))
+  # --offload_optimizer: the same update, its state in host memory between steps.
+  return offload.offload_optimizer(tx) if cfg.offload_optimizer else tx
 
 
 def loss_fn(model, variables, batch):
@@ -322,6 +361,9 @@ class Trainer:
       abstract = jax.eval_shape(init_state, jax.random.PRNGKey(cfg.seed))
       specs = nn.get_partition_spec(abstract)
       self.state_sharding = nn.logical_to_mesh_sharding(specs, self.mesh, self.rules)
+      if cfg.offload_optimizer:   # declared in host memory, or the step would bring it back
+        self.state_sharding = self.state_sharding.replace(
+            opt_state=offload.host_shardings(self.state_sharding.opt_state))
       self._init = jax.jit(lambda r: nn.meta.unbox(init_state(r)),
                            out_shardings=self.state_sharding)
       bs = (self.batch_sharding,) * 3
@@ -437,17 +479,24 @@ def _train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
     print(f"note: {cfg.ckpt_dir} already holds checkpoints (up to step "
           f"{checkpoint.latest_step(cfg.ckpt_dir)}); without --resume this run starts from "
           "scratch and replaces the steps it saves")
+  run_steps, run_losses = [], []     # the whole run's, across invocations
   if last is not None:
     state = restore_checkpoint(cfg.ckpt_dir, last, state, stored)
+    if cfg.offload_optimizer:     # where the step expects it (the optimizer state on host)
+      state = jax.device_put(state, trainer.state_sharding)
     start = int(state.step)
-    print(f"resumed from {cfg.ckpt_dir} at step {start} (LR schedule horizon "
-          f"{lr_horizon(cfg)} steps)")
+    run_steps, run_losses = read_history(cfg.ckpt_dir, last)
+    print(f"resumed from {cfg.ckpt_dir} at step {start}. {lr_schedule_note(cfg, start)}")
+    if not run_steps and start:
+      print(f"note: {cfg.ckpt_dir}/{last} has no {HISTORY_FILE} (an older train_gpt.py): "
+            f"metrics.json and the loss plot start at step {start}")
   n_params = param_count(state)
   print(f"te_jax {te_jax.__version__} | {jax.default_backend()} x{len(jax.devices())} "
         f"mesh {dict(trainer.mesh.shape)} | recipe {cfg.recipe} | "
         f"{n_params / 1e6:.2f}M params, {cfg.layers} layers, hidden {cfg.hidden}, "
         f"{cfg.dtype} | batch {cfg.batch}x{cfg.seq_len} | steps {start}->{cfg.steps}"
-        + (f" | attention band {trainer.doc_window} tokens" if trainer.doc_window else ""))
+        + (f" | attention band {trainer.doc_window} tokens" if trainer.doc_window else "")
+        + (" | optimizer state in host memory" if cfg.offload_optimizer else ""))
   if jax.process_count() > 1:
     print(f"{jax.process_count()} processes, {jax.local_device_count()} devices each; "
           "this log is process 0's")
@@ -471,6 +520,8 @@ def _train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
     ntok = int(metrics["tokens"])
     steps.append(step)
     losses.append(loss)
+    run_steps.append(step)
+    run_losses.append(loss)
     times.append(dt)
     toks.append(ntok)
     ptoks.append(int(np.prod(batch[0].shape)))   # padding included: the FLOPs spent
@@ -491,6 +542,7 @@ def _train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
       if jax.process_index() == 0:   # one writer; the directory is shared
         with open(os.path.join(path, RUN_CONFIG_FILE), "w") as fh:
           json.dump(run_config(cfg), fh, indent=1)
+        write_history(path, run_steps, run_losses)
   if bar is not None:
     bar.close()
   wall = time.perf_counter() - t_start
@@ -501,11 +553,17 @@ def _train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
   tok_s = float(np.sum(toks[steady]) / np.sum(times[steady])) if times else float("nan")
   mfu = (float(flops_tok * np.sum(ptoks[steady]) / np.sum(times[steady]) / peak_all)
          if times and peak_all else None)
+  # "steps"/"losses": this invocation's; "run_steps"/"run_losses": the whole
+  # run's across resumes (from the checkpoint's history), which the summary
+  # line, metrics.json's first/final loss and the plot cover.
+  window = final_loss_window(len(run_losses))
   result = {
-      "config": dataclasses.asdict(cfg), "params": n_params,
+      "config": dataclasses.asdict(cfg), "params": n_params, "start_step": start,
       "steps": steps, "losses": losses, "step_times": times,
-      "first_loss": losses[0] if losses else None,
-      "final_loss": float(np.mean(losses[-10:])) if losses else None,
+      "run_steps": run_steps, "run_losses": run_losses,
+      "first_loss": run_losses[0] if run_losses else None,
+      "final_loss": float(np.mean(run_losses[-window:])) if run_losses else None,
+      "final_loss_steps": window,
       "tokens_per_s": tok_s, "step_time_s": step_time, "wall_s": wall,
       "backend": jax.default_backend(), "devices": len(jax.devices()),
       "processes": jax.process_count(), "model_flops_per_token": flops_tok,
@@ -517,13 +575,14 @@ def _train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
     result["sample"] = trainer.sample(state, "the cat ", cfg.sample_chars)
   result["state"] = state
   if losses:
-    print(f"done: {len(losses)} steps in {wall:.1f} s | loss {losses[0]:.3f} -> "
-          f"{result['final_loss']:.3f} (mean of last 10) | "
+    print(f"done: {len(losses)} steps in {wall:.1f} s | loss {run_losses[0]:.3f} at step "
+          f"{run_steps[0]} -> {result['final_loss']:.3f} (mean of the last {window} "
+          f"step{'s' if window > 1 else ''}) | "
           f"eval {result.get('eval_loss', float('nan')):.3f} | "
           f"{tok_s:,.0f} tok/s | {step_time * 1e3:.1f} ms/step"
           + (f" | MFU {mfu:.1%}" if mfu is not None else ""))
     if "sample" in result:
-      print(f"sample: {result['sample']!r}")
+      print("sample: " + describe_sample("the cat ", result["sample"], run_steps[-1] + 1))
   if losses and cfg.sample_tokens:     # KV-cache decoding; gpt_sampling.py is beside this file
     import gpt_sampling  # pylint: disable=import-outside-toplevel
     result["kv_sample"] = gpt_sampling.sample_with_cache(
@@ -533,8 +592,8 @@ def _train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
     with open(os.path.join(cfg.out_dir, "metrics.json"), "w") as fh:
       json.dump({k: v for k, v in result.items() if k != "state"}, fh, indent=1)
     png = os.path.join(cfg.out_dir, "loss_curve.png")
-    if save_loss_plot(png, {f"{cfg.recipe} (raw)": (steps, losses),
-                            f"{cfg.recipe} (10-step mean)": (steps, smooth(losses))},
+    if save_loss_plot(png, {f"{cfg.recipe} (raw)": (run_steps, run_losses),
+                            f"{cfg.recipe} (10-step mean)": (run_steps, smooth(run_losses))},
                       f"train_gpt: {cfg.preset} preset, recipe {cfg.recipe}"):
       print(f"wrote {png}")
   return result
@@ -585,12 +644,17 @@ def main(argv=None):
                ckpt_every=args.ckpt_every,
                resume=args.resume, out_dir=args.out_dir, sample_chars=args.sample_chars,
                sample_tokens=args.sample_tokens,
-               eval_batches=args.eval_batches,
+               eval_batches=args.eval_batches, offload_optimizer=args.offload_optimizer,
                progress=not args.no_progress, log_every=args.log_every)
   try:
-    cfg.resolved()                 # flag values that cannot go together: usage errors
+    problem = mesh_problem(cfg.resolved())  # flags that cannot go together: usage errors
   except ValueError as e:
-    parser.error(str(e))
+    problem = str(e)
+  if problem is None and cfg.offload_optimizer and offload.host_memory_kind() is None:
+    problem = (f"--offload_optimizer needs the {offload.HOST_MEMORY_KIND!r} memory, which "
+               f"jax's {jax.default_backend()} devices do not have here")
+  if problem:
+    parser.error(problem)
   try:
     return train(cfg)
   except ResumeError as e:

@@ -19,6 +19,7 @@ rows add nothing to any product or amax, so padding never changes the result.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -35,7 +36,7 @@ from te_jax.ops import concat_quantize as concat_op
 from te_jax.ops import quantize as quantize_op
 
 __all__ = ["fp8_dense", "fp8_dense_split", "split_blocks", "dense", "dense_general",
-           "scaling_mode_of", "pad_to"]
+           "scaling_mode_of", "pad_to", "after_cotangent", "log_fp8_copies_kept"]
 
 
 class _Config(NamedTuple):
@@ -43,6 +44,22 @@ class _Config(NamedTuple):
   impl: str
   has_bias: bool = False  # static: a Python bool residual may become a tracer
   num_splits: int = 1     # > 1: the output is that many column blocks (a tuple)
+  save_input: bool = False   # keep x, quantize its wgrad copy again in the backward
+  save_kernel: bool = False  # keep the kernel, quantize its dgrad copy again there
+
+
+def after_cotangent(g, *arrays):
+  """``arrays`` passed through one optimization barrier with the cotangent ``g``.
+
+  For a backward pass that quantizes again what its forward quantized too
+  (an FP8 copy the forward did not keep): the two computations then read
+  different values, so XLA cannot merge them into one whose result it would
+  keep alive from the forward (common-subexpression elimination, which would
+  undo the saving), and the barrier's dependence on ``g`` keeps the second
+  one in the backward (a computation on parameters alone could otherwise be
+  scheduled anywhere). Returns the tuple of ``arrays``, same values.
+  """
+  return lax.optimization_barrier((g, arrays))[1]
 
 
 # -------------------------------------------------------------- custom vjp --
@@ -55,29 +72,39 @@ def _dense_2d(x, kernel, bias, state, cfg):
 
 def _dense_2d_fwd(x, kernel, bias, state, cfg):
   mode, impl = cfg.mode, cfg.impl
-  qx = mode.quantize(x, "x", state, impl=impl)
+  # x.T is only needed by wgrad: with save_input the backward quantizes it.
+  qx = mode.quantize(x, "x", state, impl=impl, columnwise=not cfg.save_input)
   qk = mode.quantize(kernel, "kernel", state, impl=impl)
   # num_splits > 1: a tuple of blocks, each from its own GEMM (no slice copies).
   y = mode.gemm("fprop", qx.rowwise(), qk.columnwise(), out_dtype=x.dtype, bias=bias,
                 impl=impl, num_splits=cfg.num_splits)
   new_state = mode.update_state(state, {"x": qx.amax, "kernel": qk.amax})
-  # Only the copies the backward GEMMs read are kept: x.T for wgrad and the
-  # kernel for dgrad, both FP8 (half the bytes of a bf16 activation).
-  res = (qx.columnwise(), qk.rowwise(), new_state, jnp.zeros((0,), x.dtype),
-         jnp.zeros((0,), kernel.dtype))
+  # The backward GEMMs read x.T (wgrad) and the kernel (dgrad) in FP8: kept
+  # as those FP8 copies (1 byte per element), or as the tensors themselves
+  # when the caller keeps them anyway (then quantized again with the same
+  # scales: ``state`` is the one this forward quantized with).
+  res = (x if cfg.save_input else qx.columnwise(),
+         kernel if cfg.save_kernel else qk.rowwise(), state, new_state,
+         jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))
   return y, res
 
 
 def _dense_2d_bwd(cfg, res, g):
   mode, impl = cfg.mode, cfg.impl
-  qx_t, qk, new_state, x_proto, k_proto = res
+  x_t, k, state, new_state, x_proto, k_proto = res
   if cfg.num_splits > 1:   # the gradients of the output blocks, never concatenated
     qg = mode.quantize_fused(concat_op.concat_quantize, "grad", new_state, impl=impl,
                              parts=tuple(g))
   else:
     qg = mode.quantize(g, "grad", new_state, impl=impl)
-  dx = mode.gemm("dgrad", qg.rowwise(), qk, out_dtype=x_proto.dtype, impl=impl)
-  dk = mode.gemm("wgrad", qx_t, qg.columnwise(), out_dtype=k_proto.dtype, impl=impl)
+  if cfg.save_input or cfg.save_kernel:   # see after_cotangent
+    x_t, k = after_cotangent(g, x_t, k)
+  if cfg.save_kernel:
+    k = mode.quantize(k, "kernel", state, impl=impl, columnwise=False).rowwise()
+  dx = mode.gemm("dgrad", qg.rowwise(), k, out_dtype=x_proto.dtype, impl=impl)
+  if cfg.save_input:
+    x_t = mode.quantize(x_t, "x", state, impl=impl).columnwise()
+  dk = mode.gemm("wgrad", x_t, qg.columnwise(), out_dtype=k_proto.dtype, impl=impl)
   dbias = None
   if cfg.has_bias:
     parts = tuple(g) if cfg.num_splits > 1 else (g,)
@@ -104,7 +131,9 @@ def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
 
 def fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
               recipe: recipe_lib.Recipe, fp8_state=None, impl: str = "auto",
-              kernel_axes=None, mesh_resource=None, mesh=None) -> jax.Array:
+              kernel_axes=None, mesh_resource=None, mesh=None,
+              save_original_input: bool = False,
+              save_original_kernel: bool = False) -> jax.Array:
   """``x @ kernel + bias`` with every GEMM (fprop, dgrad, wgrad) in FP8.
 
   Args:
@@ -124,18 +153,44 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
     mesh_resource: a ``te_jax.sharding.MeshResource``, or None (unsharded).
       The Flax modules pass the one of the active ``fp8_autocast``.
     mesh: the mesh; default the active one (``jax.set_mesh``/``with mesh:``).
+    save_original_input: what the backward keeps of x for the wgrad GEMM.
+      False (default): its FP8 columnwise copy, 1 byte per element. True: x
+      itself, quantized again in the backward (one more pass over it, same
+      values bit for bit): no memory at all when x is kept for the backward
+      anyway (the attention output that the attention's own backward reads),
+      twice the bytes of the FP8 copy otherwise.
+    save_original_kernel: the same for the kernel (dgrad GEMM): True keeps
+      the kernel as given and quantizes it again in the backward, which costs
+      no memory when it is a parameter (alive for the whole step) and is what
+      the FP8-off dot keeps when it is a cast copy.
+    The two apply to the unsharded GEMMs whose operands need no padding (a
+    padded copy would be a new array to keep); elsewhere the FP8 copies are
+    kept and the ``te_jax`` logger says so once (INFO).
 
   Returns:
     (..., N) array in ``x.dtype``.
   """
   mode = _check_dense_args(x, kernel, bias, recipe, fp8_state)
+  keep = (bool(save_original_input), bool(save_original_kernel))
   if kernel_axes is not None and mesh_resource is not None:
     y = sharded_dense.sharded_fp8_dense(
         x, kernel, bias, recipe=recipe, fp8_state=fp8_state, impl=impl,
         kernel_axes=kernel_axes, mesh_resource=mesh_resource, mesh=mesh)
     if y is not None:
+      if any(keep):
+        log_fp8_copies_kept("its GEMMs are sharded (te_jax.sharded_dense keeps FP8 shards)")
       return remat.tag_fp8_gemm(y)
-  return _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, 1)[0]
+  return _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, 1, keep)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def log_fp8_copies_kept(reason: str):
+  """Says once per reason that a GEMM keeps its FP8 operand copies although
+  ``save_original_input``/``save_original_kernel`` asked for the originals
+  (shared by the dense, norm + dense and MLP layers)."""
+  logging.getLogger("te_jax").info(
+      "te_jax: an FP8 dense keeps its FP8 operand copies for the backward although "
+      "save_original_input/save_original_kernel asked for the originals: %s", reason)
 
 
 def _check_dense_args(x, kernel, bias, recipe, fp8_state):
@@ -160,9 +215,11 @@ def scaling_mode_of(recipe) -> scaling.ScalingMode:
   return recipe.scaling_mode()
 
 
-def _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, num_splits):
+def _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, num_splits,
+                         keep=(False, False)):
   """The padded 2-D custom-VJP dense; a tuple of ``num_splits`` outputs, named
-  for ``te_jax.remat``'s policies."""
+  for ``te_jax.remat``'s policies. ``keep``: (save_original_input,
+  save_original_kernel), each applied where its operand needs no padding."""
   lead, k = x.shape[:-1], x.shape[-1]
   x2d = x.reshape(-1, k)
   m, n = x2d.shape[0], kernel.shape[1]
@@ -170,7 +227,11 @@ def _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, num_splits):
   xp = pad_to(pad_to(x2d, 0, align), 1, align)
   kp = pad_to(pad_to(kernel, 0, align), 1, align)
   bp = None if bias is None else pad_to(bias.astype(x.dtype), 0, align)
-  cfg = _Config(mode, impl, bias is not None, num_splits)
+  save_input = keep[0] and xp.shape == x2d.shape
+  save_kernel = keep[1] and kp.shape == kernel.shape
+  if (keep[0] and not save_input) or (keep[1] and not save_kernel):
+    log_fp8_copies_kept(f"an operand is padded to multiples of {align}")
+  cfg = _Config(mode, impl, bias is not None, num_splits, save_input, save_kernel)
   y = _dense_2d(xp, kp, bp, fp8_state, cfg)
   if num_splits == 1:
     return (remat.tag_fp8_gemm(y[:m, :n].reshape(*lead, n)),)
@@ -195,7 +256,8 @@ def split_blocks(n: int, num_splits, mode: scaling.ScalingMode) -> Tuple[int, bo
 
 def fp8_dense_split(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
                     num_splits: int, recipe: recipe_lib.Recipe, fp8_state=None,
-                    impl: str = "auto") -> Tuple[jax.Array, ...]:
+                    impl: str = "auto", save_original_input: bool = False,
+                    save_original_kernel: bool = False) -> Tuple[jax.Array, ...]:
   """``fp8_dense`` whose output comes back as ``num_splits`` equal column blocks.
 
   The values are those of ``jnp.split(fp8_dense(x, kernel, bias, ...),
@@ -218,7 +280,8 @@ def fp8_dense_split(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] =
     kernel: (K, N) weight, N a multiple of ``num_splits``.
     bias: optional (N,) bias.
     num_splits: number of output blocks (an int >= 1).
-    recipe, fp8_state, impl: as ``fp8_dense``.
+    recipe, fp8_state, impl, save_original_input, save_original_kernel: as
+      ``fp8_dense``.
 
   Returns:
     A tuple of ``num_splits`` arrays (..., N / num_splits) in ``x.dtype``.
@@ -233,24 +296,29 @@ def fp8_dense_split(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] =
   """
   mode = _check_dense_args(x, kernel, bias, recipe, fp8_state)
   _, fused = split_blocks(kernel.shape[1], num_splits, mode)
+  keep = (bool(save_original_input), bool(save_original_kernel))
   if not fused:
-    y = _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, 1)[0]
+    y = _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, 1, keep)[0]
     return tuple(jnp.split(y, num_splits, axis=-1))
-  return _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, num_splits)
+  return _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, num_splits, keep)
 
 
 def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
           recipe: Optional[recipe_lib.Recipe] = None, fp8_state=None,
           impl: str = "auto", kernel_axes=None, mesh_resource=None,
-          mesh=None) -> jax.Array:
+          mesh=None, save_original_input: bool = False,
+          save_original_kernel: bool = False) -> jax.Array:
   """``fp8_dense`` when ``recipe`` is given, else a plain dot in ``x.dtype``.
 
-  ``kernel_axes``/``mesh_resource``/``mesh``: see ``fp8_dense`` (they only
-  matter in FP8; the plain dot is partitioned by XLA).
+  ``kernel_axes``/``mesh_resource``/``mesh``, ``save_original_input`` /
+  ``save_original_kernel``: see ``fp8_dense`` (they only matter in FP8; the
+  plain dot is partitioned by XLA and keeps its operands for its backward).
   """
   if recipe is not None:
     return fp8_dense(x, kernel, bias, recipe=recipe, fp8_state=fp8_state, impl=impl,
-                     kernel_axes=kernel_axes, mesh_resource=mesh_resource, mesh=mesh)
+                     kernel_axes=kernel_axes, mesh_resource=mesh_resource, mesh=mesh,
+                     save_original_input=save_original_input,
+                     save_original_kernel=save_original_kernel)
   y = lax.dot_general(x, kernel.astype(x.dtype),
                       (((x.ndim - 1,), (0,)), ((), ())))
   if bias is not None:
@@ -261,7 +329,8 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
 def dense_general(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
                   contract_ndim: int = 1, recipe: Optional[recipe_lib.Recipe] = None,
                   fp8_state=None, impl: str = "auto", kernel_axes=None,
-                  mesh_resource=None, mesh=None) -> jax.Array:
+                  mesh_resource=None, mesh=None, save_original_input: bool = False,
+                  save_original_kernel: bool = False) -> jax.Array:
   """``dense`` over the last ``contract_ndim`` dims of ``x`` with an N-D kernel.
 
   ``x`` is (*lead, *in_dims) (contracting dims last), ``kernel`` is
@@ -274,6 +343,7 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = N
   mapped to mesh axes come first before the 2-D view is taken (a flattened
   dim is then sharded exactly as its major dims are: no resharding); the
   output is permuted back. Without sharding this is a plain reshape.
+  ``save_original_input`` / ``save_original_kernel``: as ``fp8_dense``'s.
   """
   n_in = contract_ndim
   in_dims, out_dims = kernel.shape[:n_in], kernel.shape[n_in:]
@@ -303,7 +373,9 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = N
   xnd = xp.reshape(lead + (math.prod(in_dims),)) if lead else xp.reshape(1, -1)
   b = None if bias is None else jnp.transpose(bias, out_perm).reshape(-1)
   y = dense(xnd, k2d, b, recipe=recipe, fp8_state=fp8_state, impl=impl,
-            kernel_axes=axes2d, mesh_resource=mesh_resource, mesh=mesh)
+            kernel_axes=axes2d, mesh_resource=mesh_resource, mesh=mesh,
+            save_original_input=save_original_input,
+            save_original_kernel=save_original_kernel)
   y = y.reshape(lead + tuple(out_dims[i] for i in out_perm))
   inv = tuple(out_perm.index(i) for i in range(len(out_dims)))
   return jnp.transpose(y, tuple(range(nl)) + tuple(nl + i for i in inv))

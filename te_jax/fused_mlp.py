@@ -13,8 +13,14 @@ that the activation output ``z`` is never written in bf16:
 Compared with two ``fp8_dense`` calls and an XLA activation this saves a
 write and a read of ``z`` (forward) and of ``dh`` (backward) -- each
 ``tokens x mlp`` bf16 -- and the backward's peak memory holds no bf16 ``dh``.
-Residuals: ``x.T`` and ``z.T`` in FP8, ``h`` in bf16 (the activation's
-backward needs it, as it does unfused) and the FP8 kernels.
+Residuals: ``h`` in bf16 (the activation's backward needs it, as it does
+unfused), ``x.T`` in FP8 (with a norm: ``x`` itself, which the norm's
+backward reads) and the kernels as given. The FP8 ``z.T`` and ``norm(x).T``
+that the wgrad GEMMs read are quantized again in the backward from ``h`` and
+``x`` (the forward's kernels on the same inputs: the same values), and the
+FP8 kernels too, so that no FP8 copy of an activation that is kept anyway
+stays alive between the passes (``save_original_input`` /
+``save_original_kernel`` = False keep them instead).
 
 Numerics: ``z`` and ``dh`` are computed in float32 from the bf16 ``h`` and
 quantized directly (the unfused path rounds them to bf16 first), so results
@@ -90,6 +96,8 @@ class _MlpConfig(NamedTuple):
   norm: Optional[norm_dense.NormSpec]   # a norm fused into the quantization of x
   return_norm_output: bool = False      # also output norm(x) in dtype
   backward_chunks: int = 1              # row chunks of the backward's dgrad half
+  save_input: bool = True    # no FP8 copy of act(h) (nor of norm(x)) kept: made again
+  save_kernel: bool = True   # no FP8 copies of the kernels kept: quantized again
 
 
 def check_backward_chunks(chunks, recipe: Optional[recipe_lib.Recipe] = None) -> None:
@@ -147,8 +155,15 @@ def _mlp_fwd(x, gamma, beta, wi, bi, wo, bo, states, cfg):
   protos = tuple(jnp.zeros((0,), a.dtype) for a in (x, wi, wo))
   if cfg.return_norm_output:   # elementwise from the statistics: no second reduction
     y = (y, norm_dense.normalized(cfg.norm, *norm_res).astype(cfg.dtype))
-  return y, (qx.columnwise(), qwi.rowwise(), h, qz.columnwise(), qwo.rowwise(), new,
-             protos, norm_res)
+  # h is kept for the activation's backward, and with a norm x for the
+  # norm's: with save_input the FP8 copies of act(h).T and norm(x).T are
+  # made again from them in the backward instead (with this forward's
+  # scales, ``states``); with save_kernel the kernels are quantized again.
+  keep_qx = not (cfg.save_input and norm_res is not None)
+  res = (qx.columnwise() if keep_qx else None, wi if cfg.save_kernel else qwi.rowwise(), h,
+         None if cfg.save_input else qz.columnwise(),
+         wo if cfg.save_kernel else qwo.rowwise(), states, new, protos, norm_res)
+  return y, res
 
 
 def chunk_bounds(m: int, chunks: int, token_block: int) -> Tuple[Tuple[int, int], ...]:
@@ -198,11 +213,22 @@ def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype):
 
 def _mlp_bwd(cfg, res, g):
   mode, impl = cfg.mode, cfg.impl
-  qx_t, qwi, h, qz_t, qwo, (si, so), (x_p, wi_p, wo_p), norm_res = res
+  qx_t, qwi, h, qz_t, qwo, (si_fwd, so_fwd), (si, so), (x_p, wi_p, wo_p), norm_res = res
   g_norm = None
   if cfg.return_norm_output:
     g, g_norm = g
+  # Everything this pass computes again from the kept tensors (the FP8
+  # copies, and on the reference path the activation's and the norm's
+  # intermediates) reads them through one barrier behind g: see
+  # te_jax.dense.after_cotangent.
+  qwi, qwo, h, norm_res = dense_lib.after_cotangent(g, qwi, qwo, h, norm_res)
   qg = mode.quantize(g, "grad", so, impl=impl)
+  if cfg.save_kernel:   # the forward's quantization, rowwise only: the dgrad operands
+    qwi = mode.quantize(qwi, "kernel", si_fwd, impl=impl, columnwise=False).rowwise()
+    qwo = mode.quantize(qwo, "kernel", so_fwd, impl=impl, columnwise=False).rowwise()
+  if qz_t is None:      # the forward's act(h) quantize again, for its columnwise copy
+    qz_t = mode.quantize_fused(act_op.act_quantize, "x", so_fwd, impl=impl, h=h,
+                               activations=cfg.activations).columnwise()
   dwo = mode.gemm("wgrad", qz_t, qg.columnwise(), out_dtype=wo_p.dtype, impl=impl)
   dgamma = dbeta = None
   dx_dtype = x_p.dtype if norm_res is None else cfg.dtype
@@ -211,6 +237,9 @@ def _mlp_bwd(cfg, res, g):
     if g_norm is not None:   # both uses of norm(x), summed in its dtype
       dx = dx + g_norm.astype(cfg.dtype)
     dx, dgamma, dbeta = norm_dense.norm_grads(cfg.norm, dx, *norm_res, impl)
+  if qx_t is None:   # norm(x) quantized again from x, as in the forward
+    qx_t = norm_dense.quantize_normalized(mode, cfg.norm, *norm_res[:3], si_fwd,
+                                          impl)[0].columnwise()
   dwi = mode.gemm("wgrad", qx_t, qdh_t, out_dtype=wi_p.dtype, impl=impl)
   dbo = None
   if cfg.has_bo:
@@ -227,7 +256,8 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
             bo: Optional[jax.Array] = None, *, activations: Sequence[str],
             recipe: recipe_lib.Recipe, wi_state=None, wo_state=None,
             impl: str = "auto", norm: Optional[norm_dense.NormParams] = None,
-            dtype=None, return_norm_output: bool = False, backward_chunks: int = 1):
+            dtype=None, return_norm_output: bool = False, backward_chunks: int = 1,
+            save_original_input: bool = True, save_original_kernel: bool = True):
   """``act(x @ wi + bi) @ wo + bo`` with FP8 GEMMs and fused activation-quantize.
 
   Args:
@@ -258,6 +288,18 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
       default 1, unsplit) to trade speed for peak memory: see "Memory" above.
       Delayed and blockwise scaling only (current scaling needs the whole
       gradient's amax before any of it is quantized).
+    save_original_input: True (default): the backward quantizes act(h)
+      again from h (kept for the activation's backward anyway), and with a
+      norm norm(x) again from x (kept for the norm's), for the two wgrad
+      GEMMs: one more pass over h (and x), the same FP8 values bit for bit,
+      and no FP8 copy of either alive between the passes. False keeps those
+      copies (1 byte per element of act(h) and of x) and skips the passes.
+      Without a norm, x's FP8 copy is kept either way (x itself is not).
+    save_original_kernel: True (default): the backward quantizes ``wi`` and
+      ``wo`` again for the dgrad GEMMs instead of keeping their FP8 copies:
+      no memory when they are parameters (as the Flax modules pass them),
+      what the FP8-off dots keep when they are cast copies. False keeps the
+      FP8 copies (1 byte per element).
 
   Returns:
     (M, N) in ``dtype``, or ``(y, norm(x))`` with ``return_norm_output``.
@@ -303,7 +345,8 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
     raise ValueError(f"wi_state and wo_state: {e}") from None
   out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
   cfg = _MlpConfig(mode, impl, acts, bi is not None, bo is not None, out_dtype, spec,
-                   bool(return_norm_output), int(backward_chunks))
+                   bool(return_norm_output), int(backward_chunks), bool(save_original_input),
+                   bool(save_original_kernel))
   cast = lambda b: None if b is None else b.astype(out_dtype)
   # The weights are quantized in their own dtype (float32 parameters: one
   # pass, no convert to x.dtype first); their gradients come back in it.

@@ -11,10 +11,14 @@ One ``custom_vjp`` that never writes the normalized input in 16 or 32 bits:
   the compute dtype, as the unfused path's), then one kernel computes dx,
   dgamma and dbeta from it, x and the statistics
   (``ops.normalization.norm_backward``); wgrad reads the FP8 columnwise
-  copy of the forward.
+  copy of norm(x), which the backward makes again from x (the forward's
+  pass, same values bit for bit) rather than keeping it from the forward.
 
-Residuals: the FP8 x.T and kernel, ``x`` itself (the norm's backward needs
-it, as it does unfused) and two float32 numbers per row. Compared with XLA's
+Residuals: ``x`` itself (the norm's backward needs it, as it does unfused),
+two float32 numbers per row and the kernel as given; nothing in FP8 (the
+arguments ``save_original_input=False`` / ``save_original_kernel=False``
+keep the FP8 copies of norm(x).T and of the kernel instead, one byte per
+element each, and skip the backward's quantize passes). Compared with XLA's
 norm followed by ``te_jax.dense.fp8_dense``: one read of ``x`` and a write
 and read of the normalized input less forward, and the norm's backward in one
 kernel instead of XLA's reductions.
@@ -146,6 +150,8 @@ class _Config(NamedTuple):
   has_bias: bool
   return_norm_output: bool
   num_splits: int = 1       # > 1: the output is that many column blocks (a tuple)
+  save_input: bool = True   # no FP8 copy of norm(x) kept: quantized again from x
+  save_kernel: bool = True  # no FP8 copy of the kernel kept: quantized again
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -165,14 +171,18 @@ def _norm_dense_fwd(x, gamma, beta, kernel, bias, state, cfg):
   out = y
   if cfg.return_norm_output:   # elementwise from the statistics: no second reduction
     out = (y, normalized(cfg.norm, x, gamma, beta, mean, rstd).astype(cfg.dtype))
-  res = (qx.columnwise(), qk.rowwise(), x, gamma, beta, mean, rstd, new_state,
-         jnp.zeros((0,), kernel.dtype))
+  # x (and gamma, beta) are kept for the norm's backward anyway; the FP8
+  # copies that wgrad and dgrad read are kept, or made again from x and the
+  # kernel in the backward with the same scales (``state``, this forward's).
+  res = (None if cfg.save_input else qx.columnwise(),
+         kernel if cfg.save_kernel else qk.rowwise(), x, gamma, beta, mean, rstd,
+         state, new_state, jnp.zeros((0,), kernel.dtype))
   return out, res
 
 
 def _norm_dense_bwd(cfg, res, g):
   mode, impl = cfg.mode, cfg.impl
-  qx_t, qk, x, gamma, beta, mean, rstd, new_state, k_proto = res
+  qx_t, qk, x, gamma, beta, mean, rstd, state, new_state, k_proto = res
   g_ln = None
   if cfg.return_norm_output:
     g, g_ln = g
@@ -181,9 +191,16 @@ def _norm_dense_bwd(cfg, res, g):
                              parts=tuple(g))
   else:
     qg = mode.quantize(g, "grad", new_state, impl=impl)
+  # What this pass computes again from the kept tensors reads them through
+  # one barrier behind g (te_jax.dense.after_cotangent).
+  qk, x, gamma, beta = dense_lib.after_cotangent(g, qk, x, gamma, beta)
+  if cfg.save_kernel:
+    qk = mode.quantize(qk, "kernel", state, impl=impl, columnwise=False).rowwise()
   dln = mode.gemm("dgrad", qg.rowwise(), qk, out_dtype=cfg.dtype, impl=impl)
   if g_ln is not None:   # both uses of the normalized input, summed in its dtype
     dln = dln + g_ln.astype(cfg.dtype)
+  if cfg.save_input:   # the forward's pass again: norm(x) quantized, both copies
+    qx_t = quantize_normalized(mode, cfg.norm, x, gamma, beta, state, impl)[0].columnwise()
   dk = mode.gemm("wgrad", qx_t, qg.columnwise(), out_dtype=k_proto.dtype, impl=impl)
   dx, dgamma, dbeta = norm_grads(cfg.norm, dln, x, gamma, beta, mean, rstd, impl)
   dbias = None
@@ -201,7 +218,8 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
                    kernel: jax.Array, bias: Optional[jax.Array] = None, *, norm_type: str,
                    epsilon: float, zero_centered_gamma: bool, recipe: recipe_lib.Recipe,
                    fp8_state=None, impl: str = "auto", return_norm_output: bool = False,
-                   dtype=None, num_splits: int = 1):
+                   dtype=None, num_splits: int = 1, save_original_input: bool = True,
+                   save_original_kernel: bool = True):
   """``norm(x) @ kernel + bias`` with every GEMM in FP8 and the norm fused into
   the quantization of its output.
 
@@ -231,6 +249,17 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
       back through the same norm backward).
     dtype: output (and normalized-output) dtype; default ``x.dtype``.
     num_splits: number of output blocks (an int >= 1 dividing N).
+    save_original_input: True (default): the backward quantizes norm(x)
+      again from x (kept for the norm's backward anyway) for the wgrad GEMM,
+      one more pass over x, the same FP8 values bit for bit; no FP8 copy of
+      norm(x) stays alive between the passes. False keeps that copy (1 byte
+      per element of x) and skips the pass.
+    save_original_kernel: True (default): the backward quantizes the kernel
+      again for the dgrad GEMM (same values) instead of keeping its FP8 copy:
+      no memory when the kernel is a parameter (as the Flax modules pass
+      it), what the FP8-off dot keeps when it is a cast copy. False keeps
+      the FP8 copy (1 byte per element). Applies where the kernel needs no
+      padding (N a multiple of the recipe's ``token_block``).
 
   Returns:
     (..., N) in ``dtype`` (a tuple of ``num_splits`` arrays (..., N /
@@ -261,9 +290,13 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
   mode.check_state(fp8_state)
   out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
   align = mode.token_block
-  cfg = _Config(mode, impl, spec, out_dtype, bias is not None, bool(return_norm_output),
-                num_splits if fused_split else 1)
   kp = dense_lib.pad_to(kernel, 1, align)   # fused_split: no column padding needed
+  # A padded kernel is a new array: keeping it would cost what its FP8 copy saves.
+  save_kernel = bool(save_original_kernel) and kp.shape == kernel.shape
+  if save_original_kernel and not save_kernel:
+    dense_lib.log_fp8_copies_kept(f"the kernel is padded to a multiple of {align}")
+  cfg = _Config(mode, impl, spec, out_dtype, bias is not None, bool(return_norm_output),
+                num_splits if fused_split else 1, bool(save_original_input), save_kernel)
   bp = None if bias is None else dense_lib.pad_to(bias.astype(out_dtype), 0, align)
   out = _norm_dense(x2d, gamma, beta, kp, bp, fp8_state, cfg)
   y, ln = out if return_norm_output else (out, None)

@@ -108,11 +108,18 @@ def test_resume_gives_bit_identical_next_step_loss(tmp_path):
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
   assert "resumed from" in proc.stdout and "done: 2 steps" in proc.stdout
   assert "sample:" in proc.stdout
+  # Said at the start: what the LR schedule does for the steps to come.
+  assert "LR schedule: steps 2-3 continue its decay (horizon 4 steps" in proc.stdout
   resumed = json.loads((out_b / "metrics.json").read_text())
-  assert resumed["steps"] == [2, 3]
+  assert resumed["steps"] == [2, 3] and resumed["start_step"] == 2
   # Exact equality (JSON floats round-trip): same data, parameters, optimizer
   # and FP8 state.
   assert resumed["losses"] == full["losses"][2:], (resumed["losses"], full["losses"])
+  # metrics.json (and the plot) cover the whole run: steps 0-1 from the
+  # checkpoint's history, 2-3 from this process.
+  assert resumed["run_steps"] == [0, 1, 2, 3] and resumed["run_losses"] == full["losses"]
+  assert resumed["first_loss"] == full["losses"][0]
+  assert "at step 0 ->" in proc.stdout
   assert (out_b / "loss_curve.png").exists() or "matplotlib is not installed" in proc.stdout
 
 

@@ -388,3 +388,84 @@ def test_doc_window_bands_the_model_without_changing_its_loss_or_gradients():
 
   for a, b in zip(jax.tree.leaves(loss_grad(trainer.model)), jax.tree.leaves(loss_grad(full))):
     np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------- first-hour edges ----
+
+import gpt_runs  # pylint: disable=import-error,wrong-import-position
+
+
+def test_progress_bar_turns_itself_off_when_output_is_not_a_terminal(capsys, monkeypatch):
+  assert gpt_runs.progress_bar(5, 0, True) is None        # pytest captures: no terminal
+  assert "not a terminal" in capsys.readouterr().out
+  pytest.importorskip("tqdm")
+  monkeypatch.setattr(sys.stdout, "isatty", lambda: True, raising=False)
+  bar = gpt_runs.progress_bar(5, 0, True)
+  assert bar is not None
+  bar.close()
+  assert gpt_runs.progress_bar(5, 0, False) is None
+
+
+def test_lr_schedule_note_says_what_the_extra_steps_get():
+  cfg = train_gpt.Config(preset="tiny", steps=200, lr_horizon=100).resolved()
+  past = gpt_runs.lr_schedule_note(cfg, 100)
+  assert "steps 100-199 are past its horizon (100 steps" in past
+  assert "lr/10 = 0.0003" in past and "--lr_horizon 200" in past
+  both = gpt_runs.lr_schedule_note(cfg, 40)
+  assert "steps 40-99 finish its decay" in both and "steps 100-199 run at" in both
+  within = gpt_runs.lr_schedule_note(train_gpt.Config(preset="tiny", steps=80,
+                                                      lr_horizon=100).resolved(), 40)
+  assert within.startswith("LR schedule: steps 40-79 continue its decay (horizon 100")
+
+
+def test_short_runs_report_a_final_loss_of_their_last_steps():
+  assert [gpt_runs.final_loss_window(n) for n in (1, 3, 8, 40, 200)] == [1, 1, 2, 10, 10]
+  blank = gpt_runs.describe_sample("the cat ", "the cat " + " " * 80, 8)
+  assert "80 blank characters" in blank and "after 8 steps" in blank
+  assert gpt_runs.describe_sample("the cat ", "the cat sat.", 200) == repr("the cat sat.")
+
+
+def test_final_loss_is_the_mean_of_the_last_quarter_of_a_short_run(resumed_run):
+  whole = resumed_run[1]                   # 6 steps: the last 1
+  assert whole["final_loss_steps"] == 1 and whole["final_loss"] == whole["losses"][-1]
+
+
+_NO_JAX = """
+import runpy, sys
+sys.argv = ["train_gpt.py"] + sys.argv[1:]
+sys.path.insert(0, {examples!r})
+try:
+  runpy.run_path({script!r}, run_name="__main__")
+except SystemExit as e:
+  print("EXIT", e.code, "jax" in sys.modules, "flax" in sys.modules)
+"""
+
+
+def _run_without_training(*flags):
+  code = _NO_JAX.format(examples=EXAMPLES, script=os.path.join(EXAMPLES, "train_gpt.py"))
+  return subprocess.run([sys.executable, "-c", code, *flags], env=_env(),
+                        capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_help_answers_before_jax_loads():
+  proc = _run_without_training("--help")
+  assert "EXIT 0 False False" in proc.stdout, proc.stdout[-1500:] + proc.stderr[-1500:]
+  assert "--offload_optimizer" in proc.stdout and "--resume" in proc.stdout
+
+
+def test_usage_errors_print_the_error_not_the_usage_of_every_flag():
+  proc = _run_without_training("--recipe", "fp4")
+  assert "EXIT 2 False False" in proc.stdout, proc.stdout[-1500:] + proc.stderr[-1500:]
+  lines = proc.stderr.strip().splitlines()
+  assert len(lines) == 2 and lines[0].startswith("usage:") and "--help" in lines[0]
+  assert "invalid choice: 'fp4'" in lines[1]
+
+
+def test_a_batch_that_does_not_fit_the_mesh_is_a_usage_error():
+  env = dict(_env(), XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  proc = subprocess.run([sys.executable, os.path.join(EXAMPLES, "train_gpt.py"), "--preset",
+                         "tiny"] + QUIET, env=env, capture_output=True, text=True, timeout=300,
+                        check=False)
+  assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+  assert "--batch 4 must be divisible by the 8 batch shards" in proc.stderr
+  assert "use --batch 8" in proc.stderr
