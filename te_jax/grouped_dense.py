@@ -66,15 +66,18 @@ class GroupedAxes(NamedTuple):
     k_gather_axes: FSDP axes of the kernel's K dim: the FP8 shard is
       all-gathered before the GEMMs, its gradient reduce-scattered.
     n_gather_axes: the same for the kernel's N dim.
-    wgrad_sum_axes: axes over which the rows differ but the kernel is
-      replicated (data parallelism): the kernel gradient is summed over them.
+
+  The other reductions follow from the operands' types: a gradient that
+  varies over a mesh axis its input does not (the kernel gradient over data
+  axes, the input gradient over the tensor-parallel axis when the rows are
+  replicated there) is summed over it, as JAX's own transpose of the
+  implicit broadcast would.
   """
 
   token_axes: Tuple[str, ...] = ()
   kernel_axes: Tuple[str, ...] = ()
   k_gather_axes: Tuple[str, ...] = ()
   n_gather_axes: Tuple[str, ...] = ()
-  wgrad_sum_axes: Tuple[str, ...] = ()
 
 
 class _Config(NamedTuple):
@@ -107,13 +110,19 @@ def _gather(kernel, axes: GroupedAxes):
   return kernel
 
 
-def _reduce_wgrad(dk, axes: GroupedAxes):
+def _scatter_wgrad(dk, axes: GroupedAxes):
+  """Reduce-scatters the gradient of the FSDP-gathered kernel dims."""
   for dim, ax in ((1, axes.k_gather_axes), (2, axes.n_gather_axes)):
     if ax:
       dk = lax.psum_scatter(dk, _axis_name(ax), scatter_dimension=dim, tiled=True)
-  if axes.wgrad_sum_axes:
-    dk = lax.psum(dk, _axis_name(axes.wgrad_sum_axes))
   return dk
+
+
+def _sum_to_type_of(ct, primal):
+  """``ct`` summed over the mesh axes it varies over and ``primal`` does not
+  (inside ``shard_map``): a gradient's partial sums, one per device."""
+  extra = grouped_op.varying_axes(ct) - grouped_op.varying_axes(primal)
+  return lax.psum(ct, tuple(sorted(extra))) if extra else ct
 
 
 def _quantize_experts(mode, kernel, state, impl, amax_axes):
@@ -168,8 +177,9 @@ def _grouped_fwd(x, kernel, group_sizes, state, cfg):
   y = grouped_op.grouped_gemm(a, _gather(k_local, axes), group_sizes, out_dtype=x.dtype,
                               fast_accum=accum, impl=impl)
   # Kept for the backward: x.T (FP8 unless FP8 is off) and the local kernel
-  # shard (gathered again there, as te_jax.sharded_dense does).
-  protos = (jnp.zeros((0,), x.dtype), jnp.zeros((0,), kernel.dtype))
+  # shard (gathered again there, as te_jax.sharded_dense does); empty slices
+  # of x and kernel carry their dtypes and their mesh-axis types.
+  protos = (x[:0, 0], kernel[:0, 0, 0])
   return y, (a_t, k_local, group_sizes, new_state, protos)
 
 
@@ -188,7 +198,8 @@ def _grouped_bwd(cfg, res, g):
                                out_dtype=x_proto.dtype, fast_accum=accum[0], impl=impl)
   dk = grouped_op.grouped_wgrad(a_t, g_t, group_sizes, out_dtype=k_proto.dtype,
                                 fast_accum=accum[1], impl=impl)
-  return dx, _reduce_wgrad(dk, axes), None, new_state
+  dk = _scatter_wgrad(dk, axes)
+  return _sum_to_type_of(dx, x_proto), _sum_to_type_of(dk, k_proto), None, new_state
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)

@@ -2,7 +2,7 @@
 
 Meshes: expert parallelism over all 8 devices (EP=8), EP=4 x TP=2 with
 sequence parallelism (and shared experts), FSDP=2 x EP=4 (expert weights
-all-gathered in FP8). FP8 off must agree to float rounding; FP8 within
+all-gathered in FP8), DP=2 x EP=2 x TP=2 without SP. FP8 off must agree to float rounding; FP8 within
 ``FP8_TOL`` (see below); gradients, the dropped count and the delayed-scaling
 state too. The compiled step moves tokens by all-to-all with buffers fixed
 at trace time, all-gathers FSDP expert weights in FP8, and has no host
@@ -39,9 +39,14 @@ MESHES = {
     "ep4_tp2_sp": (("ep", "tp"), (4, 2), dict(tp_resource="tp", sequence_parallel=True,
                                               pad_tokens=True), True),
     "fsdp2_ep4": (("fsdp", "ep"), (2, 4), dict(fsdp_resource="fsdp"), False),
+    # data parallelism (the expert gradients summed over dp) and tensor
+    # parallelism without SP (tokens replicated over tp, outputs summed)
+    "dp2_ep2_tp2": (("dp", "ep", "tp"), (2, 2, 2), dict(dp_resource="dp", tp_resource="tp"),
+                    False),
 }
 CASES = [(m, "off") for m in MESHES] + [("ep8", "delayed"), ("ep4_tp2_sp", "blockwise"),
-                                        ("fsdp2_ep4", "blockwise"), ("fsdp2_ep4", "current")]
+                                        ("fsdp2_ep4", "blockwise"), ("fsdp2_ep4", "current"),
+                                        ("dp2_ep2_tp2", "delayed")]
 # FP8 off: float32 sums in another order. FP8: the sharded and one-device
 # runs quantize with the same scales (amaxes max-reduced over the mesh); they
 # differ where such a reordered sum moves a value across an FP8 rounding

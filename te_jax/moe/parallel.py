@@ -67,7 +67,6 @@ class ExpertPlan(NamedTuple):
   tp_axis: Optional[str]
   sequence_parallel: bool
   fsdp_axes: Tuple[str, ...]
-  dp_axes: Tuple[str, ...]
   batch_axes: Tuple[str, ...]   # the token (batch) dim: dp, fsdp, ep
   x_spec: P
   num_experts: int
@@ -141,7 +140,7 @@ def make_plan(x_shape, config, recipe, mesh_resource, ep_axis, mesh) -> Optional
   e = config.num_experts
   _check_divides("num_experts", e, ep, mesh)
   return ExpertPlan(mesh, ep[0] if ep else None, sharding_lib.mesh_axis_size(mesh, ep),
-                    tp, sp, fsdp, dp, batch, x_spec, e, config.num_experts_per_token,
+                    tp, sp, fsdp, batch, x_spec, e, config.num_experts_per_token,
                     experts_lib.token_block(recipe), config.capacity_factor,
                     config.activations, recipe)
 
@@ -178,7 +177,7 @@ def _grouped_axes(plan: ExpertPlan):
   """GroupedAxes of the two expert GEMMs: (wi, wo)."""
   all_axes = tuple(plan.mesh.axis_names)
   kernel = plan.fsdp_axes + ((plan.tp_axis,) if plan.tp_axis else ())
-  common = dict(token_axes=all_axes, kernel_axes=kernel, wgrad_sum_axes=plan.dp_axes)
+  common = dict(token_axes=all_axes, kernel_axes=kernel)
   return (gd.GroupedAxes(k_gather_axes=plan.fsdp_axes, **common),
           gd.GroupedAxes(n_gather_axes=plan.fsdp_axes, **common))
 

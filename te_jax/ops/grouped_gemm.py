@@ -49,7 +49,7 @@ from te_jax.ops import _native
 from te_jax.ops.fp8 import FP8_DTYPES, ScaledTensor, dequantize_blockwise_reference
 
 __all__ = ["GroupedScaledTensor", "grouped_gemm_reference", "grouped_wgrad_reference",
-           "grouped_gemm", "grouped_wgrad", "chunk_rows"]
+           "grouped_gemm", "grouped_wgrad", "chunk_rows", "varying_axes"]
 
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))
 _FLOAT_DTYPES = _OUT_DTYPES
@@ -222,16 +222,21 @@ def _group_bounds(group_sizes):
   return ends - sizes, ends
 
 
-def _varying_like(init, *operands):
-  """``init`` typed as varying over the mesh axes any operand varies over.
-
-  Inside ``shard_map`` a loop's carry must have the type of what the loop
-  body makes of the operands; outside, there are no such axes."""
+def varying_axes(*arrays) -> frozenset:
+  """The mesh axes over which any of ``arrays`` may differ (inside
+  ``shard_map`` with its type checks on; empty outside)."""
   axes = set()
-  for t in operands:
+  for t in arrays:
     ty = jax.typeof(t)
     mat = getattr(ty, "manual_axis_type", None)   # jax >= 0.10; older: ty.vma
     axes |= set(mat.varying if mat is not None else getattr(ty, "vma", ()))
+  return frozenset(axes)
+
+
+def _varying_like(init, *operands):
+  """``init`` typed as varying over the mesh axes any operand varies over: a
+  loop's carry must have the type of what the loop body makes of them."""
+  axes = varying_axes(*operands)
   return lax.pcast(init, tuple(sorted(axes)), to="varying") if axes else init
 
 
