@@ -260,6 +260,9 @@ def test_block_argument_checks():
     moe.moe_block(x, params, config=CFG, token_mask=jnp.ones(5, bool))
   with pytest.raises(ValueError, match="needs fp8_state"):
     moe.moe_block(x, params, config=CFG, recipe=RECIPES["delayed"])
+  with pytest.raises(ValueError, match="init_fp8_state"):
+    moe.moe_block(x, params, config=CFG, recipe=RECIPES["delayed"],
+                  fp8_state=moe.experts.init_expert_states(RECIPES["delayed"], 4)["wi"])
   with pytest.raises(TypeError, match="MoEConfig"):
     moe.moe_block(x, params, config={"num_experts": 4})
   with pytest.raises(ValueError, match="needs a mesh"):

@@ -249,6 +249,10 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
       x.reshape(-1, h), params["router"], num_experts_per_token=config.num_experts_per_token,
       score_function=config.score_function, normalize_weights=config.normalize_topk_weights,
       scaling_factor=config.routed_scaling_factor, bias=router_bias, token_mask=mask)
+  if fp8_state is not None and not (isinstance(fp8_state, dict) and
+                                    {"wi", "wo"} <= set(fp8_state)):
+    raise ValueError("fp8_state must be the dict of te_jax.moe.init_fp8_state (with 'wi' "
+                     f"and 'wo'), got {type(fp8_state).__name__}.")
   expert_states = None if fp8_state is None else {r: fp8_state[r] for r in ("wi", "wo")}
   plan = parallel.make_plan(x.shape, config, recipe, mesh_resource, ep_axis, mesh)
   if plan is None:
@@ -259,7 +263,9 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
     y, dropped = parallel.sharded_experts(x, routing, params["wi"], params["wo"],
                                           expert_states, plan=plan, impl=impl)
   if "shared_wi" in params:
-    y = y + _shared_mlp(x, params, config, recipe, fp8_state, impl, mesh_resource,
+    # the expert axis is a data axis for the shared experts
+    shared_mr = parallel.dense_mesh_resource(mesh_resource, ep_axis)
+    y = y + _shared_mlp(x, params, config, recipe, fp8_state, impl, shared_mr,
                         mesh).astype(y.dtype)
   lb = router_lib.load_balancing_loss(routing)
   z = router_lib.router_z_loss(routing)

@@ -7,7 +7,7 @@ device runs the same collectives whatever the routing and its token count.
 Layout on a mesh with an expert-parallel axis ``ep`` (P devices), data axes
 (dp, fsdp), a tensor-parallel axis ``tp``:
 
-* tokens (batch, seq, H) split over (dp, fsdp, ep) on batch, over tp on seq
+* tokens (batch, seq, H) split over (dp, ep, fsdp) on batch, over tp on seq
   under sequence parallelism (SP); routed outside the ``shard_map``;
 * ``wi`` (E, H, n_act, F) and ``wo`` (E, F, H): E over ep, H over fsdp, F over
   tp; the delayed-scaling histories of the expert weights over ep with them.
@@ -42,6 +42,7 @@ could not run it.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import NamedTuple, Optional, Tuple
 
@@ -56,7 +57,8 @@ from te_jax import sharding as sharding_lib
 from te_jax.moe import dispatch as dispatch_lib
 from te_jax.moe import experts as experts_lib
 
-__all__ = ["ExpertPlan", "make_plan", "sharded_experts", "regroup"]
+__all__ = ["ExpertPlan", "make_plan", "sharded_experts", "regroup",
+           "dense_mesh_resource"]
 
 
 class ExpertPlan(NamedTuple):
@@ -67,7 +69,7 @@ class ExpertPlan(NamedTuple):
   tp_axis: Optional[str]
   sequence_parallel: bool
   fsdp_axes: Tuple[str, ...]
-  batch_axes: Tuple[str, ...]   # the token (batch) dim: dp, fsdp, ep
+  batch_axes: Tuple[str, ...]   # the token (batch) dim: dp, ep, fsdp
   x_spec: P
   num_experts: int
   k: int
@@ -101,6 +103,18 @@ def _check_divides(what, size, axes, mesh):
   return size // n
 
 
+def dense_mesh_resource(mesh_resource: Optional[sharding_lib.MeshResource],
+                        ep_axis: Optional[str]) -> Optional[sharding_lib.MeshResource]:
+  """The mesh resource of the layers outside the experts (shared experts,
+  attention, dense layers) on a mesh with an expert axis: the expert axis
+  joins the data-parallel axes, since the tokens are split over it and those
+  layers' weights are replicated there."""
+  if ep_axis is None:
+    return mesh_resource
+  mr = mesh_resource if mesh_resource is not None else sharding_lib.MeshResource()
+  return dataclasses.replace(mr, dp_resource=_names(mr.dp_resource) + (ep_axis,))
+
+
 def make_plan(x_shape, config, recipe, mesh_resource, ep_axis, mesh) -> Optional[ExpertPlan]:
   """The sharding of the expert block, or None when nothing is sharded."""
   if mesh_resource is None and ep_axis is None:
@@ -120,10 +134,11 @@ def make_plan(x_shape, config, recipe, mesh_resource, ep_axis, mesh) -> Optional
     if ep_axis in mr.axes:
       raise ValueError(f"ep_axis {ep_axis!r} already serves another role in {mr}.")
   ep = _present(mesh, ep_axis)
-  dp, fsdp = _present(mesh, mr.dp_resource), _present(mesh, mr.fsdp_resource)
+  fsdp = _present(mesh, mr.fsdp_resource)
   tp = sharding_lib.tp_axis(mr, mesh)
   sp = bool(mr.sequence_parallel and tp)
-  batch = dp + fsdp + ep
+  # the token dim as the layers around split it: (dp..., ep, fsdp...)
+  batch = sharding_lib.batch_axes(dense_mesh_resource(mr, ep_axis), mesh)
   if not (batch or tp):
     return None
   if len(x_shape) not in (2, 3):
