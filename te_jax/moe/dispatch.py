@@ -63,7 +63,11 @@ def _check_positive(name, value):
 
 def rows_bound(assignments: int, experts: int, block: int) -> int:
   """Rows that hold any routing of ``assignments`` among ``experts`` groups,
-  each padded to a multiple of ``block``."""
+  each padded to a multiple of ``block``.
+
+  >>> rows_bound(10, 4, 4)   # e.g. counts (7, 1, 1, 1) -> 8 + 4 + 4 + 4
+  20
+  """
   for name, v in (("assignments", assignments), ("experts", experts), ("block", block)):
     _check_positive(name, v)
   nonempty = min(experts, assignments)

@@ -231,9 +231,9 @@ def _body(plan: ExpertPlan, impl, x, ids, weights, wi, wo, states):
     y2 = (lax.psum_scatter(y2, plan.tp_axis, scatter_dimension=0, tiled=True)
           if plan.sequence_parallel else lax.psum(y2, plan.tp_axis))
   dropped = d.dropped
-  if plan.batch_axes:   # the tp ranks of a group counted the same tokens
+  if plan.batch_axes:
     dropped = lax.psum(dropped, _entry(plan.batch_axes))
-  if plan.tp_axis:
+  if plan.tp_axis:   # the tp ranks of a group counted the same tokens
     dropped = lax.pmax(dropped, plan.tp_axis)
   return y2.reshape(x.shape), dropped
 
@@ -270,6 +270,12 @@ def sharded_experts(x: jax.Array, routing, wi: jax.Array, wo: jax.Array, states,
                            ("the expert width F", wi.shape[3], _names(tp))):
     _check_divides(what, size, axes, plan.mesh)
   wi_spec, wo_spec = P(ep, fsdp, None, tp), P(ep, tp, fsdp)
+  # JAX differentiates through this shard_map with its mesh-axis type checks
+  # on (unlike te_jax.sharded_dense, which has its own custom VJP around it):
+  # with them, a replicated input's gradient (the delayed-scaling state that
+  # comes back as one) is not summed over the devices, and the grouped
+  # dense's gradients are reduced exactly over the axes their inputs are
+  # replicated on.
   f_sharded = jax.shard_map(
       functools.partial(_body, plan, impl), mesh=plan.mesh,
       in_specs=(plan.x_spec, plan.x_spec, plan.x_spec, wi_spec, wo_spec,
