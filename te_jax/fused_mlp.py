@@ -81,6 +81,7 @@ from te_jax import recipe as recipe_lib
 from te_jax import remat
 from te_jax import scaling
 from te_jax.ops import act_quantize as act_op
+from te_jax.ops import fp8
 from te_jax.ops.fp8 import ScaledTensor
 
 __all__ = ["fp8_mlp", "supported", "check_backward_chunks", "chunk_bounds"]
@@ -200,7 +201,7 @@ def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype):
   if len(dxs) == 1:
     dbi = None if not dbis else dbis[0].astype(h.dtype)
     return dxs[0], q.columnwise(), q.amax, dbi
-  amax = None if q.amax is None else jnp.max(jnp.stack(amaxes))
+  amax = None if q.amax is None else fp8.amax(jnp.stack(amaxes))   # NaN-propagating
   if q.block_shape is None:   # delayed: one scale for every chunk ...
     # ... and any chunk's non-finite amax poisons the whole wgrad operand.
     scale_t = jnp.where(jnp.isfinite(amax), q.scale_inv_t, jnp.float32(jnp.nan))
