@@ -58,7 +58,7 @@ class MultiHeadAttention(nn.Module):
   (B, L, E) allocates collection ``"cache"``: ``cached_key``,
   ``cached_value`` (B, L, groups, head_dim) and ``cache_index`` (int32 scalar);
   each later ``apply(..., mutable=["cache"])`` on (B, n, E) appends n tokens
-  and attends to the filled positions (``te_jax.flax.kv_cache`` has the
+  and attends to the filled positions (``te_jax.layers.kv_cache`` has the
   rules). The FP8 state need not be mutable: decode steps use the stored
   scales and leave them as they are.
 
