@@ -7,7 +7,7 @@ parallelism (``fsdp_resource``) and tensor parallelism (``tp_resource``);
 of the activations between blocks over the tensor-parallel axis. Roles left
 as None, and names the mesh does not have (or of size 1), are simply unused.
 
-The te_jax Linen modules name the dims of their parameters with logical axis
+The te_jax modules (Linen and NNX) name the dims of their parameters with logical axis
 names (``"embed"``, ``"mlp"``, ``"heads"``, ``"kv"``, ``"joined_kv"``, ...);
 :func:`logical_axis_rules` maps those names to mesh axes, MaxText/Flax style.
 User rules come first and therefore win:
@@ -41,9 +41,11 @@ reduce-scattered.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
-from typing import Optional, Sequence, Tuple, Union
+from typing import Iterator, Optional, Sequence, Tuple, Union
 
 import jax
 from jax.sharding import PartitionSpec
@@ -52,6 +54,7 @@ __all__ = [
     "MeshResource",
     "logical_axis_rules",
     "logical_to_mesh_axes",
+    "use_axis_rules",
     "get_mesh",
     "mesh_axis_size",
     "batch_axes",
@@ -185,13 +188,42 @@ def logical_axis_rules(mesh_resource: Optional[MeshResource] = None,
   return tuple((n, a) for n, a in extra_rules) + defaults
 
 
-def _active_rules(mesh_resource):
-  """The rules of an enclosing ``nn.logical_axis_rules``, else the defaults."""
+# The rules a te_jax module put in effect around its GEMMs (use_axis_rules).
+_MODULE_RULES = contextvars.ContextVar("te_jax_axis_rules", default=None)
+
+
+@contextlib.contextmanager
+def use_axis_rules(rules: Sequence[Tuple[str, AxisNames]]) -> Iterator[None]:
+  """Makes ``rules`` the logical axis rules of the te_jax GEMMs run inside.
+
+  The module layer (``te_jax.layers``) wraps its calls into the functional
+  layer in it, with the rules its framework reads: Flax's
+  ``nn.logical_axis_rules`` for the Linen modules, ``nnx.logical_axis_rules``
+  for the NNX ones, or the defaults of :func:`logical_axis_rules`.
+  """
+  token = _MODULE_RULES.set(tuple(rules))
   try:
-    from flax.linen import partitioning as nn_partitioning  # pylint: disable=import-outside-toplevel
-    rules = tuple(nn_partitioning.get_axis_rules())
-  except Exception:  # pylint: disable=broad-except
-    rules = ()
+    yield
+  finally:
+    _MODULE_RULES.reset(token)
+
+
+def _flax_context_rules():
+  """Flax's logical axis rules context (set by ``nn.logical_axis_rules`` and
+  ``nnx.logical_axis_rules`` alike), for a functional-layer call made outside
+  any te_jax module; () where flax is not installed."""
+  try:
+    from flax.core import spmd  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    return ()
+  return tuple(spmd.get_logical_axis_rules())
+
+
+def _active_rules(mesh_resource):
+  """The rules of :func:`use_axis_rules`, else Flax's context, else the defaults."""
+  rules = _MODULE_RULES.get()
+  if rules is None:
+    rules = _flax_context_rules()
   return rules if rules else logical_axis_rules(mesh_resource)
 
 
@@ -211,8 +243,10 @@ def logical_to_mesh_axes(names: Sequence[Union[None, str, Sequence[Optional[str]
 
   Args:
     names: one entry per dim: None, a logical name, or a tuple of them.
-    rules: ``(name, mesh_axes)`` pairs; default: an enclosing
-      ``nn.logical_axis_rules`` or else ``logical_axis_rules(mesh_resource)``.
+    rules: ``(name, mesh_axes)`` pairs; default: those of an enclosing
+      :func:`use_axis_rules` (a te_jax module's GEMMs), else of Flax's
+      ``nn.logical_axis_rules`` / ``nnx.logical_axis_rules`` context, else
+      ``logical_axis_rules(mesh_resource)``.
     mesh_resource: used for the default rules.
     mesh: optional mesh to drop unknown/size-1 axes.
 

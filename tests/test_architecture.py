@@ -1,4 +1,4 @@
-"""The layering rules of DESIGN.md, checked on the source (no imports executed).
+"""The layering rules of docs/design.md, checked on the source (no imports executed).
 
 * ``te_jax/ops`` imports nothing from te_jax outside ``te_jax.ops``;
 * no import cycle among te_jax modules (function-local imports count: they
@@ -8,7 +8,13 @@
 * recipe classes are only told apart in their home (``recipe.py``,
   ``scaling.py``): no ``isinstance(..., DelayedScaling)`` or ``is_blockwise``
   branch anywhere else;
-* only the Flax layers (``te_jax.flax``, ``te_jax.nnx``) read the autocast context.
+* the module layer reads the autocast context in one place, the core's
+  settings reader (``te_jax.layers.settings``), which the Linen and NNX
+  modules call once per call;
+* the framework split: the core (``te_jax.layers``) imports no flax and
+  nothing from ``te_jax.flax`` / ``te_jax.nnx``; ``te_jax.nnx`` imports
+  nothing from ``te_jax.flax`` nor Linen (``flax.linen``), and ``te_jax.flax``
+  nothing from ``te_jax.nnx``.
 
 Each check is a function over a {module name: source} dict, so the tests
 also run it on small made-up packages that break the rule (a check that can
@@ -24,8 +30,15 @@ ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
 RECIPE_HOME = {"te_jax.recipe", "te_jax.scaling"}
 RECIPE_CLASSES = {"DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"}
 CONTEXT_READERS = ("get_fp8_context",)
-# The module layer (DESIGN.md layer 4): Linen and NNX.
-CONTEXT_LAYERS = ("te_jax.flax", "te_jax.nnx")
+# Where the context may be read: the autocast itself, the package's lazy
+# attribute hook, and the module layer's one reader (docs/design.md layer 4).
+CONTEXT_MODULES = {"te_jax", "te_jax.autocast", "te_jax.layers.settings"}
+# (package, imports its modules must not make): the framework split.
+FRAMEWORK_RULES = (
+    ("te_jax.layers", ("flax", "te_jax.flax", "te_jax.nnx")),
+    ("te_jax.nnx", ("te_jax.flax", "flax.linen")),
+    ("te_jax.flax", ("te_jax.nnx",)),
+)
 # The compiled CUDA custom calls (custom_calls/, layer 1): below the ops,
 # imported by te_jax/ops/_native.py alone.
 NATIVE_MODULE = "te_jax._te_jax_ffi"
@@ -191,11 +204,10 @@ def recipe_branches(sources):
 
 
 def context_readers(sources):
-  """Modules outside te_jax.flax / te_jax.nnx (and the autocast itself) that read
-  the context."""
+  """Modules other than :data:`CONTEXT_MODULES` that read the context."""
   bad = []
   for m, src in sources.items():
-    if m.startswith(CONTEXT_LAYERS) or m in ("te_jax", "te_jax.autocast"):
+    if m in CONTEXT_MODULES:
       continue
     for node in ast.walk(ast.parse(src)):
       names = []
@@ -208,6 +220,37 @@ def context_readers(sources):
       for name in names:
         if name in CONTEXT_READERS:
           bad.append(f"{m}:{node.lineno} reads {name}")
+  return bad
+
+
+def imported_names(module, sources):
+  """[(dotted name, line)] of every import of ``module`` (function-local ones
+  too), te_jax's and others', as written: ``import a.b`` gives "a.b",
+  ``from a import b`` "a.b" (relative imports resolved)."""
+  pkg = module if _is_package(module, sources) else module.rsplit(".", 1)[0]
+  out = []
+  for node in ast.walk(ast.parse(sources[module])):
+    if isinstance(node, ast.Import):
+      out += [(a.name, node.lineno) for a in node.names]
+    elif isinstance(node, ast.ImportFrom):
+      base = node.module or ""
+      if node.level:
+        base = ".".join(pkg.split(".")[:len(pkg.split(".")) - node.level + 1] +
+                        ([base] if base else []))
+      out += [(f"{base}.{a.name}", node.lineno) for a in node.names]
+  return out
+
+
+def forbidden_imports(sources, rules=FRAMEWORK_RULES):
+  """Imports that break the framework split (:data:`FRAMEWORK_RULES`)."""
+  bad = []
+  for m in sorted(sources):
+    for pkg, forbidden in rules:
+      if not (m == pkg or m.startswith(pkg + ".")):
+        continue
+      for name, line in imported_names(m, sources):
+        if any(name == f or name.startswith(f + ".") for f in forbidden):
+          bad.append(f"{m}:{line} imports {name}")
   return bad
 
 
@@ -237,8 +280,14 @@ def test_recipe_classes_only_told_apart_in_their_home():
   assert recipe_branches(SOURCES) == []
 
 
-def test_only_the_flax_layer_reads_the_autocast():
+def test_only_the_settings_reader_reads_the_autocast():
   assert context_readers(SOURCES) == []
+
+
+def test_core_is_framework_neutral_and_frameworks_are_apart():
+  assert {"te_jax.layers.settings", "te_jax.layers.mlp", "te_jax.nnx.mlp",
+          "te_jax.flax.mlp"} <= set(SOURCES)
+  assert forbidden_imports(SOURCES) == []
 
 
 # -------------------------------------------- the checks can fail at all --
@@ -284,7 +333,35 @@ def test_private_submodule_inside_its_package_is_allowed():
       "te_jax.dense:1 imports the private module te_jax.ops._native"]
 
 
+def test_framework_rules_catch_made_up_violations():
+  bad = _pkg(
+      te_jax="",
+      te_jax__autocast="def get_fp8_context():\n  pass\n",
+      te_jax__flax="",
+      te_jax__flax__dense="import flax.linen as nn\nfrom te_jax.nnx import linear\n",
+      te_jax__nnx="",
+      te_jax__nnx__linear=("from flax import nnx\nfrom flax.core import meta\n"
+                           "import flax.linen as nn\nfrom te_jax.flax.dense import unboxed\n"),
+      te_jax__nnx__mlp="from .. import flax as tfx\n",
+      te_jax__layers="",
+      te_jax__layers__settings="from te_jax.autocast import get_fp8_context\n",
+      te_jax__layers__gemm="import jax\ndef f():\n  from flax import nnx\n",
+      te_jax__layers__mlp="from te_jax import nnx\nfrom te_jax.flax import fp8_module\n",
+      te_jax__layers__norm="from te_jax import autocast\nx = autocast.get_fp8_context()\n",
+  )
+  assert forbidden_imports(bad) == [
+      "te_jax.flax.dense:2 imports te_jax.nnx.linear",
+      "te_jax.layers.gemm:3 imports flax.nnx",
+      "te_jax.layers.mlp:1 imports te_jax.nnx",
+      "te_jax.layers.mlp:2 imports te_jax.flax.fp8_module",
+      "te_jax.nnx.linear:3 imports flax.linen",
+      "te_jax.nnx.linear:4 imports te_jax.flax.dense.unboxed",
+      "te_jax.nnx.mlp:1 imports te_jax.flax",
+  ]
+  assert context_readers(bad) == ["te_jax.layers.norm:2 reads get_fp8_context"]
+
+
 @pytest.mark.parametrize("module", sorted(SOURCES))
 def test_library_modules_stay_under_500_lines(module):
   n = SOURCES[module].count("\n")
-  assert n <= 500, f"{module} has {n} lines; split it (DESIGN.md: modules under ~500 lines)"
+  assert n <= 500, f"{module} has {n} lines; split it (docs/design.md: modules under ~500 lines)"

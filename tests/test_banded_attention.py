@@ -17,8 +17,8 @@ from flax import nnx
 
 from te_jax import flax as tfx
 from te_jax import nnx as tnnx
-from te_jax.flax import attention_core as core_lib
-from te_jax.flax import packed_attention as pa
+from te_jax.layers import attention as core_lib
+from te_jax.layers import packed_attention as pa
 
 H, D = 4, 16
 E = H * D

@@ -15,7 +15,7 @@ import pytest
 import te_jax
 from te_jax import fp8_state
 from te_jax import flax as tfx
-from te_jax.flax import attention as attn_lib
+from te_jax.layers import attention as attn_lib
 
 from flax_cases import RECIPES, rel
 

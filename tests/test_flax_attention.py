@@ -13,8 +13,7 @@ from te_jax import fp8_state
 from te_jax import flax as tfx
 
 from flax_cases import RECIPES, rel
-from te_jax.flax import attention as attn_lib
-from te_jax.flax import attention_core as core_lib
+from te_jax.layers import attention as attn_lib
 
 # Q/K/V and output projections are FP8 GEMMs (~3.5 % each, see
 # test_flax_dense.py); the softmax can amplify logit errors slightly, so the
@@ -185,7 +184,7 @@ def test_attention_dropout_and_explicit_core():
                                          jnp.array([[1] * 5 + [2] * 3] * 2))
   ref = jax.jit(lambda q, k, v, m: jax.nn.dot_product_attention(
       q, k, v, mask=m, is_causal=True))(q, k, vv, mask)
-  got = jax.jit(lambda q, k, v, m: core_lib._reference_attention(
+  got = jax.jit(lambda q, k, v, m: attn_lib._reference_attention(
       q, k, v, m, True, None, 0.0))(q, k, vv, mask)
   np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
 
@@ -224,14 +223,14 @@ def test_attention_fp8_close_to_fp32(name, impl):
 
 
 def test_query_segment_ids_without_key_segment_ids_raise():
-  from te_jax.flax.attention import segment_attention_mask
+  from te_jax.layers.attention import segment_attention_mask
   ids = jnp.ones((1, 4), jnp.int32)
   with pytest.raises(ValueError, match="kv_segment_ids"):
     segment_attention_mask(ids, None)
   assert segment_attention_mask(None, None) is None
 
 
-# --- packed rows in cuDNN's packed layout (te_jax.flax.packed_attention) ---
+# --- packed rows in cuDNN's packed layout (te_jax.layers.packed_attention) ---
 
 def _well_formed_ids(seed, b, s):
   """Rows of contiguous documents with increasing (gappy) ids, padding between/after."""
@@ -258,7 +257,7 @@ def _documents_of_layout(seqlens, offsets, s):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_segment_layout_reproduces_the_segment_mask(seed):
-  from te_jax.flax.packed_attention import segment_layout
+  from te_jax.layers.packed_attention import segment_layout
   ids = _well_formed_ids(seed, 3, 40)
   m = int(max(len(set(np.asarray(r).tolist()) - {0}) for r in ids))
   seqlens, offsets, fits = jax.jit(segment_layout, static_argnums=1)(ids, m)
@@ -274,7 +273,7 @@ def test_segment_layout_reproduces_the_segment_mask(seed):
 
 
 def test_segment_layout_rejects_ids_in_two_runs_and_checks_arguments():
-  from te_jax.flax.packed_attention import segment_layout
+  from te_jax.layers.packed_attention import segment_layout
   ok = jnp.array([[1, 1, 0, 2, 2, 0], [0, 0, 0, 0, 0, 0]], jnp.int32)
   seqlens, offsets, fits = segment_layout(ok, 2)
   assert bool(fits)
@@ -304,7 +303,7 @@ def test_padding_queries_output_zero():
 
 def test_packed_routing(monkeypatch):
   """Which calls take the packed cuDNN path (stubbed: no cuDNN on the CPU)."""
-  from te_jax.flax import packed_attention as pa
+  from te_jax.layers import packed_attention as pa
   calls = []
   def spy(q, k, v, segment_ids, *, is_causal, max_segments, scale):
     calls.append((is_causal, max_segments, scale))
@@ -362,7 +361,7 @@ def _rel_on(a, b, where):
 @pytest.mark.parametrize("causal,groups", [(True, 4), (False, 2), (True, 1)])
 @pytest.mark.parametrize("branch", ["packed", "fallback", "cond"])
 def test_cuda_packed_attention_equals_documents_alone(causal, groups, branch):
-  from te_jax.flax import packed_attention as pa
+  from te_jax.layers import packed_attention as pa
   assert pa.packed_cudnn_available(), pa._unavailable_reason()
   q, k, v, cot, ids = _packed_case(groups)
   scale = q.shape[-1] ** -0.5

@@ -136,7 +136,7 @@ def test_mlp_partition_names_and_dropout():
 def test_activation_table_is_the_ops_table():
   """LayerNormMLP's activations are the fused ops' table; the unfused path
   applies each entry's ``jax_fn``, which means what flax's function does."""
-  from te_jax.flax import mlp as mlp_module  # pylint: disable=import-outside-toplevel
+  from te_jax.layers import mlp as mlp_module  # pylint: disable=import-outside-toplevel
   from te_jax.ops import act_quantize as aq  # pylint: disable=import-outside-toplevel
   assert mlp_module.ACTIVATIONS is aq.ACTIVATIONS
   assert tuple(aq.ACTIVATIONS) == aq.ACTIVATION_NAMES
@@ -179,7 +179,7 @@ def test_mlp_impl_attribute_reaches_every_op(fused, name, monkeypatch):
 def test_unfused_activation_saves_only_its_input(acts):
   """FP8 off, the backward keeps h (the activation's input) and z (the wo
   GEMM's input), and nothing else of their size: the activation runs under
-  jax.checkpoint (te_jax.flax.mlp.activate). Differentiated directly it kept
+  jax.checkpoint (te_jax.layers.mlp.activate). Differentiated directly it kept
   six (tokens, mlp) arrays here, gelu's tanh among them, which XLA writes as
   a second full-size forward output. Linen and NNX; values and gradients
   equal to the plain activation."""

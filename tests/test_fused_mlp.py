@@ -140,7 +140,7 @@ def test_fused_path_is_the_default_and_can_be_turned_off(monkeypatch):
 
 
 def test_unaligned_or_dropout_use_the_unfused_path(monkeypatch, caplog):
-  from te_jax.flax import mlp as mlp_module  # pylint: disable=import-outside-toplevel
+  from te_jax.layers import mlp as mlp_module  # pylint: disable=import-outside-toplevel
   mlp_module.log_unfused.cache_clear()
   caplog.set_level(logging.INFO, logger="te_jax")
   calls = []

@@ -24,8 +24,8 @@ import pytest
 import te_jax
 from te_jax import dense, fp8_state, norm_dense, recipe
 from te_jax import flax as tfx
-from te_jax.flax import fused_norm
-from te_jax.flax.norm import apply_norm
+from te_jax.layers import norm as norm_lib
+from te_jax.layers.norm import apply_norm
 
 from flax_cases import RECIPES, rel, vjp_run
 
@@ -241,7 +241,7 @@ def test_unfusable_input_norm_says_why(monkeypatch, caplog):
   """100 tokens per row (not a multiple of the token block): the norm runs in
   XLA, with an INFO line naming the module and the reason, and the result
   equals the XLA path's."""
-  fused_norm.log_unfused_norm.cache_clear()
+  norm_lib.log_unfused_norm.cache_clear()
   caplog.set_level(logging.INFO, logger="te_jax")
   r = recipe.Float8CurrentScaling()
   m, m_xla = _layer(), _layer(fuse_norm_quantize=False)

@@ -1,10 +1,10 @@
 """The norm without FP8 on te_jax's kernels: ``ops.normalization.norm_stats``,
 ``te_jax.norm_dense.normalize`` and the modules' choice of it
-(``te_jax.flax.fused_norm.module_norm``).
+(``te_jax.layers.norm.module_norm``).
 
 CPU (CI):
   * ``normalize`` on the reference path: the output equals
-    ``te_jax.flax.norm.apply_norm`` bit for bit (every norm, input and output
+    ``te_jax.layers.norm.apply_norm`` bit for bit (every norm, input and output
     dtype); its gradients (the closed-form backward) equal ``jax.vjp`` of
     ``apply_norm`` to float32 accuracy; bad arguments;
   * LayerNormMLP, LayerNormDenseGeneral and their NNX twins with FP8 off take
@@ -28,15 +28,15 @@ import pytest
 from te_jax import norm_dense
 from te_jax import sharding as sharding_lib
 from te_jax import flax as tfx
-from te_jax.flax import fused_norm
-from te_jax.flax.norm import apply_norm
+from te_jax.layers import norm as norm_lib
+from te_jax.layers.norm import apply_norm
 from te_jax.ops import normalization as nrm
 
 from flax_cases import norm_params as _params, rand as _rand, rel, vjp_run
 
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 EPS = 1e-6
-HID = fused_norm.MIN_KERNEL_HIDDEN   # the narrowest hidden size that takes the kernels
+HID = norm_lib.MIN_KERNEL_HIDDEN   # the narrowest hidden size that takes the kernels
 NORMS = [("layernorm", False), ("layernorm", True), ("rmsnorm", False), ("rmsnorm", True)]
 
 
@@ -153,7 +153,7 @@ def test_linen_modules_take_the_norm_kernels_with_fp8_off(which, norm_type, monk
   assert calls == ["auto"], calls
   # XLA's norm instead: the same loss, gradients to float32 accuracy.
   calls.clear()
-  monkeypatch.setattr(fused_norm, "norm_kernel_blocker", lambda *a: "forced")
+  monkeypatch.setattr(norm_lib, "norm_kernel_blocker", lambda *a: "forced")
   l0, g0 = _grads(m, v, x, cot)
   assert not calls
   assert float(l1) == float(l0)
@@ -162,7 +162,7 @@ def test_linen_modules_take_the_norm_kernels_with_fp8_off(which, norm_type, monk
 
 
 def test_narrow_norms_stay_in_xla_silently(monkeypatch, caplog):
-  fused_norm.log_xla_norm.cache_clear()
+  norm_lib.log_xla_norm.cache_clear()
   caplog.set_level(logging.INFO, logger="te_jax")
   calls = _spy(monkeypatch)
   for which in sorted(LINEN):
@@ -184,7 +184,7 @@ def test_nnx_modules_take_the_norm_kernels_with_fp8_off(monkeypatch):
     y = mod(x)
     assert calls == ["auto"], (type(mod).__name__, calls)
     calls.clear()
-    monkeypatch.setattr(fused_norm, "norm_kernel_blocker", lambda *a: "forced")
+    monkeypatch.setattr(norm_lib, "norm_kernel_blocker", lambda *a: "forced")
     np.testing.assert_array_equal(np.asarray(mod(x)), np.asarray(y))
     assert not calls
     monkeypatch.undo()
@@ -196,7 +196,7 @@ class _Mesh:
 
 
 def test_a_mesh_sends_the_norm_to_xla_and_says_why(monkeypatch, caplog):
-  fused_norm.log_xla_norm.cache_clear()
+  norm_lib.log_xla_norm.cache_clear()
   caplog.set_level(logging.INFO, logger="te_jax")
   m = LINEN["mlp"]()
   x = _rand(13, (2, 9, HID))

@@ -12,7 +12,7 @@ heads * head_dim) product: each slice would be a copy of the block (three
   output but the weight gradient's. (Their values and gradients equal those
   of splitting the whole output: ``test_concat_quantize.py``,
   ``test_norm_attention.py``.)
-* FP8 off: ``fp8_module.plain_split_gemm``, one dot per block behind its
+* FP8 off: ``te_jax.layers.gemm.plain_split_gemm``, one dot per block behind its
   own ``optimization_barrier``, equals the split of the one dot (values and
   gradients) and leaves no 1536-wide product in the attention program.
 * GPU (``gpu`` marker): the compiled attention step, every recipe and FP8
@@ -32,7 +32,7 @@ import flax.linen as nn
 import te_jax
 from te_jax import dense, fp8_state, norm_dense, recipe
 from te_jax import flax as tfx
-from te_jax.flax import fp8_module
+from te_jax.layers import gemm as gemm_lib
 from te_jax.ops import quantize as qop
 from te_jax.ops.fp8 import ScaledTensor
 
@@ -159,7 +159,7 @@ def test_fp8_off_split_equals_the_split_of_one_dot():
   cots = jax.random.normal(kc, (3, 2, 64, 4, 16))
 
   def split(x, w, b):
-    return fp8_module.plain_split_gemm(x, w, b, contract_ndim=1)
+    return gemm_lib.plain_split_gemm(x, w, b, contract_ndim=1)
 
   def whole(x, w, b):
     y = dense.dense_general(x, w, b, contract_ndim=1)

@@ -1,54 +1,15 @@
-"""``MultiHeadAttention``: FP8 projections around a fused attention core.
+"""``MultiHeadAttention``: FP8 projections around a fused attention attn.
 
 The Q/K/V and output projections are ``DenseGeneral`` modules, so they run in
-FP8 under ``fp8_autocast``; the attention core (softmax(QK^T)V) stays in the
-compute dtype and is computed by ``jax.nn.dot_product_attention``.
-
-Masking. ``attn_mask_type="causal"`` uses ``is_causal=True``. Packed
-sequences are given as ``segment_ids`` (B, S) int (1, 2, ... per document, 0 =
-padding, as made by ``te_jax.packing.pack_sequences``): a token attends only
-to tokens of its own segment, padding only to padding, so no token ever sees
-another document or padding. The installed ``jax.nn.dot_product_attention``
-has no segment-id argument (only ``query_seq_lengths`` /
-``key_value_seq_lengths``, which describe one right-padded document per row),
-so segments become one boolean mask of shape (B, 1, Sq, Skv) shared by all
-heads (never a per-head mask). An extra boolean ``mask`` (True = attend),
-broadcastable to (B, heads, Sq, Skv), can be given as well.
-
-Implementation choice (``attention_impl``): "xla", "cudnn" or "auto". "auto"
-picks cuDNN flash attention on GPU for bfloat16/float16 with head_dim <= 128
-and a multiple of 8 and no attention dropout. Packed self attention
-(``segment_ids`` alone: no ``kv_segment_ids`` of its own, no ``mask``) then
-runs in cuDNN's packed layout (``te_jax.flax.packed_attention``):
-per-document offsets instead of a mask, for rows of at most
-``max_segments_per_seq`` documents, each one contiguous run of its id; a
-batch that breaks either rule is detected on the device and runs cuDNN
-attention under the (B, 1, S, S) segment mask instead (same answer,
-slower). With ``max_document_length`` W (causal only), packed self attention
-takes neither: under the segment mask it computes only the band of keys at
-most W - 1 positions back (cuDNN's sliding window skips the tiles outside
-it), which is exact while every document fits in W tokens; a batch with a
-longer document is detected on the device and runs the full masked
-attention (``te_jax.flax.packed_attention.banded_self_attention``).
-Other masks (cross attention with segment ids, an explicit ``mask``) take
-XLA under "auto" (cuDNN in jax takes a mask only as a dense additive bias);
-"cudnn" forces cuDNN (the mask then becomes that bias).
-Under "auto" the cuDNN path is staged beside the XLA one with
-``jax.lax.platform_dependent``, so a computation compiled for a GPU host's
-CPU (arrays placed there) runs XLA attention. Attention dropout
-(``attention_dropout > 0`` and ``deterministic=False``) uses an explicit
-softmax in float32. With ``segment_ids``, queries at padding positions (id
-0) output 0 on every path.
-
-Rotary position embeddings (``enable_rotary_pos_emb``) rotate the two halves
-of each head's Q and K ("rotate-half"/GPT-NeoX layout) by angle
-``position * rotary_base ** (-2i / head_dim)``; positions default to
-``arange(S)`` and come from ``segment_positions`` for packed rows (restarting
-at 0 in each document), which makes a packed document see exactly the
-rotations it would see alone.
+FP8 under ``fp8_autocast``; the attention between them (softmax(QK^T)V, in
+the compute dtype) is ``te_jax.layers.attention``'s, whose module docs give
+the rules: which projections (fused Q/K/V or query + key/value), masks and
+packed sequences (``segment_ids``), the choice of implementation
+(``attention_impl``: XLA, cuDNN flash attention, cuDNN's packed layout, the
+causal band of ``max_document_length``) and rotary embeddings.
 
 Decoding (``decode=True``): a key/value cache in collection ``"cache"``,
-Flax's convention; see ``te_jax.flax.kv_cache``.
+Flax's convention; see ``te_jax.flax.kv_cache`` and ``te_jax.layers.kv_cache``.
 """
 
 from __future__ import annotations
@@ -62,15 +23,13 @@ import flax.linen as nn
 
 from te_jax import norm_dense
 from te_jax.flax import kv_cache
-from te_jax.flax.attention_core import (and_masks, apply_rotary, attention_core,
-                                        check_attention_options, check_input_3d,
-                                        check_segment_arg, resolve_segments,
-                                        segment_attention_mask)
-from te_jax.flax.dense import DenseGeneral, default_kernel_init
+from te_jax.flax.dense import DenseGeneral
+from te_jax.layers import attention as attn
+from te_jax.layers import kv_cache as cache_lib
+from te_jax.layers.checks import compute_dtype
+from te_jax.layers.init import default_kernel_init
 
-__all__ = ["MultiHeadAttention", "apply_rotary", "segment_attention_mask", "check_input_3d",
-           "check_segment_arg", "check_attention_options", "attention_core",
-           "resolve_segments"]
+__all__ = ["MultiHeadAttention"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -99,7 +58,7 @@ class MultiHeadAttention(nn.Module):
   (B, L, E) allocates collection ``"cache"``: ``cached_key``,
   ``cached_value`` (B, L, groups, head_dim) and ``cache_index`` (int32 scalar);
   each later ``apply(..., mutable=["cache"])`` on (B, n, E) appends n tokens
-  and attends to the filled positions (``te_jax.flax.kv_cache`` has the
+  and attends to the filled positions (``te_jax.layers.kv_cache`` has the
   rules). The FP8 state need not be mutable: decode steps use the stored
   scales and leave them as they are.
 
@@ -203,70 +162,50 @@ class MultiHeadAttention(nn.Module):
     Returns:
       (B, Sq, out_features) in the compute dtype.
     """
-    check_attention_options(self.attn_mask_type, self.attention_impl,
-                            self.max_segments_per_seq, self.max_document_length)
+    attn.check_attention_options(self.attn_mask_type, self.attention_impl,
+                                 self.max_segments_per_seq, self.max_document_length)
     if self.decode:
-      kv_cache.check_decode_inputs(inputs_kv, segment_ids=segment_ids,
-                                   kv_segment_ids=kv_segment_ids,
-                                   segment_positions=segment_positions,
-                                   kv_segment_positions=kv_segment_positions)
+      cache_lib.check_decode_inputs(inputs_kv, segment_ids=segment_ids,
+                                    kv_segment_ids=kv_segment_ids,
+                                    segment_positions=segment_positions,
+                                    kv_segment_positions=kv_segment_positions)
     self_attn = inputs_kv is None
-    check_input_3d("inputs_q", inputs_q)
+    attn.check_input_3d("inputs_q", inputs_q)
     if not self_attn:
-      check_input_3d("inputs_kv", inputs_kv)
-    inputs_kv, kv_segment_ids, kv_segment_positions = resolve_segments(
+      attn.check_input_3d("inputs_kv", inputs_kv)
+    inputs_kv, kv_segment_ids, kv_segment_positions = attn.resolve_segments(
         inputs_q, inputs_kv, segment_ids, segment_positions, kv_segment_ids,
         kv_segment_positions)
-    h = self.num_attention_heads
-    g = self.num_gqa_groups or h
-    if h % g:
-      raise ValueError(f"num_gqa_groups ({g}) must divide num_attention_heads ({h}).")
     embed = inputs_q.shape[-1]
-    d = self.head_dim or embed // h
-    if not self.head_dim and embed % h:
-      raise ValueError(f"width {embed} is not divisible by {h} heads; set head_dim.")
-    compute = self.dtype if self.dtype is not None else jnp.result_type(
-        inputs_q.dtype, self.param_dtype)
-
-    # The fused projections hand back q, k, v (k, v) as separate outputs, so
-    # that in FP8 their gradients are quantized without a concatenation.
-    norm_kw = {} if input_norm is None else {"input_norm": input_norm}
-    if self_attn and g == h and self.fuse_qkv:
-      q, k, v = self._dense((3, h, d), "qkv", ("embed", "qkv", "heads", "kv"),
-                            dtype=compute, split=True)(inputs_q, **norm_kw)
+    h, g, d = attn.head_layout(embed, self.num_attention_heads, self.num_gqa_groups,
+                               self.head_dim)
+    compute = compute_dtype(self.dtype, inputs_q.dtype, self.param_dtype)
+    qkv_axes = ("embed", "qkv", "heads", "kv")
+    if attn.fuses_qkv(self_attn, h, g, self.fuse_qkv):
+      proj = dict(qkv=self._dense((3, h, d), "qkv", qkv_axes, dtype=compute, split=True))
     else:
-      query = self._dense((h, d), "query", ("embed", "heads", "kv"), dtype=compute)
-      if input_norm is not None and self_attn:   # K and V read the query's norm output
-        q, inputs_kv = query(inputs_q, input_norm=input_norm, return_norm_output=True)
-      else:
-        q = query(inputs_q, **norm_kw)
-      k, v = self._dense((2, g, d), "kv", ("embed", "qkv", "heads", "kv"),
-                         dtype=compute, split=True)(inputs_kv)
+      proj = dict(query=self._dense((h, d), "query", ("embed", "heads", "kv"), dtype=compute),
+                  kv=lambda x: self._dense((2, g, d), "kv", qkv_axes, dtype=compute,
+                                           split=True)(x))
+    q, k, v = attn.project_qkv(inputs_q, inputs_kv, self_attn=self_attn,
+                               input_norm=input_norm, **proj)
 
     step = None
     if self.decode:
-      rotate = (functools.partial(apply_rotary, base=self.rotary_base)
+      rotate = (functools.partial(attn.apply_rotary, base=self.rotary_base)
                 if self.enable_rotary_pos_emb else None)
       step = kv_cache.decode_step(self, q, k, v, causal=self.attn_mask_type == "causal",
                                   rotate=rotate)
     dropout = self.attention_dropout > 0.0 and not deterministic
-    drop = dict(dropout_rate=self.attention_dropout if dropout else 0.0,
-                dropout_rng=self.make_rng("dropout") if dropout else None)
-    if step is not None:   # rotated and masked by the cache: a plain masked core
-      out = attention_core(step.q, step.k, step.v, self_attn=False,
-                           mask=and_masks(mask, step.mask), attn_mask_type="no_mask",
-                           attention_impl=self.attention_impl, **drop)
-    else:
-      out = attention_core(
-          q, k, v, self_attn=self_attn, segment_ids=segment_ids,
-          kv_segment_ids=kv_segment_ids, segment_positions=segment_positions,
-          kv_segment_positions=kv_segment_positions, mask=mask,
-          attn_mask_type=self.attn_mask_type,
-          enable_rotary_pos_emb=self.enable_rotary_pos_emb, rotary_base=self.rotary_base,
-          attention_impl=self.attention_impl,
-          max_segments_per_seq=self.max_segments_per_seq,
-          max_document_length=self.max_document_length, **drop)
-    out = out.astype(compute)
+    out = attn.attention(
+        q, k, v, step=step, mask=mask, attention_impl=self.attention_impl,
+        dropout_rate=self.attention_dropout if dropout else 0.0,
+        dropout_rng=self.make_rng("dropout") if dropout else None, self_attn=self_attn,
+        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+        segment_positions=segment_positions, kv_segment_positions=kv_segment_positions,
+        attn_mask_type=self.attn_mask_type, enable_rotary_pos_emb=self.enable_rotary_pos_emb,
+        rotary_base=self.rotary_base, max_segments_per_seq=self.max_segments_per_seq,
+        max_document_length=self.max_document_length)
     out = self._dense(self.out_features or embed, "out", ("heads", "kv", "embed"),
-                      axis=(-2, -1), dtype=compute)(out)
-    return out if step is None else kv_cache.mark_overflow(out, step.valid)
+                      axis=(-2, -1), dtype=compute)(out.astype(compute))
+    return out if step is None else cache_lib.mark_overflow(out, step.valid)

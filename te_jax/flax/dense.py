@@ -31,50 +31,26 @@ from flax.core import meta
 
 from te_jax import norm_dense
 from te_jax.flax import fp8_module
-# The fused-norm checks, used here and by the MLP and NNX modules.
-from te_jax.flax.fused_norm import (check_input_norm, fused_norm_states, module_norm,
-                                    norm_project)
 from te_jax.flax.norm import norm_params
+from te_jax.layers import dense as dense_core
+from te_jax.layers import init as init_lib
+from te_jax.layers.checks import compute_dtype
+from te_jax.layers.gemm import canonicalize_axes
+from te_jax.layers.init import default_kernel_init
+from te_jax.layers.norm import check_input_norm
 
-__all__ = ["DenseGeneral", "LayerNormDenseGeneral", "default_kernel_axes",
-           "declare_and_apply_dense", "declare_dense", "kernel_fan_in_init",
-           "logical_partitioning_of", "unboxed", "resolve_param_axes",
-           "fused_norm_dense"]
+__all__ = ["DenseGeneral", "LayerNormDenseGeneral", "declare_dense", "kernel_fan_in_init",
+           "logical_partitioning_of", "unboxed", "resolve_param_axes"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
-default_kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
-
-_IN_NAMES = {1: ("embed",), 2: ("heads", "kv")}
-_OUT_NAMES = {1: ("mlp",), 2: ("heads", "kv"), 3: ("qkv", "heads", "kv")}
-
-
-def default_kernel_axes(n_in: int, n_out: int) -> Tuple[str, ...]:
-  """Logical names of a DenseGeneral kernel when none are given.
-
-  Contracting dims: ("embed",) for one, ("heads", "kv") for two; output dims:
-  ("mlp",), ("heads", "kv") or ("qkv", "heads", "kv"); ("embed",) for the
-  (heads, kv) -> one-dim output projection. Any other count (or a clash with
-  the contracting names) gets distinct placeholder names ``dense_in_i`` / ``dense_out_i`` (unmapped by
-  sharding rules, hence replicated).
-  """
-  ins = _IN_NAMES.get(n_in, tuple(f"dense_in_{i}" for i in range(n_in)))
-  outs = _OUT_NAMES.get(n_out, tuple(f"dense_out_{i}" for i in range(n_out)))
-  if n_in == 2 and n_out == 1:   # (heads, kv) -> embed: the output projection
-    outs = ("embed",)
-  if set(ins) & set(outs):       # a name may appear only once in a kernel
-    outs = tuple(f"dense_out_{i}" for i in range(n_out))
-  return ins + outs
 
 
 def kernel_fan_in_init(init, n_in, n_out):
-  """Wraps ``init`` so fan-in/out are computed on the 2-D view of the kernel
-  (an ``init`` wrapped in ``nn.with_logical_partitioning`` is unboxed: the
-  caller boxes the result with the resolved names, :func:`resolve_param_axes`)."""
-  def wrapped(key, shape, dtype=jnp.float32):
-    flat = (math.prod(shape[:n_in]), math.prod(shape[n_in:]))
-    return jnp.reshape(unboxed(init(key, flat, dtype)), shape)
-  return wrapped
+  """``te_jax.layers.init.kernel_fan_in_init`` for a Linen initializer: one
+  wrapped in ``nn.with_logical_partitioning`` is unboxed (the caller boxes the
+  result with the resolved names, :func:`resolve_param_axes`)."""
+  return init_lib.kernel_fan_in_init(init, n_in, n_out, unboxed)
 
 
 # ------------------------------------- initializers with logical names ---
@@ -152,15 +128,16 @@ def resolve_param_axes(init, init_shape, dtype, param_shape, axes, default_axes,
 def declare_dense(module: nn.Module, in_shape: Tuple[int, ...], *, features, use_bias: bool,
                   param_dtype, kernel_init, bias_init, kernel_axes, bias_axes,
                   kernel_name: str = "kernel", bias_name: str = "bias"):
-  """Declares the kernel (*in_shape, *features) and bias of a DenseGeneral on
-  ``module``; returns (kernel, bias or None, kernel_axes)."""
+  """Declares the kernel (*in_shape, *features) and bias of a projection on
+  ``module``; returns (kernel, bias or None, kernel_axes), the kernel and bias
+  in their parameter dtype."""
   features = (features,) if isinstance(features, int) else tuple(features)
   n_in, n_out = len(in_shape), len(features)
   kernel_shape = tuple(in_shape) + features
   flat = (math.prod(in_shape), math.prod(features))
   kernel_axes, box_kw = resolve_param_axes(
       kernel_init, flat, param_dtype, kernel_shape, kernel_axes,
-      default_kernel_axes(n_in, n_out), arg="kernel_init", axes_arg="kernel_axes",
+      init_lib.default_kernel_axes(n_in, n_out), arg="kernel_init", axes_arg="kernel_axes",
       param=kernel_name)
   if len(kernel_axes) != len(kernel_shape):
     raise ValueError(f"kernel_axes {kernel_axes} must name each of the "
@@ -183,39 +160,6 @@ def declare_dense(module: nn.Module, in_shape: Tuple[int, ...], *, features, use
   return kernel, bias, kernel_axes
 
 
-def declare_and_apply_dense(module: nn.Module, x: jax.Array, *, settings, features, axis,
-                            use_bias: bool, dtype, param_dtype, kernel_init, bias_init,
-                            kernel_axes, bias_axes, kernel_name: str = "kernel",
-                            bias_name: str = "bias", fp8_name: str = fp8_module.FP8_META,
-                            split_output: bool = False):
-  """Declares the kernel/bias of a DenseGeneral on ``module`` and applies it.
-
-  ``settings``: the ``fp8_module.GemmSettings`` the module read from the
-  autocast for this call.
-  """
-  features = (features,) if isinstance(features, int) else tuple(features)
-  axis = fp8_module.canonicalize_axes(axis, x.ndim)
-  n_in, n_out = len(axis), len(features)
-  if split_output and n_out < 2:
-    raise ValueError(f"split_output=True unstacks the first of several feature dims; "
-                     f"features={features} has {n_out}. Use features=(n, ...).")
-  kernel, bias, kernel_axes = declare_dense(
-      module, tuple(x.shape[a] for a in axis), features=features, use_bias=use_bias,
-      param_dtype=param_dtype, kernel_init=kernel_init, bias_init=bias_init,
-      kernel_axes=kernel_axes, bias_axes=bias_axes, kernel_name=kernel_name,
-      bias_name=bias_name)
-  compute = dtype if dtype is not None else jnp.result_type(x.dtype, param_dtype)
-  # Move the contracting axes to the end, in the order given; the leading
-  # (batch) dims are kept as they are (not flattened).
-  batch_axes = tuple(a for a in range(x.ndim) if a not in axis)
-  if batch_axes + axis != tuple(range(x.ndim)):
-    x = jnp.transpose(x, batch_axes + axis)
-  return fp8_module.fp8_gemm(
-      module, settings, x.astype(compute), kernel,
-      None if bias is None else bias.astype(compute), name=fp8_name,
-      contract_ndim=n_in, kernel_axes=kernel_axes, split_output=split_output)
-
-
 class DenseGeneral(nn.Module):
   """A linear map over one or more axes whose GEMMs run in FP8 under ``fp8_autocast``.
 
@@ -225,7 +169,7 @@ class DenseGeneral(nn.Module):
 
   Parameters (logical axis names):
     ``kernel`` (*in_dims, *features): ``kernel_axes``; default from
-      :func:`default_kernel_axes`, e.g. ("embed", "mlp") for a 2-D kernel,
+      ``te_jax.layers.init.default_kernel_axes``, e.g. ("embed", "mlp") for a 2-D kernel,
       ("embed", "heads", "kv") for features=(heads, kv), ("heads", "kv",
       "embed") for axis=(-2, -1) and one feature dim.
     ``bias`` (*features,), only with ``use_bias``: ``bias_axes``; default the
@@ -233,7 +177,7 @@ class DenseGeneral(nn.Module):
 
   FP8 state (``DelayedScaling`` only): ``fp8_meta`` in collection
   ``"_overwrite_with_gradient"``, ``{"x"|"kernel"|"grad": {"amax_history",
-  "scale_inv"}}``.
+  "scale"}}`` (``te_jax.fp8_state.init_dense_state``).
 
   Attributes:
     features: int or tuple of ints, the output dims.
@@ -292,35 +236,35 @@ class DenseGeneral(nn.Module):
         input (..., in_dim) in the compute dtype: ``(y, norm_output)``.
     """
     settings = fp8_module.read_autocast(self.impl)
+    states = fp8_module.LinenStates(self)
+    compute = compute_dtype(self.dtype, inputs.dtype, self.param_dtype)
     if input_norm is None:
       if return_norm_output:
         raise ValueError("return_norm_output=True needs an input_norm to return the "
                          "output of.")
-      return self._project(settings, inputs)
+      axis = canonicalize_axes(self.axis, inputs.ndim)
+      kernel, bias, kernel_axes = self._declare(tuple(inputs.shape[a] for a in axis))
+      return dense_core.project(states, settings, inputs, kernel, bias, axis=axis,
+                                dtype=compute, kernel_axes=kernel_axes,
+                                split_output=self.split_output)
     check_input_norm(input_norm, self.axis, inputs.ndim)
-    compute = self.dtype if self.dtype is not None else jnp.result_type(
-        inputs.dtype, self.param_dtype)
+    kernel, bias, kernel_axes = self._declare(inputs.shape[-1:])
+    return dense_core.norm_dense(states, settings, inputs, input_norm, kernel, bias,
+                                 dtype=compute, owner=type(self).__name__,
+                                 kernel_axes=kernel_axes,
+                                 return_norm_output=return_norm_output,
+                                 split_output=self.split_output)
+
+  def _declare(self, in_shape):
+    """(kernel, bias or None, kernel_axes) for inputs whose contracted dims are ``in_shape``."""
     features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
     if self.split_output and len(features) < 2:
       raise ValueError(f"split_output=True unstacks the first of several feature dims; "
                        f"features={features} has {len(features)}. Use features=(n, ...).")
-    states = fused_norm_states(self, settings, inputs, (fp8_module.FP8_META,))
-    if states is not None:
-      return fused_norm_dense(self, inputs, input_norm, settings, compute, states[0],
-                              features=features, use_bias=self.use_bias,
-                              return_norm_output=return_norm_output,
-                              num_splits=features[0] if self.split_output else 1)
-    ln_out = module_norm(type(self).__name__, settings, inputs, input_norm, compute)
-    y = self._project(settings, ln_out)   # self.axis is the last one: checked above
-    return (y, ln_out) if return_norm_output else y
-
-  def _project(self, settings, x):
-    return declare_and_apply_dense(
-        self, x, settings=settings, features=self.features, axis=self.axis,
-        use_bias=self.use_bias, dtype=self.dtype, param_dtype=self.param_dtype,
-        kernel_init=self.kernel_init, bias_init=self.bias_init,
-        kernel_axes=self.kernel_axes, bias_axes=self.bias_axes,
-        split_output=self.split_output)
+    return declare_dense(self, tuple(in_shape), features=features, use_bias=self.use_bias,
+                         param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+                         bias_init=self.bias_init, kernel_axes=self.kernel_axes,
+                         bias_axes=self.bias_axes)
 
 
 class LayerNormDenseGeneral(nn.Module):
@@ -338,7 +282,8 @@ class LayerNormDenseGeneral(nn.Module):
   dtype. Otherwise (INFO log once per reason), and with FP8 off, the norm
   runs on te_jax's statistics and backward kernels unquantized
   (``te_jax.norm_dense.normalize``) for embed >= 4096 unless a mesh of
-  several devices is active (else in XLA, measured faster below 4096).
+  several devices is active (else in XLA;
+  ``te_jax.layers.norm.MIN_KERNEL_HIDDEN`` is the threshold).
   With ``fuse_norm_quantize=False`` it always runs in XLA. Same variables
   either way.
 
@@ -393,8 +338,7 @@ class LayerNormDenseGeneral(nn.Module):
   @nn.compact
   def __call__(self, inputs: jax.Array):
     """Normalizes, then projects; see the class docstring for shapes."""
-    compute = self.dtype if self.dtype is not None else jnp.result_type(
-        inputs.dtype, self.param_dtype)
+    compute = compute_dtype(self.dtype, inputs.dtype, self.param_dtype)
     settings = fp8_module.read_autocast(self.impl)
     scale, ln_bias = norm_params(
         self, inputs.shape[-1], norm_type=self.layernorm_type,
@@ -403,41 +347,12 @@ class LayerNormDenseGeneral(nn.Module):
         param_dtype=self.param_dtype, bias_axes=tuple(self.ln_bias_axes))
     norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
                                  self.zero_centered_gamma)
-    states = (fused_norm_states(self, settings, inputs, (fp8_module.FP8_META,))
-              if self.fuse_norm_quantize else None)
-    if states is not None:
-      return fused_norm_dense(self, inputs, norm, settings, compute, states[0],
-                              features=self.features, use_bias=self.use_bias,
-                              return_norm_output=self.return_layernorm_output)
-    ln_out = module_norm("LayerNormDenseGeneral", settings, inputs, norm, compute,
-                         kernels=self.fuse_norm_quantize)
-    y = declare_and_apply_dense(
-        self, ln_out, settings=settings, features=self.features,
-        axis=-1, use_bias=self.use_bias,
-        dtype=compute, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-        bias_init=self.bias_init, kernel_axes=self.kernel_axes, bias_axes=self.bias_axes)
-    if self.return_layernorm_output:
-      return y, ln_out
-    return y
-
-
-def fused_norm_dense(module: nn.Module, inputs, norm: norm_dense.NormParams, settings,
-                     compute, state, *, features, use_bias: bool, return_norm_output: bool,
-                     num_splits: int = 1):
-  """The FP8 path of a norm + DenseGeneral through ``te_jax.norm_dense.fp8_norm_dense``.
-
-  ``module`` holds the kernel and bias (its ``param_dtype``, ``kernel_init``,
-  ``bias_init``, ``kernel_axes``, ``bias_axes``); they are declared after the
-  norm's parameters, as the unfused path does (Flax derives each parameter's
-  init key from its position). With ``num_splits`` > 1 the output is a tuple
-  of ``features[0]`` arrays (..., *features[1:]) (``split_output``).
-  """
-  features = (features,) if isinstance(features, int) else tuple(features)
-  kernel, bias, _ = declare_dense(
-      module, (inputs.shape[-1],), features=features, use_bias=use_bias,
-      param_dtype=module.param_dtype, kernel_init=module.kernel_init,
-      bias_init=module.bias_init, kernel_axes=module.kernel_axes,
-      bias_axes=module.bias_axes)
-  return norm_project(inputs, norm, kernel, bias, settings, compute, state,
-                      features=features, return_norm_output=return_norm_output,
-                      num_splits=num_splits)
+    kernel, bias, kernel_axes = declare_dense(
+        self, inputs.shape[-1:], features=self.features, use_bias=self.use_bias,
+        param_dtype=self.param_dtype, kernel_init=self.kernel_init, bias_init=self.bias_init,
+        kernel_axes=self.kernel_axes, bias_axes=self.bias_axes)
+    return dense_core.norm_dense(fp8_module.LinenStates(self), settings, inputs, norm, kernel,
+                                 bias, dtype=compute, owner="LayerNormDenseGeneral",
+                                 kernel_axes=kernel_axes,
+                                 fuse_norm_quantize=self.fuse_norm_quantize,
+                                 return_norm_output=self.return_layernorm_output)

@@ -63,8 +63,8 @@ import jax.numpy as jnp
 import flax.linen as nn
 from jax import lax
 
-from te_jax import dense as dense_lib
 from te_jax.flax import fp8_module
+from te_jax.layers.gemm import FP8_META, gemm_kernel, gemm_output
 
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "ON_UNSUPPORTED", "parse_dimension_numbers", "fp8_blocker",
            "log_fallback"]
@@ -182,10 +182,8 @@ def _product(op_name, settings, state, on_unsupported, lhs, rhs, dimension_numbe
   # x (*lhs_free, *contract) and kernel (*contract, *rhs_free): the te_jax
   # dense layout; transposes that are identities cost nothing.
   x = jnp.transpose(lhs, lhs_free + lc).astype(compute)
-  kernel = fp8_module.gemm_kernel(settings, jnp.transpose(rhs, rc + rhs_free), compute)
-  y = dense_lib.dense_general(x, kernel, contract_ndim=len(lc), recipe=settings.recipe,
-                              fp8_state=state, impl=settings.impl,
-                              mesh_resource=settings.mesh_resource)
+  kernel = gemm_kernel(settings, jnp.transpose(rhs, rc + rhs_free), compute)
+  y = gemm_output(x, kernel, None, settings, state, contract_ndim=len(lc))
   return y.astype(compute if preferred_element_type is None else preferred_element_type), True
 
 
@@ -230,14 +228,14 @@ class Fp8DotGeneral(nn.Module):
     """Computes the product; see the class docstring."""
     _check_call("Fp8DotGeneral", kwargs, self.on_unsupported)
     settings = fp8_module.read_autocast(self.impl)
+    states = fp8_module.LinenStates(self)
     args = (lhs, rhs, dimension_numbers, precision, preferred_element_type)
     fp8 = state = None
     if settings.recipe is not None:
       dims = parse_dimension_numbers(lhs, rhs, dimension_numbers)
       fp8 = fp8_blocker(lhs, rhs, dims, preferred_element_type, kwargs) is None
       if fp8:   # a fallback declares no state
-        state = fp8_module.declare_fp8_state(self, fp8_module.FP8_META,
-                                             settings.recipe.scaling_mode())
+        state = states.state(FP8_META, settings.mode)
     if settings.recipe is None:
       y = lax.dot_general(*args, **kwargs)
     else:
@@ -245,7 +243,7 @@ class Fp8DotGeneral(nn.Module):
                       **kwargs)
     if fp8 and state is not None:
       return y
-    return fp8_module.keep_unused_fp8_state(self, y, (fp8_module.FP8_META,))
+    return states.keep_unused(y, (FP8_META,))
 
 
 class Fp8Einsum(nn.Module):
@@ -286,12 +284,11 @@ class Fp8Einsum(nn.Module):
     """Computes the einsum; see the class docstring."""
     _check_call("Fp8Einsum", {}, self.on_unsupported)
     settings = fp8_module.read_autocast(self.impl)
+    states = fp8_module.LinenStates(self)
     kw = dict(precision=precision, preferred_element_type=preferred_element_type)
     if settings.recipe is None:
-      y = jnp.einsum(eqn, lhs, rhs, **kw)
-      return fp8_module.keep_unused_fp8_state(self, y, (fp8_module.FP8_META,))
-    state = fp8_module.declare_fp8_state(self, fp8_module.FP8_META,
-                                         settings.recipe.scaling_mode())
+      return states.keep_unused(jnp.einsum(eqn, lhs, rhs, **kw), (FP8_META,))
+    state = states.state(FP8_META, settings.mode)
     ran_fp8 = []
 
     def dot_general(a, b, dimension_numbers, precision=None, preferred_element_type=None,
@@ -306,4 +303,4 @@ class Fp8Einsum(nn.Module):
     y = jnp.einsum(eqn, lhs, rhs, _dot_general=dot_general, **kw)
     if state is not None and ran_fp8 == [True]:
       return y
-    return fp8_module.keep_unused_fp8_state(self, y, (fp8_module.FP8_META,))
+    return states.keep_unused(y, (FP8_META,))

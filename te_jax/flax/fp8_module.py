@@ -1,25 +1,21 @@
-"""What every te_jax Linen module does around its GEMMs.
+"""The Linen side of the te_jax modules' FP8 state, and their autocast read.
 
-A module reads the active ``fp8_autocast`` ONCE per call, with
-:func:`read_autocast`, into a :class:`GemmSettings` (recipe or None for FP8
-off, mesh resource, implementation) and passes that down; nothing below the
-Flax layer reads the context. Every GEMM then goes through :func:`fp8_gemm`
-(or :func:`fp8_mlp_core` for the fused MLP), which
+A Linen module reads the active ``fp8_autocast`` ONCE per call with
+:func:`read_autocast` (``te_jax.layers.settings.read_settings`` with the
+logical axis rules of Flax's ``nn.logical_axis_rules`` context) and hands the
+settings to the core (``te_jax.layers``) together with a :class:`LinenStates`:
+the core's view (``te_jax.layers.state.GemmStates``) of the module's FP8
+state, which
 
-* declares the GEMM's state as one variable ``<name>`` in the collection
+* declares each GEMM's state as one variable ``<name>`` in the collection
   ``FP8_COLLECTION`` (``"_overwrite_with_gradient"``) when the recipe's
   scaling mode keeps state (``DelayedScaling``), created with the mode's
-  ``init_state()``; no FP8 state exists with FP8 off or the other recipes;
-* calls :func:`te_jax.dense.dense_general` (or ``fp8_dense_split``) with the
-  recipe, mesh resource and implementation as arguments.
-
-When the variables hold FP8 state but the active recipe does not use it (FP8
-switched off for a step, or another recipe), the state's "gradient" is the
-state itself, so ``TrainState.apply_gradients`` leaves it untouched.
-
-A module that calls the functional layer itself (``te_jax.flax.Fp8DotGeneral``)
-uses the same two state helpers: :func:`declare_fp8_state` and
-:func:`keep_unused_fp8_state`.
+  ``init_state()`` (:func:`declare_fp8_state`); no FP8 state exists with FP8
+  off or the other recipes;
+* when the variables hold FP8 state that the active recipe does not use (FP8
+  switched off for a step, or another recipe), makes the state's "gradient"
+  the state itself, so ``TrainState.apply_gradients`` leaves it untouched
+  (:func:`keep_unused_fp8_state`).
 
 Under ``nn.scan`` the FP8 collection must be scanned like the parameters,
 ``nn.scan(..., variable_axes={"_overwrite_with_gradient": 0, "params": 0})``:
@@ -33,83 +29,59 @@ raise. How that is told apart at trace time, and what escapes it, is in
 
 from __future__ import annotations
 
-import math
 import weakref
-from typing import NamedTuple, Optional, Sequence, Tuple
+from typing import Optional, Sequence
 
 import jax
 import flax.linen as nn
+from flax.linen import partitioning as nn_partitioning
 from jax.extend import core as jex_core
 
-from te_jax import dense as dense_lib
 from te_jax import fp8_state as state_lib
-from te_jax import fused_mlp
-from te_jax import recipe as recipe_lib
-from te_jax import sharded_dense
-from te_jax import sharding as sharding_lib
-from te_jax.autocast import get_fp8_context
-from te_jax.ops import check_impl
+from te_jax.layers import settings as layer_settings
+from te_jax.layers import state as layer_state
 
-__all__ = ["split_gemm", "plain_split_gemm", "gemm_output", "GemmSettings", "read_autocast",
-           "fp8_gemm", "fp8_mlp_core", "gemm_kernel", "canonicalize_axes", "declare_fp8_state",
-           "keep_unused_fp8_state", "check_scanned_state", "enclosing_scan", "FP8_META"]
-
-FP8_META = "fp8_meta"
+__all__ = ["read_autocast", "LinenStates", "declare_fp8_state", "keep_unused_fp8_state",
+           "check_scanned_state", "enclosing_scan"]
 
 
-class GemmSettings(NamedTuple):
-  """What a module's GEMMs need from the autocast, read once per module call.
-
-  Attributes:
-    recipe: the active recipe, or None when FP8 is off.
-    mesh_resource: the autocast's ``te_jax.sharding.MeshResource`` or None.
-    impl: "auto", "cuda" or "reference" (the module's ``impl`` attribute).
-  """
-
-  recipe: Optional[recipe_lib.Recipe]
-  mesh_resource: Optional[sharding_lib.MeshResource]
-  impl: str
-
-  def unsharded(self) -> bool:
-    """True when no mesh axis named by the mesh resource has size > 1.
-
-    The fused FP8 MLP core has no sharding rule of its own, so it is only
-    used when the GEMMs would not be sharded anyway. A mesh resource without
-    a mesh, or naming none of its axes, is warned about once here too: the
-    fused and split paths that this answer selects never reach the sharded
-    dense, which warns for the others.
-    """
-    mr = self.mesh_resource
-    mesh = sharding_lib.get_mesh() if mr is not None else None
-    if mr is not None:
-      sharded_dense.warn_if_unsharded(mr, mesh)
-    if mesh is None:
-      return True
-    return sharding_lib.mesh_axis_size(
-        mesh, tuple(a for a in mr.axes if a in mesh.axis_names)) == 1
-
-
-def read_autocast(impl: str = "auto") -> GemmSettings:
-  """The innermost ``fp8_autocast`` as :class:`GemmSettings` (FP8 off outside any).
+def read_autocast(impl: str = "auto") -> layer_settings.Settings:
+  """The innermost ``fp8_autocast`` as ``te_jax.layers.settings.Settings``
+  (FP8 off outside any), with the rules of Flax's ``nn.logical_axis_rules``.
 
   Args:
     impl: the calling module's ``impl`` attribute ("auto", "cuda",
       "reference"); ``TE_JAX_IMPL`` still overrides "auto".
   """
-  check_impl(impl)
-  ctx = get_fp8_context()
-  return GemmSettings(ctx.recipe if ctx.enabled else None, ctx.mesh_resource, impl)
+  return layer_settings.read_settings(impl, nn_partitioning.get_axis_rules())
 
 
-def canonicalize_axes(axes, ndim: int) -> Tuple[int, ...]:
-  """Normalizes an int or tuple of (possibly negative) axes of an ndim array."""
-  axes = (axes,) if isinstance(axes, int) else tuple(axes)
-  out = tuple(a % ndim if -ndim <= a < ndim else None for a in axes)
-  if None in out:
-    raise ValueError(f"axis {axes} out of range for an input of rank {ndim}.")
-  if len(set(out)) != len(out):
-    raise ValueError(f"axis {axes} repeats an axis.")
-  return out
+class LinenStates(layer_state.GemmStates):
+  """The FP8 state of a Linen module's GEMMs, for the core: variables of the
+  collection ``FP8_COLLECTION``, one per GEMM name (see the module docs).
+
+  Args:
+    module: the module that owns the GEMMs (inside its ``__call__``).
+  """
+
+  def __init__(self, module: nn.Module):
+    self.module = module
+    self.module_name = type(module).__name__
+
+  def has(self, name: str) -> bool:
+    return self.module.has_variable(state_lib.FP8_COLLECTION, name)
+
+  def can_create(self) -> bool:
+    return self.module.is_mutable_collection(state_lib.FP8_COLLECTION)
+
+  def peek(self, name: str):
+    return self.module.get_variable(state_lib.FP8_COLLECTION, name)
+
+  def state(self, name: str, mode):
+    return declare_fp8_state(self.module, name, mode)
+
+  def keep_unused(self, y, names: Sequence[str]):
+    return keep_unused_fp8_state(self.module, y, names)
 
 
 def _where(module: nn.Module) -> str:
@@ -294,108 +266,6 @@ def _stacked(state, want) -> bool:
       for g, w in zip(got_leaves, want_leaves))
 
 
-@jax.custom_vjp
-def _keep_state(y, state):
-  """Identity on ``y`` whose backward returns ``state`` as the state's gradient.
-
-  Used when a module holds delayed-scaling state but the active recipe does
-  not use it (FP8 off, or another recipe): the "gradient" that
-  ``TrainState.apply_gradients`` writes back is then the state itself, so the
-  state is left untouched instead of being overwritten by zeros.
-  """
-  del state
-  return y
-
-
-def _keep_state_fwd(y, state):
-  return y, state
-
-
-def _keep_state_bwd(state, g):
-  return g, state
-
-
-_keep_state.defvjp(_keep_state_fwd, _keep_state_bwd)
-
-
-def fp8_gemm(module: nn.Module, settings: GemmSettings, x: jax.Array, kernel: jax.Array,
-             bias: Optional[jax.Array] = None, *, name: str = FP8_META,
-             contract_ndim: int = 1,
-             kernel_axes: Optional[Sequence[Optional[str]]] = None,
-             split_output: bool = False):
-  """``x @ kernel (+ bias)`` over the last ``contract_ndim`` dims of ``x``.
-
-  Calls :func:`te_jax.dense.dense_general`, which keeps the leading dims of
-  ``x`` (a (batch, seq) layout sharded for sequence parallelism reaches the
-  GEMM as it is) and, with ``kernel_axes`` and a mesh resource, runs the FP8
-  GEMMs sharded.
-
-  Args:
-    module: the Linen module that owns the GEMM (and its FP8 state).
-    settings: what the module read from the autocast (:func:`read_autocast`);
-      ``settings.recipe`` None means a plain dot in ``x.dtype``.
-    x: (*lead, *in_dims) input in the compute dtype, contracting dims last.
-    kernel: (*in_dims, *out_dims) kernel in its parameter dtype (see
-      :func:`gemm_kernel`).
-    bias: optional (*out_dims) bias in the compute dtype.
-    name: name of the FP8 state variable (one per GEMM of the module).
-    contract_ndim: number of contracting dims (``len(in_dims)``).
-    kernel_axes: logical axis names of the kernel, one per dim.
-    split_output: return the output unstacked along its first out dim, a
-      tuple of ``out_dims[0]`` arrays (*lead, *out_dims[1:]). In FP8 and
-      unsharded, through ``te_jax.dense.fp8_dense_split`` (each part from its
-      own GEMM, the parts' gradients quantized without being concatenated);
-      with FP8 off one dot per part (:func:`plain_split_gemm`).
-
-  Returns:
-    (*lead, *out_dims) array in ``x.dtype``, or the tuple (``split_output``).
-  """
-  recipe = settings.recipe
-  kernel = gemm_kernel(settings, kernel, x.dtype)
-  kernel_axes = None if kernel_axes is None else tuple(kernel_axes)
-  state = None if recipe is None else declare_fp8_state(module, name, recipe.scaling_mode())
-  y = gemm_output(x, kernel, bias, settings, state, contract_ndim=contract_ndim,
-                  kernel_axes=kernel_axes, split_output=split_output)
-  if state is None:
-    y = keep_unused_fp8_state(module, y, (name,))
-  return y
-
-
-def gemm_output(x, kernel, bias, settings: GemmSettings, state, *, contract_ndim: int,
-                kernel_axes, split_output: bool):
-  """The GEMM of :func:`fp8_gemm` once the module has its kernel and state
-  (shared by the Linen and NNX modules): a split output through
-  :func:`split_gemm` (FP8, unsharded) or :func:`plain_split_gemm` (FP8 off),
-  everything else through ``te_jax.dense.dense_general``."""
-  recipe = settings.recipe
-  if split_output and recipe is not None and settings.unsharded():
-    return split_gemm(x, kernel, bias, settings, state, contract_ndim)
-  if split_output and recipe is None:
-    return plain_split_gemm(x, kernel, bias, contract_ndim)
-  y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim, recipe=recipe,
-                              fp8_state=state, impl=settings.impl, kernel_axes=kernel_axes,
-                              mesh_resource=settings.mesh_resource)
-  if split_output:   # sharded FP8: the blocks are slices of the one output
-    lead = (slice(None),) * (x.ndim - contract_ndim)
-    y = tuple(y[lead + (i,)] for i in range(kernel.shape[contract_ndim]))
-  return y
-
-
-def gemm_kernel(settings: GemmSettings, kernel: jax.Array, compute_dtype) -> jax.Array:
-  """The kernel as the module's GEMM takes it.
-
-  Unsharded FP8 GEMMs quantize it straight from its parameter dtype: one pass
-  over the float32 weights instead of a convert to the compute dtype and then
-  a quantize of the copy, and one rounding (to FP8) instead of two; the
-  weight gradient comes out of the GEMM in the parameter dtype. A plain dot,
-  and the sharded path (whose weight gradients are reduce-scattered: half the
-  bytes in bf16), take it in the compute dtype as before.
-  """
-  if settings.recipe is not None and settings.unsharded():
-    return kernel
-  return kernel.astype(compute_dtype)
-
-
 def keep_unused_fp8_state(module: nn.Module, y, names: Sequence[str]):
   """``y``, tied to the module's FP8 state variables ``names`` that exist but
   that this call does not use (from an init under another recipe, or FP8
@@ -407,62 +277,5 @@ def keep_unused_fp8_state(module: nn.Module, y, names: Sequence[str]):
       state = module.get_variable(state_lib.FP8_COLLECTION, n)
       # Kept state is returned as its own gradient: broadcast, it would be summed too.
       check_scanned_state(module, n, state)
-      y = _keep_state(y, state)
+      y = layer_state.keep_state(y, state)
   return y
-
-
-def split_gemm(x, kernel, bias, settings, state, contract_ndim):
-  """``fp8_gemm(..., split_output=True)`` through ``fp8_dense_split`` (shared
-  by the Linen and NNX modules): a tuple of ``out_dims[0]`` arrays."""
-  lead = x.shape[:x.ndim - contract_ndim]
-  in_dims, out_dims = kernel.shape[:contract_ndim], kernel.shape[contract_ndim:]
-  k = math.prod(in_dims)
-  parts = dense_lib.fp8_dense_split(
-      x.reshape(lead + (k,)), kernel.reshape(k, -1),
-      None if bias is None else bias.reshape(-1), num_splits=out_dims[0],
-      recipe=settings.recipe, fp8_state=state, impl=settings.impl)
-  return tuple(p.reshape(lead + tuple(out_dims[1:])) for p in parts)
-
-
-def plain_split_gemm(x, kernel, bias, contract_ndim):
-  """``fp8_gemm(..., split_output=True)`` with FP8 off (shared by the Linen and
-  NNX modules): one dot per block of the kernel's first output dim, a tuple
-  of ``out_dims[0]`` arrays (*lead, *out_dims[1:]).
-
-  Each block is written where its user reads it; one dot over the whole
-  kernel and a split of its output would copy every block (the fused Q/K/V
-  projection at 16384 tokens x 3 x 4096 bf16: three 128 MiB copies per
-  step), and its backward would assemble the blocks' gradients into one
-  array for the data-gradient dot. Each block's operands pass through their
-  own ``optimization_barrier``: XLA's GPU pipeline otherwise merges dots that
-  share ``x`` back into one dot over a concatenated kernel and slices its
-  output (without the barriers: same step time). Measured on an H200,
-  2026-12-04, the FP8-off TransformerLayer (hidden 4096, 16384 tokens):
-  33.40 against 33.75 ms per step, temp memory 3010 against 2946 MiB.
-  """
-  lead = (slice(None),) * contract_ndim
-  parts = []
-  for i in range(kernel.shape[contract_ndim]):
-    xi, ki = jax.lax.optimization_barrier((x, kernel[lead + (i,)]))
-    parts.append(dense_lib.dense_general(xi, ki, None if bias is None else bias[i],
-                                         contract_ndim=contract_ndim))
-  return tuple(parts)
-
-
-def fp8_mlp_core(module: nn.Module, settings: GemmSettings, x2d, wi2d, bi, wo, bo, *,
-                 activations, names=("wi_fp8_meta", "wo_fp8_meta"), backward_chunks: int = 1):
-  """``te_jax.fused_mlp.fp8_mlp`` with the module's FP8 state.
-
-  Uses (and updates) the same state variables as two :func:`fp8_gemm` calls
-  named ``names`` would, so a model can switch between the fused and the
-  unfused path without touching its variables. ``settings.recipe`` must not
-  be None.
-  """
-  mode = settings.recipe.scaling_mode()
-  # Unsharded by construction (the caller checked): weights in their
-  # parameter dtype, as gemm_kernel gives them.
-  si, so = (declare_fp8_state(module, n, mode) for n in names)
-  y = fused_mlp.fp8_mlp(x2d, wi2d, wo, bi, bo, activations=activations,
-                        recipe=settings.recipe, wi_state=si, wo_state=so,
-                        impl=settings.impl, backward_chunks=backward_chunks)
-  return y if si is not None else keep_unused_fp8_state(module, y, names)

@@ -1,8 +1,9 @@
-"""Normalization layers: ``LayerNorm`` and ``RMSNorm``.
+"""Normalization layers: ``LayerNorm`` and ``RMSNorm`` (and ``NormParameters``).
 
-Both compute in float32 and return the module ``dtype``. With
-``zero_centered_gamma=True`` the scale is stored as ``gamma - 1`` (initialized
-to zeros), which keeps weight decay from pulling gamma towards 0.
+Both compute in float32 (``te_jax.layers.norm.apply_norm``) and return the
+module ``dtype``. With ``zero_centered_gamma=True`` the scale is stored as
+``gamma - 1`` (initialized to zeros), which keeps weight decay from pulling
+gamma towards 0.
 """
 
 from __future__ import annotations
@@ -14,18 +15,12 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from te_jax import norm_dense
+from te_jax.layers.norm import apply_norm, check_norm_type
 
-__all__ = ["LayerNorm", "RMSNorm", "NormParameters", "norm_params", "apply_norm",
-           "apply_norm_params"]
+__all__ = ["LayerNorm", "RMSNorm", "NormParameters", "norm_params"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
-_NORM_TYPES = ("layernorm", "rmsnorm")
-
-
-def check_norm_type(norm_type: str):
-  if norm_type not in _NORM_TYPES:
-    raise ValueError(f"layernorm_type must be one of {_NORM_TYPES}, got {norm_type!r}.")
 
 
 def norm_params(module: nn.Module, features: int, *, norm_type: str,
@@ -45,37 +40,6 @@ def norm_params(module: nn.Module, features: int, *, norm_type: str,
     bias = module.param(bias_name, nn.with_logical_partitioning(bias_init, tuple(bias_axes)),
                         (features,), param_dtype)
   return scale, bias
-
-
-def apply_norm(x: jax.Array, scale: jax.Array, bias: Optional[jax.Array], *,
-               norm_type: str, epsilon: float, zero_centered_gamma: bool,
-               dtype) -> jax.Array:
-  """Normalizes ``x`` over its last axis in float32; returns ``dtype``."""
-  x32 = x.astype(jnp.float32)
-  if norm_type == "layernorm":
-    mean = jnp.mean(x32, axis=-1, keepdims=True)
-    xc = x32 - mean
-    var = jnp.mean(jnp.square(xc), axis=-1, keepdims=True)
-  else:
-    xc = x32
-    var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-  y = xc * jax.lax.rsqrt(var + epsilon)
-  gamma = scale.astype(jnp.float32)
-  if zero_centered_gamma:
-    gamma = gamma + 1.0
-  y = y * gamma
-  if bias is not None:
-    y = y + bias.astype(jnp.float32)
-  return y.astype(dtype)
-
-
-def apply_norm_params(x: jax.Array, norm: norm_dense.NormParams, dtype) -> jax.Array:
-  """:func:`apply_norm` with the parameters and options of a
-  ``te_jax.norm_dense.NormParams`` (the unfused path of a projection's
-  ``input_norm``)."""
-  return apply_norm(x, norm.gamma, norm.beta, norm_type=norm.norm_type,
-                    epsilon=norm.epsilon, zero_centered_gamma=norm.zero_centered_gamma,
-                    dtype=dtype)
 
 
 class _Norm(nn.Module):

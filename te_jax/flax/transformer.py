@@ -8,17 +8,18 @@ import jax
 import jax.numpy as jnp
 import flax.linen as nn
 
-from te_jax.flax import kv_cache
-from te_jax.flax.attention import MultiHeadAttention, check_input_3d, check_segment_arg
-from te_jax.flax.dense import default_kernel_init
+from te_jax.flax.attention import MultiHeadAttention
 from te_jax.flax.mlp import LayerNormMLP
 from te_jax.flax.norm import LayerNorm, NormParameters, RMSNorm
+from te_jax.layers import kv_cache
+from te_jax.layers import transformer as layer_lib
+from te_jax.layers.checks import compute_dtype
+from te_jax.layers.init import default_kernel_init
 
 __all__ = ["TransformerLayer"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
-_LAYER_TYPES = ("encoder", "decoder")
 
 
 class TransformerLayer(nn.Module):
@@ -173,27 +174,17 @@ class TransformerLayer(nn.Module):
     Returns:
       (B, S, hidden_size) in the compute dtype.
     """
-    if self.layer_type not in _LAYER_TYPES:
-      raise ValueError(f"layer_type must be one of {_LAYER_TYPES}, got "
-                       f"{self.layer_type!r}.")
-    check_input_3d("inputs", inputs)
+    layer_lib.check_layer_type(self.layer_type)
     if self.decode:
       kv_cache.check_decode_inputs(None, segment_ids=segment_ids,
                                    segment_positions=segment_positions)
-    check_segment_arg("segment_ids", segment_ids, "inputs", inputs)
-    check_segment_arg("segment_positions", segment_positions, "inputs", inputs)
-    if encoded is not None:
-      check_input_3d("encoded", encoded)
-      check_segment_arg("encoder_segment_ids", encoder_segment_ids, "encoded", encoded)
-    if inputs.shape[-1] != self.hidden_size:
-      raise ValueError(f"inputs' last dim ({inputs.shape[-1]}) must equal "
-                       f"hidden_size ({self.hidden_size}).")
+    layer_lib.check_layer_inputs(inputs, self.hidden_size, segment_ids=segment_ids,
+                                 segment_positions=segment_positions, encoded=encoded,
+                                 encoder_segment_ids=encoder_segment_ids)
     if encoded is not None and self.layer_type != "decoder":
       raise ValueError("encoded inputs (cross attention) need layer_type='decoder'.")
-    decoder = self.layer_type == "decoder"
-    mask_type = self.self_attn_mask_type or ("causal" if decoder else "no_mask")
-    compute = self.dtype if self.dtype is not None else jnp.result_type(
-        inputs.dtype, self.param_dtype)
+    mask_type = layer_lib.self_attn_mask_type(self.layer_type, self.self_attn_mask_type)
+    compute = compute_dtype(self.dtype, inputs.dtype, self.param_dtype)
     x = inputs.astype(compute)
 
     attention = self._attention("self_attention", mask_type, self.enable_rotary_pos_emb,

@@ -1,9 +1,9 @@
 """``MultiHeadAttention`` as an NNX module: FP8 projections around the attention core.
 
-The projections are :class:`te_jax.nnx.Linear` modules; rotary embeddings,
-masks and the choice of attention implementation are
-``te_jax.flax.attention.attention_core``, the function the Linen module calls,
-so the two give the same numbers from the same parameters.
+The projections are :class:`te_jax.nnx.Linear` modules; which projections,
+rotary embeddings, masks and the choice of attention implementation are
+``te_jax.layers.attention``'s, the calls the Linen module makes, so the two
+give the same numbers from the same parameters.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from te_jax import norm_dense
-from te_jax.flax.attention_core import (attention_core, check_attention_options, check_input_3d,
-                                        resolve_segments)
-from te_jax.flax.dense import default_kernel_init
-from te_jax.nnx.linear import Linear, compute_dtype, to_tuple, zeros
+from te_jax.layers import attention as attn
+from te_jax.layers.checks import check_rate, compute_dtype, to_tuple
+from te_jax.layers.init import default_kernel_init
+from te_jax.nnx.linear import Linear, zeros
 
 __all__ = ["MultiHeadAttention"]
 
@@ -78,16 +78,12 @@ class MultiHeadAttention(nnx.Module):
     if kv_features is not None and attention_type == "self":
       raise ValueError("kv_features is for attention_type='cross'; self attention takes "
                        "its keys and values from inputs_q.")
-    check_attention_options(attn_mask_type, attention_impl, max_segments_per_seq,
-                            max_document_length)
-    if not 0.0 <= attention_dropout < 1.0:
-      raise ValueError(f"attention_dropout must be in [0, 1), got {attention_dropout}.")
-    g = h if num_gqa_groups is None else to_tuple("num_gqa_groups", num_gqa_groups)[0]
-    if h % g:
-      raise ValueError(f"num_gqa_groups ({g}) must divide num_attention_heads ({h}).")
-    if head_dim is None and e % h:
-      raise ValueError(f"width {e} is not divisible by {h} heads; set head_dim.")
-    d = e // h if head_dim is None else to_tuple("head_dim", head_dim)[0]
+    attn.check_attention_options(attn_mask_type, attention_impl, max_segments_per_seq,
+                                 max_document_length)
+    check_rate("attention_dropout", attention_dropout)
+    h, g, d = attn.head_layout(
+        e, h, None if num_gqa_groups is None else to_tuple("num_gqa_groups", num_gqa_groups)[0],
+        None if head_dim is None else to_tuple("head_dim", head_dim)[0])
     ekv = e if kv_features is None else to_tuple("kv_features", kv_features)[0]
     self.num_attention_heads, self.num_gqa_groups, self.head_dim = h, g, d
     self.in_features, self.kv_features, self.attention_type = e, ekv, attention_type
@@ -106,7 +102,7 @@ class MultiHeadAttention(nnx.Module):
                     kernel_init=kernel_init, bias_init=bias_init, kernel_axes=axes,
                     split_output=split, impl=impl, rngs=rngs)
 
-    self.fused_qkv = attention_type == "self" and g == h and bool(fuse_qkv)
+    self.fused_qkv = attn.fuses_qkv(attention_type == "self", h, g, bool(fuse_qkv))
     if self.fused_qkv:
       self.qkv = dense(e, (3, h, d), ("embed", "qkv", "heads", "kv"), split=True)
     else:
@@ -132,43 +128,39 @@ class MultiHeadAttention(nnx.Module):
     compute dtype.
     """
     self_attn = self.attention_type == "self"
-    check_input_3d("inputs_q", inputs_q)
+    attn.check_input_3d("inputs_q", inputs_q)
     if self_attn and inputs_kv is not None:
       raise ValueError("inputs_kv given to a self-attention module: construct it with "
                        "attention_type='cross' (and kv_features=...).")
     if not self_attn:
       if inputs_kv is None:
         raise ValueError("cross attention needs inputs_kv (B, Skv, kv_features).")
-      check_input_3d("inputs_kv", inputs_kv)
+      attn.check_input_3d("inputs_kv", inputs_kv)
       if inputs_kv.shape[-1] != self.kv_features:
         raise ValueError(f"inputs_kv's last dim ({inputs_kv.shape[-1]}) must equal "
                          f"kv_features ({self.kv_features}).")
     if inputs_q.shape[-1] != self.in_features:
       raise ValueError(f"inputs_q's last dim ({inputs_q.shape[-1]}) must equal "
                        f"in_features ({self.in_features}).")
-    inputs_kv, kv_segment_ids, kv_segment_positions = resolve_segments(
+    inputs_kv, kv_segment_ids, kv_segment_positions = attn.resolve_segments(
         inputs_q, inputs_kv, segment_ids, segment_positions,
         kv_segment_ids, kv_segment_positions)
     compute = compute_dtype(self.dtype, inputs_q.dtype, self.param_dtype)
-    norm_kw = {} if input_norm is None else {"input_norm": input_norm}
     if self.fused_qkv:
-      q, k, v = self.qkv(inputs_q, **norm_kw)
-    else:
-      if input_norm is not None and self_attn:   # K and V read the query's norm output
-        q, inputs_kv = self.query(inputs_q, input_norm=input_norm, return_norm_output=True)
-      else:
-        q = self.query(inputs_q, **norm_kw)
-      k, v = self.kv(inputs_kv.astype(compute))   # the Linen module's dtype=compute
+      proj = dict(qkv=self.qkv)
+    else:   # the Linen module's kv projection computes in its dtype=compute
+      proj = dict(query=self.query, kv=lambda x: self.kv(x.astype(compute)))
+    q, k, v = attn.project_qkv(inputs_q, inputs_kv, self_attn=self_attn,
+                               input_norm=input_norm, **proj)
     deterministic = self.deterministic if deterministic is None else deterministic
     dropout = self.attention_dropout > 0.0 and not deterministic
-    out = attention_core(
-        q, k, v, self_attn=self_attn, segment_ids=segment_ids,
-        kv_segment_ids=kv_segment_ids, segment_positions=segment_positions,
-        kv_segment_positions=kv_segment_positions, mask=mask,
-        attn_mask_type=self.attn_mask_type, enable_rotary_pos_emb=self.enable_rotary_pos_emb,
-        rotary_base=self.rotary_base, attention_impl=self.attention_impl,
-        max_segments_per_seq=self.max_segments_per_seq,
-        max_document_length=self.max_document_length,
+    out = attn.attention(
+        q, k, v, mask=mask, attention_impl=self.attention_impl,
         dropout_rate=self.attention_dropout if dropout else 0.0,
-        dropout_rng=self.rngs() if dropout else None)
+        dropout_rng=self.rngs() if dropout else None, self_attn=self_attn,
+        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+        segment_positions=segment_positions, kv_segment_positions=kv_segment_positions,
+        attn_mask_type=self.attn_mask_type, enable_rotary_pos_emb=self.enable_rotary_pos_emb,
+        rotary_base=self.rotary_base, max_segments_per_seq=self.max_segments_per_seq,
+        max_document_length=self.max_document_length)
     return self.out(out.astype(compute))

@@ -1,48 +1,37 @@
 """``Linear``, ``LayerNormLinear`` and the norms, as NNX modules.
 
-Same parameters (names, shapes, logical axis names), same functional calls and
-hence the same numbers as ``te_jax.flax.DenseGeneral`` /
-``LayerNormDenseGeneral`` / ``LayerNorm`` / ``RMSNorm``; the FP8 GEMMs go
-through :func:`fp8_gemm`, which reads the state from the module's
-``FP8State`` variables instead of a Linen collection.
+Same parameters (names, shapes, logical axis names), same calls into the
+core (``te_jax.layers.dense``) and hence the same numbers as
+``te_jax.flax.DenseGeneral`` / ``LayerNormDenseGeneral`` / ``LayerNorm`` /
+``RMSNorm``; the FP8 state is the module's ``FP8State`` variables
+(``te_jax.nnx.state.NnxStates``) instead of a Linen collection.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.core import meta
 
 from te_jax import norm_dense
-from te_jax.flax import fp8_module
-from te_jax.flax.dense import default_kernel_axes, default_kernel_init, kernel_fan_in_init
-from te_jax.flax.fused_norm import check_input_norm, fused_norm_states, module_norm, norm_project
-from te_jax.flax.norm import apply_norm, check_norm_type
+from te_jax.layers import dense as dense_core
+from te_jax.layers import init as init_lib
+from te_jax.layers.checks import compute_dtype, to_tuple
+from te_jax.layers.gemm import FP8_META, canonicalize_axes
+from te_jax.layers.init import default_kernel_init
+from te_jax.layers.norm import apply_norm, check_input_norm, check_norm_type
 from te_jax.nnx import state as st
 
-__all__ = ["Linear", "LayerNormLinear", "LayerNorm", "RMSNorm", "fp8_gemm", "param",
-           "to_tuple", "compute_dtype"]
+__all__ = ["Linear", "LayerNormLinear", "LayerNorm", "RMSNorm", "param", "unboxed",
+           "kernel_fan_in_init"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
 zeros = jax.nn.initializers.zeros
 ones = jax.nn.initializers.ones
-
-
-def to_tuple(name: str, value) -> Tuple[int, ...]:
-  """``value`` (an int or a sequence of ints > 0) as a tuple; ValueError naming
-  ``name`` otherwise."""
-  t = (value,) if isinstance(value, int) else value
-  try:
-    t = tuple(t)
-  except TypeError:
-    t = None
-  if not t or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in t):
-    raise ValueError(f"{name} must be a positive int or a non-empty sequence of them, "
-                     f"got {value!r}.")
-  return t
 
 
 def param(rngs: nnx.Rngs, init, shape, dtype, axes) -> nnx.Param:
@@ -53,31 +42,19 @@ def param(rngs: nnx.Rngs, init, shape, dtype, axes) -> nnx.Param:
                    eager_sharding=False)
 
 
-def compute_dtype(dtype, x_dtype, param_dtype):
-  """The module ``dtype``, or the promotion of input and parameter dtypes."""
-  return dtype if dtype is not None else jnp.result_type(x_dtype, param_dtype)
+def unboxed(value):
+  """``value`` without a Flax metadata box: a Linen initializer wrapped in
+  ``nn.with_logical_partitioning`` serves the NNX modules too (its names are
+  not used: they take ``kernel_axes``)."""
+  if isinstance(value, meta.Partitioned):
+    return value.unbox(apply_constraint=False)
+  return value.unbox() if isinstance(value, meta.AxisMetadata) else value
 
 
-def fp8_gemm(module: nnx.Module, settings: fp8_module.GemmSettings, x: jax.Array,
-             kernel: jax.Array, bias: Optional[jax.Array] = None, *,
-             name: str = fp8_module.FP8_META, contract_ndim: int = 1,
-             kernel_axes: Optional[Sequence[Optional[str]]] = None,
-             split_output: bool = False, track: bool = True):
-  """``x @ kernel (+ bias)``: ``te_jax.flax.fp8_module.fp8_gemm`` for an NNX module.
-
-  The FP8 state is the module's ``FP8State`` attribute ``name`` (under a
-  recipe that keeps state). ``track``: count this call for the update check
-  (one GEMM per module call does). Arguments otherwise as the Linen helper.
-  """
-  recipe = settings.recipe
-  param_kernel = kernel
-  kernel = fp8_module.gemm_kernel(settings, kernel, x.dtype)
-  kernel_axes = None if kernel_axes is None else tuple(kernel_axes)
-  state = None if recipe is None else st.gemm_state(module, name, recipe.scaling_mode())
-  if state is not None and track:
-    st.track_updates(module, param_kernel)
-  return fp8_module.gemm_output(x, kernel, bias, settings, state, contract_ndim=contract_ndim,
-                                kernel_axes=kernel_axes, split_output=split_output)
+def kernel_fan_in_init(init: Initializer, n_in: int, n_out: int) -> Initializer:
+  """``te_jax.layers.init.kernel_fan_in_init`` for the NNX modules (a Linen
+  metadata box around what ``init`` returns is taken off)."""
+  return init_lib.kernel_fan_in_init(init, n_in, n_out, unboxed)
 
 
 class _Norm(nnx.Module):
@@ -147,7 +124,7 @@ class Linear(nnx.Module):
   ``out_features[0]`` arrays (..., *out_features[1:]).
 
   Parameters: ``kernel`` (*in_features, *out_features), logical axes
-  ``kernel_axes`` (default as ``te_jax.flax.dense.default_kernel_axes``);
+  ``kernel_axes`` (default as ``te_jax.layers.init.default_kernel_axes``);
   ``bias`` (*out_features,) with ``use_bias``. Under ``DelayedScaling`` (active
   while the module is constructed): ``fp8_meta``, an ``te_jax.nnx.FP8State``.
 
@@ -169,7 +146,7 @@ class Linear(nnx.Module):
     rngs: ``nnx.Rngs`` for the initializers.
   """
 
-  FP8_GEMMS = (fp8_module.FP8_META,)
+  FP8_GEMMS = (FP8_META,)
 
   def __init__(self, in_features: Union[int, Sequence[int]],
                out_features: Union[int, Sequence[int]], *, axis=-1, use_bias: bool = False,
@@ -188,7 +165,7 @@ class Linear(nnx.Module):
     if split_output and n_out < 2:
       raise ValueError(f"split_output=True unstacks the first of several output dims; "
                        f"out_features={self.out_features} has {n_out}.")
-    kernel_axes = tuple(kernel_axes) or default_kernel_axes(n_in, n_out)
+    kernel_axes = tuple(kernel_axes) or init_lib.default_kernel_axes(n_in, n_out)
     self.kernel_axes = _check_axes("kernel_axes", kernel_axes, n_in + n_out)
     self.use_bias, self.dtype, self.param_dtype = bool(use_bias), dtype, param_dtype
     self.split_output, self.impl = bool(split_output), impl
@@ -213,47 +190,32 @@ class Linear(nnx.Module):
     if return_norm_output:
       raise ValueError("return_norm_output=True needs an input_norm to return the "
                        "output of.")
-    settings = fp8_module.read_autocast(self.impl)
-    axis = fp8_module.canonicalize_axes(self.axis, x.ndim)
+    settings = st.read_autocast(self.impl)
+    axis = self._contracted(x)
+    bias = self.bias[...] if self.use_bias else None
+    return dense_core.project(st.NnxStates(self), settings, x, self.kernel[...], bias,
+                              axis=axis, dtype=compute_dtype(self.dtype, x.dtype,
+                                                             self.param_dtype),
+                              kernel_axes=self.kernel_axes, split_output=self.split_output)
+
+  def _contracted(self, x):
+    """The canonical ``axis`` of ``x``, whose dims must be ``in_features``."""
+    axis = canonicalize_axes(self.axis, x.ndim)
     got = tuple(x.shape[a] for a in axis)
     if got != self.in_features:
       raise ValueError(f"Linear: the input's dims {got} on axis {self.axis} must equal "
                        f"in_features {self.in_features}; got an input of shape {x.shape}.")
-    compute = compute_dtype(self.dtype, x.dtype, self.param_dtype)
-    batch = tuple(a for a in range(x.ndim) if a not in axis)
-    if batch + axis != tuple(range(x.ndim)):
-      x = jnp.transpose(x, batch + axis)
-    bias = self.bias[...].astype(compute) if self.use_bias else None
-    return fp8_gemm(self, settings, x.astype(compute), self.kernel[...], bias,
-                    contract_ndim=len(axis), kernel_axes=self.kernel_axes,
-                    split_output=self.split_output)
+    return axis
 
   def _normed(self, x, norm, return_norm_output):
     check_input_norm(norm, self.axis, x.ndim)
-    compute = compute_dtype(self.dtype, x.dtype, self.param_dtype)
-    settings = fp8_module.read_autocast(self.impl)
-    states = (fused_norm_states(self, settings, x, self.FP8_GEMMS, st.fused_states)
-              if x.shape[-1:] == self.in_features else None)
-    if states is not None:
-      bias = self.bias[...].astype(compute) if self.use_bias else None
-      return fused_norm_linear(self, x, norm, bias, settings, compute, states[0],
-                               return_norm_output=return_norm_output,
-                               num_splits=self.out_features[0] if self.split_output else 1)
-    ln_out = module_norm("nnx.Linear", settings, x, norm, compute)
-    y = self(ln_out)   # the plain projection checks in_features
-    return (y, ln_out) if return_norm_output else y
-
-
-def fused_norm_linear(module, x, norm, bias, settings, compute, state, *,
-                      return_norm_output: bool, num_splits: int = 1):
-  """A norm + projection's FP8 path through ``te_jax.norm_dense.fp8_norm_dense``
-  (``module``: a Linear or LayerNormLinear, its kernel (in, *out_features));
-  with ``num_splits`` > 1 the output is a tuple of ``out_features[0]`` arrays."""
-  if state is not None:
-    st.track_updates(module, module.kernel[...])
-  return norm_project(x, norm, module.kernel[...], bias, settings, compute, state,
-                      features=module.out_features, return_norm_output=return_norm_output,
-                      num_splits=num_splits)
+    self._contracted(x)
+    bias = self.bias[...] if self.use_bias else None
+    return dense_core.norm_dense(
+        st.NnxStates(self), st.read_autocast(self.impl), x, norm, self.kernel[...], bias,
+        dtype=compute_dtype(self.dtype, x.dtype, self.param_dtype), owner="nnx.Linear",
+        kernel_axes=self.kernel_axes, return_norm_output=return_norm_output,
+        split_output=self.split_output)
 
 
 class LayerNormLinear(nnx.Module):
@@ -278,7 +240,7 @@ class LayerNormLinear(nnx.Module):
     rngs: ``nnx.Rngs``.
   """
 
-  FP8_GEMMS = (fp8_module.FP8_META,)
+  FP8_GEMMS = (FP8_META,)
 
   def __init__(self, in_features: int, out_features: Union[int, Sequence[int]], *,
                layernorm_type: str = "layernorm", epsilon: float = 1e-6,
@@ -301,7 +263,7 @@ class LayerNormLinear(nnx.Module):
     self.fuse_norm_quantize = bool(fuse_norm_quantize)
     self.use_bias, self.dtype, self.param_dtype, self.impl = (
         bool(use_bias), dtype, param_dtype, impl)
-    kernel_axes = tuple(kernel_axes) or default_kernel_axes(1, n_out)
+    kernel_axes = tuple(kernel_axes) or init_lib.default_kernel_axes(1, n_out)
     self.kernel_axes = _check_axes("kernel_axes", kernel_axes, 1 + n_out)
     mode = st.construction_mode(impl)
     if scale_init is None:
@@ -322,20 +284,13 @@ class LayerNormLinear(nnx.Module):
     if x.shape[-1] != self.in_features:
       raise ValueError(f"LayerNormLinear: the input's last dim ({x.shape[-1]}) must equal "
                        f"in_features ({self.in_features}).")
-    compute = compute_dtype(self.dtype, x.dtype, self.param_dtype)
-    settings = fp8_module.read_autocast(self.impl)
-    scale = self.scale[...]
     ln_bias = self.ln_bias[...] if self.layernorm_type == "layernorm" else None
-    bias = self.bias[...].astype(compute) if self.use_bias else None
-    norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
+    norm = norm_dense.NormParams(self.scale[...], ln_bias, self.layernorm_type, self.epsilon,
                                  self.zero_centered_gamma)
-    states = (fused_norm_states(self, settings, x, self.FP8_GEMMS, st.fused_states)
-              if self.fuse_norm_quantize else None)
-    if states is not None:
-      return fused_norm_linear(self, x, norm, bias, settings, compute, states[0],
-                               return_norm_output=self.return_layernorm_output)
-    ln_out = module_norm("nnx.LayerNormLinear", settings, x, norm, compute,
-                         kernels=self.fuse_norm_quantize)
-    y = fp8_gemm(self, settings, ln_out, self.kernel[...], bias,
-                 kernel_axes=self.kernel_axes)
-    return (y, ln_out) if self.return_layernorm_output else y
+    return dense_core.norm_dense(
+        st.NnxStates(self), st.read_autocast(self.impl), x, norm, self.kernel[...],
+        self.bias[...] if self.use_bias else None,
+        dtype=compute_dtype(self.dtype, x.dtype, self.param_dtype),
+        owner="nnx.LayerNormLinear", kernel_axes=self.kernel_axes,
+        fuse_norm_quantize=self.fuse_norm_quantize,
+        return_norm_output=self.return_layernorm_output)

@@ -1,13 +1,14 @@
 """``LayerNormMLP`` as an NNX module: norm -> dense -> activation(s) -> dropout -> dense.
 
-Same parameters, same paths (the fused core of ``te_jax.fused_mlp`` with the
-norm fused in where it can run, else two FP8 dense layers around an XLA
-activation) and the same numbers as ``te_jax.flax.LayerNormMLP``.
+Same parameters, the same call into the core (``te_jax.layers.mlp``, which
+picks the path: the fused core of ``te_jax.fused_mlp`` with the norm fused
+in where it can run, else two FP8 dense layers around an XLA activation)
+and the same numbers as ``te_jax.flax.LayerNormMLP``.
 """
 
 from __future__ import annotations
 
-import math
+import functools
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -16,14 +17,12 @@ from flax import nnx
 
 from te_jax import fused_mlp
 from te_jax import norm_dense
-from te_jax.flax import fp8_module
-from te_jax.flax.mlp import (activate, check_activations, fused_core_blocker, fused_norm_mlp,
-                             log_unfused)
-from te_jax.flax.dense import default_kernel_init, kernel_fan_in_init
-from te_jax.flax.fused_norm import fused_norm_states, module_norm
-from te_jax.flax.norm import check_norm_type
+from te_jax.layers import mlp as mlp_lib
+from te_jax.layers.checks import check_rate, compute_dtype, to_tuple
+from te_jax.layers.init import default_kernel_init, gated_kernel_init
+from te_jax.layers.norm import check_norm_type
 from te_jax.nnx import state as st
-from te_jax.nnx.linear import compute_dtype, fp8_gemm, ones, param, to_tuple, zeros
+from te_jax.nnx.linear import ones, param, unboxed, zeros
 
 __all__ = ["LayerNormMLP"]
 
@@ -61,7 +60,7 @@ class LayerNormMLP(nnx.Module):
     rngs: ``nnx.Rngs``.
   """
 
-  FP8_GEMMS = ("wi_fp8_meta", "wo_fp8_meta")
+  FP8_GEMMS = mlp_lib.FP8_GEMMS
 
   def __init__(self, in_features: int, intermediate_dim: int = 2048, *,
                activations: Sequence[str] = ("gelu",),
@@ -78,11 +77,9 @@ class LayerNormMLP(nnx.Module):
                deterministic: bool = False, impl: str = "auto", rngs: nnx.Rngs):
     (self.in_features,) = to_tuple("in_features", in_features)
     (self.intermediate_dim,) = to_tuple("intermediate_dim", intermediate_dim)
-    self.activations = check_activations(activations)
+    self.activations = mlp_lib.check_activations(activations)
     check_norm_type(layernorm_type)
-    if not 0.0 <= intermediate_dropout_rate < 1.0:
-      raise ValueError(f"intermediate_dropout_rate must be in [0, 1), got "
-                       f"{intermediate_dropout_rate}.")
+    check_rate("intermediate_dropout_rate", intermediate_dropout_rate)
     self.layernorm_type, self.epsilon = layernorm_type, float(epsilon)
     self.zero_centered_gamma = bool(zero_centered_gamma)
     self.return_layernorm_output = bool(return_layernorm_output)
@@ -101,13 +98,8 @@ class LayerNormMLP(nnx.Module):
     self.scale = param(rngs, scale_init, (e,), param_dtype, ln_scale_axes)
     if layernorm_type == "layernorm":
       self.ln_bias = param(rngs, ln_bias_init, (e,), param_dtype, ln_bias_axes)
-
-    def wi_init(key, shape, dtype=jnp.float32):
-      keys = jax.random.split(key, shape[1])
-      init = kernel_fan_in_init(kernel_init, 1, 1)
-      return jnp.stack([init(k, (shape[0], shape[2]), dtype) for k in keys], axis=1)
-
-    self.wi_kernel = param(rngs, wi_init, (e, n_act, f), param_dtype, self.kernel_axes_1)
+    self.wi_kernel = param(rngs, gated_kernel_init(kernel_init, unboxed), (e, n_act, f),
+                           param_dtype, self.kernel_axes_1)
     self.wo_kernel = param(rngs, kernel_init, (f, e), param_dtype, self.kernel_axes_2)
     if self.use_bias:
       self.wi_bias = param(rngs, bias_init, (n_act, f), param_dtype, self.kernel_axes_1[1:])
@@ -120,61 +112,24 @@ class LayerNormMLP(nnx.Module):
 
   def __call__(self, x: jax.Array, deterministic: Optional[bool] = None):
     """Applies the block; ``deterministic`` (default the attribute) turns dropout off."""
-    acts, e, f = self.activations, self.in_features, self.intermediate_dim
-    if x.shape[-1] != e:
+    if x.shape[-1] != self.in_features:
       raise ValueError(f"LayerNormMLP: the input's last dim ({x.shape[-1]}) must equal "
-                       f"in_features ({e}).")
+                       f"in_features ({self.in_features}).")
     deterministic = self.deterministic if deterministic is None else deterministic
-    n_act = len(acts)
-    compute = compute_dtype(self.dtype, x.dtype, self.param_dtype)
-    settings = fp8_module.read_autocast(self.impl)
-    fused_mlp.check_backward_chunks(self.backward_chunks, settings.recipe)
-    scale = self.scale[...]
     ln_bias = self.ln_bias[...] if self.layernorm_type == "layernorm" else None
-    wi, wo = self.wi_kernel[...], self.wo_kernel[...]
-    bi = self.wi_bias[...].astype(compute) if self.use_bias else None
-    bo = self.wo_bias[...].astype(compute) if self.use_bias else None
-    lead = x.shape[:-1]
-    m = math.prod(lead)
-    dropout = self.intermediate_dropout_rate > 0.0 and not deterministic
-    fused = False
-    if self.fuse_activation_quantize and settings.recipe is not None:
-      blocker = fused_core_blocker(m, e, f, settings, acts, dropout)
-      fused = blocker is None
-      if not fused:
-        log_unfused("nnx.LayerNormMLP", blocker, self.backward_chunks)
-    norm = norm_dense.NormParams(scale, ln_bias, self.layernorm_type, self.epsilon,
+    norm = norm_dense.NormParams(self.scale[...], ln_bias, self.layernorm_type, self.epsilon,
                                  self.zero_centered_gamma)
-    states = (fused_norm_states(self, settings, x, self.FP8_GEMMS, st.fused_states)
-              if fused and self.fuse_norm_quantize else None)
-    if states is not None:
-      if states[0] is not None:
-        st.track_updates(self, wi)
-      return fused_norm_mlp(
-          x, wi, wo, bi, bo, norm=norm,
-          settings=settings, states=states, activations=acts, dtype=compute,
-          return_norm_output=self.return_layernorm_output,
-          backward_chunks=self.backward_chunks)
-
-    ln_out = module_norm("nnx.LayerNormMLP", settings, x, norm, compute,
-                         kernels=self.fuse_norm_quantize)
-    if fused:   # both GEMMs in one custom VJP, the activation fused into quantization
-      mode = settings.recipe.scaling_mode()
-      si, so = (st.gemm_state(self, n, mode) for n in self.FP8_GEMMS)
-      if si is not None:
-        st.track_updates(self, wi)
-      y = fused_mlp.fp8_mlp(ln_out.reshape(m, e), wi.reshape(e, n_act * f), wo,
-                            None if bi is None else bi.reshape(-1), bo, activations=acts,
-                            recipe=settings.recipe, wi_state=si, wo_state=so,
-                            impl=settings.impl, backward_chunks=self.backward_chunks)
-      y = y.reshape(*lead, e)
-      return (y, ln_out) if self.return_layernorm_output else y
-
-    h = fp8_gemm(self, settings, ln_out, wi, bi, name="wi_fp8_meta",
-                 kernel_axes=self.kernel_axes_1)
-    z = activate(h, acts).astype(compute)      # h: (..., n_act, mlp)
+    dropout = None
     if self.intermediate_dropout is not None:
-      z = self.intermediate_dropout(z, deterministic=deterministic)
-    y = fp8_gemm(self, settings, z, wo, bo, name="wo_fp8_meta",
-                 kernel_axes=self.kernel_axes_2, track=False)
-    return (y, ln_out) if self.return_layernorm_output else y
+      dropout = functools.partial(self.intermediate_dropout, deterministic=deterministic)
+    return mlp_lib.layernorm_mlp(
+        st.NnxStates(self), st.read_autocast(self.impl), x, norm=norm,
+        wi=self.wi_kernel[...], wo=self.wo_kernel[...],
+        bi=self.wi_bias[...] if self.use_bias else None,
+        bo=self.wo_bias[...] if self.use_bias else None, activations=self.activations,
+        dtype=compute_dtype(self.dtype, x.dtype, self.param_dtype), owner="nnx.LayerNormMLP",
+        kernel_axes=(self.kernel_axes_1, self.kernel_axes_2),
+        fuse_activation_quantize=self.fuse_activation_quantize,
+        fuse_norm_quantize=self.fuse_norm_quantize, backward_chunks=self.backward_chunks,
+        dropout=dropout, dropout_active=dropout is not None and not deterministic,
+        return_norm_output=self.return_layernorm_output)

@@ -43,21 +43,23 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from typing import Any, Dict, Sequence, Tuple
+from typing import Any, Dict, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from flax import nnx
+from flax.core import spmd
 
 from te_jax import fp8_state as state_lib
-from te_jax.flax import fp8_module
+from te_jax.layers import settings as layer_settings
+from te_jax.layers import state as layer_state
 
 __all__ = ["FP8State", "FP8Counters", "FP8StateWarning", "WRT", "diff_state",
            "apply_fp8_updates", "accumulate_gradients", "init_fp8_state",
-           "remove_update_check", "check_fp8_updates",
-           "gemm_state", "fused_states", "track_updates", "add_fp8_state"]
+           "remove_update_check", "check_fp8_updates", "read_autocast", "NnxStates",
+           "gemm_state", "track_updates", "add_fp8_state"]
 
 COUNTERS = "fp8_counters"
 
@@ -154,11 +156,22 @@ def remove_update_check(model: nnx.Module) -> nnx.Module:
   return model
 
 
+def read_autocast(impl: str = "auto") -> layer_settings.Settings:
+  """The innermost ``fp8_autocast`` as ``te_jax.layers.settings.Settings``
+  (FP8 off outside any), with the logical axis rules ``nnx.logical_axis_rules``
+  puts in effect.
+
+  Args:
+    impl: the calling module's ``impl`` ("auto", "cuda", "reference");
+      ``TE_JAX_IMPL`` still overrides "auto".
+  """
+  return layer_settings.read_settings(impl, spmd.get_logical_axis_rules())
+
+
 def construction_mode(impl: str):
   """The scaling mode of the autocast active while a module is constructed
   (None with FP8 off); ``impl`` is checked."""
-  recipe = fp8_module.read_autocast(impl).recipe
-  return None if recipe is None else recipe.scaling_mode()
+  return read_autocast(impl).mode
 
 
 # ------------------------------------------------------------- forward ---
@@ -171,10 +184,6 @@ def _state_shapes_error(name, got, want, mode):
             "convert the restored state with te_jax.fp8_state.migrate_scale_inv.")
   return ValueError(f"FP8 state '{name}' has shapes {got} but the active recipe "
                     f"{mode.recipe} needs {want} (e.g. another amax_history_len); {hint}")
-
-
-def _shapes(tree):
-  return jax.tree.map(lambda a: tuple(jnp.shape(a)), tree)
 
 
 def gemm_state(module: nnx.Module, name: str, mode):
@@ -191,30 +200,40 @@ def gemm_state(module: nnx.Module, name: str, mode):
         f"fp8_recipe={recipe_name}(...)) with the recipe used for training, or call "
         f"te_jax.nnx.init_fp8_state(model, recipe) first.")
   state = var.get_value()
-  want = _shapes(jax.eval_shape(mode.init_state))
-  got = _shapes(state)
+  want = layer_state.state_shapes(jax.eval_shape(mode.init_state))
+  got = layer_state.state_shapes(state)
   if got != want:
     raise _state_shapes_error(name, got, want, mode)
   return state
 
 
-def fused_states(module: nnx.Module, settings, names: Sequence[str]):
-  """``te_jax.flax.fused_norm.fused_states`` for an NNX module: (states, None), or
-  (None, reason) when the module takes the unfused path (whose GEMMs then
-  handle, or report, the state). Same decisions as the Linen modules."""
-  mode = settings.recipe.scaling_mode()
-  have = [isinstance(getattr(module, n, None), FP8State) for n in names]
-  if not mode.uses_state:
-    if any(have):
-      return None, "it holds FP8 state that the active recipe does not use"
-    return (None,) * len(names), None
-  if not all(have):
-    return None, "its FP8 state variables are missing"
-  want = _shapes(jax.eval_shape(mode.init_state))
-  for n in names:
-    if _shapes(getattr(module, n).get_value()) != want:
-      return None, f"its FP8 state '{n}' does not fit the active recipe"
-  return tuple(getattr(module, n).get_value() for n in names), None
+class NnxStates(layer_state.GemmStates):
+  """The FP8 state of an NNX module's GEMMs, for the core: its :class:`FP8State`
+  attributes, one per name of its ``FP8_GEMMS``; each forward pass that uses
+  them is counted for the update check (:func:`track_updates`).
+
+  Args:
+    module: the module that owns the GEMMs.
+  """
+
+  def __init__(self, module: nnx.Module):
+    self.module = module
+    self.module_name = type(module).__name__
+
+  def has(self, name: str) -> bool:
+    return isinstance(getattr(self.module, name, None), FP8State)
+
+  def can_create(self) -> bool:
+    return False   # created with the module (or by init_fp8_state), never in a call
+
+  def peek(self, name: str):
+    return getattr(self.module, name).get_value()
+
+  def state(self, name: str, mode):
+    return gemm_state(self.module, name, mode)
+
+  def track_updates(self, kernel: jax.Array) -> None:
+    track_updates(self.module, kernel)
 
 
 _WARNED = set()
@@ -282,9 +301,8 @@ def track_updates(module: nnx.Module, kernel: jax.Array) -> None:
   """Counts a forward pass of ``module`` (whose FP8 state is in use) that sees
   ``kernel`` changed since its previous one (see the module docstring). The
   count is read on the host, never inside the step: a host read in the step
-  (a callback, or a ``lax.cond`` on the count) made the GPU wait for the
-  host every step (H200, 2026-12-02: the NNX TransformerLayer step under
-  DelayedScaling 1.055-1.067x the Linen one, 1.035x without it)."""
+  (a callback, or a ``lax.cond`` on the count) would make the device wait for
+  the host every step."""
   var = getattr(module, COUNTERS, None)
   if not isinstance(var, FP8Counters):
     return

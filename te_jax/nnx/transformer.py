@@ -8,18 +8,18 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from te_jax.flax.attention_core import check_input_3d, check_segment_arg
-from te_jax.flax.dense import default_kernel_init
-from te_jax.flax.norm import check_norm_type
+from te_jax.layers import transformer as layer_lib
+from te_jax.layers.checks import check_rate, compute_dtype, to_tuple
+from te_jax.layers.init import default_kernel_init
+from te_jax.layers.norm import check_norm_type
 from te_jax.nnx.attention import MultiHeadAttention
-from te_jax.nnx.linear import LayerNorm, RMSNorm, compute_dtype, to_tuple, zeros
+from te_jax.nnx.linear import LayerNorm, RMSNorm, zeros
 from te_jax.nnx.mlp import LayerNormMLP
 
 __all__ = ["TransformerLayer"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
-_LAYER_TYPES = ("encoder", "decoder")
 
 
 class TransformerLayer(nnx.Module):
@@ -68,18 +68,15 @@ class TransformerLayer(nnx.Module):
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = zeros,
                deterministic: bool = False, impl: str = "auto", rngs: nnx.Rngs):
     (self.hidden_size,) = to_tuple("hidden_size", hidden_size)
-    if layer_type not in _LAYER_TYPES:
-      raise ValueError(f"layer_type must be one of {_LAYER_TYPES}, got {layer_type!r}.")
+    layer_lib.check_layer_type(layer_type)
     if encoder_hidden_size is not None and layer_type != "decoder":
       raise ValueError("encoder_hidden_size (cross attention) needs layer_type='decoder'.")
     check_norm_type(layernorm_type)
-    if not 0.0 <= hidden_dropout < 1.0:
-      raise ValueError(f"hidden_dropout must be in [0, 1), got {hidden_dropout}.")
+    check_rate("hidden_dropout", hidden_dropout)
     e = self.hidden_size
     self.layer_type, self.dtype, self.param_dtype = layer_type, dtype, param_dtype
     self.deterministic = deterministic
-    decoder = layer_type == "decoder"
-    mask_type = self_attn_mask_type or ("causal" if decoder else "no_mask")
+    mask_type = layer_lib.self_attn_mask_type(layer_type, self_attn_mask_type)
     norm_cls = LayerNorm if layernorm_type == "layernorm" else RMSNorm
 
     def norm():
@@ -133,18 +130,12 @@ class TransformerLayer(nnx.Module):
                deterministic: Optional[bool] = None) -> jax.Array:
     """Applies the block (arguments as ``te_jax.flax.TransformerLayer``;
     ``deterministic`` defaults to the module attribute)."""
-    check_input_3d("inputs", inputs)
-    check_segment_arg("segment_ids", segment_ids, "inputs", inputs)
-    check_segment_arg("segment_positions", segment_positions, "inputs", inputs)
-    if encoded is not None:
-      if self.encoder_hidden_size is None:
-        raise ValueError("encoded inputs (cross attention) need a decoder layer built with "
-                         "encoder_hidden_size=...")
-      check_input_3d("encoded", encoded)
-      check_segment_arg("encoder_segment_ids", encoder_segment_ids, "encoded", encoded)
-    if inputs.shape[-1] != self.hidden_size:
-      raise ValueError(f"inputs' last dim ({inputs.shape[-1]}) must equal "
-                       f"hidden_size ({self.hidden_size}).")
+    if encoded is not None and self.encoder_hidden_size is None:
+      raise ValueError("encoded inputs (cross attention) need a decoder layer built with "
+                       "encoder_hidden_size=...")
+    layer_lib.check_layer_inputs(inputs, self.hidden_size, segment_ids=segment_ids,
+                                 segment_positions=segment_positions, encoded=encoded,
+                                 encoder_segment_ids=encoder_segment_ids)
     deterministic = self.deterministic if deterministic is None else deterministic
     compute = compute_dtype(self.dtype, inputs.dtype, self.param_dtype)
     x = inputs.astype(compute)

@@ -1,10 +1,58 @@
-"""The attention core of ``MultiHeadAttention`` (Linen and NNX) between its projections.
+"""The attention of ``MultiHeadAttention`` (Linen and NNX) around its projections.
 
-Rotary embeddings (:func:`apply_rotary`), segment and extra masks, the choice
-of implementation (XLA, cuDNN flash attention, cuDNN's packed layout, or the
-causal band for short documents; the rules are in ``te_jax.flax.attention``'s
-module docs) and the zeroing of padding queries: :func:`attention_core`.
-The argument checks both MultiHeadAttentions share live here too.
+Which projections (:func:`fuses_qkv`, :func:`project_qkv`): self attention
+with as many key/value heads as query heads projects Q, K and V with one
+fused kernel (split into three outputs, so that in FP8 their gradients are
+quantized without a concatenation); otherwise a query projection and a fused
+key/value one. A pre-norm of the queries (``input_norm``) goes into the
+projection that reads them, fused into its FP8 input quantization where it
+can be; with grouped-query self attention the query projection hands its
+normalized input on to the key/value projection.
+
+Masking. ``attn_mask_type="causal"`` uses ``is_causal=True``. Packed
+sequences are given as ``segment_ids`` (B, S) int (1, 2, ... per document, 0 =
+padding, as made by ``te_jax.packing.pack_sequences``): a token attends only
+to tokens of its own segment, padding only to padding, so no token ever sees
+another document or padding. The installed ``jax.nn.dot_product_attention``
+has no segment-id argument (only ``query_seq_lengths`` /
+``key_value_seq_lengths``, which describe one right-padded document per row),
+so segments become one boolean mask of shape (B, 1, Sq, Skv) shared by all
+heads (never a per-head mask). An extra boolean ``mask`` (True = attend),
+broadcastable to (B, heads, Sq, Skv), can be given as well.
+
+Implementation choice (``attention_impl``, :func:`attention_core`): "xla",
+"cudnn" or "auto". "auto" picks cuDNN flash attention on GPU for
+bfloat16/float16 with head_dim <= 128 and a multiple of 8 and no attention
+dropout. Packed self attention (``segment_ids`` alone: no ``kv_segment_ids``
+of its own, no ``mask``) then runs in cuDNN's packed layout
+(``te_jax.layers.packed_attention``): per-document offsets instead of a
+mask, for rows of at most ``max_segments_per_seq`` documents, each one
+contiguous run of its id; a batch that breaks either rule is detected on the
+device and runs cuDNN attention under the (B, 1, S, S) segment mask instead
+(same answer, slower). With ``max_document_length`` W (causal only), packed
+self attention takes neither: under the segment mask it computes only the
+band of keys at most W - 1 positions back (cuDNN's sliding window skips the
+tiles outside it), which is exact while every document fits in W tokens; a
+batch with a longer document is detected on the device and runs the full
+masked attention (``te_jax.layers.packed_attention.banded_self_attention``).
+Other masks (cross attention with segment ids, an explicit ``mask``) take
+XLA under "auto" (cuDNN in jax takes a mask only as a dense additive bias);
+"cudnn" forces cuDNN (the mask then becomes that bias). Under "auto" the
+cuDNN path is staged beside the XLA one with ``jax.lax.platform_dependent``,
+so a computation compiled for a GPU host's CPU (arrays placed there) runs
+XLA attention. Attention dropout uses an explicit softmax in float32. With
+``segment_ids``, queries at padding positions (id 0) output 0 on every path.
+
+Rotary position embeddings (:func:`apply_rotary`) rotate the two halves of
+each head's Q and K ("rotate-half"/GPT-NeoX layout) by angle
+``position * rotary_base ** (-2i / head_dim)``; positions default to
+``arange(S)`` and come from ``segment_positions`` for packed rows (restarting
+at 0 in each document), which makes a packed document see exactly the
+rotations it would see alone.
+
+Decoding with a key/value cache (``te_jax.layers.kv_cache``): the cache's
+step, rotated and masked already, attends through :func:`attention` as a
+plain masked core.
 """
 
 from __future__ import annotations
@@ -12,16 +60,17 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Optional
+from typing import Callable, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
 
-from te_jax.flax import packed_attention
-from te_jax.flax.packed_attention import segment_attention_mask
+from te_jax.layers import packed_attention
+from te_jax.layers.packed_attention import segment_attention_mask
 
 __all__ = ["apply_rotary", "segment_attention_mask", "and_masks", "check_input_3d",
-           "check_segment_arg", "check_attention_options", "attention_core", "resolve_segments"]
+           "check_segment_arg", "check_attention_options", "attention_core", "attention",
+           "resolve_segments", "head_layout", "fuses_qkv", "project_qkv"]
 
 _MASK_TYPES = ("causal", "no_mask")
 _IMPLS = ("auto", "xla", "cudnn")
@@ -205,7 +254,6 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, self_attn: bool,
 
   Rotary embeddings, segment and extra masks, the choice of implementation
   (module docs) and the zeroing of padding queries, on projected heads.
-  ``te_jax.nnx.MultiHeadAttention`` calls it too.
 
   Args:
     q: (B, Sq, heads, head_dim) queries.
@@ -280,3 +328,69 @@ def resolve_segments(inputs_q, inputs_kv, segment_ids, segment_positions, kv_seg
     if kv_segment_positions is None:
       kv_segment_positions = segment_positions
   return inputs_kv, kv_segment_ids, kv_segment_positions
+
+
+def head_layout(width: int, heads: int, groups: Optional[int] = None,
+                head_dim: Optional[int] = None) -> Tuple[int, int, int]:
+  """(heads, key/value groups, head_dim) of an attention over inputs of
+  ``width``: ``groups`` default ``heads``, ``head_dim`` default
+  ``width // heads``; ValueError when ``groups`` does not divide ``heads`` or,
+  without ``head_dim``, ``heads`` does not divide ``width``."""
+  g = groups or heads
+  if heads % g:
+    raise ValueError(f"num_gqa_groups ({g}) must divide num_attention_heads ({heads}).")
+  if not head_dim and width % heads:
+    raise ValueError(f"width {width} is not divisible by {heads} heads; set head_dim.")
+  return heads, g, head_dim or width // heads
+
+
+def fuses_qkv(self_attn: bool, heads: int, groups: int, fuse_qkv: bool) -> bool:
+  """Whether Q, K and V come from one fused projection (see the module docs)."""
+  return self_attn and groups == heads and fuse_qkv
+
+
+def project_qkv(inputs_q, inputs_kv, *, self_attn: bool, input_norm=None,
+                qkv: Optional[Callable] = None, query: Optional[Callable] = None,
+                kv: Optional[Callable] = None):
+  """``(q, k, v)`` from the module's projections (see the module docs).
+
+  Args:
+    inputs_q: (B, Sq, E) queries' input; ``inputs_kv`` (B, Skv, E_kv) the
+      keys' and values' (``inputs_q`` for self attention).
+    self_attn: keys and values come from ``inputs_q``.
+    input_norm: a ``te_jax.norm_dense.NormParams`` pre-norm of ``inputs_q``,
+      or None.
+    qkv: the fused projection ``qkv(x, **norm) -> (q, k, v)``; or else
+    query: ``query(x, **norm) -> q`` (``return_norm_output=True`` also
+      returns the normalized x) and
+    kv: ``kv(x) -> (k, v)``.
+
+  Returns:
+    q (B, Sq, heads, head_dim) and k, v (B, Skv, groups, head_dim).
+  """
+  norm_kw = {} if input_norm is None else {"input_norm": input_norm}
+  if qkv is not None:
+    return qkv(inputs_q, **norm_kw)
+  if input_norm is not None and self_attn:   # K and V read the query's norm output
+    q, inputs_kv = query(inputs_q, input_norm=input_norm, return_norm_output=True)
+  else:
+    q = query(inputs_q, **norm_kw)
+  k, v = kv(inputs_kv)
+  return q, k, v
+
+
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, step=None,
+              mask: Optional[jax.Array] = None, attention_impl: str = "auto",
+              dropout_rate: float = 0.0, dropout_rng: Optional[jax.Array] = None,
+              **core_kw) -> jax.Array:
+  """:func:`attention_core` of the projected heads, or of a decode ``step``
+  (a ``te_jax.layers.kv_cache.DecodeStep``: its queries against the whole
+  cache, already rotated and masked, so a plain masked core) when one is
+  given. ``core_kw``: :func:`attention_core`'s other arguments (unused with
+  a step). Returns (B, Sq, heads, head_dim)."""
+  drop = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
+  if step is not None:
+    return attention_core(step.q, step.k, step.v, self_attn=False,
+                          mask=and_masks(mask, step.mask), attn_mask_type="no_mask",
+                          attention_impl=attention_impl, **drop)
+  return attention_core(q, k, v, mask=mask, attention_impl=attention_impl, **drop, **core_kw)

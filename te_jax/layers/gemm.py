@@ -1,0 +1,176 @@
+"""Every GEMM of a te_jax module, FP8 or not, sharded or not.
+
+:func:`gemm` is ``x @ kernel (+ bias)`` for a module: it takes the GEMM's
+FP8 state from the module's :class:`~te_jax.layers.state.GemmStates`, calls
+the functional layer (``te_jax.dense``) with the recipe, mesh resource,
+logical axis rules and implementation of the call's
+:class:`~te_jax.layers.settings.Settings`, and keeps a state the call does
+not use. :func:`mlp_core` does the same for the fused MLP core
+(``te_jax.fused_mlp``), with the states two :func:`gemm` calls would use.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence, Tuple
+
+import jax
+
+from te_jax import dense as dense_lib
+from te_jax import fused_mlp
+from te_jax import sharding as sharding_lib
+from te_jax.layers.settings import Settings
+from te_jax.layers.state import GemmStates
+
+__all__ = ["FP8_META", "canonicalize_axes", "gemm", "gemm_kernel", "gemm_output", "split_gemm",
+           "plain_split_gemm", "mlp_core"]
+
+# The state name of a module's one GEMM (DenseGeneral, Linear, Fp8DotGeneral).
+FP8_META = "fp8_meta"
+
+
+def canonicalize_axes(axes, ndim: int) -> Tuple[int, ...]:
+  """Normalizes an int or tuple of (possibly negative) axes of an ndim array."""
+  axes = (axes,) if isinstance(axes, int) else tuple(axes)
+  out = tuple(a % ndim if -ndim <= a < ndim else None for a in axes)
+  if None in out:
+    raise ValueError(f"axis {axes} out of range for an input of rank {ndim}.")
+  if len(set(out)) != len(out):
+    raise ValueError(f"axis {axes} repeats an axis.")
+  return out
+
+
+def gemm(states: GemmStates, settings: Settings, x: jax.Array, kernel: jax.Array,
+         bias: Optional[jax.Array] = None, *, name: str = FP8_META, contract_ndim: int = 1,
+         kernel_axes: Optional[Sequence[Optional[str]]] = None, split_output: bool = False,
+         track: bool = True):
+  """``x @ kernel (+ bias)`` over the last ``contract_ndim`` dims of ``x``.
+
+  Calls :func:`te_jax.dense.dense_general`, which keeps the leading dims of
+  ``x`` (a (batch, seq) layout sharded for sequence parallelism reaches the
+  GEMM as it is) and, with ``kernel_axes`` and a mesh resource, runs the FP8
+  GEMMs sharded.
+
+  Args:
+    states: the module's FP8 state (:class:`~te_jax.layers.state.GemmStates`).
+    settings: what the module read from the autocast; ``settings.recipe``
+      None means a plain dot in ``x.dtype``.
+    x: (*lead, *in_dims) input in the compute dtype, contracting dims last.
+    kernel: (*in_dims, *out_dims) kernel in its parameter dtype (see
+      :func:`gemm_kernel`).
+    bias: optional (*out_dims) bias in the compute dtype.
+    name: the GEMM's state name (one per GEMM of the module).
+    contract_ndim: number of contracting dims (``len(in_dims)``).
+    kernel_axes: logical axis names of the kernel, one per dim.
+    split_output: return the output unstacked along its first out dim, a
+      tuple of ``out_dims[0]`` arrays (*lead, *out_dims[1:]). In FP8 and
+      unsharded, through ``te_jax.dense.fp8_dense_split`` (each part from its
+      own GEMM, the parts' gradients quantized without being concatenated);
+      with FP8 off one dot per part (:func:`plain_split_gemm`).
+    track: report this GEMM to ``states.track_updates`` when it uses FP8
+      state (one GEMM per module call does).
+
+  Returns:
+    (*lead, *out_dims) array in ``x.dtype``, or the tuple (``split_output``).
+  """
+  param_kernel = kernel
+  kernel = gemm_kernel(settings, kernel, x.dtype)
+  kernel_axes = None if kernel_axes is None else tuple(kernel_axes)
+  state = None if settings.mode is None else states.state(name, settings.mode)
+  if state is not None and track:
+    states.track_updates(param_kernel)
+  y = gemm_output(x, kernel, bias, settings, state, contract_ndim=contract_ndim,
+                  kernel_axes=kernel_axes, split_output=split_output)
+  return y if state is not None else states.keep_unused(y, (name,))
+
+
+def gemm_output(x, kernel, bias, settings: Settings, state, *, contract_ndim: int,
+                kernel_axes=None, split_output: bool = False):
+  """The GEMM of :func:`gemm` once the module has its kernel and state: a
+  split output through :func:`split_gemm` (FP8, unsharded) or
+  :func:`plain_split_gemm` (FP8 off), everything else through
+  ``te_jax.dense.dense_general`` under the call's logical axis rules."""
+  recipe = settings.recipe
+  if split_output and recipe is not None and settings.unsharded():
+    return split_gemm(x, kernel, bias, settings, state, contract_ndim)
+  if split_output and recipe is None:
+    return plain_split_gemm(x, kernel, bias, contract_ndim)
+  with sharding_lib.use_axis_rules(settings.axis_rules):
+    y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim, recipe=recipe,
+                                fp8_state=state, impl=settings.impl, kernel_axes=kernel_axes,
+                                mesh_resource=settings.mesh_resource, mesh=settings.mesh)
+  if split_output:   # sharded FP8: the blocks are slices of the one output
+    lead = (slice(None),) * (x.ndim - contract_ndim)
+    y = tuple(y[lead + (i,)] for i in range(kernel.shape[contract_ndim]))
+  return y
+
+
+def gemm_kernel(settings: Settings, kernel: jax.Array, compute_dtype) -> jax.Array:
+  """The kernel as the module's GEMM takes it.
+
+  Unsharded FP8 GEMMs quantize it straight from its parameter dtype: one pass
+  over the float32 weights instead of a convert to the compute dtype and then
+  a quantize of the copy, and one rounding (to FP8) instead of two; the
+  weight gradient comes out of the GEMM in the parameter dtype. A plain dot,
+  and the sharded path (whose weight gradients are reduce-scattered: half the
+  bytes in bf16), take it in the compute dtype.
+  """
+  if settings.recipe is not None and settings.unsharded():
+    return kernel
+  return kernel.astype(compute_dtype)
+
+
+def split_gemm(x, kernel, bias, settings: Settings, state, contract_ndim: int):
+  """``gemm(..., split_output=True)`` in FP8, unsharded, through
+  ``te_jax.dense.fp8_dense_split``: a tuple of ``out_dims[0]`` arrays."""
+  lead = x.shape[:x.ndim - contract_ndim]
+  in_dims, out_dims = kernel.shape[:contract_ndim], kernel.shape[contract_ndim:]
+  k = math.prod(in_dims)
+  parts = dense_lib.fp8_dense_split(
+      x.reshape(lead + (k,)), kernel.reshape(k, -1),
+      None if bias is None else bias.reshape(-1), num_splits=out_dims[0],
+      recipe=settings.recipe, fp8_state=state, impl=settings.impl)
+  return tuple(p.reshape(lead + tuple(out_dims[1:])) for p in parts)
+
+
+def plain_split_gemm(x, kernel, bias, contract_ndim: int):
+  """``gemm(..., split_output=True)`` with FP8 off: one dot per block of the
+  kernel's first output dim, a tuple of ``out_dims[0]`` arrays (*lead,
+  *out_dims[1:]).
+
+  Each block is written where its user reads it: one dot over the whole
+  kernel and a split of its output would copy every block, and its backward
+  would assemble the blocks' gradients into one array for the data-gradient
+  dot. Each block's operands pass through their own
+  ``optimization_barrier``: XLA's GPU pipeline otherwise merges dots that
+  share ``x`` back into one dot over a concatenated kernel and slices its
+  output.
+  """
+  lead = (slice(None),) * contract_ndim
+  parts = []
+  for i in range(kernel.shape[contract_ndim]):
+    xi, ki = jax.lax.optimization_barrier((x, kernel[lead + (i,)]))
+    parts.append(dense_lib.dense_general(xi, ki, None if bias is None else bias[i],
+                                         contract_ndim=contract_ndim))
+  return tuple(parts)
+
+
+def mlp_core(states: GemmStates, settings: Settings, x2d, wi2d, bi, wo, bo, *,
+             activations, names: Sequence[str] = ("wi_fp8_meta", "wo_fp8_meta"),
+             backward_chunks: int = 1):
+  """``te_jax.fused_mlp.fp8_mlp`` with the module's FP8 state.
+
+  Uses (and updates) the same states as two :func:`gemm` calls named
+  ``names`` would, so a model can switch between the fused and the unfused
+  path without touching its variables. FP8 must be on; the weights in their
+  parameter dtype (the fused core runs unsharded, as :func:`gemm_kernel`
+  gives them there). Shapes: ``x2d`` (M, E), ``wi2d`` (E, n_act * F),
+  ``bi`` (n_act * F,) or None, ``wo`` (F, E), ``bo`` (E,) or None -> (M, E).
+  """
+  si, so = (states.state(n, settings.mode) for n in names)
+  if si is not None:
+    states.track_updates(wi2d)
+  y = fused_mlp.fp8_mlp(x2d, wi2d, wo, bi, bo, activations=activations,
+                        recipe=settings.recipe, wi_state=si, wo_state=so,
+                        impl=settings.impl, backward_chunks=backward_chunks)
+  return y if si is not None else states.keep_unused(y, names)

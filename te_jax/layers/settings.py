@@ -1,0 +1,94 @@
+"""The autocast settings of one module call, read once.
+
+:func:`read_settings` is the one place below ``te_jax.autocast`` that reads
+the active ``fp8_autocast``: a module calls it once per call and hands the
+:class:`Settings` down, so that every decision of that call sees one recipe
+(already resolved to its ``te_jax.scaling.ScalingMode``), one mesh resource,
+one mesh and one set of logical axis rules.
+
+The logical axis rules come from the framework layer, which knows where its
+users put them: the Linen modules read Flax's ``nn.logical_axis_rules``
+context, the NNX modules the one ``nnx.logical_axis_rules`` sets. Without
+any, the defaults of ``te_jax.sharding.logical_axis_rules(mesh_resource)``
+apply.
+
+>>> import te_jax
+>>> from te_jax import recipe
+>>> from te_jax.layers.settings import read_settings
+>>> read_settings().recipe is None          # outside any autocast: FP8 off
+True
+>>> with te_jax.fp8_autocast(enabled=True, fp8_recipe=recipe.Float8BlockScaling()):
+...   s = read_settings(impl="reference")
+>>> type(s.mode).__name__, s.mode.token_block, s.impl
+('BlockScalingMode', 128, 'reference')
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional, Sequence, Tuple
+
+from te_jax import recipe as recipe_lib
+from te_jax import scaling
+from te_jax import sharded_dense
+from te_jax import sharding as sharding_lib
+from te_jax.autocast import get_fp8_context
+from te_jax.ops import check_impl
+
+__all__ = ["Settings", "read_settings"]
+
+
+class Settings(NamedTuple):
+  """What a module's call needs from the autocast, read once.
+
+  Attributes:
+    recipe: the active recipe, or None when FP8 is off.
+    mode: ``recipe.scaling_mode()`` (None when FP8 is off): what every
+      decision of the call asks (``token_block``, ``uses_state``, ...).
+    mesh_resource: the autocast's ``te_jax.sharding.MeshResource`` or None.
+    mesh: the active mesh (``te_jax.sharding.get_mesh()``) or None.
+    axis_rules: the logical axis rules in effect, ``(name, mesh axes)`` pairs.
+    impl: "auto", "cuda" or "reference" (the module's ``impl`` attribute).
+  """
+
+  recipe: Optional[recipe_lib.Recipe]
+  mode: Optional[scaling.ScalingMode]
+  mesh_resource: Optional[sharding_lib.MeshResource]
+  mesh: Any
+  axis_rules: Tuple[Tuple[str, Any], ...]
+  impl: str
+
+  def unsharded(self) -> bool:
+    """True when no mesh axis named by the mesh resource has size > 1.
+
+    The fused FP8 paths (MLP core, norm + quantize, split Q/K/V) have no
+    sharding rule of their own, so they are only taken when the GEMMs would
+    not be sharded anyway. A mesh resource without a mesh, or naming none of
+    its axes, is warned about once here too: the paths this answer selects
+    never reach the sharded dense, which warns for the others.
+    """
+    mr = self.mesh_resource
+    if mr is None:
+      return True
+    sharded_dense.warn_if_unsharded(mr, self.mesh)
+    if self.mesh is None:
+      return True
+    return sharding_lib.mesh_axis_size(
+        self.mesh, tuple(a for a in mr.axes if a in self.mesh.axis_names)) == 1
+
+
+def read_settings(impl: str = "auto", axis_rules: Sequence = ()) -> Settings:
+  """The innermost ``fp8_autocast`` as :class:`Settings` (FP8 off outside any).
+
+  Args:
+    impl: the calling module's ``impl`` attribute ("auto", "cuda",
+      "reference"); ``TE_JAX_IMPL`` still overrides "auto".
+    axis_rules: the logical axis rules the framework layer found in effect
+      (empty: the defaults for the autocast's mesh resource).
+  """
+  check_impl(impl)
+  ctx = get_fp8_context()
+  recipe = ctx.recipe if ctx.enabled else None
+  rules = tuple(axis_rules) or sharding_lib.logical_axis_rules(ctx.mesh_resource)
+  return Settings(recipe=recipe, mode=None if recipe is None else recipe.scaling_mode(),
+                  mesh_resource=ctx.mesh_resource, mesh=sharding_lib.get_mesh(),
+                  axis_rules=rules, impl=impl)

@@ -1,0 +1,125 @@
+"""How the core reaches the FP8 state of a module's GEMMs, without naming a framework.
+
+Under ``DelayedScaling`` each FP8 GEMM of a module keeps a state (the
+``te_jax.fp8_state`` layout, one per GEMM name); the other recipes keep none.
+Where that state lives is the framework's business: a Linen variable in the
+collection ``FP8_COLLECTION``, an NNX ``FP8State`` attribute. The core sees it
+through a :class:`GemmStates` object the module passes in, implemented once
+per framework (``te_jax.flax.fp8_module.LinenStates``,
+``te_jax.nnx.state.NnxStates``).
+
+The state's "gradient" is its update (``te_jax.dense``). A state the call
+does not use -- FP8 switched off, or another recipe than the one it was made
+for -- must come back unchanged: :meth:`GemmStates.keep_unused` ties it to
+the output with :func:`keep_state` where the framework's update would
+otherwise overwrite it.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["GemmStates", "keep_state", "state_shapes", "fused_states"]
+
+
+class GemmStates(abc.ABC):
+  """The FP8 state of one module's GEMMs, as the core asks for it.
+
+  Attributes:
+    module_name: the module's class name (for the log lines that name it).
+  """
+
+  module_name: str
+
+  @abc.abstractmethod
+  def has(self, name: str) -> bool:
+    """Whether the module holds a state for GEMM ``name`` now."""
+
+  @abc.abstractmethod
+  def can_create(self) -> bool:
+    """Whether :meth:`state` would create a missing state (e.g. Linen's init)."""
+
+  @abc.abstractmethod
+  def peek(self, name: str):
+    """The value of the existing state of GEMM ``name``; declares nothing."""
+
+  @abc.abstractmethod
+  def state(self, name: str, mode):
+    """The state of GEMM ``name`` for the ``te_jax.scaling.ScalingMode``
+    ``mode``, created where the framework creates it; None when ``mode``
+    keeps none.
+
+    Raises:
+      ValueError: the state is missing and cannot be created, or its shapes
+        are not the ones ``mode`` needs (the message names the fix).
+    """
+
+  def keep_unused(self, y, names: Sequence[str]):
+    """``y`` (any pytree of arrays), tied to the states ``names`` that exist
+    but that this call does not use, so that the framework's update leaves
+    them as they are. Default: ``y`` (nothing to tie)."""
+    del names
+    return y
+
+  def track_updates(self, kernel: jax.Array) -> None:
+    """Records one forward pass that uses the module's FP8 state with
+    parameter ``kernel`` (the NNX modules count training steps). Default:
+    nothing."""
+    del kernel
+
+
+@jax.custom_vjp
+def keep_state(y, state):
+  """Identity on ``y`` whose backward returns ``state`` as the state's gradient.
+
+  For a module that holds delayed-scaling state that the active recipe does
+  not use (FP8 off, or another recipe): the "gradient" that
+  ``TrainState.apply_gradients`` writes back is then the state itself, so the
+  state is left untouched instead of being overwritten by zeros.
+  """
+  del state
+  return y
+
+
+def _keep_state_fwd(y, state):
+  return y, state
+
+
+def _keep_state_bwd(state, g):
+  return g, state
+
+
+keep_state.defvjp(_keep_state_fwd, _keep_state_bwd)
+
+
+def state_shapes(tree):
+  """The shapes of a state pytree (a pytree of tuples)."""
+  return jax.tree.map(lambda a: tuple(jnp.shape(a)), tree)
+
+
+def fused_states(states: GemmStates, names: Sequence[str], mode
+                 ) -> Tuple[Optional[tuple], Optional[str]]:
+  """(the states of GEMMs ``names``, None) for a fused path that calls the
+  functional layer with them, or (None, reason) when the module should take
+  its unfused path instead, whose GEMMs then handle them: the module holds
+  another recipe's state (kept as it is there), or the states are missing or
+  of another shape (the unfused GEMM raises its error there). Declares
+  nothing unless it returns states; a recipe without state gives a tuple of
+  Nones.
+  """
+  have = [states.has(n) for n in names]
+  if not mode.uses_state:
+    if any(have):
+      return None, "it holds FP8 state that the active recipe does not use"
+    return (None,) * len(names), None
+  if not all(have) and not states.can_create():
+    return None, "its FP8 state variables are missing"
+  want = state_shapes(jax.eval_shape(mode.init_state))
+  for n, h in zip(names, have):
+    if h and state_shapes(states.peek(n)) != want:
+      return None, f"its FP8 state '{n}' does not fit the active recipe"
+  return tuple(states.state(n, mode) for n in names), None
