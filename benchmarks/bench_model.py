@@ -66,7 +66,7 @@ def _norm_variant(kernels_from, bwd_blocks):
   """A/B switches for te_jax's norm kernels, set in this (one-recipe) process only:
   the narrowest hidden size that takes the unquantized norm kernels, and a fixed
   grid for the norm backward kernel instead of ``backward_blocks``' rule."""
-  from te_jax.flax import fused_norm  # pylint: disable=import-outside-toplevel
+  from te_jax.layers import norm as fused_norm  # pylint: disable=import-outside-toplevel
   from te_jax.ops import normalization_cuda  # pylint: disable=import-outside-toplevel
   label = []
   if kernels_from is not None:
@@ -167,7 +167,7 @@ def main(argv=None):
                       "longest document (default: the preset's, on for llama)")
   p.add_argument("--norm-kernels-from", type=int, default=None,
                  help="A/B: take the unquantized norm kernels from this hidden size on "
-                      "(fused_norm.MIN_KERNEL_HIDDEN)")
+                      "(te_jax.layers.norm.MIN_KERNEL_HIDDEN)")
   p.add_argument("--norm-bwd-blocks", type=int, default=None,
                  help="A/B: a fixed CUDA grid for the norm backward kernel")
   args = p.parse_args(argv)

@@ -6,7 +6,7 @@ tokens (scaled to S; ``bench_layer._packed_segment_ids``). Paths:
 
 - ``plain``: cuDNN flash attention, causal, no segments (what an unpacked
   batch costs; the documents are not separated).
-- ``packed_mN``: ``te_jax.flax.packed_attention.packed_self_attention``
+- ``packed_mN``: ``te_jax.layers.packed_attention.packed_self_attention``
   with ``max_segments=N`` (cuDNN's packed layout behind ``lax.cond``).
 - ``packed_m1``: the same with room for 1 document per row, so the
   device-side check fails and the masked cuDNN fallback runs.
@@ -49,7 +49,7 @@ _EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file_
 def _step(path, ids, causal=True):  # pylint: disable=too-many-return-statements
   import jax
   import jax.numpy as jnp
-  from te_jax.flax import packed_attention as pa
+  from te_jax.layers import packed_attention as pa
 
   def attend(q, k, v):
     scale = q.shape[-1] ** -0.5

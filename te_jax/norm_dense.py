@@ -24,7 +24,7 @@ and read of the normalized input less forward, and the norm's backward in one
 kernel instead of XLA's reductions.
 
 Numerics: the normalized input is computed in float32 exactly as
-``te_jax.flax.norm.apply_norm`` computes it and quantized directly, so the
+``te_jax.layers.norm.apply_norm`` computes it and quantized directly, so the
 result equals the unfused path up to the FP8 rounding of a value that no
 longer goes through the compute dtype first.
 
@@ -127,7 +127,7 @@ def quantize_normalized(mode: scaling.ScalingMode, spec: NormSpec, x, gamma, bet
 def normalized(spec: NormSpec, x, gamma, beta, mean, rstd):
   """norm(x) in float32, elementwise from the statistics ``quantize_normalized``
   returned (the values it quantized; on the reference path, bit for bit
-  ``te_jax.flax.norm.apply_norm``'s)."""
+  ``te_jax.layers.norm.apply_norm``'s)."""
   return norm_op.norm_apply_reference(x, gamma, beta, mean, rstd,
                                       zero_centered_gamma=spec.zero_centered_gamma)
 
@@ -284,7 +284,7 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
         f"fp8_norm_dense takes tokens % {mode.token_block} == 0 and hidden % 128 == 0, "
         f"hidden <= {MAX_HIDDEN}; got {m} tokens, hidden {k}. The norm "
         "cannot be padded (a padded row or column changes the statistics or the amax): "
-        "use te_jax.flax.norm.apply_norm and te_jax.dense.fp8_dense instead.")
+        "use te_jax.layers.norm.apply_norm and te_jax.dense.fp8_dense instead.")
   # Blocks the concat-quantize kernel cannot take: split the whole output.
   f, fused_split = dense_lib.split_blocks(n, num_splits, mode)
   mode.check_state(fp8_state)
@@ -342,7 +342,7 @@ def normalize(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array] = None, 
               dtype=None, impl: str = "auto") -> jax.Array:
   """``norm(x)`` over the last axis, unquantized, with the norm kernels' backward.
 
-  The same values as ``te_jax.flax.norm.apply_norm`` (float32 from the
+  The same values as ``te_jax.layers.norm.apply_norm`` (float32 from the
   input, the statistics, then ``(x - mean) * rstd * gamma' + beta`` rounded
   once to ``dtype``), computed as: the statistics pass
   (``ops.normalization.norm_stats``), one elementwise XLA pass writing the

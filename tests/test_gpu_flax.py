@@ -36,7 +36,7 @@ from flax.training import train_state
 import te_jax
 from te_jax import fp8_state
 from te_jax import flax as tfx
-from te_jax.flax import fused_norm
+from te_jax.layers import norm as fused_norm
 
 from flax_cases import RECIPES, rel
 from test_flax_mlp import reference_mlp

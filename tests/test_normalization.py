@@ -3,7 +3,7 @@ norm + dense (te_jax/norm_dense.py), the fused MLP with its norm, and the Flax
 modules that use them.
 
 CPU (CI):
-  * the references: the forward equals ``te_jax.flax.norm.apply_norm`` bit for
+  * the references: the forward equals ``te_jax.layers.norm.apply_norm`` bit for
     bit; the closed-form backward equals ``jax.vjp`` of the forward to float32
     accuracy; ``norm_quantize`` is ``quantize_by_mode_reference`` of the
     forward (every mode, both FP8 formats);
@@ -34,8 +34,8 @@ import pytest
 import te_jax
 from te_jax import dense, fp8_state, fused_mlp, norm_dense, recipe
 from te_jax import flax as tfx
-from te_jax.flax import fused_norm
-from te_jax.flax.norm import apply_norm
+from te_jax.layers import norm as fused_norm
+from te_jax.layers.norm import apply_norm
 from te_jax.ops import normalization as nrm
 from te_jax.ops import normalization_cuda
 from te_jax.ops import quantize as quantize_op

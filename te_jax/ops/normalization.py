@@ -11,7 +11,7 @@ small reduction of per-block partial sums. ``norm_stats`` is the statistics
 pass alone: with ``norm_apply_reference`` (one XLA elementwise pass) it is
 the forward of a norm whose output is not quantized.
 
-The numerics are those of ``te_jax.flax.norm.apply_norm`` (float32 from the
+The numerics are those of ``te_jax.layers.norm.apply_norm`` (float32 from the
 input's dtype, in its order of operations)::
 
   layernorm: mean = mean(x), var = mean((x - mean)^2), y = (x - mean) * rstd
@@ -174,7 +174,7 @@ def norm_forward_reference(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Ar
                            ) -> Tuple[jax.Array, Optional[jax.Array], jax.Array]:
   """(y float32 (M, H), mean float32 (M,) or None for rmsnorm, rstd float32 (M,)).
 
-  ``y`` equals ``te_jax.flax.norm.apply_norm(x, gamma, beta, ...,
+  ``y`` equals ``te_jax.layers.norm.apply_norm(x, gamma, beta, ...,
   dtype=jnp.float32)`` bit for bit (same operations in the same order).
   """
   _check_options(norm_type, epsilon, zero_centered_gamma)
