@@ -324,22 +324,32 @@ def _sharded_dense(x, kernel, bias, state, plan):
   return y
 
 
+# The shard_map of each pass is jitted once per plan. An eager call (no
+# enclosing jit) would otherwise run the body one primitive at a time, each
+# compiled on its own, on every call; inside a jitted step the inner jit is
+# inlined and changes nothing.
+@functools.lru_cache(maxsize=None)
+def _fwd_fn(plan):
+  return jax.jit(shard_map(functools.partial(_fwd_body, plan), mesh=plan.mesh,
+                           in_specs=(plan.x_spec, plan.k_spec, plan.b_spec, P()),
+                           out_specs=(plan.y_spec, _res_spec(plan), P())))
+
+
+@functools.lru_cache(maxsize=None)
+def _bwd_fn(plan):
+  return jax.jit(shard_map(functools.partial(_bwd_body, plan), mesh=plan.mesh,
+                           in_specs=(_res_spec(plan), plan.y_spec, P()),
+                           out_specs=(plan.x_spec, plan.k_spec, plan.b_spec, P())))
+
+
 def _sharded_dense_fwd(x, kernel, bias, state, plan):
-  body = functools.partial(_fwd_body, plan)
-  f = shard_map(body, mesh=plan.mesh,
-                in_specs=(plan.x_spec, plan.k_spec, plan.b_spec, P()),
-                out_specs=(plan.y_spec, _res_spec(plan), P()))
-  y, res, new_state = f(x, kernel, bias, state)
+  y, res, new_state = _fwd_fn(plan)(x, kernel, bias, state)
   return y, (res, new_state, bias)
 
 
 def _sharded_dense_bwd(plan, saved, g):
   res, new_state, bias = saved
-  body = functools.partial(_bwd_body, plan)
-  f = shard_map(body, mesh=plan.mesh,
-                in_specs=(_res_spec(plan), plan.y_spec, P()),
-                out_specs=(plan.x_spec, plan.k_spec, plan.b_spec, P()))
-  dx, dk, db, new_state = f(res, g, new_state)
+  dx, dk, db, new_state = _bwd_fn(plan)(res, g, new_state)
   if db is not None:
     db = db.astype(bias.dtype)
   return dx, dk, db, new_state
