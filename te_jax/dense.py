@@ -9,6 +9,13 @@ Token counts (and K, N) that are not a multiple of the GEMM alignment (128 for
 blockwise, 16 per-tensor) are zero-padded here and the result sliced: zero
 rows add nothing to any product or amax, so padding never changes the result.
 
+Under a mesh with ``Explicit`` axes (sharding in types) each public dense here
+runs with those axes switched to ``Auto`` (``te_jax.sharding.with_auto_axes``):
+the computation is the one an auto-axes mesh gets, and the output's type is
+the layout the sharded GEMM produces (``te_jax.sharded_dense.make_plan``'s
+``y_spec``, FP8 on or off) or, without ``kernel_axes`` and a mesh resource,
+x's sharding on the leading dims and the kernel's on the output dims.
+
 >>> import jax.numpy as jnp
 >>> from te_jax import dense, recipe
 >>> x = jnp.ones((4, 100, 256), jnp.bfloat16); w = jnp.ones((256, 512), jnp.bfloat16)
@@ -26,6 +33,7 @@ from typing import NamedTuple, Optional, Tuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from te_jax import recipe as recipe_lib
 from te_jax import remat
@@ -116,6 +124,64 @@ def _dense_2d_bwd(cfg, res, g):
 _dense_2d.defvjp(_dense_2d_fwd, _dense_2d_bwd)
 
 
+# -------------------------------------------------------- explicit axes --
+
+def _sharded_order(kernel_axes, n_in: int, mesh_resource, mesh):
+  """(in_perm, out_perm, 2-D kernel axes): each group of kernel dims reordered
+  so that those mapped to mesh axes come first (see ``dense_general``)."""
+  n_out = len(kernel_axes) - n_in
+  mapped = sharding_lib.logical_to_mesh_axes(
+      [(n,) for n in kernel_axes], mesh_resource=mesh_resource, mesh=mesh)
+  is_sh = [bool(a) for a in mapped]
+  in_perm = tuple(sorted(range(n_in), key=lambda i: not is_sh[i]))
+  out_perm = tuple(sorted(range(n_out), key=lambda i: not is_sh[n_in + i]))
+  return in_perm, out_perm, (tuple(kernel_axes[i] for i in in_perm),
+                             tuple(kernel_axes[n_in + i] for i in out_perm))
+
+
+def _explicit_output_spec(x, kernel, n_in: int, kernel_axes, mesh_resource, mesh):
+  """The PartitionSpec of ``dense_general(x, kernel, ...)``'s output under an
+  explicit-axes mesh (see the module docstring)."""
+  lead = tuple(x.shape[:x.ndim - n_in])
+  n_out = kernel.ndim - n_in
+  m = sharding_lib.get_mesh(mesh)
+  if kernel_axes is not None and mesh_resource is not None and m is not None and lead:
+    _, out_perm, axes2d = _sharded_order(kernel_axes, n_in, mesh_resource, m)
+    k2d = (math.prod(kernel.shape[:n_in]), math.prod(kernel.shape[n_in:]))
+    plan = sharded_dense.make_plan(lead + k2d[:1], k2d, x_dtype=x.dtype, k_dtype=kernel.dtype,
+                                   has_bias=False, recipe=None, impl="auto",
+                                   kernel_axes=axes2d, mesh_resource=mesh_resource, mesh=m)
+    if plan is not None:   # the flattened N's axes belong to its leading out dim
+      outs = [None] * n_out
+      outs[out_perm[0]] = plan.y_spec[-1]
+      return P(*plan.y_spec[:-1], *outs)
+  xs, ks = sharding_lib.spec_of(x), sharding_lib.spec_of(kernel)
+  used = {a for e in xs[:len(lead)] for a in ((e,) if isinstance(e, str) else e or ())}
+  outs = []
+  for e in ks[n_in:]:
+    kept = tuple(a for a in ((e,) if isinstance(e, str) else e or ()) if a not in used)
+    used.update(kept)
+    outs.append(kept or None)
+  return P(*xs[:len(lead)], *outs)
+
+
+def _explicit_axes_boundary(fn):
+  """``fn`` (a dense of this module) run with the context mesh's Explicit
+  axes switched to Auto when there are any (see the module docstring)."""
+  @functools.wraps(fn)
+  def wrapped(x, kernel, bias=None, *, fp8_state=None, **kw):
+    if not sharding_lib.explicit_axes():
+      return fn(x, kernel, bias, fp8_state=fp8_state, **kw)
+    spec = _explicit_output_spec(x, kernel, kw.get("contract_ndim", 1), kw.get("kernel_axes"),
+                                 kw.get("mesh_resource"), kw.get("mesh"))
+    if "num_splits" in kw:   # fp8_dense_split: equal column blocks
+      spec = (P(*spec[:-1], None),) * kw["num_splits"]
+    return sharding_lib.with_auto_axes(
+        lambda x, kernel, bias, state: fn(x, kernel, bias, fp8_state=state, **kw),
+        (x, kernel, bias, fp8_state), spec)
+  return wrapped
+
+
 # ------------------------------------------------------------------ public --
 
 def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
@@ -129,6 +195,7 @@ def pad_to(x: jax.Array, axis: int, multiple: int) -> jax.Array:
   return jnp.pad(x, pad)
 
 
+@_explicit_axes_boundary
 def fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
               recipe: recipe_lib.Recipe, fp8_state=None, impl: str = "auto",
               kernel_axes=None, mesh_resource=None, mesh=None,
@@ -254,6 +321,7 @@ def split_blocks(n: int, num_splits, mode: scaling.ScalingMode) -> Tuple[int, bo
   return f, 1 < num_splits <= concat_op.MAX_PARTS and f % mode.token_block == 0
 
 
+@_explicit_axes_boundary
 def fp8_dense_split(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
                     num_splits: int, recipe: recipe_lib.Recipe, fp8_state=None,
                     impl: str = "auto", save_original_input: bool = False,
@@ -303,6 +371,7 @@ def fp8_dense_split(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] =
   return _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, num_splits, keep)
 
 
+@_explicit_axes_boundary
 def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
           recipe: Optional[recipe_lib.Recipe] = None, fp8_state=None,
           impl: str = "auto", kernel_axes=None, mesh_resource=None,
@@ -326,6 +395,7 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
   return y
 
 
+@_explicit_axes_boundary
 def dense_general(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
                   contract_ndim: int = 1, recipe: Optional[recipe_lib.Recipe] = None,
                   fp8_state=None, impl: str = "auto", kernel_axes=None,
@@ -359,13 +429,7 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = N
                        f"kernel dims {kernel.shape}.")
     m = sharding_lib.get_mesh(mesh)
     if mesh_resource is not None and m is not None:
-      mapped = sharding_lib.logical_to_mesh_axes(
-          [(n,) for n in kernel_axes], mesh_resource=mesh_resource, mesh=m)
-      is_sh = [bool(a) for a in mapped]
-      in_perm = tuple(sorted(range(n_in), key=lambda i: not is_sh[i]))
-      out_perm = tuple(sorted(range(len(out_dims)), key=lambda i: not is_sh[n_in + i]))
-      axes2d = (tuple(kernel_axes[i] for i in in_perm),
-                tuple(kernel_axes[n_in + i] for i in out_perm))
+      in_perm, out_perm, axes2d = _sharded_order(kernel_axes, n_in, mesh_resource, m)
   k = jnp.transpose(kernel, in_perm + tuple(n_in + i for i in out_perm))
   k2d = k.reshape(math.prod(in_dims), math.prod(out_dims))
   nl = len(lead)

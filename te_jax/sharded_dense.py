@@ -194,10 +194,6 @@ def warn_if_unsharded(mesh_resource, mesh) -> bool:
   return True
 
 
-def _axis_name(axes):
-  return axes[0] if len(axes) == 1 else tuple(axes)
-
-
 def _kernel_sizes(plan):
   """(gk, gn): how many shards the gathered kernel dims are made of."""
   return (sharding_lib.mesh_axis_size(plan.mesh, plan.k_gather_axes),
@@ -292,30 +288,26 @@ def _bwd_body(plan, res, g, new_state):
     if not axes:
       continue
     if all(ax in plan.gemm_tok_axes for ax in axes):
-      dk = lax.psum_scatter(dk, _axis_name(axes), scatter_dimension=dim, tiled=True)
+      dk = lax.psum_scatter(dk, _spec_entry(axes), scatter_dimension=dim, tiled=True)
     else:  # sharded on an axis the tokens are not: no sum, keep own block
       summed = tuple(ax for ax in axes if ax in plan.gemm_tok_axes)
       if summed:
-        dk = lax.psum(dk, _axis_name(summed))
+        dk = lax.psum(dk, _spec_entry(summed))
       n = sharding_lib.mesh_axis_size(plan.mesh, axes)
-      idx = lax.axis_index(_axis_name(axes))
+      idx = lax.axis_index(_spec_entry(axes))
       size = dk.shape[dim] // n
       dk = lax.dynamic_slice_in_dim(dk, idx * size, size, axis=dim)
   if rest:   # e.g. dp: the weight is replicated there; sum the (smaller) shard
-    dk = lax.psum(dk, _axis_name(rest))
+    dk = lax.psum(dk, _spec_entry(rest))
   dk = _unpad_chunks(_unpad_chunks(dk, 0, 1, plan.kernel_local_shape[0]), 1, 1, plan.kernel_local_shape[1])
 
   dbias = None
   if plan.has_bias:
     db = jnp.sum(g.reshape(-1, g.shape[-1]).astype(jnp.float32), axis=0)
     if plan.out_tok_axes:
-      db = lax.psum(db, _axis_name(plan.out_tok_axes))
+      db = lax.psum(db, _spec_entry(plan.out_tok_axes))
     dbias = db
   return dx, dk, dbias, plan.scaling_mode.update_state(new_state, {"grad": qg_all.amax})
-
-
-def _res_spec(plan):
-  return P(_all_axes(plan))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -332,13 +324,13 @@ def _sharded_dense(x, kernel, bias, state, plan):
 def _fwd_fn(plan):
   return jax.jit(shard_map(functools.partial(_fwd_body, plan), mesh=plan.mesh,
                            in_specs=(plan.x_spec, plan.k_spec, plan.b_spec, P()),
-                           out_specs=(plan.y_spec, _res_spec(plan), P())))
+                           out_specs=(plan.y_spec, P(_all_axes(plan)), P())))
 
 
 @functools.lru_cache(maxsize=None)
 def _bwd_fn(plan):
   return jax.jit(shard_map(functools.partial(_bwd_body, plan), mesh=plan.mesh,
-                           in_specs=(_res_spec(plan), plan.y_spec, P()),
+                           in_specs=(P(_all_axes(plan)), plan.y_spec, P()),
                            out_specs=(plan.x_spec, plan.k_spec, plan.b_spec, P())))
 
 
@@ -385,7 +377,9 @@ def _check_div(what, shape, spec, mesh):
 
 def make_plan(x_shape, k_shape, *, x_dtype, k_dtype, has_bias, recipe, impl,
               kernel_axes, mesh_resource, mesh) -> Optional[_Plan]:
-  """Works out specs and collectives; None when nothing is sharded."""
+  """Works out specs and collectives; None when nothing is sharded. With
+  ``recipe`` None, the specs only (no scaling mode or token alignment): the
+  output type under an explicit-axes mesh of a GEMM with FP8 off."""
   mr = mesh_resource
   kax, nax = sharding_lib.logical_to_mesh_axes(kernel_axes, mesh_resource=mr, mesh=mesh)
   tp = sharding_lib.tp_axis(mr, mesh)
@@ -439,8 +433,8 @@ def make_plan(x_shape, k_shape, *, x_dtype, k_dtype, has_bias, recipe, impl,
         f"te_jax sharded FP8 dense: sequence parallelism splits dim {sa} of x "
         f"(shape {tuple(x_shape)}) over tp, but it is not divisible by the tp size.")
   mc = ntok // shards
-  mode_obj = recipe.scaling_mode()
-  align = mode_obj.token_block
+  mode_obj = None if recipe is None else recipe.scaling_mode()
+  align = 1 if recipe is None else mode_obj.token_block
   if mc % align and not mr.pad_tokens:
     raise ValueError(
         f"te_jax sharded FP8 dense ({type(recipe).__name__}): each device's token "

@@ -3,10 +3,11 @@
 The sharded runs need 8 devices, which XLA only fakes on CPU when
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` is set before jax is
 imported. Other test files import jax first, so
-:func:`test_eight_device_suite` runs ``tests/test_sharding_mesh.py`` in a
-subprocess with that flag (two processes in parallel, to use both CPU cores
-of CI runners), unless this process already has 8 devices, in which case
-pytest collects that file directly.
+:func:`test_eight_device_suite` runs ``tests/test_sharding_mesh.py`` and
+``tests/test_explicit_sharding.py`` in a subprocess with that flag (two
+processes in parallel, to use both CPU cores of CI runners), unless this
+process already has 8 devices, in which case pytest collects those files
+directly.
 """
 
 import os
@@ -62,6 +63,29 @@ def test_user_rules_come_first():
   assert axes == (("fsdp",), ())
   with pytest.raises(ValueError, match="pair"):
     sharding.logical_axis_rules(mr, extra_rules=["mlp"])
+
+
+def test_every_module_axis_name_has_a_default_rule():
+  """Each logical axis name a te_jax.nnx module (same names as the Linen
+  ones) gives its parameters has a default rule, so that Flax's
+  ``nnx.get_partition_spec`` / ``nnx.eval_shape`` under a mesh and
+  ``te_jax.sharding.logical_axis_rules(mr)`` map every dim: a name without
+  a rule is taken for a mesh axis and fails. (The gated MLP's "act" dim had
+  none.)"""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  from te_jax import nnx as tnx  # pylint: disable=import-outside-toplevel
+  rngs = nnx.Rngs(0)
+  models = [tnx.Linear(64, 32, use_bias=True, rngs=rngs),
+            tnx.LayerNormLinear(64, (3, 4, 16), use_bias=True, rngs=rngs),
+            tnx.LayerNormMLP(64, 128, activations=("silu", "linear"), use_bias=True, rngs=rngs),
+            tnx.MultiHeadAttention(4, 64, num_gqa_groups=2, use_bias=True, rngs=rngs),
+            tnx.TransformerLayer(64, 128, 4, rngs=rngs)]
+  names = set()
+  for model in models:
+    for _, var in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+      names.update(n for n in var.get_metadata().get("out_sharding", ()) if n is not None)
+  ruled = {name for name, _ in sharding.logical_axis_rules()}
+  assert names and names <= ruled, sorted(names - ruled)
 
 
 def test_logical_to_mesh_axes_flax_semantics():
@@ -131,7 +155,8 @@ def _run_groups(groups, timeout=900):
   procs = []
   for expr in groups:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           os.path.join(_HERE, "test_sharding_mesh.py"), "-k", expr]
+           os.path.join(_HERE, "test_sharding_mesh.py"),
+           os.path.join(_HERE, "test_explicit_sharding.py"), "-k", expr]
     procs.append(subprocess.Popen(cmd, cwd=_ROOT, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True))
   outs = []
@@ -149,7 +174,9 @@ def _run_groups(groups, timeout=900):
 @pytest.mark.skipif(len(jax.devices()) >= 8,
                     reason="this process has 8 devices: test_sharding_mesh.py runs directly")
 def test_eight_device_suite():
-  """Sharded == single device for every mesh, SP setting and recipe; HLO checks."""
-  outs = _run_groups(["transformer_layer or hlo", "not (transformer_layer or hlo)"])
+  """Sharded == single device for every mesh, SP setting, recipe and axis type
+  (auto and explicit); HLO checks; explicit-axes NNX training."""
+  split = "transformer_layer or hlo or nnx_model"
+  outs = _run_groups([split, f"not ({split})"])
   failed = [out for rc, out in outs if rc != 0]
   assert not failed, "\n\n".join(out[-6000:] for out in failed)

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import flax.linen as nn
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import te_jax
 from te_jax import dense as dense_lib
@@ -67,9 +67,18 @@ FULL = os.environ.get("TE_JAX_FULL_SHARDING_TESTS", "0") == "1"
 HIDDEN, MLP, HEADS = 256, 512, 4
 
 
-def _mesh(name):
+# Every sharded run below runs under a mesh of each axis type: "auto" (the
+# compiler picks intermediate shardings) and "explicit" (sharding in types,
+# jax.make_mesh's default), where te_jax's GEMMs switch the axes to auto
+# around their computation (te_jax.sharding.with_auto_axes).
+AXIS_TYPES = ("auto", "explicit")
+
+
+def _mesh(name, axis_type="auto"):
   axes, shape, _ = MESHES[name]
-  return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), axes)
+  kind = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}[axis_type]
+  return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), axes,
+              axis_types=(kind,) * len(axes))
 
 
 def _mr(name, sp):
@@ -153,10 +162,10 @@ def _shardings(model, x, mesh, mr, rec):
   return nn.logical_to_mesh_sharding(specs, mesh, rules)
 
 
-def _sharded_run(kind, rname, mesh_name, sp, rows, seq_len, nb, hlo=False):
+def _sharded_run(kind, rname, mesh_name, sp, rows, seq_len, nb, hlo=False, axis_type="auto"):
   rec = RECIPES[rname]
   variables, ref = _reference(kind, rname, rows, seq_len, nb)
-  mesh, mr = _mesh(mesh_name), _mr(mesh_name, sp)
+  mesh, mr = _mesh(mesh_name, axis_type), _mr(mesh_name, sp)
   x, seg, w_out = _inputs(rows, seq_len, nb)
   model = _model(kind)
   v_sh = _shardings(model, x, mesh, mr, rec)
@@ -172,6 +181,9 @@ def _sharded_run(kind, rname, mesh_name, sp, rows, seq_len, nb, hlo=False):
       out = compiled(variables, xs, segs, w_out)
     else:
       text, out = None, f(variables, xs, segs, w_out)
+  if axis_type == "explicit":   # the gradients come back in the parameters' types
+    for g, v in zip(jax.tree.leaves(out[1][0]), jax.tree.leaves(variables)):
+      assert jax.typeof(g).sharding.spec == jax.typeof(v).sharding.spec
   return ref, out, text
 
 
@@ -207,10 +219,11 @@ CASES = [(m, sp) for m in MESHES
          for sp in ((False, True) if "tp_resource" in MESHES[m][2] else (False,))]
 
 
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
 @pytest.mark.parametrize("rname", list(RECIPES))
 @pytest.mark.parametrize("mesh_name,sp", CASES)
-def test_layernorm_mlp_matches_single_device(mesh_name, sp, rname):
-  ref, out, _ = _sharded_run("mlp", rname, mesh_name, sp, ROWS, SEQ, 8)
+def test_layernorm_mlp_matches_single_device(mesh_name, sp, rname, axis_type):
+  ref, out, _ = _sharded_run("mlp", rname, mesh_name, sp, ROWS, SEQ, 8, axis_type=axis_type)
   _compare(ref, out)
 
 
@@ -278,8 +291,8 @@ def _chain_loss_atol(rname, x_shape):
   return 5 * (2 / 3) ** 0.5 * 2.0 ** -8 * float(sq) ** 0.5
 
 
-def _chain_sharded(rname, mesh_name, sp, x_shape, mr=None, hlo=False):
-  mesh = _mesh(mesh_name)
+def _chain_sharded(rname, mesh_name, sp, x_shape, mr=None, hlo=False, axis_type="auto"):
+  mesh = _mesh(mesh_name, axis_type)
   mr = mr or _mr(mesh_name, sp)
   args = _chain_args(rname, x_shape)
   rules = sharding.logical_axis_rules(mr)
@@ -301,21 +314,23 @@ def _chain_sharded(rname, mesh_name, sp, x_shape, mr=None, hlo=False):
   return out, text
 
 
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
 @pytest.mark.parametrize("rname", list(RECIPES))
 @pytest.mark.parametrize("mesh_name,sp", CASES if FULL or NDEV < 8 else [
     ("fsdp4_tp2", True), ("dp2_fsdp2_tp2", True)])
-def test_functional_mlp_matches_single_device(mesh_name, sp, rname):
+def test_functional_mlp_matches_single_device(mesh_name, sp, rname, axis_type):
   # 8 rows of 128 tokens: 2 rows per batch shard on the 4-way meshes, so the
   # sequence-parallel chunks interleave rows (exercises the chunk order).
   shape = (8, 128)
-  out, _ = _chain_sharded(rname, mesh_name, sp, shape)
+  out, _ = _chain_sharded(rname, mesh_name, sp, shape, axis_type=axis_type)
   _compare(_chain_reference(rname, shape), out, tol=0.03, tol_mean=0.03,
            loss_atol=_chain_loss_atol(rname, shape))
 
 
 @needs8
-def test_misaligned_tokens_raise_at_trace_time():
-  mesh = _mesh("fsdp4_tp2")
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_misaligned_tokens_raise_at_trace_time(axis_type):
+  mesh = _mesh("fsdp4_tp2", axis_type)
   mr = _mr("fsdp4_tp2", True)
   x = jnp.ones((4, 200, HIDDEN), jnp.bfloat16)   # 100 tokens per device
   w = jnp.ones((HIDDEN, MLP), jnp.bfloat16)
@@ -327,11 +342,12 @@ def test_misaligned_tokens_raise_at_trace_time():
 
 
 @needs8
-def test_misaligned_tokens_padded_on_request():
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
+def test_misaligned_tokens_padded_on_request(axis_type):
   shape = (4, 200)   # 100 tokens per device with SP on fsdp4 x tp2
   mr = sharding.MeshResource(fsdp_resource="fsdp", tp_resource="tp",
                              sequence_parallel=True, pad_tokens=True)
-  out, _ = _chain_sharded("block", "fsdp4_tp2", True, shape, mr=mr)
+  out, _ = _chain_sharded("block", "fsdp4_tp2", True, shape, mr=mr, axis_type=axis_type)
   _compare(_chain_reference("block", shape), out, tol=0.03)
 
 
@@ -370,9 +386,10 @@ _LAYER_CASES = [(m, sp, r) for (m, sp) in CASES for r in RECIPES] if FULL or NDE
     ("dp2_fsdp2_tp2", True, "current")]
 
 
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
 @pytest.mark.parametrize("mesh_name,sp,rname", _LAYER_CASES)
-def test_transformer_layer_matches_single_device(mesh_name, sp, rname):
-  ref, out, _ = _sharded_run("layer", rname, mesh_name, sp, ROWS, SEQ, 8)
+def test_transformer_layer_matches_single_device(mesh_name, sp, rname, axis_type):
+  ref, out, _ = _sharded_run("layer", rname, mesh_name, sp, ROWS, SEQ, 8, axis_type=axis_type)
   _compare(ref, out)
 
 
@@ -426,11 +443,14 @@ def test_hlo_collectives_functional_mlp(sp, rname):
 _HLO_MESHES = [("dp2_fsdp2_tp2", True)] if NDEV >= 8 else [("fsdp2", False), ("tp2", True)]
 
 
+@pytest.mark.parametrize("axis_type", AXIS_TYPES)
 @pytest.mark.parametrize("mesh_name,sp", _HLO_MESHES)
 @pytest.mark.parametrize("kind", ["mlp", "layer"])
-def test_hlo_no_bf16_weight_gather_modules(kind, mesh_name, sp):
-  """LayerNormMLP / TransformerLayer under FSDP/TP(+SP): weights move only in FP8."""
-  ref, out, text = _sharded_run(kind, "block", mesh_name, sp, 4, 256, 4, hlo=True)
+def test_hlo_no_bf16_weight_gather_modules(kind, mesh_name, sp, axis_type):
+  """LayerNormMLP / TransformerLayer under FSDP/TP(+SP): weights move only in FP8
+  (under an explicit-axes mesh too: its GEMMs run the same shard_maps)."""
+  ref, out, text = _sharded_run(kind, "block", mesh_name, sp, 4, 256, 4, hlo=True,
+                                axis_type=axis_type)
   _compare(ref, out)
   colls = hlo_inspect.collectives(text)
   _check_no_wide_gathers(colls)

@@ -65,6 +65,7 @@ from typing import Callable, Optional, Tuple
 import jax
 import jax.numpy as jnp
 
+from te_jax import sharding as sharding_lib
 from te_jax.layers import packed_attention
 from te_jax.layers.packed_attention import segment_attention_mask
 
@@ -278,6 +279,14 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, self_attn: bool,
     (B, Sq, heads, head_dim), in the dtype the core computed.
   """
   d = q.shape[-1]
+  # Under an explicit-axes mesh the per-token inputs take the layout of the
+  # heads they mask (the sequence gathered there under sequence parallelism).
+  # (Self attention's kv ids stay the same object: the packed paths check it.)
+  same = kv_segment_ids is segment_ids
+  segment_ids = sharding_lib.reshard_like(segment_ids, q)
+  kv_segment_ids = segment_ids if same else sharding_lib.reshard_like(kv_segment_ids, k)
+  segment_positions = sharding_lib.reshard_like(segment_positions, q)
+  kv_segment_positions = sharding_lib.reshard_like(kv_segment_positions, k)
   if enable_rotary_pos_emb:
     b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
     qpos = segment_positions

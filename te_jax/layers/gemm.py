@@ -15,6 +15,7 @@ import math
 from typing import Optional, Sequence, Tuple
 
 import jax
+from jax.sharding import PartitionSpec as P
 
 from te_jax import dense as dense_lib
 from te_jax import fused_mlp
@@ -23,7 +24,7 @@ from te_jax.layers.settings import Settings
 from te_jax.layers.state import GemmStates
 
 __all__ = ["FP8_META", "canonicalize_axes", "gemm", "gemm_kernel", "gemm_output", "split_gemm",
-           "plain_split_gemm", "mlp_core"]
+           "plain_split_gemm", "mlp_core", "update_probe"]
 
 # The state name of a module's one GEMM (DenseGeneral, Linear, Fp8DotGeneral).
 FP8_META = "fp8_meta"
@@ -78,10 +79,20 @@ def gemm(states: GemmStates, settings: Settings, x: jax.Array, kernel: jax.Array
   kernel_axes = None if kernel_axes is None else tuple(kernel_axes)
   state = None if settings.mode is None else states.state(name, settings.mode)
   if state is not None and track:
-    states.track_updates(param_kernel)
+    states.track_updates(update_probe(param_kernel))
   y = gemm_output(x, kernel, bias, settings, state, contract_ndim=contract_ndim,
                   kernel_axes=kernel_axes, split_output=split_output)
   return y if state is not None else states.keep_unused(y, (name,))
+
+
+def update_probe(kernel: jax.Array) -> jax.Array:
+  """What :meth:`GemmStates.track_updates` is given of a GEMM's kernel: the
+  kernel, or under an explicit-axes mesh its first element as a (1,) array
+  (the one value the update check reads; taking it from a kernel whose
+  type is sharded needs the auto axes of ``te_jax.sharding.with_auto_axes``)."""
+  if not sharding_lib.explicit_axes():
+    return kernel
+  return sharding_lib.with_auto_axes(lambda k: k.reshape(-1)[:1], (kernel,), P())
 
 
 def gemm_output(x, kernel, bias, settings: Settings, state, *, contract_ndim: int,
@@ -94,7 +105,8 @@ def gemm_output(x, kernel, bias, settings: Settings, state, *, contract_ndim: in
   if split_output and recipe is not None and settings.unsharded():
     return split_gemm(x, kernel, bias, settings, state, contract_ndim)
   if split_output and recipe is None:
-    return plain_split_gemm(x, kernel, bias, contract_ndim)
+    return plain_split_gemm(x, kernel, bias, contract_ndim, kernel_axes=kernel_axes,
+                            mesh_resource=settings.mesh_resource, mesh=settings.mesh)
   with sharding_lib.use_axis_rules(settings.axis_rules):
     y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim, recipe=recipe,
                                 fp8_state=state, impl=settings.impl, kernel_axes=kernel_axes,
@@ -133,10 +145,13 @@ def split_gemm(x, kernel, bias, settings: Settings, state, contract_ndim: int):
   return tuple(p.reshape(lead + tuple(out_dims[1:])) for p in parts)
 
 
-def plain_split_gemm(x, kernel, bias, contract_ndim: int):
+def plain_split_gemm(x, kernel, bias, contract_ndim: int, *, kernel_axes=None,
+                     mesh_resource=None, mesh=None):
   """``gemm(..., split_output=True)`` with FP8 off: one dot per block of the
   kernel's first output dim, a tuple of ``out_dims[0]`` arrays (*lead,
-  *out_dims[1:]).
+  *out_dims[1:]). ``kernel_axes`` (the whole kernel's), ``mesh_resource``
+  and ``mesh`` only set the blocks' types under an explicit-axes mesh (as
+  ``te_jax.dense.dense_general``'s).
 
   Each block is written where its user reads it: one dot over the whole
   kernel and a split of its output would copy every block, and its backward
@@ -147,11 +162,14 @@ def plain_split_gemm(x, kernel, bias, contract_ndim: int):
   output.
   """
   lead = (slice(None),) * contract_ndim
+  part_axes = None if kernel_axes is None else (
+      tuple(kernel_axes[:contract_ndim]) + tuple(kernel_axes[contract_ndim + 1:]))
   parts = []
   for i in range(kernel.shape[contract_ndim]):
     xi, ki = jax.lax.optimization_barrier((x, kernel[lead + (i,)]))
     parts.append(dense_lib.dense_general(xi, ki, None if bias is None else bias[i],
-                                         contract_ndim=contract_ndim))
+                                         contract_ndim=contract_ndim, kernel_axes=part_axes,
+                                         mesh_resource=mesh_resource, mesh=mesh))
   return tuple(parts)
 
 
@@ -169,7 +187,7 @@ def mlp_core(states: GemmStates, settings: Settings, x2d, wi2d, bi, wo, bo, *,
   """
   si, so = (states.state(n, settings.mode) for n in names)
   if si is not None:
-    states.track_updates(wi2d)
+    states.track_updates(update_probe(wi2d))
   y = fused_mlp.fp8_mlp(x2d, wi2d, wo, bi, bo, activations=activations,
                         recipe=settings.recipe, wi_state=si, wo_state=so,
                         impl=settings.impl, backward_chunks=backward_chunks)

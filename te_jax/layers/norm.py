@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax import norm_dense
+from te_jax import sharding as sharding_lib
 from te_jax.layers.gemm import canonicalize_axes
 from te_jax.layers.settings import Settings
 from te_jax.layers.state import GemmStates, fused_states
@@ -68,6 +69,9 @@ def apply_norm(x: jax.Array, scale: jax.Array, bias: Optional[jax.Array], *,
     xc = x32
     var = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
   y = xc * jax.lax.rsqrt(var + epsilon)
+  # Under an explicit-axes mesh a scale sharded over FSDP axes is gathered
+  # first (XLA does it unasked under an auto-axes one).
+  scale, bias = sharding_lib.gather_explicit(scale), sharding_lib.gather_explicit(bias)
   gamma = scale.astype(jnp.float32)
   if zero_centered_gamma:
     gamma = gamma + 1.0

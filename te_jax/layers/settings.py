@@ -58,14 +58,21 @@ class Settings(NamedTuple):
   impl: str
 
   def unsharded(self) -> bool:
-    """True when no mesh axis named by the mesh resource has size > 1.
+    """True when no mesh axis named by the mesh resource has size > 1, and
+    the mesh has no ``Explicit`` axes.
 
     The fused FP8 paths (MLP core, norm + quantize, split Q/K/V) have no
     sharding rule of their own, so they are only taken when the GEMMs would
-    not be sharded anyway. A mesh resource without a mesh, or naming none of
-    its axes, is warned about once here too: the paths this answer selects
-    never reach the sharded dense, which warns for the others.
+    not be sharded anyway. Under an explicit-axes mesh (any size: its axes
+    are in every array's type) they are not taken either: they reshape
+    operands whose types carry the mesh axes, which JAX refuses there; the
+    GEMMs then run through ``te_jax.dense``'s auto-axes boundary. A mesh
+    resource without a mesh, or naming none of its axes, is warned about
+    once here too: the paths this answer selects never reach the sharded
+    dense, which warns for the others.
     """
+    if sharding_lib.explicit_axes():
+      return False
     mr = self.mesh_resource
     if mr is None:
       return True

@@ -49,7 +49,8 @@ from te_jax.nnx.linear import Linear, LayerNormLinear, LayerNorm, RMSNorm
 from te_jax.nnx.mlp import LayerNormMLP
 from te_jax.nnx.attention import MultiHeadAttention
 from te_jax.nnx.transformer import TransformerLayer
-from te_jax.nnx.convert import load_linen_variables, linen_variables
+from te_jax.nnx.convert import (load_linen_variables, linen_variables, get_named_sharding,
+                                get_abstract_model)
 
 __all__ = [
     "Linear",
@@ -71,4 +72,6 @@ __all__ = [
     "check_fp8_updates",
     "load_linen_variables",
     "linen_variables",
+    "get_named_sharding",
+    "get_abstract_model",
 ]
