@@ -54,9 +54,7 @@ unsharded functional path (XLA partitions around them); te_jax's own
 
 from __future__ import annotations
 
-import functools
-import logging
-from typing import Any, Optional, Tuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,127 +62,14 @@ import flax.linen as nn
 from jax import lax
 
 from te_jax.flax import fp8_module
-from te_jax.layers.gemm import FP8_META, gemm_kernel, gemm_output
+from te_jax.layers.gemm import (FP8_META, ON_UNSUPPORTED, check_dot_general_call,
+                                dot_general_product, fp8_blocker, log_fallback,
+                                parse_dimension_numbers)
 
 __all__ = ["Fp8DotGeneral", "Fp8Einsum", "ON_UNSUPPORTED", "parse_dimension_numbers", "fp8_blocker",
            "log_fallback"]
-
-ON_UNSUPPORTED = ("warn", "raise")
-_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-@functools.lru_cache(maxsize=None)
-def log_fallback(reason: str):
-  """Warns once per reason (``te_jax`` logger) that a product left FP8."""
-  logging.getLogger("te_jax").warning(
-      "te_jax.flax.Fp8DotGeneral: runs a plain lax.dot_general (not FP8) because %s. "
-      "Pass on_unsupported='raise' to make this an error.", reason)
-
-
-def _dims(value, what: str, ndim: int) -> Tuple[int, ...]:
-  """One entry of ``dimension_numbers`` as a tuple of in-range axes."""
-  if isinstance(value, int) and not isinstance(value, bool):
-    value = (value,)
-  try:
-    dims = tuple(int(d) for d in value)
-  except (TypeError, ValueError):
-    raise ValueError(f"dimension_numbers: {what} must be a sequence of ints, got "
-                     f"{value!r}.") from None
-  if any(not -ndim <= d < ndim for d in dims):
-    raise ValueError(f"dimension_numbers: {what} {dims} out of range for an operand of "
-                     f"rank {ndim}.")
-  dims = tuple(d % ndim for d in dims)
-  if len(set(dims)) != len(dims):
-    raise ValueError(f"dimension_numbers: {what} {dims} repeats an axis.")
-  return dims
-
-
-def parse_dimension_numbers(lhs, rhs, dimension_numbers):
-  """``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))`` checked against
-  the operands' shapes; a ValueError naming the bad part otherwise."""
-  try:
-    (lc, rc), (lb, rb) = dimension_numbers
-  except (TypeError, ValueError):
-    raise ValueError(
-        "dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, "
-        f"rhs_batch)) as for lax.dot_general, got {dimension_numbers!r}.") from None
-  lc, lb = _dims(lc, "lhs contracting dims", lhs.ndim), _dims(lb, "lhs batch dims", lhs.ndim)
-  rc, rb = _dims(rc, "rhs contracting dims", rhs.ndim), _dims(rb, "rhs batch dims", rhs.ndim)
-  for name, a, b in (("contracting", lc, rc), ("batch", lb, rb)):
-    la, lb_ = [lhs.shape[d] for d in a], [rhs.shape[d] for d in b]
-    if la != lb_:
-      raise ValueError(f"dimension_numbers: the {name} dims of lhs {a} (sizes {la}) and "
-                       f"rhs {b} (sizes {lb_}) must match; lhs {lhs.shape}, rhs "
-                       f"{rhs.shape}.")
-  if set(lc) & set(lb) or set(rc) & set(rb):
-    raise ValueError(f"dimension_numbers {dimension_numbers!r}: an axis is both "
-                     "contracting and batch.")
-  return (lc, rc), (lb, rb)
-
-
-def fp8_blocker(lhs, rhs, dims, preferred_element_type, kwargs) -> Optional[str]:
-  """Why ``lax.dot_general(lhs, rhs, dims, ...)`` cannot run as an FP8 dense
-  (None when it can); ``dims`` as :func:`parse_dimension_numbers` returns."""
-  (lc, _), (lb, rb) = dims
-  if lb or rb:
-    return (f"the contraction has batch dims (lhs {lb}, rhs {rb}); te_jax's FP8 dense "
-            "has none")
-  if not lc:
-    return "the contraction has no contracting dims (an outer product)"
-  for name, a in (("lhs", lhs), ("rhs", rhs)):
-    if jnp.dtype(a.dtype) not in _FLOAT_DTYPES:
-      return f"{name} is {jnp.dtype(a.dtype)}, not float32, bfloat16 or float16"
-    if a.size == 0:
-      return f"{name} is empty (shape {a.shape})"
-  if preferred_element_type is not None and not jnp.issubdtype(
-      preferred_element_type, jnp.floating):
-    return f"preferred_element_type is {jnp.dtype(preferred_element_type)}, not a float"
-  if kwargs.get("out_sharding") is not None:
-    return "an out_sharding was given"
-  return None
-
-
-def _check_call(op_name: str, kwargs, on_unsupported: str):
-  unknown = sorted(set(kwargs) - {"out_sharding"})
-  if unknown:
-    raise TypeError(f"{op_name} got unexpected keyword arguments {unknown}; it takes "
-                    "lax.dot_general's (lhs, rhs, dimension_numbers, precision, "
-                    "preferred_element_type, out_sharding).")
-  if on_unsupported not in ON_UNSUPPORTED:
-    raise ValueError(f"on_unsupported must be one of {ON_UNSUPPORTED}, got "
-                     f"{on_unsupported!r}.")
-
-
-def _product(op_name, settings, state, on_unsupported, lhs, rhs, dimension_numbers,
-             precision=None, preferred_element_type=None, **kwargs):
-  """(lhs . rhs as ``lax.dot_general`` defines it, whether it ran in FP8).
-
-  ``settings.recipe`` must not be None; ``state`` is the GEMM's FP8 state
-  (None for stateless recipes), unused when the product falls back.
-  """
-  _check_call(op_name, kwargs, on_unsupported)
-  dims = parse_dimension_numbers(lhs, rhs, dimension_numbers)
-  reason = fp8_blocker(lhs, rhs, dims, preferred_element_type, kwargs)
-  if reason is not None:
-    if on_unsupported == "raise":
-      raise ValueError(
-          f"{op_name} cannot run lhs {lhs.shape} {lhs.dtype} x rhs {rhs.shape} "
-          f"{rhs.dtype} with dimension_numbers {dimension_numbers!r} in FP8: {reason}. "
-          "Use on_unsupported='warn' to run it as a plain lax.dot_general, or a layer "
-          "without the FP8 op for this product.")
-    log_fallback(reason)
-    return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
-                           preferred_element_type=preferred_element_type, **kwargs), False
-  (lc, rc), _ = dims
-  lhs_free = tuple(d for d in range(lhs.ndim) if d not in lc)
-  rhs_free = tuple(d for d in range(rhs.ndim) if d not in rc)
-  compute = jnp.result_type(lhs.dtype, rhs.dtype)
-  # x (*lhs_free, *contract) and kernel (*contract, *rhs_free): the te_jax
-  # dense layout; transposes that are identities cost nothing.
-  x = jnp.transpose(lhs, lhs_free + lc).astype(compute)
-  kernel = gemm_kernel(settings, jnp.transpose(rhs, rc + rhs_free), compute)
-  y = gemm_output(x, kernel, None, settings, state, contract_ndim=len(lc))
-  return y.astype(compute if preferred_element_type is None else preferred_element_type), True
+# (The product itself, shared with te_jax.nnx.Fp8DotGeneral, is the core's:
+# te_jax.layers.gemm.dot_general_product.)
 
 
 class Fp8DotGeneral(nn.Module):
@@ -226,7 +111,7 @@ class Fp8DotGeneral(nn.Module):
                precision: Any = None, preferred_element_type: Any = None,
                **kwargs) -> jax.Array:
     """Computes the product; see the class docstring."""
-    _check_call("Fp8DotGeneral", kwargs, self.on_unsupported)
+    check_dot_general_call("Fp8DotGeneral", kwargs, self.on_unsupported)
     settings = fp8_module.read_autocast(self.impl)
     states = fp8_module.LinenStates(self)
     args = (lhs, rhs, dimension_numbers, precision, preferred_element_type)
@@ -239,7 +124,7 @@ class Fp8DotGeneral(nn.Module):
     if settings.recipe is None:
       y = lax.dot_general(*args, **kwargs)
     else:
-      y, _ = _product("Fp8DotGeneral", settings, state, self.on_unsupported, *args,
+      y, _ = dot_general_product("Fp8DotGeneral", settings, state, self.on_unsupported, *args,
                       **kwargs)
     if fp8 and state is not None:
       return y
@@ -282,7 +167,7 @@ class Fp8Einsum(nn.Module):
   def __call__(self, eqn: str, lhs: jax.Array, rhs: jax.Array, precision: Any = None,
                preferred_element_type: Any = None) -> jax.Array:
     """Computes the einsum; see the class docstring."""
-    _check_call("Fp8Einsum", {}, self.on_unsupported)
+    check_dot_general_call("Fp8Einsum", {}, self.on_unsupported)
     settings = fp8_module.read_autocast(self.impl)
     states = fp8_module.LinenStates(self)
     kw = dict(precision=precision, preferred_element_type=preferred_element_type)
@@ -293,7 +178,7 @@ class Fp8Einsum(nn.Module):
 
     def dot_general(a, b, dimension_numbers, precision=None, preferred_element_type=None,
                     **kwargs):
-      y, fp8 = _product("Fp8Einsum", settings, state, self.on_unsupported, a, b,
+      y, fp8 = dot_general_product("Fp8Einsum", settings, state, self.on_unsupported, a, b,
                         dimension_numbers, precision, preferred_element_type, **kwargs)
       ran_fp8.append(fp8)
       return y

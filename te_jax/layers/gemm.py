@@ -11,10 +11,14 @@ not use. :func:`mlp_core` does the same for the fused MLP core
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 from typing import Optional, Sequence, Tuple
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from te_jax import dense as dense_lib
@@ -24,7 +28,9 @@ from te_jax.layers.settings import Settings
 from te_jax.layers.state import GemmStates
 
 __all__ = ["FP8_META", "canonicalize_axes", "gemm", "gemm_kernel", "gemm_output", "split_gemm",
-           "plain_split_gemm", "mlp_core", "update_probe"]
+           "plain_split_gemm", "mlp_core", "update_probe", "ON_UNSUPPORTED",
+           "parse_dimension_numbers", "fp8_blocker", "check_dot_general_call",
+           "dot_general_product", "log_fallback"]
 
 # The state name of a module's one GEMM (DenseGeneral, Linear, Fp8DotGeneral).
 FP8_META = "fp8_meta"
@@ -192,3 +198,128 @@ def mlp_core(states: GemmStates, settings: Settings, x2d, wi2d, bi, wo, bo, *,
                         recipe=settings.recipe, wi_state=si, wo_state=so,
                         impl=settings.impl, backward_chunks=backward_chunks)
   return y if si is not None else states.keep_unused(y, names)
+
+
+# ------------------------------------------------- dot_general in FP8 --
+# The drop-in FP8 ``dot_general`` of each framework (``te_jax.flax.Fp8DotGeneral``
+# and ``Fp8Einsum`` for Linen, ``te_jax.nnx.Fp8DotGeneral`` for NNX) calls
+# :func:`dot_general_product`: which contractions run as an FP8 GEMM, and
+# the plain ``lax.dot_general`` (with a warning once per reason) for the rest.
+
+ON_UNSUPPORTED = ("warn", "raise")
+_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@functools.lru_cache(maxsize=None)
+def log_fallback(op_name: str, reason: str):
+  """Warns once per (op, reason) (``te_jax`` logger) that a product left FP8."""
+  logging.getLogger("te_jax").warning(
+      "te_jax %s: runs a plain lax.dot_general (not FP8) because %s. "
+      "Pass on_unsupported='raise' to make this an error.", op_name, reason)
+
+
+def _dims(value, what: str, ndim: int) -> Tuple[int, ...]:
+  """One entry of ``dimension_numbers`` as a tuple of in-range axes."""
+  if isinstance(value, int) and not isinstance(value, bool):
+    value = (value,)
+  try:
+    dims = tuple(int(d) for d in value)
+  except (TypeError, ValueError):
+    raise ValueError(f"dimension_numbers: {what} must be a sequence of ints, got "
+                     f"{value!r}.") from None
+  if any(not -ndim <= d < ndim for d in dims):
+    raise ValueError(f"dimension_numbers: {what} {dims} out of range for an operand of "
+                     f"rank {ndim}.")
+  dims = tuple(d % ndim for d in dims)
+  if len(set(dims)) != len(dims):
+    raise ValueError(f"dimension_numbers: {what} {dims} repeats an axis.")
+  return dims
+
+
+def parse_dimension_numbers(lhs, rhs, dimension_numbers):
+  """``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))`` checked against
+  the operands' shapes; a ValueError naming the bad part otherwise."""
+  try:
+    (lc, rc), (lb, rb) = dimension_numbers
+  except (TypeError, ValueError):
+    raise ValueError(
+        "dimension_numbers must be ((lhs_contracting, rhs_contracting), (lhs_batch, "
+        f"rhs_batch)) as for lax.dot_general, got {dimension_numbers!r}.") from None
+  lc, lb = _dims(lc, "lhs contracting dims", lhs.ndim), _dims(lb, "lhs batch dims", lhs.ndim)
+  rc, rb = _dims(rc, "rhs contracting dims", rhs.ndim), _dims(rb, "rhs batch dims", rhs.ndim)
+  for name, a, b in (("contracting", lc, rc), ("batch", lb, rb)):
+    la, lb_ = [lhs.shape[d] for d in a], [rhs.shape[d] for d in b]
+    if la != lb_:
+      raise ValueError(f"dimension_numbers: the {name} dims of lhs {a} (sizes {la}) and "
+                       f"rhs {b} (sizes {lb_}) must match; lhs {lhs.shape}, rhs "
+                       f"{rhs.shape}.")
+  if set(lc) & set(lb) or set(rc) & set(rb):
+    raise ValueError(f"dimension_numbers {dimension_numbers!r}: an axis is both "
+                     "contracting and batch.")
+  return (lc, rc), (lb, rb)
+
+
+def fp8_blocker(lhs, rhs, dims, preferred_element_type, kwargs) -> Optional[str]:
+  """Why ``lax.dot_general(lhs, rhs, dims, ...)`` cannot run as an FP8 dense
+  (None when it can); ``dims`` as :func:`parse_dimension_numbers` returns."""
+  (lc, _), (lb, rb) = dims
+  if lb or rb:
+    return (f"the contraction has batch dims (lhs {lb}, rhs {rb}); te_jax's FP8 dense "
+            "has none")
+  if not lc:
+    return "the contraction has no contracting dims (an outer product)"
+  for name, a in (("lhs", lhs), ("rhs", rhs)):
+    if jnp.dtype(a.dtype) not in _FLOAT_DTYPES:
+      return f"{name} is {jnp.dtype(a.dtype)}, not float32, bfloat16 or float16"
+    if a.size == 0:
+      return f"{name} is empty (shape {a.shape})"
+  if preferred_element_type is not None and not jnp.issubdtype(
+      preferred_element_type, jnp.floating):
+    return f"preferred_element_type is {jnp.dtype(preferred_element_type)}, not a float"
+  if kwargs.get("out_sharding") is not None:
+    return "an out_sharding was given"
+  return None
+
+
+def check_dot_general_call(op_name: str, kwargs, on_unsupported: str):
+  """Checks a dot_general op's extra keyword arguments and ``on_unsupported``."""
+  unknown = sorted(set(kwargs) - {"out_sharding"})
+  if unknown:
+    raise TypeError(f"{op_name} got unexpected keyword arguments {unknown}; it takes "
+                    "lax.dot_general's (lhs, rhs, dimension_numbers, precision, "
+                    "preferred_element_type, out_sharding).")
+  if on_unsupported not in ON_UNSUPPORTED:
+    raise ValueError(f"on_unsupported must be one of {ON_UNSUPPORTED}, got "
+                     f"{on_unsupported!r}.")
+
+
+def dot_general_product(op_name, settings, state, on_unsupported, lhs, rhs, dimension_numbers,
+             precision=None, preferred_element_type=None, **kwargs):
+  """(lhs . rhs as ``lax.dot_general`` defines it, whether it ran in FP8).
+
+  ``settings.recipe`` must not be None; ``state`` is the GEMM's FP8 state
+  (None for stateless recipes), unused when the product falls back.
+  """
+  check_dot_general_call(op_name, kwargs, on_unsupported)
+  dims = parse_dimension_numbers(lhs, rhs, dimension_numbers)
+  reason = fp8_blocker(lhs, rhs, dims, preferred_element_type, kwargs)
+  if reason is not None:
+    if on_unsupported == "raise":
+      raise ValueError(
+          f"{op_name} cannot run lhs {lhs.shape} {lhs.dtype} x rhs {rhs.shape} "
+          f"{rhs.dtype} with dimension_numbers {dimension_numbers!r} in FP8: {reason}. "
+          "Use on_unsupported='warn' to run it as a plain lax.dot_general, or a layer "
+          "without the FP8 op for this product.")
+    log_fallback(op_name, reason)
+    return lax.dot_general(lhs, rhs, dimension_numbers, precision=precision,
+                           preferred_element_type=preferred_element_type, **kwargs), False
+  (lc, rc), _ = dims
+  lhs_free = tuple(d for d in range(lhs.ndim) if d not in lc)
+  rhs_free = tuple(d for d in range(rhs.ndim) if d not in rc)
+  compute = jnp.result_type(lhs.dtype, rhs.dtype)
+  # x (*lhs_free, *contract) and kernel (*contract, *rhs_free): the te_jax
+  # dense layout; transposes that are identities cost nothing.
+  x = jnp.transpose(lhs, lhs_free + lc).astype(compute)
+  kernel = gemm_kernel(settings, jnp.transpose(rhs, rc + rhs_free), compute)
+  y = gemm_output(x, kernel, None, settings, state, contract_ndim=len(lc))
+  return y.astype(compute if preferred_element_type is None else preferred_element_type), True

@@ -48,6 +48,7 @@ from te_jax.nnx.state import (FP8State, FP8Counters, FP8StateWarning, WRT, diff_
 from te_jax.nnx.linear import Linear, LayerNormLinear, LayerNorm, RMSNorm
 from te_jax.nnx.mlp import LayerNormMLP
 from te_jax.nnx.attention import MultiHeadAttention
+from te_jax.nnx.dot_general import Fp8DotGeneral
 from te_jax.nnx.transformer import TransformerLayer
 from te_jax.nnx.convert import (load_linen_variables, linen_variables, get_named_sharding,
                                 get_abstract_model)
@@ -60,6 +61,7 @@ __all__ = [
     "LayerNormMLP",
     "MultiHeadAttention",
     "TransformerLayer",
+    "Fp8DotGeneral",
     "FP8State",
     "FP8Counters",
     "FP8StateWarning",

@@ -8,7 +8,7 @@ give the same numbers from the same parameters.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
@@ -27,6 +27,45 @@ Initializer = Callable[..., jax.Array]
 _ATTENTION_TYPES = ("self", "cross")
 
 
+def _one_of(name, value, alias, alias_value, required=True):
+  """``value`` or ``alias_value`` (the same argument under its other name)."""
+  if value is not None and alias_value is not None and value != alias_value:
+    raise ValueError(f"{name}={value!r} and {alias}={alias_value!r} name the same "
+                     f"argument; give one.")
+  value = value if value is not None else alias_value
+  if value is None and required:
+    raise TypeError(f"MultiHeadAttention needs {name} (or {alias}).")
+  return value
+
+
+def _names(metadata) -> bool:
+  return bool(metadata) and any(metadata.get(k) is not None
+                                for k in ("out_sharding", "sharding", "sharding_names"))
+
+
+def _stacked(metadata, ndim: int):
+  """``metadata`` for a fused (in, n, heads, head_dim) kernel: names given
+  for NNX's (in, heads, head_dim) kernels get "qkv" (unsharded) for the
+  stacking dim."""
+  if not _names(metadata):
+    return metadata
+  out = dict(metadata)
+  for key in ("out_sharding", "sharding", "sharding_names"):
+    names = out.get(key)
+    if names is not None and len(names) == ndim - 1:
+      out[key] = (names[0], "qkv") + tuple(names[1:])
+  return out
+
+
+def _mask_type(attn_mask_type: str, is_causal: Optional[bool]) -> str:
+  """The mask type of one call: the module's, or what ``is_causal`` says."""
+  if is_causal is None:
+    return attn_mask_type
+  if not isinstance(is_causal, bool):
+    raise TypeError(f"is_causal must be None, True or False, got {is_causal!r}.")
+  return "causal" if is_causal else "no_mask"
+
+
 class MultiHeadAttention(nnx.Module):
   """Multi-head (optionally grouped-query) self or cross attention with FP8 projections.
 
@@ -42,26 +81,39 @@ class MultiHeadAttention(nnx.Module):
   head_dim, out_features).
 
   Args:
-    num_attention_heads: number of query heads.
+    num_heads: number of query heads (``flax.nnx.MultiHeadAttention``'s name;
+      ``num_attention_heads``, the Linen module's, is accepted too).
     in_features: width E of ``inputs_q``.
     attention_type: "self" (default) or "cross" (keys/values from ``inputs_kv``).
     kv_features: width of ``inputs_kv`` (cross attention; default in_features).
-    head_dim: default ``in_features // num_attention_heads``.
-    num_gqa_groups: key/value heads (divides the query heads; default all).
-    attn_mask_type: "causal" (default) or "no_mask".
+    head_dim: default ``in_features // num_heads``.
+    num_gqa_groups: key/value heads (divides the query heads; default all);
+      ``num_kv_heads`` (NNX's name) is accepted too.
+    attn_mask_type: "causal" (default) or "no_mask": the masking when the
+      call does not say (its ``is_causal``). Note that ``nnx.MultiHeadAttention``
+      masks nothing unless told: a port of a non-causal model passes
+      ``attn_mask_type="no_mask"``.
     attention_dropout: dropout on the probabilities (the "dropout" stream of
       ``rngs``; off in ``model.eval()`` mode or with ``deterministic=True``).
     enable_rotary_pos_emb, rotary_base, fuse_qkv, use_bias, attention_impl,
     max_segments_per_seq, max_document_length, dtype, param_dtype,
-      kernel_init, bias_init, impl: as the Linen module.
+      kernel_init, bias_init, impl: as the Linen module (``use_bias``
+      defaults to False there and here, to True in ``nnx.MultiHeadAttention``).
+    kernel_metadata, out_kernel_metadata: metadata of the query/key/value
+      kernels and of the output kernel, as ``nnx.MultiHeadAttention``'s; names
+      given for NNX's (in_features, heads, head_dim) kernels (``"out_sharding"``)
+      serve the fused (in_features, 3, heads, head_dim) ones with the stacking
+      dim unsharded.
     out_features: output width (default in_features).
     deterministic: default of the call argument.
     rngs: ``nnx.Rngs``.
   """
 
-  def __init__(self, num_attention_heads: int, in_features: int, *,
+  def __init__(self, num_heads: Optional[int] = None, in_features: Optional[int] = None, *,
+               num_attention_heads: Optional[int] = None,
                attention_type: str = "self", kv_features: Optional[int] = None,
                head_dim: Optional[int] = None, num_gqa_groups: Optional[int] = None,
+               num_kv_heads: Optional[int] = None,
                attn_mask_type: str = "causal", attention_dropout: float = 0.0,
                enable_rotary_pos_emb: bool = False, rotary_base: float = 10000.0,
                fuse_qkv: bool = True, use_bias: bool = False,
@@ -69,8 +121,15 @@ class MultiHeadAttention(nnx.Module):
                max_segments_per_seq: int = 8, max_document_length: Optional[int] = None,
                dtype: Optional[Dtype] = None, param_dtype: Dtype = jnp.float32,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = zeros,
-               deterministic: bool = False, impl: str = "auto", rngs: nnx.Rngs):
-    (h,) = to_tuple("num_attention_heads", num_attention_heads)
+               deterministic: bool = False, impl: str = "auto",
+               kernel_metadata: Mapping[str, Any] = None,
+               out_kernel_metadata: Mapping[str, Any] = None, rngs: nnx.Rngs):
+    num_heads = _one_of("num_heads", num_heads, "num_attention_heads", num_attention_heads)
+    num_gqa_groups = _one_of("num_gqa_groups", num_gqa_groups, "num_kv_heads", num_kv_heads,
+                             required=False)
+    if in_features is None:
+      raise TypeError("MultiHeadAttention needs in_features (the width of inputs_q).")
+    (h,) = to_tuple("num_heads", num_heads)
     (e,) = to_tuple("in_features", in_features)
     if attention_type not in _ATTENTION_TYPES:
       raise ValueError(f"attention_type must be one of {_ATTENTION_TYPES}, got "
@@ -85,7 +144,8 @@ class MultiHeadAttention(nnx.Module):
         e, h, None if num_gqa_groups is None else to_tuple("num_gqa_groups", num_gqa_groups)[0],
         None if head_dim is None else to_tuple("head_dim", head_dim)[0])
     ekv = e if kv_features is None else to_tuple("kv_features", kv_features)[0]
-    self.num_attention_heads, self.num_gqa_groups, self.head_dim = h, g, d
+    self.num_heads = self.num_attention_heads = h
+    self.num_gqa_groups, self.head_dim = g, d
     self.in_features, self.kv_features, self.attention_type = e, ekv, attention_type
     self.out_features = e if out_features is None else to_tuple("out_features",
                                                                 out_features)[0]
@@ -97,18 +157,23 @@ class MultiHeadAttention(nnx.Module):
     self.dtype, self.param_dtype, self.impl = dtype, param_dtype, impl
     self.deterministic = deterministic
 
-    def dense(i, o, axes, axis=-1, split=False):
+    def dense(i, o, axes, axis=-1, split=False, metadata=None):
       return Linear(i, o, axis=axis, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-                    kernel_init=kernel_init, bias_init=bias_init, kernel_axes=axes,
+                    kernel_init=kernel_init, bias_init=bias_init,
+                    kernel_axes=() if _names(metadata) else axes,
+                    kernel_metadata=_stacked(metadata, len(axes)) if split else metadata,
                     split_output=split, impl=impl, rngs=rngs)
 
     self.fused_qkv = attn.fuses_qkv(attention_type == "self", h, g, bool(fuse_qkv))
     if self.fused_qkv:
-      self.qkv = dense(e, (3, h, d), ("embed", "qkv", "heads", "kv"), split=True)
+      self.qkv = dense(e, (3, h, d), ("embed", "qkv", "heads", "kv"), split=True,
+                       metadata=kernel_metadata)
     else:
-      self.query = dense(e, (h, d), ("embed", "heads", "kv"))
-      self.kv = dense(ekv, (2, g, d), ("embed", "qkv", "heads", "kv"), split=True)
-    self.out = dense((h, d), self.out_features, ("heads", "kv", "embed"), axis=(-2, -1))
+      self.query = dense(e, (h, d), ("embed", "heads", "kv"), metadata=kernel_metadata)
+      self.kv = dense(ekv, (2, g, d), ("embed", "qkv", "heads", "kv"), split=True,
+                      metadata=kernel_metadata)
+    self.out = dense((h, d), self.out_features, ("heads", "kv", "embed"), axis=(-2, -1),
+                     metadata=out_kernel_metadata)
     self.rngs = rngs["dropout"].fork() if self.attention_dropout > 0.0 else None
 
   def __call__(self, inputs_q: jax.Array, inputs_kv: Optional[jax.Array] = None, *,
@@ -118,14 +183,18 @@ class MultiHeadAttention(nnx.Module):
                kv_segment_positions: Optional[jax.Array] = None,
                mask: Optional[jax.Array] = None,
                deterministic: Optional[bool] = None,
-               input_norm: Optional[norm_dense.NormParams] = None) -> jax.Array:
+               input_norm: Optional[norm_dense.NormParams] = None,
+               is_causal: Optional[bool] = None) -> jax.Array:
     """Attends from ``inputs_q`` to ``inputs_kv`` (cross) or to itself (self).
 
     Arguments as ``te_jax.flax.MultiHeadAttention.__call__`` (``input_norm``:
     a pre-norm of ``inputs_q`` fused into the projections' FP8 input
     quantization, e.g. ``LayerNorm.norm_params()``); ``deterministic``
-    defaults to the module attribute. Returns (B, Sq, out_features) in the
-    compute dtype.
+    defaults to the module attribute. ``mask`` (True = attend, broadcastable
+    to (B, heads, Sq, Skv)) and ``is_causal`` as in
+    ``nnx.MultiHeadAttention``: ``is_causal`` overrides the module's
+    ``attn_mask_type`` for this call (None: the module's). Returns (B, Sq,
+    out_features) in the compute dtype.
     """
     self_attn = self.attention_type == "self"
     attn.check_input_3d("inputs_q", inputs_q)
@@ -160,7 +229,8 @@ class MultiHeadAttention(nnx.Module):
         dropout_rng=self.rngs() if dropout else None, self_attn=self_attn,
         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         segment_positions=segment_positions, kv_segment_positions=kv_segment_positions,
-        attn_mask_type=self.attn_mask_type, enable_rotary_pos_emb=self.enable_rotary_pos_emb,
+        attn_mask_type=_mask_type(self.attn_mask_type, is_causal),
+        enable_rotary_pos_emb=self.enable_rotary_pos_emb,
         rotary_base=self.rotary_base, max_segments_per_seq=self.max_segments_per_seq,
         max_document_length=self.max_document_length)
     return self.out(out.astype(compute))

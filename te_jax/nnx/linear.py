@@ -9,7 +9,8 @@ core (``te_jax.layers.dense``) and hence the same numbers as
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence, Union
+import dataclasses
+from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +27,7 @@ from te_jax.layers.norm import apply_norm, check_input_norm, check_norm_type
 from te_jax.nnx import state as st
 
 __all__ = ["Linear", "LayerNormLinear", "LayerNorm", "RMSNorm", "param", "unboxed",
-           "kernel_fan_in_init"]
+           "kernel_fan_in_init", "check_biases_used"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
@@ -34,27 +35,104 @@ zeros = jax.nn.initializers.zeros
 ones = jax.nn.initializers.ones
 
 
-def param(rngs: nnx.Rngs, init, shape, dtype, axes) -> nnx.Param:
-  """An ``nnx.Param`` initialized by ``init`` with the logical axis names
-  ``axes`` as its ``out_sharding`` metadata (not applied eagerly: map them to
-  the mesh with your logical axis rules, as for any NNX model)."""
-  return nnx.Param(init(rngs.params(), tuple(shape), dtype), out_sharding=tuple(axes),
-                   eager_sharding=False)
+# Where Flax's NNX variables carry their logical axis names: "out_sharding",
+# and its older spellings.
+_NAME_KEYS = ("out_sharding", "sharding", "sharding_names")
+
+
+def _pop_names(meta: Dict[str, Any]) -> Optional[Tuple]:
+  """The logical axis names ``meta`` gives (taken out of it), or None."""
+  names = [tuple(n) for n in (meta.pop(k, None) for k in _NAME_KEYS) if n is not None]
+  if len(set(names)) > 1:
+    raise ValueError(f"the metadata names the axes twice, differently: {names}.")
+  return names[0] if names else None
+
+
+def param(rngs: nnx.Rngs, init, shape, dtype, axes, metadata: Mapping[str, Any] = None, *,
+          axes_given: bool = True, what: str = "kernel") -> nnx.Param:
+  """An ``nnx.Param`` initialized by ``init``, whose ``out_sharding`` metadata
+  is its logical axis names (not applied eagerly: map them to the mesh with
+  your logical axis rules, or ``te_jax.nnx.get_named_sharding``).
+
+  The names are ``axes``, or, as for ``nnx.Linear``, those that ``init``
+  carries (``nnx.with_partitioning(init, names)``) or ``metadata`` gives
+  (``kernel_metadata={"out_sharding": names, ...}``); names given in more
+  than one of these places (``axes`` only when ``axes_given``) must agree.
+  The other entries of ``metadata`` are set on the Param.
+
+  Raises:
+    ValueError: the names disagree, or do not name each of the ``len(shape)``
+      dims.
+  """
+  value = init(rngs.params(), tuple(shape), dtype)
+  extra = dict(metadata or {})
+  sources = [(f"{what}_metadata", _pop_names(extra))]
+  if isinstance(value, nnx.VariableMetadata):   # hooks and other entries kept
+    box = dict(value.metadata)
+    sources.append((f"the metadata of {what}_init (nnx.with_partitioning)", _pop_names(box)))
+    value = dataclasses.replace(value, metadata=box)
+  if axes_given:
+    sources.append((f"{what}_axes", tuple(axes)))
+  named = [(where, n) for where, n in sources if n is not None]
+  if len({n for _, n in named}) > 1:
+    raise ValueError(f"the logical axis names of the {what} disagree: "
+                     + ", ".join(f"{where} {n}" for where, n in named) + ".")
+  where, axes = named[0] if named else (f"{what}_axes", tuple(axes))
+  if len(axes) != len(shape):
+    raise ValueError(f"{where} {axes} must name each of the {what}'s {len(shape)} dims "
+                     f"{tuple(shape)}.")
+  return nnx.Param(value, out_sharding=axes, eager_sharding=False, **extra)
 
 
 def unboxed(value):
-  """``value`` without a Flax metadata box: a Linen initializer wrapped in
+  """``value`` without a metadata box: a Linen initializer wrapped in
   ``nn.with_logical_partitioning`` serves the NNX modules too (its names are
-  not used: they take ``kernel_axes``)."""
+  not used: they take ``kernel_axes``); an NNX box without names
+  (``nnx.with_metadata``) is taken off. Raises for an NNX box with names,
+  where the module cannot keep them (a kernel made of several inits)."""
+  if isinstance(value, nnx.VariableMetadata):
+    if _pop_names(dict(value.metadata)) is not None:
+      raise ValueError("this kernel's initializer carries logical axis names "
+                       "(nnx.with_partitioning), which this module takes from its "
+                       "kernel_axes arguments instead: pass the names there.")
+    return value.raw_value
   if isinstance(value, meta.Partitioned):
     return value.unbox(apply_constraint=False)
   return value.unbox() if isinstance(value, meta.AxisMetadata) else value
 
 
 def kernel_fan_in_init(init: Initializer, n_in: int, n_out: int) -> Initializer:
-  """``te_jax.layers.init.kernel_fan_in_init`` for the NNX modules (a Linen
-  metadata box around what ``init`` returns is taken off)."""
-  return init_lib.kernel_fan_in_init(init, n_in, n_out, unboxed)
+  """``te_jax.layers.init.kernel_fan_in_init`` for the NNX modules: a Linen
+  metadata box around what ``init`` returns is taken off; an NNX one
+  (``nnx.with_partitioning``) is kept around the reshaped kernel, for
+  :func:`param` to read its names."""
+  def keep_box(key, shape, dtype=jnp.float32):
+    boxes = []
+
+    def unbox(value):
+      if isinstance(value, nnx.VariableMetadata):
+        boxes.append(value)
+        return value.raw_value
+      return unboxed(value)
+    kernel = init_lib.kernel_fan_in_init(init, n_in, n_out, unbox)(key, shape, dtype)
+    return dataclasses.replace(boxes[0], raw_value=kernel) if boxes else kernel
+  return keep_box
+
+
+def check_biases_used(module: nnx.Module, names=("bias",)) -> None:
+  """Raises when ``module`` (built with ``use_bias=False``) holds a bias
+  parameter anyway: one loaded into it (``nnx.update`` / ``nnx.merge`` with
+  the state of a model that had biases, e.g. ``flax.nnx.Linear``, whose
+  ``use_bias`` defaults to True) would otherwise be silently ignored."""
+  if module.use_bias:
+    return
+  held = [n for n in names if isinstance(getattr(module, n, None), nnx.Variable)]
+  if held:
+    raise ValueError(
+        f"{type(module).__name__} was built with use_bias=False (te_jax's default, as in "
+        f"te_jax.flax) but holds {held}, loaded from a model that has them (flax.nnx's "
+        "layers default to use_bias=True): its biases would be ignored. Build it with "
+        "use_bias=True.")
 
 
 class _Norm(nnx.Module):
@@ -108,13 +186,6 @@ class RMSNorm(_Norm):
   _norm_type = "rmsnorm"
 
 
-def _check_axes(name, axes, n):
-  axes = tuple(axes)
-  if len(axes) != n:
-    raise ValueError(f"{name} {axes} must name each of the {n} dims it describes.")
-  return axes
-
-
 class Linear(nnx.Module):
   """A linear map over one or more input axes whose GEMMs run in FP8 under ``fp8_autocast``.
 
@@ -132,13 +203,20 @@ class Linear(nnx.Module):
     in_features: int or tuple of ints, the sizes of the contracted ``axis`` dims.
     out_features: int or tuple of ints, the output dims.
     axis: int or tuple of ints (one per in_features), default -1.
-    use_bias: add a bias (default False).
+    use_bias: add a bias (default False, as ``te_jax.flax.DenseGeneral``;
+      ``nnx.Linear``'s is True: pass ``use_bias=True`` when porting one. A
+      bias loaded into a module built without one raises at the call).
     dtype: compute/output dtype; None promotes input and parameter dtypes.
     param_dtype: parameter dtype (default float32).
-    kernel_init: initializer applied to the kernel's 2-D (in, out) view.
+    kernel_init: initializer applied to the kernel's 2-D (in, out) view; one
+      wrapped in ``nnx.with_partitioning(init, names)`` names the kernel's
+      axes, as for ``nnx.Linear``.
     bias_init: bias initializer (default zeros).
     kernel_axes, bias_axes: logical axis names (``out_sharding`` metadata; the
       FP8 GEMMs also shard by them under ``fp8_autocast(mesh_resource=...)``).
+    kernel_metadata, bias_metadata: metadata set on the parameters, as for
+      ``nnx.Linear``; an ``"out_sharding"`` entry names the axes (names given
+      in several of these places must agree).
     split_output: return the output unstacked along its first output dim
       (q, k, v of a fused projection); in FP8 the parts' gradients are
       quantized without a concatenation.
@@ -154,7 +232,8 @@ class Linear(nnx.Module):
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = zeros,
                kernel_axes: Sequence[Optional[str]] = (),
                bias_axes: Sequence[Optional[str]] = (), split_output: bool = False,
-               impl: str = "auto", rngs: nnx.Rngs):
+               impl: str = "auto", kernel_metadata: Mapping[str, Any] = None,
+               bias_metadata: Mapping[str, Any] = None, rngs: nnx.Rngs):
     self.in_features = to_tuple("in_features", in_features)
     self.out_features = to_tuple("out_features", out_features)
     n_in, n_out = len(self.in_features), len(self.out_features)
@@ -165,16 +244,18 @@ class Linear(nnx.Module):
     if split_output and n_out < 2:
       raise ValueError(f"split_output=True unstacks the first of several output dims; "
                        f"out_features={self.out_features} has {n_out}.")
-    kernel_axes = tuple(kernel_axes) or init_lib.default_kernel_axes(n_in, n_out)
-    self.kernel_axes = _check_axes("kernel_axes", kernel_axes, n_in + n_out)
     self.use_bias, self.dtype, self.param_dtype = bool(use_bias), dtype, param_dtype
     self.split_output, self.impl = bool(split_output), impl
     mode = st.construction_mode(impl)
     self.kernel = param(rngs, kernel_fan_in_init(kernel_init, n_in, n_out),
-                        self.in_features + self.out_features, param_dtype, self.kernel_axes)
+                        self.in_features + self.out_features, param_dtype,
+                        tuple(kernel_axes) or init_lib.default_kernel_axes(n_in, n_out),
+                        kernel_metadata, axes_given=bool(tuple(kernel_axes)))
+    self.kernel_axes = self.kernel.get_metadata("out_sharding")
     if self.use_bias:
-      bias_axes = _check_axes("bias_axes", tuple(bias_axes) or self.kernel_axes[n_in:], n_out)
-      self.bias = param(rngs, bias_init, self.out_features, param_dtype, bias_axes)
+      self.bias = param(rngs, bias_init, self.out_features, param_dtype,
+                        tuple(bias_axes) or self.kernel_axes[n_in:], bias_metadata,
+                        axes_given=bool(tuple(bias_axes)), what="bias")
     st.add_fp8_state(self, mode)
 
   def __call__(self, x: jax.Array, *, input_norm: Optional[norm_dense.NormParams] = None,
@@ -190,6 +271,7 @@ class Linear(nnx.Module):
     if return_norm_output:
       raise ValueError("return_norm_output=True needs an input_norm to return the "
                        "output of.")
+    check_biases_used(self)
     settings = st.read_autocast(self.impl)
     axis = self._contracted(x)
     bias = self.bias[...] if self.use_bias else None
@@ -208,6 +290,7 @@ class Linear(nnx.Module):
     return axis
 
   def _normed(self, x, norm, return_norm_output):
+    check_biases_used(self)
     check_input_norm(norm, self.axis, x.ndim)
     self._contracted(x)
     bias = self.bias[...] if self.use_bias else None
@@ -237,6 +320,7 @@ class LayerNormLinear(nnx.Module):
     epsilon, zero_centered_gamma, return_layernorm_output, fuse_norm_quantize, use_bias, dtype,
     param_dtype, kernel_init, bias_init, scale_init, ln_bias_init,
     kernel_axes, bias_axes, ln_scale_axes, ln_bias_axes, impl: as the Linen module.
+    kernel_metadata, bias_metadata: as :class:`Linear`'s.
     rngs: ``nnx.Rngs``.
   """
 
@@ -252,7 +336,9 @@ class LayerNormLinear(nnx.Module):
                scale_init: Optional[Initializer] = None, ln_bias_init: Initializer = zeros,
                kernel_axes: Sequence[Optional[str]] = (),
                bias_axes: Sequence[Optional[str]] = (), ln_scale_axes=("embed",),
-               ln_bias_axes=("embed",), impl: str = "auto", rngs: nnx.Rngs):
+               ln_bias_axes=("embed",), impl: str = "auto",
+               kernel_metadata: Mapping[str, Any] = None,
+               bias_metadata: Mapping[str, Any] = None, rngs: nnx.Rngs):
     (self.in_features,) = to_tuple("in_features", in_features)
     self.out_features = to_tuple("out_features", out_features)
     check_norm_type(layernorm_type)
@@ -263,8 +349,6 @@ class LayerNormLinear(nnx.Module):
     self.fuse_norm_quantize = bool(fuse_norm_quantize)
     self.use_bias, self.dtype, self.param_dtype, self.impl = (
         bool(use_bias), dtype, param_dtype, impl)
-    kernel_axes = tuple(kernel_axes) or init_lib.default_kernel_axes(1, n_out)
-    self.kernel_axes = _check_axes("kernel_axes", kernel_axes, 1 + n_out)
     mode = st.construction_mode(impl)
     if scale_init is None:
       scale_init = zeros if zero_centered_gamma else ones
@@ -273,14 +357,19 @@ class LayerNormLinear(nnx.Module):
     if layernorm_type == "layernorm":
       self.ln_bias = param(rngs, ln_bias_init, (e,), param_dtype, ln_bias_axes)
     self.kernel = param(rngs, kernel_fan_in_init(kernel_init, 1, n_out),
-                        (e,) + self.out_features, param_dtype, self.kernel_axes)
+                        (e,) + self.out_features, param_dtype,
+                        tuple(kernel_axes) or init_lib.default_kernel_axes(1, n_out),
+                        kernel_metadata, axes_given=bool(tuple(kernel_axes)))
+    self.kernel_axes = self.kernel.get_metadata("out_sharding")
     if self.use_bias:
-      bias_axes = _check_axes("bias_axes", tuple(bias_axes) or self.kernel_axes[1:], n_out)
-      self.bias = param(rngs, bias_init, self.out_features, param_dtype, bias_axes)
+      self.bias = param(rngs, bias_init, self.out_features, param_dtype,
+                        tuple(bias_axes) or self.kernel_axes[1:], bias_metadata,
+                        axes_given=bool(tuple(bias_axes)), what="bias")
     st.add_fp8_state(self, mode)
 
   def __call__(self, x: jax.Array):
     """Normalizes, then projects; see the class docstring for shapes."""
+    check_biases_used(self)
     if x.shape[-1] != self.in_features:
       raise ValueError(f"LayerNormLinear: the input's last dim ({x.shape[-1]}) must equal "
                        f"in_features ({self.in_features}).")

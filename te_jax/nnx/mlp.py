@@ -22,7 +22,7 @@ from te_jax.layers.checks import check_rate, compute_dtype, to_tuple
 from te_jax.layers.init import default_kernel_init, gated_kernel_init
 from te_jax.layers.norm import check_norm_type
 from te_jax.nnx import state as st
-from te_jax.nnx.linear import ones, param, unboxed, zeros
+from te_jax.nnx.linear import check_biases_used, ones, param, unboxed, zeros
 
 __all__ = ["LayerNormMLP"]
 
@@ -112,6 +112,7 @@ class LayerNormMLP(nnx.Module):
 
   def __call__(self, x: jax.Array, deterministic: Optional[bool] = None):
     """Applies the block; ``deterministic`` (default the attribute) turns dropout off."""
+    check_biases_used(self, ("wi_bias", "wo_bias"))
     if x.shape[-1] != self.in_features:
       raise ValueError(f"LayerNormMLP: the input's last dim ({x.shape[-1]}) must equal "
                        f"in_features ({self.in_features}).")
