@@ -36,6 +36,18 @@ Example::
   checkpoint.save("/tmp/ckpt", step, state)                 # after a step
   step = checkpoint.latest_step("/tmp/ckpt")                # None if empty
   state = checkpoint.restore("/tmp/ckpt", step, target=state)
+
+NNX models save and restore the same way, as their ``nnx.State`` (with the
+optimizer's when resuming); the target is the abstract state of a model
+that was never allocated, as Flax's guide builds it. On one device that is
+``nnx.split(nnx.eval_shape(make))``; under a mesh it is
+``te_jax.nnx.get_abstract_model(make, mesh)``, whose leaves carry the
+shardings the model trains with (parameters by their logical axis names,
+the delayed-scaling state replicated)::
+
+  checkpoint.save(directory, step, nnx.state((model, optimizer)))
+  graphdef, target = te_jax.nnx.get_abstract_model(make, mesh)  # make() -> (model, optimizer)
+  model, optimizer = nnx.merge(graphdef, checkpoint.restore(directory, step, target=target))
 """
 
 from __future__ import annotations

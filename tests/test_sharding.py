@@ -3,11 +3,12 @@
 The sharded runs need 8 devices, which XLA only fakes on CPU when
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8`` is set before jax is
 imported. Other test files import jax first, so
-:func:`test_eight_device_suite` runs ``tests/test_sharding_mesh.py`` and
-``tests/test_explicit_sharding.py`` in a subprocess with that flag (two
-processes in parallel, to use both CPU cores of CI runners), unless this
-process already has 8 devices, in which case pytest collects those files
-directly.
+:func:`test_eight_device_suite` runs the files of :data:`EIGHT_DEVICE_FILES`
+(``tests/test_sharding_mesh.py``, ``tests/test_explicit_sharding.py``, the
+mesh tests of ``tests/test_nnx_checkpoint.py``) in a subprocess with that
+flag (two processes in parallel, to use both CPU cores of CI runners),
+unless this process already has 8 devices, in which case pytest collects
+those files directly.
 """
 
 import os
@@ -141,6 +142,9 @@ def test_unsharded_mesh_falls_back_to_plain_fp8_dense():
 
 # ------------------------------------------------------- 8-device suite --
 
+EIGHT_DEVICE_FILES = ("test_sharding_mesh.py", "test_explicit_sharding.py",
+                      "test_nnx_checkpoint.py")
+
 def _run_groups(groups, timeout=900):
   env = dict(os.environ)
   # Backend optimization off, as in test_multihost.py: these programs are
@@ -155,8 +159,7 @@ def _run_groups(groups, timeout=900):
   procs = []
   for expr in groups:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-           os.path.join(_HERE, "test_sharding_mesh.py"),
-           os.path.join(_HERE, "test_explicit_sharding.py"), "-k", expr]
+           *(os.path.join(_HERE, f) for f in EIGHT_DEVICE_FILES), "-k", expr]
     procs.append(subprocess.Popen(cmd, cwd=_ROOT, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True))
   outs = []
@@ -177,6 +180,7 @@ def test_eight_device_suite():
   """Sharded == single device for every mesh, SP setting, recipe and axis type
   (auto and explicit); HLO checks; explicit-axes NNX training."""
   split = "transformer_layer or hlo or nnx_model"
-  outs = _run_groups([split, f"not ({split})"])
+  # (the one_device tests of those files run in this process already)
+  outs = _run_groups([split, f"not ({split}) and not one_device"])
   failed = [out for rc, out in outs if rc != 0]
   assert not failed, "\n\n".join(out[-6000:] for out in failed)
