@@ -277,3 +277,4 @@ def test_fp8_dot_general_fallback_warns_once(caplog):
   assert len(msgs) == 1 and "batch dims" in msgs[0] and "Fp8DotGeneral" in msgs[0], msgs
   with pytest.raises(ValueError, match="on_unsupported"):
     tnx.Fp8DotGeneral(on_unsupported="ignore")
+
