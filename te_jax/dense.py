@@ -145,7 +145,8 @@ def _explicit_output_spec(x, kernel, n_in: int, kernel_axes, mesh_resource, mesh
   lead = tuple(x.shape[:x.ndim - n_in])
   n_out = kernel.ndim - n_in
   m = sharding_lib.get_mesh(mesh)
-  if kernel_axes is not None and mesh_resource is not None and m is not None and lead:
+  if (kernel_axes is not None and len(kernel_axes) == kernel.ndim and
+      mesh_resource is not None and m is not None and lead):
     _, out_perm, axes2d = _sharded_order(kernel_axes, n_in, mesh_resource, m)
     k2d = (math.prod(kernel.shape[:n_in]), math.prod(kernel.shape[n_in:]))
     plan = sharded_dense.make_plan(lead + k2d[:1], k2d, x_dtype=x.dtype, k_dtype=kernel.dtype,

@@ -387,7 +387,8 @@ def activation_spec(mesh_resource: MeshResource, mesh, ndim: int,
 # computation with those axes switched to ``Auto`` (:func:`with_auto_axes`):
 # inside, sharding is XLA's and ``te_jax.sharded_dense``'s exactly as under an
 # auto-axes mesh; the result comes out with an explicit sharding that the
-# caller names.
+# caller names. (jax.sharding.auto_axes / reshard / get_abstract_mesh /
+# AxisType and jax.typeof: public from jax 0.7 on, unchanged since.)
 
 
 def _context_mesh():

@@ -27,6 +27,7 @@ from jax.sharding import AxisType, PartitionSpec as P
 import te_jax
 from te_jax import checkpoint, recipe, sharding
 from te_jax import nnx as tnx
+from test_nnx_conventions import train_step
 
 ocp = pytest.importorskip("orbax.checkpoint")   # a [test] extra: installed in CI
 
@@ -54,19 +55,9 @@ def _batch(i):
   return x, jnp.roll(x, 1, axis=-1)
 
 
-@nnx.jit
-def _train_step(model, optimizer, x, y):
-  def loss_fn(model):
-    return jnp.mean((model(x) - y) ** 2)
-  loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, tnx.WRT))(model)
-  optimizer.update(model, grads)
-  tnx.apply_fp8_updates(model, grads)
-  return loss
-
-
 def _train(pair, steps, start=0, place=lambda a: a):
   model, optimizer = pair
-  return [float(_train_step(model, optimizer, *map(place, _batch(start + i))))
+  return [float(train_step(model, optimizer, *map(place, _batch(start + i))))
           for i in range(steps)]
 
 

@@ -151,6 +151,18 @@ def _pair(rname, seed=0, features=(64, 96)):
   return flax_layer, te_layer
 
 
+@nnx.jit
+def train_step(model, optimizer, x, y):
+  """The training step of docs/nnx.md (mean squared error), jitted; also
+  tests/test_nnx_checkpoint.py's."""
+  def loss_fn(model):
+    return jnp.mean((model(x) - y) ** 2)
+  loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, tnx.WRT))(model)
+  optimizer.update(model, grads)
+  tnx.apply_fp8_updates(model, grads)
+  return loss
+
+
 def _step(model, x, cot):
   """One training step's gradients (parameters and FP8 state), written back."""
   def loss_fn(model):
@@ -215,16 +227,6 @@ def test_fp8_dot_general_in_jit_and_optimizer_loop():
   with te_jax.fp8_autocast(True, rec):
     model = Mlp(tnx.Fp8DotGeneral, nnx.Rngs(0))
     opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-
-    @nnx.jit
-    def train_step(model, opt, x, y):
-      def loss_fn(model):
-        return jnp.mean((model(x) - y) ** 2)
-      loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, tnx.WRT))(model)
-      opt.update(model, grads)
-      tnx.apply_fp8_updates(model, grads)
-      return loss
-
     losses = [float(train_step(model, opt, x, y)) for _ in range(4)]
   assert losses[-1] < losses[0]
   hist = model.up.dot_general.fp8_meta.get_value()["x"]["amax_history"]

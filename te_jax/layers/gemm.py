@@ -214,7 +214,7 @@ _FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.
 def log_fallback(op_name: str, reason: str):
   """Warns once per (op, reason) (``te_jax`` logger) that a product left FP8."""
   logging.getLogger("te_jax").warning(
-      "te_jax %s: runs a plain lax.dot_general (not FP8) because %s. "
+      "te_jax: %s runs a plain lax.dot_general (not FP8) because %s. "
       "Pass on_unsupported='raise' to make this an error.", op_name, reason)
 
 
@@ -294,7 +294,7 @@ def check_dot_general_call(op_name: str, kwargs, on_unsupported: str):
 
 
 def dot_general_product(op_name, settings, state, on_unsupported, lhs, rhs, dimension_numbers,
-             precision=None, preferred_element_type=None, **kwargs):
+                        precision=None, preferred_element_type=None, **kwargs):
   """(lhs . rhs as ``lax.dot_general`` defines it, whether it ran in FP8).
 
   ``settings.recipe`` must not be None; ``state`` is the GEMM's FP8 state
