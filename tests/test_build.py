@@ -325,7 +325,8 @@ CUDA_PACKAGES = sorted(set(finder.COMPILER_FILES.values()) | {finder.CUBLASLT_PA
 def make_tree(site, major=13, without=(), nvcc_version="13.5.37", compiler=True, cublaslt=True):
   """A made-up ``site/nvidia/cu<major>`` tree of the pip CUDA packages minus
   the files of the packages in ``without``; returns the tree. ``bin/nvcc``
-  is a script that fails (CMake's test compile rejects it)."""
+  is a script that fails (CMake's test compile rejects it) and appends its
+  arguments to ``bin/called``."""
   tree = site / "nvidia" / f"cu{major}"
   files = {}
   if compiler:
@@ -339,7 +340,8 @@ def make_tree(site, major=13, without=(), nvcc_version="13.5.37", compiler=True,
       (tree / rel).parent.mkdir(parents=True, exist_ok=True)
       (tree / rel).write_text("")
   if compiler and "nvidia-cuda-nvcc" not in without:
-    (tree / "bin/nvcc").write_text("#!/bin/sh\necho 'made-up nvcc' >&2\nexit 1\n")
+    (tree / "bin/nvcc").write_text(  # leaves bin/called: CMake did try it
+        "#!/bin/sh\necho \"$@\" >> \"$(dirname \"$0\")/called\"\necho 'made-up nvcc' >&2\nexit 1\n")
     (tree / "bin/nvcc").chmod(0o755)
     (site / f"nvidia_cuda_nvcc-{nvcc_version}.dist-info").mkdir(parents=True, exist_ok=True)
   return tree
@@ -437,10 +439,13 @@ def test_cmake_tries_the_pip_compiler_and_reports_its_failure(tmp_path):
   rc, out, note = _configure(tmp_path, tmp_path / "site")
   assert rc == 0, out
   assert f"the pip CUDA compiler {tree}/bin/nvcc failed CMake's test compile" in out
+  assert (tree / "bin" / "called").exists(), "CMake never ran the pip nvcc"
   assert "not built" in note
 
 
 def test_cmake_without_any_toolkit(tmp_path):
+  if finder.find(finder.search_paths()):
+    pytest.skip("the pip CUDA packages are installed here: CMake finds them")
   (tmp_path / "site").mkdir()
   rc, out, note = _configure(tmp_path, tmp_path / "site")
   assert rc == 0, out
@@ -479,8 +484,8 @@ def test_cmake_configures_with_the_real_pip_toolkit(tmp_path):
   assert f"te_jax: CUDA toolkit: pip packages (nvidia-cuda-nvcc " in out and f"at {root}," in out
   assert note.startswith("built with the CUDA toolkit: pip packages"), note
   cache = (tmp_path / "build" / "CMakeCache.txt").read_text()
-  for var in ("CMAKE_CUDA_COMPILER:FILEPATH", "CUDA_CUDART:FILEPATH", "TE_JAX_LT_LIB:FILEPATH"):
-    (value,) = re.findall(rf"^{var}=(.*)$", cache, flags=re.M)
+  for var in ("CMAKE_CUDA_COMPILER", "CUDA_CUDART", "CUDA_cudart_static_LIBRARY", "TE_JAX_LT_LIB"):
+    (value,) = re.findall(rf"^{var}:\w+=(.*)$", cache, flags=re.M)
     assert value.startswith(root), (var, value)
 
 

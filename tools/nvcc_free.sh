@@ -8,8 +8,10 @@
 #   COMMAND (optional) runs afterwards in the same hidden view, from /tmp
 #   (e.g. python3 -m pytest -m gpu ...).
 # Env:  PYTHON       interpreter whose environment gets te_jax (default python3)
-#       CUDA_WHEELS  folder of nvidia-* wheels to install first, offline
-#                    (pip --no-index --no-deps), for machines without a registry
+#       CUDA_WHEELS  folders (space-separated) of nvidia-* wheels to install
+#                    first, offline (pip --no-index --no-deps), for machines
+#                    without a registry
+#       NEED_GPU=1   COMMAND runs only if jax sees a GPU in the hidden view
 #       BUILD_ARGS   pip arguments of the build (default
 #                    "--no-build-isolation --no-deps"; "--no-deps" builds with
 #                    build isolation, which needs a package index)
@@ -68,9 +70,9 @@ hide_system_toolkit() {
 cd "$REPO"
 hide_system_toolkit > "$LOG" 2>&1 || { cat "$LOG"; exit 1; }
 {
-  if [[ -n "${CUDA_WHEELS:-}" ]]; then
-    "$PYTHON" -m pip install -q --no-index --no-deps "$CUDA_WHEELS"/*.whl
-  fi
+  for d in ${CUDA_WHEELS:-}; do
+    "$PYTHON" -m pip install -q --no-index --no-deps "$d"/*.whl
+  done
   "$PYTHON" -m pip list 2>/dev/null | grep -iE "^(nvidia-(cuda-(nvcc|runtime|cccl|crt)|nvvm|cublas)|jax|jaxlib) " || true
   echo "pip_cuda_toolkit.py says:"; "$PYTHON" custom_calls/cmake/pip_cuda_toolkit.py
 } >> "$LOG" 2>&1
@@ -106,5 +108,9 @@ EOF
 rm -rf "$build_dir"
 
 if (( $# )); then
+  if [[ "${NEED_GPU:-}" == 1 ]] && ! (cd /tmp && "$PYTHON" -c \
+      "import jax, sys; print('jax', jax.__version__, jax.devices()); sys.exit(jax.default_backend() != 'gpu')"); then
+    echo "FAIL: jax sees no GPU with the system toolkit hidden; not running: $*"; exit 1
+  fi
   (cd /tmp && "$@") 2>&1 | tee "$OUT/nvcc_free_command.log"
 fi
