@@ -48,23 +48,19 @@ function(te_jax_choose_cuda_compiler mode)
   elseif(missing)
     set(pip_why "the pip CUDA packages at ${root} lack ${missing}")
   endif()
-  if(pip_why)
-    if(mode STREQUAL "pip")
-      message(FATAL_ERROR "te_jax: TE_JAX_CUDA_TOOLKIT=pip, but ${pip_why}")
+  if(NOT pip_why)
+    # check_language() runs a small CUDA project with this compiler (CUDACXX
+    # is what its sub-project reads); a toolkit that cannot compile is
+    # reported here instead of failing the whole install in enable_language.
+    unset(CMAKE_CUDA_COMPILER)         # the first check_language's result
+    unset(CMAKE_CUDA_COMPILER CACHE)
+    set(ENV{CUDACXX} "${root}/bin/nvcc")
+    check_language(CUDA)
+    if(NOT CMAKE_CUDA_COMPILER)
+      set(pip_why "the pip CUDA compiler ${root}/bin/nvcc failed CMake's test compile")
     endif()
-    set(TE_JAX_TOOLKIT_WHY "${why}, and ${pip_why}" PARENT_SCOPE)
-    return()
   endif()
-
-  # check_language() runs a small CUDA project with this compiler (CUDACXX
-  # is what its sub-project reads); a toolkit that cannot compile is
-  # reported here instead of failing the whole install in enable_language.
-  unset(CMAKE_CUDA_COMPILER)         # the first check_language's result
-  unset(CMAKE_CUDA_COMPILER CACHE)
-  set(ENV{CUDACXX} "${root}/bin/nvcc")
-  check_language(CUDA)
-  if(NOT CMAKE_CUDA_COMPILER)
-    set(pip_why "the pip CUDA compiler ${root}/bin/nvcc failed CMake's test compile")
+  if(pip_why)
     if(mode STREQUAL "pip")
       message(FATAL_ERROR "te_jax: TE_JAX_CUDA_TOOLKIT=pip, but ${pip_why}")
     endif()
