@@ -1,21 +1,16 @@
 """The build and the test command.
 
-The build's two halves agree: pyproject.toml and custom_calls/CMakeLists.txt
-(with its custom_calls/cmake/ modules). With build isolation (plain ``pip
-install .``) CMake runs in a fresh environment holding only ``[build-system]
-requires``, so every Python module CMake runs must come from there. The CUDA
-architecture is named once, by a cache variable. These checks read the files
-as text (CPU only, no network, no compiler); each is a function of the texts,
+pyproject.toml and custom_calls/ (CMakeLists.txt, cmake/) agree: under build
+isolation CMake runs where only ``[build-system] requires`` is installed, so
+every Python module it runs must come from there; the CUDA architecture is
+named once, by a cache variable. These checks read the files as text; each is
 run on the real files and on deliberately broken ones, so each is seen to fail.
-
-The CUDA toolkit of the pip packages (custom_calls/cmake/pip_cuda_toolkit.py
-and TeJaxCudaToolkit.cmake): the finder on made-up site-packages trees, the
-view it gets under pip's build isolation, and CMake configuring against
-made-up trees (cmake and a C++ compiler needed, no CUDA). The real compile
-against the pip packages runs where they are installed (tools/nvcc_free.sh).
-
-The test command's one-line skip summary (tests/conftest.py), in a pytest run
-of made-up tests with and without pytest-xdist.
+The CUDA toolkit of the pip packages (cmake/pip_cuda_toolkit.py,
+TeJaxCudaToolkit.cmake): the finder on made-up site-packages trees and under
+pip's build isolation, and CMake configuring against made-up trees (cmake and
+a C++ compiler, no CUDA); the real compile is tools/nvcc_free.sh's. Last, the
+test command's one-line skip summary (tests/conftest.py), with and without
+pytest-xdist.
 """
 
 import ast
@@ -406,14 +401,13 @@ def _configure(tmp_path, site, *defines):
   """Configures custom_calls/ (no build) with no nvcc on PATH, no CUDA_HOME,
   and ``site`` on the build interpreter's path; returns (exit status, output,
   the build note or None)."""
-  cmake, ninja = shutil.which("cmake"), shutil.which("ninja")
-  if not cmake or not shutil.which("c++"):
+  cmake, cxx, ninja = (shutil.which(tool) for tool in ("cmake", "c++", "ninja"))
+  if not cmake or not cxx:
     pytest.skip("needs cmake and a C++ compiler")
-  path = os.pathsep.join(sorted({os.path.dirname(cmake), os.path.dirname(shutil.which("c++"))}
-                                | ({os.path.dirname(ninja)} if ninja else set())))
-  for d in path.split(os.pathsep):
-    if os.access(os.path.join(d, "nvcc"), os.X_OK):
-      pytest.skip(f"nvcc lies beside cmake or c++ in {d}: it cannot be left off PATH")
+  dirs = {os.path.dirname(tool) for tool in (cmake, cxx, ninja) if tool}
+  if any(os.access(os.path.join(d, "nvcc"), os.X_OK) for d in dirs):
+    pytest.skip("nvcc lies beside cmake, c++ or ninja: it cannot be left off PATH")
+  path = os.pathsep.join(sorted(dirs))
   env = {k: v for k, v in os.environ.items()
          if not k.startswith(("PYTHON", "CUDA")) and k not in ("CUDACXX", "CMAKE_ARGS")}
   env.update(PATH=path, PYTHONPATH=str(site), PYTHONNOUSERSITE="1")
@@ -452,19 +446,17 @@ def test_cmake_without_any_toolkit(tmp_path):
   assert "no pip CUDA packages" in out and note.startswith("not built: no CUDA compiler")
 
 
-@pytest.mark.parametrize("mode", ["pip", "bogus"])
-def test_cmake_refuses_what_it_was_told_and_cannot_do(tmp_path, mode):
+@pytest.mark.parametrize("mode, configures, says", [
+    ("pip", False, "TE_JAX_CUDA_TOOLKIT=pip, but the pip CUDA packages at"),
+    ("bogus", False, "TE_JAX_CUDA_TOOLKIT must be auto, system or pip, got 'bogus'"),
+    ("system", True, "te_jax: no CUDA compiler (nvcc on PATH, CUDACXX or CMAKE_CUDA_COMPILER); "
+                     "skipping")])
+def test_cmake_toolkit_modes(tmp_path, mode, configures, says):
+  # Made-up pip packages lacking CCCL: "pip" must fail loudly, "system" must
+  # not look at them, and a mistyped mode is refused.
   make_tree(tmp_path / "site", without={"nvidia-cuda-cccl"})
   rc, out, _ = _configure(tmp_path, tmp_path / "site", f"-DTE_JAX_CUDA_TOOLKIT={mode}")
-  assert rc != 0
-  assert {"pip": "TE_JAX_CUDA_TOOLKIT=pip, but the pip CUDA packages at",
-          "bogus": "TE_JAX_CUDA_TOOLKIT must be auto, system or pip"}[mode] in out
-
-
-def test_cmake_system_mode_ignores_the_pip_packages(tmp_path):
-  make_tree(tmp_path / "site")
-  rc, out, note = _configure(tmp_path, tmp_path / "site", "-DTE_JAX_CUDA_TOOLKIT=system")
-  assert rc == 0 and "pip" not in note and note.startswith("not built: no CUDA compiler"), out
+  assert (rc == 0) == configures and says in out, out
 
 
 def _real_pip_toolkit():
