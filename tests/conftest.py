@@ -75,8 +75,11 @@ def skip_reason(report):
 
 def skip_summary(reports):
   """One line counting skipped-test ``reports`` by reason, most frequent
-  first: ``"12 skipped: 10 need a GPU; 2 need orbax"``; "" for none."""
-  counts = collections.Counter(skip_reason(r) for r in reports)
+  first: ``"12 skipped: 10 need a GPU; 2 need orbax"``; "" for none. Tests
+  with the ``gpu`` marker count as one reason, whichever skip mark fired
+  (some files have their own skipif for the same cause)."""
+  counts = collections.Counter(
+      GPU_SKIP_REASON if "gpu" in getattr(r, "keywords", {}) else skip_reason(r) for r in reports)
   if not counts:
     return ""
   parts = [f"{n} {reason}" for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]

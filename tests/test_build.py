@@ -498,6 +498,11 @@ def test_needs_b():
 def test_gpu():
   pass
 
+@pytest.mark.gpu
+@pytest.mark.skipif(True, reason="its own words for needing a GPU")
+def test_gpu_own_reason():
+  pass
+
 def test_runs():
   assert True
 """
@@ -518,7 +523,8 @@ def test_skip_summary_line(tmp_path, workers):
       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300).stdout
   lines = out.strip().splitlines()
   import conftest  # pylint: disable=import-outside-toplevel  # tests/ is on sys.path
-  want = ("4 skipped: 3 needs thing A; 1 needs thing B" if conftest._cuda_available() else
-          f"5 skipped: 3 needs thing A; 1 {conftest.GPU_SKIP_REASON}; 1 needs thing B")
+  want = (f"5 skipped: 3 needs thing A; 1 {conftest.GPU_SKIP_REASON}; 1 needs thing B"
+          if conftest._cuda_available() else
+          f"6 skipped: 3 needs thing A; 2 {conftest.GPU_SKIP_REASON}; 1 needs thing B")
   assert want in lines, out
   assert lines.index(want) == len(lines) - 2, "not the line before pytest's closing line"
