@@ -1,17 +1,27 @@
-"""The build's two halves agree: pyproject.toml and custom_calls/CMakeLists.txt.
+"""The build and the test command.
 
-With build isolation (plain ``pip install .``) CMake runs in a fresh
-environment holding only ``[build-system] requires``, so every Python module
-CMakeLists.txt runs must come from there. The CUDA architecture is named once,
-by a cache variable. CPU only, no network, no compiler: the files are read as
-text. Each check is a function of the texts, run on the real files and on
-deliberately broken ones, so each is seen to fail.
+pyproject.toml and custom_calls/ (CMakeLists.txt, cmake/) agree: under build
+isolation CMake runs where only ``[build-system] requires`` is installed, so
+every Python module it runs must come from there; the CUDA architecture is
+named once, by a cache variable. These checks read the files as text; each is
+run on the real files and on deliberately broken ones, so each is seen to fail.
+The CUDA toolkit of the pip packages (cmake/pip_cuda_toolkit.py,
+TeJaxCudaToolkit.cmake): the finder on made-up site-packages trees and under
+pip's build isolation, and CMake configuring against made-up trees (cmake and
+a C++ compiler, no CUDA); the real compile is tools/nvcc_free.sh's. Last, the
+test command's one-line skip summary (tests/conftest.py), with and without
+pytest-xdist.
 """
 
 import ast
+import importlib.util
+import json
+import os
 import pathlib
 import re
 import shutil
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -33,7 +43,9 @@ def _pyproject():
 
 
 def _cmake():
-  return (CMAKE_DIR / "CMakeLists.txt").read_text()
+  """CMakeLists.txt and the modules of custom_calls/cmake/ it includes."""
+  return "\n".join(p.read_text() for p in
+                   [CMAKE_DIR / "CMakeLists.txt", *sorted((CMAKE_DIR / "cmake").glob("*.cmake"))])
 
 
 # ------------------------------------------------------------ CMake text ----
@@ -82,22 +94,33 @@ def _call_spans(code, command):
   return spans
 
 
-def python_modules(cmake_text):
-  """Top-level modules that CMake's ``execute_process`` runs Python on
-  (``-c "import x ..."``, ``-m x``)."""
+def _imports(src):
+  """Top-level modules that Python source ``src`` imports (absolute imports)."""
+  mods = set()
+  for node in ast.walk(ast.parse(src)):
+    if isinstance(node, ast.Import):
+      mods.update(a.name.split(".")[0] for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      mods.add(node.module.split(".")[0])
+  return mods
+
+
+def python_modules(cmake_text, cmake_dir=CMAKE_DIR):
+  """Top-level non-stdlib modules that CMake's ``execute_process`` runs Python
+  on: ``-c "import x ..."``, ``-m x``, and the imports of a script under
+  ``cmake_dir`` run by path (``.../name.py``; a script not found there is
+  reported as ``<missing script name.py>``)."""
   mods = set()
   for args in cmake_calls(cmake_code(cmake_text), "execute_process"):
     if not _PYTHON.search(args):
       continue
     for m in re.finditer(r'(?<!\S)-c\s+"((?:[^"\\]|\\.)*)"', args):
-      src = re.sub(r"\\(.)", r"\1", m.group(1))
-      for node in ast.walk(ast.parse(src)):
-        if isinstance(node, ast.Import):
-          mods.update(a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-          mods.add(node.module.split(".")[0])
+      mods |= _imports(re.sub(r"\\(.)", r"\1", m.group(1)))
     mods.update(m.group(1).split(".")[0] for m in re.finditer(r"(?<!\S)-m\s+([\w.]+)", args))
-  return mods
+    for name in re.findall(r'([\w.-]+\.py)"?(?=\s|$)', args):
+      scripts = sorted(cmake_dir.rglob(name))
+      mods |= _imports(scripts[0].read_text()) if scripts else {f"<missing script {name}>"}
+  return mods - set(sys.stdlib_module_names)
 
 
 def cache_variables(cmake_text):
@@ -119,11 +142,11 @@ def listed_sources(cmake_text):
 
 # ----------------------------------------------------------------- checks ---
 
-def missing_build_requires(pyproject_text, cmake_text):
+def missing_build_requires(pyproject_text, cmake_text, cmake_dir=CMAKE_DIR):
   """Modules CMake runs that no ``[build-system] requires`` entry provides."""
   requires = {canonicalize_name(Requirement(r).name)
               for r in tomllib.loads(pyproject_text)["build-system"]["requires"]}
-  return sorted(m for m in python_modules(cmake_text)
+  return sorted(m for m in python_modules(cmake_text, cmake_dir)
                 if canonicalize_name(DIST_OF_MODULE.get(m, m)) not in requires)
 
 
@@ -188,19 +211,32 @@ def source_problems(cmake_text, cmake_dir):
 # ------------------------------------------------------------------ tests ---
 
 def test_cmake_runs_python_modules():
-  # Guards the parser: the real file runs jax (FFI headers) and nanobind.
-  assert {"jax", "nanobind"} <= python_modules(_cmake())
+  # Guards the parser: the real files run jax (FFI headers), nanobind, and
+  # the pip-toolkit script (stdlib only, so it adds nothing here).
+  assert "pip_cuda_toolkit.py" in _cmake()
+  assert python_modules(_cmake()) == {"jax", "nanobind"}
 
 
-@pytest.mark.parametrize("case", ["real", "unlisted import", "requires without jax"])
-def test_build_requires_provide_what_cmake_imports(case):
-  pyproject, cmake = _pyproject(), _cmake()
+@pytest.mark.parametrize("case", ["real", "unlisted import", "requires without jax",
+                                  "script imports yaml", "script missing"])
+def test_build_requires_provide_what_cmake_imports(case, tmp_path):
+  pyproject, cmake, cmake_dir = _pyproject(), _cmake(), CMAKE_DIR
   if case == "unlisted import":
     cmake = cmake.replace("import jax;", "import jax, yaml;", 1)
   elif case == "requires without jax":
     pyproject = re.sub(r',\s*"jax[^"]*"', "", pyproject, count=1)
-  assert missing_build_requires(pyproject, cmake) == {
-      "real": [], "unlisted import": ["yaml"], "requires without jax": ["jax"]}[case]
+  elif case.startswith("script"):
+    cmake_dir = tmp_path / "custom_calls"
+    shutil.copytree(CMAKE_DIR, cmake_dir)
+    script = cmake_dir / "cmake" / "pip_cuda_toolkit.py"
+    if case == "script missing":
+      script.unlink()
+    else:
+      script.write_text(script.read_text().replace("import json\n", "import json\nimport yaml\n"))
+  assert missing_build_requires(pyproject, cmake, cmake_dir) == {
+      "real": [], "unlisted import": ["yaml"], "requires without jax": ["jax"],
+      "script imports yaml": ["yaml"],
+      "script missing": ["<missing script pip_cuda_toolkit.py>"]}[case]
 
 
 @pytest.mark.parametrize("case", ["real", "build jax too new"])
@@ -265,3 +301,230 @@ def test_cmake_sources_match_the_tree(case, tmp_path):
       (cmake_dir / "ffi" / "new_op.cc").write_text("// forgot to list me\n")
   problems = source_problems((cmake_dir / "CMakeLists.txt").read_text(), cmake_dir)
   assert bool(problems) == (case != "real"), problems
+
+
+# ------------------------------------------------ pip CUDA toolkit finder ---
+
+def _load_finder():
+  path = CMAKE_DIR / "cmake" / "pip_cuda_toolkit.py"
+  spec = importlib.util.spec_from_file_location("pip_cuda_toolkit", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+finder = _load_finder()
+CUDA_PACKAGES = sorted(set(finder.COMPILER_FILES.values()) | {finder.CUBLASLT_PACKAGE})
+
+
+def make_tree(site, major=13, without=(), nvcc_version="13.5.37", compiler=True, cublaslt=True):
+  """A made-up ``site/nvidia/cu<major>`` tree of the pip CUDA packages minus
+  the files of the packages in ``without``; returns the tree. ``bin/nvcc``
+  is a script that fails (CMake's test compile rejects it) and appends its
+  arguments to ``bin/called``."""
+  tree = site / "nvidia" / f"cu{major}"
+  files = {}
+  if compiler:
+    files.update(finder.COMPILER_FILES)
+    files[f"lib/libcudart.so.{major}"] = "nvidia-cuda-runtime"
+  if cublaslt:
+    files.update({"include/cublasLt.h": finder.CUBLASLT_PACKAGE,
+                  f"lib/libcublasLt.so.{major}": finder.CUBLASLT_PACKAGE})
+  for rel, package in files.items():
+    if package not in without:
+      (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+      (tree / rel).write_text("")
+  if compiler and "nvidia-cuda-nvcc" not in without:
+    (tree / "bin/nvcc").write_text(  # leaves bin/called: CMake did try it
+        "#!/bin/sh\necho \"$@\" >> \"$(dirname \"$0\")/called\"\necho 'made-up nvcc' >&2\nexit 1\n")
+    (tree / "bin/nvcc").chmod(0o755)
+    (site / f"nvidia_cuda_nvcc-{nvcc_version}.dist-info").mkdir(parents=True, exist_ok=True)
+  return tree
+
+
+def test_finder_complete_tree(tmp_path):
+  tree = make_tree(tmp_path)
+  assert finder.find([str(tmp_path)]) == {
+      "root": str(tree), "cublaslt_root": str(tree), "version": "13.5.37", "missing": []}
+  assert finder.report(finder.find([str(tmp_path)])).splitlines() == [
+      f"root={tree}", f"cublaslt_root={tree}", "version=13.5.37"]
+
+
+@pytest.mark.parametrize("package", [p for p in CUDA_PACKAGES if p != "nvidia-cuda-nvcc"])
+def test_finder_names_the_missing_package(tmp_path, package):
+  make_tree(tmp_path, without={package})
+  missing = finder.find([str(tmp_path)])["missing"]
+  assert [m.split()[0] for m in missing] == [package], missing
+  assert f"missing={package} (" in finder.report(finder.find([str(tmp_path)]))
+
+
+def test_finder_without_nvcc_finds_nothing(tmp_path):
+  make_tree(tmp_path, without={"nvidia-cuda-nvcc"})
+  assert finder.find([str(tmp_path)]) == {} and finder.report({}) == ""
+  assert finder.find([str(tmp_path / "nowhere"), ""]) == {}
+
+
+def test_finder_newest_cuda_first_and_cublaslt_from_another_site(tmp_path):
+  make_tree(tmp_path / "a", major=12)
+  new = make_tree(tmp_path / "b", major=13, cublaslt=False)
+  lt = make_tree(tmp_path / "c", major=13, compiler=False)
+  make_tree(tmp_path / "d", major=12, compiler=False)
+  found = finder.find([str(tmp_path / s) for s in "abcd"])
+  assert (found["root"], found["cublaslt_root"], found["missing"]) == (str(new), str(lt), [])
+
+
+def test_finder_sees_the_installing_environment_under_build_isolation(tmp_path):
+  # pip's build isolation: PYTHONPATH puts a sitecustomize first that drops
+  # the interpreter's site-packages from sys.path (where jax[cuda13] put the
+  # nvidia packages). The finder must still search them.
+  import site  # pylint: disable=import-outside-toplevel
+  hidden = [p for p in site.getsitepackages() if os.path.isdir(p)]
+  assert hidden
+  (tmp_path / "sitecustomize.py").write_text(
+      f"import sys\nsys.path[:] = [p for p in sys.path if p not in {hidden!r}]\n")
+  code = ("import importlib.util, json, sys\n"
+          f"spec = importlib.util.spec_from_file_location('f', {str(finder.__file__)!r})\n"
+          "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+          "print(json.dumps([sys.path, m.search_paths()]))\n")
+  env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+  env["PYTHONPATH"], env["PYTHONNOUSERSITE"] = str(tmp_path), "1"
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       check=True).stdout
+  own_path, searched = json.loads(out)
+  assert not set(hidden) & set(own_path), "the isolation was not simulated"
+  assert set(hidden) <= set(searched)
+
+
+# ---------------------------------------- CMake against made-up trees ------
+
+def _configure(tmp_path, site, *defines):
+  """Configures custom_calls/ (no build) with no nvcc on PATH, no CUDA_HOME,
+  and ``site`` on the build interpreter's path; returns (exit status, output,
+  the build note or None)."""
+  cmake, cxx, ninja = (shutil.which(tool) for tool in ("cmake", "c++", "ninja"))
+  if not cmake or not cxx:
+    pytest.skip("needs cmake and a C++ compiler")
+  dirs = {os.path.dirname(tool) for tool in (cmake, cxx, ninja) if tool}
+  if any(os.access(os.path.join(d, "nvcc"), os.X_OK) for d in dirs):
+    pytest.skip("nvcc lies beside cmake, c++ or ninja: it cannot be left off PATH")
+  path = os.pathsep.join(sorted(dirs))
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("PYTHON", "CUDA")) and k not in ("CUDACXX", "CMAKE_ARGS")}
+  env.update(PATH=path, PYTHONPATH=str(site), PYTHONNOUSERSITE="1")
+  build = tmp_path / "build"
+  proc = subprocess.run(
+      [cmake, "-S", str(CMAKE_DIR), "-B", str(build), f"-DPython_EXECUTABLE={sys.executable}",
+       *(["-G", "Ninja"] if ninja else []), *defines],
+      env=env, capture_output=True, text=True, timeout=300)
+  note = build / "_te_jax_ffi_build.txt"
+  return proc.returncode, proc.stdout + proc.stderr, (note.read_text() if note.exists() else None)
+
+
+def test_cmake_names_the_missing_pip_package(tmp_path):
+  tree = make_tree(tmp_path / "site", without={"nvidia-nvvm"})
+  rc, out, note = _configure(tmp_path, tmp_path / "site")
+  assert rc == 0, out
+  assert f"the pip CUDA packages at {tree} lack nvidia-nvvm (nvvm/bin/cicc)" in out
+  assert note.startswith("not built: no CUDA compiler") and "nvidia-nvvm" in note
+
+
+def test_cmake_tries_the_pip_compiler_and_reports_its_failure(tmp_path):
+  tree = make_tree(tmp_path / "site")
+  rc, out, note = _configure(tmp_path, tmp_path / "site")
+  assert rc == 0, out
+  assert f"the pip CUDA compiler {tree}/bin/nvcc failed CMake's test compile" in out
+  assert (tree / "bin" / "called").exists(), "CMake never ran the pip nvcc"
+  assert "not built" in note
+
+
+def test_cmake_without_any_toolkit(tmp_path):
+  if finder.find(finder.search_paths()):
+    pytest.skip("the pip CUDA packages are installed here: CMake finds them")
+  (tmp_path / "site").mkdir()
+  rc, out, note = _configure(tmp_path, tmp_path / "site")
+  assert rc == 0, out
+  assert "no pip CUDA packages" in out and note.startswith("not built: no CUDA compiler")
+
+
+@pytest.mark.parametrize("mode, configures, says", [
+    ("pip", False, "TE_JAX_CUDA_TOOLKIT=pip, but the pip CUDA packages at"),
+    ("bogus", False, "TE_JAX_CUDA_TOOLKIT must be auto, system or pip, got 'bogus'"),
+    ("system", True, "te_jax: no CUDA compiler (nvcc on PATH, CUDACXX or CMAKE_CUDA_COMPILER); "
+                     "skipping")])
+def test_cmake_toolkit_modes(tmp_path, mode, configures, says):
+  # Made-up pip packages lacking CCCL: "pip" must fail loudly, "system" must
+  # not look at them, and a mistyped mode is refused.
+  make_tree(tmp_path / "site", without={"nvidia-cuda-cccl"})
+  rc, out, _ = _configure(tmp_path, tmp_path / "site", f"-DTE_JAX_CUDA_TOOLKIT={mode}")
+  assert (rc == 0) == configures and says in out, out
+
+
+def _real_pip_toolkit():
+  found = finder.find(finder.search_paths())
+  return found if found and not found["missing"] else None
+
+
+@pytest.mark.skipif(_real_pip_toolkit() is None or importlib.util.find_spec("nanobind") is None
+                    or importlib.util.find_spec("jax") is None,
+                    reason="need the pip CUDA packages (jax[cuda13] brings them) and nanobind")
+def test_cmake_configures_with_the_real_pip_toolkit(tmp_path):
+  # Where the packages are installed: CMake takes them with no nvcc on PATH,
+  # and every CUDA path it records lies in their tree.
+  root = _real_pip_toolkit()["root"]
+  rc, out, note = _configure(tmp_path, tmp_path)
+  assert rc == 0, out
+  assert f"te_jax: CUDA toolkit: pip packages (nvidia-cuda-nvcc " in out and f"at {root}," in out
+  assert note.startswith("built with the CUDA toolkit: pip packages"), note
+  cache = (tmp_path / "build" / "CMakeCache.txt").read_text()
+  for var in ("CMAKE_CUDA_COMPILER", "CUDA_CUDART", "CUDA_cudart_static_LIBRARY", "TE_JAX_LT_LIB"):
+    (value,) = re.findall(rf"^{var}:\w+=(.*)$", cache, flags=re.M)
+    assert value.startswith(root), (var, value)
+
+
+# ----------------------------------------------------- skip summary line ---
+
+SKIP_TESTS = """
+import pytest
+
+@pytest.mark.parametrize("i", range(3))
+def test_needs_a(i):
+  pytest.skip("needs thing A")
+
+@pytest.mark.skipif(True, reason="needs thing B")
+def test_needs_b():
+  pass
+
+@pytest.mark.gpu
+def test_gpu():
+  pass
+
+@pytest.mark.gpu
+@pytest.mark.skipif(True, reason="its own words for needing a GPU")
+def test_gpu_own_reason():
+  pass
+
+def test_runs():
+  assert True
+"""
+
+
+@pytest.mark.parametrize("workers", [None, "2"])
+def test_skip_summary_line(tmp_path, workers):
+  if workers and importlib.util.find_spec("xdist") is None:
+    pytest.skip("needs pytest-xdist")
+  shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+  (tmp_path / "test_made_up.py").write_text(SKIP_TESTS)
+  (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n  gpu: made up\n")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  out = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path),
+       *(["-n", workers] if workers else [])],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300).stdout
+  lines = out.strip().splitlines()
+  import conftest  # pylint: disable=import-outside-toplevel  # tests/ is on sys.path
+  want = (f"5 skipped: 3 needs thing A; 1 {conftest.GPU_SKIP_REASON}; 1 needs thing B"
+          if conftest._cuda_available() else
+          f"6 skipped: 3 needs thing A; 2 {conftest.GPU_SKIP_REASON}; 1 needs thing B")
+  assert want in lines, out
+  assert lines.index(want) == len(lines) - 2, "not the line before pytest's closing line"
