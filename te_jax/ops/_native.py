@@ -52,10 +52,24 @@ def _load_native():
   try:
     from te_jax import _te_jax_ffi as native  # pylint: disable=import-outside-toplevel
   except ImportError as e:
-    return None, f"the native module te_jax._te_jax_ffi is not built ({e})"
+    note = _build_note()
+    return None, (f"the native module te_jax._te_jax_ffi is not built ({e})"
+                  + (f"; the build says: {note}" if note else ""))
   for name, capsule in native.registrations().items():
     jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
   return native, ""
+
+
+def _build_note() -> str:
+  """What the build recorded beside the module (``_te_jax_ffi_build.txt``:
+  which CUDA toolkit it used, or why it built no kernels); "" when absent."""
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "_te_jax_ffi_build.txt")
+  try:
+    with open(path, encoding="utf-8") as f:
+      return " ".join(f.read().split())
+  except OSError:
+    return ""
 
 
 def _gpu_backend() -> bool:
