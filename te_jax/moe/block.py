@@ -228,10 +228,12 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
       (padding) are routed nowhere and their output is the shared experts'
       alone (0 without them).
     impl: "auto" or "reference" for the ops.
-    mesh_resource: ``te_jax.sharding.MeshResource`` of the mesh (dp, fsdp,
-      tp, sequence parallelism); None with no ``ep_axis``: unsharded.
-    ep_axis: the mesh axis the experts are sharded over (expert
-      parallelism); tokens are split over it as over the data axes.
+    mesh_resource: ``te_jax.sharding.MeshResource`` of the mesh (dp, ep,
+      fsdp, tp, sequence parallelism): the experts are sharded over its
+      ``ep_resource`` (expert parallelism), tokens split over it as over the
+      data axes; None with no ``ep_axis``: unsharded.
+    ep_axis: the expert axis by name, for a mesh resource without an
+      ``ep_resource`` (the same as setting it there).
     mesh: the mesh; default the active one.
 
   Returns:
