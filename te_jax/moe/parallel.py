@@ -57,6 +57,7 @@ from te_jax import sharded_dense
 from te_jax import sharding as sharding_lib
 from te_jax.moe import dispatch as dispatch_lib
 from te_jax.moe import experts as experts_lib
+from te_jax.moe.scopes import SCOPES
 
 __all__ = ["ExpertPlan", "make_plan", "sharded_experts", "regroup",
            "dense_mesh_resource", "with_ep_axis"]
@@ -231,27 +232,30 @@ def _body(plan: ExpertPlan, impl, x, ids, weights, wi, wo, states):
   if plan.capacity_factor is not None:
     capacity = dispatch_lib.capacity_rows(plan.capacity_factor, a, e, plan.block)
   s = dispatch_lib.segment_rows(a, e // p, plan.block, capacity)
-  d = dispatch_lib.plan(dispatch_lib.flat_assignments(ids2), num_experts=e,
-                        block=plan.block, rows_per_segment=s, segments=p,
-                        capacity=capacity)
-  buf, sizes = dispatch_lib.dispatch_rows(x2, d, p * s), d.group_sizes
-  if plan.ep_axis:
-    exchange = functools.partial(lax.all_to_all, axis_name=plan.ep_axis, split_axis=0,
-                                 concat_axis=0, tiled=True)
-    recv_sizes = exchange(sizes.reshape(p, e // p))
-    dest, sizes = regroup(recv_sizes, s)
-    buf = dispatch_lib.place_rows(exchange(buf), jnp.arange(p * s, dtype=jnp.int32),
-                                  dest, p * s)
+  exchange = functools.partial(lax.all_to_all, axis_name=plan.ep_axis, split_axis=0,
+                               concat_axis=0, tiled=True)
+  with jax.named_scope(SCOPES["dispatch"]):
+    d = dispatch_lib.plan(dispatch_lib.flat_assignments(ids2), num_experts=e,
+                          block=plan.block, rows_per_segment=s, segments=p,
+                          capacity=capacity)
+    buf, sizes = dispatch_lib.dispatch_rows(x2, d, p * s), d.group_sizes
+    if plan.ep_axis:
+      recv_sizes = exchange(sizes.reshape(p, e // p))
+      dest, sizes = regroup(recv_sizes, s)
+      buf = dispatch_lib.place_rows(exchange(buf), jnp.arange(p * s, dtype=jnp.int32),
+                                    dest, p * s)
   wi_axes, wo_axes = _grouped_axes(plan)
-  out = experts_lib.expert_mlp(buf, sizes, wi, wo, activations=plan.activations,
-                               recipe=plan.recipe, fp8_state=states, impl=impl,
-                               wi_axes=wi_axes, wo_axes=wo_axes)
-  if plan.ep_axis:
-    out = exchange(dispatch_lib.pick_rows(out, dest))
-  y2 = dispatch_lib.combine_rows(out, d, w2)
-  if plan.tp_axis:   # the tp ranks' partial sums over their slices of F
-    y2 = (lax.psum_scatter(y2, plan.tp_axis, scatter_dimension=0, tiled=True)
-          if plan.sequence_parallel else lax.psum(y2, plan.tp_axis))
+  with jax.named_scope(SCOPES["experts"]):
+    out = experts_lib.expert_mlp(buf, sizes, wi, wo, activations=plan.activations,
+                                 recipe=plan.recipe, fp8_state=states, impl=impl,
+                                 wi_axes=wi_axes, wo_axes=wo_axes)
+  with jax.named_scope(SCOPES["combine"]):
+    if plan.ep_axis:
+      out = exchange(dispatch_lib.pick_rows(out, dest))
+    y2 = dispatch_lib.combine_rows(out, d, w2)
+    if plan.tp_axis:   # the tp ranks' partial sums over their slices of F
+      y2 = (lax.psum_scatter(y2, plan.tp_axis, scatter_dimension=0, tiled=True)
+            if plan.sequence_parallel else lax.psum(y2, plan.tp_axis))
   dropped = d.dropped
   if plan.batch_axes:
     dropped = lax.psum(dropped, _entry(plan.batch_axes))
