@@ -249,6 +249,14 @@ def _fmt_kinds(r) -> str:
   return " | ".join(f"{k[kind]:.2f}" for kind in KINDS)
 
 
+def _against(r, base):
+  """(speed-up, memory ratio) of row ``r`` against the baseline row ``base``
+  ("-" without one): base time / time, and args+temp / the base's."""
+  if base is None:
+    return "-", "-"
+  return f"{base['ms'] / r['ms']:.3f}x", f"{r['args_temp'] / base['args_temp']:.3f}x"
+
+
 def format_tables(results, args) -> str:
   """The markdown tables of the rows measured (layer, then model)."""
   from bench_layer import environment  # pylint: disable=import-error,import-outside-toplevel
@@ -269,9 +277,8 @@ def format_tables(results, args) -> str:
               f"| row | ms / step | vs FP8 off | {kinds_head} | args+temp MiB | mem vs FP8 off "
               "| max abs dx |", "|---|" + "---:|" * (len(KINDS) + 5)]
     for r in layer:
-      vs = f"{base['ms'] / r['ms']:.3f}x" if base else "-"
-      mem = f"{r['args_temp'] / base['args_temp']:.3f}x" if base else "-"
-      lines.append(f"| {r['row']} | {r['ms']:.2f} | {vs} | {_fmt_kinds(r)} | "
+      speed, mem = _against(r, base)
+      lines.append(f"| {r['row']} | {r['ms']:.2f} | {speed} | {_fmt_kinds(r)} | "
                    f"{r['args_temp'] / 2**20:.1f} | {mem} | {r['max_abs_dx']:.3g} |")
     lines.append("")
   model = [r for r in results if r["part"] == "model"]
@@ -283,9 +290,8 @@ def format_tables(results, args) -> str:
               f"| recipe | ms / step | tokens/s | vs bf16 | {kinds_head} | args+temp GiB "
               "| mem vs bf16 | loss | dropped |", "|---|" + "---:|" * (len(KINDS) + 7)]
     for r in model:
-      vs = f"{r['tokens_per_s'] / base['tokens_per_s']:.3f}x" if base else "-"
-      mem = f"{r['args_temp'] / base['args_temp']:.3f}x" if base else "-"
-      lines.append(f"| {r['row']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {vs} | "
+      speed, mem = _against(r, base)
+      lines.append(f"| {r['row']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {speed} | "
                    f"{_fmt_kinds(r)} | {r['args_temp'] / 2**30:.2f} | {mem} | "
                    f"{r['loss']:.3f} | {r['dropped']} |")
   return "\n".join(lines)

@@ -25,16 +25,12 @@ import flax.linen as nn
 from jax.sharding import Mesh
 
 import te_jax
-from te_jax import flax as tfx, moe, recipe, sharding
+from te_jax import flax as tfx, moe, sharding
 
 from test_moe_block import host_transfers, rel
+# the functional block's recipes and tolerances on the same meshes
+from test_moe_mesh import FP8_TOL, OFF_TOL, RECIPES
 
-RECIPES = {
-    "off": None,
-    "delayed": recipe.DelayedScaling(amax_history_len=4),
-    "current": recipe.Float8CurrentScaling(),
-    "blockwise": recipe.Float8BlockScaling(),
-}
 # (axis names, shape, MeshResource kwargs, shared experts)
 MESHES = {
     "ep8": (("ep",), (8,), dict(ep_resource="ep"), False),
@@ -50,8 +46,6 @@ MESHES = {
 # scaling carries the per-expert state through the expert-sharded path.
 CASES = [("ep8", "off"), ("ep8", "delayed"), ("ep4_tp2_sp", "off"),
          ("ep4_tp2_sp", "blockwise"), ("fsdp2_ep4", "off")]
-# As test_moe_mesh.py (the functional block on the same meshes).
-OFF_TOL, FP8_TOL = 1e-5, 0.02
 B, S, H, F = 8, 16, 256, 128
 KW = dict(num_experts=8, num_experts_per_token=2, intermediate_dim=F, impl="reference")
 

@@ -16,29 +16,10 @@ import pytest
 import flax.linen as nn
 from flax import nnx
 
-import te_jax
 from te_jax import flax as tfx, moe, nnx as tnx, recipe
 from te_jax.flax.moe import ROUTER_BIAS_COLLECTION
 
-RECIPES = {
-    "off": None,
-    "delayed": recipe.DelayedScaling(amax_history_len=4),
-    "current": recipe.Float8CurrentScaling(),
-    "blockwise": recipe.Float8BlockScaling(),
-}
-FP8 = te_jax.fp8_state.FP8_COLLECTION
-E, K, H, F, FS = 4, 2, 128, 128, 128
-KW = dict(num_experts=E, num_experts_per_token=K, intermediate_dim=F, impl="reference")
-
-
-def autocast(r):
-  return te_jax.fp8_autocast(enabled=r is not None, fp8_recipe=r)
-
-
-def inputs(shape=(2, 24, H), seed=1):
-  rng = np.random.default_rng(seed)
-  return (jnp.asarray(rng.standard_normal(shape), jnp.float32),
-          jnp.asarray(rng.standard_normal(shape), jnp.float32))
+from test_flax_moe import E, F, FP8, FS, H, K, KW, RECIPES, autocast, inputs
 
 
 def nnx_step(model, x, g):
