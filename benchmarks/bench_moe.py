@@ -294,6 +294,12 @@ def format_tables(results, args) -> str:
       lines.append(f"| {r['row']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {speed} | "
                    f"{_fmt_kinds(r)} | {r['args_temp'] / 2**30:.2f} | {mem} | "
                    f"{r['loss']:.3f} | {r['dropped']} |")
+  blind = [r["row"] for r in results if r.get("kernels_ms")
+           and not any(r["kernels_ms"][part] for part in PARTS)]
+  if blind:
+    lines += ["", f"Rows {blind}: no kernel of the trace named a MoE scope or an HLO op of "
+              "the step (all time is in 'other'): this trace format does not say which op a "
+              "kernel ran, so the parts could not be told apart."]
   return "\n".join(lines)
 
 

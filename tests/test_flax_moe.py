@@ -151,6 +151,20 @@ def test_microbatches_merge_by_max_of_their_uses():
       assert not np.asarray(merged[gemm][tensor]["amax_history"][..., 1:]).any()
 
 
+def test_fp8_state_is_kept_by_a_step_that_does_not_use_it():
+  """Made under DelayedScaling, run with FP8 off (an evaluation, a bf16
+  phase): the state's "gradient" is the state itself, so
+  TrainState.apply_gradients leaves it, shared experts' state included."""
+  module = tfx.MoE(shared_intermediate_dim=FS, **KW)
+  x, g = inputs(seed=10)
+  with autocast(RECIPES["delayed"]):
+    variables = nn.meta.unbox(module.init(jax.random.key(0), x))
+    variables = dict(variables, **{FP8: _train_steps(module, variables, [x], g)[0]})
+  dv = jax.jit(jax.grad(lambda v: jnp.sum(module.apply(v, x) * g)))(variables)
+  jax.tree.map(np.testing.assert_array_equal, dv[FP8], variables[FP8])
+  assert float(variables[FP8]["wi_fp8_meta"]["x"]["amax_history"][0]) > 0
+
+
 def test_aux_values_are_sown_and_the_aux_loss_trains_the_router():
   coefs = dict(load_balancing_coef=0.01, z_loss_coef=0.001)
   module = tfx.MoE(**coefs, **KW)

@@ -142,11 +142,12 @@ class MoE(nnx.Module):
     ``te_jax.nnx.init_fp8_state``, which creates one layout for every GEMM)
     becomes one kernel history per expert; a shared-expert state on a module
     without shared experts is not kept."""
-    if isinstance(value, st.FP8State) and name in moe_core.FP8_GEMMS:
-      if name in moe_core.SHARED_GEMMS and self.config.shared_intermediate_dim is None:
+    config = getattr(self, "config", None)   # None while NNX rebuilds a module
+    if isinstance(value, st.FP8State) and name in moe_core.FP8_GEMMS and config is not None:
+      if name in moe_core.SHARED_GEMMS and config.shared_intermediate_dim is None:
         return
       if name in moe_core.EXPERT_GEMMS:
-        value = st.FP8State(_per_expert(value.get_value(), self.config.num_experts))
+        value = st.FP8State(_per_expert(value.get_value(), config.num_experts))
     super().__setattr__(name, value)
 
   def __call__(self, x: jax.Array, token_mask: Optional[jax.Array] = None,
