@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -12,9 +13,11 @@ from te_jax.layers import transformer as layer_lib
 from te_jax.layers.checks import check_rate, compute_dtype, to_tuple
 from te_jax.layers.init import default_kernel_init
 from te_jax.layers.norm import check_norm_type
+from te_jax.moe import MoEConfig
 from te_jax.nnx.attention import MultiHeadAttention
 from te_jax.nnx.linear import LayerNorm, RMSNorm, zeros
 from te_jax.nnx.mlp import LayerNormMLP
+from te_jax.nnx.moe import MoE
 
 __all__ = ["TransformerLayer"]
 
@@ -31,7 +34,8 @@ class TransformerLayer(nnx.Module):
   parameters, same numbers. ``encoder``: ``x = x + drop(SelfAttn(LN(x)))``;
   ``x = x + drop(MLP(x))``; ``decoder``: causal self attention and, when
   built with ``encoder_hidden_size``, a cross-attention sublayer between the
-  two (skipped for a call without ``encoded``).
+  two (skipped for a call without ``encoded``). With ``mlp_type="moe"``:
+  ``pre_mlp_norm`` and ``moe`` (``te_jax.nnx.MoE``) in place of ``mlp``.
 
   Shapes: ``inputs`` (B, S, hidden_size) -> (B, S, hidden_size); ``encoded``
   (B, S_enc, encoder_hidden_size).
@@ -40,7 +44,8 @@ class TransformerLayer(nnx.Module):
     hidden_size, mlp_hidden_size, num_attention_heads, num_gqa_groups,
     head_dim, layer_type, self_attn_mask_type, layernorm_type, epsilon,
     zero_centered_gamma, hidden_dropout, attention_dropout,
-    intermediate_dropout, activations, fuse_activation_quantize, mlp_backward_chunks,
+    intermediate_dropout, activations, mlp_type, moe, fuse_activation_quantize,
+    mlp_backward_chunks,
     fuse_norm_quantize,
     enable_rotary_pos_emb, rotary_base, use_bias, attention_impl,
     max_segments_per_seq, max_document_length, dtype, param_dtype,
@@ -59,7 +64,8 @@ class TransformerLayer(nnx.Module):
                layernorm_type: str = "layernorm", epsilon: float = 1e-6,
                zero_centered_gamma: bool = False, hidden_dropout: float = 0.0,
                attention_dropout: float = 0.0, intermediate_dropout: float = 0.0,
-               activations: Sequence[str] = ("gelu",), fuse_activation_quantize: bool = True,
+               activations: Sequence[str] = ("gelu",), mlp_type: str = "dense",
+               moe: Optional[MoEConfig] = None, fuse_activation_quantize: bool = True,
                mlp_backward_chunks: int = 1, fuse_norm_quantize: bool = True,
                enable_rotary_pos_emb: bool = False, rotary_base: float = 10000.0,
                use_bias: bool = False, attention_impl: str = "auto",
@@ -69,6 +75,8 @@ class TransformerLayer(nnx.Module):
                deterministic: bool = False, impl: str = "auto", rngs: nnx.Rngs):
     (self.hidden_size,) = to_tuple("hidden_size", hidden_size)
     layer_lib.check_layer_type(layer_type)
+    layer_lib.check_mlp_type(mlp_type, moe, use_bias=use_bias,
+                             intermediate_dropout=intermediate_dropout)
     if encoder_hidden_size is not None and layer_type != "decoder":
       raise ValueError("encoder_hidden_size (cross attention) needs layer_type='decoder'.")
     check_norm_type(layernorm_type)
@@ -102,14 +110,22 @@ class TransformerLayer(nnx.Module):
     if encoder_hidden_size is not None:
       self.pre_cross_attention_norm = norm()
       self.cross_attention = attention("cross", "no_mask", False, encoder_hidden_size)
-    self.mlp = LayerNormMLP(
-        e, mlp_hidden_size, activations=tuple(activations),
-        intermediate_dropout_rate=intermediate_dropout,
-        fuse_activation_quantize=fuse_activation_quantize, backward_chunks=mlp_backward_chunks,
-        fuse_norm_quantize=fuse_norm_quantize, layernorm_type=layernorm_type,
-        epsilon=epsilon, zero_centered_gamma=zero_centered_gamma, use_bias=use_bias,
-        dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init, bias_init=bias_init,
-        deterministic=deterministic, impl=impl, rngs=rngs)
+    self.mlp_type = mlp_type
+    if mlp_type == "moe":
+      self.pre_mlp_norm = norm()
+      self.moe = MoE(e, intermediate_dim=mlp_hidden_size, **dataclasses.asdict(moe),
+                     dtype=dtype, param_dtype=param_dtype, kernel_init=kernel_init,
+                     deterministic=deterministic, impl=impl, rngs=rngs)
+    else:
+      self.mlp = LayerNormMLP(
+          e, mlp_hidden_size, activations=tuple(activations),
+          intermediate_dropout_rate=intermediate_dropout,
+          fuse_activation_quantize=fuse_activation_quantize,
+          backward_chunks=mlp_backward_chunks, fuse_norm_quantize=fuse_norm_quantize,
+          layernorm_type=layernorm_type, epsilon=epsilon,
+          zero_centered_gamma=zero_centered_gamma, use_bias=use_bias, dtype=dtype,
+          param_dtype=param_dtype, kernel_init=kernel_init, bias_init=bias_init,
+          deterministic=deterministic, impl=impl, rngs=rngs)
     self.dropout = (nnx.Dropout(hidden_dropout, deterministic=deterministic, rngs=rngs)
                     if hidden_dropout > 0.0 else None)
 
@@ -152,5 +168,9 @@ class TransformerLayer(nnx.Module):
           kv_segment_ids=encoder_segment_ids, deterministic=deterministic)
       x = x + self._drop(h, deterministic)
 
-    h = self.mlp(x, deterministic=deterministic)
+    if self.mlp_type == "moe":
+      h = self.moe(self.pre_mlp_norm(x), token_mask=layer_lib.token_mask(segment_ids),
+                   deterministic=deterministic)
+    else:
+      h = self.mlp(x, deterministic=deterministic)
     return x + self._drop(h, deterministic)
