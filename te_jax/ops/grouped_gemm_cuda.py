@@ -37,6 +37,7 @@ for direct ``ffi_call`` users.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -72,8 +73,10 @@ def workspace_bytes(groups: int) -> int:
   return (1 << 20) + 1024 * groups + 256
 
 
+@functools.lru_cache(maxsize=None)
 def _build_note() -> str:
-  """The one line the build wrote beside the native module ("" if none)."""
+  """The one line the build wrote beside the native module ("" if none);
+  read once per process (it comes with the module)."""
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                       "_te_jax_ffi_build.txt")
   try:
