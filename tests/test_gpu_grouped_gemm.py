@@ -9,7 +9,9 @@ Needs a Hopper GPU and a native module built with the CUTLASS headers
    CPU backend in float32: per tensor (split and fast accumulation, E5M2 x
    E4M3 as HYBRID's dgrad, E4M3 x E5M2 as its wgrad) and blockwise; odd
    shapes (m, k, n not multiples of 128), empty groups, one group, one row,
-   rows past the groups, skewed sizes, 64 groups. Relative Frobenius error
+   rows past the groups, skewed sizes, 64 groups and the most the kernel
+   takes (6144, whose workspace the handler checks against the device's
+   SM count). Relative Frobenius error
    within the bfloat16 output's tolerance (tests/test_cuda_ops.py: 1e-2; the
    FP8 operands are exact inputs to both sides), tail rows and empty
    groups' blocks exactly 0, no stray non-finite value, and a second run
@@ -110,6 +112,7 @@ ROWS_CASES = {      # name: (m, k, n, sizes)
     "skewed": (1024, 512, 256, [512, 0, 64, 448]),
     "all_empty": (64, 128, 32, [0, 0, 0]),
     "64_groups": (640, 256, 128, [10] * 64),
+    "max_groups": (ggc.MAX_GROUPS, 128, 16, [1] * ggc.MAX_GROUPS),   # the largest workspace
 }
 
 
