@@ -633,6 +633,26 @@ def test_configure_with_and_without_cutlass(tmp_path, with_cutlass):
     assert "te_jax: sm90 GEMMs: left out (no CUTLASS headers" in out
 
 
+def _toolkit_has_cublaslt(nvcc):
+  root = pathlib.Path(nvcc).resolve().parent.parent
+  return any(root.glob("lib*/libcublasLt.so*")) or any(root.glob("targets/*/lib/libcublasLt.so*"))
+
+
+@pytest.mark.skipif(_nvcc() is None or _toolkit_has_cublaslt(_nvcc() or "/"),
+                    reason="needs an nvcc whose toolkit has no cuBLASLt (as on CI's CPU machine)")
+def test_no_cublaslt_builds_nothing_even_with_cutlass(tmp_path):
+  """CI's CPU machine: nvcc but no cuBLASLt. Even with CUTLASS headers named,
+  CMake stops before looking at them and builds nothing."""
+  rc, out, note = _configure(tmp_path, tmp_path, f"-DCMAKE_CUDA_COMPILER={_nvcc()}",
+                             f"-DTE_JAX_CUTLASS_INCLUDE={make_cutlass(tmp_path / 'inc')}")
+  assert rc == 0, out
+  assert note.startswith("not built: cuBLASLt not found"), note
+  assert "sm90" not in out and "CUTLASS" not in out, out
+  build = tmp_path / "build"
+  assert "sm90" not in "".join(f.read_text() for f in [*build.glob("*.ninja"),
+                                                         *build.rglob("build.make")])
+
+
 # ----------------------------------------------------- skip summary line ---
 
 SKIP_TESTS = """
