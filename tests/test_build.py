@@ -481,6 +481,178 @@ def test_cmake_configures_with_the_real_pip_toolkit(tmp_path):
     assert value.startswith(root), (var, value)
 
 
+# ------------------------------------------- CUTLASS: the sm90 GEMMs -----
+# cmake/TeJaxCutlass.cmake on made-up header trees and a made-up
+# nvidia-cutlass package (cmake alone, script mode), then the whole
+# configure with and without the headers where a CUDA compiler and nanobind
+# exist (a made-up cuBLASLt: configuring never links).
+
+def make_cutlass(root, version=(4, 2, 0)):
+  """A made-up CUTLASS include tree of ``version`` under ``root``; returns it."""
+  (root / "cutlass").mkdir(parents=True)
+  (root / "cute").mkdir()
+  (root / "cutlass" / "version.h").write_text(
+      "".join(f"#define CUTLASS_{p} {v}\n" for p, v in zip(("MAJOR", "MINOR", "PATCH"), version)))
+  (root / "cute" / "tensor.hpp").write_text("")
+  return root
+
+
+def make_cutlass_package(site, version=(4, 2, 0)):
+  """A made-up nvidia-cutlass install in ``site``: cutlass_library/ with the
+  headers in source/include; returns that include folder."""
+  pkg = site / "cutlass_library"
+  pkg.mkdir(parents=True)
+  (pkg / "__init__.py").write_text("raise ImportError('find it, do not import it')\n")
+  return make_cutlass(pkg / "source" / "include", version)
+
+
+def _find_cutlass(tmp_path, mode="AUTO", include="", site=None):
+  """Runs te_jax_find_cutlass(mode, include) in CMake's script mode with
+  ``site`` on the interpreter's path; (exit status, {VAR: value}, output)."""
+  cmake = shutil.which("cmake")
+  if not cmake:
+    pytest.skip("needs cmake")
+  script = tmp_path / "find.cmake"
+  script.write_text(
+      f'include("{CMAKE_DIR}/cmake/TeJaxCutlass.cmake")\n'
+      f'te_jax_find_cutlass("{mode}" "{include}")\n'
+      'foreach(v DIR VERSION WHY)\n  message(STATUS "${v}=${TE_JAX_CUTLASS_${v}}")\nendforeach()\n')
+  env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+  env.update(PYTHONPATH=str(site or tmp_path / "empty"), PYTHONNOUSERSITE="1")
+  proc = subprocess.run([cmake, f"-DPython_EXECUTABLE={sys.executable}", "-P", str(script)],
+                        env=env, capture_output=True, text=True, timeout=120)
+  out = proc.stdout + proc.stderr
+  found = dict(re.findall(r"^-- (DIR|VERSION|WHY)=(.*)$", out, flags=re.M))
+  return proc.returncode, found, " ".join(out.split())   # CMake wraps its error lines
+
+
+def _installed_cutlass():
+  return importlib.util.find_spec("cutlass_library") is not None
+
+
+def test_cutlass_from_an_include_folder(tmp_path):
+  inc = make_cutlass(tmp_path / "inc")
+  rc, found, out = _find_cutlass(tmp_path, include=inc)
+  assert rc == 0, out
+  assert found == {"DIR": str(inc), "VERSION": "4.2.0", "WHY": ""}
+  rc, found, _ = _find_cutlass(tmp_path, "OFF", include=inc)     # OFF wins over a folder
+  assert rc == 0 and found == {"DIR": "", "VERSION": "", "WHY": "TE_JAX_SM90_GEMMS=OFF"}
+
+
+@pytest.mark.parametrize("case, says", [
+    ("not cutlass", "which holds no CUTLASS headers"),
+    ("too old", "are version 4.1.9; the sm90 GEMMs need 4.2 or newer"),
+    ("bad mode", "TE_JAX_SM90_GEMMS must be AUTO, ON or OFF, got 'MAYBE'"),
+])
+def test_cutlass_folder_problems_stop_the_configure(tmp_path, case, says):
+  inc = tmp_path / "inc"
+  inc.mkdir()
+  if case == "too old":
+    make_cutlass(inc / "x", (4, 1, 9))
+    inc = inc / "x"
+  rc, _, out = _find_cutlass(tmp_path, "MAYBE" if case == "bad mode" else "AUTO", include=inc)
+  assert rc != 0 and says in out, out
+
+
+@pytest.mark.skipif(_installed_cutlass(), reason="nvidia-cutlass is installed here: CMake finds it")
+def test_cutlass_from_the_nvidia_cutlass_package(tmp_path):
+  inc = make_cutlass_package(tmp_path / "site")
+  rc, found, out = _find_cutlass(tmp_path, site=tmp_path / "site")
+  assert rc == 0 and found["DIR"] == str(inc) and found["VERSION"] == "4.2.0", out
+  old = tmp_path / "old"
+  make_cutlass_package(old, (4, 1, 0))    # too old from a package: left out, not an error
+  rc, found, out = _find_cutlass(tmp_path, site=old)
+  assert rc == 0 and found["DIR"] == "" and "need 4.2 or newer" in found["WHY"], out
+
+
+@pytest.mark.skipif(_installed_cutlass(), reason="nvidia-cutlass is installed here: CMake finds it")
+def test_no_cutlass_leaves_the_sm90_gemms_out(tmp_path):
+  rc, found, out = _find_cutlass(tmp_path)
+  assert rc == 0 and found["DIR"] == "", out
+  assert found["WHY"].startswith("no CUTLASS headers (neither -DTE_JAX_CUTLASS_INCLUDE=DIR nor")
+  rc, _, out = _find_cutlass(tmp_path, "ON")
+  assert rc != 0 and "TE_JAX_SM90_GEMMS=ON, but no CUTLASS headers" in out, out
+
+
+def test_default_module_sources_and_cutlass_order():
+  """Without CUTLASS the module is today's: no sm90 unit among
+  nanobind_add_module's sources, they join only under if(TE_JAX_CUTLASS_DIR);
+  and CUTLASS is looked for only after cuBLASLt was found (CI's CPU machine,
+  which has none, never gets that far)."""
+  code = cmake_code(_cmake())
+  (module,) = cmake_calls(code, "nanobind_add_module")
+  assert "sm90" not in module and "grouped_gemm" not in module
+  (extra,) = cmake_calls(code, "target_sources")
+  assert "ffi/grouped_gemm.cc" in extra and extra.count("_sm90") == 12
+  at = code.index("target_sources(")
+  opened = code.rindex("if(", 0, at)
+  assert code.startswith("if(TE_JAX_CUTLASS_DIR)", opened) and "endif(" not in code[opened:at]
+  assert code.index("te_jax_find_cutlass(") > code.index('"te_jax: cuBLASLt not found; skipping')
+
+
+def _nvcc():
+  return next((p for p in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc")
+               if p and os.access(p, os.X_OK)), None)
+
+
+@pytest.mark.skipif(_nvcc() is None or importlib.util.find_spec("nanobind") is None
+                    or _installed_cutlass(),
+                    reason="needs an nvcc and nanobind, and no nvidia-cutlass installed")
+@pytest.mark.parametrize("with_cutlass", [False, True])
+def test_configure_with_and_without_cutlass(tmp_path, with_cutlass):
+  """The whole configure (a real nvcc, a made-up cuBLASLt): the build note's
+  last clause says whether the sm90 GEMMs are in, and the generated build
+  compiles their 12 units and the grouped handler only with the headers."""
+  import nanobind  # pylint: disable=import-outside-toplevel
+  site = tmp_path / "site"
+  site.mkdir()
+  (site / "nanobind").symlink_to(os.path.dirname(nanobind.__file__))
+  lt = tmp_path / "cublas"
+  (lt / "include").mkdir(parents=True)
+  (lt / "lib").mkdir()
+  (lt / "include" / "cublasLt.h").write_text("")
+  (lt / "lib" / "libcublasLt.so.13").write_text("")
+  defines = [f"-DCMAKE_CUDA_COMPILER={_nvcc()}", f"-DTE_JAX_CUBLASLT_ROOT={lt}"]
+  if with_cutlass:
+    defines.append(f"-DTE_JAX_CUTLASS_INCLUDE={make_cutlass(tmp_path / 'inc')}")
+  rc, out, note = _configure(tmp_path, site, *defines)
+  assert rc == 0, out
+  build = "".join(p.read_text() for p in (tmp_path / "build").glob("*.ninja")) + "".join(
+      p.read_text() for p in (tmp_path / "build").rglob("build.make"))
+  if with_cutlass:
+    assert note.rstrip().endswith(
+        f"; sm90 GEMMs: built with the CUTLASS 4.2.0 headers in {tmp_path / 'inc'}"), note
+    assert "grouped_gemm_sm90_tensor_e4m3.cu" in build and "TE_JAX_HAVE_SM90" in build
+    assert "ffi/grouped_gemm.cc" in build
+  else:
+    assert note.rstrip().endswith("; sm90 GEMMs: left out (no CUTLASS headers (neither "
+                                  "-DTE_JAX_CUTLASS_INCLUDE=DIR nor an installed "
+                                  "nvidia-cutlass package))"), note
+    assert "sm90" not in build and "TE_JAX_HAVE_SM90" not in build
+    assert "grouped_gemm" not in build
+    assert "te_jax: sm90 GEMMs: left out (no CUTLASS headers" in out
+
+
+def _toolkit_has_cublaslt(nvcc):
+  root = pathlib.Path(nvcc).resolve().parent.parent
+  return any(root.glob("lib*/libcublasLt.so*")) or any(root.glob("targets/*/lib/libcublasLt.so*"))
+
+
+@pytest.mark.skipif(_nvcc() is None or _toolkit_has_cublaslt(_nvcc() or "/"),
+                    reason="needs an nvcc whose toolkit has no cuBLASLt (as on CI's CPU machine)")
+def test_no_cublaslt_builds_nothing_even_with_cutlass(tmp_path):
+  """CI's CPU machine: nvcc but no cuBLASLt. Even with CUTLASS headers named,
+  CMake stops before looking at them and builds nothing."""
+  rc, out, note = _configure(tmp_path, tmp_path, f"-DCMAKE_CUDA_COMPILER={_nvcc()}",
+                             f"-DTE_JAX_CUTLASS_INCLUDE={make_cutlass(tmp_path / 'inc')}")
+  assert rc == 0, out
+  assert note.startswith("not built: cuBLASLt not found"), note
+  assert "sm90" not in out and "CUTLASS" not in out, out
+  build = tmp_path / "build"
+  assert "sm90" not in "".join(f.read_text() for f in [*build.glob("*.ninja"),
+                                                         *build.rglob("build.make")])
+
+
 # ----------------------------------------------------- skip summary line ---
 
 SKIP_TESTS = """

@@ -12,8 +12,8 @@ built with nvcc and cuBLASLt. Every op takes ``impl``:
 * ``"reference"``: the pure-JAX spec.
 
 The environment variable ``TE_JAX_IMPL`` (``reference`` or ``cuda``) replaces
-``"auto"``. te_jax reads four environment variables: this one, in Python
-whenever an op is traced, and three in the CUDA GEMM handler
+``"auto"``. te_jax reads five environment variables: this one, in Python
+whenever an op is traced, and four in the CUDA GEMM handler
 (``custom_calls/ffi/gemm_autotune.h``), read once per process at the first
 GEMM:
 
@@ -23,7 +23,10 @@ GEMM:
 * ``TE_JAX_GEMM_PICK``: an experiment knob naming the answer to use
   (``K``, ``split=K``, ``fast=K`` or ``fast=K,split=L``);
 * ``TE_JAX_GEMM_LOG``: set and not ``0``, prints each problem's candidates
-  and choice to stderr.
+  and choice to stderr;
+* ``TE_JAX_GEMM_SM90``: ``1`` adds te_jax's own sm_90a blockwise GEMMs
+  (builds with the CUTLASS headers) to the candidates, ``only`` uses them
+  alone where they take the problem; unset or ``0``: cuBLASLt alone.
 """
 
 from __future__ import annotations
