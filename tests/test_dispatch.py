@@ -149,8 +149,8 @@ def test_missing_module_reason_quotes_the_build_note(tmp_path, monkeypatch):
   (pkg / "ops").mkdir(parents=True)
   (pkg / "_te_jax_ffi_build.txt").write_text("te_jax: not built: no CUDA compiler found\n")
   monkeypatch.setattr(_native, "__file__", str(pkg / "ops" / "_native.py"))
-  assert _native._build_note() == "te_jax: not built: no CUDA compiler found"
+  assert _native.build_note() == "te_jax: not built: no CUDA compiler found"
   if _native._load_native()[0] is None:     # no module here: the reason quotes the note
     assert "no CUDA compiler found" in _native._load_native.__wrapped__()[1]
   (pkg / "_te_jax_ffi_build.txt").unlink()
-  assert _native._build_note() == ""
+  assert _native.build_note() == ""

@@ -38,7 +38,7 @@ from typing import Callable, TypeVar
 
 import jax
 
-__all__ = ["cuda_available", "check_impl", "dispatch", "resolve_impl", "IMPLS"]
+__all__ = ["build_note", "cuda_available", "check_impl", "dispatch", "resolve_impl", "IMPLS"]
 
 IMPLS = ("auto", "cuda", "reference")
 _log = logging.getLogger("te_jax")
@@ -55,7 +55,7 @@ def _load_native():
   try:
     from te_jax import _te_jax_ffi as native  # pylint: disable=import-outside-toplevel
   except ImportError as e:
-    note = _build_note()
+    note = build_note()
     return None, (f"the native module te_jax._te_jax_ffi is not built ({e})"
                   + (f"; the build says: {note}" if note else ""))
   for name, capsule in native.registrations().items():
@@ -63,7 +63,7 @@ def _load_native():
   return native, ""
 
 
-def _build_note() -> str:
+def build_note() -> str:
   """What the build recorded beside the module (``_te_jax_ffi_build.txt``:
   which CUDA toolkit it used, or why it built no kernels); "" when absent."""
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

@@ -50,7 +50,7 @@ from jax import lax
 
 from te_jax.ops import _native
 from te_jax.ops import grouped_gemm_cuda
-from te_jax.ops.fp8 import FP8_DTYPES, ScaledTensor, dequantize_blockwise_reference
+from te_jax.ops.fp8 import FP8_DTYPES, FP8Payload, ScaledTensor, dequantize_blockwise_reference
 
 __all__ = ["GroupedScaledTensor", "grouped_gemm_reference", "grouped_wgrad_reference",
            "grouped_gemm", "grouped_wgrad", "chunk_rows", "varying_axes"]
@@ -69,7 +69,7 @@ _log = logging.getLogger("te_jax")
     data_fields=["data", "scale_inv"],
     meta_fields=["block_shape"])
 @dataclasses.dataclass(frozen=True)
-class GroupedScaledTensor:
+class GroupedScaledTensor(FP8Payload):
   """A stack of FP8 matrices, one per group, with the scales that dequantize them.
 
   Attributes:
@@ -89,20 +89,10 @@ class GroupedScaledTensor:
   block_shape: Optional[Tuple[int, int]] = None
 
   @property
-  def shape(self):
-    return self.data.shape
-
-  @property
-  def dtype(self):
-    return self.data.dtype
-
-  @property
   def T(self) -> "GroupedScaledTensor":  # pylint: disable=invalid-name
     """Each group's matrix transposed: (g, cols, rows); exact for per-tensor
     scales and square blocks (the dgrad GEMM reads the weight this way)."""
-    if self.block_shape is not None and self.block_shape[0] != self.block_shape[1]:
-      raise ValueError(f"the transpose of {self.block_shape} tiles is not a tiling of "
-                       "the same shape; quantize the transposed matrices instead.")
+    self.check_transposable("quantize the transposed matrices instead.")
     s = self.scale_inv if self.block_shape is None else jnp.swapaxes(self.scale_inv, 1, 2)
     return GroupedScaledTensor(jnp.swapaxes(self.data, 1, 2), s, self.block_shape)
 

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from te_jax.ops import _native
 from te_jax.ops import tiling
 
 __all__ = ["TARGET", "ROWS", "CONTRACTION", "MAX_GROUPS", "KernelOperands", "workspace_bytes", "build_reason",
@@ -75,15 +76,8 @@ def workspace_bytes(groups: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def _build_note() -> str:
-  """The one line the build wrote beside the native module ("" if none);
-  read once per process (it comes with the module)."""
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                      "_te_jax_ffi_build.txt")
-  try:
-    with open(path, encoding="utf-8") as f:
-      return " ".join(f.read().split())
-  except OSError:
-    return ""
+  """``_native.build_note()``, read once per process (it comes with the module)."""
+  return _native.build_note()
 
 
 def build_reason(note: str = None) -> str:
