@@ -38,7 +38,10 @@ the quantization of the first GEMM's input and its backward is one kernel
 normalized input is never written in 16 or 32 bits either.
 
 Memory. The backward's peak holds ``h``, ``g @ wo.T`` (both ``tokens x mlp``
-in bf16) and both FP8 copies of ``dh`` at once. ``backward_chunks=n`` runs
+in bf16), both FP8 copies of ``dh`` and (with ``save_original_input``) the
+FP8 ``z.T`` written beside them at once: one byte per ``tokens x mlp``
+element more than a backward that quantized ``z`` again in a pass of its
+own, whose ``z.T`` was consumed before ``dh`` existed. ``backward_chunks=n`` runs
 that half of the backward (the dgrad GEMM, the activation backward, the
 dgrad GEMM of ``wi``) on n row chunks, so only a chunk of ``g @ wo.T`` and
 of the rowwise ``dh`` is live at once; the chunks' columnwise ``dh`` (kept)

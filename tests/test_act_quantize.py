@@ -794,8 +794,9 @@ def _cuda_selection_case(acts, mode, shape, h_dtype=BF16, nonfinite=False):
 
   spec = aq.act_columnwise_like(amax=both.amax, **fwd_kw)
   plain = jax.jit(lambda dz, h: aq.dact_quantize(dz, h, acts, impl="cuda", **bwd_kw))(dz, h)
-  q, z_t = jax.jit(lambda dz, h, spec: aq.dact_quantize(
-      dz, h, acts, impl="cuda", act_columnwise=spec, **bwd_kw))(dz, h, spec)
+  # The spec holds static fields (mode, dtype): closed over, its amax a constant.
+  q, z_t = jax.jit(lambda dz, h: aq.dact_quantize(
+      dz, h, acts, impl="cuda", act_columnwise=spec, **bwd_kw))(dz, h)
   for name in ("data", "scale_inv", "data_t", "scale_inv_t", "amax"):
     _same_bits(getattr(q, name), getattr(plain, name), f"{tag} dh {name}")
   assert z_t.block_shape == both.block_shape, tag
