@@ -47,14 +47,11 @@ dgrad GEMM of ``wi``) on n row chunks, so only a chunk of ``g @ wo.T`` and
 of the rowwise ``dh`` is live at once; the chunks' columnwise ``dh`` (kept)
 and dgrads are then concatenated for the wgrad and the norm backward. The
 slices and concatenations copy, and the GEMMs are smaller, so it costs
-time. On an H200 (2026-12-04, the blocks of ``benchmarks/bench_peers.py
---backward-chunks``, 16384 tokens, 4096 -> 16384 -> 4096, bf16 parameters)
-the MLP block's temp memory under delayed scaling fell from 1600 to 1280
-MiB (n=2, +1.7% step time) and 1216 MiB (n=4, +3.2 to +3.7%); blockwise
-1618 -> 1234 MiB at n=4 (+1.6 to +2.1%). In a TransformerLayer of
-those sizes 8 chunks hold no less than 4 (1922 MiB): h stays whole until
-the last chunk, and the forward's activation quantize (h and both FP8
-copies of act(h) at once) is then as high (BENCHMARKS.md, run AB).
+step time for memory (``benchmarks/bench_peers.py --backward-chunks``
+measures both; the figures are in BENCHMARKS.md). In a TransformerLayer more
+chunks stop paying once the backward's chunk loop is no longer the peak: h
+stays whole until the last chunk, and the forward's activation quantize is
+then as high.
 Results equal the unchunked ones bit for bit in the reference, except float
 sums over the tokens (the bias and norm parameter gradients, in another
 order); on the GPU the chunks' GEMMs may pick other algorithms.

@@ -229,6 +229,9 @@ class QuantizedTensor:
 
   def rowwise(self) -> ScaledTensor:
     """``data`` as a GEMM operand contiguous along K (M, K)."""
+    if self.data is None:
+      raise ValueError("this QuantizedTensor has no rowwise copy; quantize with "
+                       "rowwise=True.")
     return ScaledTensor(self.data, self.scale_inv, self.block_shape)
 
   def columnwise(self) -> ScaledTensor:

@@ -27,7 +27,7 @@ MAX_HIDDEN = 8192   # custom_calls/kernels/normalization.h: kNormBwdMaxHidden
 # CUDA blocks of the backward kernel: each takes every `blocks`-th row and
 # writes one row of partial dgamma/dbeta sums. The kernel runs H / 8 threads
 # per block within a 64-register budget (launch bounds of 1024 threads), so an
-# SM holds 1024 / threads blocks: the grid fills the H200's 132 SMs with that
+# SM holds 1024 / threads blocks: the grid fills an H100's or H200's 132 SMs with that
 # many (264 at H = 4096, 528 at H = 2048, where a fixed 264 left half of each
 # SM's threads idle). Constants rather than the device's SM count so that
 # results (the partial sums' order) do not depend on the GPU model.
