@@ -75,7 +75,8 @@ from typing import Any, Dict
 import jax
 import jax.numpy as jnp
 
-from te_jax.fp8_merge import merge_uses, shared_state
+from te_jax.fp8_merge import (checkpoint_bodies, merge_uses, share_tree, shared_state,
+                              tie_unused, unshare_tree)
 from te_jax.ops.quantize import compute_scale, is_positive_amax
 
 __all__ = [
@@ -90,6 +91,10 @@ __all__ = [
     "migrate_scale_inv",
     "merge_uses",
     "shared_state",
+    "tie_unused",
+    "share_tree",
+    "unshare_tree",
+    "checkpoint_bodies",
 ]
 
 FP8_COLLECTION = "_overwrite_with_gradient"

@@ -42,7 +42,7 @@ from te_jax.layers import settings as layer_settings
 from te_jax.layers import state as layer_state
 
 __all__ = ["read_autocast", "LinenStates", "declare_fp8_state", "keep_unused_fp8_state",
-           "check_scanned_state", "enclosing_scan"]
+           "check_scanned_state", "enclosing_scan", "check_remat_calls", "share_fp8_state"]
 
 
 def read_autocast(impl: str = "auto") -> layer_settings.Settings:
@@ -78,7 +78,12 @@ class LinenStates(layer_state.GemmStates):
     return self.module.get_variable(state_lib.FP8_COLLECTION, name)
 
   def state(self, name: str, mode):
-    return declare_fp8_state(self.module, name, mode)
+    # Every read goes through merge_uses: a module called several times in
+    # one step gets one merged update, not the sum of its uses' updates.
+    state = declare_fp8_state(self.module, name, mode)
+    if state is not None:
+      check_remat_calls(self.module, name, state)
+    return state_lib.merge_uses(state, mode)
 
   def keep_unused(self, y, names: Sequence[str]):
     return keep_unused_fp8_state(self.module, y, names)
@@ -277,5 +282,69 @@ def keep_unused_fp8_state(module: nn.Module, y, names: Sequence[str]):
       state = module.get_variable(state_lib.FP8_COLLECTION, n)
       # Kept state is returned as its own gradient: broadcast, it would be summed too.
       check_scanned_state(module, n, state)
+      check_remat_calls(module, n, state)
       y = layer_state.keep_state(y, state)
   return y
+
+
+def share_fp8_state(target):
+  """``target`` (a Linen module class, e.g. ``nn.remat(Block)``) whose calls
+  in one step share their FP8 state, so that their updates merge.
+
+  ``nn.remat`` hands each call the variables as new values: a remat'd block
+  applied twice in one differentiated step would get the SUM of the two
+  calls' new states (and :func:`check_remat_calls` refuses that). Wrapped,
+  the block's FP8 collection reaches each call converted once, in the
+  caller's trace, into the merging dtype of ``te_jax.fp8_state.merge_uses``
+  (``nn.map_variables`` with ``te_jax.fp8_state.share_tree``): the calls'
+  uses merge into one update, the largest amax in one history entry. Same
+  variables, same paths; with FP8 off or a recipe without state it changes
+  nothing.
+
+  >>> import flax.linen as nn
+  >>> from te_jax import flax as tfx
+  >>> Block = share_fp8_state(nn.remat(tfx.DenseGeneral))
+  """
+  def share(tree):
+    return state_lib.share_tree(tree, read_autocast().mode)
+
+  # init=True: the wrapped module creates its state at init (the mapped
+  # collection is otherwise immutable inside).
+  return nn.map_variables(target, state_lib.FP8_COLLECTION, trans_in_fn=share,
+                          trans_out_fn=state_lib.unshare_tree, init=True)
+
+
+def _remat_levels(module: nn.Module) -> int:
+  """How many ``nn.remat`` calls ``module`` runs in (from the scope's
+  ``debug_path``, where Flax marks a lifted remat as ``remat(<name>)``)."""
+  path = getattr(getattr(module, "scope", None), "debug_path", None) or ()
+  return sum(part.count("remat(") for part in path)
+
+
+def check_remat_calls(module: nn.Module, name: str, state) -> None:
+  """Raises when the FP8 state ``name`` that ``module`` reads reaches it
+  through a second ``nn.remat`` call in one differentiated step (each call
+  gets the state as a new value and autodiff would sum their updates), or
+  through a ``jax.checkpoint`` around ``apply``, whose later calls may reuse
+  this call's trace unseen (``te_jax.layers.state.checkpoint_read_problem``).
+  A state shared by :func:`share_fp8_state` passes."""
+  key = (tuple(getattr(getattr(module, "scope", None), "path", ())), name)
+  problem = layer_state.checkpoint_read_problem(state, key, _remat_levels(module))
+  if problem is None:
+    return
+  summed = ("autodiff would SUM the calls' new states (an amax history entry the sum "
+            "of their amaxes): silently wrong FP8 scales")
+  if problem == "twice":
+    raise ValueError(
+        f"{_where(module)}: its FP8 state '{name}' is read by a second call of the "
+        "nn.remat around it in one differentiated step. Each call receives the state "
+        f"as a new value, so {summed}. Share it across the calls: wrap the remat'd "
+        "module as te_jax.flax.fp8_module.share_fp8_state(nn.remat(Block)); its calls "
+        "then merge into one update.")
+  raise ValueError(
+      f"{_where(module)}: its FP8 state '{name}' is read inside a jax.checkpoint that "
+      "received it as an argument, in a differentiated step; a second call of that "
+      f"checkpoint could reuse this trace unseen, and {summed}. Use nn.remat inside the "
+      "model (te_jax.flax.fp8_module.share_fp8_state(nn.remat(Block)) for a block called "
+      "several times), or pass the variables to the checkpoint as "
+      "te_jax.fp8_state.share_tree(variables, recipe.scaling_mode()).")

@@ -18,12 +18,16 @@ otherwise overwrite it.
 from __future__ import annotations
 
 import abc
+import weakref
 from typing import Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 
-__all__ = ["GemmStates", "keep_state", "state_shapes", "fused_states"]
+from te_jax import fp8_state as state_lib
+
+__all__ = ["GemmStates", "keep_state", "state_shapes", "fused_states",
+           "checkpoint_read_problem"]
 
 
 class GemmStates(abc.ABC):
@@ -72,28 +76,15 @@ class GemmStates(abc.ABC):
     del kernel
 
 
-@jax.custom_vjp
 def keep_state(y, state):
-  """Identity on ``y`` whose backward returns ``state`` as the state's gradient.
-
-  For a module that holds delayed-scaling state that the active recipe does
-  not use (FP8 off, or another recipe): the "gradient" that
-  ``TrainState.apply_gradients`` writes back is then the state itself, so the
-  state is left untouched instead of being overwritten by zeros.
+  """``y``, tied to the delayed-scaling ``state`` that its call does not use
+  (FP8 off, or another recipe) so that the state's "gradient" is the state
+  itself: ``TrainState.apply_gradients`` then leaves it untouched instead of
+  overwriting it with zeros. Through ``te_jax.fp8_state.tie_unused``: where
+  another call of the same step uses the state, the two merge into that
+  use's update instead of adding up.
   """
-  del state
-  return y
-
-
-def _keep_state_fwd(y, state):
-  return y, state
-
-
-def _keep_state_bwd(state, g):
-  return g, state
-
-
-keep_state.defvjp(_keep_state_fwd, _keep_state_bwd)
+  return state_lib.tie_unused(y, state)
 
 
 def state_shapes(tree):
@@ -123,3 +114,36 @@ def fused_states(states: GemmStates, names: Sequence[str], mode
     if h and state_shapes(states.peek(n)) != want:
       return None, f"its FP8 state '{n}' does not fit the active recipe"
   return tuple(states.state(n, mode) for n in names), None
+
+
+# Per outer trace: {(module, GEMM name): weak reference to the jax.checkpoint
+# body (an nn.remat call) that read that state from it}.
+_BODY_OF_READ = weakref.WeakKeyDictionary()
+
+
+def checkpoint_read_problem(state, key, seen_levels: int) -> Optional[str]:
+  """Whether this read of a float32 FP8 ``state`` inside ``jax.checkpoint``
+  bodies (``nn.remat``, ``nnx.remat``) of a differentiated step would have
+  its update summed with another call's (``te_jax.fp8_state.checkpoint_bodies``).
+
+  Args:
+    state: the state as the module found it.
+    key: what identifies the state across calls (hashable).
+    seen_levels: how many of those bodies trace every call anew (Flax's
+      ``nn.remat`` makes a new function per call); the others may reuse one
+      call's trace for the next, unseen.
+
+  Returns:
+    None, "unseen" (a body that may reuse its trace: a second call could not
+    be told apart, so any read is refused), or "twice" (a second call of a
+    body on this state in one step).
+  """
+  bodies = state_lib.checkpoint_bodies(state)
+  if len(bodies) > seen_levels:
+    return "unseen"
+  for outer, body in bodies:
+    reads = _BODY_OF_READ.setdefault(outer, {})
+    first = reads.setdefault(key, weakref.ref(body))
+    if first() is not body:
+      return "twice"
+  return None

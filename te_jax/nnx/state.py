@@ -41,6 +41,7 @@ one update) and evaluation passes do not count as steps.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import warnings
 from typing import Any, Dict, Tuple
@@ -59,7 +60,7 @@ from te_jax.layers import state as layer_state
 __all__ = ["FP8State", "FP8Counters", "FP8StateWarning", "WRT", "diff_state",
            "apply_fp8_updates", "accumulate_gradients", "init_fp8_state",
            "remove_update_check", "check_fp8_updates", "read_autocast", "NnxStates",
-           "gemm_state", "track_updates", "add_fp8_state"]
+           "gemm_state", "track_updates", "add_fp8_state", "shared_fp8_state"]
 
 COUNTERS = "fp8_counters"
 
@@ -230,10 +231,67 @@ class NnxStates(layer_state.GemmStates):
     return getattr(self.module, name).get_value()
 
   def state(self, name: str, mode):
-    return gemm_state(self.module, name, mode)
+    # Every read goes through merge_uses: a module called several times in
+    # one step gets one merged update, not the sum of its uses' updates.
+    state = gemm_state(self.module, name, mode)
+    if state is not None:
+      _check_remat_read(self.module_name, name, state)
+    return state_lib.merge_uses(state, mode)
 
   def track_updates(self, kernel: jax.Array) -> None:
     track_updates(self.module, kernel)
+
+
+def _check_remat_read(module_name: str, name: str, state) -> None:
+  """Raises when a float32 FP8 state is read inside ``nnx.remat`` (any
+  ``jax.checkpoint``) of a differentiated step: the remat receives it as a new
+  value, and its next call on the same model reuses this trace (nothing of
+  te_jax runs then), so two calls would add their updates unseen. Read
+  through :func:`shared_fp8_state`, the calls merge."""
+  if layer_state.checkpoint_read_problem(state, None, seen_levels=0) is not None:
+    raise ValueError(
+        f"te_jax.nnx: the FP8 state '{name}' of {module_name} is read inside nnx.remat "
+        "(jax.checkpoint) in a differentiated step. The remat receives it as a new "
+        "value, and a second call of it reuses this trace unseen: autodiff would SUM the "
+        "calls' new states (an amax history entry the sum of their amaxes), silently "
+        "wrong FP8 scales. Call the remat'd function inside "
+        "`with te_jax.nnx.state.shared_fp8_state(model):` (in the differentiated "
+        "function; one call or several, their uses then merge into one update).")
+
+
+@contextlib.contextmanager
+def shared_fp8_state(model: nnx.Module):
+  """Inside the block, ``model``'s delayed-scaling FP8 states are shared:
+  calls of ``nnx.remat`` (or ``jax.checkpoint``) on the model in a
+  differentiated step merge their updates into one (the largest amax in one
+  history entry) instead of adding them.
+
+  Use it in the differentiated function, around the remat'd calls::
+
+    def loss_fn(model):
+      with te_jax.nnx.state.shared_fp8_state(model):
+        return loss(block(model, a), block(model, b))   # block = nnx.remat(...)
+
+  Each :class:`FP8State` being differentiated holds, inside, its state in
+  the merging dtype of ``te_jax.fp8_state.merge_uses``, converted once in
+  this trace (``te_jax.fp8_state.share_tree``); the float32 values are put
+  back on exit, and the gradients come back float32. With FP8 off, a recipe
+  without state or nothing differentiated it changes nothing.
+  """
+  mode = read_autocast().mode
+  replaced = []
+  for _, var in nnx.iter_graph(model):
+    if isinstance(var, FP8State):
+      value = var.get_value()
+      shared = state_lib.share_tree(value, mode)
+      if shared is not value:
+        replaced.append((var, value))
+        var.set_value(shared)
+  try:
+    yield model
+  finally:
+    for var, value in replaced:
+      var.set_value(value)
 
 
 _WARNED = set()
