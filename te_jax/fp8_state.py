@@ -81,6 +81,7 @@ from te_jax.ops.quantize import compute_scale, is_positive_amax
 
 __all__ = [
     "FP8_COLLECTION",
+    "FP8StateWarning",
     "init_tensor_state",
     "init_dense_state",
     "scale_from_state",
@@ -98,6 +99,14 @@ __all__ = [
 ]
 
 FP8_COLLECTION = "_overwrite_with_gradient"
+
+
+class FP8StateWarning(UserWarning):
+  """A module's delayed-scaling FP8 state is not doing what training needs:
+  it does not advance across steps (``te_jax.nnx.apply_fp8_updates`` not
+  called), or the module runs with FP8 off or another recipe (the state is
+  kept, unused). Raised once per module (``warnings``: filter it with
+  ``warnings.filterwarnings("ignore", category=FP8StateWarning)``)."""
 DENSE_TENSORS = ("x", "kernel", "grad")
 
 

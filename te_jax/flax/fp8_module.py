@@ -83,10 +83,22 @@ class LinenStates(layer_state.GemmStates):
     state = declare_fp8_state(self.module, name, mode)
     if state is not None:
       check_remat_calls(self.module, name, state)
+    elif self.has(name):
+      self._warn_unused(mode)
     return state_lib.merge_uses(state, mode)
 
   def keep_unused(self, y, names: Sequence[str]):
+    if any(self.has(n) for n in names):
+      # Here FP8 is off or the state is another's; only "off outside any
+      # autocast" is warned about (another recipe was, by state()).
+      self._warn_unused(None)
     return keep_unused_fp8_state(self.module, y, names)
+
+  def _warn_unused(self, mode):
+    layer_state.warn_unused_state(
+        self.module_name, "/".join(self.module.scope.path) or "the top module", mode,
+        f"initialize the model under that recipe, or pass apply() the variables without "
+        f"the collection '{state_lib.FP8_COLLECTION}'")
 
 
 def _where(module: nn.Module) -> str:

@@ -18,16 +18,18 @@ otherwise overwrite it.
 from __future__ import annotations
 
 import abc
+import warnings
 import weakref
 from typing import Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 
+from te_jax import autocast
 from te_jax import fp8_state as state_lib
 
 __all__ = ["GemmStates", "keep_state", "state_shapes", "fused_states",
-           "checkpoint_read_problem"]
+           "checkpoint_read_problem", "warn_unused_state"]
 
 
 class GemmStates(abc.ABC):
@@ -147,3 +149,49 @@ def checkpoint_read_problem(state, key, seen_levels: int) -> Optional[str]:
     if first() is not body:
       return "twice"
   return None
+
+
+# (module class, reason) of every warning warn_unused_state gave.
+_WARNED_UNUSED = set()
+
+
+def warn_unused_state(module_name: str, where: Optional[str], mode, drop_fix: str) -> None:
+  """Warns (``te_jax.fp8_state.FP8StateWarning``) that a module holds
+  delayed-scaling FP8 state which this call does not use, when that is not
+  what the user chose:
+
+  * ``mode`` None outside any ``fp8_autocast`` (a model built for FP8 run,
+    or a step traced, outside it: FP8 off by default). Inside an explicit
+    ``fp8_autocast(enabled=False)`` nothing is said: that is the way to run
+    without FP8 on purpose.
+  * ``mode`` of a recipe without state (current or blockwise scaling): the
+    delayed-scaling state is kept, not updated.
+
+  Once per module class and reason: a model repeats its layers, and one
+  line per layer would bury the others.
+
+  Args:
+    module_name: the module's class, as the message names it.
+    where: the instance (its path), for the message, or None.
+    mode: the active ``ScalingMode`` (None with FP8 off).
+    drop_fix: how the framework's user drops the state, for the message.
+  """
+  if mode is None and autocast.in_fp8_autocast():
+    return
+  reason = "off" if mode is None else type(mode.recipe).__name__
+  if (module_name, reason) in _WARNED_UNUSED:
+    return
+  _WARNED_UNUSED.add((module_name, reason))
+  seen = f" (the first seen: {where})" if where else ""
+  who = f"te_jax: {module_name} modules{seen} hold delayed-scaling FP8 state"
+  if mode is None:
+    msg = (f"{who} but run outside fp8_autocast, so with FP8 off: their GEMMs are not "
+           "quantized and the state is not used. Apply the model (and trace its jitted "
+           "step) inside te_jax.fp8_autocast(enabled=True, fp8_recipe=DelayedScaling(...)) "
+           "with the recipe it was made with; to run it without FP8 on purpose, say so "
+           "with te_jax.fp8_autocast(enabled=False).")
+  else:
+    msg = (f"{who} but run under {reason}, which does not use it (it is kept, not "
+           "updated). Apply the model under the DelayedScaling recipe it was made with; "
+           f"to train it under {reason}, drop the state: {drop_fix}.")
+  warnings.warn(state_lib.FP8StateWarning(msg), stacklevel=3)

@@ -54,6 +54,7 @@ from flax import nnx
 from flax.core import spmd
 
 from te_jax import fp8_state as state_lib
+from te_jax.fp8_state import FP8StateWarning
 from te_jax.layers import settings as layer_settings
 from te_jax.layers import state as layer_state
 
@@ -96,11 +97,6 @@ class FP8Counters(nnx.Variable):
     _check_when_ready(self, self.get_raw_value())
 
 
-class FP8StateWarning(UserWarning):
-  """The delayed-scaling FP8 state of a module did not advance across
-  training steps (``te_jax.nnx.apply_fp8_updates`` was not called)."""
-
-
 # The filter of everything a training step differentiates.
 WRT = (nnx.Param, FP8State)
 
@@ -129,16 +125,23 @@ def add_fp8_state(module: nnx.Module, mode) -> None:
 
 
 def init_fp8_state(model: nnx.Module, recipe) -> nnx.Module:
-  """Adds fresh delayed-scaling state to every te_jax.nnx FP8 GEMM of ``model``.
+  """Gives every te_jax.nnx FP8 GEMM of ``model`` the state ``recipe`` needs.
 
   For a model constructed outside ``fp8_autocast`` (or under another recipe)
-  that is to train under ``recipe``; existing state is replaced. Does
-  nothing for a recipe without state. Returns ``model`` (changed in place).
+  that is to train under ``recipe``: fresh delayed-scaling state (existing
+  state is replaced); for a recipe without state, the existing state and
+  its update counters are removed (a module holding state that its recipe
+  does not use warns). Returns ``model`` (changed in place).
   """
   mode = recipe.scaling_mode()
-  for _, m in nnx.iter_modules(model):
+  for _, m in list(nnx.iter_modules(model)):
     if getattr(type(m), "FP8_GEMMS", None):
-      add_fp8_state(m, mode)
+      if mode.uses_state:
+        add_fp8_state(m, mode)
+        continue
+      for name in type(m).FP8_GEMMS + (COUNTERS,):
+        if isinstance(getattr(m, name, None), (FP8State, FP8Counters)):
+          delattr(m, name)
   return model
 
 
@@ -236,7 +239,22 @@ class NnxStates(layer_state.GemmStates):
     state = gemm_state(self.module, name, mode)
     if state is not None:
       _check_remat_read(self.module_name, name, state)
+    elif self.has(name):
+      self._warn_unused(mode)
     return state_lib.merge_uses(state, mode)
+
+  def keep_unused(self, y, names):
+    # The state's "gradient" is then zero, which apply_fp8_updates reads as
+    # "keep". FP8 is off or the state is another recipe's; only "off outside
+    # any autocast" is warned about here (another recipe was, by state()).
+    if any(self.has(n) for n in names):
+      self._warn_unused(None)
+    return y
+
+  def _warn_unused(self, mode):
+    layer_state.warn_unused_state(
+        f"te_jax.nnx.{self.module_name}", None, mode,
+        "te_jax.nnx.init_fp8_state(model, recipe) with that recipe removes it")
 
   def track_updates(self, kernel: jax.Array) -> None:
     track_updates(self.module, kernel)
