@@ -18,6 +18,7 @@ otherwise overwrite it.
 from __future__ import annotations
 
 import abc
+import math
 import warnings
 import weakref
 from typing import Optional, Sequence, Tuple
@@ -29,7 +30,7 @@ from te_jax import autocast
 from te_jax import fp8_state as state_lib
 
 __all__ = ["GemmStates", "keep_state", "state_shapes", "fused_states",
-           "checkpoint_read_problem", "warn_unused_state"]
+           "checkpoint_read_problem", "warn_unused_state", "kernel_probe"]
 
 
 class GemmStates(abc.ABC):
@@ -195,3 +196,38 @@ def warn_unused_state(module_name: str, where: Optional[str], mode, drop_fix: st
            "updated). Apply the model under the DelayedScaling recipe it was made with; "
            f"to train it under {reason}, drop the state: {drop_fix}.")
   warnings.warn(state_lib.FP8StateWarning(msg), stacklevel=3)
+
+
+# Kernel entries the update check reads per module and forward pass.
+PROBE_ENTRIES = 1024
+
+
+def kernel_probe(kernel: jax.Array) -> jax.Array:
+  """A float32 scalar of ``kernel`` (any shape) that changes when the kernel
+  does, for the NNX modules' update check
+  (``te_jax.nnx.state.track_updates``).
+
+  A weighted sum (weights 1 + j / n, all distinct) of n <= PROBE_ENTRIES
+  entries spread over the whole kernel: every ``stride``-th entry of the
+  flattened kernel, the stride coprime with the last dim, so the entries
+  fall in rows from first to last and in different columns. A training step
+  that changes any of them changes the probe (up to an exact float32
+  cancellation of weighted changes); it misses a step only when every one
+  of those rows or columns got no update. One entry (what the check read
+  before) missed a whole run when its input feature was always 0. Cost per
+  module and forward pass: a strided read of n entries and their sum,
+  nothing beside the GEMMs; a sum over the whole kernel would read every
+  weight once more per step.
+
+  >>> float(kernel_probe(jnp.ones((4, 3))))   # 12 entries, weights 1 + j / 12
+  17.5
+  """
+  flat = jnp.ravel(kernel)
+  size, last = flat.shape[0], (kernel.shape[-1] if kernel.ndim else 1)
+  stride = max(1, size // PROBE_ENTRIES)
+  while math.gcd(stride, last) != 1:
+    stride += 1
+  sample = flat[::stride][:PROBE_ENTRIES].astype(jnp.float32)
+  n = sample.shape[0]
+  weights = 1.0 + jnp.arange(n, dtype=jnp.float32) / n
+  return jnp.sum(sample * weights)

@@ -315,6 +315,8 @@ def shared_fp8_state(model: nnx.Module):
 _WARNED = set()
 # uid -> the counts written last, not yet read (they were not ready).
 _UNREAD: Dict[int, list] = {}
+# uids whose counts a jitted step deleted (donate_argnums): read from copies.
+_DONATED = set()
 
 
 def _frozen_warning(module_name: str, pending: int) -> FP8StateWarning:
@@ -333,6 +335,12 @@ def _check_when_ready(var: FP8Counters, value) -> None:
   Reads only counts the device has finished (``is_ready``); the others wait
   for the next write. The counts only grow until ``apply_fp8_updates``
   resets them, so reading the newest finished one is enough.
+
+  A step jitted with ``donate_argnums`` (Flax's NNX tutorials write it so)
+  deletes the counts it was given: the one this function kept waiting is
+  gone by the next write. It is dropped, never read, and from then on the
+  module's counts are read from a private device copy, one at a time (the
+  copy is made when a count is written, before the next step can donate it).
   """
   pending = value.get("pending") if isinstance(value, dict) else None
   if not isinstance(pending, jax.Array) or isinstance(pending, jax.core.Tracer):
@@ -341,7 +349,13 @@ def _check_when_ready(var: FP8Counters, value) -> None:
   if uid in _WARNED:
     return
   unread = _UNREAD.setdefault(uid, [])
-  unread.append(pending)
+  if any(p.is_deleted() for p in unread):
+    _DONATED.add(uid)
+    unread[:] = [p for p in unread if not p.is_deleted()]
+  if uid not in _DONATED:
+    unread.append(pending)
+  elif not unread:
+    unread.append(jnp.copy(pending))
   ready = [p.is_ready() for p in unread]          # once: a count may finish meanwhile
   done = [p for p, r in zip(unread, ready) if r]
   unread[:] = [p for p, r in zip(unread, ready) if not r][-2:]   # the newest matter
@@ -383,7 +397,7 @@ def track_updates(module: nnx.Module, kernel: jax.Array) -> None:
   if not isinstance(var, FP8Counters):
     return
   c = var.get_value()
-  probe = lax.stop_gradient(jnp.ravel(kernel)[0]).astype(jnp.float32)
+  probe = layer_state.kernel_probe(lax.stop_gradient(kernel))
   changed = probe != c["probe"]          # the stored NaN: a first pass counts
   var.set_value({"pending": c["pending"] + changed.astype(jnp.int32), "probe": probe})
 
