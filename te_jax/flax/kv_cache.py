@@ -7,7 +7,9 @@ Flax's convention (``MultiHeadDotProductAttention(decode=True)``):
    one) creates, for input (B, L, E), ``cached_key`` and ``cached_value``
    (B, L, groups, head_dim) zeros in the compute dtype and ``cache_index``
    (int32 scalar 0), and computes the ordinary full forward (the cache stays
-   empty). L is the longest sequence the cache can hold.
+   empty). L is the longest sequence the cache can hold. An ``apply`` on one
+   token that would allocate (a decode step given variables without their
+   cache) is a ValueError: it would make a cache of length 1.
 2. Decode. Each later ``apply(variables, x, mutable=["cache"])`` with ``x``
    (B, n, E) appends n tokens: what that does, and what happens past L, is
    ``te_jax.layers.kv_cache``.
@@ -44,8 +46,9 @@ def decode_step(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array, *,
 
   Raises:
     ValueError: no cache and the collection is immutable; a cache but the
-      collection is immutable (it could not advance); the errors of
-      ``te_jax.layers.kv_cache.append``.
+      collection is immutable (it could not advance); an ``apply`` that would
+      allocate a cache of length 1 (``te_jax.layers.kv_cache.check_allocation``);
+      the errors of ``te_jax.layers.kv_cache.append``.
   """
   initialized = module.has_variable(CACHE_COLLECTION, "cached_key")
   mutable = module.is_mutable_collection(CACHE_COLLECTION)
@@ -60,6 +63,8 @@ def decode_step(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array, *,
     raise ValueError(
         f"{where}: decode=True appends to the '{CACHE_COLLECTION}' collection: pass "
         f"mutable=['{CACHE_COLLECTION}'] to apply() and keep the returned cache.")
+  if not initialized:
+    kv_cache.check_allocation(k.shape[1], module.is_initializing(), where, CACHE_COLLECTION)
   cached_key = module.variable(CACHE_COLLECTION, "cached_key", jnp.zeros, k.shape, k.dtype)
   cached_value = module.variable(CACHE_COLLECTION, "cached_value", jnp.zeros, v.shape,
                                  v.dtype)

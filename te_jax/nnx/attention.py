@@ -16,6 +16,7 @@ from flax import nnx
 
 from te_jax import norm_dense
 from te_jax.layers import attention as attn
+from te_jax.layers import kv_cache
 from te_jax.layers.checks import check_rate, compute_dtype, to_tuple
 from te_jax.layers.init import default_kernel_init
 from te_jax.nnx.linear import Linear, zeros
@@ -25,6 +26,11 @@ __all__ = ["MultiHeadAttention"]
 Dtype = Any
 Initializer = Callable[..., jax.Array]
 _ATTENTION_TYPES = ("self", "cross")
+
+# NNX modules keep no key/value cache; the Linen twin decodes.
+_NO_DECODE = ("decode with te_jax.flax.MultiHeadAttention(..., decode=True), same parameters "
+              "and numbers, on the variables te_jax.nnx.linen_variables(model) gives "
+              "(docs/nnx.md).")
 
 
 class MultiHeadAttention(nnx.Module):
@@ -56,6 +62,8 @@ class MultiHeadAttention(nnx.Module):
       kernel_init, bias_init, impl: as the Linen module.
     out_features: output width (default in_features).
     deterministic: default of the call argument.
+    decode: must be False (also in the call): NNX modules keep no key/value
+      cache; True raises a ValueError naming the Linen module, which decodes.
     rngs: ``nnx.Rngs``.
   """
 
@@ -69,7 +77,9 @@ class MultiHeadAttention(nnx.Module):
                max_segments_per_seq: int = 8, max_document_length: Optional[int] = None,
                dtype: Optional[Dtype] = None, param_dtype: Dtype = jnp.float32,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = zeros,
-               deterministic: bool = False, impl: str = "auto", rngs: nnx.Rngs):
+               deterministic: bool = False, impl: str = "auto", decode: bool = False,
+               rngs: nnx.Rngs):
+    kv_cache.refuse_decode(decode, "te_jax.nnx.MultiHeadAttention", _NO_DECODE)
     (h,) = to_tuple("num_attention_heads", num_attention_heads)
     (e,) = to_tuple("in_features", in_features)
     if attention_type not in _ATTENTION_TYPES:
@@ -118,7 +128,8 @@ class MultiHeadAttention(nnx.Module):
                kv_segment_positions: Optional[jax.Array] = None,
                mask: Optional[jax.Array] = None,
                deterministic: Optional[bool] = None,
-               input_norm: Optional[norm_dense.NormParams] = None) -> jax.Array:
+               input_norm: Optional[norm_dense.NormParams] = None,
+               decode: Optional[bool] = None) -> jax.Array:
     """Attends from ``inputs_q`` to ``inputs_kv`` (cross) or to itself (self).
 
     Arguments as ``te_jax.flax.MultiHeadAttention.__call__`` (``input_norm``:
@@ -127,6 +138,7 @@ class MultiHeadAttention(nnx.Module):
     defaults to the module attribute. Returns (B, Sq, out_features) in the
     compute dtype.
     """
+    kv_cache.refuse_decode(decode, "te_jax.nnx.MultiHeadAttention", _NO_DECODE)
     self_attn = self.attention_type == "self"
     attn.check_input_3d("inputs_q", inputs_q)
     if self_attn and inputs_kv is not None:
