@@ -13,6 +13,7 @@ from te_jax.flax.mlp import LayerNormMLP
 from te_jax.flax.norm import LayerNorm, NormParameters, RMSNorm
 from te_jax.layers import kv_cache
 from te_jax.layers import transformer as layer_lib
+from te_jax.layers import checks
 from te_jax.layers.checks import compute_dtype
 from te_jax.layers.init import default_kernel_init
 
@@ -175,6 +176,11 @@ class TransformerLayer(nn.Module):
       (B, S, hidden_size) in the compute dtype.
     """
     layer_lib.check_layer_type(self.layer_type)
+    checks.transformer_options(
+        self.hidden_size, self.mlp_hidden_size, self.num_attention_heads,
+        num_gqa_groups=self.num_gqa_groups, head_dim=self.head_dim,
+        hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,
+        intermediate_dropout=self.intermediate_dropout)
     if self.decode:
       kv_cache.check_decode_inputs(None, segment_ids=segment_ids,
                                    segment_positions=segment_positions)

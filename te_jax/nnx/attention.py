@@ -17,7 +17,7 @@ from flax import nnx
 from te_jax import norm_dense
 from te_jax.layers import attention as attn
 from te_jax.layers import kv_cache
-from te_jax.layers.checks import check_rate, compute_dtype, to_tuple
+from te_jax.layers.checks import attention_options, compute_dtype, to_tuple
 from te_jax.layers.init import default_kernel_init
 from te_jax.nnx.linear import Linear, zeros
 
@@ -80,7 +80,8 @@ class MultiHeadAttention(nnx.Module):
                deterministic: bool = False, impl: str = "auto", decode: bool = False,
                rngs: nnx.Rngs):
     kv_cache.refuse_decode(decode, "te_jax.nnx.MultiHeadAttention", _NO_DECODE)
-    (h,) = to_tuple("num_attention_heads", num_attention_heads)
+    h, groups, head_dim, out_features, attention_dropout = attention_options(
+        num_attention_heads, num_gqa_groups, head_dim, out_features, attention_dropout)
     (e,) = to_tuple("in_features", in_features)
     if attention_type not in _ATTENTION_TYPES:
       raise ValueError(f"attention_type must be one of {_ATTENTION_TYPES}, got "
@@ -90,15 +91,11 @@ class MultiHeadAttention(nnx.Module):
                        "its keys and values from inputs_q.")
     attn.check_attention_options(attn_mask_type, attention_impl, max_segments_per_seq,
                                  max_document_length)
-    check_rate("attention_dropout", attention_dropout)
-    h, g, d = attn.head_layout(
-        e, h, None if num_gqa_groups is None else to_tuple("num_gqa_groups", num_gqa_groups)[0],
-        None if head_dim is None else to_tuple("head_dim", head_dim)[0])
+    h, g, d = attn.head_layout(e, h, groups, head_dim)
     ekv = e if kv_features is None else to_tuple("kv_features", kv_features)[0]
     self.num_attention_heads, self.num_gqa_groups, self.head_dim = h, g, d
     self.in_features, self.kv_features, self.attention_type = e, ekv, attention_type
-    self.out_features = e if out_features is None else to_tuple("out_features",
-                                                                out_features)[0]
+    self.out_features = e if out_features is None else out_features
     self.attn_mask_type, self.attention_impl = attn_mask_type, attention_impl
     self.max_segments_per_seq = int(max_segments_per_seq)
     self.max_document_length = max_document_length

@@ -10,7 +10,7 @@ from flax import nnx
 
 from te_jax.layers import transformer as layer_lib
 from te_jax.layers import kv_cache
-from te_jax.layers.checks import check_rate, compute_dtype, to_tuple
+from te_jax.layers.checks import compute_dtype, to_tuple, transformer_options
 from te_jax.layers.init import default_kernel_init
 from te_jax.layers.norm import check_norm_type
 from te_jax.nnx.attention import MultiHeadAttention
@@ -82,7 +82,10 @@ class TransformerLayer(nnx.Module):
     if encoder_hidden_size is not None and layer_type != "decoder":
       raise ValueError("encoder_hidden_size (cross attention) needs layer_type='decoder'.")
     check_norm_type(layernorm_type)
-    check_rate("hidden_dropout", hidden_dropout)
+    transformer_options(hidden_size, mlp_hidden_size, num_attention_heads,
+                        num_gqa_groups=num_gqa_groups, head_dim=head_dim,
+                        hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
+                        intermediate_dropout=intermediate_dropout)
     e = self.hidden_size
     self.layer_type, self.dtype, self.param_dtype = layer_type, dtype, param_dtype
     self.deterministic = deterministic
