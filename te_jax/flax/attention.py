@@ -194,7 +194,9 @@ class MultiHeadAttention(nn.Module):
                                input_norm=input_norm, **proj)
 
     step = None
-    if self.decode:
+    if not self.decode:
+      kv_cache.warn_unused_cache(self)
+    else:
       rotate = (functools.partial(attn.apply_rotary, base=self.rotary_base)
                 if self.enable_rotary_pos_emb else None)
       step = kv_cache.decode_step(self, q, k, v, causal=self.attn_mask_type == "causal",

@@ -72,7 +72,8 @@ class LinenStates(layer_state.GemmStates):
     return self.module.has_variable(state_lib.FP8_COLLECTION, name)
 
   def can_create(self) -> bool:
-    return self.module.is_mutable_collection(state_lib.FP8_COLLECTION)
+    return (self.module.is_initializing()
+            and self.module.is_mutable_collection(state_lib.FP8_COLLECTION))
 
   def peek(self, name: str):
     return self.module.get_variable(state_lib.FP8_COLLECTION, name)
@@ -213,7 +214,8 @@ def declare_fp8_state(module: nn.Module, name: str, mode):
   """Declares (or reads) the FP8 state variable ``name`` of one GEMM of ``module``.
 
   The variable lives in collection ``FP8_COLLECTION`` and is created with
-  ``mode.init_state()`` when that collection is mutable (``init``).
+  ``mode.init_state()`` by ``init`` (never by an ``apply``, even one whose
+  collections are all mutable: that state would start over every call).
 
   Args:
     module: the Linen module that owns the GEMM (inside its ``__call__``).
@@ -236,10 +238,12 @@ def declare_fp8_state(module: nn.Module, name: str, mode):
   recipe_name = type(mode.recipe).__name__
   scan = enclosing_scan(module)
   existed = module.has_variable(coll, name)
-  if not existed and not module.is_mutable_collection(coll):
+  # Only init creates the state: created by an apply(mutable=...), a fresh
+  # state would start over in every call, and no step would keep it.
+  if not existed and not (module.is_mutable_collection(coll) and module.is_initializing()):
     autocast_fix = (f"Initialize the model inside fp8_autocast(enabled=True, "
-                    f"fp8_recipe={recipe_name}(...)) with the same recipe, or pass "
-                    f"mutable=['{coll}'].")
+                    f"fp8_recipe={recipe_name}(...)) with the same recipe (init creates "
+                    "the state; an apply does not).")
     if scan is not None and module.is_initializing():
       # init makes every collection mutable: only the scan filtered it out.
       problem = (f", which the nn.scan '{scan}' around it does not carry, so the "

@@ -13,10 +13,16 @@ Flax's convention (``MultiHeadDotProductAttention(decode=True)``):
 2. Decode. Each later ``apply(variables, x, mutable=["cache"])`` with ``x``
    (B, n, E) appends n tokens: what that does, and what happens past L, is
    ``te_jax.layers.kv_cache``.
+
+A module with ``decode=False`` given variables that hold its cache ignores
+the cache (each call attends within its own input only): it warns once
+(:func:`warn_unused_cache`), since that is mostly a decode loop whose
+module lost its ``decode=True``.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Optional
 
 import jax
@@ -25,7 +31,7 @@ import flax.linen as nn
 
 from te_jax.layers import kv_cache
 
-__all__ = ["CACHE_COLLECTION", "decode_step"]
+__all__ = ["CACHE_COLLECTION", "decode_step", "warn_unused_cache"]
 
 CACHE_COLLECTION = "cache"
 
@@ -77,3 +83,24 @@ def decode_step(module: nn.Module, q: jax.Array, k: jax.Array, v: jax.Array, *,
       causal=causal, rotate=rotate, where=where)
   cached_key.value, cached_value.value, cache_index.value = cache
   return step
+
+
+# (module class, path) of every module warn_unused_cache warned about.
+_WARNED = set()
+
+
+def warn_unused_cache(module: nn.Module) -> None:
+  """Warns once per module when ``module`` (``decode=False``) was given a
+  key/value cache, which it does not read."""
+  if not module.has_variable(CACHE_COLLECTION, "cached_key"):
+    return
+  key = (type(module).__name__, tuple(getattr(module, "path", ())))
+  if key in _WARNED:
+    return
+  _WARNED.add(key)
+  warnings.warn(
+      f"te_jax: {type(module).__name__} {'/'.join(key[1])} was given a key/value cache "
+      f"(collection '{CACHE_COLLECTION}') but has decode=False, so it ignores it: each "
+      "call attends within its own input only. To decode with the cache, apply the module "
+      "with decode=True (module.clone(decode=True)); otherwise leave the "
+      f"'{CACHE_COLLECTION}' collection out of the variables.", UserWarning, stacklevel=3)
