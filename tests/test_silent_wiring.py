@@ -272,3 +272,31 @@ def test_nnx_shared_linear_merges_under_nnx_jit():
   kernel_amax = float(jnp.max(jnp.abs(layer.kernel[...])))
   _assert_state(got, _expected(old, {"x": 3.0, "kernel": kernel_amax, "grad": 2.0}))
   np.testing.assert_array_equal(got["x"]["amax_history"], [3.0, 0.0, 0.0, 0.0])
+
+
+def test_nnx_scan_over_vmapped_layers_merges_per_layer():
+  """Layers stacked by nnx.vmap, applied by nnx.scan, each used twice per body."""
+  layers_n = 3
+  with te_jax.fp8_autocast(True, R):
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+      return tnx.Linear(32, 32, rngs=nnx.Rngs(key))
+    layers = make(jax.random.split(jax.random.PRNGKey(0), layers_n))
+  xs = jnp.stack([jnp.stack([jnp.full((8, 32), l + 1.0), jnp.full((8, 32), -2.0 * (l + 1))])
+                  for l in range(layers_n)])
+
+  def loss(layers):
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
+    def body(c, layer, x):
+      return c + jnp.sum(layer(x[0])) + 2.0 * jnp.sum(layer(x[1]))
+    return body(jnp.float32(0), layers, xs)
+
+  old = layers.fp8_meta.get_value()
+  with te_jax.fp8_autocast(True, R):
+    got = nnx.jit(lambda m: nnx.grad(loss, argnums=tnx.diff_state(0))(m))(layers)
+  got = got["fp8_meta"].get_value()
+  for l in range(layers_n):
+    want = _expected(jax.tree.map(lambda s, l=l: s[l], old),
+                     {"x": 2.0 * (l + 1), "kernel": float(jnp.max(jnp.abs(layers.kernel[...][l]))),
+                      "grad": 2.0})
+    _assert_state(jax.tree.map(lambda s, l=l: s[l], got), want, f"layer {l}")
