@@ -187,3 +187,31 @@ def test_nnx_remat_without_sharing_raises_naming_the_fix(twice):
 def test_nnx_shared_remat_calls_merge(twice):
   old, got, kernel = _nnx(share=True, twice=twice)
   _assert_state(got, _expected(old, 3.0 if twice else 2.0, kernel, 2.0 if twice else 1.0))
+
+
+def test_nnx_scan_of_remat_calls_shared_inside_the_body_merges_per_layer():
+  layers_n = 2
+  with te_jax.fp8_autocast(True, R):
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(key):
+      return tnx.Linear(32, 16, rngs=nnx.Rngs(key))
+    layers = make(jax.random.split(jax.random.PRNGKey(0), layers_n))
+  xs = jnp.stack([jnp.stack([jnp.full((8, 32), l + 1.0), jnp.full((8, 32), -2.0 * (l + 1))])
+                  for l in range(layers_n)])
+  block = nnx.remat(lambda m, x: m(x))
+
+  def loss(layers):
+    @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
+    def body(c, layer, x):
+      with shared_fp8_state(layer):    # the per-layer state, inside the scan
+        return c + jnp.sum(block(layer, x[0])) + 2.0 * jnp.sum(block(layer, x[1]))
+    return body(jnp.float32(0), layers, xs)
+
+  old = layers.fp8_meta.get_value()
+  with te_jax.fp8_autocast(True, R):
+    got = nnx.jit(lambda m: nnx.grad(loss, argnums=tnx.diff_state(0))(m))(layers)
+  got = got["fp8_meta"].get_value()
+  for l in range(layers_n):
+    _assert_state(jax.tree.map(lambda s, l=l: s[l], got),
+                  _expected(jax.tree.map(lambda s, l=l: s[l], old), 2.0 * (l + 1),
+                            layers.kernel[...][l], 2.0))
