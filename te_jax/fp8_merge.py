@@ -217,40 +217,24 @@ def _identity_like(shared):
       _MERGE_OF_LEAF[leaf]) for leaf, v in t.items()} for role, t in shared.items()}
 
 
-@jax.custom_vjp
-def _tie(y, shared):
-  """``y``; the cotangent of the shared state is "no use"."""
-  del shared
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _tie(y, state, merging: bool):
+  """``y``; the state's cotangent is "no use" (``merging``: ``state`` is a
+  shared value) or the state itself (a float32 state tied alone)."""
+  del state, merging
   return y
 
 
-def _tie_fwd(y, shared):
-  return y, shared
-
-
-def _tie_bwd(shared, g):
-  return g, _identity_like(shared)
-
-
-_tie.defvjp(_tie_fwd, _tie_bwd)
-
-
-@jax.custom_vjp
-def _keep_plain(y, state):
-  """``y``; the state's cotangent is the state itself."""
-  del state
-  return y
-
-
-def _keep_plain_fwd(y, state):
+def _tie_fwd(y, state, merging):
+  del merging
   return y, state
 
 
-def _keep_plain_bwd(state, g):
-  return g, state
+def _tie_bwd(merging, state, g):
+  return g, _identity_like(state) if merging else state
 
 
-_keep_plain.defvjp(_keep_plain_fwd, _keep_plain_bwd)
+_tie.defvjp(_tie_fwd, _tie_bwd)
 
 # id(first leaf) -> (weak references to the state's leaves, its shared value,
 # the _ModeOfUses of its reads); an entry lives as long as the arrays it was
@@ -351,10 +335,10 @@ def tie_unused(y, state):
   leaves = jax.tree.leaves(state)
   if not _is_gemm_state(state) or not any(
       isinstance(leaf, jax.core.Tracer) or _is_merging(leaf) for leaf in leaves):
-    return _keep_plain(y, state)
+    return _tie(y, state, False)
   state = _check_layout(state)
   shared = state if any(_is_merging(leaf) for leaf in leaves) else _shared_value(state, leaves)
-  return _tie(y, shared)
+  return _tie(y, shared, True)
 
 
 def share_tree(tree, mode=None):

@@ -15,6 +15,9 @@ amax entry became the sum of the calls' amaxes, silently. Now:
   one call or several merge.
 * A ``jax.checkpoint`` around a Linen ``apply`` is refused the same way
   (its later calls may reuse the trace); ``share_tree`` makes it merge.
+
+(``nn.scan`` of ``nn.remat`` blocks, and ``nnx.scan`` of ``nnx.remat`` calls
+shared inside the body: tests/test_silent_wiring.py.)
 """
 
 import flax.linen as nn
@@ -110,33 +113,6 @@ def test_linen_remat_block_applied_twice_with_fp8_off_keeps_the_state():
                 variables[FP8_COLLECTION]["blk"]["d"]["fp8_meta"])
 
 
-class ScannedShared(nn.Module):
-  """A scanned, remat'd block whose one layer reads two inputs per layer."""
-
-  @nn.compact
-  def __call__(self, carry, xs):
-    d = tfx.DenseGeneral(16, use_bias=False, name="d")
-    return carry + jnp.sum(d(xs[0])) + 2.0 * jnp.sum(d(xs[1])), None
-
-
-def test_linen_scan_of_remat_blocks_merges_within_each_layer():
-  layers = 2
-  scan = nn.scan(nn.remat(ScannedShared), variable_axes={FP8_COLLECTION: 0, "params": 0},
-                 split_rngs={"params": True}, length=layers,
-                 metadata_params={nn.PARTITION_NAME: "layers"})
-  xs = jnp.stack([jnp.stack([jnp.full((8, 32), l + 1.0), jnp.full((8, 32), -4.0 * (l + 1))])
-                  for l in range(layers)])
-  with te_jax.fp8_autocast(True, R):
-    variables = nn.unbox(jax.jit(scan().init)(jax.random.PRNGKey(0), jnp.float32(0), xs))
-    got = jax.jit(jax.grad(lambda v: scan().apply(v, jnp.float32(0), xs)[0]))(variables)
-  old = variables[FP8_COLLECTION]["d"]["fp8_meta"]
-  got = got[FP8_COLLECTION]["d"]["fp8_meta"]
-  for l in range(layers):
-    _assert_state(jax.tree.map(lambda s, l=l: s[l], got),
-                  _expected(jax.tree.map(lambda s, l=l: s[l], old), 4.0 * (l + 1),
-                            variables["params"]["d"]["kernel"][l], 2.0))
-
-
 def test_jax_checkpoint_around_apply_raises_and_share_tree_merges():
   layer = tfx.DenseGeneral(16, use_bias=False)
   with te_jax.fp8_autocast(True, R):
@@ -187,31 +163,3 @@ def test_nnx_remat_without_sharing_raises_naming_the_fix(twice):
 def test_nnx_shared_remat_calls_merge(twice):
   old, got, kernel = _nnx(share=True, twice=twice)
   _assert_state(got, _expected(old, 3.0 if twice else 2.0, kernel, 2.0 if twice else 1.0))
-
-
-def test_nnx_scan_of_remat_calls_shared_inside_the_body_merges_per_layer():
-  layers_n = 2
-  with te_jax.fp8_autocast(True, R):
-    @nnx.vmap(in_axes=0, out_axes=0)
-    def make(key):
-      return tnx.Linear(32, 16, rngs=nnx.Rngs(key))
-    layers = make(jax.random.split(jax.random.PRNGKey(0), layers_n))
-  xs = jnp.stack([jnp.stack([jnp.full((8, 32), l + 1.0), jnp.full((8, 32), -2.0 * (l + 1))])
-                  for l in range(layers_n)])
-  block = nnx.remat(lambda m, x: m(x))
-
-  def loss(layers):
-    @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
-    def body(c, layer, x):
-      with shared_fp8_state(layer):    # the per-layer state, inside the scan
-        return c + jnp.sum(block(layer, x[0])) + 2.0 * jnp.sum(block(layer, x[1]))
-    return body(jnp.float32(0), layers, xs)
-
-  old = layers.fp8_meta.get_value()
-  with te_jax.fp8_autocast(True, R):
-    got = nnx.jit(lambda m: nnx.grad(loss, argnums=tnx.diff_state(0))(m))(layers)
-  got = got["fp8_meta"].get_value()
-  for l in range(layers_n):
-    _assert_state(jax.tree.map(lambda s, l=l: s[l], got),
-                  _expected(jax.tree.map(lambda s, l=l: s[l], old), 2.0 * (l + 1),
-                            layers.kernel[...][l], 2.0))

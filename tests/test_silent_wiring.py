@@ -14,6 +14,8 @@ Expected states come from the recipe itself: ``mode.update_state(old,
 from the same block run once per use (``_expected_from_uses``).
 """
 
+import contextlib
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -27,6 +29,7 @@ from te_jax import flax as tfx
 from te_jax import nnx as tnx
 from te_jax import recipe
 from te_jax.fp8_state import FP8_COLLECTION
+from te_jax.nnx.state import shared_fp8_state
 
 HIST = 4
 R = recipe.DelayedScaling(amax_history_len=HIST)
@@ -161,9 +164,11 @@ class ScannedPair(nn.Module):
     return carry + jnp.sum(d(xs[0])) + 2.0 * jnp.sum(d(xs[1])), None
 
 
-def test_linen_shared_layer_in_a_scanned_block_merges_per_layer():
+@pytest.mark.parametrize("remat", [False, True], ids=["scan", "scan_of_remat"])
+def test_linen_shared_layer_in_a_scanned_block_merges_per_layer(remat):
   layers = 3
-  scan = nn.scan(ScannedPair, variable_axes={FP8_COLLECTION: 0, "params": 0},
+  body = nn.remat(ScannedPair) if remat else ScannedPair
+  scan = nn.scan(body, variable_axes={FP8_COLLECTION: 0, "params": 0},
                  split_rngs={"params": True}, length=layers,
                  metadata_params={nn.PARTITION_NAME: "layers"})
   # Layer l reads inputs of amax l + 1 and 2 (l + 1): its x entry 2 (l + 1).
@@ -274,8 +279,11 @@ def test_nnx_shared_linear_merges_under_nnx_jit():
   np.testing.assert_array_equal(got["x"]["amax_history"], [3.0, 0.0, 0.0, 0.0])
 
 
-def test_nnx_scan_over_vmapped_layers_merges_per_layer():
-  """Layers stacked by nnx.vmap, applied by nnx.scan, each used twice per body."""
+@pytest.mark.parametrize("remat", [False, True], ids=["scan", "scan_of_remat"])
+def test_nnx_scan_over_vmapped_layers_merges_per_layer(remat):
+  """Layers stacked by nnx.vmap, applied by nnx.scan, each used twice per body
+  (directly, or through an nnx.remat shared inside the body, the fix that
+  te_jax.nnx.state's remat error names)."""
   layers_n = 3
   with te_jax.fp8_autocast(True, R):
     @nnx.vmap(in_axes=0, out_axes=0)
@@ -285,10 +293,13 @@ def test_nnx_scan_over_vmapped_layers_merges_per_layer():
   xs = jnp.stack([jnp.stack([jnp.full((8, 32), l + 1.0), jnp.full((8, 32), -2.0 * (l + 1))])
                   for l in range(layers_n)])
 
+  call = nnx.remat(lambda m, x: m(x)) if remat else (lambda m, x: m(x))
+
   def loss(layers):
     @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
     def body(c, layer, x):
-      return c + jnp.sum(layer(x[0])) + 2.0 * jnp.sum(layer(x[1]))
+      with shared_fp8_state(layer) if remat else contextlib.nullcontext():
+        return c + jnp.sum(call(layer, x[0])) + 2.0 * jnp.sum(call(layer, x[1]))
     return body(jnp.float32(0), layers, xs)
 
   old = layers.fp8_meta.get_value()

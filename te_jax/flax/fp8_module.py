@@ -66,7 +66,10 @@ class LinenStates(layer_state.GemmStates):
 
   def __init__(self, module: nn.Module):
     self.module = module
-    self.module_name = type(module).__name__
+    self.module_name = self.warn_name = type(module).__name__
+    self.warn_where = "/".join(module.scope.path) or "the top module"
+    self.drop_fix = ("initialize the model under that recipe, or pass apply() the variables "
+                     f"without the collection '{state_lib.FP8_COLLECTION}'")
 
   def has(self, name: str) -> bool:
     return self.module.has_variable(state_lib.FP8_COLLECTION, name)
@@ -78,28 +81,14 @@ class LinenStates(layer_state.GemmStates):
   def peek(self, name: str):
     return self.module.get_variable(state_lib.FP8_COLLECTION, name)
 
-  def state(self, name: str, mode):
-    # Every read goes through merge_uses: a module called several times in
-    # one step gets one merged update, not the sum of its uses' updates.
-    state = declare_fp8_state(self.module, name, mode)
-    if state is not None:
-      check_remat_calls(self.module, name, state)
-    elif self.has(name):
-      self._warn_unused(mode)
-    return state_lib.merge_uses(state, mode)
+  def read(self, name: str, mode):
+    return declare_fp8_state(self.module, name, mode)
 
-  def keep_unused(self, y, names: Sequence[str]):
-    if any(self.has(n) for n in names):
-      # Here FP8 is off or the state is another's; only "off outside any
-      # autocast" is warned about (another recipe was, by state()).
-      self._warn_unused(None)
+  def check_read(self, name: str, state) -> None:
+    check_remat_calls(self.module, name, state)
+
+  def tie(self, y, names: Sequence[str]):
     return keep_unused_fp8_state(self.module, y, names)
-
-  def _warn_unused(self, mode):
-    layer_state.warn_unused_state(
-        self.module_name, "/".join(self.module.scope.path) or "the top module", mode,
-        f"initialize the model under that recipe, or pass apply() the variables without "
-        f"the collection '{state_lib.FP8_COLLECTION}'")
 
 
 def _where(module: nn.Module) -> str:

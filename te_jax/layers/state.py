@@ -36,11 +36,26 @@ __all__ = ["GemmStates", "keep_state", "state_shapes", "fused_states",
 class GemmStates(abc.ABC):
   """The FP8 state of one module's GEMMs, as the core asks for it.
 
+  :meth:`state` and :meth:`keep_unused` are the core's two questions, the
+  same for every framework: every read goes through
+  ``te_jax.fp8_state.merge_uses`` (a module called several times in one
+  step gets one merged update, not the sum of its uses'), and a state the
+  call does not use is warned about when the user did not choose that
+  (:func:`warn_unused_state`). A framework says where its state lives
+  (:meth:`read`), what a read inside a lifted transform must satisfy
+  (:meth:`check_read`) and how a kept state is tied (:meth:`tie`).
+
   Attributes:
     module_name: the module's class name (for the log lines that name it).
+    warn_name: the module as the warnings name it (default module_name).
+    warn_where: the instance, for the warnings (or None).
+    drop_fix: how a user of the framework drops the state (for a warning).
   """
 
   module_name: str
+  warn_name: Optional[str] = None
+  warn_where: Optional[str] = None
+  drop_fix: str = "drop it from the module's variables"
 
   @abc.abstractmethod
   def has(self, name: str) -> bool:
@@ -54,23 +69,55 @@ class GemmStates(abc.ABC):
   def peek(self, name: str):
     """The value of the existing state of GEMM ``name``; declares nothing."""
 
-  @abc.abstractmethod
-  def state(self, name: str, mode):
-    """The state of GEMM ``name`` for the ``te_jax.scaling.ScalingMode``
-    ``mode``, created where the framework creates it; None when ``mode``
-    keeps none.
+  def read(self, name: str, mode):
+    """The stored state of GEMM ``name`` for the ``ScalingMode`` ``mode``,
+    created where the framework creates it; None when ``mode`` keeps none.
+    (A store that overrides :meth:`state` itself need not implement it; its
+    reads then do not merge.)
 
     Raises:
       ValueError: the state is missing and cannot be created, or its shapes
         are not the ones ``mode`` needs (the message names the fix).
     """
+    raise NotImplementedError(f"{type(self).__name__} implements neither read() nor state().")
+
+  def check_read(self, name: str, state) -> None:
+    """Raises where reading ``state`` here would add up its updates (a read
+    inside a rematerialized call: :func:`checkpoint_read_problem`).
+    Default: nothing."""
+    del name, state
+
+  def tie(self, y, names: Sequence[str]):
+    """``y`` tied to the existing states ``names`` so that the framework's
+    update leaves them as they are. Default: ``y`` (nothing to tie)."""
+    del names
+    return y
+
+  def state(self, name: str, mode):
+    """The state of GEMM ``name`` for ``mode`` (:meth:`read`), as the
+    functional layer takes it (``te_jax.fp8_state.merge_uses``); None when
+    ``mode`` keeps none (an existing state is then warned about: another
+    recipe's)."""
+    state = self.read(name, mode)
+    if state is not None:
+      self.check_read(name, state)
+    elif self.has(name):
+      self.warn_unused(mode)
+    return state_lib.merge_uses(state, mode)
 
   def keep_unused(self, y, names: Sequence[str]):
     """``y`` (any pytree of arrays), tied to the states ``names`` that exist
-    but that this call does not use, so that the framework's update leaves
-    them as they are. Default: ``y`` (nothing to tie)."""
-    del names
-    return y
+    but that this call does not use (:meth:`tie`). FP8 is then off, or the
+    state is another recipe's (warned about by :meth:`state`); off outside
+    any autocast is warned about here."""
+    if any(self.has(n) for n in names):
+      self.warn_unused(None)
+    return self.tie(y, names)
+
+  def warn_unused(self, mode) -> None:
+    """:func:`warn_unused_state` for this module."""
+    warn_unused_state(self.warn_name or self.module_name, self.warn_where, mode,
+                      self.drop_fix)
 
   def track_updates(self, kernel: jax.Array) -> None:
     """Records one forward pass that uses the module's FP8 state with

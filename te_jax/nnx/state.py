@@ -223,6 +223,8 @@ class NnxStates(layer_state.GemmStates):
   def __init__(self, module: nnx.Module):
     self.module = module
     self.module_name = type(module).__name__
+    self.warn_name = f"te_jax.nnx.{self.module_name}"
+    self.drop_fix = "te_jax.nnx.init_fp8_state(model, recipe) with that recipe removes it"
 
   def has(self, name: str) -> bool:
     return isinstance(getattr(self.module, name, None), FP8State)
@@ -233,28 +235,14 @@ class NnxStates(layer_state.GemmStates):
   def peek(self, name: str):
     return getattr(self.module, name).get_value()
 
-  def state(self, name: str, mode):
-    # Every read goes through merge_uses: a module called several times in
-    # one step gets one merged update, not the sum of its uses' updates.
-    state = gemm_state(self.module, name, mode)
-    if state is not None:
-      _check_remat_read(self.module_name, name, state)
-    elif self.has(name):
-      self._warn_unused(mode)
-    return state_lib.merge_uses(state, mode)
+  def read(self, name: str, mode):
+    return gemm_state(self.module, name, mode)
 
-  def keep_unused(self, y, names):
-    # The state's "gradient" is then zero, which apply_fp8_updates reads as
-    # "keep". FP8 is off or the state is another recipe's; only "off outside
-    # any autocast" is warned about here (another recipe was, by state()).
-    if any(self.has(n) for n in names):
-      self._warn_unused(None)
-    return y
+  def check_read(self, name: str, state) -> None:
+    _check_remat_read(self.module_name, name, state)
 
-  def _warn_unused(self, mode):
-    layer_state.warn_unused_state(
-        f"te_jax.nnx.{self.module_name}", None, mode,
-        "te_jax.nnx.init_fp8_state(model, recipe) with that recipe removes it")
+  # tie: the base's (none). A kept state's "gradient" is zero, which
+  # apply_fp8_updates reads as "keep".
 
   def track_updates(self, kernel: jax.Array) -> None:
     track_updates(self.module, kernel)
