@@ -15,7 +15,16 @@ state, which
 * when the variables hold FP8 state that the active recipe does not use (FP8
   switched off for a step, or another recipe), makes the state's "gradient"
   the state itself, so ``TrainState.apply_gradients`` leaves it untouched
-  (:func:`keep_unused_fp8_state`).
+  (:func:`keep_unused_fp8_state`), and warns unless FP8 was switched off
+  with ``fp8_autocast(enabled=False)``;
+* reads every state through ``te_jax.fp8_state.merge_uses``: a module called
+  several times in a step merges its uses into one update.
+
+``nn.remat`` hands each call the variables as new values, so a remat'd
+block applied twice in one differentiated step would add its calls'
+updates: :func:`check_remat_calls` refuses that, and
+:func:`share_fp8_state` (``share_fp8_state(nn.remat(Block))``) makes the
+calls share the state and merge.
 
 Under ``nn.scan`` the FP8 collection must be scanned like the parameters,
 ``nn.scan(..., variable_axes={"_overwrite_with_gradient": 0, "params": 0})``:

@@ -8,11 +8,17 @@ through a :class:`GemmStates` object the module passes in, implemented once
 per framework (``te_jax.flax.fp8_module.LinenStates``,
 ``te_jax.nnx.state.NnxStates``).
 
-The state's "gradient" is its update (``te_jax.dense``). A state the call
-does not use -- FP8 switched off, or another recipe than the one it was made
-for -- must come back unchanged: :meth:`GemmStates.keep_unused` ties it to
-the output with :func:`keep_state` where the framework's update would
-otherwise overwrite it.
+The state's "gradient" is its update (``te_jax.dense``). Every read goes
+through ``te_jax.fp8_state.merge_uses`` (:meth:`GemmStates.state`), so a
+module called several times in one step gets one update, the largest amax
+in one history entry, where autodiff would add the uses' updates. A state
+the call does not use -- FP8 switched off, or another recipe than the one it
+was made for -- must come back unchanged: :meth:`GemmStates.keep_unused`
+ties it to the output with :func:`keep_state` where the framework's update
+would otherwise overwrite it, and says so when the user did not choose it
+(:func:`warn_unused_state`). Reads inside ``nn.remat`` / ``nnx.remat``,
+whose calls would add their updates out of te_jax's sight, are checked by
+:func:`checkpoint_read_problem`.
 """
 
 from __future__ import annotations

@@ -36,7 +36,16 @@ step's count is usually read when the next step is written back). A loop
 that carries ``nnx.split`` states through ``jax.jit`` itself never writes
 them into the model: call :func:`check_fp8_updates` on its state now and
 then. Gradient accumulation (several forward passes on the same parameters,
-one update) and evaluation passes do not count as steps.
+one update) and evaluation passes do not count as steps. A change of the
+parameters is seen through a probe spread over each kernel
+(``te_jax.layers.state.kernel_probe``); counts that a step jitted with
+``donate_argnums`` deletes are never read (a private copy is, instead).
+
+Every read of a state merges (``te_jax.fp8_state.merge_uses``): a module
+called several times in one step gets one update. Inside ``nnx.remat`` the
+state is a new value per call and later calls reuse the first call's trace,
+so their updates would add unseen: a read there raises unless the model's
+states are shared for the calls (:func:`shared_fp8_state`).
 """
 
 from __future__ import annotations
