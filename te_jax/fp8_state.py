@@ -75,11 +75,13 @@ from typing import Any, Dict
 import jax
 import jax.numpy as jnp
 
-from te_jax.fp8_merge import merge_uses, shared_state
+from te_jax.fp8_merge import (checkpoint_bodies, merge_uses, share_tree, shared_state,
+                              tie_unused, unshare_tree)
 from te_jax.ops.quantize import compute_scale, is_positive_amax
 
 __all__ = [
     "FP8_COLLECTION",
+    "FP8StateWarning",
     "init_tensor_state",
     "init_dense_state",
     "scale_from_state",
@@ -90,9 +92,21 @@ __all__ = [
     "migrate_scale_inv",
     "merge_uses",
     "shared_state",
+    "tie_unused",
+    "share_tree",
+    "unshare_tree",
+    "checkpoint_bodies",
 ]
 
 FP8_COLLECTION = "_overwrite_with_gradient"
+
+
+class FP8StateWarning(UserWarning):
+  """A module's delayed-scaling FP8 state is not doing what training needs:
+  it does not advance across steps (``te_jax.nnx.apply_fp8_updates`` not
+  called), or the module runs with FP8 off or another recipe (the state is
+  kept, unused). Raised once per module (``warnings``: filter it with
+  ``warnings.filterwarnings("ignore", category=FP8StateWarning)``)."""
 DENSE_TENSORS = ("x", "kernel", "grad")
 
 

@@ -15,6 +15,7 @@ from te_jax.flax.moe import MoE
 from te_jax.flax.norm import LayerNorm, NormParameters, RMSNorm
 from te_jax.layers import kv_cache
 from te_jax.layers import transformer as layer_lib
+from te_jax.layers import checks
 from te_jax.layers.checks import compute_dtype
 from te_jax.layers.init import default_kernel_init
 from te_jax.moe import MoEConfig
@@ -192,6 +193,11 @@ class TransformerLayer(nn.Module):
     layer_lib.check_layer_type(self.layer_type)
     layer_lib.check_mlp_type(self.mlp_type, self.moe, use_bias=self.use_bias,
                              intermediate_dropout=self.intermediate_dropout)
+    checks.transformer_options(
+        self.hidden_size, self.mlp_hidden_size, self.num_attention_heads,
+        num_gqa_groups=self.num_gqa_groups, head_dim=self.head_dim,
+        hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,
+        intermediate_dropout=self.intermediate_dropout)
     if self.decode:
       kv_cache.check_decode_inputs(None, segment_ids=segment_ids,
                                    segment_positions=segment_positions)

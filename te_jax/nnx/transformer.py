@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from te_jax.layers import transformer as layer_lib
-from te_jax.layers.checks import check_rate, compute_dtype, to_tuple
+from te_jax.layers import kv_cache
+from te_jax.layers.checks import compute_dtype, to_tuple, transformer_options
 from te_jax.layers.init import default_kernel_init
 from te_jax.layers.norm import check_norm_type
 from te_jax.moe import MoEConfig
@@ -23,6 +24,11 @@ __all__ = ["TransformerLayer"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
+
+# NNX modules keep no key/value cache; the Linen twin decodes.
+_NO_DECODE = ("decode with te_jax.flax.TransformerLayer(..., decode=True), same parameters "
+              "and numbers, on the variables te_jax.nnx.linen_variables(model) gives "
+              "(docs/nnx.md).")
 
 
 class TransformerLayer(nnx.Module):
@@ -54,6 +60,8 @@ class TransformerLayer(nnx.Module):
       builds the cross-attention sublayer (decoder only).
     deterministic: default of the call argument (``model.train()`` /
       ``model.eval()`` set it on every submodule).
+    decode: must be False (also in the call): no key/value cache in NNX; True
+      raises a ValueError naming the Linen module, which decodes.
     rngs: ``nnx.Rngs`` (its "dropout" stream feeds the dropouts).
   """
 
@@ -72,7 +80,9 @@ class TransformerLayer(nnx.Module):
                max_segments_per_seq: int = 8, max_document_length: Optional[int] = None,
                dtype: Optional[Dtype] = None, param_dtype: Dtype = jnp.float32,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = zeros,
-               deterministic: bool = False, impl: str = "auto", rngs: nnx.Rngs):
+               deterministic: bool = False, impl: str = "auto", decode: bool = False,
+               rngs: nnx.Rngs):
+    kv_cache.refuse_decode(decode, "te_jax.nnx.TransformerLayer", _NO_DECODE)
     (self.hidden_size,) = to_tuple("hidden_size", hidden_size)
     layer_lib.check_layer_type(layer_type)
     layer_lib.check_mlp_type(mlp_type, moe, use_bias=use_bias,
@@ -80,7 +90,10 @@ class TransformerLayer(nnx.Module):
     if encoder_hidden_size is not None and layer_type != "decoder":
       raise ValueError("encoder_hidden_size (cross attention) needs layer_type='decoder'.")
     check_norm_type(layernorm_type)
-    check_rate("hidden_dropout", hidden_dropout)
+    transformer_options(hidden_size, mlp_hidden_size, num_attention_heads,
+                        num_gqa_groups=num_gqa_groups, head_dim=head_dim,
+                        hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
+                        intermediate_dropout=intermediate_dropout)
     e = self.hidden_size
     self.layer_type, self.dtype, self.param_dtype = layer_type, dtype, param_dtype
     self.deterministic = deterministic
@@ -143,9 +156,11 @@ class TransformerLayer(nnx.Module):
                segment_ids: Optional[jax.Array] = None,
                segment_positions: Optional[jax.Array] = None,
                encoder_segment_ids: Optional[jax.Array] = None,
-               deterministic: Optional[bool] = None) -> jax.Array:
+               deterministic: Optional[bool] = None,
+               decode: Optional[bool] = None) -> jax.Array:
     """Applies the block (arguments as ``te_jax.flax.TransformerLayer``;
     ``deterministic`` defaults to the module attribute)."""
+    kv_cache.refuse_decode(decode, "te_jax.nnx.TransformerLayer", _NO_DECODE)
     if encoded is not None and self.encoder_hidden_size is None:
       raise ValueError("encoded inputs (cross attention) need a decoder layer built with "
                        "encoder_hidden_size=...")
