@@ -36,6 +36,7 @@ find the ``jax.checkpoint`` bodies around a read (:func:`checkpoint_bodies`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import functools
 import weakref
 from collections.abc import Mapping
@@ -184,10 +185,31 @@ def _share_bwd(uses_mode, old, merged):
     if uses_mode.mode is None:   # no read noted a mode: no use, or one (its own update)
       several = old[role]
     else:
-      several = uses_mode.mode.update_state(old, {role: ct["amax_history"][0]})[role]
-    new[role] = {k: jnp.where(uses == 0, old[role][k], jnp.where(uses > 0, ct[k], several[k]))
-                 for k in ct}
+      several = _update_rows(uses_mode.mode, role, old[role], ct["amax_history"][..., 0])
+    new[role] = {}
+    for k in ct:
+      # One count per history row (per expert of a grouped state, per layer of
+      # a stacked one): shaped to broadcast against this leaf.
+      u = uses if k == "scale" else uses.reshape(ct[k].shape[:-1] + (1,))
+      new[role][k] = jnp.where(u == 0, old[role][k], jnp.where(u > 0, ct[k], several[k]))
   return (new,)
+
+
+def _update_rows(mode, role, old, amax):
+  """``mode.update_state`` of one role's state with one amax per history row:
+  a GEMM's state (history (H,), scale ()) or one with leading dims (a
+  grouped GEMM's per-expert kernel state, history (E, H) and scale (E,) or
+  (E, 1)), each row on its own."""
+  hist, scale = old["amax_history"], old["scale"]
+  lead = hist.shape[:-1]
+  if not lead:
+    return mode.update_state({role: old}, {role: amax})[role]
+  n = math.prod(lead)
+  one = lambda h, s, a: mode.update_state(
+      {role: {"amax_history": h, "scale": s}}, {role: a})[role]
+  out = jax.vmap(one)(hist.reshape(n, hist.shape[-1]), scale.reshape(n), amax.reshape(n))
+  return {"amax_history": out["amax_history"].reshape(hist.shape),
+          "scale": out["scale"].reshape(scale.shape)}
 
 
 _share.defvjp(_share_fwd, _share_bwd)
@@ -244,20 +266,24 @@ _SHARED: Dict[int, Any] = {}
 
 def _check_layout(state) -> Dict[str, Dict[str, Any]]:
   """``state`` as plain dicts (a FrozenDict too); raises unless it is one
-  GEMM's per-tensor state ``{role: {"amax_history": (H,), "scale": ()}}``."""
+  GEMM's per-tensor state ``{role: {"amax_history": (..., H), "scale": (...)
+  or (..., 1)}}``: one history per scale (leading dims: the experts of a
+  grouped GEMM's kernel, each with its own history)."""
   if not _is_gemm_state(state):
     raise ValueError(
-        "merge_uses takes the state of one FP8 GEMM, {role: {'amax_history': (H,), "
-        f"'scale': ()}}, got {jax.tree.map(jnp.shape, state)}; a state stacked per layer "
-        "is read per layer (inside the scan).")
+        "merge_uses takes the state of one FP8 GEMM, {role: {'amax_history': (..., H), "
+        f"'scale': (...) or (..., 1)}}, got {jax.tree.map(jnp.shape, state)}.")
   return {role: dict(t) for role, t in state.items()}
 
 
 def _is_gemm_state(state) -> bool:
-  return isinstance(state, Mapping) and all(
-      isinstance(t, Mapping) and set(t) == set(_MERGE_OF_LEAF)
-      and jnp.ndim(t["amax_history"]) == 1 and jnp.ndim(t["scale"]) == 0
-      for t in state.values())
+  def one(t):
+    if not (isinstance(t, Mapping) and set(t) == set(_MERGE_OF_LEAF)
+            and jnp.ndim(t["amax_history"]) >= 1):
+      return False
+    lead = tuple(jnp.shape(t["amax_history"]))[:-1]
+    return tuple(jnp.shape(t["scale"])) in (lead, lead + (1,))
+  return isinstance(state, Mapping) and all(one(t) for t in state.values())
 
 
 def merge_uses(state, mode):

@@ -88,6 +88,11 @@ class GroupedMode:
     state = gd.init_grouped_state(self.recipe, self.num_experts)
     return None if state is None else _module_layout(state)
 
+  def update_state(self, state, amaxes):
+    """The mode's own update (``te_jax.fp8_state.merge_uses`` merges several
+    uses of a state with it, one history row at a time)."""
+    return self.mode.update_state(state, amaxes)
+
 
 def _module_layout(state):
   """A grouped-dense state with its kernel scale (E,) as (E, 1)."""

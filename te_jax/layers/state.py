@@ -251,6 +251,28 @@ def warn_unused_state(module_name: str, where: Optional[str], mode, drop_fix: st
   warnings.warn(state_lib.FP8StateWarning(msg), stacklevel=3)
 
 
+# (module class, state name) of every warning warn_unseen_calls gave.
+_WARNED_UNSEEN = set()
+
+
+def warn_unseen_calls(module_name: str, name: str, fix: str) -> None:
+  """Warns once per (module class, state) (``te_jax.fp8_state.FP8StateWarning``)
+  that a state is read inside a ``jax.checkpoint`` body whose later calls may
+  reuse this trace, where te_jax cannot see them: ONE call per step is
+  correct; several would have autodiff sum their updates. ``fix``: how to
+  share the state across the calls so that they merge."""
+  if (module_name, name) in _WARNED_UNSEEN:
+    return
+  _WARNED_UNSEEN.add((module_name, name))
+  warnings.warn(state_lib.FP8StateWarning(
+      f"te_jax: the FP8 state '{name}' of {module_name} is read inside a rematerialized "
+      "call (nnx.remat / jax.checkpoint) of a differentiated step, which receives it as "
+      "a new value; a later call of the same checkpoint may reuse this trace, unseen by "
+      "te_jax. One call per step is correct. If the block runs more than once per step, "
+      "autodiff would SUM the calls' new states (silently wrong FP8 scales): " + fix),
+      stacklevel=4)
+
+
 # Kernel entries the update check reads per module and forward pass.
 PROBE_ENTRIES = 1024
 

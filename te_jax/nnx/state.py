@@ -44,8 +44,10 @@ parameters is seen through a probe spread over each kernel
 Every read of a state merges (``te_jax.fp8_state.merge_uses``): a module
 called several times in one step gets one update. Inside ``nnx.remat`` the
 state is a new value per call and later calls reuse the first call's trace,
-so their updates would add unseen: a read there raises unless the model's
-states are shared for the calls (:func:`shared_fp8_state`).
+so their updates would add unseen: a read there gives an ``FP8StateWarning``
+(once per module and state; one call per step is correct) unless the
+model's states are shared for the calls (:func:`shared_fp8_state`), which
+merges them.
 """
 
 from __future__ import annotations
@@ -264,14 +266,10 @@ def _check_remat_read(module_name: str, name: str, state) -> None:
   te_jax runs then), so two calls would add their updates unseen. Read
   through :func:`shared_fp8_state`, the calls merge."""
   if layer_state.checkpoint_read_problem(state, None, seen_levels=0) is not None:
-    raise ValueError(
-        f"te_jax.nnx: the FP8 state '{name}' of {module_name} is read inside nnx.remat "
-        "(jax.checkpoint) in a differentiated step. The remat receives it as a new "
-        "value, and a second call of it reuses this trace unseen: autodiff would SUM the "
-        "calls' new states (an amax history entry the sum of their amaxes), silently "
-        "wrong FP8 scales. Call the remat'd function inside "
-        "`with te_jax.nnx.state.shared_fp8_state(model):` (in the differentiated "
-        "function; one call or several, their uses then merge into one update).")
+    layer_state.warn_unseen_calls(
+        module_name, name,
+        "call the remat'd function inside `with te_jax.nnx.state.shared_fp8_state(model):` "
+        "(in the differentiated function); its calls then merge into one update.")
 
 
 @contextlib.contextmanager
