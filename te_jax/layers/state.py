@@ -32,8 +32,8 @@ from typing import Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
-from te_jax import autocast
 from te_jax import fp8_state as state_lib
+from te_jax.layers import settings as settings_lib
 
 __all__ = ["GemmStates", "keep_state", "state_shapes", "fused_states",
            "checkpoint_read_problem", "warn_unused_state", "kernel_probe"]
@@ -230,7 +230,7 @@ def warn_unused_state(module_name: str, where: Optional[str], mode, drop_fix: st
     mode: the active ``ScalingMode`` (None with FP8 off).
     drop_fix: how the framework's user drops the state, for the message.
   """
-  if mode is None and autocast.in_fp8_autocast():
+  if mode is None and settings_lib.in_autocast():
     return
   reason = "off" if mode is None else type(mode.recipe).__name__
   if (module_name, reason) in _WARNED_UNUSED:
