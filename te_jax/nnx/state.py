@@ -409,17 +409,6 @@ def _flat(tree, var_type) -> Dict[Tuple, Any]:
           for p, v in nnx.to_flat_state(st)}
 
 
-def _keep_where_zero(new, old):
-  """``new``, except where a tensor's state came back as zeros (scale 0: the
-  GEMM did not use this state in the step), which keeps ``old``."""
-  if isinstance(new, dict) and "scale" in new:
-    ok = new["scale"] > 0
-    return {k: jnp.where(ok, v, old[k]) for k, v in new.items()}
-  if isinstance(new, dict):
-    return {k: _keep_where_zero(v, old[k]) for k, v in new.items()}
-  return new
-
-
 def _path_str(p):
   return ".".join(str(k) for k in p)
 
@@ -456,7 +445,7 @@ def apply_fp8_updates(model: nnx.Module, grads) -> None:
                        "(pass the gradients of this model).")
     for path, var in nnx.iter_graph(model):
       if isinstance(var, FP8State):
-        var.set_value(_keep_where_zero(new[tuple(path)], var.get_value()))
+        var.set_value(state_lib.keep_where_unused(new[tuple(path)], var.get_value()))
   for _, var in nnx.iter_graph(model):
     if isinstance(var, FP8Counters):
       c = var.get_value()
