@@ -581,6 +581,7 @@ def _train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
           + f", over ep={cfg.ep} device(s); "
           + (f"capacity factor {cfg.capacity_factor}" if cfg.capacity_factor else "dropless")
           + "; the grouped GEMMs run te_jax's pure-JAX reference (no CUDA kernel yet)")
+  if jax.process_count() > 1:
     print(f"{jax.process_count()} processes, {jax.local_device_count()} devices each; "
           "this log is process 0's")
   flops_tok = model_flops_per_token(cfg, state)

@@ -71,7 +71,14 @@ def amax(x: jax.Array, axis=None) -> jax.Array:
 def pmax_amax(value: jax.Array, axis_name) -> jax.Array:
   """``lax.pmax`` of amaxes (values >= 0 or NaN) over mesh axes ``axis_name``,
   NaN-propagating like :func:`amax` (a plain ``pmax`` may drop a NaN on CPU)."""
-  return lax.bitcast_convert_type(lax.pmax(_abs_bits(value), axis_name), jnp.float32)
+  bits = _abs_bits(value)
+  # pmax needs its operand varying over every axis it reduces (JAX >= 0.11
+  # checks it under shard_map), and an amax of a tensor sharded over only some
+  # of them is invariant over the rest. Adding a zero built from axis_index
+  # makes it varying over all of them, on every JAX version, with or without
+  # check_vma; XLA folds the addition away.
+  bits = bits + jnp.zeros_like(bits) * lax.axis_index(axis_name).astype(bits.dtype)
+  return lax.bitcast_convert_type(lax.pmax(bits, axis_name), jnp.float32)
 
 
 def tile(x: jax.Array, block_shape) -> Tuple[jax.Array, int, int]:
