@@ -28,6 +28,9 @@ XLA_FFI_Error* TeJaxNormQuantizeBlockwise(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxNormBackward(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxNormStats(XLA_FFI_CallFrame*);
 XLA_FFI_Error* TeJaxGemm(XLA_FFI_CallFrame*);
+#ifdef TE_JAX_HAVE_SM90  // ffi/grouped_gemm.cc: built with the CUTLASS headers only
+XLA_FFI_Error* TeJaxGroupedGemm(XLA_FFI_CallFrame*);
+#endif
 }
 }  // namespace te_jax
 
@@ -62,6 +65,9 @@ NB_MODULE(_te_jax_ffi, m) {
     d["te_jax_norm_backward"] = Capsule(te_jax::TeJaxNormBackward);
     d["te_jax_norm_stats"] = Capsule(te_jax::TeJaxNormStats);
     d["te_jax_gemm"] = Capsule(te_jax::TeJaxGemm);
+#ifdef TE_JAX_HAVE_SM90
+    d["te_jax_grouped_gemm"] = Capsule(te_jax::TeJaxGroupedGemm);
+#endif
     return d;
   });
 }

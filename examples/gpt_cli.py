@@ -13,7 +13,7 @@ import argparse
 import os
 from typing import Optional
 
-from gpt_presets import ALL_PRESETS, GPU_PRESETS, LLAMA_PRESETS, RECIPES
+from gpt_presets import ALL_PRESETS, GPU_PRESETS, LLAMA_PRESETS, MOE_PRESETS, RECIPES
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter,
@@ -36,9 +36,14 @@ class Parser(argparse.ArgumentParser):
                  f"{self.prog}: error: {message}\n")
 
 
+def _listed(presets, name: str) -> str:
+  return ", ".join(f"{p} {presets[p][name]}" for p in sorted(presets) if name in presets[p])
+
+
 def _preset_default(name: str) -> str:
-  return "(default: from --preset: " + ", ".join(
-      f"{p} {ALL_PRESETS[p][name]}" for p in sorted(ALL_PRESETS)) + ")"
+  dense = {p: v for p, v in ALL_PRESETS.items() if p not in MOE_PRESETS}
+  return (f"(default: from --preset: {_listed(dense, name)}; MoE presets: "
+          f"{_listed(MOE_PRESETS, name)})")
 
 
 def add_model_flags(parser: argparse.ArgumentParser):
@@ -48,7 +53,9 @@ def add_model_flags(parser: argparse.ArgumentParser):
                            "70 s on two CPU cores), h200 (340M, needs a GPU), tiny (tests); "
                            "Llama-style (RMSNorm, SwiGLU, rotary, grouped-query attention, "
                            "no biases): llama (1.13B, seq 4096, needs a GPU), llama_tiny "
-                           "(tests)")
+                           "(tests); mixture of experts (Llama-style with 64 experts of "
+                           "which 8 per token, a shared expert, DeepSeek-V3 balancing): "
+                           "moe (1.71B, needs a GPU), moe_tiny (tests)")
   for name, typ, what in (
       ("hidden", int, "model width"), ("layers", int, "transformer layers"),
       ("heads", int, "attention heads"), ("mlp", int, "MLP hidden size"),
@@ -83,7 +90,8 @@ def device_problem(preset: str) -> Optional[str]:
   import jax  # pylint: disable=import-outside-toplevel
   if preset not in GPU_PRESETS or jax.default_backend() != "cpu":
     return None
-  small = "llama_tiny" if preset in LLAMA_PRESETS else "tiny"
+  small = ("llama_tiny" if preset in LLAMA_PRESETS else
+           "moe_tiny" if preset in MOE_PRESETS else "tiny")
   return (f"--preset {preset} needs a GPU: {GPU_PRESETS[preset]}, and jax sees only the "
           "CPU here (on a GPU machine, install a CUDA build of jax). Use --preset cpu "
           f"(about 70 s on two cores) or --preset {small}, or pass --force to try anyway.")
@@ -116,10 +124,27 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                            "on for --preset llama, off for the others)")
   parser.add_argument("--kv_groups", type=int, default=None,
                       help="key/value heads (grouped-query attention; must divide --heads) "
-                           "(default: from --preset: " + ", ".join(
-                               f"{p} {ALL_PRESETS[p]['kv_groups']}" for p in
-                               sorted(LLAMA_PRESETS)) + "; the others --heads, i.e. "
-                           "multi-head attention)")
+                           "(default: from --preset: " + _listed(LLAMA_PRESETS, "kv_groups")
+                           + "; the others --heads, i.e. multi-head attention, but the MoE "
+                           "presets: " + _listed(MOE_PRESETS, "kv_groups") + ")")
+  parser.add_argument("--experts", type=int, default=None,
+                      help="routed experts per layer; 0: a dense MLP, else a mixture of "
+                           "experts in its place, each --mlp wide (default: from --preset: "
+                           + _listed(MOE_PRESETS, "experts") + "; the others 0)")
+  parser.add_argument("--experts_per_token", type=int, default=None,
+                      help="experts each token is routed to (default: from --preset: "
+                           + _listed(MOE_PRESETS, "experts_per_token") + ")")
+  parser.add_argument("--shared_mlp", type=int, default=None,
+                      help="width of the shared expert every token goes through; 0: none "
+                           "(default: from --preset: " + _listed(MOE_PRESETS, "shared_mlp")
+                           + ")")
+  parser.add_argument("--capacity_factor", type=float, default=None,
+                      help="each expert keeps at most this times its mean load of "
+                           "assignments per device, the rest are dropped and counted in the "
+                           "log (default: none: dropless)")
+  parser.add_argument("--ep", type=int, default=1,
+                      help="expert-parallel mesh axis size: the experts are split over it, "
+                           "every other layer sees it as a data axis (must divide --experts)")
   parser.add_argument("--peak_tflops", type=float, default=None,
                       help="dense bf16 peak TFLOP/s of one device, for the model FLOP "
                            "utilisation printed (default: known for H100/H200/A100 from "

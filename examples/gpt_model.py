@@ -1,7 +1,8 @@
 """The GPT of the examples (Linen), its presets, and its FLOP accounting.
 
 ``GPT``: token embedding, ``te_jax.flax.TransformerLayer`` blocks (GPT or
-Llama style), final norm, LM head. ``PRESETS`` / ``LLAMA_PRESETS``: model
+Llama style, dense or with a mixture of experts in place of each MLP:
+``moe_config``), final norm, LM head. ``PRESETS`` / ``LLAMA_PRESETS``: model
 sizes and training defaults by name (defined in ``gpt_presets.py``, which
 imports no jax). ``model_flops_per_token`` and
 ``peak_flops``: what the model FLOP utilisation printed by ``train_gpt.py``
@@ -18,11 +19,33 @@ import jax.numpy as jnp
 import numpy as np
 
 from te_jax import flax as tfx
+from te_jax import moe as moe_lib
 
 # The presets live in a jax-free module (train_gpt.py --help reads them
 # before jax loads); their names are re-exported here.
 from gpt_presets import (ALL_PRESETS, ARCHS, GPU_PRESETS,  # pylint: disable=unused-import
-                         LLAMA_PRESETS, PRESETS, RECIPES)
+                         LLAMA_PRESETS, MOE_PRESETS, PRESETS, RECIPES)
+
+# The balancing of the MoE presets (DeepSeek-V3's): the router bias moves by
+# this rate after each step towards even expert loads, and a small
+# load-balancing loss joins the training loss.
+ROUTER_BIAS_RATE = 1e-3
+LOAD_BALANCING_COEF = 1e-3
+
+
+def moe_config(cfg) -> Optional[moe_lib.MoEConfig]:
+  """The ``te_jax.moe.MoEConfig`` of a resolved train_gpt ``Config`` (None
+  for a dense model, ``cfg.experts`` 0): sigmoid scores, normalized top-k
+  weights, bias-based balancing and a small load-balancing loss, dropless
+  unless ``cfg.capacity_factor``."""
+  if not cfg.experts:
+    return None
+  return moe_lib.MoEConfig(
+      num_experts=cfg.experts, num_experts_per_token=cfg.experts_per_token,
+      score_function="sigmoid", normalize_topk_weights=True,
+      capacity_factor=cfg.capacity_factor, load_balancing_coef=LOAD_BALANCING_COEF,
+      shared_intermediate_dim=cfg.shared_mlp or None,
+      router_bias_update_rate=ROUTER_BIAS_RATE)
 
 
 class GPT(nn.Module):
@@ -50,6 +73,9 @@ class GPT(nn.Module):
   # max_document_length; exact, with a device-side fallback). Not used when
   # decoding (no segments).
   max_document_length: Optional[int] = None
+  # A mixture of experts in place of each MLP (``moe_config``), each expert
+  # ``mlp`` wide; None: dense MLPs.
+  moe: Optional[moe_lib.MoEConfig] = None
 
   @nn.compact
   def __call__(self, tokens, segment_ids, positions):
@@ -65,6 +91,8 @@ class GPT(nn.Module):
     arch_kw = dict(layernorm_type="rmsnorm", activations=("silu", "linear")) if llama else {}
     if self.decode:
       arch_kw["decode"] = True
+    if self.moe is not None:
+      arch_kw.update(mlp_type="moe", moe=self.moe)
     for i in range(self.layers):
       x = block(hidden_size=self.hidden, mlp_hidden_size=self.mlp,
                 num_attention_heads=self.heads, num_gqa_groups=self.kv_groups,
@@ -122,18 +150,35 @@ def param_count(state) -> int:
   return int(sum(np.prod(p.shape) for p in jax.tree.leaves(state.params["params"])))
 
 
+def active_params(cfg, params) -> int:
+  """The parameters a token uses: all but the embedding table (a gather, not a
+  product) and, in a mixture of experts, only ``experts_per_token`` of the
+  ``experts`` routed experts' kernels."""
+  n = 0
+  for path, p in jax.tree_util.tree_leaves_with_path(params):
+    keys = [getattr(k, "key", None) for k in path]
+    size = int(np.prod(p.shape))
+    if keys[:1] == ["embed"]:
+      continue
+    if "moe" in keys and keys[-1] in ("wi_kernel", "wo_kernel"):
+      size = size * cfg.experts_per_token // cfg.experts
+    n += size
+  return n
+
+
 def model_flops_per_token(cfg, state) -> float:
   """Training FLOPs per token of the model: ``6 N + 12 layers seq_len hidden``.
 
   ``6 N``: every matrix product's forward (2 N) and backward (4 N), N the
-  parameters without the embedding table (a gather, not a product).
+  parameters a token uses (:func:`active_params`: without the embedding
+  table, and with k of the E routed experts of a mixture of experts).
   ``12 L S h``: the attention core, Q K^T and P V (2 S h FLOPs each per token
   and layer forward, x3 with the backward), over the whole row of S tokens,
   as PaLM's MFU counts it. Causal masking and packed documents mean far
   fewer attention FLOPs are really needed, so this is the conventional
   model-FLOPs figure MFU is quoted in, not the hardware's work.
   """
-  n = param_count(state) - int(np.prod(state.params["params"]["embed"]["embedding"].shape))
+  n = active_params(cfg, state.params["params"])
   return 6.0 * n + 12.0 * cfg.layers * cfg.seq_len * cfg.hidden
 
 

@@ -66,7 +66,36 @@ LLAMA_PRESETS = {
                        seq_len=128, batch=4, steps=8, lr=3e-3, warmup=2,
                        dtype="float32", num_docs=1000),
 }
-ALL_PRESETS = {**PRESETS, **LLAMA_PRESETS}
+# Mixture-of-experts presets (DeepSeek-V3 / Qwen3-MoE style): the Llama-style
+# layers with a mixture of experts in place of each MLP (TransformerLayer's
+# mlp_type="moe"): many narrow SwiGLU experts (width ``mlp``), each token routed
+# to ``experts_per_token`` of them, plus one shared expert every token goes
+# through (width ``shared_mlp``); sigmoid router scores, normalized top-k
+# weights, DeepSeek-V3's bias-based balancing and a small load-balancing loss
+# (gpt_model.moe_config). The experts shard over --ep devices.
+MOE_PRESETS = {
+    # 1.71B parameters, 0.30B active per token, for one 80 GB H100 with AdamW.
+    # Per layer: attention 3.1M (Q and out 1024^2 each; K and V 1024 x 512: 4
+    # groups of head_dim 128), 64 experts of 3 x 1024 x 512 = 1.57M each
+    # (100.7M), one shared expert 3 x 1024^2 = 3.1M, the router 1024 x 64;
+    # 16 layers = 1.71B; a token uses 8 experts: 18.9M per layer, 0.30B.
+    # Memory (estimate, to be measured on the GPU): fp32 parameters, gradients
+    # and AdamW's moments 16 B/param = 27 GB. 8 x 2048 tokens per step make
+    # 131k expert assignments per layer; the dispatch buffer and the
+    # experts' inputs and outputs that the backward keeps are ~1 GB per layer
+    # in bf16 (plus their FP8 copies), ~16-20 GB for 16 layers; attention
+    # and temporaries (the grouped GEMM's reference dequantizes an operand to
+    # float32 at a time) bring the step to an estimated 55-70 GB.
+    "moe": dict(arch="llama", hidden=1024, layers=16, heads=8, kv_groups=4, mlp=512,
+                experts=64, experts_per_token=8, shared_mlp=1024, seq_len=2048, batch=8,
+                steps=500, lr=3e-4, warmup=50, dtype="bfloat16", num_docs=100000,
+                doc_window=True),
+    # The same at test size (seconds per step on a CPU): 8 experts, 2 per token.
+    "moe_tiny": dict(arch="llama", hidden=64, layers=2, heads=4, kv_groups=2, mlp=64,
+                     experts=8, experts_per_token=2, shared_mlp=64, seq_len=128, batch=4,
+                     steps=8, lr=3e-3, warmup=2, dtype="float32", num_docs=1000),
+}
+ALL_PRESETS = {**PRESETS, **LLAMA_PRESETS, **MOE_PRESETS}
 
 # Presets sized for a GPU: refused at start where jax sees only the CPU
 # (unless --force), with what they need.
@@ -75,4 +104,6 @@ GPU_PRESETS = {
             "CPU it runs out of memory asking for ~186 GB)",
     "llama": "it is sized for one H200 (1.13B parameters, 8 x 4096 tokens per step, "
              "an estimated 80-95 GB of GPU memory with AdamW)",
+    "moe": "it is sized for one 80 GB H100 (1.71B parameters in 64 experts per layer, "
+           "8 x 2048 tokens per step, an estimated 55-70 GB of GPU memory with AdamW)",
 }

@@ -9,7 +9,7 @@ and positions go to the model, so attention never crosses documents, and the
 loss is masked with ``next_token_targets``).
 
 Training is one ``jax.jit`` step (optax AdamW, warmup + cosine) over a
-``jax.sharding`` mesh built from the available devices, ``(dp, fsdp, tp)``;
+``jax.sharding`` mesh built from the available devices, ``(dp, ep, fsdp, tp)``;
 parameters are sharded by te_jax's logical axis rules. Checkpoints (parameters,
 optimizer state and the FP8 delayed-scaling state) are written with orbax.
 
@@ -19,6 +19,8 @@ optimizer state and the FP8 delayed-scaling state) are written with orbax.
   python3 examples/train_gpt.py --preset h200 --recipe delayed   # needs a GPU
   python3 examples/train_gpt.py --preset llama    # Llama-style, 1.13B: one H200
   python3 examples/train_gpt.py --preset llama --offload_optimizer   # AdamW state on host
+  python3 examples/train_gpt.py --preset moe      # mixture of experts, 1.71B: one H100
+  python3 examples/train_gpt.py --preset moe_tiny --ep 2 --fsdp 2 --tp 2   # 8 devices
   python3 examples/train_gpt.py --ckpt_dir /tmp/gpt --steps 100   # then:
   python3 examples/train_gpt.py --ckpt_dir /tmp/gpt --steps 200 --resume
 
@@ -36,7 +38,16 @@ to the device and back for each update.
 
 Presets: ``cpu``, ``tiny`` and ``h200`` are GPTs (LayerNorm, GELU MLP);
 ``llama`` and ``llama_tiny`` are Llama-style (RMSNorm, SwiGLU, grouped-query
-attention, no biases); all use rotary positions.
+attention, no biases); all use rotary positions. ``moe`` and ``moe_tiny``
+are Llama-style with a mixture of experts in place of each MLP
+(``te_jax.flax.MoE`` through ``TransformerLayer(mlp_type="moe")``; DeepSeek-V3
+style: many narrow experts, a shared one, sigmoid router, bias-based
+balancing): the training loss adds the layers' auxiliary loss, the router
+biases are updated after each step (``TrainState.model_state``), the log
+shows the dropped assignments (0 unless ``--capacity_factor``), and ``--ep``
+splits the experts over an expert-parallel mesh axis. The grouped GEMMs of
+the experts have no CUDA kernel yet: they run te_jax's pure-JAX reference
+(under XLA on a GPU too).
 
 Multi-host. Started as several processes (``--coordinator_address
 --num_processes --process_id``, or by SLURM's srun / Open MPI's mpirun,
@@ -89,7 +100,7 @@ import json
 import math
 import os
 import time
-from typing import Optional
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -101,6 +112,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import te_jax
 from te_jax import offload, packing, recipe as recipe_lib, sharding
+from te_jax.flax import moe as tfx_moe
 
 # The example's other parts, beside this file (examples/ is sys.path[0] when
 # it runs by path). Their public names are re-exported here, where the tests,
@@ -110,8 +122,9 @@ from gpt_cli import (HelpFormatter, add_model_flags, cluster_launcher, device_pr
                      init_distributed)
 from gpt_data import (CHARS, PAD_ID, VOCAB_SIZE, decode, encode, make_batch, make_corpus,
                       make_document)
-from gpt_model import (ALL_PRESETS, ARCHS, GPT, GPU_PRESETS, LLAMA_PRESETS, PEAK_BF16_TFLOPS,
-                       PRESETS, RECIPES, model_flops_per_token, param_count, peak_flops)
+from gpt_model import (ALL_PRESETS, ARCHS, GPT, GPU_PRESETS, LLAMA_PRESETS, MOE_PRESETS,
+                       PEAK_BF16_TFLOPS, PRESETS, RECIPES, moe_config, model_flops_per_token,
+                       param_count, peak_flops)
 from gpt_runs import (HISTORY_FILE, RUN_CONFIG_FILE, RUN_FIELDS, ResumeError, describe_sample,
                       final_loss_window, lr_horizon, lr_schedule_note, progress_bar,
                       read_history, read_run_config, restore_checkpoint, resume_point,
@@ -121,12 +134,14 @@ from gpt_runs import (HISTORY_FILE, RUN_CONFIG_FILE, RUN_FIELDS, ResumeError, de
 __all__ = [
     # defined here
     "Config", "Trainer", "train", "main", "build_parser", "document_window", "make_recipe",
-    "make_mesh", "mesh_problem", "make_optimizer", "loss_fn", "MESH_RESOURCE",
+    "make_mesh", "mesh_problem", "make_optimizer", "loss_fn", "loss_and_updates",
+    "MESH_RESOURCE", "MODEL_STATE", "TrainState",
     # re-exported from the example's other parts
     "HelpFormatter", "add_model_flags", "cluster_launcher", "device_problem",
     "init_distributed", "CHARS", "PAD_ID", "VOCAB_SIZE", "decode", "encode", "make_batch",
     "make_corpus", "make_document", "ALL_PRESETS", "ARCHS", "GPT", "GPU_PRESETS",
-    "LLAMA_PRESETS", "PEAK_BF16_TFLOPS", "PRESETS", "RECIPES", "model_flops_per_token",
+    "LLAMA_PRESETS", "MOE_PRESETS", "PEAK_BF16_TFLOPS", "PRESETS", "RECIPES",
+    "moe_config", "model_flops_per_token",
     "param_count", "peak_flops", "RUN_CONFIG_FILE", "RUN_FIELDS", "ResumeError", "lr_horizon",
     "read_run_config", "run_config", "run_config_mismatch", "save_checkpoint",
     "save_loss_plot", "smooth",
@@ -152,12 +167,17 @@ class Config:
   dtype: Optional[str] = None
   arch: Optional[str] = None       # None: the preset's ("gpt" unless a Llama preset)
   kv_groups: Optional[int] = None  # None: the preset's, else = heads (no GQA)
+  experts: Optional[int] = None    # routed experts per layer; 0: dense MLPs; None: preset's
+  experts_per_token: Optional[int] = None
+  shared_mlp: Optional[int] = None  # the shared expert's width; 0: none
+  capacity_factor: Optional[float] = None  # None: dropless
   peak_tflops: Optional[float] = None  # for MFU; None: from the device kind
   weight_decay: float = 0.1
   amax_history_len: int = 16
   fsdp: int = -1                   # -1: every device not used by tp/dp
   tp: int = 1
   dp: int = 1
+  ep: int = 1                      # expert-parallel mesh axis (splits the experts)
   seed: int = 0
   num_docs: Optional[int] = None
   remat: bool = False
@@ -182,6 +202,7 @@ class Config:
     base = dict(ALL_PRESETS[self.preset])
     base.setdefault("arch", "gpt")
     base.setdefault("doc_window", False)
+    base.setdefault("experts", 0)
     cfg = dataclasses.replace(
         self, **{k: v for k, v in base.items() if getattr(self, k) is None})
     if cfg.arch not in ARCHS:
@@ -189,6 +210,16 @@ class Config:
     if cfg.kv_groups is not None and (cfg.kv_groups < 1 or cfg.heads % cfg.kv_groups):
       raise ValueError(f"--kv_groups {cfg.kv_groups} must divide --heads {cfg.heads} "
                        "(each key/value head serves heads / kv_groups query heads).")
+    if cfg.experts:
+      if not cfg.experts_per_token or not 1 <= cfg.experts_per_token <= cfg.experts:
+        raise ValueError(f"--experts_per_token {cfg.experts_per_token} must be in 1 .. "
+                         f"--experts {cfg.experts}.")
+      if cfg.experts % cfg.ep:
+        raise ValueError(f"--ep {cfg.ep} must divide --experts {cfg.experts} (each "
+                         "expert-parallel device holds experts / ep experts).")
+    elif cfg.ep != 1:
+      raise ValueError(f"--ep {cfg.ep} needs a mixture of experts (--experts > 0, or "
+                       "--preset moe / moe_tiny).")
     return cfg
 
 
@@ -209,38 +240,56 @@ def make_recipe(name: str, amax_history_len: int = 16):
           "blockwise": recipe_lib.Float8BlockScaling()}[name]
 
 
-def make_mesh(fsdp: int = -1, tp: int = 1, dp: int = 1, devices=None) -> Mesh:
-  """A ``(dp, fsdp, tp)`` mesh over ``devices`` (default all); fsdp=-1 fills."""
+def make_mesh(fsdp: int = -1, tp: int = 1, dp: int = 1, devices=None, ep: int = 1) -> Mesh:
+  """A ``(dp, ep, fsdp, tp)`` mesh over ``devices`` (default all); fsdp=-1 fills."""
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
   if fsdp == -1:
-    if n % (tp * dp):
-      raise ValueError(f"{n} devices do not split into tp={tp} x dp={dp}.")
-    fsdp = n // (tp * dp)
-  if dp * fsdp * tp != n:
-    raise ValueError(f"mesh dp={dp} x fsdp={fsdp} x tp={tp} = {dp * fsdp * tp} "
-                     f"devices, but {n} are available; use --fsdp -1 to fill.")
-  return Mesh(np.array(devices).reshape(dp, fsdp, tp), ("dp", "fsdp", "tp"))
+    if n % (tp * dp * ep):
+      raise ValueError(f"{n} devices do not split into tp={tp} x dp={dp} x ep={ep}.")
+    fsdp = n // (tp * dp * ep)
+  if dp * ep * fsdp * tp != n:
+    raise ValueError(f"mesh dp={dp} x ep={ep} x fsdp={fsdp} x tp={tp} = "
+                     f"{dp * ep * fsdp * tp} devices, but {n} are available; use --fsdp -1 "
+                     "to fill.")
+  return Mesh(np.array(devices).reshape(dp, ep, fsdp, tp), BATCH_AXES + ("tp",))
 
 
 def mesh_problem(cfg: Config) -> Optional[str]:
   """Why the mesh flags (--fsdp --tp --dp) and --batch of a resolved ``cfg``
   do not fit the devices jax sees, with what would; None when they do."""
   try:
-    mesh = make_mesh(cfg.fsdp, cfg.tp, cfg.dp)
+    mesh = make_mesh(cfg.fsdp, cfg.tp, cfg.dp, ep=cfg.ep)
   except ValueError as e:
     return str(e)
-  shards = sharding.mesh_axis_size(mesh, ("dp", "fsdp"))
+  shards = sharding.mesh_axis_size(mesh, BATCH_AXES)
   if cfg.batch % shards:
     fits = -(-cfg.batch // shards) * shards
-    return (f"--batch {cfg.batch} must be divisible by the {shards} batch shards (dp x fsdp "
+    return (f"--batch {cfg.batch} must be divisible by the {shards} batch shards (dp x ep x fsdp "
             f"over {len(jax.devices())} devices): use --batch {fits}, or a mesh with fewer "
             "batch shards (--tp / --fsdp)")
   return None
 
 
 MESH_RESOURCE = sharding.MeshResource(dp_resource="dp", fsdp_resource="fsdp",
-                                      tp_resource="tp")
+                                      tp_resource="tp", ep_resource="ep")
+# The mesh axes the batch is split over, in the order the layers split it.
+BATCH_AXES = ("dp", "ep", "fsdp")
+# Variable collections the model updates itself in a training step (the MoE
+# router biases): kept apart from the optimizer's parameters, in
+# TrainState.model_state.
+MODEL_STATE = (tfx_moe.ROUTER_BIAS_COLLECTION,)
+
+
+class TrainState(train_state.TrainState):
+  """``flax.training.train_state.TrainState`` with ``model_state``: the
+  collections of ``MODEL_STATE`` (no gradient, no optimizer: the step
+  replaces them with what the model's forward pass wrote)."""
+  model_state: Any = None
+
+  def variables(self):
+    """What ``model.apply`` takes: the parameters (and FP8 state) and the model state."""
+    return {**self.params, **(self.model_state or {})}
 
 # ------------------------------------------------------------- training ----
 
@@ -261,13 +310,32 @@ def make_optimizer(cfg: Config):
   return offload.offload_optimizer(tx) if cfg.offload_optimizer else tx
 
 
-def loss_fn(model, variables, batch):
-  """Mean next-token cross entropy over real (same-document) positions."""
+def loss_and_updates(model, variables, batch):
+  """The training loss and what else a step reads from the forward pass.
+
+  Returns ``(loss, metrics, model_state)``: loss the mean next-token cross
+  entropy over real (same-document) positions plus the mixture of experts'
+  auxiliary loss (``te_jax.moe.aux_totals`` of what the MoE layers sow; 0
+  for a dense model); metrics ``{"tokens", "cross_entropy", "aux_loss",
+  "dropped"}``; model_state the ``MODEL_STATE`` collections as the forward
+  pass left them (the updated router biases; {} for a dense model).
+  """
   tokens, seg, pos = batch
-  logits = model.apply(variables, tokens, seg, pos)
+  mutable = ["intermediates"] + [c for c in MODEL_STATE if c in variables]
+  logits, updates = model.apply(variables, tokens, seg, pos, mutable=mutable)
   targets, mask = packing.next_token_targets(tokens, seg)
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
-  return packing.masked_mean(ce, mask=mask), jnp.sum(mask)
+  ce = packing.masked_mean(optax.softmax_cross_entropy_with_integer_labels(logits, targets),
+                           mask=mask)
+  totals = te_jax.moe.aux_totals(updates.get("intermediates", {}))
+  metrics = {"tokens": jnp.sum(mask), "cross_entropy": ce, "aux_loss": totals["aux_loss"],
+             "dropped": totals["dropped"]}
+  return ce + totals["aux_loss"], metrics, {c: updates[c] for c in MODEL_STATE if c in updates}
+
+
+def loss_fn(model, variables, batch):
+  """(training loss, real tokens): :func:`loss_and_updates`'s loss."""
+  loss, metrics, _ = loss_and_updates(model, variables, batch)
+  return loss, metrics["tokens"]
 
 
 class Trainer:
@@ -276,23 +344,24 @@ class Trainer:
   def __init__(self, cfg: Config, mesh: Optional[Mesh] = None):
     self.cfg = cfg = cfg.resolved()
     self.recipe = make_recipe(cfg.recipe, cfg.amax_history_len)
-    self.mesh = mesh if mesh is not None else make_mesh(cfg.fsdp, cfg.tp, cfg.dp)
+    self.mesh = mesh if mesh is not None else make_mesh(cfg.fsdp, cfg.tp, cfg.dp, ep=cfg.ep)
     self.rules = sharding.logical_axis_rules(MESH_RESOURCE)
-    self.batch_shards = sharding.mesh_axis_size(self.mesh, ("dp", "fsdp"))
+    self.batch_shards = sharding.mesh_axis_size(self.mesh, BATCH_AXES)
     if cfg.batch % self.batch_shards:
       raise ValueError(f"--batch {cfg.batch} must be divisible by the {self.batch_shards} "
-                       "batch shards (dp x fsdp).")
+                       "batch shards (dp x ep x fsdp).")
     self.docs = make_corpus(cfg.num_docs, cfg.seed)
     self.eval_docs = make_corpus(200, cfg.seed + 12345)
     self.doc_window = (document_window(self.docs + self.eval_docs, cfg.seq_len)
                        if cfg.doc_window else None)
     self.model = GPT(VOCAB_SIZE, cfg.hidden, cfg.layers, cfg.heads, cfg.mlp,
                      dtype=jnp.dtype(cfg.dtype), remat=cfg.remat, arch=cfg.arch,
-                     kv_groups=cfg.kv_groups, max_document_length=self.doc_window)
+                     kv_groups=cfg.kv_groups, max_document_length=self.doc_window,
+                     moe=moe_config(cfg))
     self.tx = make_optimizer(cfg)
     block = self.recipe.token_block if self.recipe is not None else 16
     self.block = max(block, 16)
-    self.batch_sharding = NamedSharding(self.mesh, P(("dp", "fsdp"), None))
+    self.batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES, None))
     self._build()
 
   def autocast(self):
@@ -340,22 +409,28 @@ class Trainer:
         zeros, zeros, zeros, block=self.block, num_shards=self.batch_shards))
 
     def init_state(rng):
-      variables = model.init(rng, *dummy)
-      return train_state.TrainState.create(apply_fn=model.apply, params=variables,
-                                           tx=self.tx)
+      variables = dict(model.init(rng, *dummy))
+      model_state = {c: variables.pop(c) for c in MODEL_STATE if c in variables}
+      return TrainState.create(apply_fn=model.apply, params=variables, tx=self.tx,
+                               model_state=model_state)
 
     def train_step(state, batch):
-      (loss, ntok), grads = jax.value_and_grad(
-          lambda v: loss_fn(model, v, batch), has_aux=True)(state.params)
+      def loss_of(params):
+        loss, metrics, model_state = loss_and_updates(
+            model, {**params, **state.model_state}, batch)
+        return loss, (metrics, model_state)
+      (loss, (metrics, model_state)), grads = jax.value_and_grad(
+          loss_of, has_aux=True)(state.params)
       # apply_gradients also swaps in the new FP8 state ("gradient" of the
-      # "_overwrite_with_gradient" collection).
+      # "_overwrite_with_gradient" collection); the router biases the forward
+      # pass moved replace the old ones.
       gnorm = jnp.sqrt(sum(jnp.sum(jnp.square(g.astype(jnp.float32)))
                         for g in jax.tree.leaves(grads["params"])))
-      return state.apply_gradients(grads=grads), {"loss": loss, "tokens": ntok,
-                                                  "grad_norm": gnorm}
+      state = state.apply_gradients(grads=grads).replace(model_state=model_state)
+      return state, dict(metrics, loss=loss, grad_norm=gnorm)
 
     def eval_step(state, batch):
-      return loss_fn(model, state.params, batch)[0]
+      return loss_and_updates(model, state.variables(), batch)[1]["cross_entropy"]
 
     with jax.set_mesh(self.mesh), nn.logical_axis_rules(self.rules), self.autocast():
       abstract = jax.eval_shape(init_state, jax.random.PRNGKey(cfg.seed))
@@ -422,15 +497,16 @@ class Trainer:
 
 
   def host_params(self, state):
-    """``state.params`` as numpy arrays, whole in every process.
+    """The model's variables (``state.variables()``: parameters, FP8 state,
+    router biases) as numpy arrays, whole in every process.
 
     With several processes a parameter is sharded over devices of other
     processes too, so it is gathered (a collective: every process calls this).
     """
     if jax.process_count() == 1:
-      return jax.device_get(state.params)
+      return jax.device_get(state.variables())
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
-    return multihost_utils.process_allgather(state.params, tiled=True)
+    return multihost_utils.process_allgather(state.variables(), tiled=True)
 
 
 def train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
@@ -497,6 +573,14 @@ def _train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
         f"{cfg.dtype} | batch {cfg.batch}x{cfg.seq_len} | steps {start}->{cfg.steps}"
         + (f" | attention band {trainer.doc_window} tokens" if trainer.doc_window else "")
         + (" | optimizer state in host memory" if cfg.offload_optimizer else ""))
+  moe = trainer.model.moe
+  if moe is not None:
+    print(f"mixture of experts: {moe.num_experts} experts of width {cfg.mlp}, "
+          f"{moe.num_experts_per_token} per token"
+          + (f", a shared expert of width {cfg.shared_mlp}" if cfg.shared_mlp else "")
+          + f", over ep={cfg.ep} device(s); "
+          + (f"capacity factor {cfg.capacity_factor}" if cfg.capacity_factor else "dropless")
+          + "; the grouped GEMMs run te_jax's pure-JAX reference (no CUDA kernel yet)")
   if jax.process_count() > 1:
     print(f"{jax.process_count()} processes, {jax.local_device_count()} devices each; "
           "this log is process 0's")
@@ -508,7 +592,7 @@ def _train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
            f"x {len(jax.devices())}" if peak else
            f"no MFU: no known peak for {jax.devices()[0].device_kind!r} (--peak_tflops)"))
 
-  steps, losses, times, toks, ptoks = [], [], [], [], []
+  steps, losses, times, toks, ptoks, aux_losses, dropped = [], [], [], [], [], [], []
   bar = progress_bar(cfg.steps, start, cfg.progress)
   t_start = time.perf_counter()
   for step in range(start, cfg.steps):
@@ -518,6 +602,9 @@ def _train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
     loss = float(metrics["loss"])               # waits for the step
     dt = time.perf_counter() - t0
     ntok = int(metrics["tokens"])
+    aux_losses.append(float(metrics["aux_loss"]))
+    dropped.append(int(metrics["dropped"]))
+    moe_s = f" | aux {aux_losses[-1]:.4f} | dropped {dropped[-1]}" if moe is not None else ""
     steps.append(step)
     losses.append(loss)
     run_steps.append(step)
@@ -530,12 +617,12 @@ def _train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
       print(f"step {step}: loss is {loss}, stopping")
       break
     if bar is not None:
-      bar.set_postfix_str(f"loss {loss:.3f} | {ntok / dt:,.0f} tok/s | "
+      bar.set_postfix_str(f"loss {loss:.3f}{moe_s} | {ntok / dt:,.0f} tok/s | "
                           f"{dt * 1e3:.0f} ms/step{mfu_s}")
       bar.update(1)
     elif (step + 1) % cfg.log_every == 0 or step == start:
-      print(f"step {step + 1:5d}  loss {loss:.4f}  {ntok / dt:,.0f} tok/s  "
-            f"{dt * 1e3:.0f} ms/step{mfu_s}", flush=True)
+      print(f"step {step + 1:5d}  loss {loss:.4f}{moe_s.replace(' |', ' ')}  "
+            f"{ntok / dt:,.0f} tok/s  {dt * 1e3:.0f} ms/step{mfu_s}", flush=True)
     last_step = step + 1 == cfg.steps
     if cfg.ckpt_dir and ((cfg.ckpt_every and (step + 1) % cfg.ckpt_every == 0) or last_step):
       path = save_checkpoint(cfg.ckpt_dir, step + 1, state)
@@ -560,6 +647,7 @@ def _train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
   result = {
       "config": dataclasses.asdict(cfg), "params": n_params, "start_step": start,
       "steps": steps, "losses": losses, "step_times": times,
+      "aux_losses": aux_losses, "dropped": dropped,
       "run_steps": run_steps, "run_losses": run_losses,
       "first_loss": run_losses[0] if run_losses else None,
       "final_loss": float(np.mean(run_losses[-window:])) if run_losses else None,
@@ -635,7 +723,9 @@ def main(argv=None):
   if problem and not args.force:
     parser.error(problem)
   cfg = Config(recipe=args.recipe, preset=args.preset, hidden=args.hidden,
-               layers=args.layers, heads=args.heads, mlp=args.mlp, seq_len=args.seq_len,
+               layers=args.layers, heads=args.heads, mlp=args.mlp, experts=args.experts,
+               experts_per_token=args.experts_per_token, shared_mlp=args.shared_mlp,
+               capacity_factor=args.capacity_factor, ep=args.ep, seq_len=args.seq_len,
                batch=args.batch, steps=args.steps, lr_horizon=args.lr_horizon, lr=args.lr,
                warmup=args.warmup, num_docs=args.num_docs, dtype=args.dtype,
                kv_groups=args.kv_groups, peak_tflops=args.peak_tflops, fsdp=args.fsdp,

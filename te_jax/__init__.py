@@ -3,6 +3,7 @@
 from te_jax import dense
 from te_jax import distributed
 from te_jax import fp8_state
+from te_jax import moe
 from te_jax import packing
 from te_jax import quantize
 from te_jax import recipe
@@ -21,6 +22,7 @@ __all__ = [
     "dense_general",
     "distributed",
     "fp8_state",
+    "moe",
     "packing",
     "quantize",
     "recipe",

@@ -27,7 +27,7 @@ import jax
 from te_jax import recipe as recipe_lib
 from te_jax import sharding as sharding_lib
 
-__all__ = ["FP8Context", "fp8_autocast", "get_fp8_context"]
+__all__ = ["FP8Context", "fp8_autocast", "get_fp8_context", "in_fp8_autocast"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +46,9 @@ class FP8Context:
   mesh_resource: Optional[sharding_lib.MeshResource] = None
 
 
-_CONTEXT = contextvars.ContextVar("te_jax_fp8_context", default=FP8Context())
+# What holds outside any fp8_autocast: FP8 off, by default rather than by choice.
+_OUTSIDE = FP8Context()
+_CONTEXT = contextvars.ContextVar("te_jax_fp8_context", default=_OUTSIDE)
 
 # What of the context the layers read (read_autocast: the recipe only when
 # enabled, and the mesh resource), held in a JAX user context so that it is
@@ -90,6 +92,18 @@ def _check_mesh_resource(mesh_resource):
 def get_fp8_context() -> FP8Context:
   """Returns the innermost active ``FP8Context`` (FP8 off outside any autocast)."""
   return _CONTEXT.get()
+
+
+def in_fp8_autocast() -> bool:
+  """Whether the code runs inside an ``fp8_autocast``, enabled or not.
+
+  Outside any, FP8 is off by default; ``fp8_autocast(enabled=False)`` turns
+  it off on purpose (the documented way to evaluate an FP8-trained model
+  without FP8). The module layer tells the two apart to warn about the
+  first when a model holds delayed-scaling state
+  (``te_jax.layers.state.warn_unused_state``).
+  """
+  return _CONTEXT.get() is not _OUTSIDE
 
 
 @contextlib.contextmanager

@@ -16,6 +16,12 @@ one use's new state (bit for bit what it is without this), or, for several,
 ``mode.update_state`` of the old state with the largest of their amaxes --
 one history entry per step. The stored state keeps its float32 layout.
 
+A call that holds the state but does not use it (FP8 off, another recipe)
+ties it to its output with :func:`tie_unused`, as a use that contributes
+nothing: alone, the state comes back as it was (its own "gradient", which
+``TrainState.apply_gradients`` writes back unchanged); beside a use of the
+same step, that use's update (tied separately, the two would add up).
+
 Internal JAX APIs it relies on (present from jax 0.10.2, the floor, through
 0.11): the extended-dtype protocol (``jax._src.dtypes.ExtendedDType`` and its
 ``_rules``: ``add``, ``zero``, ``tangent_dtype``, ``convert_from/to``,
@@ -23,16 +29,18 @@ Internal JAX APIs it relies on (present from jax 0.10.2, the floor, through
 of such a dtype (``jax._src.earray.EArray``, ``pxla.global_result_handlers``,
 ``ad_util.raw_jaxval_adders``), and a tracer's ``_trace`` with
 ``jax._src.core.set_current_trace``, to make the one conversion in the trace
-a state belongs to.
+a state belongs to; a trace's ``parent_trace`` and ``frame.debug_info`` to
+find the ``jax.checkpoint`` bodies around a read (:func:`checkpoint_bodies`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import functools
 import weakref
 from collections.abc import Mapping
-from typing import Any, Dict
+from typing import Any, Dict, List, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +51,8 @@ from jax._src import dtypes as jax_dtypes
 from jax._src import earray
 from jax._src.interpreters import pxla
 
-__all__ = ["merge_uses", "shared_state"]
+__all__ = ["merge_uses", "shared_state", "tie_unused", "share_tree", "unshare_tree",
+           "checkpoint_bodies"]
 
 
 class _merging(jax.dtypes.extended):
@@ -132,27 +141,75 @@ def _convert(state, to_merging: bool):
           for role, t in state.items()}
 
 
+class _ModeOfUses:
+  """The scaling mode the uses of one shared state run under.
+
+  Each read (:func:`merge_uses`, :func:`shared_state`) notes its mode here;
+  the backward pass of several uses, traced after every forward read, needs
+  it to compute the one update. A conversion made by a call that keeps the
+  state unused (:func:`tie_unused`: FP8 off, another recipe) has no mode
+  until a use notes one; with no use, none is needed.
+  """
+
+  __slots__ = ("mode",)
+
+  def __init__(self):
+    self.mode = None
+
+  def note(self, mode) -> None:
+    if self.mode is not None and self.mode != mode:
+      raise ValueError(
+          "One FP8 state is read under two delayed-scaling recipes in one step "
+          f"({self.mode.recipe} and {mode.recipe}): its uses cannot merge into one "
+          "update. Run every call of the module under one fp8_autocast recipe.")
+    self.mode = mode
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _share(state, mode):
+def _share(state, uses_mode):
   """``state`` in the merging dtypes; its cotangent comes back float32 (see above)."""
-  del mode
+  del uses_mode
   return _convert(state, True)
 
 
-def _share_fwd(state, mode):
-  del mode
+def _share_fwd(state, uses_mode):
+  del uses_mode
   return _convert(state, True), state
 
 
-def _share_bwd(mode, old, merged):
+def _share_bwd(uses_mode, old, merged):
   merged = _convert(merged, False)
   new = {}
   for role, ct in merged.items():
     uses = ct["scale"]
-    several = mode.update_state(old, {role: ct["amax_history"][0]})[role]
-    new[role] = {k: jnp.where(uses == 0, old[role][k], jnp.where(uses > 0, ct[k], several[k]))
-                 for k in ct}
+    if uses_mode.mode is None:   # no read noted a mode: no use, or one (its own update)
+      several = old[role]
+    else:
+      several = _update_rows(uses_mode.mode, role, old[role], ct["amax_history"][..., 0])
+    new[role] = {}
+    for k in ct:
+      # One count per history row (per expert of a grouped state, per layer of
+      # a stacked one): shaped to broadcast against this leaf.
+      u = uses if k == "scale" else uses.reshape(ct[k].shape[:-1] + (1,))
+      new[role][k] = jnp.where(u == 0, old[role][k], jnp.where(u > 0, ct[k], several[k]))
   return (new,)
+
+
+def _update_rows(mode, role, old, amax):
+  """``mode.update_state`` of one role's state with one amax per history row:
+  a GEMM's state (history (H,), scale ()) or one with leading dims (a
+  grouped GEMM's per-expert kernel state, history (E, H) and scale (E,) or
+  (E, 1)), each row on its own."""
+  hist, scale = old["amax_history"], old["scale"]
+  lead = hist.shape[:-1]
+  if not lead:
+    return mode.update_state({role: old}, {role: amax})[role]
+  n = math.prod(lead)
+  one = lambda h, s, a: mode.update_state(
+      {role: {"amax_history": h, "scale": s}}, {role: a})[role]
+  out = jax.vmap(one)(hist.reshape(n, hist.shape[-1]), scale.reshape(n), amax.reshape(n))
+  return {"amax_history": out["amax_history"].reshape(hist.shape),
+          "scale": out["scale"].reshape(scale.shape)}
 
 
 _share.defvjp(_share_fwd, _share_bwd)
@@ -174,23 +231,59 @@ def _read_bwd(_, ct):
 
 _read.defvjp(_read_fwd, _read_bwd)
 
-# id(first leaf) -> (weak references to the state's leaves, its shared value);
-# an entry lives as long as the arrays it was made for.
+
+def _identity_like(shared):
+  """The merge identity ("no use") in the merging dtypes, shaped like ``shared``."""
+  return {role: {leaf: jax.lax.convert_element_type(
+      jnp.full(v.shape, -np.inf if leaf == "amax_history" else 0.0, jnp.float32),
+      _MERGE_OF_LEAF[leaf]) for leaf, v in t.items()} for role, t in shared.items()}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _tie(y, state, merging: bool):
+  """``y``; the state's cotangent is "no use" (``merging``: ``state`` is a
+  shared value) or the state itself (a float32 state tied alone)."""
+  del state, merging
+  return y
+
+
+def _tie_fwd(y, state, merging):
+  del merging
+  return y, state
+
+
+def _tie_bwd(merging, state, g):
+  return g, _identity_like(state) if merging else state
+
+
+_tie.defvjp(_tie_fwd, _tie_bwd)
+
+# id(first leaf) -> (weak references to the state's leaves, its shared value,
+# the _ModeOfUses of its reads); an entry lives as long as the arrays it was
+# made for.
 _SHARED: Dict[int, Any] = {}
 
 
 def _check_layout(state) -> Dict[str, Dict[str, Any]]:
   """``state`` as plain dicts (a FrozenDict too); raises unless it is one
-  GEMM's per-tensor state ``{role: {"amax_history": (H,), "scale": ()}}``."""
-  if not isinstance(state, Mapping) or not all(
-      isinstance(t, Mapping) and set(t) == set(_MERGE_OF_LEAF)
-      and jnp.ndim(t["amax_history"]) == 1 and jnp.ndim(t["scale"]) == 0
-      for t in state.values()):
+  GEMM's per-tensor state ``{role: {"amax_history": (..., H), "scale": (...)
+  or (..., 1)}}``: one history per scale (leading dims: the experts of a
+  grouped GEMM's kernel, each with its own history)."""
+  if not _is_gemm_state(state):
     raise ValueError(
-        "merge_uses takes the state of one FP8 GEMM, {role: {'amax_history': (H,), "
-        f"'scale': ()}}, got {jax.tree.map(jnp.shape, state)}; a state stacked per layer "
-        "is read per layer (inside the scan).")
+        "merge_uses takes the state of one FP8 GEMM, {role: {'amax_history': (..., H), "
+        f"'scale': (...) or (..., 1)}}, got {jax.tree.map(jnp.shape, state)}.")
   return {role: dict(t) for role, t in state.items()}
+
+
+def _is_gemm_state(state) -> bool:
+  def one(t):
+    if not (isinstance(t, Mapping) and set(t) == set(_MERGE_OF_LEAF)
+            and jnp.ndim(t["amax_history"]) >= 1):
+      return False
+    lead = tuple(jnp.shape(t["amax_history"]))[:-1]
+    return tuple(jnp.shape(t["scale"])) in (lead, lead + (1,))
+  return isinstance(state, Mapping) and all(one(t) for t in state.values())
 
 
 def merge_uses(state, mode):
@@ -222,6 +315,10 @@ def merge_uses(state, mode):
 
   Returns:
     The state as float32 dicts (None stays None).
+
+  Raises:
+    ValueError: ``state`` is not one GEMM's state, or the same state is read
+      under two different delayed-scaling recipes in one step.
   """
   if state is None or not mode.uses_state:
     return state
@@ -231,7 +328,7 @@ def merge_uses(state, mode):
     return _read(state)
   if not any(isinstance(leaf, jax.core.Tracer) for leaf in leaves):
     return state            # a constant: nothing is differentiated with respect to it
-  return _read(_shared_value(state, mode, leaves))
+  return _read(_shared_value(state, leaves, mode))
 
 
 def shared_state(state, mode):
@@ -245,36 +342,131 @@ def shared_state(state, mode):
   if state is None or not mode.uses_state:
     return state
   state = _check_layout(state)
-  return _shared_value(state, mode, jax.tree.leaves(state))
+  return _shared_value(state, jax.tree.leaves(state), mode)
 
 
-def _shared_value(state, mode, leaves):
+def tie_unused(y, state):
+  """``y`` (any pytree of arrays), tied to an FP8 state that its call does
+  not use (FP8 off, another recipe), so that the state's "gradient" is the
+  state itself and ``TrainState.apply_gradients`` leaves it as it is.
+
+  One GEMM's state (the layout :func:`merge_uses` takes) is tied through
+  its shared conversion as a use that contributes nothing: a call that
+  keeps it and a call that uses it in the same step give that use's update
+  (tied separately, the two "gradients" would add: old state + new state).
+  Any other state (an old layout, a stack) is returned as its own gradient.
+  """
+  if state is None:
+    return y
+  leaves = jax.tree.leaves(state)
+  if not _is_gemm_state(state) or not any(
+      isinstance(leaf, jax.core.Tracer) or _is_merging(leaf) for leaf in leaves):
+    return _tie(y, state, False)
+  state = _check_layout(state)
+  shared = state if any(_is_merging(leaf) for leaf in leaves) else _shared_value(state, leaves)
+  return _tie(y, shared, True)
+
+
+def share_tree(tree, mode=None):
+  """``tree`` (nested mappings: an FP8 collection, a module's part of it)
+  with every one-GEMM state that is being traced converted once into the
+  merging dtype (:func:`shared_state`), as plain dicts; any other node (a
+  stack of per-layer states, a constant) as it is. For handing a whole
+  collection to a lifted transform called several times
+  (``te_jax.flax.fp8_module.share_fp8_state``). ``mode``: the active
+  ``ScalingMode`` or None; a state that only calls keeping it unused read
+  (FP8 off, another recipe) is shared too, so that it comes back unchanged
+  rather than once per call."""
+  if not isinstance(tree, Mapping):
+    return tree
+  if _is_gemm_state(tree):
+    leaves = jax.tree.leaves(tree)
+    if any(_is_merging(leaf) for leaf in leaves) or not any(
+        isinstance(leaf, jax.core.Tracer) for leaf in leaves):
+      return tree
+    uses = mode if mode is not None and mode.uses_state else None
+    return _shared_value(_check_layout(tree), leaves, uses)
+  return {k: share_tree(v, mode) for k, v in tree.items()}
+
+
+def unshare_tree(tree):
+  """:func:`share_tree` undone: every merging-dtype state in ``tree`` read
+  back as float32 (differentiable, as one use)."""
+  if not isinstance(tree, Mapping):
+    return tree
+  if _is_gemm_state(tree) and any(_is_merging(leaf) for leaf in jax.tree.leaves(tree)):
+    return _read(_check_layout(tree))
+  return {k: unshare_tree(v) for k, v in tree.items()}
+
+
+# A jax.checkpoint body's trace says so (``nn.remat`` and ``nnx.remat`` are
+# jax.checkpoint); the traces that differentiate a step are these.
+_CHECKPOINT_BODY = "checkpoint / remat"
+_DIFFERENTIATING = ("JVPTrace", "LinearizeTrace")
+
+
+def checkpoint_bodies(state) -> List[Tuple[Any, Any]]:
+  """``[(outer trace, body trace)]`` of the ``jax.checkpoint`` bodies
+  (``nn.remat``, ``nnx.remat``) around this read of a float32 ``state``,
+  innermost first, each one called from a step that differentiates it.
+
+  A state handed to such a body as an argument is a new value in there:
+  the body's reads merge, but several calls of the body on one state add
+  their updates in the outer trace, where no te_jax code runs. Empty for a
+  shared (merging-dtype) state, a constant, and outside any body. Read from
+  the trace's ``parent_trace`` and its ``frame.debug_info.traced_for``
+  (internal; where a JAX version lacks them, the answer is empty).
+  """
+  leaves = jax.tree.leaves(state)
+  if not leaves or any(_is_merging(leaf) for leaf in leaves):
+    return []
+  chain, trace = [], getattr(leaves[0], "_trace", None)
+  while trace is not None:
+    chain.append(trace)
+    trace = getattr(trace, "parent_trace", None)
+  out = []
+  for i, body in enumerate(chain[:-1]):
+    info = getattr(getattr(body, "frame", None), "debug_info", None)
+    if (getattr(info, "traced_for", None) == _CHECKPOINT_BODY
+        and any(type(t).__name__ in _DIFFERENTIATING for t in chain[i + 1:])):
+      out.append((chain[i + 1], body))
+  return out
+
+
+def _shared_value(state, leaves, mode=None):
   """The one merging-dtype conversion of ``state`` (found by its leaves'
   identity), made in the trace its leaves belong to so that inner traces
-  (scan, checkpoint bodies) that close over the state reuse it."""
+  (scan, checkpoint bodies) that close over the state reuse it; ``mode`` (a
+  use's scaling mode, None for a call that keeps the state) is noted."""
   if any(_is_merging(leaf) for leaf in leaves):
     return state            # shared already
   key = id(leaves[0])
   hit = _SHARED.get(key)
   if hit is not None and all(ref() is leaf for ref, leaf in zip(hit[0], leaves)):
-    return hit[1]
-  traces = {id(t): t for t in (getattr(leaf, "_trace", None) for leaf in leaves)}
-  if len(traces) == 1 and None not in traces.values():
-    with jax_core.set_current_trace(next(iter(traces.values()))):
-      shared = _share(state, mode)
-  else:                     # leaves of several traces: convert in the current one
-    shared = _share(state, mode)
-  _SHARED[key] = ([weakref.ref(leaf, _forget(key)) for leaf in leaves], shared)
+    shared, uses_mode = hit[1], hit[2]
+  else:
+    uses_mode = _ModeOfUses()
+    traces = {id(t): t for t in (getattr(leaf, "_trace", None) for leaf in leaves)}
+    if len(traces) == 1 and None not in traces.values():
+      with jax_core.set_current_trace(next(iter(traces.values()))):
+        shared = _share(state, uses_mode)
+    else:                     # leaves of several traces: convert in the current one
+      shared = _share(state, uses_mode)
+    _SHARED[key] = ([weakref.ref(leaf, _forget(key)) for leaf in leaves], shared, uses_mode)
+  if mode is not None:
+    uses_mode.note(mode)
   return shared
 
 
 def _forget(key: int):
   """A weakref callback that drops the entry ``key`` of :data:`_SHARED` once
   a leaf it was made for is gone (its trace has ended)."""
+  shared = _SHARED    # bound now: at interpreter exit the module's globals are gone
+
   def callback(ref):
-    entry = _SHARED.get(key)
+    entry = shared.get(key)
     if entry is not None and any(r is ref for r in entry[0]):
-      del _SHARED[key]
+      del shared[key]
   return callback
 
 

@@ -75,24 +75,39 @@ from typing import Any, Dict
 import jax
 import jax.numpy as jnp
 
-from te_jax.fp8_merge import merge_uses, shared_state
+from te_jax.fp8_merge import (checkpoint_bodies, merge_uses, share_tree, shared_state,
+                              tie_unused, unshare_tree)
 from te_jax.ops.quantize import compute_scale, is_positive_amax
 
 __all__ = [
     "FP8_COLLECTION",
+    "FP8StateWarning",
     "init_tensor_state",
     "init_dense_state",
     "scale_from_state",
     "update_tensor_state",
     "accumulate_gradients",
     "apply_fp8_updates",
+    "keep_where_unused",
     "ignored_outliers",
     "migrate_scale_inv",
     "merge_uses",
     "shared_state",
+    "tie_unused",
+    "share_tree",
+    "unshare_tree",
+    "checkpoint_bodies",
 ]
 
 FP8_COLLECTION = "_overwrite_with_gradient"
+
+
+class FP8StateWarning(UserWarning):
+  """A module's delayed-scaling FP8 state is not doing what training needs:
+  it does not advance across steps (``te_jax.nnx.apply_fp8_updates`` not
+  called), or the module runs with FP8 off or another recipe (the state is
+  kept, unused). Raised once per module (``warnings``: filter it with
+  ``warnings.filterwarnings("ignore", category=FP8StateWarning)``)."""
 DENSE_TENSORS = ("x", "kernel", "grad")
 
 
@@ -301,15 +316,20 @@ def accumulate_gradients(acc: Any, grads: Any) -> Any:
   return type(acc)(out)
 
 
-def _keep_where_unused(new, old):
+def keep_where_unused(new, old):
   """``new``, except the tensors whose state came back as zeros (scale 0: no
   GEMM used that state in the step, e.g. its output did not reach the
   loss), which keep ``old``: their amax history is not wiped."""
   if isinstance(new, Mapping) and "scale" in new and "amax_history" in new:
     used = jnp.asarray(new["scale"]) > 0
-    return {k: jnp.where(used, v, old[k]) if k in old else v for k, v in new.items()}
+    # One scale per history row (a GEMM's (H,) history with a () scale, or
+    # per expert / per layer rows): the row's mask, shaped for each leaf.
+    rows = jnp.shape(new["amax_history"])[:-1]
+    mask = {"scale": used, "amax_history": used.reshape(rows + (1,))}
+    return {k: jnp.where(mask.get(k, used), v, old[k]) if k in old else v
+            for k, v in new.items()}
   if isinstance(new, Mapping):
-    return {k: _keep_where_unused(v, old[k]) if k in old else v for k, v in new.items()}
+    return {k: keep_where_unused(v, old[k]) if k in old else v for k, v in new.items()}
   return new
 
 
@@ -344,7 +364,7 @@ def apply_fp8_updates(variables: Mapping[str, Any], grads: Mapping[str, Any]) ->
   if new is not None:
     if old is not None:
       _check_same_state_tree(old, new, "apply_fp8_updates")
-      new = _keep_where_unused(new, old)
+      new = keep_where_unused(new, old)
     out[FP8_COLLECTION] = new
   return type(variables)(out) if isinstance(variables, Mapping) else out
 

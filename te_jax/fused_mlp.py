@@ -4,23 +4,28 @@ Two FP8 dense layers with an activation between them, as one custom VJP, so
 that the activation output ``z`` is never written in bf16:
 
 * forward: ``h = x @ wi`` (FP8 GEMM, bf16 out); one pass over ``h`` computes
-  ``z = act(h)`` and writes ``z`` quantized, rowwise for the second GEMM and
-  columnwise for its weight gradient (``ops.act_quantize.act_quantize``);
+  ``z = act(h)`` and writes ``z`` quantized rowwise for the second GEMM
+  (``ops.act_quantize.act_quantize``);
 * backward: ``dz = g @ wo.T`` (FP8 GEMM, bf16 out); one pass over ``dz`` and
   ``h`` computes ``dh = dz * act'(h)`` and writes it quantized both ways for
-  the dgrad and wgrad GEMMs of ``wi`` (``dact_quantize``).
+  the dgrad and wgrad GEMMs of ``wi``, and from the same activation values
+  ``z`` quantized columnwise, as the forward quantized it, for the weight
+  gradient of ``wo`` (``dact_quantize`` with ``act_columnwise``).
 
 Compared with two ``fp8_dense`` calls and an XLA activation this saves a
 write and a read of ``z`` (forward) and of ``dh`` (backward) -- each
 ``tokens x mlp`` bf16 -- and the backward's peak memory holds no bf16 ``dh``.
 Residuals: ``h`` in bf16 (the activation's backward needs it, as it does
-unfused), ``x.T`` in FP8 (with a norm: ``x`` itself, which the norm's
-backward reads) and the kernels as given. The FP8 ``z.T`` and ``norm(x).T``
-that the wgrad GEMMs read are quantized again in the backward from ``h`` and
-``x`` (the forward's kernels on the same inputs: the same values), and the
-FP8 kernels too, so that no FP8 copy of an activation that is kept anyway
-stays alive between the passes (``save_original_input`` /
-``save_original_kernel`` = False keep them instead).
+unfused), ``x.T`` in FP8 (with a norm: ``x`` itself and its row
+statistics, which the norm's backward reads), the amaxes of ``z`` and
+``norm(x)`` and the kernels as given. The FP8 ``z.T`` and ``norm(x).T``
+that the wgrad GEMMs read are made in the backward from ``h`` (in the
+activation backward's pass, see above) and from ``x`` and its statistics
+(a columnwise-only quantize pass, ``norm_dense.requantize_normalized``)
+with the forward's scales: the same bytes. The FP8 kernels are quantized
+again too, so that no FP8 copy of an activation that is kept anyway stays
+alive between the passes (``save_original_input`` /
+``save_original_kernel`` = False write and keep them instead).
 
 Numerics: ``z`` and ``dh`` are computed in float32 from the bf16 ``h`` and
 quantized directly (the unfused path rounds them to bf16 first), so results
@@ -33,20 +38,20 @@ the quantization of the first GEMM's input and its backward is one kernel
 normalized input is never written in 16 or 32 bits either.
 
 Memory. The backward's peak holds ``h``, ``g @ wo.T`` (both ``tokens x mlp``
-in bf16) and both FP8 copies of ``dh`` at once. ``backward_chunks=n`` runs
+in bf16), both FP8 copies of ``dh`` and (with ``save_original_input``) the
+FP8 ``z.T`` written beside them at once: one byte per ``tokens x mlp``
+element more than a backward that quantized ``z`` again in a pass of its
+own, whose ``z.T`` was consumed before ``dh`` existed. ``backward_chunks=n`` runs
 that half of the backward (the dgrad GEMM, the activation backward, the
 dgrad GEMM of ``wi``) on n row chunks, so only a chunk of ``g @ wo.T`` and
 of the rowwise ``dh`` is live at once; the chunks' columnwise ``dh`` (kept)
 and dgrads are then concatenated for the wgrad and the norm backward. The
 slices and concatenations copy, and the GEMMs are smaller, so it costs
-time. On an H200 (2026-12-04, the blocks of ``benchmarks/bench_peers.py
---backward-chunks``, 16384 tokens, 4096 -> 16384 -> 4096, bf16 parameters)
-the MLP block's temp memory under delayed scaling fell from 1600 to 1280
-MiB (n=2, +1.7% step time) and 1216 MiB (n=4, +3.2 to +3.7%); blockwise
-1618 -> 1234 MiB at n=4 (+1.6 to +2.1%). In a TransformerLayer of
-those sizes 8 chunks hold no less than 4 (1922 MiB): h stays whole until
-the last chunk, and the forward's activation quantize (h and both FP8
-copies of act(h) at once) is then as high (BENCHMARKS.md, run AB).
+step time for memory (``benchmarks/bench_peers.py --backward-chunks``
+measures both; the figures are in BENCHMARKS.md). In a TransformerLayer more
+chunks stop paying once the backward's chunk loop is no longer the peak: h
+stays whole until the last chunk, and the forward's activation quantize is
+then as high.
 Results equal the unchunked ones bit for bit in the reference, except float
 sums over the tokens (the bias and norm parameter gradients, in another
 order); on the GPU the chunks' GEMMs may pick other algorithms.
@@ -136,18 +141,22 @@ def _mlp(x, gamma, beta, wi, bi, wo, bo, states, cfg):
 def _mlp_fwd(x, gamma, beta, wi, bi, wo, bo, states, cfg):
   mode, impl = cfg.mode, cfg.impl
   si, so = states
+  # With save_input the columnwise copies of norm(x) and z (wgrad operands)
+  # are made in the backward: the forward writes the rowwise ones alone.
+  cols = not cfg.save_input
   if cfg.norm is None:
     qx = mode.quantize(x, "x", si, impl=impl)
     norm_res = None
   else:   # norm(x), quantized in the pass that reads x
-    qx, mean, rstd = norm_dense.quantize_normalized(mode, cfg.norm, x, gamma, beta, si, impl)
+    qx, mean, rstd = norm_dense.quantize_normalized(mode, cfg.norm, x, gamma, beta, si, impl,
+                                                    columnwise=cols)
     norm_res = (x, gamma, beta, mean, rstd)
   qwi = mode.quantize(wi, "kernel", si, impl=impl)
   h = mode.gemm("fprop", qx.rowwise(), qwi.columnwise(), out_dtype=cfg.dtype, bias=bi,
                 impl=impl)
   # z = act(h) quantized in the pass that reads h: the input of the second GEMM.
   qz = mode.quantize_fused(act_op.act_quantize, "x", so, impl=impl, h=h,
-                           activations=cfg.activations)
+                           activations=cfg.activations, columnwise=cols)
   qwo = mode.quantize(wo, "kernel", so, impl=impl)
   y = mode.gemm("fprop", qz.rowwise(), qwo.columnwise(), out_dtype=cfg.dtype, bias=bo,
                 impl=impl)
@@ -158,11 +167,12 @@ def _mlp_fwd(x, gamma, beta, wi, bi, wo, bo, states, cfg):
     y = (y, norm_dense.normalized(cfg.norm, *norm_res).astype(cfg.dtype))
   # h is kept for the activation's backward, and with a norm x for the
   # norm's: with save_input the FP8 copies of act(h).T and norm(x).T are
-  # made again from them in the backward instead (with this forward's
-  # scales, ``states``); with save_kernel the kernels are quantized again.
-  keep_qx = not (cfg.save_input and norm_res is not None)
-  res = (qx.columnwise() if keep_qx else None, wi if cfg.save_kernel else qwi.rowwise(), h,
-         None if cfg.save_input else qz.columnwise(),
+  # made from them in the backward instead (with this forward's scales,
+  # ``states``, and amaxes, kept in their place); with save_kernel the
+  # kernels are quantized again.
+  x_t = qx.amax if cfg.save_input and norm_res is not None else qx.columnwise()
+  z_t = qz.amax if cfg.save_input else qz.columnwise()
+  res = (x_t, wi if cfg.save_kernel else qwi.rowwise(), h, z_t,
          wo if cfg.save_kernel else qwo.rowwise(), states, new, protos, norm_res)
   return y, res
 
@@ -176,21 +186,27 @@ def chunk_bounds(m: int, chunks: int, token_block: int) -> Tuple[Tuple[int, int]
   return tuple((cuts[i], cuts[i + 1]) for i in range(n))
 
 
-def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype):
+def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype, act_t):
   """dh = (g @ wo.T) * act'(h), quantized, and its dgrad ``dh @ wi.T``, one
   row chunk at a time (``cfg.backward_chunks``): only a chunk of the bf16
-  ``g @ wo.T`` and of the rowwise FP8 ``dh`` is live at once. Returns the
-  dgrad (M, K) in ``dx_dtype``, dh's columnwise operand for the wgrad, its
-  amax (None for blockwise), and the bias gradient of wi (or None)."""
+  ``g @ wo.T`` and of the rowwise FP8 ``dh`` is live at once. With
+  ``act_t`` (an ``ActColumnwise``) the same passes write act(h)'s
+  columnwise copy. Returns the dgrad (M, K) in ``dx_dtype``, dh's
+  columnwise operand for the wgrad, its amax (None for blockwise), the bias
+  gradient of wi (or None) and act(h)'s columnwise operand (or None)."""
   mode, impl = cfg.mode, cfg.impl
-  dxs, cols, col_scales, amaxes, dbis = [], [], [], [], []
+  dxs, cols, col_scales, amaxes, dbis, zs = [], [], [], [], [], []
   for r0, r1 in chunk_bounds(h.shape[0], cfg.backward_chunks, mode.token_block):
     dz = mode.gemm("dgrad", qg.rowwise().rows(r0, r1), qwo, out_dtype=h.dtype, impl=impl)
     # dh = dz * act'(h) quantized in the pass that reads dz and h. Delayed
     # scaling quantizes with the state's scale and blockwise per tile, so a
-    # chunk's FP8 values are those of the whole tensor.
+    # chunk's FP8 values are those of the whole tensor (act(h)'s copy too:
+    # the forward's scale, or tiles of 128 tokens).
     q = mode.quantize_fused(act_op.dact_quantize, "grad", si, impl=impl, dz=dz, h=h[r0:r1],
-                            activations=cfg.activations)
+                            activations=cfg.activations, act_columnwise=act_t)
+    if act_t is not None:
+      q, z_cols = q
+      zs.append(z_cols)
     dxs.append(mode.gemm("dgrad", q.rowwise(), qwi, out_dtype=dx_dtype, impl=impl))
     cols.append(q.data_t)
     col_scales.append(q.scale_inv_t)
@@ -198,9 +214,10 @@ def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype):
     if cfg.has_bi:   # one more pass over dz and h, only when wi has a bias
       dh = act_op.activation_backward(dz, h[r0:r1], cfg.activations)
       dbis.append(jnp.sum(dh.astype(jnp.float32), axis=0))
+  z_t = act_op.join_columnwise(zs, impl) if zs else None
   if len(dxs) == 1:
     dbi = None if not dbis else dbis[0].astype(h.dtype)
-    return dxs[0], q.columnwise(), q.amax, dbi
+    return dxs[0], q.columnwise(), q.amax, dbi, z_t
   amax = None if q.amax is None else fp8.amax(jnp.stack(amaxes))   # NaN-propagating
   if q.block_shape is None:   # delayed: one scale for every chunk ...
     # ... and any chunk's non-finite amax poisons the whole wgrad operand.
@@ -209,12 +226,12 @@ def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype):
     scale_t = jnp.concatenate(col_scales, axis=1)
   col = ScaledTensor(jnp.concatenate(cols, axis=1), scale_t, q.block_shape)
   dbi = None if not dbis else sum(dbis[1:], dbis[0]).astype(h.dtype)
-  return jnp.concatenate(dxs, axis=0), col, amax, dbi
+  return jnp.concatenate(dxs, axis=0), col, amax, dbi, z_t
 
 
 def _mlp_bwd(cfg, res, g):
   mode, impl = cfg.mode, cfg.impl
-  qx_t, qwi, h, qz_t, qwo, (si_fwd, so_fwd), (si, so), (x_p, wi_p, wo_p), norm_res = res
+  x_t, qwi, h, z_t, qwo, (si_fwd, so_fwd), (si, so), (x_p, wi_p, wo_p), norm_res = res
   g_norm = None
   if cfg.return_norm_output:
     g, g_norm = g
@@ -227,21 +244,25 @@ def _mlp_bwd(cfg, res, g):
   if cfg.save_kernel:   # the forward's quantization, rowwise only: the dgrad operands
     qwi = mode.quantize(qwi, "kernel", si_fwd, impl=impl, columnwise=False).rowwise()
     qwo = mode.quantize(qwo, "kernel", so_fwd, impl=impl, columnwise=False).rowwise()
-  if qz_t is None:      # the forward's act(h) quantize again, for its columnwise copy
-    qz_t = mode.quantize_fused(act_op.act_quantize, "x", so_fwd, impl=impl, h=h,
-                               activations=cfg.activations).columnwise()
-  dwo = mode.gemm("wgrad", qz_t, qg.columnwise(), out_dtype=wo_p.dtype, impl=impl)
+  # With save_input z_t is the amax of the forward's act(h): act(h) is
+  # quantized columnwise as the forward quantized it (its options for role
+  # "x" under the forward's state, and that amax) in the dact passes.
+  act_t = None
+  if cfg.save_input:
+    act_t = mode.quantize_fused(act_op.act_columnwise_like, "x", so_fwd, impl=impl, amax=z_t)
   dgamma = dbeta = None
   dx_dtype = x_p.dtype if norm_res is None else cfg.dtype
-  dx, qdh_t, dh_amax, dbi = _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype)
+  dx, qdh_t, dh_amax, dbi, qz_t = _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype, act_t)
+  if qz_t is None:   # kept from the forward
+    qz_t = z_t
+  dwo = mode.gemm("wgrad", qz_t, qg.columnwise(), out_dtype=wo_p.dtype, impl=impl)
   if norm_res is not None:   # dx is the gradient of norm(x) (compute dtype, as unfused)
     if g_norm is not None:   # both uses of norm(x), summed in its dtype
       dx = dx + g_norm.astype(cfg.dtype)
     dx, dgamma, dbeta = norm_dense.norm_grads(cfg.norm, dx, *norm_res, impl)
-  if qx_t is None:   # norm(x) quantized again from x, as in the forward
-    qx_t = norm_dense.quantize_normalized(mode, cfg.norm, *norm_res[:3], si_fwd,
-                                          impl)[0].columnwise()
-  dwi = mode.gemm("wgrad", qx_t, qdh_t, out_dtype=wi_p.dtype, impl=impl)
+  if cfg.save_input and norm_res is not None:   # norm(x).T as the forward's; x_t its amax
+    x_t = norm_dense.requantize_normalized(mode, cfg.norm, *norm_res, x_t, si_fwd, impl)
+  dwi = mode.gemm("wgrad", x_t, qdh_t, out_dtype=wi_p.dtype, impl=impl)
   dbo = None
   if cfg.has_bo:
     dbo = jnp.sum(g.astype(jnp.float32), axis=0).astype(g.dtype)
@@ -289,13 +310,15 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
       default 1, unsplit) to trade speed for peak memory: see "Memory" above.
       Delayed and blockwise scaling only (current scaling needs the whole
       gradient's amax before any of it is quantized).
-    save_original_input: True (default): the backward quantizes act(h)
-      again from h (kept for the activation's backward anyway), and with a
-      norm norm(x) again from x (kept for the norm's), for the two wgrad
-      GEMMs: one more pass over h (and x), the same FP8 values bit for bit,
-      and no FP8 copy of either alive between the passes. False keeps those
-      copies (1 byte per element of act(h) and of x) and skips the passes.
-      Without a norm, x's FP8 copy is kept either way (x itself is not).
+    save_original_input: True (default): the forward writes only the
+      rowwise FP8 act(h) (and norm(x)); the backward writes act(h)'s
+      columnwise copy in the activation backward's pass over h and, with a
+      norm, quantizes norm(x) columnwise from x and its statistics (kept
+      for the norm's backward anyway), for the two wgrad GEMMs: the same FP8
+      values bit for bit, no FP8 copy of either alive between the passes,
+      and one more quantize pass over x. False writes and keeps those copies
+      (1 byte per element of act(h) and of x). Without a norm, x's FP8 copy
+      is kept either way (x itself is not).
     save_original_kernel: True (default): the backward quantizes ``wi`` and
       ``wo`` again for the dgrad GEMMs instead of keeping their FP8 copies:
       no memory when they are parameters (as the Flax modules pass them),

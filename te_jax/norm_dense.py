@@ -11,14 +11,19 @@ One ``custom_vjp`` that never writes the normalized input in 16 or 32 bits:
   the compute dtype, as the unfused path's), then one kernel computes dx,
   dgamma and dbeta from it, x and the statistics
   (``ops.normalization.norm_backward``); wgrad reads the FP8 columnwise
-  copy of norm(x), which the backward makes again from x (the forward's
-  pass, same values bit for bit) rather than keeping it from the forward.
+  copy of norm(x), which the forward does not write: the backward
+  quantizes norm(x) from x and the forward's statistics (and scale or
+  amax), columnwise only, the same bytes bit for bit, without a statistics
+  pass (``requantize_normalized``). That kernel does not join the norm
+  backward's: that one owns whole rows, a transposed copy needs 128-row
+  tiles.
 
 Residuals: ``x`` itself (the norm's backward needs it, as it does unfused),
-two float32 numbers per row and the kernel as given; nothing in FP8 (the
-arguments ``save_original_input=False`` / ``save_original_kernel=False``
-keep the FP8 copies of norm(x).T and of the kernel instead, one byte per
-element each, and skip the backward's quantize passes). Compared with XLA's
+two float32 numbers per row, the amax of norm(x) and the kernel as given;
+nothing in FP8 (the arguments ``save_original_input=False`` /
+``save_original_kernel=False`` keep the FP8 copies of norm(x).T and of the
+kernel instead, one byte per element each, and skip the backward's quantize
+passes). Compared with XLA's
 norm followed by ``te_jax.dense.fp8_dense``: one read of ``x`` and a write
 and read of the normalized input less forward, and the norm's backward in one
 kernel instead of XLA's reductions.
@@ -63,7 +68,8 @@ from te_jax.ops import concat_quantize as concat_op
 from te_jax.ops import normalization as norm_op
 
 __all__ = ["NormParams", "NormSpec", "MAX_HIDDEN", "fp8_norm_dense", "supported",
-           "norm_spec", "quantize_normalized", "normalized", "norm_grads", "normalize"]
+           "norm_spec", "quantize_normalized", "requantize_normalized", "normalized",
+           "norm_grads", "normalize"]
 
 # The largest normalized dim the CUDA kernels take (the backward's limit).
 MAX_HIDDEN = norm_op.MAX_CUDA_HIDDEN
@@ -116,12 +122,27 @@ def supported(m: int, k: int, recipe: recipe_lib.Recipe) -> bool:
 
 
 def quantize_normalized(mode: scaling.ScalingMode, spec: NormSpec, x, gamma, beta, state,
-                        impl: str):
+                        impl: str, columnwise: bool = True):
   """``(qx, mean, rstd)``: norm(x) quantized as the GEMM operand "x" of
-  ``mode`` (both copies), with the statistics ``norm_grads`` takes."""
+  ``mode`` (the rowwise copy, and the columnwise one unless ``columnwise``
+  is False), with the statistics ``norm_grads`` takes."""
   return mode.quantize_fused(norm_op.norm_quantize, "x", state, impl=impl, x=x, gamma=gamma,
                              beta=beta, norm_type=spec.norm_type, epsilon=spec.epsilon,
-                             zero_centered_gamma=spec.zero_centered_gamma)
+                             zero_centered_gamma=spec.zero_centered_gamma,
+                             columnwise=columnwise)
+
+
+def requantize_normalized(mode: scaling.ScalingMode, spec: NormSpec, x, gamma, beta, mean,
+                          rstd, amax, state, impl: str):
+  """The columnwise copy (a ``ScaledTensor`` (K, M)) of norm(x) that
+  ``quantize_normalized(mode, spec, x, gamma, beta, state, impl)`` writes,
+  bit for bit, from the ``mean``, ``rstd`` and ``amax`` it returned (amax
+  None blockwise): one quantize pass over x, no statistics pass."""
+  return mode.quantize_fused(norm_op.norm_quantize_with_stats, "x", state, impl=impl, x=x,
+                             gamma=gamma, beta=beta, mean=mean, rstd=rstd,
+                             norm_type=spec.norm_type,
+                             zero_centered_gamma=spec.zero_centered_gamma, amax=amax,
+                             rowwise=False).columnwise()
 
 
 def normalized(spec: NormSpec, x, gamma, beta, mean, rstd):
@@ -162,7 +183,9 @@ def _norm_dense(x, gamma, beta, kernel, bias, state, cfg):
 
 def _norm_dense_fwd(x, gamma, beta, kernel, bias, state, cfg):
   mode, impl = cfg.mode, cfg.impl
-  qx, mean, rstd = quantize_normalized(mode, cfg.norm, x, gamma, beta, state, impl)
+  # norm(x).T is only needed by wgrad: with save_input the backward makes it.
+  qx, mean, rstd = quantize_normalized(mode, cfg.norm, x, gamma, beta, state, impl,
+                                       columnwise=not cfg.save_input)
   qk = mode.quantize(kernel, "kernel", state, impl=impl)
   # num_splits > 1: a tuple of blocks, each from its own GEMM (no slice copies).
   y = mode.gemm("fprop", qx.rowwise(), qk.columnwise(), out_dtype=cfg.dtype, bias=bias,
@@ -171,18 +194,19 @@ def _norm_dense_fwd(x, gamma, beta, kernel, bias, state, cfg):
   out = y
   if cfg.return_norm_output:   # elementwise from the statistics: no second reduction
     out = (y, normalized(cfg.norm, x, gamma, beta, mean, rstd).astype(cfg.dtype))
-  # x (and gamma, beta) are kept for the norm's backward anyway; the FP8
-  # copies that wgrad and dgrad read are kept, or made again from x and the
-  # kernel in the backward with the same scales (``state``, this forward's).
-  res = (None if cfg.save_input else qx.columnwise(),
-         kernel if cfg.save_kernel else qk.rowwise(), x, gamma, beta, mean, rstd,
+  # x (and gamma, beta, the statistics) are kept for the norm's backward
+  # anyway; the FP8 copies that wgrad and dgrad read are kept, or made again
+  # from them and the kernel in the backward with the same scales (``state``,
+  # this forward's, and the amax of norm(x)).
+  x_t = qx.amax if cfg.save_input else qx.columnwise()
+  res = (x_t, kernel if cfg.save_kernel else qk.rowwise(), x, gamma, beta, mean, rstd,
          state, new_state, jnp.zeros((0,), kernel.dtype))
   return out, res
 
 
 def _norm_dense_bwd(cfg, res, g):
   mode, impl = cfg.mode, cfg.impl
-  qx_t, qk, x, gamma, beta, mean, rstd, state, new_state, k_proto = res
+  x_t, qk, x, gamma, beta, mean, rstd, state, new_state, k_proto = res
   g_ln = None
   if cfg.return_norm_output:
     g, g_ln = g
@@ -193,14 +217,16 @@ def _norm_dense_bwd(cfg, res, g):
     qg = mode.quantize(g, "grad", new_state, impl=impl)
   # What this pass computes again from the kept tensors reads them through
   # one barrier behind g (te_jax.dense.after_cotangent).
-  qk, x, gamma, beta = dense_lib.after_cotangent(g, qk, x, gamma, beta)
+  qk, x, gamma, beta, mean, rstd = dense_lib.after_cotangent(g, qk, x, gamma, beta, mean, rstd)
   if cfg.save_kernel:
     qk = mode.quantize(qk, "kernel", state, impl=impl, columnwise=False).rowwise()
   dln = mode.gemm("dgrad", qg.rowwise(), qk, out_dtype=cfg.dtype, impl=impl)
   if g_ln is not None:   # both uses of the normalized input, summed in its dtype
     dln = dln + g_ln.astype(cfg.dtype)
-  if cfg.save_input:   # the forward's pass again: norm(x) quantized, both copies
-    qx_t = quantize_normalized(mode, cfg.norm, x, gamma, beta, state, impl)[0].columnwise()
+  if cfg.save_input:   # the forward's quantization again, columnwise: x_t is its amax
+    qx_t = requantize_normalized(mode, cfg.norm, x, gamma, beta, mean, rstd, x_t, state, impl)
+  else:
+    qx_t = x_t
   dk = mode.gemm("wgrad", qx_t, qg.columnwise(), out_dtype=k_proto.dtype, impl=impl)
   dx, dgamma, dbeta = norm_grads(cfg.norm, dln, x, gamma, beta, mean, rstd, impl)
   dbias = None
@@ -249,11 +275,13 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
       back through the same norm backward).
     dtype: output (and normalized-output) dtype; default ``x.dtype``.
     num_splits: number of output blocks (an int >= 1 dividing N).
-    save_original_input: True (default): the backward quantizes norm(x)
-      again from x (kept for the norm's backward anyway) for the wgrad GEMM,
-      one more pass over x, the same FP8 values bit for bit; no FP8 copy of
-      norm(x) stays alive between the passes. False keeps that copy (1 byte
-      per element of x) and skips the pass.
+    save_original_input: True (default): the forward writes only the
+      rowwise FP8 norm(x), and the backward quantizes norm(x) again,
+      columnwise only, from x and the statistics (kept for the norm's
+      backward anyway) for the wgrad GEMM: one more quantize pass over x,
+      the same FP8 values bit for bit, and no FP8 copy of norm(x) alive
+      between the passes. False writes and keeps that copy (1 byte per
+      element of x) and skips the pass.
     save_original_kernel: True (default): the backward quantizes the kernel
       again for the dgrad GEMM (same values) instead of keeping its FP8 copy:
       no memory when the kernel is a parameter (as the Flax modules pass

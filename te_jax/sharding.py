@@ -2,7 +2,8 @@
 
 A :class:`MeshResource` names which axes of a ``jax.sharding.Mesh`` play
 which role: data parallelism (``dp_resource``), fully sharded data
-parallelism (``fsdp_resource``) and tensor parallelism (``tp_resource``);
+parallelism (``fsdp_resource``), tensor parallelism (``tp_resource``) and
+expert parallelism (``ep_resource``, the experts of ``te_jax.moe``);
 ``sequence_parallel=True`` additionally shards the token (sequence) dimension
 of the activations between blocks over the tensor-parallel axis. Roles left
 as None, and names the mesh does not have (or of size 1), are simply unused.
@@ -92,6 +93,11 @@ class MeshResource:
       reduce-scatter its gradient.
     tp_resource: mesh axis of tensor parallelism (Megatron column- then
       row-parallel GEMMs in the MLP and attention).
+    ep_resource: mesh axis of expert parallelism: the experts of a mixture
+      of experts (``te_jax.moe``; logical name ``"expert"``) are split over
+      it and tokens move to their experts by all-to-all. Every other layer
+      sees it as a data axis: the batch is split over it (between dp and
+      fsdp), their parameters are replicated over it.
     sequence_parallel: shard the token dim of activations between blocks over
       ``tp_resource`` (gathered before the column-parallel GEMM, reduce-scattered
       after the row-parallel one). Needs ``tp_resource``.
@@ -105,6 +111,7 @@ class MeshResource:
   tp_resource: Optional[str] = None
   sequence_parallel: bool = False
   pad_tokens: bool = False
+  ep_resource: Optional[str] = None
 
   def __post_init__(self):
     for name in ("dp_resource", "fsdp_resource"):
@@ -113,9 +120,10 @@ class MeshResource:
           isinstance(v, tuple) and all(isinstance(a, str) for a in v)):
         raise TypeError(f"{name} must be None, a mesh axis name or a tuple of "
                         f"names, got {v!r}.")
-    if self.tp_resource is not None and not isinstance(self.tp_resource, str):
-      raise TypeError(f"tp_resource must be None or a mesh axis name, got "
-                      f"{self.tp_resource!r}.")
+    for name in ("tp_resource", "ep_resource"):
+      v = getattr(self, name)
+      if v is not None and not isinstance(v, str):
+        raise TypeError(f"{name} must be None or a mesh axis name, got {v!r}.")
     for name in ("sequence_parallel", "pad_tokens"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}.")
@@ -128,9 +136,9 @@ class MeshResource:
 
   @property
   def axes(self) -> Tuple[str, ...]:
-    """Every mesh axis name this resource uses, in role order (dp, fsdp, tp)."""
-    return _as_tuple(self.dp_resource) + _as_tuple(self.fsdp_resource) + _as_tuple(
-        self.tp_resource)
+    """Every mesh axis name this resource uses, in role order (dp, ep, fsdp, tp)."""
+    return (_as_tuple(self.dp_resource) + _as_tuple(self.ep_resource) +
+            _as_tuple(self.fsdp_resource) + _as_tuple(self.tp_resource))
 
 
 # --------------------------------------------------------------- rules ------
@@ -146,8 +154,9 @@ def logical_axis_rules(mesh_resource: Optional[MeshResource] = None,
   ============================  ===============================
   logical name                  mesh axes
   ============================  ===============================
-  batch, activation_batch       (dp..., fsdp...)
+  batch, activation_batch       (dp..., ep, fsdp...)
   embed                         fsdp (parameters only)
+  expert                        ep
   mlp, heads, kv_heads,         tp
   joined_kv, vocab
   length, activation_length,    tp when ``sequence_parallel``
@@ -160,7 +169,7 @@ def logical_axis_rules(mesh_resource: Optional[MeshResource] = None,
   ``batch`` comes first.)
   """
   mr = mesh_resource if mesh_resource is not None else MeshResource()
-  batch = _as_tuple(mr.dp_resource) + _as_tuple(mr.fsdp_resource)
+  batch = _data_axes(mr)
   fsdp = _as_tuple(mr.fsdp_resource)
   tp = mr.tp_resource
   seq = tp if mr.sequence_parallel else None
@@ -175,6 +184,7 @@ def logical_axis_rules(mesh_resource: Optional[MeshResource] = None,
       ("batch", one(batch)),
       ("activation_batch", one(batch)),
       ("embed", one(fsdp)),
+      ("expert", mr.ep_resource),
       ("mlp", tp),
       ("heads", tp),
       ("kv_heads", tp),
@@ -333,10 +343,15 @@ def _present(mesh, axes) -> Tuple[str, ...]:
   return tuple(a for a in _as_tuple(axes) if mesh_axis_size(mesh, a) > 1)
 
 
+def _data_axes(mesh_resource: MeshResource) -> Tuple[str, ...]:
+  """The axes the batch is split over, in order: (dp..., ep, fsdp...)."""
+  return (_as_tuple(mesh_resource.dp_resource) + _as_tuple(mesh_resource.ep_resource) +
+          _as_tuple(mesh_resource.fsdp_resource))
+
+
 def batch_axes(mesh_resource: MeshResource, mesh) -> Tuple[str, ...]:
-  """Mesh axes the batch (token) dim is split over, dp first: (dp..., fsdp...)."""
-  return _present(mesh, _as_tuple(mesh_resource.dp_resource) +
-                  _as_tuple(mesh_resource.fsdp_resource))
+  """Mesh axes the batch (token) dim is split over, dp first: (dp..., ep, fsdp...)."""
+  return _present(mesh, _data_axes(mesh_resource))
 
 
 def tp_axis(mesh_resource: MeshResource, mesh) -> Optional[str]:
@@ -361,7 +376,7 @@ def activation_spec(mesh_resource: MeshResource, mesh, ndim: int,
                     sequence_sharded: Optional[bool] = None) -> PartitionSpec:
   """PartitionSpec of a (batch, seq, ..., hidden) activation between blocks.
 
-  Batch over (dp, fsdp); seq over tp when sequence parallel (for a 2-D
+  Batch over (dp, ep, fsdp); seq over tp when sequence parallel (for a 2-D
   (tokens, hidden) activation the tp axis joins the token dim, minor-most).
   """
   b = batch_axes(mesh_resource, mesh)

@@ -1,6 +1,8 @@
 """Shared pytest setup: the ``gpu`` marker skips where no CUDA path exists; one
-XLA compilation cache for the run."""
+XLA compilation cache for the run; one line at the end that counts the
+skipped tests by reason."""
 
+import collections
 import os
 import shutil
 import tempfile
@@ -57,6 +59,42 @@ def pytest_report_header(config):
           else "XLA compilation cache: off")
 
 
+GPU_SKIP_REASON = "need an NVIDIA GPU and the te_jax CUDA custom calls (gpu marker)"
+
+
+def skip_reason(report):
+  """The reason a skipped test report gives, without pytest's "Skipped: ".
+
+  A skip's ``longrepr`` is (path, line, message); pytest-xdist sends it from
+  its workers as a list.
+  """
+  longrepr = report.longrepr
+  message = longrepr[2] if isinstance(longrepr, (tuple, list)) and len(longrepr) == 3 else str(longrepr)
+  return message.removeprefix("Skipped: ")
+
+
+def skip_summary(reports):
+  """One line counting skipped-test ``reports`` by reason, most frequent
+  first: ``"12 skipped: 10 need a GPU; 2 need orbax"``; "" for none. Tests
+  with the ``gpu`` marker count as one reason, whichever skip mark fired
+  (some files have their own skipif for the same cause)."""
+  counts = collections.Counter(
+      GPU_SKIP_REASON if "gpu" in getattr(r, "keywords", {}) else skip_reason(r) for r in reports)
+  if not counts:
+    return ""
+  parts = [f"{n} {reason}" for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
+  return f"{sum(counts.values())} skipped: " + "; ".join(parts)
+
+
+def pytest_terminal_summary(terminalreporter):
+  """Says why tests were skipped, in one line before pytest's closing line
+  (``-rs`` lists each one). Runs in the main process, which under
+  pytest-xdist holds every worker's reports."""
+  line = skip_summary(terminalreporter.stats.get("skipped", []))
+  if line:
+    terminalreporter.write_line(line)
+
+
 def _cuda_available():
   try:
     from te_jax.ops import _native
@@ -77,7 +115,7 @@ def pytest_collection_modifyitems(config, items):
   del config
   if _cuda_available():
     return
-  skip = pytest.mark.skip(reason="needs an NVIDIA GPU and the te_jax CUDA custom calls")
+  skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
   for item in items:
     if "gpu" in item.keywords:
       item.add_marker(skip)

@@ -7,11 +7,18 @@ CPU (CI): the pure-JAX spec against independent oracles:
     quantizer applied to the reference's float32 v (so no bf16 rounding of v
     sneaks in), and within half an FP8 ulp of the float64 v;
   * argument errors.
+  * output selection (one copy, or dact's extra columnwise act(h)) against
+    the both-copies results and the forward's act_quantize, bit for bit; the
+    CUDA program's custom call asks for exactly the selected copies (lowered
+    for CUDA without a GPU).
 GPU (``gpu`` marker, skipped elsewhere): the CUDA path against the reference
-evaluated on the CPU backend (IEEE division; see test_cuda_ops.py).
+evaluated on the CPU backend (IEEE division; see test_cuda_ops.py), and the
+selected or extra outputs against the CUDA kernels' own both-copies results
+bit for bit.
 """
 
 import math
+import re
 import zlib
 
 import jax
@@ -24,6 +31,8 @@ import pytest
 from te_jax.ops import _native
 from te_jax.ops import act_quantize as aq
 from te_jax.ops.fp8 import QuantizedTensor
+
+from cuda_lowering import cuda_text, gpu_host  # pylint: disable=unused-import
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -342,6 +351,172 @@ def test_jit_with_traced_scale():
                                   np.asarray(w).reshape(-1).view(np.uint8))
 
 
+# ------------------------------------------------------ output selection ---
+
+def _mode_kw(mode, dtype, scale=64.0):
+  """Options of one act/dact call: a given scale for "tensorwise", power-of-2
+  tile scales for "blockwise"."""
+  kw = dict(mode=mode, dtype=dtype, power_2_scale=mode == "blockwise")
+  if mode == "tensorwise":
+    kw["scale"] = jnp.float32(scale)
+  return kw
+
+
+def _same_bits(got, want, what):
+  """Arrays (or None) equal bit for bit; NaN equals NaN."""
+  assert (got is None) == (want is None), what
+  if got is not None:
+    g, w = np.asarray(got), np.asarray(want)
+    assert g.shape == w.shape and g.dtype == w.dtype, (what, g.shape, w.shape)
+    np.testing.assert_array_equal(g.reshape(-1).view(np.uint8), w.reshape(-1).view(np.uint8),
+                                  err_msg=what)
+
+
+def _check_selection(both, rows, cols, mode, tag):
+  """rows / cols (one copy each) are both's fields, the other copy None."""
+  _same_bits(rows.data, both.data, f"{tag} rows data")
+  _same_bits(rows.scale_inv, both.scale_inv, f"{tag} rows scale_inv")
+  _same_bits(rows.amax, both.amax, f"{tag} rows amax")
+  assert rows.data_t is None and rows.scale_inv_t is None, tag
+  _same_bits(cols.data_t, both.data_t, f"{tag} cols data_t")
+  _same_bits(cols.scale_inv_t, both.scale_inv_t, f"{tag} cols scale_inv_t")
+  _same_bits(cols.amax, both.amax, f"{tag} cols amax")
+  assert cols.data is None, tag
+  # The per-tensor scale_inv is both copies' one scale: it stays.
+  _same_bits(cols.scale_inv, None if mode == "blockwise" else both.scale_inv, tag)
+  assert rows.block_shape == cols.block_shape == both.block_shape, tag
+
+
+@pytest.mark.parametrize("mode", aq.MODES)
+def test_output_selection_writes_those_copies_of_both(mode):
+  for acts in (("gelu",), ("silu", "linear")):
+    h, _ = _inputs(acts, 11)
+    run = lambda **kw: aq.act_quantize(h, acts, impl="reference", **_mode_kw(mode, E4M3), **kw)
+    _check_selection(run(), run(columnwise=False), run(rowwise=False), mode, f"{acts} {mode}")
+
+
+def _forward_and_spec(h, acts, mode):
+  """The forward's act_quantize (both copies, E4M3) and the ActColumnwise
+  that asks dact for its columnwise copy."""
+  kw = _mode_kw(mode, E4M3, scale=40.0)
+  fwd = aq.act_quantize(h, acts, impl="reference", **kw)
+  return fwd, aq.act_columnwise_like(amax=fwd.amax, **kw)
+
+
+@pytest.mark.parametrize("mode", aq.MODES)
+def test_dact_writes_the_forwards_columnwise_act(mode):
+  """dact_quantize(act_columnwise=...) returns dh unchanged and act(h)'s
+  columnwise copy exactly as the forward's act_quantize wrote it, for a
+  backward format and scale other than the forward's."""
+  for acts in (("gelu",), ("silu", "linear"), ("relu", "tanh")):
+    h, dz = _inputs(acts, 12)
+    fwd, spec = _forward_and_spec(h, acts, mode)
+    kw = _mode_kw(mode, E5M2, scale=1000.0)
+    plain = aq.dact_quantize(dz, h, acts, impl="reference", **kw)
+    q, z_t = aq.dact_quantize(dz, h, acts, impl="reference", act_columnwise=spec, **kw)
+    tag = f"{acts} {mode}"
+    for name in ("data", "scale_inv", "data_t", "scale_inv_t", "amax"):
+      _same_bits(getattr(q, name), getattr(plain, name), f"{tag} dh {name}")
+    assert z_t.block_shape == fwd.block_shape, tag
+    _same_bits(z_t.data, fwd.data_t, f"{tag} z_t")
+    _same_bits(z_t.scale_inv, fwd.scale_inv_t, f"{tag} z_t scale_inv")
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "current"])
+def test_dact_act_columnwise_keeps_a_nonfinite_amax_visible(mode):
+  """An Inf in h: the forward's copy has a NaN scale_inv (saturation must not
+  hide it), and so has the copy dact writes from the forward's amax."""
+  acts = ("silu", "linear")
+  h, dz = _inputs(acts, 13)
+  h = h.at[3, 5].set(jnp.inf)
+  fwd, spec = _forward_and_spec(h, acts, mode)
+  assert not np.isfinite(float(fwd.amax))
+  _, z_t = aq.dact_quantize(dz, h, acts, impl="reference", act_columnwise=spec,
+                            **_mode_kw(mode, E5M2))
+  assert np.isnan(float(z_t.scale_inv))
+  _same_bits(z_t.scale_inv, fwd.scale_inv_t, mode)
+
+
+@pytest.mark.parametrize("mode", ["tensorwise", "blockwise"])
+def test_join_columnwise_of_row_chunks_is_the_whole(mode):
+  """Row chunks quantized alone (one scale, or whole 128-token tiles) join
+  into the whole tensor's columnwise copy."""
+  acts = ("gelu",)
+  h = jnp.asarray(np.random.default_rng(14).standard_normal((384, F)) * 3, BF16)
+  kw = _mode_kw(mode, E4M3)
+  whole = aq.act_quantize(h, acts, impl="reference", **kw).columnwise()
+  parts = [aq.act_quantize(h[r0:r1], acts, impl="reference", rowwise=False, **kw).columnwise()
+           for r0, r1 in ((0, 256), (256, 384))]
+  joined = aq.join_columnwise(parts, impl="reference")
+  assert joined.block_shape == whole.block_shape
+  _same_bits(joined.data, whole.data, mode)
+  _same_bits(joined.scale_inv, whole.scale_inv, mode)
+
+
+def test_output_selection_argument_errors():
+  h, dz = _inputs(("gelu",), 15)
+  fwd = lambda **kw: aq.act_quantize(h, ("gelu",), mode="current", dtype=E4M3, **kw)
+  with pytest.raises(ValueError, match="both False"):
+    fwd(rowwise=False, columnwise=False)
+  with pytest.raises(TypeError, match="columnwise must be a Python bool"):
+    fwd(columnwise=0)
+  like = aq.act_columnwise_like
+  with pytest.raises(ValueError, match=r"amax \(the forward's max\|act\(h\)\|\) is needed"):
+    like(amax=None, mode="current", dtype=E4M3)
+  with pytest.raises(ValueError, match="amax must be None for mode='blockwise'"):
+    like(amax=jnp.float32(1.0), mode="blockwise", dtype=E4M3)
+  with pytest.raises(TypeError, match="amax must be a float32 scalar"):
+    like(amax=jnp.ones((2,)), mode="current", dtype=E4M3)
+  with pytest.raises(ValueError, match="act_columnwise: mode='tensorwise' needs scale"):
+    like(amax=jnp.float32(1.0), mode="tensorwise", dtype=E4M3)
+  bwd = lambda spec, mode="current": aq.dact_quantize(dz, h, ("gelu",), mode=mode, dtype=E5M2,
+                                                      act_columnwise=spec)
+  with pytest.raises(ValueError, match=r"act_columnwise.mode \('current'\) must be"):
+    bwd(like(amax=jnp.float32(1.0), mode="current", dtype=E4M3), mode="blockwise")
+  with pytest.raises(TypeError, match="act_columnwise must be an ActColumnwise"):
+    bwd(dict(mode="current", dtype=E4M3, amax=jnp.float32(1.0)))
+
+
+def _custom_calls(text, prefix):
+  """(target, operand types, result types) of the custom calls whose target
+  starts with ``prefix`` in a StableHLO text; types as "256x384xf8E4M3FN"."""
+  calls = []
+  for line in text.splitlines():
+    m = re.search(r"custom_call @(\w+)\(", line)
+    if m and m.group(1).startswith(prefix):
+      operands, results = line.rsplit(" : (", 1)[1].split(") -> (")
+      calls.append((m.group(1), re.findall(r"tensor<([^>]*)>", operands),
+                    re.findall(r"tensor<([^>]*)>", results)))
+  return calls
+
+
+@pytest.mark.parametrize("mode", aq.MODES)
+def test_cuda_call_writes_only_the_selected_copies(gpu_host, mode):  # pylint: disable=unused-argument
+  """Lowered for CUDA (no GPU needed; "auto" stages both paths, so the CUDA
+  wrapper's results also match the reference's pytree): one custom call per
+  op, whose unselected copies are (0, 0) placeholders, and whose dact call
+  writes act(h)'s (F, M) E4M3 copy beside dh's E5M2 ones."""
+  acts, m, f = ("silu", "linear"), 256, 384
+  h = jnp.zeros((m, 2 * f), BF16)
+  dz = jnp.zeros((m, f), BF16)
+  fwd_kw = _mode_kw(mode, E4M3)
+  for rowwise, columnwise in ((True, False), (False, True)):
+    text = cuda_text(lambda h: aq.act_quantize(h, acts, rowwise=rowwise, columnwise=columnwise,
+                                               **fwd_kw), h)
+    ((target, _, results),) = _custom_calls(text, "te_jax_act_quantize")
+    fp8 = [r for r in results if r.endswith("f8E4M3FN")]
+    want = [f"{m}x{f}xf8E4M3FN" if rowwise else "0x0xf8E4M3FN",
+            f"{f}x{m}xf8E4M3FN" if columnwise else "0x0xf8E4M3FN", "0x0xf8E4M3FN"]
+    assert fp8 == want, (target, results)
+  amax = None if mode == "blockwise" else jnp.float32(3.0)
+  spec = aq.act_columnwise_like(amax=amax, **fwd_kw)
+  text = cuda_text(lambda dz, h: aq.dact_quantize(dz, h, acts, act_columnwise=spec,
+                                                  **_mode_kw(mode, E5M2)), dz, h)
+  ((_, _, results),) = _custom_calls(text, "te_jax_act_quantize")
+  fp8 = [r for r in results if "xf8" in r]
+  assert fp8 == [f"{m}x{2 * f}xf8E5M2", f"{2 * f}x{m}xf8E5M2", f"{f}x{m}xf8E4M3FN"], results
+
+
 # ---------------------------------------------------------------- errors ---
 
 def test_argument_errors():
@@ -587,3 +762,81 @@ def test_cuda_writes_no_activation_tensor():
   assert "te_jax_act_quantize_blockwise" in hlo
   for op in ("exponential(", "tanh(", "logistic(", " erf("):
     assert op not in hlo, f"{op} in the compiled HLO"
+
+
+# CUDA's selected and extra outputs against its own both-copies results, bit
+# for bit (the same kernels' arithmetic; the reference comparison above
+# covers the values): act(h)'s copy from the dact pass is the forward
+# kernel's data_t. Gated F = 136: a 128-column tile of dh straddles h0 and h1.
+_SELECT_CASES = [(("gelu",), (256, 384)), (("silu",), (130, 100)), (("relu",), (200, 136)),
+                 (("silu", "linear"), (256, 384)), (("silu", "linear"), (200, 136)),
+                 (("gelu", "linear"), (1024, 512)), (("quick_gelu", "tanh"), (130, 136))]
+
+
+def _cuda_selection_case(acts, mode, shape, h_dtype=BF16, nonfinite=False):
+  m, f = shape
+  rng = np.random.default_rng(zlib.crc32(repr((acts, mode, shape, "sel")).encode()))
+  h = rng.standard_normal((m, len(acts) * f)) * 3
+  if nonfinite:
+    h[m // 2, 3] = np.inf
+  h = jnp.asarray(h, h_dtype)
+  dz = jnp.asarray(rng.standard_normal((m, f)), h_dtype)
+  fwd_kw, bwd_kw = _mode_kw(mode, E4M3, scale=40.0), _mode_kw(mode, E5M2, scale=1000.0)
+  tag = f"{acts} {mode} {shape} {jnp.dtype(h_dtype).name}"
+
+  def fwd(h, rowwise=True, columnwise=True):
+    return aq.act_quantize(h, acts, impl="cuda", rowwise=rowwise, columnwise=columnwise,
+                           **fwd_kw)
+  both = jax.jit(fwd)(h)
+  rows = jax.jit(lambda h: fwd(h, columnwise=False))(h)
+  cols = jax.jit(lambda h: fwd(h, rowwise=False))(h)
+  _check_selection(both, rows, cols, mode, tag)
+
+  spec = aq.act_columnwise_like(amax=both.amax, **fwd_kw)
+  plain = jax.jit(lambda dz, h: aq.dact_quantize(dz, h, acts, impl="cuda", **bwd_kw))(dz, h)
+  # The spec holds static fields (mode, dtype): closed over, its amax a constant.
+  q, z_t = jax.jit(lambda dz, h: aq.dact_quantize(
+      dz, h, acts, impl="cuda", act_columnwise=spec, **bwd_kw))(dz, h)
+  for name in ("data", "scale_inv", "data_t", "scale_inv_t", "amax"):
+    _same_bits(getattr(q, name), getattr(plain, name), f"{tag} dh {name}")
+  assert z_t.block_shape == both.block_shape, tag
+  _same_bits(z_t.data, both.data_t, f"{tag} z_t")
+  _same_bits(z_t.scale_inv, both.scale_inv_t, f"{tag} z_t scale_inv")
+  if nonfinite:
+    assert np.all(np.isnan(np.asarray(z_t.scale_inv))) or mode == "blockwise", tag
+    return
+  # And the reference's act(h) copy on the CPU (activation ulps: _close_fp8).
+  def reference(dz, h):
+    ref_fwd = aq.act_quantize(h, acts, impl="reference", **fwd_kw)
+    return aq.dact_quantize(dz, h, acts, impl="reference", **bwd_kw, act_columnwise=
+                            aq.act_columnwise_like(amax=ref_fwd.amax, **fwd_kw))[1]
+  want = jax.jit(reference)(*jax.device_put((dz, h), _CPU))
+  _close_fp8(z_t.data, want.data, f"z_t {tag}")
+  _close_f32(z_t.scale_inv, want.scale_inv, f"z_t scale_inv {tag}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _native.cuda_available(),
+                    reason="needs a GPU and the te_jax CUDA custom calls")
+@pytest.mark.parametrize("mode", aq.MODES)
+@pytest.mark.parametrize("case", _SELECT_CASES, ids=lambda c: "-".join(c[0]) + f"-{c[1]}")
+def test_cuda_selected_and_act_columnwise_outputs(case, mode):
+  _cuda_selection_case(case[0], mode, case[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _native.cuda_available(),
+                    reason="needs a GPU and the te_jax CUDA custom calls")
+@pytest.mark.parametrize("mode", aq.MODES)
+@pytest.mark.parametrize("h_dtype", [F32, F16])
+def test_cuda_selected_outputs_other_dtypes(mode, h_dtype):
+  _cuda_selection_case(("silu", "linear"), mode, (256, 384), h_dtype=h_dtype)
+  _cuda_selection_case(("gelu",), mode, (130, 100), h_dtype=h_dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _native.cuda_available(),
+                    reason="needs a GPU and the te_jax CUDA custom calls")
+@pytest.mark.parametrize("mode", aq.MODES)
+def test_cuda_act_columnwise_with_an_inf_in_h(mode):
+  _cuda_selection_case(("silu", "linear"), mode, (256, 384), nonfinite=True)

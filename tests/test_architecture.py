@@ -29,7 +29,7 @@ import pytest
 ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "te_jax")
 RECIPE_HOME = {"te_jax.recipe", "te_jax.scaling"}
 RECIPE_CLASSES = {"DelayedScaling", "Float8CurrentScaling", "Float8BlockScaling"}
-CONTEXT_READERS = ("get_fp8_context",)
+CONTEXT_READERS = ("get_fp8_context", "in_fp8_autocast")
 # Where the context may be read: the autocast itself, the package's lazy
 # attribute hook, and the module layer's one reader (docs/design.md layer 4).
 CONTEXT_MODULES = {"te_jax", "te_jax.autocast", "te_jax.layers.settings"}

@@ -1,17 +1,27 @@
-"""The build's two halves agree: pyproject.toml and custom_calls/CMakeLists.txt.
+"""The build and the test command.
 
-With build isolation (plain ``pip install .``) CMake runs in a fresh
-environment holding only ``[build-system] requires``, so every Python module
-CMakeLists.txt runs must come from there. The CUDA architecture is named once,
-by a cache variable. CPU only, no network, no compiler: the files are read as
-text. Each check is a function of the texts, run on the real files and on
-deliberately broken ones, so each is seen to fail.
+pyproject.toml and custom_calls/ (CMakeLists.txt, cmake/) agree: under build
+isolation CMake runs where only ``[build-system] requires`` is installed, so
+every Python module it runs must come from there; the CUDA architecture is
+named once, by a cache variable. These checks read the files as text; each is
+run on the real files and on deliberately broken ones, so each is seen to fail.
+The CUDA toolkit of the pip packages (cmake/pip_cuda_toolkit.py,
+TeJaxCudaToolkit.cmake): the finder on made-up site-packages trees and under
+pip's build isolation, and CMake configuring against made-up trees (cmake and
+a C++ compiler, no CUDA); the real compile is tools/nvcc_free.sh's. Last, the
+test command's one-line skip summary (tests/conftest.py), with and without
+pytest-xdist.
 """
 
 import ast
+import importlib.util
+import json
+import os
 import pathlib
 import re
 import shutil
+import subprocess
+import sys
 import tomllib
 
 import pytest
@@ -33,7 +43,9 @@ def _pyproject():
 
 
 def _cmake():
-  return (CMAKE_DIR / "CMakeLists.txt").read_text()
+  """CMakeLists.txt and the modules of custom_calls/cmake/ it includes."""
+  return "\n".join(p.read_text() for p in
+                   [CMAKE_DIR / "CMakeLists.txt", *sorted((CMAKE_DIR / "cmake").glob("*.cmake"))])
 
 
 # ------------------------------------------------------------ CMake text ----
@@ -82,22 +94,33 @@ def _call_spans(code, command):
   return spans
 
 
-def python_modules(cmake_text):
-  """Top-level modules that CMake's ``execute_process`` runs Python on
-  (``-c "import x ..."``, ``-m x``)."""
+def _imports(src):
+  """Top-level modules that Python source ``src`` imports (absolute imports)."""
+  mods = set()
+  for node in ast.walk(ast.parse(src)):
+    if isinstance(node, ast.Import):
+      mods.update(a.name.split(".")[0] for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+      mods.add(node.module.split(".")[0])
+  return mods
+
+
+def python_modules(cmake_text, cmake_dir=CMAKE_DIR):
+  """Top-level non-stdlib modules that CMake's ``execute_process`` runs Python
+  on: ``-c "import x ..."``, ``-m x``, and the imports of a script under
+  ``cmake_dir`` run by path (``.../name.py``; a script not found there is
+  reported as ``<missing script name.py>``)."""
   mods = set()
   for args in cmake_calls(cmake_code(cmake_text), "execute_process"):
     if not _PYTHON.search(args):
       continue
     for m in re.finditer(r'(?<!\S)-c\s+"((?:[^"\\]|\\.)*)"', args):
-      src = re.sub(r"\\(.)", r"\1", m.group(1))
-      for node in ast.walk(ast.parse(src)):
-        if isinstance(node, ast.Import):
-          mods.update(a.name.split(".")[0] for a in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-          mods.add(node.module.split(".")[0])
+      mods |= _imports(re.sub(r"\\(.)", r"\1", m.group(1)))
     mods.update(m.group(1).split(".")[0] for m in re.finditer(r"(?<!\S)-m\s+([\w.]+)", args))
-  return mods
+    for name in re.findall(r'([\w.-]+\.py)"?(?=\s|$)', args):
+      scripts = sorted(cmake_dir.rglob(name))
+      mods |= _imports(scripts[0].read_text()) if scripts else {f"<missing script {name}>"}
+  return mods - set(sys.stdlib_module_names)
 
 
 def cache_variables(cmake_text):
@@ -119,11 +142,11 @@ def listed_sources(cmake_text):
 
 # ----------------------------------------------------------------- checks ---
 
-def missing_build_requires(pyproject_text, cmake_text):
+def missing_build_requires(pyproject_text, cmake_text, cmake_dir=CMAKE_DIR):
   """Modules CMake runs that no ``[build-system] requires`` entry provides."""
   requires = {canonicalize_name(Requirement(r).name)
               for r in tomllib.loads(pyproject_text)["build-system"]["requires"]}
-  return sorted(m for m in python_modules(cmake_text)
+  return sorted(m for m in python_modules(cmake_text, cmake_dir)
                 if canonicalize_name(DIST_OF_MODULE.get(m, m)) not in requires)
 
 
@@ -188,19 +211,32 @@ def source_problems(cmake_text, cmake_dir):
 # ------------------------------------------------------------------ tests ---
 
 def test_cmake_runs_python_modules():
-  # Guards the parser: the real file runs jax (FFI headers) and nanobind.
-  assert {"jax", "nanobind"} <= python_modules(_cmake())
+  # Guards the parser: the real files run jax (FFI headers), nanobind, and
+  # the pip-toolkit script (stdlib only, so it adds nothing here).
+  assert "pip_cuda_toolkit.py" in _cmake()
+  assert python_modules(_cmake()) == {"jax", "nanobind"}
 
 
-@pytest.mark.parametrize("case", ["real", "unlisted import", "requires without jax"])
-def test_build_requires_provide_what_cmake_imports(case):
-  pyproject, cmake = _pyproject(), _cmake()
+@pytest.mark.parametrize("case", ["real", "unlisted import", "requires without jax",
+                                  "script imports yaml", "script missing"])
+def test_build_requires_provide_what_cmake_imports(case, tmp_path):
+  pyproject, cmake, cmake_dir = _pyproject(), _cmake(), CMAKE_DIR
   if case == "unlisted import":
     cmake = cmake.replace("import jax;", "import jax, yaml;", 1)
   elif case == "requires without jax":
     pyproject = re.sub(r',\s*"jax[^"]*"', "", pyproject, count=1)
-  assert missing_build_requires(pyproject, cmake) == {
-      "real": [], "unlisted import": ["yaml"], "requires without jax": ["jax"]}[case]
+  elif case.startswith("script"):
+    cmake_dir = tmp_path / "custom_calls"
+    shutil.copytree(CMAKE_DIR, cmake_dir)
+    script = cmake_dir / "cmake" / "pip_cuda_toolkit.py"
+    if case == "script missing":
+      script.unlink()
+    else:
+      script.write_text(script.read_text().replace("import json\n", "import json\nimport yaml\n"))
+  assert missing_build_requires(pyproject, cmake, cmake_dir) == {
+      "real": [], "unlisted import": ["yaml"], "requires without jax": ["jax"],
+      "script imports yaml": ["yaml"],
+      "script missing": ["<missing script pip_cuda_toolkit.py>"]}[case]
 
 
 @pytest.mark.parametrize("case", ["real", "build jax too new"])
@@ -265,3 +301,402 @@ def test_cmake_sources_match_the_tree(case, tmp_path):
       (cmake_dir / "ffi" / "new_op.cc").write_text("// forgot to list me\n")
   problems = source_problems((cmake_dir / "CMakeLists.txt").read_text(), cmake_dir)
   assert bool(problems) == (case != "real"), problems
+
+
+# ------------------------------------------------ pip CUDA toolkit finder ---
+
+def _load_finder():
+  path = CMAKE_DIR / "cmake" / "pip_cuda_toolkit.py"
+  spec = importlib.util.spec_from_file_location("pip_cuda_toolkit", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+finder = _load_finder()
+CUDA_PACKAGES = sorted(set(finder.COMPILER_FILES.values()) | {finder.CUBLASLT_PACKAGE})
+
+
+def make_tree(site, major=13, without=(), nvcc_version="13.5.37", compiler=True, cublaslt=True):
+  """A made-up ``site/nvidia/cu<major>`` tree of the pip CUDA packages minus
+  the files of the packages in ``without``; returns the tree. ``bin/nvcc``
+  is a script that fails (CMake's test compile rejects it) and appends its
+  arguments to ``bin/called``."""
+  tree = site / "nvidia" / f"cu{major}"
+  files = {}
+  if compiler:
+    files.update(finder.COMPILER_FILES)
+    files[f"lib/libcudart.so.{major}"] = "nvidia-cuda-runtime"
+  if cublaslt:
+    files.update({"include/cublasLt.h": finder.CUBLASLT_PACKAGE,
+                  f"lib/libcublasLt.so.{major}": finder.CUBLASLT_PACKAGE})
+  for rel, package in files.items():
+    if package not in without:
+      (tree / rel).parent.mkdir(parents=True, exist_ok=True)
+      (tree / rel).write_text("")
+  if compiler and "nvidia-cuda-nvcc" not in without:
+    (tree / "bin/nvcc").write_text(  # leaves bin/called: CMake did try it
+        "#!/bin/sh\necho \"$@\" >> \"$(dirname \"$0\")/called\"\necho 'made-up nvcc' >&2\nexit 1\n")
+    (tree / "bin/nvcc").chmod(0o755)
+    (site / f"nvidia_cuda_nvcc-{nvcc_version}.dist-info").mkdir(parents=True, exist_ok=True)
+  return tree
+
+
+def test_finder_complete_tree(tmp_path):
+  tree = make_tree(tmp_path)
+  assert finder.find([str(tmp_path)]) == {
+      "root": str(tree), "cublaslt_root": str(tree), "version": "13.5.37", "missing": []}
+  assert finder.report(finder.find([str(tmp_path)])).splitlines() == [
+      f"root={tree}", f"cublaslt_root={tree}", "version=13.5.37"]
+
+
+@pytest.mark.parametrize("package", [p for p in CUDA_PACKAGES if p != "nvidia-cuda-nvcc"])
+def test_finder_names_the_missing_package(tmp_path, package):
+  make_tree(tmp_path, without={package})
+  missing = finder.find([str(tmp_path)])["missing"]
+  assert [m.split()[0] for m in missing] == [package], missing
+  assert f"missing={package} (" in finder.report(finder.find([str(tmp_path)]))
+
+
+def test_finder_without_nvcc_finds_nothing(tmp_path):
+  make_tree(tmp_path, without={"nvidia-cuda-nvcc"})
+  assert finder.find([str(tmp_path)]) == {} and finder.report({}) == ""
+  assert finder.find([str(tmp_path / "nowhere"), ""]) == {}
+
+
+def test_finder_newest_cuda_first_and_cublaslt_from_another_site(tmp_path):
+  make_tree(tmp_path / "a", major=12)
+  new = make_tree(tmp_path / "b", major=13, cublaslt=False)
+  lt = make_tree(tmp_path / "c", major=13, compiler=False)
+  make_tree(tmp_path / "d", major=12, compiler=False)
+  found = finder.find([str(tmp_path / s) for s in "abcd"])
+  assert (found["root"], found["cublaslt_root"], found["missing"]) == (str(new), str(lt), [])
+
+
+def test_finder_sees_the_installing_environment_under_build_isolation(tmp_path):
+  # pip's build isolation: PYTHONPATH puts a sitecustomize first that drops
+  # the interpreter's site-packages from sys.path (where jax[cuda13] put the
+  # nvidia packages). The finder must still search them.
+  import site  # pylint: disable=import-outside-toplevel
+  hidden = [p for p in site.getsitepackages() if os.path.isdir(p)]
+  assert hidden
+  (tmp_path / "sitecustomize.py").write_text(
+      f"import sys\nsys.path[:] = [p for p in sys.path if p not in {hidden!r}]\n")
+  code = ("import importlib.util, json, sys\n"
+          f"spec = importlib.util.spec_from_file_location('f', {str(finder.__file__)!r})\n"
+          "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+          "print(json.dumps([sys.path, m.search_paths()]))\n")
+  env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+  env["PYTHONPATH"], env["PYTHONNOUSERSITE"] = str(tmp_path), "1"
+  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       check=True).stdout
+  own_path, searched = json.loads(out)
+  assert not set(hidden) & set(own_path), "the isolation was not simulated"
+  assert set(hidden) <= set(searched)
+
+
+# ---------------------------------------- CMake against made-up trees ------
+
+def _configure(tmp_path, site, *defines):
+  """Configures custom_calls/ (no build) with no nvcc on PATH, no CUDA_HOME,
+  and ``site`` on the build interpreter's path; returns (exit status, output,
+  the build note or None)."""
+  cmake, cxx, ninja = (shutil.which(tool) for tool in ("cmake", "c++", "ninja"))
+  if not cmake or not cxx:
+    pytest.skip("needs cmake and a C++ compiler")
+  dirs = {os.path.dirname(tool) for tool in (cmake, cxx, ninja) if tool}
+  if any(os.access(os.path.join(d, "nvcc"), os.X_OK) for d in dirs):
+    pytest.skip("nvcc lies beside cmake, c++ or ninja: it cannot be left off PATH")
+  path = os.pathsep.join(sorted(dirs))
+  env = {k: v for k, v in os.environ.items()
+         if not k.startswith(("PYTHON", "CUDA")) and k not in ("CUDACXX", "CMAKE_ARGS")}
+  env.update(PATH=path, PYTHONPATH=str(site), PYTHONNOUSERSITE="1")
+  build = tmp_path / "build"
+  proc = subprocess.run(
+      [cmake, "-S", str(CMAKE_DIR), "-B", str(build), f"-DPython_EXECUTABLE={sys.executable}",
+       *(["-G", "Ninja"] if ninja else []), *defines],
+      env=env, capture_output=True, text=True, timeout=300)
+  note = build / "_te_jax_ffi_build.txt"
+  return proc.returncode, proc.stdout + proc.stderr, (note.read_text() if note.exists() else None)
+
+
+def test_cmake_names_the_missing_pip_package(tmp_path):
+  tree = make_tree(tmp_path / "site", without={"nvidia-nvvm"})
+  rc, out, note = _configure(tmp_path, tmp_path / "site")
+  assert rc == 0, out
+  assert f"the pip CUDA packages at {tree} lack nvidia-nvvm (nvvm/bin/cicc)" in out
+  assert note.startswith("not built: no CUDA compiler") and "nvidia-nvvm" in note
+
+
+def test_cmake_tries_the_pip_compiler_and_reports_its_failure(tmp_path):
+  tree = make_tree(tmp_path / "site")
+  rc, out, note = _configure(tmp_path, tmp_path / "site")
+  assert rc == 0, out
+  assert f"the pip CUDA compiler {tree}/bin/nvcc failed CMake's test compile" in out
+  assert (tree / "bin" / "called").exists(), "CMake never ran the pip nvcc"
+  assert "not built" in note
+
+
+def test_cmake_without_any_toolkit(tmp_path):
+  if finder.find(finder.search_paths()):
+    pytest.skip("the pip CUDA packages are installed here: CMake finds them")
+  (tmp_path / "site").mkdir()
+  rc, out, note = _configure(tmp_path, tmp_path / "site")
+  assert rc == 0, out
+  assert "no pip CUDA packages" in out and note.startswith("not built: no CUDA compiler")
+
+
+@pytest.mark.parametrize("mode, configures, says", [
+    ("pip", False, "TE_JAX_CUDA_TOOLKIT=pip, but the pip CUDA packages at"),
+    ("bogus", False, "TE_JAX_CUDA_TOOLKIT must be auto, system or pip, got 'bogus'"),
+    ("system", True, "te_jax: no CUDA compiler (nvcc on PATH, CUDACXX or CMAKE_CUDA_COMPILER); "
+                     "skipping")])
+def test_cmake_toolkit_modes(tmp_path, mode, configures, says):
+  # Made-up pip packages lacking CCCL: "pip" must fail loudly, "system" must
+  # not look at them, and a mistyped mode is refused.
+  make_tree(tmp_path / "site", without={"nvidia-cuda-cccl"})
+  rc, out, _ = _configure(tmp_path, tmp_path / "site", f"-DTE_JAX_CUDA_TOOLKIT={mode}")
+  assert (rc == 0) == configures and says in out, out
+
+
+def _real_pip_toolkit():
+  found = finder.find(finder.search_paths())
+  return found if found and not found["missing"] else None
+
+
+@pytest.mark.skipif(_real_pip_toolkit() is None or importlib.util.find_spec("nanobind") is None
+                    or importlib.util.find_spec("jax") is None,
+                    reason="need the pip CUDA packages (jax[cuda13] brings them) and nanobind")
+def test_cmake_configures_with_the_real_pip_toolkit(tmp_path):
+  # Where the packages are installed: CMake takes them with no nvcc on PATH,
+  # and every CUDA path it records lies in their tree.
+  root = _real_pip_toolkit()["root"]
+  rc, out, note = _configure(tmp_path, tmp_path)
+  assert rc == 0, out
+  assert f"te_jax: CUDA toolkit: pip packages (nvidia-cuda-nvcc " in out and f"at {root}," in out
+  assert note.startswith("built with the CUDA toolkit: pip packages"), note
+  cache = (tmp_path / "build" / "CMakeCache.txt").read_text()
+  for var in ("CMAKE_CUDA_COMPILER", "CUDA_CUDART", "CUDA_cudart_static_LIBRARY", "TE_JAX_LT_LIB"):
+    (value,) = re.findall(rf"^{var}:\w+=(.*)$", cache, flags=re.M)
+    assert value.startswith(root), (var, value)
+
+
+# ------------------------------------------- CUTLASS: the sm90 GEMMs -----
+# cmake/TeJaxCutlass.cmake on made-up header trees and a made-up
+# nvidia-cutlass package (cmake alone, script mode), then the whole
+# configure with and without the headers where a CUDA compiler and nanobind
+# exist (a made-up cuBLASLt: configuring never links).
+
+def make_cutlass(root, version=(4, 2, 0)):
+  """A made-up CUTLASS include tree of ``version`` under ``root``; returns it."""
+  (root / "cutlass").mkdir(parents=True)
+  (root / "cute").mkdir()
+  (root / "cutlass" / "version.h").write_text(
+      "".join(f"#define CUTLASS_{p} {v}\n" for p, v in zip(("MAJOR", "MINOR", "PATCH"), version)))
+  (root / "cute" / "tensor.hpp").write_text("")
+  return root
+
+
+def make_cutlass_package(site, version=(4, 2, 0)):
+  """A made-up nvidia-cutlass install in ``site``: cutlass_library/ with the
+  headers in source/include; returns that include folder."""
+  pkg = site / "cutlass_library"
+  pkg.mkdir(parents=True)
+  (pkg / "__init__.py").write_text("raise ImportError('find it, do not import it')\n")
+  return make_cutlass(pkg / "source" / "include", version)
+
+
+def _find_cutlass(tmp_path, mode="AUTO", include="", site=None):
+  """Runs te_jax_find_cutlass(mode, include) in CMake's script mode with
+  ``site`` on the interpreter's path; (exit status, {VAR: value}, output)."""
+  cmake = shutil.which("cmake")
+  if not cmake:
+    pytest.skip("needs cmake")
+  script = tmp_path / "find.cmake"
+  script.write_text(
+      f'include("{CMAKE_DIR}/cmake/TeJaxCutlass.cmake")\n'
+      f'te_jax_find_cutlass("{mode}" "{include}")\n'
+      'foreach(v DIR VERSION WHY)\n  message(STATUS "${v}=${TE_JAX_CUTLASS_${v}}")\nendforeach()\n')
+  env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+  env.update(PYTHONPATH=str(site or tmp_path / "empty"), PYTHONNOUSERSITE="1")
+  proc = subprocess.run([cmake, f"-DPython_EXECUTABLE={sys.executable}", "-P", str(script)],
+                        env=env, capture_output=True, text=True, timeout=120)
+  out = proc.stdout + proc.stderr
+  found = dict(re.findall(r"^-- (DIR|VERSION|WHY)=(.*)$", out, flags=re.M))
+  return proc.returncode, found, " ".join(out.split())   # CMake wraps its error lines
+
+
+def _installed_cutlass():
+  return importlib.util.find_spec("cutlass_library") is not None
+
+
+def test_cutlass_from_an_include_folder(tmp_path):
+  inc = make_cutlass(tmp_path / "inc")
+  rc, found, out = _find_cutlass(tmp_path, include=inc)
+  assert rc == 0, out
+  assert found == {"DIR": str(inc), "VERSION": "4.2.0", "WHY": ""}
+  rc, found, _ = _find_cutlass(tmp_path, "OFF", include=inc)     # OFF wins over a folder
+  assert rc == 0 and found == {"DIR": "", "VERSION": "", "WHY": "TE_JAX_SM90_GEMMS=OFF"}
+
+
+@pytest.mark.parametrize("case, says", [
+    ("not cutlass", "which holds no CUTLASS headers"),
+    ("too old", "are version 4.1.9; the sm90 GEMMs need 4.2 or newer"),
+    ("bad mode", "TE_JAX_SM90_GEMMS must be AUTO, ON or OFF, got 'MAYBE'"),
+])
+def test_cutlass_folder_problems_stop_the_configure(tmp_path, case, says):
+  inc = tmp_path / "inc"
+  inc.mkdir()
+  if case == "too old":
+    make_cutlass(inc / "x", (4, 1, 9))
+    inc = inc / "x"
+  rc, _, out = _find_cutlass(tmp_path, "MAYBE" if case == "bad mode" else "AUTO", include=inc)
+  assert rc != 0 and says in out, out
+
+
+@pytest.mark.skipif(_installed_cutlass(), reason="nvidia-cutlass is installed here: CMake finds it")
+def test_cutlass_from_the_nvidia_cutlass_package(tmp_path):
+  inc = make_cutlass_package(tmp_path / "site")
+  rc, found, out = _find_cutlass(tmp_path, site=tmp_path / "site")
+  assert rc == 0 and found["DIR"] == str(inc) and found["VERSION"] == "4.2.0", out
+  old = tmp_path / "old"
+  make_cutlass_package(old, (4, 1, 0))    # too old from a package: left out, not an error
+  rc, found, out = _find_cutlass(tmp_path, site=old)
+  assert rc == 0 and found["DIR"] == "" and "need 4.2 or newer" in found["WHY"], out
+
+
+@pytest.mark.skipif(_installed_cutlass(), reason="nvidia-cutlass is installed here: CMake finds it")
+def test_no_cutlass_leaves_the_sm90_gemms_out(tmp_path):
+  rc, found, out = _find_cutlass(tmp_path)
+  assert rc == 0 and found["DIR"] == "", out
+  assert found["WHY"].startswith("no CUTLASS headers (neither -DTE_JAX_CUTLASS_INCLUDE=DIR nor")
+  rc, _, out = _find_cutlass(tmp_path, "ON")
+  assert rc != 0 and "TE_JAX_SM90_GEMMS=ON, but no CUTLASS headers" in out, out
+
+
+def test_default_module_sources_and_cutlass_order():
+  """Without CUTLASS the module is today's: no sm90 unit among
+  nanobind_add_module's sources, they join only under if(TE_JAX_CUTLASS_DIR);
+  and CUTLASS is looked for only after cuBLASLt was found (CI's CPU machine,
+  which has none, never gets that far)."""
+  code = cmake_code(_cmake())
+  (module,) = cmake_calls(code, "nanobind_add_module")
+  assert "sm90" not in module and "grouped_gemm" not in module
+  (extra,) = cmake_calls(code, "target_sources")
+  assert "ffi/grouped_gemm.cc" in extra and extra.count("_sm90") == 12
+  at = code.index("target_sources(")
+  opened = code.rindex("if(", 0, at)
+  assert code.startswith("if(TE_JAX_CUTLASS_DIR)", opened) and "endif(" not in code[opened:at]
+  assert code.index("te_jax_find_cutlass(") > code.index('"te_jax: cuBLASLt not found; skipping')
+
+
+def _nvcc():
+  return next((p for p in (shutil.which("nvcc"), "/usr/local/cuda/bin/nvcc")
+               if p and os.access(p, os.X_OK)), None)
+
+
+@pytest.mark.skipif(_nvcc() is None or importlib.util.find_spec("nanobind") is None
+                    or _installed_cutlass(),
+                    reason="needs an nvcc and nanobind, and no nvidia-cutlass installed")
+@pytest.mark.parametrize("with_cutlass", [False, True])
+def test_configure_with_and_without_cutlass(tmp_path, with_cutlass):
+  """The whole configure (a real nvcc, a made-up cuBLASLt): the build note's
+  last clause says whether the sm90 GEMMs are in, and the generated build
+  compiles their 12 units and the grouped handler only with the headers."""
+  import nanobind  # pylint: disable=import-outside-toplevel
+  site = tmp_path / "site"
+  site.mkdir()
+  (site / "nanobind").symlink_to(os.path.dirname(nanobind.__file__))
+  lt = tmp_path / "cublas"
+  (lt / "include").mkdir(parents=True)
+  (lt / "lib").mkdir()
+  (lt / "include" / "cublasLt.h").write_text("")
+  (lt / "lib" / "libcublasLt.so.13").write_text("")
+  defines = [f"-DCMAKE_CUDA_COMPILER={_nvcc()}", f"-DTE_JAX_CUBLASLT_ROOT={lt}"]
+  if with_cutlass:
+    defines.append(f"-DTE_JAX_CUTLASS_INCLUDE={make_cutlass(tmp_path / 'inc')}")
+  rc, out, note = _configure(tmp_path, site, *defines)
+  assert rc == 0, out
+  build = "".join(p.read_text() for p in (tmp_path / "build").glob("*.ninja")) + "".join(
+      p.read_text() for p in (tmp_path / "build").rglob("build.make"))
+  if with_cutlass:
+    assert note.rstrip().endswith(
+        f"; sm90 GEMMs: built with the CUTLASS 4.2.0 headers in {tmp_path / 'inc'}"), note
+    assert "grouped_gemm_sm90_tensor_e4m3.cu" in build and "TE_JAX_HAVE_SM90" in build
+    assert "ffi/grouped_gemm.cc" in build
+  else:
+    assert note.rstrip().endswith("; sm90 GEMMs: left out (no CUTLASS headers (neither "
+                                  "-DTE_JAX_CUTLASS_INCLUDE=DIR nor an installed "
+                                  "nvidia-cutlass package))"), note
+    assert "sm90" not in build and "TE_JAX_HAVE_SM90" not in build
+    assert "grouped_gemm" not in build
+    assert "te_jax: sm90 GEMMs: left out (no CUTLASS headers" in out
+
+
+def _toolkit_has_cublaslt(nvcc):
+  root = pathlib.Path(nvcc).resolve().parent.parent
+  return any(root.glob("lib*/libcublasLt.so*")) or any(root.glob("targets/*/lib/libcublasLt.so*"))
+
+
+@pytest.mark.skipif(_nvcc() is None or _toolkit_has_cublaslt(_nvcc() or "/"),
+                    reason="needs an nvcc whose toolkit has no cuBLASLt (as on CI's CPU machine)")
+def test_no_cublaslt_builds_nothing_even_with_cutlass(tmp_path):
+  """CI's CPU machine: nvcc but no cuBLASLt. Even with CUTLASS headers named,
+  CMake stops before looking at them and builds nothing."""
+  rc, out, note = _configure(tmp_path, tmp_path, f"-DCMAKE_CUDA_COMPILER={_nvcc()}",
+                             f"-DTE_JAX_CUTLASS_INCLUDE={make_cutlass(tmp_path / 'inc')}")
+  assert rc == 0, out
+  assert note.startswith("not built: cuBLASLt not found"), note
+  assert "sm90" not in out and "CUTLASS" not in out, out
+  build = tmp_path / "build"
+  assert "sm90" not in "".join(f.read_text() for f in [*build.glob("*.ninja"),
+                                                         *build.rglob("build.make")])
+
+
+# ----------------------------------------------------- skip summary line ---
+
+SKIP_TESTS = """
+import pytest
+
+@pytest.mark.parametrize("i", range(3))
+def test_needs_a(i):
+  pytest.skip("needs thing A")
+
+@pytest.mark.skipif(True, reason="needs thing B")
+def test_needs_b():
+  pass
+
+@pytest.mark.gpu
+def test_gpu():
+  pass
+
+@pytest.mark.gpu
+@pytest.mark.skipif(True, reason="its own words for needing a GPU")
+def test_gpu_own_reason():
+  pass
+
+def test_runs():
+  assert True
+"""
+
+
+@pytest.mark.parametrize("workers", [None, "2"])
+def test_skip_summary_line(tmp_path, workers):
+  if workers and importlib.util.find_spec("xdist") is None:
+    pytest.skip("needs pytest-xdist")
+  shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+  (tmp_path / "test_made_up.py").write_text(SKIP_TESTS)
+  (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n  gpu: made up\n")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  out = subprocess.run(
+      [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tmp_path),
+       *(["-n", workers] if workers else [])],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300).stdout
+  lines = out.strip().splitlines()
+  import conftest  # pylint: disable=import-outside-toplevel  # tests/ is on sys.path
+  want = (f"5 skipped: 3 needs thing A; 1 {conftest.GPU_SKIP_REASON}; 1 needs thing B"
+          if conftest._cuda_available() else
+          f"6 skipped: 3 needs thing A; 2 {conftest.GPU_SKIP_REASON}; 1 needs thing B")
+  assert want in lines, out
+  assert lines.index(want) == len(lines) - 2, "not the line before pytest's closing line"

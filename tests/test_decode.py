@@ -271,6 +271,19 @@ def test_past_max_length_outputs_nan():
   assert jnp.all(jnp.isnan(got[:, S:]))
 
 
+def test_call_running_past_max_length_is_nan_at_every_position():
+  """Issue 44 item 10: a call that straddles the end (index 5, 5 tokens, L = 8)
+  had its write clamped back over slots 3 and 4, and its positions 5..7
+  came out finite but wrong. Every position of such a call is NaN, and so is
+  every later call (the index has run past L)."""
+  m, v, full = shared(mha, num_gqa_groups=2, enable_rotary_pos_emb=True)
+  x = jnp.concatenate([X, X[:, :3]], axis=1)                 # 11 tokens
+  got, cache, _ = decode(m, v, x, (5, 5, 1))
+  assert rel(got[:, :5], full[:, :5]) < FLOAT_TOL
+  assert bool(jnp.all(jnp.isnan(got[:, 5:])))               # positions 5..10
+  assert int(cache["cache_index"]) == 11
+
+
 # ------------------------------------------------------------ errors ------
 
 GQA_ROTARY = dict(num_gqa_groups=2, enable_rotary_pos_emb=True)
@@ -342,3 +355,32 @@ def test_gpt_sampling_matches_recomputed_greedy_decoding():
     last = prompt.shape[1] + i - 1
     buf[0, last + 1] = int(jnp.argmax(logits_of(jnp.asarray(buf))[0, last, 1:40])) + 1
   np.testing.assert_array_equal(tokens, buf[:, prompt.shape[1]:])
+
+
+def test_one_token_apply_without_a_cache_is_a_clear_error():
+  """Issue 44 item 10: a decode step given variables without their cache,
+  with mutable=["cache"], silently allocated a cache of max_length 1."""
+  m, v = _mha_variables()
+  with pytest.raises(ValueError, match="max_length 1") as info:
+    m.clone(decode=True).apply({"params": v["params"]}, X[:, :1], mutable=["cache"])
+  assert "full length" in str(info.value)
+  # Allocating with apply on the full-length input stays possible.
+  _, mut = jax.eval_shape(lambda p: m.clone(decode=True).apply(
+      {"params": p}, X, mutable=["cache"]), v["params"])
+  assert mut["cache"]["cached_key"].shape == (B, S, 2, D)
+
+
+@pytest.mark.parametrize("where", ["constructor", "call"])
+def test_nnx_decode_is_refused_naming_the_linen_module(where):
+  """Issue 44 item 10: the NNX modules rejected decode= with a bare TypeError."""
+  from flax import nnx
+  from te_jax import nnx as tnx
+  for cls, args, linen in [(tnx.MultiHeadAttention, (H, E), "te_jax.flax.MultiHeadAttention"),
+                           (tnx.TransformerLayer, (E, 64, H), "te_jax.flax.TransformerLayer")]:
+    with pytest.raises(ValueError, match="decode=True.*not supported") as info:
+      if where == "constructor":
+        cls(*args, decode=True, rngs=nnx.Rngs(0))
+      else:
+        cls(*args, rngs=nnx.Rngs(0))(X, decode=True)
+    assert linen in str(info.value) and "linen_variables" in str(info.value)
+  tnx.MultiHeadAttention(H, E, decode=False, rngs=nnx.Rngs(0))(X, decode=False)

@@ -139,3 +139,18 @@ def test_native_docstring_lists_every_environment_variable():
   assert environment_variables({"a.py": 'os.environ.get("TE_JAX_NEW", "")',
                                 "b.h": 'std::getenv("TE_JAX_OTHER")'}) == {
                                     "TE_JAX_NEW", "TE_JAX_OTHER"}
+
+
+def test_missing_module_reason_quotes_the_build_note(tmp_path, monkeypatch):
+  """Without the native module, the reason te_jax logs on a GPU names what the
+  build recorded (which toolkit, or why no kernels were built)."""
+  from te_jax.ops import _native
+  pkg = tmp_path / "te_jax"
+  (pkg / "ops").mkdir(parents=True)
+  (pkg / "_te_jax_ffi_build.txt").write_text("te_jax: not built: no CUDA compiler found\n")
+  monkeypatch.setattr(_native, "__file__", str(pkg / "ops" / "_native.py"))
+  assert _native.build_note() == "te_jax: not built: no CUDA compiler found"
+  if _native._load_native()[0] is None:     # no module here: the reason quotes the note
+    assert "no CUDA compiler found" in _native._load_native.__wrapped__()[1]
+  (pkg / "_te_jax_ffi_build.txt").unlink()
+  assert _native.build_note() == ""

@@ -1,6 +1,6 @@
 """te_jax.ops.grouped_gemm: the grouped GEMM op against a float64 loop.
 
-The reference (the spec, and what runs until a CUDA kernel exists) must give
+The reference (the spec, and what runs wherever the CUDA kernel does not) must give
 per group ``lhs[rows_e] @ rhs[e]`` (and, grouped over the contraction,
 ``lhs_t[:, rows_e] @ rhs_t[:, rows_e].T``) for any group sizes: odd shapes,
 empty groups, one group, one row, rows past the groups; FP8 operands exactly
@@ -9,6 +9,7 @@ without a dense (g, m, ...) expansion.
 """
 
 import logging
+import re
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from te_jax.ops import grouped_gemm as gg
+from te_jax.ops import grouped_gemm_cuda as ggc
 from te_jax.ops import quantize as qop
 from te_jax.ops.fp8 import ScaledTensor
 
@@ -267,17 +269,268 @@ def test_grouped_wgrad_argument_checks():
     gg.grouped_wgrad(jnp.ones((4, 8)), jnp.ones((3, 8)), GS2, out_dtype=jnp.int32)
 
 
-def test_impl_cuda_raises_and_auto_logs_once(caplog):
+def test_impl_without_a_gpu(caplog):
+  """On this CPU machine: "cuda" raises as every op does, a bad impl is named,
+  "auto" is the reference without a word."""
   a, b = jnp.ones((4, 8)), jnp.ones((2, 8, 3))
-  with pytest.raises(ValueError, match="no grouped-GEMM CUDA kernel"):
+  with pytest.raises(RuntimeError, match="impl='cuda' was requested"):
     gg.grouped_gemm(a, b, GS2, impl="cuda")
   with pytest.raises(ValueError, match="impl must be one of"):
     gg.grouped_gemm(a, b, GS2, impl="fast")
-  gg._log_no_kernel.cache_clear()   # pylint: disable=protected-access
   with caplog.at_level(logging.INFO, logger="te_jax"):
-    gg.grouped_gemm(a, b, GS2)
-    gg.grouped_wgrad(a.T, a.T, GS2)
-  logged = [r for r in caplog.records if "no grouped-GEMM CUDA kernel" in r.getMessage()]
-  assert len(logged) == 1 and logged[0].levelno == logging.INFO
+    out = gg.grouped_gemm(a, b, GS2)
+  assert not caplog.records
   np.testing.assert_array_equal(np.asarray(gg.grouped_gemm(a, b, GS2, impl="reference")),
-                                np.asarray(gg.grouped_gemm(a, b, GS2)))
+                                np.asarray(out))
+
+
+# --------------------------------------------------- the CUDA kernel's path ---
+# What runs here without a GPU: the wrapper's layout conversions (fed to a
+# numpy model of the kernel's documented contract), the ffi_call it stages,
+# the dispatcher's choice and its log, with the GPU and the build faked.
+
+_BUILT_NOTE = ("built with the CUDA toolkit: system at /usr/local/cuda; XLA FFI headers of jax "
+               "0.11.2; CUDA architectures 90a; sm90 GEMMs: built with the CUTLASS 4.2.0 "
+               "headers in /x/include")
+_LEFT_OUT_NOTE = ("built with the CUDA toolkit: system at /usr/local/cuda; CUDA architectures "
+                  "90a; sm90 GEMMs: left out (no CUTLASS headers (neither "
+                  "-DTE_JAX_CUTLASS_INCLUDE=DIR nor an installed nvidia-cutlass package))")
+
+
+def test_build_reason_reads_the_build_note():
+  assert ggc.build_reason(_BUILT_NOTE) == ""
+  why = ggc.build_reason(_LEFT_OUT_NOTE)
+  assert why.startswith("the native module was built without the sm90 GEMMs (no CUTLASS")
+  assert why.endswith("nvidia-cutlass package))"), why
+  assert "does not list the sm90 GEMMs" in ggc.build_reason("built with the CUDA toolkit: x")
+  assert "does not list" in ggc.build_reason("")
+
+
+def test_device_reason():
+  class Dev:  # pylint: disable=too-few-public-methods
+    def __init__(self, cc):
+      self.compute_capability = cc
+  assert ggc.device_reason(Dev("9.0")) == ""
+  assert "compute capability 10.0" in ggc.device_reason(Dev("10.0"))
+  assert ggc.device_reason(object()) == ""     # a device that does not say (the CPU)
+
+
+def _vec128_scale(native, rows, cols):
+  """Per-element scales of a (rows, cols) operand from its native 1x128 grid
+  (ceil(cols/128), roundup(rows, 4)): element (r, c) has native[c // 128, r]."""
+  s = np.asarray(native, np.float64)
+  assert s.shape == (-(-cols // 128), -(-rows // 4) * 4), s.shape
+  return s[np.arange(cols) // 128][:, :rows].T
+
+
+def _blk_scale(native, rows, cols):
+  """Per-element scales from a native 128x128 grid (ceil(rows/128),
+  roundup(ceil(cols/128), 4)): element (r, c) has native[r // 128, c // 128]."""
+  s = np.asarray(native, np.float64)
+  assert s.shape == (-(-rows // 128), -(-(-(-cols // 128)) // 4) * 4), s.shape
+  return s[np.arange(rows) // 128][:, np.arange(cols) // 128]
+
+
+def kernel_model(axis, ops, sizes):
+  """float64 numpy model of the kernel's contract (custom_calls/kernels/
+  gemm_sm90.cuh): TN operands, scales in the native layouts."""
+  a = np.asarray(ops.a.astype(jnp.float32), np.float64)
+  b = np.asarray(ops.b.astype(jnp.float32), np.float64)
+  sa, sb = np.asarray(ops.a_sinv, np.float64), np.asarray(ops.b_sinv, np.float64)
+  bounds = np.concatenate([[0], np.cumsum(sizes)])
+  if axis == ggc.ROWS:
+    (m, k), (g, n, _) = a.shape, b.shape
+    out = np.zeros((m, n))
+    for e in range(g):
+      r = slice(bounds[e], bounds[e + 1])
+      if ops.scaling == ggc.PER_TENSOR:
+        out[r] = a[r] @ b[e].T * sa[0] * sb[e]
+      else:
+        ad = a * _vec128_scale(sa, m, k)
+        out[r] = ad[r] @ (b[e] * _blk_scale(sb[e], n, k)).T
+    return out
+  (m, k), n = a.shape, b.shape[0]
+  if ops.scaling == ggc.PER_TENSOR:
+    ad, bd = a * sa[0], b * sb[0]
+  else:
+    ad, bd = a * _vec128_scale(sa, m, k), b * _vec128_scale(sb, n, k)
+  return np.stack([ad[:, bounds[e]:bounds[e + 1]] @ bd[:, bounds[e]:bounds[e + 1]].T
+                   for e in range(len(sizes))])
+
+
+def _scaled(x, dtype, block):
+  """A ScaledTensor of float array x: per tensor (block None) or tiled."""
+  if block is None:
+    q = qop.quantize_current_reference(x, dtype)
+  else:
+    q = qop.quantize_blockwise_reference(x, block, dtype, power_2_scale=True)
+  return ScaledTensor(q.data, q.scale_inv, block)
+
+
+def _spread(rng, shape):
+  """Normal values with magnitudes spread over rows and 128-column blocks
+  (so that a scale read from the wrong tile shows)."""
+  x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-2, 2, size=(shape[0], 1))
+  cols = 10.0 ** rng.uniform(-2, 2, size=-(-shape[1] // 128)).repeat(128)[:shape[1]]
+  return jnp.asarray(x * cols, jnp.float32)
+
+
+def _rows_operands(scaling, dtypes, rng, m=202, k=400, n=272, g=4):
+  a = _spread(rng, (m, k))
+  w = jnp.stack([_spread(rng, (k, n)) * 10.0 ** e for e in (-2, 0, 1, 3)][:g])
+  if scaling == "tensor":
+    lhs = _scaled(a, dtypes[0], None)
+    q = jax.vmap(lambda v: qop.quantize_current_reference(v, dtypes[1]))(w)
+    return lhs, gg.GroupedScaledTensor(q.data, q.scale_inv)
+  q = jax.vmap(lambda v: qop.quantize_blockwise_reference(v, (128, 128), dtypes[1], True))(w)
+  return _scaled(a, dtypes[0], (1, 128)), gg.GroupedScaledTensor(q.data, q.scale_inv, (128, 128))
+
+
+@pytest.mark.parametrize("scaling, dtypes, transposed", [
+    ("tensor", (E4M3, E4M3), False),         # fprop
+    ("tensor", (E5M2, E4M3), True),          # HYBRID dgrad: grad x kernel.T
+    ("blockwise", (E4M3, E4M3), False),      # fprop
+    ("blockwise", (E4M3, E4M3), True),       # dgrad
+])
+def test_rows_layout_conversions_meet_the_kernel_contract(scaling, dtypes, transposed):
+  """The operands the wrapper hands the kernel, read as gemm_sm90.cuh says,
+  give the reference's product: m not a multiple of 4 (the native 1x128
+  grid pads it), k, n not multiples of 128, k blocks != n blocks (a
+  transposed scale grid shows), empty and 1-row groups, tail rows."""
+  lhs, rhs = _rows_operands(scaling, dtypes, _rng(10))
+  if transposed:   # the dgrad operand: kernel.T (g, n, k) against a (m, n) lhs
+    rhs = rhs.T
+    lhs = _scaled(_spread(_rng(11), (202, 272)), dtypes[0], lhs.block_shape)
+  sizes = [0, 1, 130, 37]
+  ops = jax.jit(ggc.rows_operands)(lhs, rhs)
+  assert ops.scaling == (ggc.PER_TENSOR if scaling == "tensor" else ggc.BLOCKWISE)
+  want = gg.grouped_gemm_reference(lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.float32)
+  _close(kernel_model(ggc.ROWS, ops, sizes), want)
+
+
+@pytest.mark.parametrize("scaling, dtypes", [
+    ("tensor", (E4M3, E4M3)), ("tensor", (E4M3, E5M2)),   # HYBRID wgrad: swapped
+    ("tensor", (E5M2, E4M3)), ("blockwise", (E4M3, E4M3))])
+def test_contraction_layout_conversions_meet_the_kernel_contract(scaling, dtypes):
+  rng = _rng(12)
+  k, m, n = 146, 640, 264   # k (the kernel's rows) not a multiple of 4
+  block = None if scaling == "tensor" else (1, 128)
+  lhs_t = _scaled(_spread(rng, (k, m)), dtypes[0], block)
+  rhs_t = _scaled(_spread(rng, (n, m)), dtypes[1], block)
+  u = 16 if block is None else 128
+  sizes = [0, u, 3 * u, m - 4 * u]
+  ops, swapped = ggc.contraction_operands(lhs_t, rhs_t)
+  assert swapped == (dtypes == (E4M3, E5M2))
+  got = kernel_model(ggc.CONTRACTION, ops, sizes)
+  got = np.swapaxes(got, 1, 2) if swapped else got
+  want = gg.grouped_wgrad_reference(lhs_t, rhs_t, jnp.asarray(sizes, jnp.int32), jnp.float32)
+  _close(got, want)
+
+
+def _ffi_calls(jaxpr):
+  """The ffi_call equations of a (closed) jaxpr, nested ones included."""
+  found = []
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "ffi_call":
+      found.append(eqn)
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          found += _ffi_calls(inner)
+  return found
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+  """A GPU with the native module as far as the dispatcher can tell, whose
+  build note says ``note`` (the sm90 GEMMs built, unless a test changes it);
+  ``_native.dispatch`` takes the CUDA branch, as on a GPU."""
+  from te_jax.ops import _native  # pylint: disable=import-outside-toplevel
+  monkeypatch.delenv("TE_JAX_IMPL", raising=False)
+  note = {"text": _BUILT_NOTE}
+  monkeypatch.setattr(_native, "resolve_impl",
+                      lambda impl: _native.check_impl(impl) if impl == "reference" else "cuda")
+  monkeypatch.setattr(_native, "dispatch", lambda impl, cuda_fn, reference_fn: cuda_fn())
+  monkeypatch.setattr(ggc, "_build_note", lambda: note["text"])
+  gg._log_reference.cache_clear()   # pylint: disable=protected-access
+  return note
+
+
+def _staged(fn, *args):
+  return _ffi_calls(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
+def test_dispatcher_stages_the_kernel(fake_gpu):
+  """FP8 operands with a bfloat16 output: one te_jax_grouped_gemm call with
+  the kernel's operand layouts, attributes and a static workspace."""
+  del fake_gpu
+  lhs, rhs = _rows_operands("blockwise", (E4M3, E4M3), _rng(13))
+  gs = jnp.asarray([50, 0, 100, 50], jnp.int32)
+  (call,) = _staged(lambda l, r, s: gg.grouped_gemm(l, r, s, fast_accum=True), lhs, rhs, gs)
+  assert call.params["target_name"] == ggc.TARGET == "te_jax_grouped_gemm"
+  assert dict(call.params["attributes"]) == {"axis": 0, "scaling": 1, "fast_accum": 1}
+  shapes = [(tuple(v.aval.shape), v.aval.dtype) for v in call.invars]
+  assert shapes == [((202, 400), E4M3), ((4, 272, 400), E4M3), ((4, 204), jnp.float32),
+                    ((4, 3, 4), jnp.float32), ((4,), jnp.int32)]
+  assert [(tuple(v.aval.shape), v.aval.dtype) for v in call.outvars] == [
+      ((202, 272), jnp.bfloat16), ((ggc.workspace_bytes(4),), jnp.uint8)]
+  # wgrad, HYBRID per tensor: the E5M2 operand goes first, the result comes back transposed
+  x_t = _scaled(_spread(_rng(14), (144, 256)), E4M3, None)
+  g_t = _scaled(_spread(_rng(15), (264, 256)), E5M2, None)
+  jaxpr = jax.make_jaxpr(lambda a, b, s: gg.grouped_wgrad(a, b, s, out_dtype=jnp.bfloat16))(
+      x_t, g_t, gs)
+  (call,) = _ffi_calls(jaxpr.jaxpr)
+  assert dict(call.params["attributes"]) == {"axis": 1, "scaling": 0, "fast_accum": 0}
+  assert [tuple(v.aval.shape) for v in call.invars[:2]] == [(264, 256), (144, 256)]
+  assert tuple(call.outvars[0].aval.shape) == (4, 264, 144)
+  assert jaxpr.out_avals[0].shape == (4, 144, 264)
+
+
+@pytest.mark.parametrize("case, says", [
+    ("left out", "built without the sm90 GEMMs (no CUTLASS headers"),
+    ("float operands", "float (FP8-off) operands"),
+    ("float32 out", "out_dtype=float32: the sm90 grouped kernels write bfloat16 only"),
+    ("blockwise e5m2", "blockwise float8_e5m2 x float8_e4m3fn"),
+    ("k not a multiple of 16", "k (lhs.shape[1])=24 is not a multiple of 16"),
+    ("wgrad m not a multiple of 16", "the grouped m (lhs_t.shape[1])=40 is not a multiple"),
+])
+def test_dispatcher_runs_the_reference_where_the_kernel_cannot(fake_gpu, caplog, case, says):
+  """"auto" logs why once at INFO and stages the reference; "cuda" raises it."""
+  rng = _rng(16)
+  out_dtype, op = jnp.bfloat16, gg.grouped_gemm
+  lhs, rhs = _rows_operands("tensor", (E4M3, E4M3), rng, m=64, k=128, n=32, g=2)
+  if case == "left out":
+    fake_gpu["text"] = _LEFT_OUT_NOTE
+  elif case == "float operands":
+    lhs, rhs = jnp.ones((64, 128), jnp.bfloat16), jnp.ones((2, 128, 32), jnp.bfloat16)
+  elif case == "float32 out":
+    out_dtype = jnp.float32
+  elif case == "blockwise e5m2":
+    lhs, rhs = _rows_operands("blockwise", (E5M2, E4M3), rng, m=64, k=128, n=32, g=2)
+  elif case == "k not a multiple of 16":
+    lhs, rhs = _rows_operands("tensor", (E4M3, E4M3), rng, m=64, k=24, n=32, g=2)
+  else:
+    op = gg.grouped_wgrad
+    lhs, rhs = _scaled(_spread(rng, (32, 40)), E4M3, None), _scaled(_spread(rng, (16, 40)),
+                                                                       E4M3, None)
+  gs = jnp.asarray([30, 10], jnp.int32)
+  run = lambda impl: op(lhs, rhs, gs, out_dtype=out_dtype, impl=impl)  # pylint: disable=unnecessary-lambda-assignment
+  with caplog.at_level(logging.INFO, logger="te_jax"):
+    assert not _staged(lambda: run("auto"))
+    assert not _staged(lambda: run("auto"))
+  logged = [r for r in caplog.records if says in r.getMessage()]
+  assert len(logged) == 1 and logged[0].levelno == logging.INFO, caplog.records
+  assert "runs its pure-JAX reference" in logged[0].getMessage()
+  with pytest.raises(ValueError, match="impl='cuda'.*" + re.escape(says)):
+    run("cuda")
+  assert not _staged(lambda: run("reference"))
+
+
+def test_cuda_wrapper_refuses_what_the_kernel_cannot_run():
+  lhs, rhs = _rows_operands("tensor", (E4M3, E4M3), _rng(17), m=64, k=128, n=36, g=2)
+  with pytest.raises(ValueError, match="last dim 36 is not a multiple of 8"):
+    ggc.grouped_gemm(lhs, rhs, jnp.asarray([1, 1], jnp.int32))
+  with pytest.raises(ValueError, match="E5M2 as lhs only"):
+    ggc.grouped_gemm(*_rows_operands("tensor", (E4M3, E5M2), _rng(18), m=64, k=128, n=32, g=2),
+                     jnp.asarray([1, 1], jnp.int32))

@@ -11,12 +11,15 @@ small Llama-like model (``benchmarks/model_memory.py``) are per layer no
 more than FP8-off's, with no FP8 array among the fused layers' residuals.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from te_jax import dense, fused_mlp, norm_dense
+from cuda_lowering import cuda_text, gpu_host  # pylint: disable=unused-import
 from flax_cases import RECIPES, mlp_states, vjp_run
 
 import model_memory  # pylint: disable=import-error  (benchmarks/ is on pytest's path)
@@ -132,6 +135,43 @@ def test_fused_layers_keep_only_what_their_backward_reads(rname):
   x_bytes, h_bytes, per_row = M * K * 2, M * 2 * F * 2, M * 16
   assert x_bytes <= nd <= x_bytes + per_row
   assert x_bytes + h_bytes <= mlp <= x_bytes + h_bytes + per_row
+
+
+def _fp8_results(text, prefix):
+  """The FP8 result types ("MxKxf8E4M3FN") of each custom call whose target
+  starts with ``prefix``, in program order."""
+  calls = []
+  for line in text.splitlines():
+    if re.search(rf"custom_call @{prefix}\w*\(", line):
+      results = line.rsplit(") -> (", 1)[1]
+      calls.append([t for t in re.findall(r"tensor<([^>]*)>", results) if "xf8" in t])
+  return calls
+
+
+@pytest.mark.parametrize("rname", sorted(RECIPES))
+def test_fused_mlp_makes_each_fp8_copy_once(gpu_host, rname):  # pylint: disable=unused-argument
+  """The CUDA program of the norm + MLP block's step (lowered without a GPU):
+  two activation-quantize calls, the forward's writing act(h) rowwise only
+  and the backward's dh both ways plus act(h) columnwise (no third pass over
+  h); the norm's forward call writes norm(x) rowwise, its backward call the
+  columnwise copy alone."""
+  r = RECIPES[rname]()
+  x, gamma = _rand(0, (M, K)), jnp.ones((K,), jnp.float32)
+  wi, wo = _rand(2, (K, 2 * F), 0.1), _rand(3, (F, K), 0.1)
+  si, so = mlp_states(r)
+  norm = norm_dense.NormParams(gamma, None, "rmsnorm", 1e-6, False)
+
+  def step(x, wi, wo):
+    return jax.value_and_grad(lambda *a: jnp.sum(fused_mlp.fp8_mlp(
+        *a, activations=("silu", "linear"), recipe=r, wi_state=si, wo_state=so,
+        norm=norm).astype(jnp.float32)), argnums=(0, 1, 2))(x, wi, wo)
+  text = cuda_text(step, x, wi, wo)
+  e4, e5 = "f8E4M3FN", ("f8E5M2" if r.fp8_format.name == "HYBRID" else "f8E4M3FN")
+  assert _fp8_results(text, "te_jax_act_quantize") == [
+      [f"{M}x{F}x{e4}", f"0x0x{e4}", f"0x0x{e4}"],                    # forward: z
+      [f"{M}x{2 * F}x{e5}", f"{2 * F}x{M}x{e5}", f"{F}x{M}x{e4}"]]    # backward: dh, z.T
+  assert _fp8_results(text, "te_jax_norm_quantize") == [
+      [f"{M}x{K}x{e4}", f"0x0x{e4}"], [f"0x0x{e4}", f"{K}x{M}x{e4}"]]
 
 
 # The guard: a small Llama-like model (every FP8 layer on its fused path:

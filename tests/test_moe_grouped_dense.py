@@ -123,7 +123,7 @@ def _emulated(x, w, g, r, st):
     q = qop.quantize_blockwise_reference(t, block, dtype, r.power_2_scale)
     return qop.dequantize_blockwise_reference(q.data, q.scale_inv, block)
 
-  if r.is_blockwise:
+  if isinstance(r, recipe.Float8BlockScaling):
     xr, gr = blocks(x, (1, 128), r.fwd_dtype), blocks(g, (1, 128), r.bwd_dtype)
     xc, gc = blocks(x.T, (1, 128), r.fwd_dtype).T, blocks(g.T, (1, 128), r.bwd_dtype).T
     wq = jnp.stack([blocks(w[e], (128, 128), r.fwd_dtype) for e in range(w.shape[0])])

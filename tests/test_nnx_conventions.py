@@ -5,6 +5,7 @@ recipe, the delayed state an ``FP8State`` updated by ``apply_fp8_updates``).
 """
 
 import logging
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,7 @@ from jax import lax
 import te_jax
 from te_jax import recipe
 from te_jax import nnx as tnx
+from te_jax.fp8_state import FP8StateWarning
 from te_jax.layers import gemm as gemm_lib
 
 RECIPES = {
@@ -249,16 +251,29 @@ def test_fp8_dot_general_cls_stateless_works_delayed_raises():
     tnx.Fp8DotGeneral()    # built outside a layer's call: fine
 
 
-def test_fp8_dot_general_shared_by_two_layers_raises():
-  """One op instance holds one GEMM's delayed state: shared by two layers
-  in one step it raises instead of summing their state updates."""
+def test_fp8_dot_general_shared_by_two_layers_merges():
+  """One op instance shared by two layers: one state, updated once per step
+  with the largest amax of its two uses (not their sum)."""
   with te_jax.fp8_autocast(True, RECIPES["delayed"]):
     op = tnx.Fp8DotGeneral()
     a = nnx.Linear(64, 64, dot_general=op, rngs=nnx.Rngs(0))
     b = nnx.Linear(64, 64, dot_general=op, rngs=nnx.Rngs(1))
-    x = rand(10, (4, 64))
-    with pytest.raises(ValueError, match="two products in one step"):
-      nnx.jit(lambda a, b, x: b(a(x)))(a, b, x)
+  x = rand(10, (4, 64))
+  pair = nnx.List([a, b])
+  with te_jax.fp8_autocast(True, RECIPES["delayed"]), warnings.catch_warnings():
+    # Evaluating the unchanged pair is not a frozen-state sign, though the
+    # shared op sees two kernels per step.
+    warnings.simplefilter("error", FP8StateWarning)
+    grads = nnx.jit(lambda p: nnx.grad(lambda p: jnp.sum(p[1](p[0](x))),
+                                       argnums=nnx.DiffState(0, tnx.WRT))(p))(pair)
+    for _ in range(4):
+      hidden = nnx.jit(lambda p: p[0](x))(pair)   # b's input, in FP8 as in the step
+      nnx.jit(lambda p: p[1](p[0](x)))(pair)
+  new = grads[0]["dot_general"]["fp8_meta"].get_value()
+  kernel_amax = max(float(jnp.max(jnp.abs(m.kernel[...]))) for m in (a, b))
+  x_amax = max(float(jnp.max(jnp.abs(x))), float(jnp.max(jnp.abs(hidden))))
+  np.testing.assert_allclose(new["kernel"]["amax_history"][0], kernel_amax, rtol=1e-6)
+  np.testing.assert_allclose(new["x"]["amax_history"][0], x_amax, rtol=1e-6)
 
 
 def test_fp8_dot_general_fallback_warns_once(caplog):

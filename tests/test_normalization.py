@@ -7,6 +7,10 @@ CPU (CI):
     bit; the closed-form backward equals ``jax.vjp`` of the forward to float32
     accuracy; ``norm_quantize`` is ``quantize_by_mode_reference`` of the
     forward (every mode, both FP8 formats);
+  * output selection and ``norm_quantize_with_stats``: one copy is that copy
+    of both; quantizing again from the forward's statistics (and amax)
+    gives the forward's bytes; the CUDA program asks for exactly that (no
+    statistics pass: given statistics), lowered for CUDA without a GPU;
   * ``fp8_norm_dense`` and ``fp8_mlp(norm=...)`` against the unfused path
     (``apply_norm`` then ``fp8_dense`` / ``fp8_mlp``) with float32 inputs, where
     both quantize the same float32 values: the outputs bit for bit, every
@@ -20,10 +24,13 @@ CPU (CI):
 GPU (``gpu`` marker): every kernel against its reference evaluated on the CPU
 backend (XLA:GPU's float32 division is not correctly rounded), on rows not a
 multiple of 128, hidden 4096, 8192 and odd sizes, float32/bfloat16/float16
-inputs; the layers and modules on the CUDA path.
+inputs; the selected copies and the quantization from given statistics
+against the kernels' own both-copies results bit for bit; the layers and
+modules on the CUDA path.
 """
 
 import logging
+import re
 
 import flax.linen as nn
 import jax
@@ -40,6 +47,7 @@ from te_jax.ops import normalization as nrm
 from te_jax.ops import normalization_cuda
 from te_jax.ops import quantize as quantize_op
 
+from cuda_lowering import cuda_text, gpu_host  # pylint: disable=unused-import
 from flax_cases import RECIPES, rel
 from flax_cases import norm_params as _params, rand as _rand, vjp_run
 
@@ -214,6 +222,109 @@ def test_quantize_fused_protocol_works_for_every_recipe():
     # The same as quantizing y itself with the mode.
     _assert_q_equal(q, mode.quantize(y, "x", st, impl="reference"), name)
     assert mean.shape == rstd.shape == (128,)
+
+
+def _select_kw(mode, dtype=E4M3):
+  kw = dict(mode=mode, dtype=dtype, power_2_scale=mode == "blockwise")
+  if mode == "tensorwise":
+    kw["scale"] = jnp.float32(5.0)
+  return kw
+
+
+def _check_copies(both, got, rowwise, columnwise, mode, what):
+  """``got`` holds ``both``'s selected copies bit for bit and None elsewhere
+  (the per-tensor scale_inv, both copies' one scale, stays)."""
+  want = both.replace(
+      data=both.data if rowwise else None,
+      scale_inv=both.scale_inv if rowwise or mode != "blockwise" else None,
+      data_t=both.data_t if columnwise else None,
+      scale_inv_t=both.scale_inv_t if columnwise else None)
+  _assert_q_equal(got, want, what)
+
+
+@pytest.mark.parametrize("mode", nrm.MODES)
+def test_selected_copies_and_quantizing_again_from_the_statistics(mode):
+  """One copy is that copy of both; norm_quantize_with_stats with the
+  forward's statistics (and amax) gives the forward's bytes, every copy
+  selection, without computing statistics."""
+  x = _rand(16, (M, H), 2.0, -0.2, BF16)
+  for k, (norm_type, zc) in enumerate(NORMS):
+    gamma, beta = _params(norm_type, zc, H, seed=17 + k)
+    kw = dict(norm_type=norm_type, zero_centered_gamma=zc, impl="reference",
+              **_select_kw(mode))
+    both, mean, rstd = nrm.norm_quantize(x, gamma, beta, epsilon=EPS, **kw)
+    tag = f"{mode} {norm_type} zc={zc}"
+    amax = both.amax if mode != "blockwise" else None
+    for rowwise, columnwise in ((True, False), (False, True), (True, True)):
+      if not (rowwise and columnwise):
+        got, mean2, rstd2 = nrm.norm_quantize(x, gamma, beta, epsilon=EPS, rowwise=rowwise,
+                                              columnwise=columnwise, **kw)
+        _check_copies(both, got, rowwise, columnwise, mode, f"{tag} {rowwise} {columnwise}")
+        np.testing.assert_array_equal(np.asarray(rstd2), np.asarray(rstd), err_msg=tag)
+      again = nrm.norm_quantize_with_stats(x, gamma, beta, mean, rstd, amax=amax,
+                                           rowwise=rowwise, columnwise=columnwise, **kw)
+      _check_copies(both, again, rowwise, columnwise, mode, f"{tag} again {rowwise} {columnwise}")
+
+
+def test_quantizing_again_argument_errors():
+  x = _rand(18, (M, H), dtype=BF16)
+  gamma, beta = _params("layernorm", False, H)
+  _, mean, rstd = nrm.norm_forward_reference(x, gamma, beta, norm_type="layernorm",
+                                             epsilon=EPS, zero_centered_gamma=False)
+  base = dict(x=x, gamma=gamma, beta=beta, mean=mean, rstd=rstd, norm_type="layernorm",
+              zero_centered_gamma=False, mode="current", dtype=E4M3, amax=jnp.float32(2.0))
+  again = lambda **kw: nrm.norm_quantize_with_stats(**{**base, **kw})
+  with pytest.raises(ValueError, match="mode='current' with given statistics needs amax"):
+    again(amax=None)
+  with pytest.raises(ValueError, match="amax must be None for mode='blockwise'"):
+    again(mode="blockwise")
+  with pytest.raises(TypeError, match="amax must be a float32 scalar"):
+    again(amax=jnp.ones((2,)))
+  with pytest.raises(ValueError, match="rstd must be float32"):
+    again(rstd=rstd[:-1])
+  with pytest.raises(ValueError, match="mean must be float32"):
+    again(mean=None)
+  with pytest.raises(ValueError, match="both False"):
+    again(rowwise=False, columnwise=False)
+  with pytest.raises(ValueError, match="both False"):
+    nrm.norm_quantize(x, gamma, beta, norm_type="layernorm", epsilon=EPS,
+                      zero_centered_gamma=False, mode="current", dtype=E4M3,
+                      rowwise=False, columnwise=False)
+
+
+def _norm_calls(text):
+  """(operand types, result types) of each norm_quantize custom call."""
+  calls = []
+  for line in text.splitlines():
+    if re.search(r"custom_call @te_jax_norm_quantize_\w+\(", line):
+      operands, results = line.rsplit(" : (", 1)[1].split(") -> (")
+      calls.append((re.findall(r"tensor<([^>]*)>", operands),
+                    re.findall(r"tensor<([^>]*)>", results)))
+  return calls
+
+
+@pytest.mark.parametrize("rname", sorted(RECIPES))
+def test_fp8_norm_dense_backward_quantizes_from_the_forwards_statistics(gpu_host, rname):  # pylint: disable=unused-argument
+  """The CUDA program of fp8_norm_dense's forward and backward (lowered
+  without a GPU): the forward's norm call writes the rowwise copy and the
+  statistics; the backward's takes those statistics (no statistics pass)
+  and writes the columnwise copy alone."""
+  r = RECIPES[rname]()
+  x, gamma, beta, kernel, _ = _dense_args("layernorm", False, BF16, bias=False)
+  st = _state(r)
+
+  def step(x, gamma, beta, kernel):
+    return jax.value_and_grad(lambda *a: jnp.sum(norm_dense.fp8_norm_dense(
+        *a[:3], a[3], norm_type="layernorm", epsilon=EPS, zero_centered_gamma=False,
+        recipe=r, fp8_state=st).astype(F32)), argnums=(0, 1, 2, 3))(x, gamma, beta, kernel)
+  calls = _norm_calls(cuda_text(step, x, gamma, beta, kernel))
+  assert len(calls) == 2, calls
+  (fwd_ops, fwd_res), (bwd_ops, bwd_res) = calls
+  fp8 = lambda res: [t for t in res if "xf8" in t]
+  assert fp8(fwd_res) == [f"{DM}x{DK}xf8E4M3FN", "0x0xf8E4M3FN"], fwd_res
+  assert fp8(bwd_res) == ["0x0xf8E4M3FN", f"{DK}x{DM}xf8E4M3FN"], bwd_res
+  assert fwd_res[-2:] == [f"{DM}xf32", f"{DM}xf32"] and bwd_res[-2:] == ["0xf32", "0xf32"]
+  assert bwd_ops[-2:] == [f"{DM}xf32", f"{DM}xf32"] and fwd_ops[-2:] == ["0xf32", "0xf32"]
 
 
 def test_argument_errors():
@@ -751,3 +862,34 @@ def test_gpu_modules_take_the_fused_norm(which, monkeypatch):
   for a, b in zip(jax.tree.leaves(g1[0]["params"]), jax.tree.leaves(g0[0]["params"])):
     assert rel(a, b) < 1e-2
   assert rel(g1[1], g0[1]) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(200, 4096), (72, 200), (130, 100)])
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_gpu_selected_copies_and_quantizing_again(shape, dtype):
+  """On the CUDA path: one copy is that copy of both, and quantizing again
+  from the kernel's statistics (and amax) gives its bytes, bit for bit;
+  those equal the reference's given the same statistics."""
+  for k, (norm_type, zc) in enumerate(NORMS):
+    x, gamma, beta = _gpu_inputs(shape, dtype, norm_type, zc, seed=80 + k)
+    for mode in nrm.MODES:
+      kw = dict(norm_type=norm_type, zero_centered_gamma=zc, **_select_kw(mode))
+      tag = f"{shape} {jnp.dtype(dtype).name} {norm_type} zc={zc} {mode}"
+      both, mean, rstd = jax.jit(lambda x, g, b: nrm.norm_quantize(
+          x, g, b, epsilon=EPS, impl="cuda", **kw))(x, gamma, beta)
+      amax = both.amax if mode != "blockwise" else None
+      for rowwise, columnwise in ((True, False), (False, True)):
+        got, _, rstd2 = jax.jit(lambda x, g, b: nrm.norm_quantize(
+            x, g, b, epsilon=EPS, impl="cuda", rowwise=rowwise, columnwise=columnwise,
+            **kw))(x, gamma, beta)
+        _check_copies(both, got, rowwise, columnwise, mode, f"{tag} {rowwise} {columnwise}")
+        np.testing.assert_array_equal(np.asarray(rstd2), np.asarray(rstd), err_msg=tag)
+        again = jax.jit(lambda x, g, b, mu, rs, a: nrm.norm_quantize_with_stats(
+            x, g, b, mu, rs, amax=a, impl="cuda", rowwise=rowwise, columnwise=columnwise,
+            **kw))(x, gamma, beta, mean, rstd, amax)
+        _check_copies(both, again, rowwise, columnwise, mode, f"{tag} again")
+        want = _on_cpu(lambda x, g, b, mu, rs, a: nrm.norm_quantize_with_stats(
+            x, g, b, mu, rs, amax=a, impl="reference", rowwise=rowwise,
+            columnwise=columnwise, **kw), x, gamma, beta, mean, rstd, amax)
+        _assert_q_equal(again, want, f"{tag} reference")

@@ -1,11 +1,9 @@
-"""Issue 44 items 4 and 8 at the Linen module level: waiting for the module layer.
+"""Issue 44 items 4 and 8 at the Linen module level.
 
 The mechanism is ``te_jax.fp8_state.merge_uses`` (tests/test_silent_merge.py);
-these tests are what it must give once the module layer reads every GEMM
-state through it (the wiring is the lead's: te_jax/flax and te_jax/layers
-are being moved by another change). They are strict xfails: they fail today
-for the reasons of the issue, and the day the wiring lands they pass, which
-strict turns into a failure that says to remove the marker.
+the module layer reads every GEMM state through it (``LinenStates.state``).
+Without that wiring the shared layer's newest amax entry is the sum of its
+two uses' amaxes, and the frozen-variables step fails in the backward pass.
 """
 
 import flax
@@ -14,7 +12,6 @@ import jax.numpy as jnp
 import flax.linen as nn
 import numpy as np
 import optax
-import pytest
 
 import te_jax
 from te_jax import flax as tfx
@@ -23,9 +20,6 @@ from te_jax.fp8_state import FP8_COLLECTION
 
 HIST = 4
 R = recipe.DelayedScaling(amax_history_len=HIST)
-WIRING = pytest.mark.xfail(
-    strict=True, reason="needs the module layer to read FP8 state through "
-                        "te_jax.fp8_state.merge_uses (issue 44 item 4; see the silent report)")
 
 
 class Shared(nn.Module):
@@ -42,7 +36,6 @@ def _init(model, *xs):
     return model.init(jax.random.PRNGKey(0), *xs)
 
 
-@WIRING
 def test_shared_layer_gets_one_max_entry_per_step():
   a, b = jnp.full((8, 16), 2.0), jnp.full((8, 16), 3.0)
   model = Shared()
@@ -50,11 +43,10 @@ def test_shared_layer_gets_one_max_entry_per_step():
   with te_jax.fp8_autocast(True, R):
     grads = jax.jit(jax.grad(lambda v: model.apply(v, a, b)))(variables)
   x_hist = grads[FP8_COLLECTION]["shared"]["fp8_meta"]["x"]["amax_history"]
-  # Today the two uses' new states are summed: newest entry 2 + 3 = 5.
+  # Summed (without merge_uses) the newest entry would be 2 + 3 = 5.
   np.testing.assert_array_equal(np.asarray(x_hist), [3.0, 0.0, 0.0, 0.0])
 
 
-@WIRING
 def test_train_step_with_frozen_variables():
   model = tfx.DenseGeneral(16)
   x = jax.random.normal(jax.random.PRNGKey(1), (8, 16))

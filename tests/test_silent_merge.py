@@ -155,6 +155,32 @@ def test_a_frozen_dict_state_is_differentiated():
 def test_merge_uses_passes_stateless_recipes_and_refuses_other_layouts():
   cur = recipe.Float8CurrentScaling().scaling_mode()
   assert fp8_state.merge_uses(None, cur) is None
-  stacked = jax.tree.map(lambda a: jnp.stack([a, a]), _old_state())
-  with pytest.raises(ValueError, match="per layer"):
-    fp8_state.merge_uses(stacked, MODE)
+  bad = dict(_old_state(), x={"amax_history": jnp.zeros((2, HIST)), "scale": jnp.ones((3,))})
+  with pytest.raises(ValueError, match="one FP8 GEMM"):     # a scale per history row, or none
+    fp8_state.merge_uses(bad, MODE)
+  with pytest.raises(ValueError, match="one FP8 GEMM"):
+    fp8_state.merge_uses({"x": {"amax_history": jnp.zeros((HIST,))}}, MODE)
+
+
+@pytest.mark.parametrize("scale_shape", ["(E,)", "(E, 1)"])
+def test_several_uses_of_a_per_row_state_update_each_row_on_its_own(scale_shape):
+  """A grouped GEMM's kernel state holds one history per expert (history
+  (E, H), scale (E,) or (E, 1)): merge_uses takes it, and several uses
+  update each row with that row's largest amax (the end-to-end merge through
+  the MoE modules is tests/test_flax_moe.py's)."""
+  from te_jax import fp8_merge   # pylint: disable=import-outside-toplevel
+  old = _old_state()["x"]
+  rows = jax.tree.map(lambda a: jnp.stack([a, a * 2.0]), old)
+  if scale_shape == "(E, 1)":
+    rows = dict(rows, scale=rows["scale"][:, None])
+  assert fp8_state.merge_uses({"x": rows}, MODE)["x"]["scale"].shape == rows["scale"].shape
+  amax = jnp.array([3.0, 4.0])
+  got = fp8_merge._update_rows(MODE, "x", rows, amax)
+  for e in range(2):
+    want = MODE.update_state({"x": {"amax_history": rows["amax_history"][e],
+                                    "scale": rows["scale"].reshape(2)[e]}}, {"x": amax[e]})["x"]
+    np.testing.assert_array_equal(np.asarray(got["amax_history"][e]),
+                                  np.asarray(want["amax_history"]))
+    np.testing.assert_array_equal(np.asarray(got["scale"]).reshape(2)[e],
+                                  np.asarray(want["scale"]))
+  assert got["scale"].shape == rows["scale"].shape

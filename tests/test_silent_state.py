@@ -120,3 +120,24 @@ def test_ignored_outliers_counts_inside_a_frozen_dict():
   hist = jnp.array([1e6, 1.0, 1.0, 0.0], jnp.float32)   # newest: an outlier
   tree = flax.core.freeze({"d": {"x": {"amax_history": hist, "scale": jnp.float32(1.0)}}})
   assert int(fp8_state.ignored_outliers(tree, R)) == 1
+
+
+@pytest.mark.parametrize("scale_shape", ["(E,)", "(E, 1)"])
+def test_updates_keep_the_rows_no_use_reached_in_a_per_expert_state(scale_shape):
+  """A grouped GEMM's kernel state has one history and scale per expert; an
+  expert that got no tokens comes back as zeros and keeps its row, the others
+  take their update (the scale > 0 mask is per row, not broadcast against
+  the whole history)."""
+  from te_jax import fp8_state as fs   # pylint: disable=import-outside-toplevel
+  e, h = 3, 3      # as many experts as history entries: a broadcast would not fail
+  old_hist = jnp.arange(1.0, 1.0 + e * h).reshape(e, h)
+  old_scale = jnp.array([1.0, 2.0, 3.0])
+  new_hist = jnp.array([[9.0, 1.0, 2.0], [0.0, 0.0, 0.0], [7.0, 7.0, 8.0]])
+  new_scale = jnp.array([4.0, 0.0, 5.0])
+  if scale_shape == "(E, 1)":
+    old_scale, new_scale = old_scale[:, None], new_scale[:, None]
+  got = fs.keep_where_unused({"kernel": {"amax_history": new_hist, "scale": new_scale}},
+                             {"kernel": {"amax_history": old_hist, "scale": old_scale}})
+  np.testing.assert_array_equal(got["kernel"]["amax_history"],
+                                jnp.stack([new_hist[0], old_hist[1], new_hist[2]]))
+  np.testing.assert_array_equal(np.asarray(got["kernel"]["scale"]).reshape(e), [4.0, 2.0, 5.0])

@@ -469,3 +469,79 @@ def test_a_batch_that_does_not_fit_the_mesh_is_a_usage_error():
   assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
   assert "--batch 4 must be divisible by the 8 batch shards" in proc.stderr
   assert "use --batch 8" in proc.stderr
+
+
+# ------------------------------------------------ the mixture-of-experts presets ----
+
+import gpt_model  # pylint: disable=import-error,wrong-import-position
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="checks the CPU output")
+def test_moe_tiny_trains_with_the_aux_loss_and_logs_dropped_assignments(capsys):
+  """A capacity makes drops: the log shows them per step, the loss (which
+  includes the aux loss) goes down, the router biases move, and the FLOPs
+  count 2 of the 8 experts' kernels."""
+  res = train_gpt.main(["--preset", "moe_tiny", "--steps", "6", "--capacity_factor", "0.5",
+                        "--log_every", "1"] + QUIET)
+  out = capsys.readouterr().out
+  losses = res["losses"]
+  assert len(losses) == 6 and all(np.isfinite(losses)) and losses[-1] < losses[0] - 0.2
+  assert min(res["aux_losses"]) > 0 and min(res["dropped"]) > 0
+  lines = [l for l in out.splitlines() if l.startswith("step ")]
+  assert len(lines) == 6
+  for line, d, aux in zip(lines, res["dropped"], res["aux_losses"]):
+    assert f"aux {aux:.4f}  dropped {d}  " in line, line
+  assert "8 experts of width 64, 2 per token, a shared expert of width 64" in out
+  assert "capacity factor 0.5" in out and "pure-JAX reference" in out
+  biases = res["state"].model_state["router_bias"]
+  assert set(biases) == {"layer_0", "layer_1"}
+  assert all(np.asarray(b["moe"]["bias"]).any() for b in biases.values())
+  cfg = train_gpt.Config(preset="moe_tiny").resolved()
+  params = res["state"].params["params"]
+  expert = sum(int(np.prod(params[l]["moe"][k].shape)) for l in ("layer_0", "layer_1")
+               for k in ("wi_kernel", "wo_kernel"))
+  n = res["params"] - train_gpt.VOCAB_SIZE * 64 - expert + expert * 2 // 8
+  assert res["model_flops_per_token"] == 6 * n + 12 * cfg.layers * cfg.seq_len * cfg.hidden
+
+
+def test_moe_preset_is_deepseek_style_and_sized_for_one_gpu():
+  cfg = train_gpt.Config(preset="moe").resolved()
+  assert 32 <= cfg.experts <= 64 and 4 <= cfg.experts_per_token <= 8 and cfg.shared_mlp
+  assert cfg.hidden // cfg.heads == 128 and cfg.dtype == "bfloat16"
+  moe_cfg = train_gpt.moe_config(cfg)
+  assert moe_cfg.score_function == "sigmoid" and moe_cfg.router_bias_update_rate > 0
+  assert moe_cfg.capacity_factor is None                 # dropless
+  model = train_gpt.GPT(train_gpt.VOCAB_SIZE, cfg.hidden, cfg.layers, cfg.heads, cfg.mlp,
+                        dtype=jnp.bfloat16, arch=cfg.arch, kv_groups=cfg.kv_groups,
+                        moe=moe_cfg)
+  tokens = jnp.zeros((1, 128), jnp.int32)            # shapes only: nothing is allocated
+  abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens, tokens, tokens))
+  params = nn.meta.unbox(abstract["params"])
+  n = sum(int(np.prod(p.shape)) for p in jax.tree.leaves(params))
+  assert 1.0e9 <= n <= 3.0e9, n
+  # AdamW: fp32 parameters, gradients and two moments, 16 bytes each, within 80 GB
+  assert 16 * n < 0.5 * 80e9
+  assert abstract["router_bias"]["layer_0"]["moe"]["bias"].shape == (cfg.experts,)
+  # a token uses 8 of the 64 experts: about a sixth of the parameters
+  assert gpt_model.active_params(cfg, params) < n / 4
+
+
+@pytest.mark.parametrize("flags, msg", [
+    (["--preset", "moe_tiny", "--ep", "3"], "--ep 3 must divide --experts 8"),
+    (["--preset", "tiny", "--ep", "2"], "--ep 2 needs a mixture of experts"),
+    (["--preset", "moe_tiny", "--experts_per_token", "9"], "--experts_per_token 9 must be in"),
+])
+def test_moe_flags_that_do_not_fit_are_usage_errors(flags, msg, capsys):
+  with pytest.raises(SystemExit) as e:
+    train_gpt.main(flags + QUIET)
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert err.startswith("usage:") and msg in err
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="the check is for CPU-only jax")
+def test_moe_preset_on_a_cpu_stops_at_once_and_names_moe_tiny(capsys):
+  with pytest.raises(SystemExit) as e:
+    train_gpt.main(["--preset", "moe"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "--preset moe needs a GPU" in err and "--preset moe_tiny" in err

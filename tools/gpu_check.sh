@@ -4,10 +4,15 @@
 #
 # Usage: bash tools/gpu_check.sh [STEP...]
 #   steps: build test bench   (default: all three, in that order)
+#          nvcc-free          instead of build + test: build with the pip CUDA
+#                             packages while the system toolkit is hidden
+#                             (tools/nvcc_free.sh), then the test step in that
+#                             same hidden view
 #   env:   PYTEST_ARGS  extra pytest arguments (e.g. "-k gemm -x")
 #          BENCH_ARGS   extra bench_ops.py arguments (e.g. "--quick")
 #          BENCHES      more benchmark scripts (paths relative to the repo) to run
 #                       after bench_ops.py, space-separated
+#          CUDA_WHEELS  (nvcc-free) folders of nvidia-* wheels to install first
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -24,6 +29,14 @@ cd "$REPO"
   nvcc --version | tail -2 || true
   python3 -c "import jax; print('jax', jax.__version__, jax.devices())" || true
 } 2>&1 | tee "$OUT/env.log"
+
+if want nvcc-free; then
+  # No registry here: the pip CUDA packages the image lacks come as wheels
+  # (CUDA_WHEELS). The test step runs as nvcc_free.sh's command, so the
+  # GPU tests see no system toolkit either.
+  NEED_GPU=1 PYTHON=python3 OUT="$OUT" bash "$REPO/tools/nvcc_free.sh" \
+    env OUT="$OUT" PYTEST_ARGS="${PYTEST_ARGS:-}" bash "$REPO/tools/gpu_check.sh" test
+fi
 
 if want build; then
   # pyproject.toml names README.md as the readme; scikit-build-core refuses to

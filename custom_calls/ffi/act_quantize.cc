@@ -2,11 +2,13 @@
 // act_quantize_cuda.py): an activation, or its gradient, fused into the FP8
 // quantize of its result v, which is never written in 16 or 32 bits.
 //
-//   te_jax_act_quantize_tensorwise: given scale -> data, data_t, scale_inv, amax
+//   te_jax_act_quantize_tensorwise: given scale -> data, data_t, scale_inv,
+//                                   amax, act_t, act_scale_inv
 //   te_jax_act_quantize_current:    scale from max|v| (a first pass over the
-//                                   inputs) -> data, data_t, scale_inv, amax
+//                                   inputs) -> the same
 //   te_jax_act_quantize_blockwise:  1x128 + 128x1 tiles -> data, sinv, data_t,
-//                                   sinv_t (scales in cuBLASLt layouts)
+//                                   sinv_t, act_t, act_sinv_t (scales in
+//                                   cuBLASLt layouts)
 //
 // Operands: h (M, n_act*F) and dz (M, F) when backward == 1, else a
 // 0-element placeholder (one handler per mode keeps the target table short).
@@ -14,15 +16,25 @@
 //   backward == 1: v = dz * act0'(h0) or, gated, the (M, 2F)
 //                  [dz * act0'(h0) * act1(h1), dz * act0(h0) * act1'(h1)]
 // with h0 = h[:, :F], h1 = h[:, F:]. act0/act1 are ActId values
-// (kernels/quantize.h), act1 = -1 when not gated. The columnwise copy (the
-// quantization of v.T) is always written. The FP8 format is read off the
-// element type of `data`.
+// (kernels/quantize.h), act1 = -1 when not gated.
+//
+// Optional results: a copy that is not wanted comes as a (0, 0) placeholder
+// (its scales too), the other one is written (data (M, W) rowwise, data_t
+// (W, M) columnwise, at least one). With backward == 1, act_t (F, M) asks
+// for the columnwise copy of z = act(h) as well, quantized as the forward
+// quantized it: with the scale act_scale (tensorwise), the scale of the
+// amax act_amax (current: the forward's max|z|), or its own 128x1 tiles
+// (blockwise, act_power_2_scale); act_scale_inv () gets 1 / its scale. The
+// FP8 format of v is read off data (or data_t), that of z off act_t.
+// Without it act_t, act_scale_inv / act_sinv_t and act_scale / act_amax are
+// 0-element placeholders.
 //
 // Every handler here is declared command-buffer compatible (XLA may record it
 // in a CUDA graph by stream capture and replay it): it allocates nothing,
 // never queries or syncs the stream, and only sets kernel attributes and
 // launches kernels and memsets on XLA's stream into the buffers XLA passes.
-#include "ffi/quantize_common.h"
+#include "ffi/prologue_common.h"
+#include "kernels/act_quantize.h"
 
 namespace te_jax {
 namespace {
@@ -60,64 +72,131 @@ ffi::Error Setup(const ffi::AnyBuffer& h, const ffi::AnyBuffer& dz, const ffi::A
   }
   a->M = M;
   a->K = backward ? n_act * F : F;
-  if (auto e = GetOutType(data.element_type(), &a->out); e.failure()) return e;
-  if (!HasDims(data, a->M, a->K)) return Bad("data must be (M, W)");
-  if (!HasDims(data_t, a->K, a->M) || data_t.element_type() != data.element_type())
-    return Bad("data_t must be (W, M) of data's dtype");
-  a->data = static_cast<uint8_t*>(data.untyped_data());
-  a->data_t = static_cast<uint8_t*>(data_t.untyped_data());
+  bool out_set = false;
+  if (auto e = OptionalFp8(data, a->M, a->K, &a->data, &a->out, &out_set,
+                           "te_jax act_quantize: data");
+      e.failure())
+    return e;
+  if (auto e = OptionalFp8(data_t, a->K, a->M, &a->data_t, &a->out, &out_set,
+                           "te_jax act_quantize: data_t");
+      e.failure())
+    return e;
+  if (!out_set) return Bad("data and data_t are both (0, 0): no copy asked for");
+  return ffi::Error::Success();
+}
+
+// act_t: (F, M) FP8 for act(h)'s columnwise copy (backward only), or (0, 0).
+// Fills `z` but its scale fields; returns in *wanted whether it is asked for.
+ffi::Error SetupAct(const ffi::AnyBuffer& act_t, const QuantizeArgs& a, const PrologueArgs& q,
+                    QuantizeArgs* z, bool* wanted) {
+  bool out_set = false;
+  if (auto e = OptionalFp8(act_t, q.F, a.M, &z->data_t, &z->out, &out_set,
+                           "te_jax act_quantize: act_t");
+      e.failure())
+    return e;
+  *wanted = out_set;
+  if (out_set && q.kind != Prologue::kDAct) return Bad("act_t is a result of the backward only");
+  z->M = a.M;
+  z->K = q.F;
+  z->in = a.in;
+  z->mode = a.mode;
+  return ffi::Error::Success();
+}
+
+// The per-tensor act(h) copy: its scalar operand (act_scale or act_amax) and
+// act_scale_inv, both () with act_t, both (0,) without.
+ffi::Error SetupActScalars(bool wanted, ffi::Buffer<ffi::F32>& operand,
+                           ffi::Buffer<ffi::F32>& scale_inv, const float** operand_ptr,
+                           QuantizeArgs* z, const char* operand_name) {
+  bool bad = false;
+  *operand_ptr = OptionalF32(operand, 1, &bad);
+  z->scale_inv = OptionalF32(scale_inv, 1, &bad);
+  if (bad || (*operand_ptr != nullptr) != wanted || (z->scale_inv != nullptr) != wanted)
+    return Bad(std::string(operand_name) + " and act_scale_inv must be () with act_t, (0,) without");
   return ffi::Error::Success();
 }
 
 ffi::Error TensorwiseImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer dz,
-                          ffi::Buffer<ffi::F32> scale, ffi::Result<ffi::AnyBuffer> data,
-                          ffi::Result<ffi::AnyBuffer> data_t,
+                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> act_scale,
+                          ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> data_t,
                           ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
-                          ffi::Result<ffi::Buffer<ffi::F32>> amax, int64_t backward, int64_t act0,
-                          int64_t act1) {
-  QuantizeArgs a;
+                          ffi::Result<ffi::Buffer<ffi::F32>> amax,
+                          ffi::Result<ffi::AnyBuffer> act_t,
+                          ffi::Result<ffi::Buffer<ffi::F32>> act_scale_inv, int64_t backward,
+                          int64_t act0, int64_t act1) {
+  QuantizeArgs a, z;
   PrologueArgs q;
+  bool with_act = false;
   if (auto e = Setup(h, dz, *data, *data_t, backward, act0, act1, &a, &q); e.failure()) return e;
   a.mode = ScaleMode::kTensor;
+  if (auto e = SetupAct(*act_t, a, q, &z, &with_act); e.failure()) return e;
+  if (auto e = SetupActScalars(with_act, act_scale, *act_scale_inv, &z.scale, &z, "act_scale");
+      e.failure())
+    return e;
+  if (scale.element_count() != 1) return Bad("scale must be a float32 scalar");
   a.scale = scale.typed_data();
-  a.amax_out = amax->typed_data();
+  bool bad = false;
+  a.amax_out = OptionalF32(*amax, 1, &bad);  // (0,): the caller has the amax already
+  if (bad) return Bad("amax must be () or (0,)");
   a.scale_inv = scale_inv->typed_data();
-  return CudaError(LaunchQuantize(a, stream, q), "act_quantize_tensorwise");
+  return CudaError(LaunchPrologueQuantize(a, q, with_act ? &z : nullptr, stream),
+                   "act_quantize_tensorwise");
 }
 
 ffi::Error CurrentImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer dz,
-                       ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> data_t,
+                       ffi::Buffer<ffi::F32> act_amax, ffi::Result<ffi::AnyBuffer> data,
+                       ffi::Result<ffi::AnyBuffer> data_t,
                        ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
-                       ffi::Result<ffi::Buffer<ffi::F32>> amax, int64_t backward, int64_t act0,
-                       int64_t act1, int64_t power_2_scale) {
-  QuantizeArgs a;
+                       ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::AnyBuffer> act_t,
+                       ffi::Result<ffi::Buffer<ffi::F32>> act_scale_inv, int64_t backward,
+                       int64_t act0, int64_t act1, int64_t power_2_scale) {
+  QuantizeArgs a, z;
   PrologueArgs q;
+  bool with_act = false;
   if (auto e = Setup(h, dz, *data, *data_t, backward, act0, act1, &a, &q); e.failure()) return e;
+  a.mode = ScaleMode::kTensor;
+  if (auto e = SetupAct(*act_t, a, q, &z, &with_act); e.failure()) return e;
+  if (auto e = SetupActScalars(with_act, act_amax, *act_scale_inv, &z.amax_in, &z, "act_amax");
+      e.failure())
+    return e;
+  z.pow2 = a.pow2 = power_2_scale != 0;
+  if (amax->element_count() != 1) return Bad("amax must be a float32 scalar");
   // Pass 1: max|v| with the same prologue; pass 2 derives the scale from it
   // on the device and casts (no host round trip, no XLA op in between).
   if (auto e = CudaError(LaunchPrologueAmax(a, q, amax->typed_data(), stream),
                          "act_quantize_current (amax)");
       e.failure())
     return e;
-  a.mode = ScaleMode::kTensor;
   a.amax_in = amax->typed_data();
   a.scale_inv = scale_inv->typed_data();
-  a.pow2 = power_2_scale != 0;
-  return CudaError(LaunchQuantize(a, stream, q), "act_quantize_current (cast)");
+  return CudaError(LaunchPrologueQuantize(a, q, with_act ? &z : nullptr, stream),
+                   "act_quantize_current (cast)");
 }
 
 ffi::Error BlockwiseImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer dz,
                          ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::Buffer<ffi::F32>> sinv,
                          ffi::Result<ffi::AnyBuffer> data_t,
-                         ffi::Result<ffi::Buffer<ffi::F32>> sinv_t, int64_t backward,
-                         int64_t act0, int64_t act1, int64_t power_2_scale) {
-  QuantizeArgs a;
+                         ffi::Result<ffi::Buffer<ffi::F32>> sinv_t,
+                         ffi::Result<ffi::AnyBuffer> act_t,
+                         ffi::Result<ffi::Buffer<ffi::F32>> act_sinv_t, int64_t backward,
+                         int64_t act0, int64_t act1, int64_t power_2_scale,
+                         int64_t act_power_2_scale) {
+  QuantizeArgs a, z;
   PrologueArgs q;
+  bool with_act = false;
   if (auto e = Setup(h, dz, *data, *data_t, backward, act0, act1, &a, &q); e.failure()) return e;
   a.mode = ScaleMode::kVec128;
   a.pow2 = power_2_scale != 0;
-  if (auto e = SetVec128Scales(*sinv, *sinv_t, &a, "te_jax act_quantize"); e.failure()) return e;
-  return CudaError(LaunchQuantize(a, stream, q), "act_quantize_blockwise");
+  if (auto e = SetOptionalVec128Scales(*sinv, *sinv_t, &a, "te_jax act_quantize"); e.failure())
+    return e;
+  if (auto e = SetupAct(*act_t, a, q, &z, &with_act); e.failure()) return e;
+  // act(h)'s columnwise copy: the 128x1 scales of an (M, F) tensor.
+  if (!OptionalScaleGrid(*act_sinv_t, with_act, (z.M + 127) / 128, (z.K + 3) / 4 * 4,
+                         &z.sinv_t, &z.sinv_t_ld))
+    return Bad("act_sinv_t must be (ceil(M/128), roundup(F, 4)) with act_t, else (0, 0)");
+  z.pow2 = act_power_2_scale != 0;
+  return CudaError(LaunchPrologueQuantize(a, q, with_act ? &z : nullptr, stream),
+                   "act_quantize_blockwise");
 }
 
 }  // namespace
@@ -128,10 +207,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxActQuantizeTensorwise, TensorwiseImpl,
                                   .Arg<ffi::AnyBuffer>()             // h (M, n_act*F)
                                   .Arg<ffi::AnyBuffer>()             // dz (M, F) or (0, 0)
                                   .Arg<ffi::Buffer<ffi::F32>>()      // scale ()
-                                  .Ret<ffi::AnyBuffer>()             // data (M, W) fp8
-                                  .Ret<ffi::AnyBuffer>()             // data_t (W, M) fp8
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // act_scale () or (0,)
+                                  .Ret<ffi::AnyBuffer>()             // data (M, W) or (0, 0)
+                                  .Ret<ffi::AnyBuffer>()             // data_t (W, M) or (0, 0)
                                   .Ret<ffi::Buffer<ffi::F32>>()      // scale_inv ()
-                                  .Ret<ffi::Buffer<ffi::F32>>()      // amax () = max|v|
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // amax () = max|v|, or (0,)
+                                  .Ret<ffi::AnyBuffer>()             // act_t (F, M) or (0, 0)
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // act_scale_inv () or (0,)
                                   .Attr<int64_t>("backward")         // 0: act, 1: dact
                                   .Attr<int64_t>("act0")             // ActId
                                   .Attr<int64_t>("act1"),            // ActId or -1
@@ -142,10 +224,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxActQuantizeCurrent, CurrentImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()             // h (M, n_act*F)
                                   .Arg<ffi::AnyBuffer>()             // dz (M, F) or (0, 0)
-                                  .Ret<ffi::AnyBuffer>()             // data (M, W) fp8
-                                  .Ret<ffi::AnyBuffer>()             // data_t (W, M) fp8
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // act_amax () or (0,)
+                                  .Ret<ffi::AnyBuffer>()             // data (M, W) or (0, 0)
+                                  .Ret<ffi::AnyBuffer>()             // data_t (W, M) or (0, 0)
                                   .Ret<ffi::Buffer<ffi::F32>>()      // scale_inv ()
                                   .Ret<ffi::Buffer<ffi::F32>>()      // amax () = max|v|
+                                  .Ret<ffi::AnyBuffer>()             // act_t (F, M) or (0, 0)
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // act_scale_inv () or (0,)
                                   .Attr<int64_t>("backward")         // 0: act, 1: dact
                                   .Attr<int64_t>("act0")             // ActId
                                   .Attr<int64_t>("act1")             // ActId or -1
@@ -157,14 +242,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxActQuantizeBlockwise, BlockwiseImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()             // h (M, n_act*F)
                                   .Arg<ffi::AnyBuffer>()             // dz (M, F) or (0, 0)
-                                  .Ret<ffi::AnyBuffer>()             // data (M, W) fp8
-                                  .Ret<ffi::Buffer<ffi::F32>>()      // sinv, native layout
-                                  .Ret<ffi::AnyBuffer>()             // data_t (W, M) fp8
-                                  .Ret<ffi::Buffer<ffi::F32>>()      // sinv_t, native layout
+                                  .Ret<ffi::AnyBuffer>()             // data (M, W) or (0, 0)
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // sinv, native, or (0, 0)
+                                  .Ret<ffi::AnyBuffer>()             // data_t (W, M) or (0, 0)
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // sinv_t, native, or (0, 0)
+                                  .Ret<ffi::AnyBuffer>()             // act_t (F, M) or (0, 0)
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // act_sinv_t, native, or (0, 0)
                                   .Attr<int64_t>("backward")         // 0: act, 1: dact
                                   .Attr<int64_t>("act0")             // ActId
                                   .Attr<int64_t>("act1")             // ActId or -1
-                                  .Attr<int64_t>("power_2_scale"),   // 0/1
+                                  .Attr<int64_t>("power_2_scale")    // 0/1
+                                  .Attr<int64_t>("act_power_2_scale"),  // 0/1
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax

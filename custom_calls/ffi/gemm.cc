@@ -28,6 +28,11 @@
 // heuristic's first answer untimed.
 // TE_JAX_GEMM_LOG=1 prints each problem's candidates and winner to stderr.
 // TE_JAX_GEMM_PICK (an experiment knob) names one answer instead.
+// TE_JAX_GEMM_SM90 (off by default) adds te_jax's own sm_90a blockwise
+// GEMMs (kernels/gemm_sm90.cuh, in builds with the CUTLASS headers:
+// TE_JAX_HAVE_SM90) to the candidates, or uses them alone ("only"), for the
+// problems they take; cuBLASLt stays the fallback. A plan then names either
+// a cuBLASLt algorithm or a variant; the key is the same.
 //
 // Command buffers. The handler is declared kCmdBufferCompatible, so XLA may
 // run it under stream capture and replay the recorded CUDA graph. Hence it
@@ -45,6 +50,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
@@ -53,6 +59,7 @@
 #include "ffi/common.h"
 #include "ffi/gemm_autotune.h"
 #include "kernels/bias.h"
+#include "kernels/gemm_sm90.cuh"
 
 namespace te_jax {
 namespace {
@@ -127,7 +134,72 @@ using Key = std::array<int64_t, 15>;
 struct Plan {
   cublasLtMatmulAlgo_t algo;
   bool fused_bias;  // false: bias (if any) added by the fallback kernel
+  int sm90 = -1;    // >= 0: te_jax's sm90::BlockwiseVariant instead of `algo`
 };
+
+#ifdef TE_JAX_HAVE_SM90
+constexpr bool kHaveSm90 = true;
+
+// The sm90 variants that take this blockwise problem (bias, if any, by the
+// fallback kernel), as candidates numbered from `first_index`; why the
+// others do not go to *rejected. They serve E4M3 x E4M3 with bfloat16 out,
+// a 1x128 and b 128x128 (fprop, dgrad) or 1x128 (wgrad), and need 16-byte
+// aligned operands (TMA) and a workspace within the real call's.
+std::vector<gemm_autotune::Candidate> Sm90Candidates(const sm90::BlockwiseGemmArgs& args,
+                                                     bool e4m3, cudaDataType_t out_type,
+                                                     uint32_t min_align, size_t ws_bytes,
+                                                     int sms, int first_index,
+                                                     std::string* rejected) {
+  std::vector<gemm_autotune::Candidate> out;
+  const char* whole = !e4m3 ? "an e5m2 operand"
+                      : out_type != CUDA_R_16BF ? "output not bfloat16"
+                      : min_align < 16 ? "an operand below 16-byte alignment"
+                                       : nullptr;
+  for (int v = 0; v < static_cast<int>(sm90::BlockwiseVariant::kCount); ++v) {
+    const auto variant = static_cast<sm90::BlockwiseVariant>(v);
+    const char* why = whole;
+    size_t need = 0;
+    if (!why) why = sm90::CheckBlockwiseGemm(variant, args);
+    if (!why) {
+      need = sm90::BlockwiseGemmWorkspace(variant, args, sms);
+      if (need > ws_bytes) why = "needs more workspace than the call has";
+    }
+    if (why) {
+      // Variants compiled for the other pair are not worth a line.
+      if (std::strcmp(why, "the variant is compiled for other scale modes") != 0)
+        *rejected += std::string(rejected->empty() ? "" : "; ") + "sm90 " +
+                     sm90::BlockwiseVariantName(variant) + " not offered (" + why + ")";
+      continue;
+    }
+    gemm_autotune::Candidate c{};
+    c.sm90 = v;
+    c.index = first_index + static_cast<int>(out.size());
+    c.heuristic.workspaceSize = need;
+    c.label = std::string("sm90 ") + sm90::BlockwiseVariantName(variant) +
+              " (raster heuristic, swizzle 1)";
+    out.push_back(c);
+  }
+  return out;
+}
+
+cudaError_t LaunchSm90(int variant, const sm90::BlockwiseGemmArgs& args, void* ws,
+                       size_t ws_bytes, int sms, cudaStream_t stream) {
+  return sm90::LaunchBlockwiseGemm(static_cast<sm90::BlockwiseVariant>(variant), args, ws,
+                                   ws_bytes, sms, stream);
+}
+#else
+// Built without the CUTLASS headers: no variant exists (Sm90Setting warns
+// when TE_JAX_GEMM_SM90 asks for them), and no sm90 symbol is referenced.
+constexpr bool kHaveSm90 = false;
+std::vector<gemm_autotune::Candidate> Sm90Candidates(const sm90::BlockwiseGemmArgs&, bool,
+                                                     cudaDataType_t, uint32_t, size_t, int, int,
+                                                     std::string*) {
+  return {};
+}
+cudaError_t LaunchSm90(int, const sm90::BlockwiseGemmArgs&, void*, size_t, int, cudaStream_t) {
+  return cudaErrorNotSupported;
+}
+#endif
 
 // Relaxed stream-capture mode for this thread during the scope. Under XLA's
 // (thread-local) capture, calls that may synchronize or allocate are errors
@@ -149,6 +221,7 @@ struct RelaxedCapture {
 struct DeviceState {
   cublasLtHandle_t handle;
   int cls;  // gemm_autotune::DeviceClass: the plans it shares
+  int sms;  // multiprocessor count: the sm90 variants' persistent grid
 };
 struct State {
   std::mutex mu;
@@ -318,7 +391,7 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   // ---- per-device state ----
   State& st = GetState();
   cublasLtHandle_t handle;
-  int dev_class;
+  int dev_class, sms = 0;
   {
     std::lock_guard<std::mutex> lock(st.mu);
     auto it = st.devices.find(dev);
@@ -326,12 +399,35 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
       RelaxedCapture relaxed;
       TE_LT(cublasLtCreate(&handle), "cublasLtCreate");
       dev_class = gemm_autotune::DeviceClass(dev);
-      st.devices[dev] = DeviceState{handle, dev_class};
+      TE_TRY(CudaError(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev),
+                       "gemm (cudaDeviceGetAttribute)"));
+      st.devices[dev] = DeviceState{handle, dev_class, sms};
     } else {
       handle = it->second.handle;
       dev_class = it->second.cls;
+      sms = it->second.sms;
     }
   }
+
+  // te_jax's sm90 variants, for the blockwise pairs they serve.
+  sm90::BlockwiseGemmArgs sm90_args;
+  sm90_args.m = M;
+  sm90_args.n = N;
+  sm90_args.k = K;
+  sm90_args.a = a.untyped_data();
+  sm90_args.b = b.untyped_data();
+  sm90_args.a_sinv = static_cast<const float*>(a_sinv.untyped_data());
+  sm90_args.b_sinv = static_cast<const float*>(b_sinv.untyped_data());
+  sm90_args.a_mode = static_cast<sm90::ScaleMode>(a_mode);
+  sm90_args.b_mode = static_cast<sm90::ScaleMode>(b_mode);
+  sm90_args.out = d;
+  auto launch_sm90 = [&](int variant, void* out_ptr, void* ws, size_t ws_size, cudaStream_t s) {
+    sm90::BlockwiseGemmArgs args = sm90_args;
+    args.out = out_ptr;
+    return LaunchSm90(variant, args, ws, ws_size, sms, s);
+  };
+  const gemm_autotune::Sm90Use sm90_use =
+      blockwise ? gemm_autotune::Sm90Setting(kHaveSm90) : gemm_autotune::Sm90Use::kOff;
 
   // Descriptors are cheap host objects: build them per call (the pointers
   // change every call) and cache only the heuristic's algorithm choice.
@@ -412,17 +508,26 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
     const int pick = gemm_autotune::PickFor(fast != 0);
     const int want = std::max(gemm_autotune::AlgoCount(), pick + 1);
     std::vector<cublasLtMatmulHeuristicResult_t> res(static_cast<size_t>(want));
+    std::string sm90_rejected;
+    const std::vector<gemm_autotune::Candidate> sm90_cands =
+        sm90_use == gemm_autotune::Sm90Use::kOff
+            ? std::vector<gemm_autotune::Candidate>{}
+            : Sm90Candidates(sm90_args, ta == CUDA_R_8F_E4M3 && tb == CUDA_R_8F_E4M3, td,
+                             std::min({align_a, align_b, align_d}), ws_bytes, sms, want,
+                             &sm90_rejected);
+    const bool sm90_alone = sm90_use == gemm_autotune::Sm90Use::kOnly && !sm90_cands.empty();
     cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
     for (bool fused : {true, false}) {
-      if (fused && !try_fused) continue;
+      // The variants add a bias with the fallback kernel: unfused pass only.
+      if (fused && (!try_fused || sm90_alone)) continue;
       Desc desc;
       TE_TRY(make_desc(fused, &desc));
       int found = 0;
       s = cublasLtMatmulAlgoGetHeuristic(handle, desc.d, la.l, lb.l, lc.l, lc.l, pref.p, want,
                                          res.data(), &found);
-      // Usable answers, in the heuristic's order.
+      // Usable answers, in the heuristic's order, then the sm90 variants.
       std::vector<gemm_autotune::Candidate> cands;
-      for (int i = 0; s == CUBLAS_STATUS_SUCCESS && i < found; ++i) {
+      for (int i = 0; !sm90_alone && s == CUBLAS_STATUS_SUCCESS && i < found; ++i) {
         const cublasLtMatmulHeuristicResult_t& r = res[static_cast<size_t>(i)];
         if (r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > ws_bytes) continue;
         gemm_autotune::Candidate c;
@@ -430,6 +535,7 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
         c.index = i;
         cands.push_back(c);
       }
+      if (!fused) cands.insert(cands.end(), sm90_cands.begin(), sm90_cands.end());
       if (cands.empty()) continue;
       int winner = 0;
       std::string note;
@@ -438,9 +544,12 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
         note = "TE_JAX_GEMM_PICK: usable answer " + std::to_string(winner) + " of " +
                std::to_string(cands.size()) + ", not timed";
       } else if (cands.size() > 1) {
-        const gemm_autotune::Problem problem{handle, desc.d, la.l, lb.l, lc.l, b.untyped_data(),
-                                             a.untyped_data(), out->size_bytes(), align_d,
-                                             ws_bytes};
+        const gemm_autotune::Problem problem{
+            handle, desc.d, la.l, lb.l, lc.l, b.untyped_data(), a.untyped_data(),
+            out->size_bytes(), align_d, ws_bytes,
+            [&](const gemm_autotune::Candidate& c, void* dst, void* scratch, cudaStream_t on) {
+              return launch_sm90(c.sm90, dst, scratch, ws_bytes, on);
+            }};
         int reps = 0;
         const std::string err = gemm_autotune::Measure(dev, problem, &cands, &reps);
         const int best = err.empty() ? gemm_autotune::PickWinner(cands) : -1;
@@ -454,18 +563,23 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
         } else {
           // Today's choice without timing; a real failure shows in the real call.
           note = (err.empty() ? "no candidate ran in the timing" : "timing failed: " + err) +
-                 "; using the heuristic's first answer";
+                 "; using the first candidate";
           std::fprintf(stderr, "te_jax gemm (M=%lld N=%lld K=%lld): %s\n",
                        static_cast<long long>(M), static_cast<long long>(N),
                        static_cast<long long>(K), note.c_str());
         }
       } else {
-        note = want > 1 ? "one usable answer: not timed"
-                        : "TE_JAX_GEMM_AUTOTUNE_ALGOS=1 (the default): not timed";
+        note = want > 1 || sm90_use != gemm_autotune::Sm90Use::kOff
+                   ? "one usable answer: not timed"
+                   : "TE_JAX_GEMM_AUTOTUNE_ALGOS=1 (the default): not timed";
       }
+      if (sm90_use == gemm_autotune::Sm90Use::kOnly && sm90_cands.empty())
+        note += "; TE_JAX_GEMM_SM90=only, but no sm90 variant takes the problem: cuBLASLt";
+      if (!sm90_rejected.empty()) note += "; " + sm90_rejected;
       if (gemm_autotune::LogEnabled()) log_selection(fused, cands, winner, note);
       if (winner < 0) continue;
-      *plan = Plan{cands[static_cast<size_t>(winner)].heuristic.algo, fused};
+      const gemm_autotune::Candidate& w = cands[static_cast<size_t>(winner)];
+      *plan = Plan{w.heuristic.algo, fused, w.sm90};
       return ffi::Error::Success();
     }
     return ffi::Error::Internal(
@@ -492,12 +606,16 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
     }
   }
 
-  Desc desc;
-  TE_TRY(make_desc(plan.fused_bias, &desc));
-  const float alpha = 1.f, beta = 0.f;
-  TE_LT(cublasLtMatmul(handle, desc.d, &alpha, b.untyped_data(), la.l, a.untyped_data(), lb.l,
-                       &beta, d, lc.l, d, lc.l, &plan.algo, workspace, ws_bytes, stream),
-        "cublasLtMatmul");
+  if (plan.sm90 >= 0) {
+    TE_TRY(CudaError(launch_sm90(plan.sm90, d, workspace, ws_bytes, stream), "gemm (sm90)"));
+  } else {
+    Desc desc;
+    TE_TRY(make_desc(plan.fused_bias, &desc));
+    const float alpha = 1.f, beta = 0.f;
+    TE_LT(cublasLtMatmul(handle, desc.d, &alpha, b.untyped_data(), la.l, a.untyped_data(), lb.l,
+                         &beta, d, lc.l, d, lc.l, &plan.algo, workspace, ws_bytes, stream),
+          "cublasLtMatmul");
+  }
   if (has_bias && !plan.fused_bias) {
     return CudaError(LaunchAddBias(d, out_code, bias.untyped_data(), bias_code, M, N, stream),
                      "gemm (bias fallback)");

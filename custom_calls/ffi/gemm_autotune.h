@@ -43,6 +43,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <string>
@@ -166,6 +167,38 @@ inline int PickFor(bool fast) {
   return fast ? p.fast : p.split;
 }
 
+// TE_JAX_GEMM_SM90: te_jax's own sm_90a blockwise GEMMs (kernels/gemm_sm90.cuh,
+// built on CUTLASS; in the module only when CMake found the CUTLASS headers)
+// as candidates beside cuBLASLt's answers, for the pairs they serve (1x128 a
+// with 128x128 or 1x128 b, E4M3, bfloat16 out; a variant that rejects the
+// problem is not offered). Off by default until measurements say where they
+// win. Unset, "" or "0": off; "1": added to cuBLASLt's answers (with more
+// than one candidate the candidates are timed, whatever
+// TE_JAX_GEMM_AUTOTUNE_ALGOS says); "only": the variants alone, cuBLASLt
+// only where none takes the problem. Anything else, or a request in a build
+// without them: a warning, and off. Read once per process.
+enum class Sm90Use { kOff, kAdd, kOnly };
+
+inline Sm90Use Sm90Setting(bool built) {
+  static const Sm90Use use = [built] {
+    const char* v = std::getenv("TE_JAX_GEMM_SM90");
+    if (v == nullptr || *v == '\0' || std::strcmp(v, "0") == 0) return Sm90Use::kOff;
+    const bool add = std::strcmp(v, "1") == 0, only = std::strcmp(v, "only") == 0;
+    if (!add && !only) {
+      std::fprintf(stderr, "te_jax: ignoring TE_JAX_GEMM_SM90=%s (want 0, 1 or only)\n", v);
+      return Sm90Use::kOff;
+    }
+    if (!built) {
+      std::fprintf(stderr,
+                   "te_jax: ignoring TE_JAX_GEMM_SM90=%s: this build of te_jax has no sm90 "
+                   "GEMMs (no CUTLASS headers at build time; custom_calls/README.md)\n", v);
+      return Sm90Use::kOff;
+    }
+    return only ? Sm90Use::kOnly : Sm90Use::kAdd;
+  }();
+  return use;
+}
+
 // TE_JAX_GEMM_LOG: set and not "0" prints each problem's selection to stderr.
 inline bool LogEnabled() {
   static const bool on = [] {
@@ -210,12 +243,15 @@ inline int DeviceClass(int dev) {
   return cls;
 }
 
-// One answer of the heuristic and what timing it gave.
+// One answer of the heuristic, or one of te_jax's sm90 variants, and what
+// timing it gave.
 struct Candidate {
   cublasLtMatmulHeuristicResult_t heuristic;  // algo, workspaceSize, wavesCount
-  int index = 0;                              // position in the heuristic's answer
+  int index = 0;                              // position in the candidate list
   float ms = -1.f;                            // median time per call; < 0: not timed
   std::string skipped;                        // why it was dropped ("" = usable)
+  int sm90 = -1;                              // >= 0: sm90::BlockwiseVariant, not cuBLASLt
+  std::string label;                          // the sm90 variant's description
 };
 
 // One matmul problem as gemm.cc passes it to cublasLtMatmul, minus the
@@ -229,6 +265,9 @@ struct Problem {
   size_t d_bytes;             // size of D
   uint32_t d_align;           // alignment of the real D (the scratch D copies it)
   size_t workspace_bytes;     // usable workspace of the real call
+  // Runs an sm90 candidate into (d, workspace) on the stream (gemm.cc binds
+  // the problem's operands); unset when there are none.
+  std::function<cudaError_t(const Candidate&, void* d, void* ws, cudaStream_t)> run_sm90;
 };
 
 // "algo=.. tile=.. ..." from cublasLtMatmulAlgoConfigGetAttribute. The ids
@@ -345,6 +384,11 @@ inline std::string Measure(int dev, const Problem& p, std::vector<Candidate>* ca
   void* ws = p.workspace_bytes ? AlignUp(scratch.ws, 256) : nullptr;
   const float alpha = 1.f, beta = 0.f;
   auto run = [&](Candidate& c) {
+    if (c.sm90 >= 0) {
+      const cudaError_t e = p.run_sm90 ? p.run_sm90(c, d, ws, s) : cudaErrorInvalidValue;
+      if (e != cudaSuccess) c.skipped = CudaMessage(e, "sm90 launch");
+      return e == cudaSuccess;
+    }
     cublasStatus_t st = cublasLtMatmul(p.handle, p.desc, &alpha, p.a, p.a_layout, p.b, p.b_layout,
                                        &beta, d, p.d_layout, d, p.d_layout, &c.heuristic.algo, ws,
                                        p.workspace_bytes, s);
@@ -430,9 +474,15 @@ inline std::string Report(const std::string& header, const std::vector<Candidate
   char line[512];
   for (size_t i = 0; i < cands.size(); ++i) {
     const Candidate& c = cands[i];
-    std::snprintf(line, sizeof(line), "te_jax gemm autotune:   candidate %d: %s waves=%.2f ws=%zu: ",
-                  c.index, Describe(c.heuristic.algo).c_str(), c.heuristic.wavesCount,
-                  c.heuristic.workspaceSize);
+    if (c.sm90 >= 0) {
+      std::snprintf(line, sizeof(line), "te_jax gemm autotune:   candidate %d: %s ws=%zu: ",
+                    c.index, c.label.c_str(), c.heuristic.workspaceSize);
+    } else {
+      std::snprintf(line, sizeof(line),
+                    "te_jax gemm autotune:   candidate %d: %s waves=%.2f ws=%zu: ", c.index,
+                    Describe(c.heuristic.algo).c_str(), c.heuristic.wavesCount,
+                    c.heuristic.workspaceSize);
+    }
     out += line;
     if (c.ms >= 0.f) {
       std::snprintf(line, sizeof(line), "median %.4f ms (%.0f TFLOP/s)\n", c.ms,
@@ -445,10 +495,11 @@ inline std::string Report(const std::string& header, const std::vector<Candidate
   if (winner >= 0) {
     const Candidate& w = cands[static_cast<size_t>(winner)];
     std::snprintf(line, sizeof(line), "te_jax gemm autotune:   winner: candidate %d [%s]", w.index,
-                  Describe(w.heuristic.algo).c_str());
+                  (w.sm90 >= 0 ? w.label : Describe(w.heuristic.algo)).c_str());
     out += line;
     if (w.ms >= 0.f && cands[0].ms >= 0.f) {
-      std::snprintf(line, sizeof(line), " %.4f ms, heuristic's first %.4f ms", w.ms, cands[0].ms);
+      std::snprintf(line, sizeof(line), " %.4f ms, %s first %.4f ms", w.ms,
+                    cands[0].sm90 >= 0 ? "the list's" : "heuristic's", cands[0].ms);
       out += line;
     }
     out += note.empty() ? "\n" : "; " + note + "\n";

@@ -15,11 +15,21 @@
 //                                    FP8, whose output XLA writes from them)
 //
 // Forward operands: x (M, H) f32/bf16/f16; gamma (H,) f32; beta (H,) f32 or
-// a (0,) placeholder (no beta). Attributes: rmsnorm (0: layernorm, 1:
-// rmsnorm, whose mean result is a (0,) placeholder), zero_centered_gamma
+// a (0,) placeholder (no beta); mean_in, rstd_in: the row statistics when
+// the caller has them (a forward's, for the backward to quantize norm(x)
+// again), else (0,) placeholders. Attributes: rmsnorm (0: layernorm, 1:
+// rmsnorm, whose mean is always a (0,) placeholder), zero_centered_gamma
 // (0/1: the scale is 1 + gamma), epsilon (float32), and power_2_scale (0/1)
-// for current and blockwise. The columnwise copy is always written; the FP8
-// format is read off the element type of `data`.
+// for current and blockwise. The FP8 format is read off the element type of
+// `data` (or `data_t`).
+//
+// Optional results: a copy that is not wanted comes as a (0, 0) placeholder
+// (its scales too), the other one is written (at least one). With given
+// statistics the statistics pass is skipped and the mean / rstd results are
+// (0,) placeholders. amax: max|v|, or a (0,) placeholder where the caller
+// has it (tensorwise: not computed; current: amax_in () given instead, the
+// scale derived from it on the device; given statistics need it, as the
+// norm's amax comes from its statistics pass).
 //
 // Every handler here is declared command-buffer compatible (XLA may record
 // it in a CUDA graph by stream capture and replay it): it allocates nothing
@@ -29,7 +39,8 @@
 // buffers XLA passes.
 #include <cmath>
 
-#include "ffi/quantize_common.h"
+#include "ffi/prologue_common.h"
+#include "kernels/act_quantize.h"
 #include "kernels/normalization.h"
 
 namespace te_jax {
@@ -54,12 +65,14 @@ ffi::Error CheckFlag(int64_t v, const char* name) {
 
 // Checks the operands and attributes shared by the three forward targets;
 // fills the quantize arguments (all but the scale fields), the kNorm
-// prologue and the statistics pass.
+// prologue and the statistics pass; *stats_given: skip that pass.
 ffi::Error Setup(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& gamma,
-                 const ffi::Buffer<ffi::F32>& beta, const ffi::AnyBuffer& data,
+                 const ffi::Buffer<ffi::F32>& beta, ffi::Buffer<ffi::F32>& mean_in,
+                 ffi::Buffer<ffi::F32>& rstd_in, const ffi::AnyBuffer& data,
                  const ffi::AnyBuffer& data_t, ffi::Buffer<ffi::F32>& mean,
                  ffi::Buffer<ffi::F32>& rstd, int64_t rmsnorm, int64_t zero_centered,
-                 float epsilon, QuantizeArgs* a, PrologueArgs* q, NormStatsArgs* s) {
+                 float epsilon, QuantizeArgs* a, PrologueArgs* q, NormStatsArgs* s,
+                 bool* stats_given) {
   if (auto e = CheckFlag(rmsnorm, "rmsnorm"); e.failure()) return e;
   if (auto e = CheckFlag(zero_centered, "zero_centered_gamma"); e.failure()) return e;
   if (!std::isfinite(epsilon) || epsilon < 0.f) return Bad("epsilon must be finite and >= 0");
@@ -71,24 +84,39 @@ ffi::Error Setup(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& gamma,
   const bool has_beta = beta.element_count() != 0;
   if (has_beta && !IsVector(beta, H)) return Bad("beta must be float32 (H,) or (0,)");
   if (rmsnorm && has_beta) return Bad("rmsnorm takes no beta");
-  if (!IsVector(mean, rmsnorm ? 0 : M)) return Bad("mean must be (M,) for layernorm, (0,) for rmsnorm");
-  if (!IsVector(rstd, M)) return Bad("rstd must be (M,)");
+  const bool given = rstd_in.element_count() != 0;
+  const int64_t mean_len = rmsnorm ? 0 : M;
+  if (given) {
+    if (!IsVector(rstd_in, M)) return Bad("rstd_in must be (M,) or (0,)");
+    if (!IsVector(mean_in, mean_len)) return Bad("mean_in must be (M,) for layernorm, (0,) for rmsnorm");
+    if (!IsVector(mean, 0) || !IsVector(rstd, 0))
+      return Bad("mean and rstd must be (0,) with given statistics");
+  } else {
+    if (!IsVector(mean_in, 0)) return Bad("mean_in must be (0,) without rstd_in");
+    if (!IsVector(mean, mean_len)) return Bad("mean must be (M,) for layernorm, (0,) for rmsnorm");
+    if (!IsVector(rstd, M)) return Bad("rstd must be (M,)");
+  }
+  *stats_given = given;
   a->M = M;
   a->K = H;
-  if (auto e = GetOutType(data.element_type(), &a->out); e.failure()) return e;
-  if (!HasDims(data, M, H)) return Bad("data must be (M, H)");
-  if (!HasDims(data_t, H, M) || data_t.element_type() != data.element_type())
-    return Bad("data_t must be (H, M) of data's dtype");
-  a->data = static_cast<uint8_t*>(data.untyped_data());
-  a->data_t = static_cast<uint8_t*>(data_t.untyped_data());
+  bool out_set = false;
+  if (auto e = OptionalFp8(data, M, H, &a->data, &a->out, &out_set, "te_jax normalization: data");
+      e.failure())
+    return e;
+  if (auto e = OptionalFp8(data_t, H, M, &a->data_t, &a->out, &out_set,
+                           "te_jax normalization: data_t");
+      e.failure())
+    return e;
+  if (!out_set) return Bad("data and data_t are both (0, 0): no copy asked for");
 
-  float* mean_ptr = rmsnorm ? nullptr : mean.typed_data();
+  float* mean_ptr = rmsnorm ? nullptr : (given ? mean_in : mean).typed_data();
+  float* rstd_ptr = (given ? rstd_in : rstd).typed_data();
   const float* beta_ptr = has_beta ? beta.typed_data() : nullptr;
   q->kind = Prologue::kNorm;
   q->h = x.untyped_data();
   q->F = H;
   q->mean = mean_ptr;
-  q->rstd = rstd.typed_data();
+  q->rstd = rstd_ptr;
   q->gamma = gamma.typed_data();
   q->beta = beta_ptr;
   q->zero_centered = static_cast<int>(zero_centered);
@@ -99,15 +127,22 @@ ffi::Error Setup(const ffi::AnyBuffer& x, const ffi::Buffer<ffi::F32>& gamma,
   s->in = a->in;
   s->epsilon = epsilon;
   s->mean = mean_ptr;
-  s->rstd = rstd.typed_data();
+  s->rstd = rstd_ptr;
   s->gamma = gamma.typed_data();
   s->beta = beta_ptr;
   s->zero_centered = static_cast<int>(zero_centered);
   return ffi::Error::Success();
 }
 
+// The statistics pass unless the statistics were given.
+ffi::Error Stats(const NormStatsArgs& s, bool given, cudaStream_t stream, const char* what) {
+  if (given) return ffi::Error::Success();
+  return CudaError(LaunchNormStats(s, stream), what);
+}
+
 ffi::Error TensorwiseImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> gamma,
                           ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> scale,
+                          ffi::Buffer<ffi::F32> mean_in, ffi::Buffer<ffi::F32> rstd_in,
                           ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> data_t,
                           ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
                           ffi::Result<ffi::Buffer<ffi::F32>> amax,
@@ -117,24 +152,27 @@ ffi::Error TensorwiseImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi
   QuantizeArgs a;
   PrologueArgs q;
   NormStatsArgs s;
-  if (auto e = Setup(x, gamma, beta, *data, *data_t, *mean, *rstd, rmsnorm, zero_centered,
-                     epsilon, &a, &q, &s);
+  bool given = false;
+  if (auto e = Setup(x, gamma, beta, mean_in, rstd_in, *data, *data_t, *mean, *rstd, rmsnorm,
+                     zero_centered, epsilon, &a, &q, &s, &given);
       e.failure())
     return e;
   if (scale.element_count() != 1) return Bad("scale must be a float32 scalar");
-  if (auto e = CudaError(LaunchNormStats(s, stream), "norm_quantize_tensorwise (statistics)");
-      e.failure())
+  bool bad = false;
+  a.amax_out = OptionalF32(*amax, 1, &bad);  // (0,): the caller has the amax already
+  if (bad) return Bad("amax must be () or (0,)");
+  if (auto e = Stats(s, given, stream, "norm_quantize_tensorwise (statistics)"); e.failure())
     return e;
   a.mode = ScaleMode::kTensor;
   a.scale = scale.typed_data();
-  a.amax_out = amax->typed_data();
   a.scale_inv = scale_inv->typed_data();
-  return CudaError(LaunchQuantize(a, stream, q), "norm_quantize_tensorwise (cast)");
+  return CudaError(LaunchPrologueQuantize(a, q, nullptr, stream), "norm_quantize_tensorwise (cast)");
 }
 
 ffi::Error CurrentImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> gamma,
-                       ffi::Buffer<ffi::F32> beta, ffi::Result<ffi::AnyBuffer> data,
-                       ffi::Result<ffi::AnyBuffer> data_t,
+                       ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> amax_in,
+                       ffi::Buffer<ffi::F32> mean_in, ffi::Buffer<ffi::F32> rstd_in,
+                       ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> data_t,
                        ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
                        ffi::Result<ffi::Buffer<ffi::F32>> amax,
                        ffi::Result<ffi::Buffer<ffi::F32>> mean,
@@ -143,26 +181,34 @@ ffi::Error CurrentImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F
   QuantizeArgs a;
   PrologueArgs q;
   NormStatsArgs s;
-  if (auto e = Setup(x, gamma, beta, *data, *data_t, *mean, *rstd, rmsnorm, zero_centered,
-                     epsilon, &a, &q, &s);
+  bool given = false;
+  if (auto e = Setup(x, gamma, beta, mean_in, rstd_in, *data, *data_t, *mean, *rstd, rmsnorm,
+                     zero_centered, epsilon, &a, &q, &s, &given);
       e.failure())
     return e;
   if (auto e = CheckFlag(power_2_scale, "power_2_scale"); e.failure()) return e;
+  bool bad = false;
+  const float* amax_given = OptionalF32(amax_in, 1, &bad);
+  float* amax_out = OptionalF32(*amax, 1, &bad);
+  if (bad || (amax_given == nullptr) == (amax_out == nullptr))
+    return Bad("exactly one of amax_in and amax must be () (the other (0,))");
+  if (given && amax_given == nullptr)
+    return Bad("given statistics need amax_in: the amax comes from the statistics pass");
   // Pass 1: statistics and max|v| (a third pass over each row, from L1/L2);
   // pass 2 derives the scale from it on the device and casts.
-  s.amax_out = amax->typed_data();
-  if (auto e = CudaError(LaunchNormStats(s, stream), "norm_quantize_current (statistics)");
-      e.failure())
+  s.amax_out = amax_out;
+  if (auto e = Stats(s, given, stream, "norm_quantize_current (statistics)"); e.failure())
     return e;
   a.mode = ScaleMode::kTensor;
-  a.amax_in = amax->typed_data();
+  a.amax_in = amax_given != nullptr ? amax_given : amax_out;
   a.scale_inv = scale_inv->typed_data();
   a.pow2 = power_2_scale != 0;
-  return CudaError(LaunchQuantize(a, stream, q), "norm_quantize_current (cast)");
+  return CudaError(LaunchPrologueQuantize(a, q, nullptr, stream), "norm_quantize_current (cast)");
 }
 
 ffi::Error BlockwiseImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi::F32> gamma,
-                         ffi::Buffer<ffi::F32> beta, ffi::Result<ffi::AnyBuffer> data,
+                         ffi::Buffer<ffi::F32> beta, ffi::Buffer<ffi::F32> mean_in,
+                         ffi::Buffer<ffi::F32> rstd_in, ffi::Result<ffi::AnyBuffer> data,
                          ffi::Result<ffi::Buffer<ffi::F32>> sinv,
                          ffi::Result<ffi::AnyBuffer> data_t,
                          ffi::Result<ffi::Buffer<ffi::F32>> sinv_t,
@@ -172,18 +218,19 @@ ffi::Error BlockwiseImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Buffer<ffi:
   QuantizeArgs a;
   PrologueArgs q;
   NormStatsArgs s;
-  if (auto e = Setup(x, gamma, beta, *data, *data_t, *mean, *rstd, rmsnorm, zero_centered,
-                     epsilon, &a, &q, &s);
+  bool given = false;
+  if (auto e = Setup(x, gamma, beta, mean_in, rstd_in, *data, *data_t, *mean, *rstd, rmsnorm,
+                     zero_centered, epsilon, &a, &q, &s, &given);
       e.failure())
     return e;
   if (auto e = CheckFlag(power_2_scale, "power_2_scale"); e.failure()) return e;
   a.mode = ScaleMode::kVec128;
   a.pow2 = power_2_scale != 0;
-  if (auto e = SetVec128Scales(*sinv, *sinv_t, &a, "te_jax normalization"); e.failure()) return e;
-  if (auto e = CudaError(LaunchNormStats(s, stream), "norm_quantize_blockwise (statistics)");
-      e.failure())
+  if (auto e = SetOptionalVec128Scales(*sinv, *sinv_t, &a, "te_jax normalization"); e.failure())
     return e;
-  return CudaError(LaunchQuantize(a, stream, q), "norm_quantize_blockwise (cast)");
+  if (auto e = Stats(s, given, stream, "norm_quantize_blockwise (statistics)"); e.failure())
+    return e;
+  return CudaError(LaunchPrologueQuantize(a, q, nullptr, stream), "norm_quantize_blockwise (cast)");
 }
 
 ffi::Error StatsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buffer<ffi::F32>> mean,
@@ -258,12 +305,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxNormQuantizeTensorwise, TensorwiseImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()       // gamma (H,)
                                   .Arg<ffi::Buffer<ffi::F32>>()       // beta (H,) or (0,)
                                   .Arg<ffi::Buffer<ffi::F32>>()       // scale ()
-                                  .Ret<ffi::AnyBuffer>()              // data (M, H) fp8
-                                  .Ret<ffi::AnyBuffer>()              // data_t (H, M) fp8
+                                  .Arg<ffi::Buffer<ffi::F32>>()       // mean_in (M,) or (0,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()       // rstd_in (M,) or (0,)
+                                  .Ret<ffi::AnyBuffer>()              // data (M, H) or (0, 0)
+                                  .Ret<ffi::AnyBuffer>()              // data_t (H, M) or (0, 0)
                                   .Ret<ffi::Buffer<ffi::F32>>()       // scale_inv ()
-                                  .Ret<ffi::Buffer<ffi::F32>>()       // amax () = max|v|
+                                  .Ret<ffi::Buffer<ffi::F32>>()       // amax () = max|v|, or (0,)
                                   .Ret<ffi::Buffer<ffi::F32>>()       // mean (M,) or (0,)
-                                  .Ret<ffi::Buffer<ffi::F32>>()       // rstd (M,)
+                                  .Ret<ffi::Buffer<ffi::F32>>()       // rstd (M,) or (0,)
                                   .Attr<int64_t>("rmsnorm")           // 0/1
                                   .Attr<int64_t>("zero_centered_gamma")  // 0/1
                                   .Attr<float>("epsilon"),
@@ -275,12 +324,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxNormQuantizeCurrent, CurrentImpl,
                                   .Arg<ffi::AnyBuffer>()              // x (M, H)
                                   .Arg<ffi::Buffer<ffi::F32>>()       // gamma (H,)
                                   .Arg<ffi::Buffer<ffi::F32>>()       // beta (H,) or (0,)
-                                  .Ret<ffi::AnyBuffer>()              // data (M, H) fp8
-                                  .Ret<ffi::AnyBuffer>()              // data_t (H, M) fp8
+                                  .Arg<ffi::Buffer<ffi::F32>>()       // amax_in () or (0,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()       // mean_in (M,) or (0,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()       // rstd_in (M,) or (0,)
+                                  .Ret<ffi::AnyBuffer>()              // data (M, H) or (0, 0)
+                                  .Ret<ffi::AnyBuffer>()              // data_t (H, M) or (0, 0)
                                   .Ret<ffi::Buffer<ffi::F32>>()       // scale_inv ()
-                                  .Ret<ffi::Buffer<ffi::F32>>()       // amax () = max|v|
+                                  .Ret<ffi::Buffer<ffi::F32>>()       // amax () = max|v|, or (0,)
                                   .Ret<ffi::Buffer<ffi::F32>>()       // mean (M,) or (0,)
-                                  .Ret<ffi::Buffer<ffi::F32>>()       // rstd (M,)
+                                  .Ret<ffi::Buffer<ffi::F32>>()       // rstd (M,) or (0,)
                                   .Attr<int64_t>("rmsnorm")           // 0/1
                                   .Attr<int64_t>("zero_centered_gamma")  // 0/1
                                   .Attr<float>("epsilon")
@@ -293,12 +345,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxNormQuantizeBlockwise, BlockwiseImpl,
                                   .Arg<ffi::AnyBuffer>()              // x (M, H)
                                   .Arg<ffi::Buffer<ffi::F32>>()       // gamma (H,)
                                   .Arg<ffi::Buffer<ffi::F32>>()       // beta (H,) or (0,)
-                                  .Ret<ffi::AnyBuffer>()              // data (M, H) fp8
-                                  .Ret<ffi::Buffer<ffi::F32>>()       // sinv, native layout
-                                  .Ret<ffi::AnyBuffer>()              // data_t (H, M) fp8
-                                  .Ret<ffi::Buffer<ffi::F32>>()       // sinv_t, native layout
+                                  .Arg<ffi::Buffer<ffi::F32>>()       // mean_in (M,) or (0,)
+                                  .Arg<ffi::Buffer<ffi::F32>>()       // rstd_in (M,) or (0,)
+                                  .Ret<ffi::AnyBuffer>()              // data (M, H) or (0, 0)
+                                  .Ret<ffi::Buffer<ffi::F32>>()       // sinv, native, or (0, 0)
+                                  .Ret<ffi::AnyBuffer>()              // data_t (H, M) or (0, 0)
+                                  .Ret<ffi::Buffer<ffi::F32>>()       // sinv_t, native, or (0, 0)
                                   .Ret<ffi::Buffer<ffi::F32>>()       // mean (M,) or (0,)
-                                  .Ret<ffi::Buffer<ffi::F32>>()       // rstd (M,)
+                                  .Ret<ffi::Buffer<ffi::F32>>()       // rstd (M,) or (0,)
                                   .Attr<int64_t>("rmsnorm")           // 0/1
                                   .Attr<int64_t>("zero_centered_gamma")  // 0/1
                                   .Attr<float>("epsilon")

@@ -10,6 +10,13 @@
 // parameter chosen on the host, so that each kernel gets the registers of
 // its own loop. Same tiles, casts and bytes as the quantize kernels
 // (kernels/quantize.cu, kernels/tile.cuh) would give for v.
+//
+// Outputs (template parameter kOut, chosen on the host from the pointers
+// set): the rowwise copy, the columnwise copy, or both; and for dact(dz, h)
+// also the columnwise copy of act(h) (kernels/act_quantize.h), which the
+// backward's wgrad GEMM reads and the forward then need not keep.
+#include "kernels/act_quantize.h"
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -21,6 +28,60 @@
 
 namespace te_jax {
 namespace {
+
+// kOut bits: what a prologue kernel writes.
+constexpr int kOutRows = 1;     // the rowwise copy (data; sinv for kVec128)
+constexpr int kOutCols = 2;     // the columnwise copy (data_t; sinv_t)
+constexpr int kOutActCols = 4;  // kDAct: also act(h)'s columnwise copy (act_quantize.h)
+constexpr int kOutBoth = kOutRows | kOutCols;
+
+// The one scale of a kTensor quantization: given, or derived from the amax
+// on the device (current scaling).
+__device__ __forceinline__ float TensorScale(const QuantizeArgs& p, const Fp8Out& fmt) {
+  return p.amax_in != nullptr ? ComputeScale(*p.amax_in, fmt.max, p.pow2) : *p.scale;
+}
+
+// A thread's FP8 bytes of its 8 columns over its 8 rows, for a columnwise
+// copy, collected in registers as the rows come: column j's bytes move down
+// one place per row, the oldest of hi[j] to the top of lo[j], this row's
+// byte into the top of hi[j] (constant byte_perm selectors, whatever the
+// row). After the 8 rows byte r % 4 of lo[j] / hi[j] holds row r / r + 4.
+struct ColumnBytes {
+  unsigned lo[kSub], hi[kSub];
+
+  __device__ __forceinline__ ColumnBytes() {
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) lo[j] = hi[j] = 0;
+  }
+  // One row, as Cast2 pairs: columns 2k (bits 0-7) and 2k + 1 (bits 8-15) in pair[k].
+  __device__ __forceinline__ void Push(const unsigned (&pair)[kSub / 2]) {
+#pragma unroll
+    for (int k = 0; k < kSub / 2; ++k) {
+      lo[2 * k] = __byte_perm(lo[2 * k], hi[2 * k], 0x4321);
+      lo[2 * k + 1] = __byte_perm(lo[2 * k + 1], hi[2 * k + 1], 0x4321);
+      hi[2 * k] = __byte_perm(hi[2 * k], pair[k], 0x4321);          // pair byte 0
+      hi[2 * k + 1] = __byte_perm(hi[2 * k + 1], pair[k], 0x5321);  // pair byte 1
+    }
+  }
+  // Into the transposed byte tile, for StoreTransposedTile after a barrier.
+  __device__ __forceinline__ void ToTile(uint8_t* tbuf, const SubTile& st) const {
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) TileChunk(tbuf, st.c0 + j, st.rg) = make_uint2(lo[j], hi[j]);
+  }
+};
+
+// Runs the prologue's row loop with body(i, y, z): z = act(h) beside
+// y = dact(dz, h) with kWithAct, else y again (unused).
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop, bool kWithAct, typename Body>
+__device__ __forceinline__ void ForRows(const PrologueArgs& q, int64_t M, int64_t row,
+                                        int64_t col, Body&& body) {
+  if constexpr (kWithAct) {
+    prologue::ComputeRows<InT, kPro, kLoop, true>(q, M, row, col, body);
+  } else {
+    prologue::ComputeRows<InT, kPro, kLoop>(
+        q, M, row, col, [&](int i, const float (&y)[kSub]) { body(i, y, y); });
+  }
+}
 
 // The prologue kernels. Both compute v = act(h) or dact(dz, h) one row of
 // a thread's 8x8 sub-tile at a time (prologue::ComputeRows) and cast and
@@ -35,10 +96,12 @@ namespace {
 // blocks per SM (at most 80 registers) wherever the loop fits that without
 // spilling (ptxas -v, nvcc 13.0): every 16-bit loop except "any" (up to 110
 // registers) and the fp16 SwiGLU backward (36-40 bytes of spills at 80).
-// 2 blocks (up to 128 registers) for those and for fp32 inputs.
-template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
+// 2 blocks (up to 128 registers) for those, for fp32 inputs, and for the
+// backward that also writes act(h)'s columnwise copy (its column bytes or
+// maxima and the act(h) values of the row spilled 16-220 bytes at 80).
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut>
 constexpr int ActMinBlocks() {
-  if (sizeof(InT) != 2 || kLoop == prologue::ActLoop::kAny) return 2;
+  if (sizeof(InT) != 2 || kLoop == prologue::ActLoop::kAny || (kOut & kOutActCols)) return 2;
   if (std::is_same_v<InT, __half> && kPro == Prologue::kDAct &&
       kLoop == prologue::ActLoop::kSwiGlu)
     return 2;
@@ -47,62 +110,78 @@ constexpr int ActMinBlocks() {
 
 // ScaleMode::kTensor (delayed and current scaling): the one scale is known
 // before the tile is read, so the bytes for the columnwise copy are collected
-// in registers as well (8 columns x 8 rows = 16 words): no float tile, no
-// dynamic shared memory.
-template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
-__global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop>())
-    ActQuantizeTensorKernel(QuantizeArgs p, PrologueArgs q) {
+// in registers as well (ColumnBytes, 16 words): no float tile, no dynamic
+// shared memory. With kOutActCols the bytes of act(h)'s columnwise copy are
+// collected the same way from the act(h) values of the same loop, with
+// act(h)'s own scale, in the tiles of act(h)'s F columns (all tiles when not
+// gated, the left half of a gated dh).
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut>
+__global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>())
+    ActQuantizeTensorKernel(QuantizeArgs p, PrologueArgs q, QuantizeArgs z) {
+  constexpr bool kRows = kOut & kOutRows, kCols = kOut & kOutCols, kAct = kOut & kOutActCols;
   __shared__ unsigned warp_red[kThreads / 32];
-  __shared__ __align__(16) uint8_t tbuf[kTile * kTile];  // transposed bytes
+  __shared__ __align__(16) uint8_t tbuf[kCols || kAct ? kTile * kTile : 16];  // transposed bytes
 
   const int64_t M = p.M, K = p.K;
   const SubTile st = ThisSubTile();
+  const bool block0 = st.t == 0 && blockIdx.x == 0 && blockIdx.y == 0;
   const Fp8Out fmt = OutFormat(p);
-  const float s = p.amax_in != nullptr ? ComputeScale(*p.amax_in, fmt.max, p.pow2) : *p.scale;
-  if (p.scale_inv != nullptr && st.t == 0 && blockIdx.x == 0 && blockIdx.y == 0)
-    *p.scale_inv = 1.f / s;
+  const float s = TensorScale(p, fmt);
+  if (p.scale_inv != nullptr && block0) *p.scale_inv = 1.f / s;
+  const Fp8Out zfmt = OutFormat(z);
+  float zs = 1.f;
+  const bool z_tile = kAct && st.k0 < z.K;  // block-uniform
+  if constexpr (kAct) {
+    zs = TensorScale(z, zfmt);
+    if (z.scale_inv != nullptr && block0) *z.scale_inv = 1.f / zs;
+  }
 
   const bool vec_out = (K % 8 == 0) && (st.gc + kSub <= K);
   const int64_t first_row = st.m0 + st.r0;
-  uint8_t* out_row = p.data + first_row * K + st.gc;  // advanced by a row per emit
+  uint8_t* out_row = kRows ? p.data + first_row * K + st.gc : nullptr;  // a row per emit
   unsigned amax = 0;  // bits: two elements per 3-input integer max (MaxAbs took more here)
-  unsigned col_lo[kSub], col_hi[kSub];  // column j: bytes of rows 0-3 / 4-7
-#pragma unroll
-  for (int j = 0; j < kSub; ++j) col_lo[j] = col_hi[j] = 0;
-  prologue::ComputeRows<InT, kPro, kLoop>(
-      q, M, first_row, st.gc, [&](int i, const float (&y)[kSub]) {
+  ColumnBytes cols, zcols;
+  ForRows<InT, kPro, kLoop, kAct>(
+      q, M, first_row, st.gc, [&](int i, const float (&y)[kSub], const float (&zv)[kSub]) {
         unsigned pair[kSub / 2];  // columns 2k (bits 0-7) and 2k + 1 (bits 8-15)
 #pragma unroll
         for (int k = 0; k < kSub / 2; ++k) {
           amax = max(amax, max(AbsBits(y[2 * k]), AbsBits(y[2 * k + 1])));
           pair[k] = Cast2(y[2 * k] * s, y[2 * k + 1] * s, fmt.interp);
         }
-        if (first_row + i < M) StoreRowWords(out_row, PackPairs(pair), vec_out, K - st.gc);
-        out_row += K;
-        // Column j's bytes move down one place per row: the oldest of col_hi[j]
-        // to the top of col_lo[j], this row's byte into the top of col_hi[j]
-        // (constant byte_perm selectors, whatever the row). After the 8 rows
-        // byte r % 4 of col_lo[j] / col_hi[j] holds row r / r + 4.
+        if constexpr (kRows) {
+          if (first_row + i < M) StoreRowWords(out_row, PackPairs(pair), vec_out, K - st.gc);
+          out_row += K;
+        }
+        if constexpr (kCols) cols.Push(pair);
+        if constexpr (kAct) {
+          if (z_tile) {
+            unsigned zpair[kSub / 2];
 #pragma unroll
-        for (int k = 0; k < kSub / 2; ++k) {
-          col_lo[2 * k] = __byte_perm(col_lo[2 * k], col_hi[2 * k], 0x4321);
-          col_lo[2 * k + 1] = __byte_perm(col_lo[2 * k + 1], col_hi[2 * k + 1], 0x4321);
-          col_hi[2 * k] = __byte_perm(col_hi[2 * k], pair[k], 0x4321);          // pair byte 0
-          col_hi[2 * k + 1] = __byte_perm(col_hi[2 * k + 1], pair[k], 0x5321);  // pair byte 1
+            for (int k = 0; k < kSub / 2; ++k)
+              zpair[k] = Cast2(zv[2 * k] * zs, zv[2 * k + 1] * zs, zfmt.interp);
+            zcols.Push(zpair);
+          }
         }
       });
   if (p.amax_out != nullptr) {
     amax = BlockMaxU(amax, warp_red);
     if (st.t == 0) atomicMax(reinterpret_cast<unsigned*>(p.amax_out), amax);
   }
-  // The columnwise copy, through tbuf as in QuantizeTileKernel.
-#pragma unroll
-  for (int j = 0; j < kSub; ++j) {
-    const int c = st.c0 + j;
-    TileChunk(tbuf, c, st.rg) = make_uint2(col_lo[j], col_hi[j]);
+  // The columnwise copies, through tbuf as in QuantizeTileKernel.
+  if constexpr (kCols) {
+    cols.ToTile(tbuf, st);
+    __syncthreads();
+    StoreTransposedTile(p, tbuf, st.m0, st.k0, st.t);
   }
-  __syncthreads();
-  StoreTransposedTile(p, tbuf, st.m0, st.k0, st.t);
+  if constexpr (kAct) {
+    if (z_tile) {
+      if constexpr (kCols) __syncthreads();  // the store above has read tbuf
+      zcols.ToTile(tbuf, st);
+      __syncthreads();
+      StoreTransposedTile(z, tbuf, st.m0, st.k0, st.t);
+    }
+  }
 }
 
 // ScaleMode::kVec128 (blockwise): a row's 1x128 scale is a max over the 16
@@ -122,80 +201,121 @@ constexpr int kScratchBytes = kThreads * kScratchF4 * 16;
 static_assert(kScratchBytes >= kTile * kTile, "the transposed bytes reuse the scratch");
 extern __shared__ float4 act_scratch[];
 
-template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
-__global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop>())
-    ActQuantizeVec128Kernel(QuantizeArgs p, PrologueArgs q) {
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut>
+__global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>())
+    ActQuantizeVec128Kernel(QuantizeArgs p, PrologueArgs q, QuantizeArgs z) {
+  constexpr bool kRows = kOut & kOutRows, kCols = kOut & kOutCols, kAct = kOut & kOutActCols;
+  static_assert(!kAct || kCols, "act(h)'s transposed bytes reuse the scratch of v's");
   __shared__ unsigned col_part[kThreads / 16][kTile];  // per-row-group column amax
   __shared__ float col_scale[kTile];
 
   const int64_t M = p.M, K = p.K;
   const SubTile st = ThisSubTile();
   const Fp8Out fmt = OutFormat(p);
-  float4* mine = act_scratch + st.t * kScratchF4;
+  float4* mine = act_scratch + st.t * kScratchF4;  // kCols only: dynamic shared memory
   const int swz = st.t & 7;  // slot k of this thread is mine[k ^ swz]
 
   const bool vec_out = (K % 8 == 0) && (st.gc + kSub <= K);
   const int64_t first_row = st.m0 + st.r0;
-  uint8_t* out_row = p.data + first_row * K + st.gc;  // advanced by a row per emit
-  float cmax[kSub];
+  uint8_t* out_row = kRows ? p.data + first_row * K + st.gc : nullptr;  // a row per emit
+  float cmax[kSub], zmax[kSub];  // column maxima of v and (kAct) of act(h)
 #pragma unroll
-  for (int j = 0; j < kSub; ++j) cmax[j] = 0.f;
+  for (int j = 0; j < kSub; ++j) cmax[j] = zmax[j] = 0.f;
   // ComputeRows runs its row loop warp-uniformly (prologue.h), so the
   // 16-lane shuffle below is reached by all 32 lanes together.
-  prologue::ComputeRows<InT, kPro, kLoop>(
-      q, M, first_row, st.gc, [&](int i, const float (&y)[kSub]) {
-        float rmax = 0.f;
+  ForRows<InT, kPro, kLoop, kAct>(
+      q, M, first_row, st.gc, [&](int i, const float (&y)[kSub], const float (&zv)[kSub]) {
+        if constexpr (kRows) {
+          float rmax = 0.f;
 #pragma unroll
-        for (int j = 0; j < kSub; ++j) {
-          rmax = MaxAbs(rmax, y[j]);
-          cmax[j] = MaxAbs(cmax[j], y[j]);
-        }
-        const float s =
-            ComputeScale(__uint_as_float(WarpMaxU(__float_as_uint(rmax), 16)), fmt.max, p.pow2);
-        const int64_t gr = first_row + i;
-        if (gr < M) {
-          // sinv native layout: (ceil(K/128), roundup(M, 4)), M contiguous.
-          if (st.cg == 0) p.sinv[(st.k0 / kTile) * p.sinv_ld + gr] = 1.f / s;
-          unsigned pair[kSub / 2];
+          for (int j = 0; j < kSub; ++j) rmax = MaxAbs(rmax, y[j]);
+          const float s = ComputeScale(__uint_as_float(WarpMaxU(__float_as_uint(rmax), 16)),
+                                       fmt.max, p.pow2);
+          const int64_t gr = first_row + i;
+          if (gr < M) {
+            // sinv native layout: (ceil(K/128), roundup(M, 4)), M contiguous.
+            if (st.cg == 0) p.sinv[(st.k0 / kTile) * p.sinv_ld + gr] = 1.f / s;
+            unsigned pair[kSub / 2];
 #pragma unroll
-          for (int k = 0; k < kSub / 2; ++k)
-            pair[k] = Cast2(y[2 * k] * s, y[2 * k + 1] * s, fmt.interp);
-          StoreRowWords(out_row, PackPairs(pair), vec_out, K - st.gc);
+            for (int k = 0; k < kSub / 2; ++k)
+              pair[k] = Cast2(y[2 * k] * s, y[2 * k + 1] * s, fmt.interp);
+            StoreRowWords(out_row, PackPairs(pair), vec_out, K - st.gc);
+          }
+          out_row += K;
         }
-        out_row += K;
-        mine[(2 * i) ^ swz] = make_float4(y[0], y[1], y[2], y[3]);
-        mine[(2 * i + 1) ^ swz] = make_float4(y[4], y[5], y[6], y[7]);
+        if constexpr (kCols) {
+#pragma unroll
+          for (int j = 0; j < kSub; ++j) cmax[j] = MaxAbs(cmax[j], y[j]);
+          mine[(2 * i) ^ swz] = make_float4(y[0], y[1], y[2], y[3]);
+          mine[(2 * i + 1) ^ swz] = make_float4(y[4], y[5], y[6], y[7]);
+        }
+        if constexpr (kAct) {
+#pragma unroll
+          for (int j = 0; j < kSub; ++j) zmax[j] = MaxAbs(zmax[j], zv[j]);
+        }
       });
+  if constexpr (kCols) {  // the rest writes the columnwise copies
+    unsigned cmax_bits[kSub];
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) cmax_bits[j] = __float_as_uint(cmax[j]);
+    ColumnScales(p, st, cmax_bits, fmt.max, col_part, col_scale);
 
-  unsigned cmax_bits[kSub];
+    // The columnwise copy from the parked values, through tbuf as in
+    // QuantizeTileKernel; tbuf is the scratch, free once all threads have
+    // read their values.
+    float v[kSub][kSub];
 #pragma unroll
-  for (int j = 0; j < kSub; ++j) cmax_bits[j] = __float_as_uint(cmax[j]);
-  ColumnScales(p, st, cmax_bits, fmt.max, col_part, col_scale);
+    for (int i = 0; i < kSub; ++i) {
+      const float4 lo = mine[(2 * i) ^ swz], hi = mine[(2 * i + 1) ^ swz];
+      v[i][0] = lo.x; v[i][1] = lo.y; v[i][2] = lo.z; v[i][3] = lo.w;
+      v[i][4] = hi.x; v[i][5] = hi.y; v[i][6] = hi.z; v[i][7] = hi.w;
+    }
+    __syncthreads();
+    uint8_t* tbuf = reinterpret_cast<uint8_t*>(act_scratch);
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      const float cs = col_scale[st.c0 + j];
+      unsigned pair[kSub / 2];  // rows 2k and 2k + 1 of column j
+#pragma unroll
+      for (int k = 0; k < kSub / 2; ++k)
+        pair[k] = Cast2(v[2 * k][j] * cs, v[2 * k + 1][j] * cs, fmt.interp);
+      const int c = st.c0 + j;
+      TileChunk(tbuf, c, st.rg) = PackPairs(pair);
+    }
+    __syncthreads();
+    StoreTransposedTile(p, tbuf, st.m0, st.k0, st.t);
 
-  // The columnwise copy from the parked values, through tbuf as in
-  // QuantizeTileKernel; tbuf is the scratch, free once all threads have
-  // read their values.
-  float v[kSub][kSub];
+    // act(h)'s columnwise copy (kAct, the tiles of its F columns): its 128x1
+    // scales from the column maxima gathered above, then the values again
+    // from h (the forward's kAct loop, the same bits; h was just read, so
+    // mostly from L2) cast with them. Parking them as well would take a
+    // second 64 KB of shared memory and one block per SM.
+    if constexpr (kAct) {
+      if (st.k0 >= z.K) return;  // block-uniform: a tile of the act1' half of a gated dh
+      const Fp8Out zfmt = OutFormat(z);
+      unsigned zmax_bits[kSub];
 #pragma unroll
-  for (int i = 0; i < kSub; ++i) {
-    const float4 lo = mine[(2 * i) ^ swz], hi = mine[(2 * i + 1) ^ swz];
-    v[i][0] = lo.x; v[i][1] = lo.y; v[i][2] = lo.z; v[i][3] = lo.w;
-    v[i][4] = hi.x; v[i][5] = hi.y; v[i][6] = hi.z; v[i][7] = hi.w;
+      for (int j = 0; j < kSub; ++j) zmax_bits[j] = __float_as_uint(zmax[j]);
+      // Its barriers also order the store above (reads of tbuf) before the
+      // writes below.
+      ColumnScales(z, st, zmax_bits, zfmt.max, col_part, col_scale);
+      float zs[kSub];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) zs[j] = col_scale[st.c0 + j];
+      ColumnBytes zcols;
+      prologue::ComputeRows<InT, Prologue::kAct, kLoop>(
+          q, M, first_row, st.gc, [&](int, const float (&a)[kSub]) {
+            unsigned pair[kSub / 2];
+#pragma unroll
+            for (int k = 0; k < kSub / 2; ++k)
+              pair[k] = Cast2(a[2 * k] * zs[2 * k], a[2 * k + 1] * zs[2 * k + 1], zfmt.interp);
+            zcols.Push(pair);
+          });
+      zcols.ToTile(tbuf, st);
+      __syncthreads();
+      StoreTransposedTile(z, tbuf, st.m0, st.k0, st.t);
+    }
   }
-  __syncthreads();
-  uint8_t* tbuf = reinterpret_cast<uint8_t*>(act_scratch);
-#pragma unroll
-  for (int j = 0; j < kSub; ++j) {
-    const float cs = col_scale[st.c0 + j];
-    unsigned pair[kSub / 2];  // rows 2k and 2k + 1 of column j
-#pragma unroll
-    for (int k = 0; k < kSub / 2; ++k)
-      pair[k] = Cast2(v[2 * k][j] * cs, v[2 * k + 1][j] * cs, fmt.interp);
-    const int c = st.c0 + j;
-    TileChunk(tbuf, c, st.rg) = PackPairs(pair);
-  }
-  __syncthreads();
-  StoreTransposedTile(p, tbuf, st.m0, st.k0, st.t);
 }
 
 // max|v| of a prologue's output, computed by the same prologue::ComputeRows
@@ -240,31 +360,65 @@ cudaError_t WithLoop(const PrologueArgs& q, Launch&& launch) {
   }
 }
 
-template <typename InT, ScaleMode kMode, Prologue kPro, prologue::ActLoop kLoop>
-cudaError_t LaunchWithLoop(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
+template <typename InT, ScaleMode kMode, Prologue kPro, prologue::ActLoop kLoop, int kOut>
+cudaError_t LaunchVariant(const QuantizeArgs& a, const PrologueArgs& q, const QuantizeArgs& z,
+                          cudaStream_t stream) {
   if constexpr (kMode == ScaleMode::kTensor) {
-    ActQuantizeTensorKernel<InT, kPro, kLoop><<<TileGrid(a), kThreads, 0, stream>>>(a, q);
+    ActQuantizeTensorKernel<InT, kPro, kLoop, kOut><<<TileGrid(a), kThreads, 0, stream>>>(a, q, z);
   } else {
-    auto* kernel = ActQuantizeVec128Kernel<InT, kPro, kLoop>;
-    // More than 48 KB of dynamic shared memory needs an opt-in, which holds
-    // per device: set it at every launch (a host-side call) instead of
-    // tracking devices.
-    cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kScratchBytes);
-    // Ask for the largest shared-memory carveout: 3 blocks take ~220 KB.
-    if (e == cudaSuccess)
-      e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               cudaSharedmemCarveoutMaxShared);
-    if (e != cudaSuccess) return e;
-    kernel<<<TileGrid(a), kThreads, kScratchBytes, stream>>>(a, q);
+    auto* kernel = ActQuantizeVec128Kernel<InT, kPro, kLoop, kOut>;
+    // Only the columnwise copy parks values in the scratch.
+    constexpr int kDynamic = (kOut & kOutCols) ? kScratchBytes : 0;
+    if constexpr (kDynamic > 0) {
+      // More than 48 KB of dynamic shared memory needs an opt-in, which holds
+      // per device: set it at every launch (a host-side call) instead of
+      // tracking devices.
+      cudaError_t e =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDynamic);
+      // Ask for the largest shared-memory carveout: 3 blocks take ~220 KB.
+      if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 cudaSharedmemCarveoutMaxShared);
+      if (e != cudaSuccess) return e;
+    }
+    kernel<<<TileGrid(a), kThreads, kDynamic, stream>>>(a, q, z);
   }
   return cudaGetLastError();
 }
 
+// Calls fn(std::integral_constant<int, kOut>) for the output set `out`
+// (kOut bits) among those built for prologue kPro: both copies for every
+// prologue, the rowwise or the columnwise copy alone for kAct and kNorm, and
+// both plus act(h)'s columnwise copy for kDAct. cudaErrorInvalidValue for
+// the others.
+template <Prologue kPro, typename Fn>
+cudaError_t WithOutputs(int out, Fn&& fn) {
+  constexpr bool kSingle = kPro == Prologue::kAct || kPro == Prologue::kNorm;
+  switch (out) {
+    case kOutBoth: return fn(std::integral_constant<int, kOutBoth>{});
+    case kOutRows:
+      if constexpr (kSingle) return fn(std::integral_constant<int, kOutRows>{});
+      break;
+    case kOutCols:
+      if constexpr (kSingle) return fn(std::integral_constant<int, kOutCols>{});
+      break;
+    case kOutBoth | kOutActCols:
+      if constexpr (kPro == Prologue::kDAct)
+        return fn(std::integral_constant<int, kOutBoth | kOutActCols>{});
+      break;
+    default: break;
+  }
+  return cudaErrorInvalidValue;
+}
+
 template <typename InT, ScaleMode kMode, Prologue kPro>
-cudaError_t LaunchWithPrologue(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
-  return WithLoop<InT, kPro>(q, [&](auto loop) {
-    return LaunchWithLoop<InT, kMode, kPro, decltype(loop)::value>(a, q, stream);
+cudaError_t LaunchWithPrologue(const QuantizeArgs& a, const PrologueArgs& q, const QuantizeArgs& z,
+                               int out, cudaStream_t stream) {
+  return WithOutputs<kPro>(out, [&](auto outs) {
+    return WithLoop<InT, kPro>(q, [&](auto loop) {
+      return LaunchVariant<InT, kMode, kPro, decltype(loop)::value, decltype(outs)::value>(
+          a, q, z, stream);
+    });
   });
 }
 
@@ -320,22 +474,41 @@ cudaError_t LaunchTileAmax(const QuantizeArgs& b, const PrologueArgs& q, cudaStr
   });
 }
 
-}  // namespace
+// The act(h) output of LaunchPrologueQuantize (kernels/act_quantize.h).
+bool ActColumnsValid(const QuantizeArgs& a, const PrologueArgs& q, const QuantizeArgs& z) {
+  if (q.kind != Prologue::kDAct || z.data_t == nullptr || z.data != nullptr || z.M != a.M ||
+      z.K != q.F || z.mode != a.mode)
+    return false;
+  if (z.mode == ScaleMode::kTensor) return (z.scale == nullptr) != (z.amax_in == nullptr);
+  return z.sinv_t != nullptr && z.sinv_t_ld >= (z.K + 3) / 4 * 4;
+}
 
-cudaError_t LaunchActQuantize(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
+// The kernels for `a` (checked grid, amax_out zeroed) with the outputs its
+// pointers (and `act`) select.
+cudaError_t LaunchSelected(const QuantizeArgs& a, const PrologueArgs& q, const QuantizeArgs* act,
+                           cudaStream_t stream) {
   if (q.kind == Prologue::kNone || !PrologueValid(a, q)) return cudaErrorInvalidValue;
-  // The fused MLP and the concatenations always want the columnwise copy and
-  // never 128x128 blocks: only those variants are built (per input type,
-  // prologue and activation loop).
-  if (a.data_t == nullptr || (a.mode != ScaleMode::kTensor && a.mode != ScaleMode::kVec128))
+  if (a.data == nullptr && a.data_t == nullptr) return cudaErrorInvalidValue;
+  if (act != nullptr && !ActColumnsValid(a, q, *act)) return cudaErrorInvalidValue;
+  if (a.mode == ScaleMode::kTensor) {
+    if ((a.scale == nullptr) == (a.amax_in == nullptr)) return cudaErrorInvalidValue;
+  } else if (a.mode == ScaleMode::kVec128) {
+    if ((a.data != nullptr && a.sinv == nullptr) || (a.data_t != nullptr && a.sinv_t == nullptr))
+      return cudaErrorInvalidValue;
+  } else {  // 128x128 blocks are never asked of a prologue
     return cudaErrorInvalidValue;
+  }
+  const int out = (a.data != nullptr ? kOutRows : 0) | (a.data_t != nullptr ? kOutCols : 0) |
+                  (act != nullptr ? kOutActCols : 0);
+  const QuantizeArgs none;
+  const QuantizeArgs& z = act != nullptr ? *act : none;
   auto typed = [&](auto in) {
     using InT = decltype(in);
     return WithPrologue(q.kind, [&](auto pro) {
       constexpr Prologue kPro = decltype(pro)::value;
       return a.mode == ScaleMode::kTensor
-                 ? LaunchWithPrologue<InT, ScaleMode::kTensor, kPro>(a, q, stream)
-                 : LaunchWithPrologue<InT, ScaleMode::kVec128, kPro>(a, q, stream);
+                 ? LaunchWithPrologue<InT, ScaleMode::kTensor, kPro>(a, q, z, out, stream)
+                 : LaunchWithPrologue<InT, ScaleMode::kVec128, kPro>(a, q, z, out, stream);
     });
   };
   switch (a.in) {
@@ -344,6 +517,25 @@ cudaError_t LaunchActQuantize(const QuantizeArgs& a, const PrologueArgs& q, cuda
     case InType::kF16: return typed(__half{});
   }
   return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t LaunchActQuantize(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
+  // LaunchQuantize's contract (quantize.h): both copies.
+  if (a.data == nullptr || a.data_t == nullptr) return cudaErrorInvalidValue;
+  return LaunchSelected(a, q, nullptr, stream);
+}
+
+cudaError_t LaunchPrologueQuantize(const QuantizeArgs& a, const PrologueArgs& q,
+                                   const QuantizeArgs* act, cudaStream_t stream) {
+  if (a.M <= 0 || a.K <= 0) return cudaSuccess;
+  if (!GridValid(a)) return cudaErrorInvalidConfiguration;
+  if (a.mode == ScaleMode::kTensor && a.amax_out != nullptr) {
+    cudaError_t e = cudaMemsetAsync(a.amax_out, 0, sizeof(float), stream);
+    if (e != cudaSuccess) return e;
+  }
+  return LaunchSelected(a, q, act, stream);
 }
 
 cudaError_t LaunchPrologueAmax(const QuantizeArgs& a, const PrologueArgs& q, float* amax_out,

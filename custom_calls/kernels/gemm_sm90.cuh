@@ -114,9 +114,12 @@ cudaError_t LaunchBlockwiseGemm(BlockwiseVariant v, const BlockwiseGemmArgs& arg
 // caller pads each group to the recipe's token block. A group that breaks
 // this (by its size, or by its start after such a group), a negative size,
 // or sizes summing past the buffer make that group's output NaN (the kernel
-// cannot raise from the device; NaN surfaces).
+// cannot raise from the device; NaN surfaces); with InvalidFill::kAll the
+// whole output is NaN then, as te_jax's reference has it (a negative size
+// owns no rows, so only kAll makes it visible along the rows).
 enum class GroupedAxis : int { kRows = 0, kContraction = 1 };
 enum class GroupedScaling : int { kTensor = 0, kBlockwise = 1 };
+enum class InvalidFill : int { kGroup = 0, kAll = 1 };
 
 struct GroupedGemmArgs {
   GroupedAxis axis = GroupedAxis::kRows;
@@ -130,6 +133,7 @@ struct GroupedGemmArgs {
   const float* b_sinv = nullptr;
   void* out = nullptr;                  // bfloat16
   TileOrder order;
+  InvalidFill invalid_fill = InvalidFill::kGroup;  // what an invalid group poisons
 };
 
 // Each: FP8 types of a and b, scaling, accumulation. "split": partial sums

@@ -66,17 +66,20 @@ __device__ inline void Store8(__nv_bfloat16* p, __nv_bfloat16 v) {
   *reinterpret_cast<uint4*>(p) = u;
 }
 
-// kRows: rows past the last group get 0, rows of an invalid group NaN. A
-// block whose rows all lie in valid groups returns at once (the usual case).
+// kRows: rows past the last group get 0, rows of an invalid group NaN (every
+// row when poison_all and some group is invalid). A block whose rows all lie
+// in valid groups returns at once (the usual case).
 __global__ void FillRowsKernel(__nv_bfloat16* out, int64_t m, int64_t n, int groups,
-                               GroupTable table) {
+                               GroupTable table, bool poison_all) {
   const int64_t r0 = int64_t(blockIdx.x) * kFillRows;
   const int64_t covered = table.bounds[groups];
-  if (r0 + kFillRows <= covered && *table.any_invalid == 0) return;
+  const bool any_invalid = *table.any_invalid != 0;
+  if (r0 + kFillRows <= covered && !any_invalid) return;
+  const bool all_nan = poison_all && any_invalid;
   const __nv_bfloat16 zero = __float2bfloat16(0.0f), nan = __float2bfloat16(NAN);
   for (int64_t r = r0; r < r0 + kFillRows && r < m; ++r) {
-    bool fill_nan = false;
-    if (r < covered) {
+    bool fill_nan = all_nan;
+    if (!all_nan && r < covered) {
       int lo = 0, hi = groups - 1;  // the group holding row r: last g with bounds[g] <= r
       while (lo < hi) {
         const int mid = (lo + hi + 1) / 2;
@@ -90,12 +93,15 @@ __global__ void FillRowsKernel(__nv_bfloat16* out, int64_t m, int64_t n, int gro
   }
 }
 
-// kContraction: an empty group's (m, n) block gets 0, an invalid one's NaN.
-__global__ void FillBlocksKernel(__nv_bfloat16* out, int64_t block_elems, GroupTable table) {
+// kContraction: an empty group's (m, n) block gets 0, an invalid one's NaN
+// (every block when poison_all and some group is invalid).
+__global__ void FillBlocksKernel(__nv_bfloat16* out, int64_t block_elems, GroupTable table,
+                                 bool poison_all) {
   const int g = blockIdx.y;
   const int32_t status = table.status[g];
-  if (status == kGroupOk) return;
-  const __nv_bfloat16 v = __float2bfloat16(status == kGroupEmpty ? 0.0f : NAN);
+  const bool all_nan = poison_all && *table.any_invalid != 0;
+  if (status == kGroupOk && !all_nan) return;
+  const __nv_bfloat16 v = __float2bfloat16(status == kGroupEmpty && !all_nan ? 0.0f : NAN);
   __nv_bfloat16* block = out + int64_t(g) * block_elems;
   for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 8; i < block_elems;
        i += int64_t(gridDim.x) * blockDim.x * 8)
@@ -137,14 +143,16 @@ cudaError_t LaunchGroupedGemm(GroupedVariant v, const GroupedGemmArgs& p, void* 
   if (e != cudaSuccess) return e;
   const GroupTable table = CarveGroupTable(workspace, p.groups);
   auto* out = static_cast<__nv_bfloat16*>(p.out);
+  const bool poison_all = p.invalid_fill == InvalidFill::kAll;
   if (p.axis == GroupedAxis::kRows) {
     const unsigned blocks = static_cast<unsigned>((p.m + kFillRows - 1) / kFillRows);
-    FillRowsKernel<<<blocks, 128, 0, stream>>>(out, p.m, p.n, static_cast<int>(p.groups), table);
+    FillRowsKernel<<<blocks, 128, 0, stream>>>(out, p.m, p.n, static_cast<int>(p.groups), table,
+                                               poison_all);
   } else {
     const int64_t elems = p.m * p.n;
     const unsigned chunks = static_cast<unsigned>(std::min<int64_t>((elems / 8 + 255) / 256, 64));
     FillBlocksKernel<<<dim3(chunks, static_cast<unsigned>(p.groups)), 256, 0, stream>>>(
-        out, elems, table);
+        out, elems, table, poison_all);
   }
   return cudaGetLastError();
 }

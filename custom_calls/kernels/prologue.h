@@ -1,8 +1,10 @@
 // The elementwise prologue of the fused kernels (kernels/act_quantize.cu):
 // computes a thread's 8x8 values of v = act(h), dact(dz, h), the
 // concatenation of separate parts, or the normalization of x from its row
-// statistics, from the inputs, one row of 8 at a time. Device code, included
-// by act_quantize.cu, normalization.cu (NormValue) and tile.cuh (for kSub).
+// statistics, from the inputs, one row of 8 at a time; for dact(dz, h)
+// optionally act(h) as well, from the same activation values. Device code,
+// included by act_quantize.cu, normalization.cu (NormValue) and tile.cuh
+// (for kSub).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -128,10 +130,17 @@ inline ActLoop ChooseLoop(const PrologueArgs& q, bool sixteen_bit) {
 // (nvcc took minutes on the fully unrolled kernels), and at most three rows
 // of inputs occupy registers (fully unrolled, the three 8x8 inputs of a gated
 // backward alone need 96 registers and the kernels spilled).
-template <typename InT, Prologue kPro, ActLoop kLoop, typename Emit>
+//
+// kWithAct (kDAct only): emit also gets z[j] = act(h) at the row and source
+// column of y[j] (sc below), the product the forward's kAct loop computes,
+// from the same activation values: the same bits. For the act1' half of a
+// gated backward (columns >= F) that is act(h) of column col - F, which the
+// caller does not use (its act(h) tile holds columns < F only).
+template <typename InT, Prologue kPro, ActLoop kLoop, bool kWithAct, typename Emit>
 __device__ __forceinline__ void ActRows(const PrologueArgs& q, int64_t M, int64_t row,
                                         int64_t col, Emit&& emit) {
   static_assert(kPro != Prologue::kNone && kPro != Prologue::kNorm, "an activation prologue");
+  static_assert(!kWithAct || kPro == Prologue::kDAct, "act(h) beside dact(dz, h) only");
   constexpr bool kCat = kPro == Prologue::kConcat;
   static_assert(kCat == (kLoop == ActLoop::kNone), "kConcat runs the kNone loop, and only it");
   using Spec = LoopSpec<kLoop>;
@@ -161,8 +170,9 @@ __device__ __forceinline__ void ActRows(const PrologueArgs& q, int64_t M, int64_
   const bool right = kPro == Prologue::kDAct && gated && col >= F;
   const int64_t sc = kCat ? col - part * F : right ? col - F : col;
 
-  // The values of one row from its inputs; `in(j)`: column j exists.
-  auto compute = [&](const RowInputs<InT>& r, auto&& in, float (&y)[kSub]) {
+  // The values of one row from its inputs (and with kWithAct act(h) in z);
+  // `in(j)`: column j exists.
+  auto compute = [&](const RowInputs<InT>& r, auto&& in, float (&y)[kSub], float (&z)[kSub]) {
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
       if constexpr (kCat) {
@@ -172,14 +182,16 @@ __device__ __forceinline__ void ActRows(const PrologueArgs& q, int64_t M, int64_
       float f0, d0, f1 = 1.f, d1 = 0.f;
       Activate(act0, r.a[j], &f0, &d0);
       if (gated) Activate(act1, r.b[j], &f1, &d1);
+      const float act = gated ? __fmul_rn(f0, f1) : f0;  // the kAct value
       float val;
       if (kPro == Prologue::kAct) {
-        val = gated ? __fmul_rn(f0, f1) : f0;
+        val = act;
       } else {  // (dz * g0) * g1: the association of ops/act_quantize.py
         const float g = __fmul_rn(r.d[j], right ? f0 : d0);
         val = gated ? __fmul_rn(g, right ? d1 : f1) : g;
       }
       y[j] = in(j) ? val : 0.f;
+      if constexpr (kWithAct) z[j] = in(j) ? act : 0.f;
     }
   };
   // kChecked: bounds-checked loads and values (edge sub-tiles).
@@ -212,9 +224,13 @@ __device__ __forceinline__ void ActRows(const PrologueArgs& q, int64_t M, int64_
       RowInputs<InT> next2;
       if (i + 2 < kSub) load(i + 2, next2);
       const bool row_in = row + i < M;
-      float y[kSub];
-      compute(cur, [&](int j) { return !kChecked || (row_in && sc + j < F); }, y);
-      emit(i, y);
+      float y[kSub], z[kSub];
+      compute(cur, [&](int j) { return !kChecked || (row_in && sc + j < F); }, y, z);
+      if constexpr (kWithAct) {
+        emit(i, y, z);
+      } else {
+        emit(i, y);
+      }
       cur = nxt;
       nxt = next2;
     }
@@ -350,15 +366,17 @@ __device__ __forceinline__ void NormRows(const PrologueArgs& q, int64_t M, int64
 // n_act*F for kDAct, n_parts*F for kConcat), and 0 outside it (padding must
 // not raise an amax, and act(0) need not be 0: sigmoid). `q` must match
 // kLoop (ChooseLoop). All 32 lanes of a warp must call it: the row loop runs
-// warp-uniformly, so emit may use warp shuffles.
-template <typename InT, Prologue kPro, ActLoop kLoop, typename Emit>
+// warp-uniformly, so emit may use warp shuffles. With kWithAct (kDAct only)
+// it calls emit(i, y, z) with z[j] = act(h)[row + i][col + j] for the
+// columns col + j < F (see ActRows).
+template <typename InT, Prologue kPro, ActLoop kLoop, bool kWithAct = false, typename Emit>
 __device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, int64_t row,
                                             int64_t col, Emit&& emit) {
   if constexpr (kPro == Prologue::kNorm) {
-    static_assert(kLoop == ActLoop::kNone, "kNorm runs the kNone loop");
+    static_assert(kLoop == ActLoop::kNone && !kWithAct, "kNorm runs the kNone loop");
     NormRows<InT>(q, M, row, col, emit);
   } else {
-    ActRows<InT, kPro, kLoop>(q, M, row, col, emit);
+    ActRows<InT, kPro, kLoop, kWithAct>(q, M, row, col, emit);
   }
 }
 

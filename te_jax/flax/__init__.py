@@ -21,12 +21,19 @@ updates by itself.
 ``Fp8DotGeneral`` puts an existing Flax model's ``nn.Dense`` / ``nn.DenseGeneral``
 in FP8 without changing its parameters: ``nn.Dense(features,
 dot_general_cls=tfx.Fp8DotGeneral)``; ``Fp8Einsum`` does the same for an einsum.
+
+``MoE`` is a mixture of experts (``TransformerLayer(mlp_type="moe",
+moe=te_jax.moe.MoEConfig(...))`` puts one in place of the MLP); its
+auxiliary losses are sown into ``"intermediates"`` and its router bias lives
+in the collection ``"router_bias"`` (``te_jax.flax.moe`` says how a training
+loop uses both).
 """
 
 from te_jax.flax.norm import LayerNorm, NormParameters, RMSNorm
 from te_jax.flax.dense import DenseGeneral, LayerNormDenseGeneral
 from te_jax.flax.dot_general import Fp8DotGeneral, Fp8Einsum
 from te_jax.flax.mlp import LayerNormMLP
+from te_jax.flax.moe import MoE
 from te_jax.flax.attention import MultiHeadAttention
 from te_jax.flax.transformer import TransformerLayer
 
@@ -39,6 +46,7 @@ __all__ = [
     "Fp8DotGeneral",
     "Fp8Einsum",
     "LayerNormMLP",
+    "MoE",
     "MultiHeadAttention",
     "TransformerLayer",
 ]

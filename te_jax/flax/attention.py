@@ -26,6 +26,7 @@ from te_jax.flax import kv_cache
 from te_jax.flax.dense import DenseGeneral
 from te_jax.layers import attention as attn
 from te_jax.layers import kv_cache as cache_lib
+from te_jax.layers import checks
 from te_jax.layers.checks import compute_dtype
 from te_jax.layers.init import default_kernel_init
 
@@ -164,6 +165,8 @@ class MultiHeadAttention(nn.Module):
     """
     attn.check_attention_options(self.attn_mask_type, self.attention_impl,
                                  self.max_segments_per_seq, self.max_document_length)
+    checks.attention_options(self.num_attention_heads, self.num_gqa_groups, self.head_dim,
+                             self.out_features, self.attention_dropout)
     if self.decode:
       cache_lib.check_decode_inputs(inputs_kv, segment_ids=segment_ids,
                                     kv_segment_ids=kv_segment_ids,
@@ -191,7 +194,9 @@ class MultiHeadAttention(nn.Module):
                                input_norm=input_norm, **proj)
 
     step = None
-    if self.decode:
+    if not self.decode:
+      kv_cache.warn_unused_cache(self)
+    else:
       rotate = (functools.partial(attn.apply_rotary, base=self.rotary_base)
                 if self.enable_rotary_pos_emb else None)
       step = kv_cache.decode_step(self, q, k, v, causal=self.attn_mask_type == "causal",

@@ -34,7 +34,7 @@ from te_jax.flax import fp8_module
 from te_jax.flax.norm import norm_params
 from te_jax.layers import dense as dense_core
 from te_jax.layers import init as init_lib
-from te_jax.layers.checks import compute_dtype
+from te_jax.layers.checks import check_input_rank, compute_dtype, to_tuple
 from te_jax.layers.gemm import canonicalize_axes
 from te_jax.layers.init import default_kernel_init
 from te_jax.layers.norm import check_input_norm
@@ -131,7 +131,7 @@ def declare_dense(module: nn.Module, in_shape: Tuple[int, ...], *, features, use
   """Declares the kernel (*in_shape, *features) and bias of a projection on
   ``module``; returns (kernel, bias or None, kernel_axes), the kernel and bias
   in their parameter dtype."""
-  features = (features,) if isinstance(features, int) else tuple(features)
+  features = to_tuple("features", features)
   n_in, n_out = len(in_shape), len(features)
   kernel_shape = tuple(in_shape) + features
   flat = (math.prod(in_shape), math.prod(features))
@@ -235,6 +235,7 @@ class DenseGeneral(nn.Module):
       return_norm_output: with ``input_norm``, also return the normalized
         input (..., in_dim) in the compute dtype: ``(y, norm_output)``.
     """
+    check_input_rank("inputs", inputs)
     settings = fp8_module.read_autocast(self.impl)
     states = fp8_module.LinenStates(self)
     compute = compute_dtype(self.dtype, inputs.dtype, self.param_dtype)
@@ -257,7 +258,7 @@ class DenseGeneral(nn.Module):
 
   def _declare(self, in_shape):
     """(kernel, bias or None, kernel_axes) for inputs whose contracted dims are ``in_shape``."""
-    features = (self.features,) if isinstance(self.features, int) else tuple(self.features)
+    features = to_tuple("features", self.features)
     if self.split_output and len(features) < 2:
       raise ValueError(f"split_output=True unstacks the first of several feature dims; "
                        f"features={features} has {len(features)}. Use features=(n, ...).")
@@ -338,6 +339,7 @@ class LayerNormDenseGeneral(nn.Module):
   @nn.compact
   def __call__(self, inputs: jax.Array):
     """Normalizes, then projects; see the class docstring for shapes."""
+    check_input_rank("inputs", inputs)
     compute = compute_dtype(self.dtype, inputs.dtype, self.param_dtype)
     settings = fp8_module.read_autocast(self.impl)
     scale, ln_bias = norm_params(

@@ -15,7 +15,16 @@ state, which
 * when the variables hold FP8 state that the active recipe does not use (FP8
   switched off for a step, or another recipe), makes the state's "gradient"
   the state itself, so ``TrainState.apply_gradients`` leaves it untouched
-  (:func:`keep_unused_fp8_state`).
+  (:func:`keep_unused_fp8_state`), and warns unless FP8 was switched off
+  with ``fp8_autocast(enabled=False)``;
+* reads every state through ``te_jax.fp8_state.merge_uses``: a module called
+  several times in a step merges its uses into one update.
+
+``nn.remat`` hands each call the variables as new values, so a remat'd
+block applied twice in one differentiated step would add its calls'
+updates: :func:`check_remat_calls` refuses that, and
+:func:`share_fp8_state` (``share_fp8_state(nn.remat(Block))``) makes the
+calls share the state and merge.
 
 Under ``nn.scan`` the FP8 collection must be scanned like the parameters,
 ``nn.scan(..., variable_axes={"_overwrite_with_gradient": 0, "params": 0})``:
@@ -42,7 +51,7 @@ from te_jax.layers import settings as layer_settings
 from te_jax.layers import state as layer_state
 
 __all__ = ["read_autocast", "LinenStates", "declare_fp8_state", "keep_unused_fp8_state",
-           "check_scanned_state", "enclosing_scan"]
+           "check_scanned_state", "enclosing_scan", "check_remat_calls", "share_fp8_state"]
 
 
 def read_autocast(impl: str = "auto") -> layer_settings.Settings:
@@ -66,21 +75,28 @@ class LinenStates(layer_state.GemmStates):
 
   def __init__(self, module: nn.Module):
     self.module = module
-    self.module_name = type(module).__name__
+    self.module_name = self.warn_name = type(module).__name__
+    self.warn_where = "/".join(module.scope.path) or "the top module"
+    self.drop_fix = ("initialize the model under that recipe, or pass apply() the variables "
+                     f"without the collection '{state_lib.FP8_COLLECTION}'")
 
   def has(self, name: str) -> bool:
     return self.module.has_variable(state_lib.FP8_COLLECTION, name)
 
   def can_create(self) -> bool:
-    return self.module.is_mutable_collection(state_lib.FP8_COLLECTION)
+    return (self.module.is_initializing()
+            and self.module.is_mutable_collection(state_lib.FP8_COLLECTION))
 
   def peek(self, name: str):
     return self.module.get_variable(state_lib.FP8_COLLECTION, name)
 
-  def state(self, name: str, mode):
+  def read(self, name: str, mode):
     return declare_fp8_state(self.module, name, mode)
 
-  def keep_unused(self, y, names: Sequence[str]):
+  def check_read(self, name: str, state) -> None:
+    check_remat_calls(self.module, name, state)
+
+  def tie(self, y, names: Sequence[str]):
     return keep_unused_fp8_state(self.module, y, names)
 
 
@@ -196,7 +212,8 @@ def declare_fp8_state(module: nn.Module, name: str, mode):
   """Declares (or reads) the FP8 state variable ``name`` of one GEMM of ``module``.
 
   The variable lives in collection ``FP8_COLLECTION`` and is created with
-  ``mode.init_state()`` when that collection is mutable (``init``).
+  ``mode.init_state()`` by ``init`` (never by an ``apply``, even one whose
+  collections are all mutable: that state would start over every call).
 
   Args:
     module: the Linen module that owns the GEMM (inside its ``__call__``).
@@ -219,10 +236,12 @@ def declare_fp8_state(module: nn.Module, name: str, mode):
   recipe_name = type(mode.recipe).__name__
   scan = enclosing_scan(module)
   existed = module.has_variable(coll, name)
-  if not existed and not module.is_mutable_collection(coll):
+  # Only init creates the state: created by an apply(mutable=...), a fresh
+  # state would start over in every call, and no step would keep it.
+  if not existed and not (module.is_mutable_collection(coll) and module.is_initializing()):
     autocast_fix = (f"Initialize the model inside fp8_autocast(enabled=True, "
-                    f"fp8_recipe={recipe_name}(...)) with the same recipe, or pass "
-                    f"mutable=['{coll}'].")
+                    f"fp8_recipe={recipe_name}(...)) with the same recipe (init creates "
+                    "the state; an apply does not).")
     if scan is not None and module.is_initializing():
       # init makes every collection mutable: only the scan filtered it out.
       problem = (f", which the nn.scan '{scan}' around it does not carry, so the "
@@ -277,5 +296,69 @@ def keep_unused_fp8_state(module: nn.Module, y, names: Sequence[str]):
       state = module.get_variable(state_lib.FP8_COLLECTION, n)
       # Kept state is returned as its own gradient: broadcast, it would be summed too.
       check_scanned_state(module, n, state)
+      check_remat_calls(module, n, state)
       y = layer_state.keep_state(y, state)
   return y
+
+
+def share_fp8_state(target):
+  """``target`` (a Linen module class, e.g. ``nn.remat(Block)``) whose calls
+  in one step share their FP8 state, so that their updates merge.
+
+  ``nn.remat`` hands each call the variables as new values: a remat'd block
+  applied twice in one differentiated step would get the SUM of the two
+  calls' new states (and :func:`check_remat_calls` refuses that). Wrapped,
+  the block's FP8 collection reaches each call converted once, in the
+  caller's trace, into the merging dtype of ``te_jax.fp8_state.merge_uses``
+  (``nn.map_variables`` with ``te_jax.fp8_state.share_tree``): the calls'
+  uses merge into one update, the largest amax in one history entry. Same
+  variables, same paths; with FP8 off or a recipe without state it changes
+  nothing.
+
+  >>> import flax.linen as nn
+  >>> from te_jax import flax as tfx
+  >>> Block = share_fp8_state(nn.remat(tfx.DenseGeneral))
+  """
+  def share(tree):
+    return state_lib.share_tree(tree, read_autocast().mode)
+
+  # init=True: the wrapped module creates its state at init (the mapped
+  # collection is otherwise immutable inside).
+  return nn.map_variables(target, state_lib.FP8_COLLECTION, trans_in_fn=share,
+                          trans_out_fn=state_lib.unshare_tree, init=True)
+
+
+def _remat_levels(module: nn.Module) -> int:
+  """How many ``nn.remat`` calls ``module`` runs in (from the scope's
+  ``debug_path``, where Flax marks a lifted remat as ``remat(<name>)``)."""
+  path = getattr(getattr(module, "scope", None), "debug_path", None) or ()
+  return sum(part.count("remat(") for part in path)
+
+
+def check_remat_calls(module: nn.Module, name: str, state) -> None:
+  """Raises when the FP8 state ``name`` that ``module`` reads reaches it
+  through a second ``nn.remat`` call in one differentiated step (each call
+  gets the state as a new value and autodiff would sum their updates), or
+  through a ``jax.checkpoint`` around ``apply``, whose later calls may reuse
+  this call's trace unseen (``te_jax.layers.state.checkpoint_read_problem``).
+  A state shared by :func:`share_fp8_state` passes."""
+  key = (tuple(getattr(getattr(module, "scope", None), "path", ())), name)
+  problem = layer_state.checkpoint_read_problem(state, key, _remat_levels(module))
+  if problem is None:
+    return
+  summed = ("autodiff would SUM the calls' new states (an amax history entry the sum "
+            "of their amaxes): silently wrong FP8 scales")
+  if problem == "twice":
+    raise ValueError(
+        f"{_where(module)}: its FP8 state '{name}' is read by a second call of the "
+        "nn.remat around it in one differentiated step. Each call receives the state "
+        f"as a new value, so {summed}. Share it across the calls: wrap the remat'd "
+        "module as te_jax.flax.fp8_module.share_fp8_state(nn.remat(Block)); its calls "
+        "then merge into one update.")
+  # "unseen": a jax.checkpoint around apply, whose next call may reuse this
+  # trace; one call per step is right, so this is said, not refused.
+  layer_state.warn_unseen_calls(
+      type(module).__name__, name,
+      "use nn.remat inside the model (te_jax.flax.fp8_module.share_fp8_state("
+      "nn.remat(Block)) for a block called several times), or pass the variables to the "
+      "checkpoint as te_jax.fp8_state.share_tree(variables, recipe.scaling_mode()).")

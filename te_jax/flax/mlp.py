@@ -29,6 +29,7 @@ from te_jax.flax import fp8_module
 from te_jax.flax.dense import kernel_fan_in_init, logical_partitioning_of, unboxed
 from te_jax.flax.norm import norm_params
 from te_jax.layers import mlp as mlp_lib
+from te_jax.layers import checks
 from te_jax.layers.checks import compute_dtype
 from te_jax.layers.init import default_kernel_init, gated_kernel_init
 
@@ -144,6 +145,8 @@ class LayerNormMLP(nn.Module):
   def __call__(self, inputs: jax.Array, deterministic: bool = True):
     """Applies the block; ``deterministic=False`` enables dropout."""
     acts = mlp_lib.check_activations(self.activations)
+    checks.mlp_options(self.intermediate_dim, self.intermediate_dropout_rate)
+    checks.check_input_rank("inputs", inputs)
     settings = fp8_module.read_autocast(self.impl)
     norm, wi, wo, bi, bo = self._declare(inputs.shape[-1], len(acts))
     dropout = None

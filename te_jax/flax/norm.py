@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import flax.linen as nn
 
 from te_jax import norm_dense
+from te_jax.layers.checks import check_input_rank
 from te_jax.layers.norm import apply_norm, check_norm_type
 
 __all__ = ["LayerNorm", "RMSNorm", "NormParameters", "norm_params"]
@@ -55,6 +56,7 @@ class _Norm(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
+    check_input_rank("x", x)
     scale, bias = _declare(self, x.shape[-1], self._norm_type)
     dtype = self.dtype if self.dtype is not None else x.dtype
     return apply_norm(x, scale, bias, norm_type=self._norm_type, epsilon=self.epsilon,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Optional, Sequence
 
 import jax
@@ -10,11 +11,14 @@ import flax.linen as nn
 
 from te_jax.flax.attention import MultiHeadAttention
 from te_jax.flax.mlp import LayerNormMLP
+from te_jax.flax.moe import MoE
 from te_jax.flax.norm import LayerNorm, NormParameters, RMSNorm
 from te_jax.layers import kv_cache
 from te_jax.layers import transformer as layer_lib
+from te_jax.layers import checks
 from te_jax.layers.checks import compute_dtype
 from te_jax.layers.init import default_kernel_init
+from te_jax.moe import MoEConfig
 
 __all__ = ["TransformerLayer"]
 
@@ -37,7 +41,10 @@ class TransformerLayer(nn.Module):
   Submodules (parameter names and logical axes as documented on each):
   ``pre_attention_norm`` (LayerNorm/RMSNorm, ("embed",)), ``self_attention``
   (MultiHeadAttention), ``pre_cross_attention_norm`` and ``cross_attention``
-  (decoder with ``encoded``), ``mlp`` (LayerNormMLP). Under ``DelayedScaling``
+  (decoder with ``encoded``), ``mlp`` (LayerNormMLP), or with
+  ``mlp_type="moe"`` ``pre_mlp_norm`` and ``moe`` (``te_jax.flax.MoE``:
+  ``x = x + drop(MoE(LN(x)))``, its aux values sown and its router bias kept
+  as that module says). Under ``DelayedScaling``
   each projection keeps its FP8 state in collection
   ``"_overwrite_with_gradient"``.
 
@@ -56,7 +63,14 @@ class TransformerLayer(nn.Module):
     hidden_dropout: dropout on each sublayer output before the residual add.
     attention_dropout: dropout on the attention probabilities.
     intermediate_dropout: dropout after the MLP activation.
-    activations: MLP activations, e.g. ("gelu",) or ("silu", "linear").
+    activations: MLP activations, e.g. ("gelu",) or ("silu", "linear")
+      (``mlp_type="moe"``: the experts' come from ``moe``).
+    mlp_type: "dense" (default: the LayerNormMLP sublayer) or "moe": a
+      mixture of experts in its place, ``moe`` saying which, each expert
+      ``mlp_hidden_size`` wide (no biases, no intermediate dropout: setting
+      ``use_bias`` or ``intermediate_dropout`` then is an error; the
+      LayerNormMLP options do not apply).
+    moe: a ``te_jax.moe.MoEConfig`` with ``mlp_type="moe"``, else None.
     fuse_activation_quantize: see ``LayerNormMLP`` (default True).
     mlp_backward_chunks: the MLP's ``LayerNormMLP.backward_chunks`` (default 1).
     fuse_norm_quantize: in FP8, each norm is fused into the quantization of
@@ -103,6 +117,8 @@ class TransformerLayer(nn.Module):
   attention_dropout: float = 0.0
   intermediate_dropout: float = 0.0
   activations: Sequence[str] = ("gelu",)
+  mlp_type: str = "dense"
+  moe: Optional[MoEConfig] = None
   fuse_activation_quantize: bool = True
   mlp_backward_chunks: int = 1
   fuse_norm_quantize: bool = True
@@ -175,6 +191,13 @@ class TransformerLayer(nn.Module):
       (B, S, hidden_size) in the compute dtype.
     """
     layer_lib.check_layer_type(self.layer_type)
+    layer_lib.check_mlp_type(self.mlp_type, self.moe, use_bias=self.use_bias,
+                             intermediate_dropout=self.intermediate_dropout)
+    checks.transformer_options(
+        self.hidden_size, self.mlp_hidden_size, self.num_attention_heads,
+        num_gqa_groups=self.num_gqa_groups, head_dim=self.head_dim,
+        hidden_dropout=self.hidden_dropout, attention_dropout=self.attention_dropout,
+        intermediate_dropout=self.intermediate_dropout)
     if self.decode:
       kv_cache.check_decode_inputs(None, segment_ids=segment_ids,
                                    segment_positions=segment_positions)
@@ -203,6 +226,12 @@ class TransformerLayer(nn.Module):
           kv_segment_ids=encoder_segment_ids, deterministic=deterministic)
       x = x + self._drop(h, deterministic)
 
+    if self.mlp_type == "moe":
+      h = MoE(intermediate_dim=self.mlp_hidden_size, **dataclasses.asdict(self.moe),
+              dtype=compute, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
+              impl=self.impl, name="moe")(self._norm("pre_mlp_norm", compute)(x),
+                                          token_mask=layer_lib.token_mask(segment_ids))
+      return x + self._drop(h, deterministic)
     h = LayerNormMLP(
         intermediate_dim=self.mlp_hidden_size, activations=tuple(self.activations),
         intermediate_dropout_rate=self.intermediate_dropout,

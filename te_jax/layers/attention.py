@@ -67,6 +67,7 @@ import jax.numpy as jnp
 
 from te_jax import sharding as sharding_lib
 from te_jax.layers import packed_attention
+from te_jax.layers.checks import check_input_rank
 from te_jax.layers.packed_attention import segment_attention_mask
 
 __all__ = ["apply_rotary", "segment_attention_mask", "and_masks", "check_input_3d",
@@ -103,7 +104,9 @@ def and_masks(a, b):
 
 
 def check_input_3d(name: str, x) -> None:
-  """Raises ValueError unless ``x`` (argument ``name``) is (batch, seq, hidden)."""
+  """Raises ValueError unless ``x`` (argument ``name``) is a (batch, seq,
+  hidden) array (TypeError for a Python list: convert it first)."""
+  check_input_rank(name, x, 0)
   shape = tuple(jnp.shape(x))
   if len(shape) != 3:
     raise ValueError(f"{name} must have shape (batch, seq, hidden), got {shape} "
@@ -116,14 +119,16 @@ def check_segment_arg(name: str, ids, like_name: str, like) -> None:
   ``like_name``); raises ValueError/TypeError naming both."""
   if ids is None:
     return
+  # A nested Python list has a shape and an integer dtype to jnp, but the
+  # attention indexes it as an array (and fails with "list indices must be
+  # integers" far from here).
+  check_input_rank(name, ids, 0)
   shape, want = tuple(jnp.shape(ids)), tuple(jnp.shape(like)[:2])
   if shape != want:
     raise ValueError(f"{name} must have shape (batch, seq) = {want} matching "
                      f"{like_name}, got {shape}.")
-  dtype = getattr(ids, "dtype", None)
-  dtype = jnp.asarray(ids).dtype if dtype is None else dtype
-  if not jnp.issubdtype(dtype, jnp.integer):
-    raise TypeError(f"{name} must have an integer dtype, got {jnp.dtype(dtype).name}.")
+  if not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise TypeError(f"{name} must have an integer dtype, got {jnp.dtype(ids.dtype).name}.")
 
 
 def _reference_attention(q, k, v, mask, is_causal, dropout_rng, rate):
@@ -397,6 +402,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, step=None,
   cache, already rotated and masked, so a plain masked core) when one is
   given. ``core_kw``: :func:`attention_core`'s other arguments (unused with
   a step). Returns (B, Sq, heads, head_dim)."""
+  if mask is not None:
+    check_input_rank("mask", mask, 0)
   drop = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng)
   if step is not None:
     return attention_core(step.q, step.k, step.v, self_attn=False,

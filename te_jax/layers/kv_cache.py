@@ -18,12 +18,13 @@ together (rows of different prompt lengths must be left-padded by the
 caller, with ``mask`` hiding the padding).
 
 Past the end. ``index`` is a traced value, so running past L cannot be an
-error at trace time. The rule: outputs of positions >= L are NaN
-(:func:`mark_overflow`, after the output projection, so no NaN enters an
-FP8 scale), and the write that overflowed is clamped by
-``lax.dynamic_update_slice`` to the last n slots (the cache is then wrong
-for any later call). Stopping at L is the caller's responsibility; ``n > L``
-is a ValueError.
+error at trace time. The rule: a call that does not fit (``index + n > L``)
+outputs NaN at EVERY position, those below L included (:func:`mark_overflow`,
+after the output projection, so no NaN enters an FP8 scale): its write was
+clamped by ``lax.dynamic_update_slice`` to the last n slots, over keys that
+earlier positions attend to, so none of its outputs can be trusted. The
+index still advances past L, so every later call is NaN too. Stopping at L
+is the caller's responsibility; ``n > L`` is a ValueError.
 
 Not supported with decode: cross attention (``inputs_kv``), segment ids and
 explicit segment positions (ValueError, :func:`check_decode_inputs`).
@@ -39,7 +40,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["Cache", "DecodeStep", "check_decode_inputs", "append", "mark_overflow"]
+__all__ = ["Cache", "DecodeStep", "check_decode_inputs", "check_allocation", "refuse_decode",
+           "append", "mark_overflow"]
 
 
 class Cache(NamedTuple):
@@ -62,7 +64,8 @@ class DecodeStep(NamedTuple):
     q: (B, n, heads, head_dim) queries, rotated at their positions when rotary.
     k, v: (B, L, groups, head_dim) the whole cache after this call's write.
     mask: (1, 1, n, L) bool, True where a query may see a cache slot.
-    valid: (n,) bool, False for positions >= L (their outputs become NaN).
+    valid: (n,) bool, all False when the call does not fit the cache (its
+      outputs become NaN), else all True.
   """
 
   q: jax.Array
@@ -87,6 +90,32 @@ def check_decode_inputs(inputs_kv, **segment_args) -> None:
     if value is not None:
       raise ValueError(f"{name} is not supported with decode=True: the cache is one "
                        "sequence per row whose positions follow cache_index.")
+
+
+def check_allocation(length: int, initializing: bool, where: str, collection: str) -> None:
+  """Raises unless a call may allocate a cache of ``length`` positions.
+
+  A call allocates where the variables hold no cache and the collection is
+  mutable: ``init``, or ``apply(..., mutable=[collection])`` on the
+  full-length input. An ``apply`` on one token is a decode step given
+  variables without their cache: it would allocate a cache of max_length 1
+  (and compute the ordinary forward), then every later call overflows.
+  """
+  if length == 1 and not initializing:
+    raise ValueError(
+        f"{where}: decode=True, but the variables passed to apply() hold no "
+        f"'{collection}' collection, so this one-token call would allocate a cache of "
+        "max_length 1 instead of decoding. Allocate the cache first, with init (or apply "
+        f"with mutable=['{collection}']) on an input of the full length (batch, "
+        f"max_length, hidden), and pass its '{collection}' collection to every decode call.")
+
+
+def refuse_decode(decode, owner: str, alternative: str) -> None:
+  """Raises a ValueError naming ``alternative`` when ``decode`` is truthy, for
+  a module that has no key/value cache (``decode=False`` and None pass)."""
+  if decode:
+    raise ValueError(f"{owner}: decode=True (key/value-cache decoding) is not supported; "
+                     f"{alternative}")
 
 
 def append(cache: Cache, q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
@@ -140,7 +169,8 @@ def append(cache: Cache, q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bo
     mask = slots[None, :] <= pos[:, None]                              # (n, L)
   else:   # every filled slot, this call's included
     mask = jnp.broadcast_to(slots[None, :] < start + n, (n, length))
-  return new, DecodeStep(q, new.key, new.value, mask[None, None], pos < length)
+  fits = jnp.broadcast_to(start + n <= length, (n,))
+  return new, DecodeStep(q, new.key, new.value, mask[None, None], fits)
 
 
 def mark_overflow(out: jax.Array, valid: jax.Array) -> jax.Array:

@@ -31,10 +31,10 @@ from te_jax import recipe as recipe_lib
 from te_jax import scaling
 from te_jax import sharded_dense
 from te_jax import sharding as sharding_lib
-from te_jax.autocast import get_fp8_context
+from te_jax.autocast import get_fp8_context, in_fp8_autocast
 from te_jax.ops import check_impl
 
-__all__ = ["Settings", "read_settings"]
+__all__ = ["Settings", "read_settings", "in_autocast"]
 
 
 class Settings(NamedTuple):
@@ -99,3 +99,11 @@ def read_settings(impl: str = "auto", axis_rules: Sequence = ()) -> Settings:
   return Settings(recipe=recipe, mode=None if recipe is None else recipe.scaling_mode(),
                   mesh_resource=ctx.mesh_resource, mesh=sharding_lib.get_mesh(),
                   axis_rules=rules, impl=impl)
+
+
+def in_autocast() -> bool:
+  """Whether any ``fp8_autocast`` is active, enabled or not: FP8 off inside
+  ``fp8_autocast(enabled=False)`` is the user's choice (to evaluate without
+  FP8), FP8 off outside any autocast may not be (the module layer warns
+  about it when a model holds FP8 state)."""
+  return in_fp8_autocast()

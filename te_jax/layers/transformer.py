@@ -10,15 +10,48 @@ from typing import Optional
 
 from te_jax.layers.attention import check_input_3d, check_segment_arg
 
-__all__ = ["LAYER_TYPES", "check_layer_type", "self_attn_mask_type", "check_layer_inputs"]
+__all__ = ["LAYER_TYPES", "MLP_TYPES", "check_layer_type", "check_mlp_type",
+           "self_attn_mask_type", "check_layer_inputs", "token_mask"]
 
 LAYER_TYPES = ("encoder", "decoder")
+# "dense": the LayerNormMLP sublayer; "moe": a norm, then a mixture of experts
+# (te_jax.flax.MoE / te_jax.nnx.MoE) in its place.
+MLP_TYPES = ("dense", "moe")
 
 
 def check_layer_type(layer_type: str) -> None:
   """ValueError unless ``layer_type`` is "encoder" or "decoder"."""
   if layer_type not in LAYER_TYPES:
     raise ValueError(f"layer_type must be one of {LAYER_TYPES}, got {layer_type!r}.")
+
+
+def check_mlp_type(mlp_type: str, moe, *, use_bias: bool, intermediate_dropout: float) -> None:
+  """ValueError unless the MLP sublayer's options fit together: ``mlp_type``
+  "dense" without ``moe``, or "moe" with a ``te_jax.moe.MoEConfig`` and
+  neither biases nor intermediate dropout (the experts have neither)."""
+  from te_jax.moe import MoEConfig  # pylint: disable=import-outside-toplevel
+  if mlp_type not in MLP_TYPES:
+    raise ValueError(f"mlp_type must be one of {MLP_TYPES}, got {mlp_type!r}.")
+  if mlp_type == "dense":
+    if moe is not None:
+      raise ValueError("moe=MoEConfig(...) is given but mlp_type='dense': set "
+                       "mlp_type='moe' to put the mixture of experts in place of the MLP.")
+    return
+  if not isinstance(moe, MoEConfig):
+    raise TypeError(f"mlp_type='moe' needs moe=te_jax.moe.MoEConfig(num_experts=..., "
+                    f"num_experts_per_token=...), got {moe!r}.")
+  if use_bias:
+    raise ValueError("use_bias=True with mlp_type='moe': the experts have no biases (a "
+                     "padding row of the expert buffer must stay 0); set use_bias=False.")
+  if intermediate_dropout:
+    raise ValueError(f"intermediate_dropout={intermediate_dropout} with mlp_type='moe': the "
+                     "experts have no intermediate dropout; set it to 0.")
+
+
+def token_mask(segment_ids):
+  """The MoE's token mask of a packed batch: segment id 0 (padding) routes
+  nowhere; None without segment ids."""
+  return None if segment_ids is None else segment_ids != 0
 
 
 def self_attn_mask_type(layer_type: str, given: Optional[str]) -> str:

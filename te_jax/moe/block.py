@@ -49,8 +49,10 @@ from te_jax.moe import dispatch as dispatch_lib
 from te_jax.moe import experts as experts_lib
 from te_jax.moe import parallel
 from te_jax.moe import router as router_lib
+from te_jax.moe.scopes import SCOPES
 
-__all__ = ["MoEConfig", "MoEAux", "moe_block", "init_params", "init_fp8_state"]
+__all__ = ["MoEConfig", "MoEAux", "moe_block", "init_params", "init_fp8_state",
+           "aux_totals", "SCOPES"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +73,15 @@ class MoEConfig:
     load_balancing_coef: weight of ``router.load_balancing_loss`` in
       ``MoEAux.loss`` (0: reported, not added).
     z_loss_coef: weight of ``router.router_z_loss`` in ``MoEAux.loss``.
+    shared_intermediate_dim: width of the shared experts' MLP (every token
+      goes through it), or None: none. The modules (``te_jax.flax.MoE``,
+      ``te_jax.nnx.MoE``) declare them from it; :func:`moe_block` takes them
+      from ``params`` and checks the width when it is set.
+    router_bias_update_rate: DeepSeek-V3's bias-based balancing: the rate of
+      ``router.update_balance_bias`` (1e-3 in DeepSeek-V3), or None: no
+      bias. The modules keep the bias and update it in their training
+      calls; :func:`moe_block` needs it as ``router_bias`` when this is set
+      (the caller then updates it).
   """
 
   num_experts: int
@@ -82,6 +93,8 @@ class MoEConfig:
   capacity_factor: Optional[float] = None
   load_balancing_coef: float = 0.0
   z_loss_coef: float = 0.0
+  shared_intermediate_dim: Optional[int] = None
+  router_bias_update_rate: Optional[float] = None
 
   def __post_init__(self):
     for name in ("num_experts", "num_experts_per_token"):
@@ -105,6 +118,15 @@ class MoEConfig:
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise ValueError(f"{name} must be a finite number, got {v!r}.")
+    f = self.shared_intermediate_dim
+    if f is not None and (isinstance(f, bool) or not isinstance(f, int) or f < 1):
+      raise ValueError(f"shared_intermediate_dim must be None (no shared experts) or an int "
+                       f">= 1, got {f!r}.")
+    rate = self.router_bias_update_rate
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float))
+                             or not 0 <= rate < math.inf):
+      raise ValueError(f"router_bias_update_rate must be None (no router bias) or a finite "
+                       f"number >= 0, got {rate!r}.")
 
 
 class MoEAux(NamedTuple):
@@ -173,6 +195,13 @@ def _check_params(params, config, x):
                      f"{params['wo'].shape}.")
   if ("shared_wi" in params) != ("shared_wo" in params):
     raise ValueError("params must hold both shared_wi and shared_wo, or neither.")
+  fs = config.shared_intermediate_dim
+  if fs is not None and ("shared_wi" not in params or params["shared_wi"].shape[-1] != fs
+                         or params["shared_wo"].shape[0] != fs):
+    got = (params["shared_wi"].shape, params["shared_wo"].shape) if "shared_wi" in params \
+        else "none"
+    raise ValueError(f"config.shared_intermediate_dim={fs}: params must hold shared_wi "
+                     f"(H, n_act, {fs}) and shared_wo ({fs}, H), got {got}.")
 
 
 def _shared_mlp(x, params, config, recipe, fp8_state, impl, mesh_resource, mesh):
@@ -199,13 +228,16 @@ def _local_experts(x2, routing, params, config, recipe, fp8_state, impl):
   if config.capacity_factor is not None:
     capacity = dispatch_lib.capacity_rows(config.capacity_factor, t * k, e, block)
   rows = dispatch_lib.segment_rows(t * k, e, block, capacity)
-  d = dispatch_lib.plan(dispatch_lib.flat_assignments(routing.expert_ids), num_experts=e,
-                        block=block, rows_per_segment=rows, capacity=capacity)
-  buf = dispatch_lib.dispatch_rows(x2, d, rows)
-  out = experts_lib.expert_mlp(buf, d.group_sizes, params["wi"], params["wo"],
-                               activations=config.activations, recipe=recipe,
-                               fp8_state=fp8_state, impl=impl)
-  return dispatch_lib.combine_rows(out, d, routing.weights), d.dropped
+  with jax.named_scope(SCOPES["dispatch"]):
+    d = dispatch_lib.plan(dispatch_lib.flat_assignments(routing.expert_ids), num_experts=e,
+                          block=block, rows_per_segment=rows, capacity=capacity)
+    buf = dispatch_lib.dispatch_rows(x2, d, rows)
+  with jax.named_scope(SCOPES["experts"]):
+    out = experts_lib.expert_mlp(buf, d.group_sizes, params["wi"], params["wo"],
+                                 activations=config.activations, recipe=recipe,
+                                 fp8_state=fp8_state, impl=impl)
+  with jax.named_scope(SCOPES["combine"]):
+    return dispatch_lib.combine_rows(out, d, routing.weights), d.dropped
 
 
 def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
@@ -228,10 +260,12 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
       (padding) are routed nowhere and their output is the shared experts'
       alone (0 without them).
     impl: "auto" or "reference" for the ops.
-    mesh_resource: ``te_jax.sharding.MeshResource`` of the mesh (dp, fsdp,
-      tp, sequence parallelism); None with no ``ep_axis``: unsharded.
-    ep_axis: the mesh axis the experts are sharded over (expert
-      parallelism); tokens are split over it as over the data axes.
+    mesh_resource: ``te_jax.sharding.MeshResource`` of the mesh (dp, ep,
+      fsdp, tp, sequence parallelism): the experts are sharded over its
+      ``ep_resource`` (expert parallelism), tokens split over it as over the
+      data axes; None with no ``ep_axis``: unsharded.
+    ep_axis: the expert axis by name, for a mesh resource without an
+      ``ep_resource`` (the same as setting it there).
     mesh: the mesh; default the active one.
 
   Returns:
@@ -245,10 +279,15 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
   if token_mask is not None and jnp.shape(token_mask) != lead:
     raise ValueError(f"token_mask must have shape {lead} (x's leading dims), got "
                      f"{jnp.shape(token_mask)}.")
-  routing = router_lib.route(
-      x.reshape(-1, h), params["router"], num_experts_per_token=config.num_experts_per_token,
-      score_function=config.score_function, normalize_weights=config.normalize_topk_weights,
-      scaling_factor=config.routed_scaling_factor, bias=router_bias, token_mask=mask)
+  if config.router_bias_update_rate is not None and router_bias is None:
+    raise ValueError("config.router_bias_update_rate is set (bias-based balancing): pass the "
+                     "router_bias (E,) (zeros at first) and update it after each step with "
+                     "te_jax.moe.update_balance_bias.")
+  with jax.named_scope(SCOPES["router"]):
+    routing = router_lib.route(
+        x.reshape(-1, h), params["router"], num_experts_per_token=config.num_experts_per_token,
+        score_function=config.score_function, normalize_weights=config.normalize_topk_weights,
+        scaling_factor=config.routed_scaling_factor, bias=router_bias, token_mask=mask)
   if fp8_state is not None and not (isinstance(fp8_state, dict) and
                                     {"wi", "wo"} <= set(fp8_state)):
     raise ValueError("fp8_state must be the dict of te_jax.moe.init_fp8_state (with 'wi' "
@@ -265,12 +304,41 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
   if "shared_wi" in params:
     # the expert axis is a data axis for the shared experts
     shared_mr = parallel.dense_mesh_resource(mesh_resource, ep_axis)
-    y = y + _shared_mlp(x, params, config, recipe, fp8_state, impl, shared_mr,
-                        mesh).astype(y.dtype)
-  lb = router_lib.load_balancing_loss(routing)
-  z = router_lib.router_z_loss(routing)
-  loss = jnp.float32(config.load_balancing_coef) * lb + jnp.float32(config.z_loss_coef) * z
-  aux = MoEAux(loss, lb, z, router_lib.tokens_per_expert(routing, config.num_experts),
-               dropped)
+    with jax.named_scope(SCOPES["shared"]):
+      y = y + _shared_mlp(x, params, config, recipe, fp8_state, impl, shared_mr,
+                          mesh).astype(y.dtype)
+  with jax.named_scope(SCOPES["router"]):
+    lb = router_lib.load_balancing_loss(routing)
+    z = router_lib.router_z_loss(routing)
+    loss = jnp.float32(config.load_balancing_coef) * lb + jnp.float32(config.z_loss_coef) * z
+    aux = MoEAux(loss, lb, z, router_lib.tokens_per_expert(routing, config.num_experts),
+                 dropped)
   return y, aux
+
+
+def aux_totals(tree) -> dict:
+  """What a training loop logs of every :class:`MoEAux` in ``tree``.
+
+  ``tree``: any pytree holding MoEAux values: the ``"intermediates"`` a
+  Linen model sowed (``te_jax.flax.MoE``), the ``te_jax.nnx.MoEMetrics``
+  state of an NNX model, a list of ``moe_block`` results. Stacked layers
+  (``nn.scan``) hold one entry per layer.
+
+  Returns:
+    ``{"aux_loss": sum of the losses (add it to the training loss),
+    "dropped": int32 sum of the dropped assignments, "load_balancing_loss",
+    "router_z_loss": their means over the layers, "layers": how many}``;
+    zeros (and ``layers`` 0) when ``tree`` holds none.
+  """
+  found = [a for a in jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, MoEAux))
+           if isinstance(a, MoEAux)]
+  n = sum(int(math.prod(jnp.shape(a.loss))) for a in found)
+
+  def total(field, dtype=jnp.float32):
+    return sum((jnp.sum(getattr(a, field)).astype(dtype) for a in found), jnp.zeros((), dtype))
+
+  mean = lambda field: total(field) / max(n, 1)
+  return {"aux_loss": total("loss"), "dropped": total("dropped", jnp.int32),
+          "load_balancing_loss": mean("load_balancing_loss"),
+          "router_z_loss": mean("router_z_loss"), "layers": n}
 

@@ -4,7 +4,8 @@ The expert part of the MoE block (dispatch, experts, combine) runs per device
 inside ``shard_map``; every buffer has a size fixed at trace time, so every
 device runs the same collectives whatever the routing and its token count.
 
-Layout on a mesh with an expert-parallel axis ``ep`` (P devices), data axes
+Layout on a mesh with an expert-parallel axis ``ep`` (P devices; the mesh
+resource's ``ep_resource``, or ``moe_block``'s ``ep_axis``), data axes
 (dp, fsdp), a tensor-parallel axis ``tp``:
 
 * tokens (batch, seq, H) split over (dp, ep, fsdp) on batch, over tp on seq
@@ -56,9 +57,10 @@ from te_jax import sharded_dense
 from te_jax import sharding as sharding_lib
 from te_jax.moe import dispatch as dispatch_lib
 from te_jax.moe import experts as experts_lib
+from te_jax.moe.scopes import SCOPES
 
 __all__ = ["ExpertPlan", "make_plan", "sharded_experts", "regroup",
-           "dense_mesh_resource"]
+           "dense_mesh_resource", "with_ep_axis"]
 
 
 class ExpertPlan(NamedTuple):
@@ -103,42 +105,63 @@ def _check_divides(what, size, axes, mesh):
   return size // n
 
 
+def with_ep_axis(mesh_resource: Optional[sharding_lib.MeshResource],
+                 ep_axis: Optional[str]) -> Optional[sharding_lib.MeshResource]:
+  """``mesh_resource`` with ``ep_axis`` as its ``ep_resource`` (the expert
+  axis named apart from the resource, as ``moe_block(ep_axis=...)`` takes
+  it); unchanged when ``ep_axis`` is None or already its ``ep_resource``.
+
+  Raises:
+    TypeError: ``ep_axis`` is not a name.
+    ValueError: the resource names another expert axis, or gives
+      ``ep_axis`` another role.
+  """
+  if ep_axis is None:
+    return mesh_resource
+  if not isinstance(ep_axis, str):
+    raise TypeError(f"ep_axis must be a mesh axis name or None, got {ep_axis!r}.")
+  mr = mesh_resource if mesh_resource is not None else sharding_lib.MeshResource()
+  if mr.ep_resource == ep_axis:
+    return mr
+  if mr.ep_resource is not None:
+    raise ValueError(f"ep_axis={ep_axis!r} but the mesh resource names the expert axis "
+                     f"ep_resource={mr.ep_resource!r}; give one of them.")
+  if ep_axis in mr.axes:
+    raise ValueError(f"ep_axis {ep_axis!r} already serves another role in {mr}.")
+  return dataclasses.replace(mr, ep_resource=ep_axis)
+
+
 def dense_mesh_resource(mesh_resource: Optional[sharding_lib.MeshResource],
                         ep_axis: Optional[str]) -> Optional[sharding_lib.MeshResource]:
   """The mesh resource of the layers outside the experts (shared experts,
-  attention, dense layers) on a mesh with an expert axis: the expert axis
-  joins the data-parallel axes, since the tokens are split over it and those
-  layers' weights are replicated there."""
-  if ep_axis is None:
-    return mesh_resource
-  mr = mesh_resource if mesh_resource is not None else sharding_lib.MeshResource()
-  return dataclasses.replace(mr, dp_resource=_names(mr.dp_resource) + (ep_axis,))
+  attention, dense layers) on a mesh with an expert axis: the resource with
+  its ``ep_resource`` set, which those layers treat as a data axis (the
+  tokens are split over it, their weights replicated there;
+  ``te_jax.sharding.batch_axes``)."""
+  return with_ep_axis(mesh_resource, ep_axis)
 
 
 def make_plan(x_shape, config, recipe, mesh_resource, ep_axis, mesh) -> Optional[ExpertPlan]:
   """The sharding of the expert block, or None when nothing is sharded."""
   if mesh_resource is None and ep_axis is None:
     return None
-  mr = mesh_resource if mesh_resource is not None else sharding_lib.MeshResource()
+  mr = with_ep_axis(mesh_resource, ep_axis)
   mesh = sharding_lib.get_mesh(mesh)
-  if ep_axis is not None and not isinstance(ep_axis, str):
-    raise TypeError(f"ep_axis must be a mesh axis name or None, got {ep_axis!r}.")
   if mesh is None or (ep_axis is None and sharded_dense.warn_if_unsharded(mr, mesh)):
     if ep_axis is not None:
       raise ValueError(f"ep_axis={ep_axis!r} needs a mesh (jax.set_mesh or mesh=).")
     return None
-  if ep_axis is not None:
-    if ep_axis not in mesh.axis_names:
-      raise ValueError(f"ep_axis {ep_axis!r} is not an axis of the mesh "
-                       f"{tuple(mesh.axis_names)}.")
-    if ep_axis in mr.axes:
-      raise ValueError(f"ep_axis {ep_axis!r} already serves another role in {mr}.")
-  ep = _present(mesh, ep_axis)
+  if ep_axis is not None and ep_axis not in mesh.axis_names:
+    # an axis asked for by name must exist (a MeshResource role the mesh
+    # lacks is unused, as every other role)
+    raise ValueError(f"ep_axis {ep_axis!r} is not an axis of the mesh "
+                     f"{tuple(mesh.axis_names)}.")
+  ep = _present(mesh, mr.ep_resource)
   fsdp = _present(mesh, mr.fsdp_resource)
   tp = sharding_lib.tp_axis(mr, mesh)
   sp = bool(mr.sequence_parallel and tp)
   # the token dim as the layers around split it: (dp..., ep, fsdp...)
-  batch = sharding_lib.batch_axes(dense_mesh_resource(mr, ep_axis), mesh)
+  batch = sharding_lib.batch_axes(mr, mesh)
   if not (batch or tp):
     return None
   if len(x_shape) not in (2, 3):
@@ -209,27 +232,30 @@ def _body(plan: ExpertPlan, impl, x, ids, weights, wi, wo, states):
   if plan.capacity_factor is not None:
     capacity = dispatch_lib.capacity_rows(plan.capacity_factor, a, e, plan.block)
   s = dispatch_lib.segment_rows(a, e // p, plan.block, capacity)
-  d = dispatch_lib.plan(dispatch_lib.flat_assignments(ids2), num_experts=e,
-                        block=plan.block, rows_per_segment=s, segments=p,
-                        capacity=capacity)
-  buf, sizes = dispatch_lib.dispatch_rows(x2, d, p * s), d.group_sizes
-  if plan.ep_axis:
-    exchange = functools.partial(lax.all_to_all, axis_name=plan.ep_axis, split_axis=0,
-                                 concat_axis=0, tiled=True)
-    recv_sizes = exchange(sizes.reshape(p, e // p))
-    dest, sizes = regroup(recv_sizes, s)
-    buf = dispatch_lib.place_rows(exchange(buf), jnp.arange(p * s, dtype=jnp.int32),
-                                  dest, p * s)
+  exchange = functools.partial(lax.all_to_all, axis_name=plan.ep_axis, split_axis=0,
+                               concat_axis=0, tiled=True)
+  with jax.named_scope(SCOPES["dispatch"]):
+    d = dispatch_lib.plan(dispatch_lib.flat_assignments(ids2), num_experts=e,
+                          block=plan.block, rows_per_segment=s, segments=p,
+                          capacity=capacity)
+    buf, sizes = dispatch_lib.dispatch_rows(x2, d, p * s), d.group_sizes
+    if plan.ep_axis:
+      recv_sizes = exchange(sizes.reshape(p, e // p))
+      dest, sizes = regroup(recv_sizes, s)
+      buf = dispatch_lib.place_rows(exchange(buf), jnp.arange(p * s, dtype=jnp.int32),
+                                    dest, p * s)
   wi_axes, wo_axes = _grouped_axes(plan)
-  out = experts_lib.expert_mlp(buf, sizes, wi, wo, activations=plan.activations,
-                               recipe=plan.recipe, fp8_state=states, impl=impl,
-                               wi_axes=wi_axes, wo_axes=wo_axes)
-  if plan.ep_axis:
-    out = exchange(dispatch_lib.pick_rows(out, dest))
-  y2 = dispatch_lib.combine_rows(out, d, w2)
-  if plan.tp_axis:   # the tp ranks' partial sums over their slices of F
-    y2 = (lax.psum_scatter(y2, plan.tp_axis, scatter_dimension=0, tiled=True)
-          if plan.sequence_parallel else lax.psum(y2, plan.tp_axis))
+  with jax.named_scope(SCOPES["experts"]):
+    out = experts_lib.expert_mlp(buf, sizes, wi, wo, activations=plan.activations,
+                                 recipe=plan.recipe, fp8_state=states, impl=impl,
+                                 wi_axes=wi_axes, wo_axes=wo_axes)
+  with jax.named_scope(SCOPES["combine"]):
+    if plan.ep_axis:
+      out = exchange(dispatch_lib.pick_rows(out, dest))
+    y2 = dispatch_lib.combine_rows(out, d, w2)
+    if plan.tp_axis:   # the tp ranks' partial sums over their slices of F
+      y2 = (lax.psum_scatter(y2, plan.tp_axis, scatter_dimension=0, tiled=True)
+            if plan.sequence_parallel else lax.psum(y2, plan.tp_axis))
   dropped = d.dropped
   if plan.batch_axes:
     dropped = lax.psum(dropped, _entry(plan.batch_axes))

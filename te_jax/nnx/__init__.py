@@ -47,6 +47,7 @@ from te_jax.nnx.state import (FP8State, FP8Counters, FP8StateWarning, WRT, diff_
                               remove_update_check, check_fp8_updates)
 from te_jax.nnx.linear import Linear, LayerNormLinear, LayerNorm, RMSNorm
 from te_jax.nnx.mlp import LayerNormMLP
+from te_jax.nnx.moe import MoE, MoEMetrics, RouterBias
 from te_jax.nnx.attention import MultiHeadAttention
 from te_jax.nnx.dot_general import Fp8DotGeneral
 from te_jax.nnx.transformer import TransformerLayer
@@ -59,6 +60,9 @@ __all__ = [
     "LayerNorm",
     "RMSNorm",
     "LayerNormMLP",
+    "MoE",
+    "MoEMetrics",
+    "RouterBias",
     "MultiHeadAttention",
     "TransformerLayer",
     "Fp8DotGeneral",

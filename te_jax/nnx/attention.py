@@ -16,7 +16,8 @@ from flax import nnx
 
 from te_jax import norm_dense
 from te_jax.layers import attention as attn
-from te_jax.layers.checks import check_rate, compute_dtype, to_tuple
+from te_jax.layers import kv_cache
+from te_jax.layers.checks import attention_options, compute_dtype, to_tuple
 from te_jax.layers.init import default_kernel_init
 from te_jax.nnx.linear import Linear, zeros
 
@@ -25,6 +26,11 @@ __all__ = ["MultiHeadAttention"]
 Dtype = Any
 Initializer = Callable[..., jax.Array]
 _ATTENTION_TYPES = ("self", "cross")
+
+# NNX modules keep no key/value cache; the Linen twin decodes.
+_NO_DECODE = ("decode with te_jax.flax.MultiHeadAttention(..., decode=True), same parameters "
+              "and numbers, on the variables te_jax.nnx.linen_variables(model) gives "
+              "(docs/nnx.md).")
 
 
 def _one_of(name, value, alias, alias_value, required=True):
@@ -106,6 +112,8 @@ class MultiHeadAttention(nnx.Module):
       dim unsharded.
     out_features: output width (default in_features).
     deterministic: default of the call argument.
+    decode: must be False (also in the call): NNX modules keep no key/value
+      cache; True raises a ValueError naming the Linen module, which decodes.
     rngs: ``nnx.Rngs``.
   """
 
@@ -121,15 +129,17 @@ class MultiHeadAttention(nnx.Module):
                max_segments_per_seq: int = 8, max_document_length: Optional[int] = None,
                dtype: Optional[Dtype] = None, param_dtype: Dtype = jnp.float32,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = zeros,
-               deterministic: bool = False, impl: str = "auto",
+               deterministic: bool = False, impl: str = "auto", decode: bool = False,
                kernel_metadata: Mapping[str, Any] = None,
                out_kernel_metadata: Mapping[str, Any] = None, rngs: nnx.Rngs):
+    kv_cache.refuse_decode(decode, "te_jax.nnx.MultiHeadAttention", _NO_DECODE)
     num_heads = _one_of("num_heads", num_heads, "num_attention_heads", num_attention_heads)
     num_gqa_groups = _one_of("num_gqa_groups", num_gqa_groups, "num_kv_heads", num_kv_heads,
                              required=False)
     if in_features is None:
       raise TypeError("MultiHeadAttention needs in_features (the width of inputs_q).")
-    (h,) = to_tuple("num_heads", num_heads)
+    h, groups, head_dim, out_features, attention_dropout = attention_options(
+        num_heads, num_gqa_groups, head_dim, out_features, attention_dropout)
     (e,) = to_tuple("in_features", in_features)
     if attention_type not in _ATTENTION_TYPES:
       raise ValueError(f"attention_type must be one of {_ATTENTION_TYPES}, got "
@@ -139,16 +149,12 @@ class MultiHeadAttention(nnx.Module):
                        "its keys and values from inputs_q.")
     attn.check_attention_options(attn_mask_type, attention_impl, max_segments_per_seq,
                                  max_document_length)
-    check_rate("attention_dropout", attention_dropout)
-    h, g, d = attn.head_layout(
-        e, h, None if num_gqa_groups is None else to_tuple("num_gqa_groups", num_gqa_groups)[0],
-        None if head_dim is None else to_tuple("head_dim", head_dim)[0])
+    h, g, d = attn.head_layout(e, h, groups, head_dim)
     ekv = e if kv_features is None else to_tuple("kv_features", kv_features)[0]
     self.num_heads = self.num_attention_heads = h
     self.num_gqa_groups, self.head_dim = g, d
     self.in_features, self.kv_features, self.attention_type = e, ekv, attention_type
-    self.out_features = e if out_features is None else to_tuple("out_features",
-                                                                out_features)[0]
+    self.out_features = e if out_features is None else out_features
     self.attn_mask_type, self.attention_impl = attn_mask_type, attention_impl
     self.max_segments_per_seq = int(max_segments_per_seq)
     self.max_document_length = max_document_length
@@ -184,7 +190,8 @@ class MultiHeadAttention(nnx.Module):
                mask: Optional[jax.Array] = None,
                deterministic: Optional[bool] = None,
                input_norm: Optional[norm_dense.NormParams] = None,
-               is_causal: Optional[bool] = None) -> jax.Array:
+               is_causal: Optional[bool] = None,
+               decode: Optional[bool] = None) -> jax.Array:
     """Attends from ``inputs_q`` to ``inputs_kv`` (cross) or to itself (self).
 
     Arguments as ``te_jax.flax.MultiHeadAttention.__call__`` (``input_norm``:
@@ -196,6 +203,7 @@ class MultiHeadAttention(nnx.Module):
     ``attn_mask_type`` for this call (None: the module's). Returns (B, Sq,
     out_features) in the compute dtype.
     """
+    kv_cache.refuse_decode(decode, "te_jax.nnx.MultiHeadAttention", _NO_DECODE)
     self_attn = self.attention_type == "self"
     attn.check_input_3d("inputs_q", inputs_q)
     if self_attn and inputs_kv is not None:

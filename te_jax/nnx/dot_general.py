@@ -21,11 +21,14 @@ te_jax.nnx module) the GEMM's amax histories and scales are the op's
 ``FP8State`` variable ``fp8_meta``: being an attribute of the layer, the op
 is part of the model (``layer.dot_general.fp8_meta``), differentiated with
 ``nnx.DiffState(0, te_jax.nnx.WRT)`` and written back by
-``te_jax.nnx.apply_fp8_updates`` like a ``te_jax.nnx.Linear``'s. So one
-instance serves one product: an instance shared by several layers, or a
-class given as ``dot_general_cls`` (a new instance, with a new state, every
-call), would give several GEMMs one state or none that lasts; both raise a
-ValueError under ``DelayedScaling``. The stateless recipes take either.
+``te_jax.nnx.apply_fp8_updates`` like a ``te_jax.nnx.Linear``'s. An
+instance shared by several layers (``nnx.MultiHeadAttention``'s
+``qkv_dot_general``) gives their GEMMs one state, updated once per step with
+the largest amax of its uses (``te_jax.fp8_state.merge_uses``), so one scale
+serves them all; give each layer its own instance for scales of its own. A
+class given as ``dot_general_cls`` makes a new instance, with a new state,
+in every call, whose scales would never advance: a ValueError under
+``DelayedScaling``. The stateless recipes take either.
 
 ``out_sharding`` (which ``nnx.Linear`` passes, None unless its caller gives
 one) is honoured: the FP8 output is resharded to it (a sharding constraint
@@ -48,7 +51,7 @@ sharded FP8 GEMMs.
 from __future__ import annotations
 
 import sys
-from typing import Any, Dict
+from typing import Any
 
 import jax
 from flax import nnx
@@ -62,9 +65,6 @@ from te_jax.nnx import state as st
 __all__ = ["Fp8DotGeneral"]
 
 _NAME = "te_jax.nnx.Fp8DotGeneral"
-# id(op) -> the FP8 state value (a tracer) of the op's last call: a second
-# call with the same tracer is a second use of one state in one step.
-_LAST_STATE: Dict[int, Any] = {}
 
 
 def _made_in_a_layer_call(op) -> bool:
@@ -136,7 +136,6 @@ class Fp8DotGeneral(nnx.Module):
     states = st.NnxStates(self)
     state = states.state(FP8_META, settings.mode)
     if state is not None:
-      self._check_one_use(state)
       states.track_updates(update_probe(rhs))
     y, _ = dot_general_product(_NAME, settings, state, self.on_unsupported, *args)
     if out_sharding is None:
@@ -144,19 +143,3 @@ class Fp8DotGeneral(nnx.Module):
     if sharding_lib.explicit_axes():
       return jax.sharding.reshard(y, out_sharding)
     return lax.with_sharding_constraint(y, out_sharding)
-
-  def _check_one_use(self, state) -> None:
-    """Raises when this op's FP8 state is used a second time in one traced
-    step (an instance shared by several layers: their GEMMs' state updates
-    would be summed into one)."""
-    value = jax.tree.leaves(state)[0]
-    if not isinstance(value, jax.core.Tracer):
-      return
-    if _LAST_STATE.get(id(self)) is value:
-      raise ValueError(
-          f"one {_NAME} ran two products in one step under DelayedScaling: its FP8 state "
-          "(amax histories, scales) can serve one GEMM only. Give each layer its own "
-          "instance (nnx.MultiHeadAttention's qkv_dot_general shares one across the query, "
-          "key and value projections: use te_jax.nnx.MultiHeadAttention there, or a "
-          "stateless recipe).")
-    _LAST_STATE[id(self)] = value

@@ -20,7 +20,7 @@ from flax.core import meta
 from te_jax import norm_dense
 from te_jax.layers import dense as dense_core
 from te_jax.layers import init as init_lib
-from te_jax.layers.checks import compute_dtype, to_tuple
+from te_jax.layers.checks import check_input_rank, compute_dtype, to_tuple
 from te_jax.layers.gemm import FP8_META, canonicalize_axes
 from te_jax.layers.init import default_kernel_init
 from te_jax.layers.norm import apply_norm, check_input_norm, check_norm_type
@@ -154,6 +154,7 @@ class _Norm(nnx.Module):
       self.bias = param(rngs, bias_init, (num_features,), param_dtype, bias_axes)
 
   def __call__(self, x: jax.Array) -> jax.Array:
+    check_input_rank("x", x)
     if x.shape[-1] != self.num_features:
       raise ValueError(f"{type(self).__name__}: the input's last dim ({x.shape[-1]}) must "
                        f"equal num_features ({self.num_features}).")
@@ -369,6 +370,7 @@ class LayerNormLinear(nnx.Module):
 
   def __call__(self, x: jax.Array):
     """Normalizes, then projects; see the class docstring for shapes."""
+    check_input_rank("x", x)
     check_biases_used(self)
     if x.shape[-1] != self.in_features:
       raise ValueError(f"LayerNormLinear: the input's last dim ({x.shape[-1]}) must equal "

@@ -18,7 +18,7 @@ from flax import nnx
 from te_jax import fused_mlp
 from te_jax import norm_dense
 from te_jax.layers import mlp as mlp_lib
-from te_jax.layers.checks import check_rate, compute_dtype, to_tuple
+from te_jax.layers.checks import check_input_rank, compute_dtype, mlp_options, to_tuple
 from te_jax.layers.init import default_kernel_init, gated_kernel_init
 from te_jax.layers.norm import check_norm_type
 from te_jax.nnx import state as st
@@ -76,10 +76,10 @@ class LayerNormMLP(nnx.Module):
                ln_scale_axes=("embed",), ln_bias_axes=("embed",),
                deterministic: bool = False, impl: str = "auto", rngs: nnx.Rngs):
     (self.in_features,) = to_tuple("in_features", in_features)
-    (self.intermediate_dim,) = to_tuple("intermediate_dim", intermediate_dim)
+    self.intermediate_dim, intermediate_dropout_rate = mlp_options(intermediate_dim,
+                                                                  intermediate_dropout_rate)
     self.activations = mlp_lib.check_activations(activations)
     check_norm_type(layernorm_type)
-    check_rate("intermediate_dropout_rate", intermediate_dropout_rate)
     self.layernorm_type, self.epsilon = layernorm_type, float(epsilon)
     self.zero_centered_gamma = bool(zero_centered_gamma)
     self.return_layernorm_output = bool(return_layernorm_output)
@@ -112,6 +112,7 @@ class LayerNormMLP(nnx.Module):
 
   def __call__(self, x: jax.Array, deterministic: Optional[bool] = None):
     """Applies the block; ``deterministic`` (default the attribute) turns dropout off."""
+    check_input_rank("x", x)
     check_biases_used(self, ("wi_bias", "wo_bias"))
     if x.shape[-1] != self.in_features:
       raise ValueError(f"LayerNormMLP: the input's last dim ({x.shape[-1]}) must equal "

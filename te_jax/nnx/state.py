@@ -36,11 +36,23 @@ step's count is usually read when the next step is written back). A loop
 that carries ``nnx.split`` states through ``jax.jit`` itself never writes
 them into the model: call :func:`check_fp8_updates` on its state now and
 then. Gradient accumulation (several forward passes on the same parameters,
-one update) and evaluation passes do not count as steps.
+one update) and evaluation passes do not count as steps. A change of the
+parameters is seen through a probe spread over each kernel
+(``te_jax.layers.state.kernel_probe``); counts that a step jitted with
+``donate_argnums`` deletes are never read (a private copy is, instead).
+
+Every read of a state merges (``te_jax.fp8_state.merge_uses``): a module
+called several times in one step gets one update. Inside ``nnx.remat`` the
+state is a new value per call and later calls reuse the first call's trace,
+so their updates would add unseen: a read there gives an ``FP8StateWarning``
+(once per module and state; one call per step is correct) unless the
+model's states are shared for the calls (:func:`shared_fp8_state`), which
+merges them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import warnings
 from typing import Any, Dict, Tuple
@@ -53,13 +65,14 @@ from flax import nnx
 from flax.core import spmd
 
 from te_jax import fp8_state as state_lib
+from te_jax.fp8_state import FP8StateWarning
 from te_jax.layers import settings as layer_settings
 from te_jax.layers import state as layer_state
 
 __all__ = ["FP8State", "FP8Counters", "FP8StateWarning", "WRT", "diff_state",
            "apply_fp8_updates", "accumulate_gradients", "init_fp8_state",
            "remove_update_check", "check_fp8_updates", "read_autocast", "NnxStates",
-           "gemm_state", "track_updates", "add_fp8_state"]
+           "gemm_state", "track_updates", "add_fp8_state", "shared_fp8_state"]
 
 COUNTERS = "fp8_counters"
 
@@ -95,11 +108,6 @@ class FP8Counters(nnx.Variable):
     _check_when_ready(self, self.get_raw_value())
 
 
-class FP8StateWarning(UserWarning):
-  """The delayed-scaling FP8 state of a module did not advance across
-  training steps (``te_jax.nnx.apply_fp8_updates`` was not called)."""
-
-
 # The filter of everything a training step differentiates.
 WRT = (nnx.Param, FP8State)
 
@@ -128,16 +136,23 @@ def add_fp8_state(module: nnx.Module, mode) -> None:
 
 
 def init_fp8_state(model: nnx.Module, recipe) -> nnx.Module:
-  """Adds fresh delayed-scaling state to every te_jax.nnx FP8 GEMM of ``model``.
+  """Gives every te_jax.nnx FP8 GEMM of ``model`` the state ``recipe`` needs.
 
   For a model constructed outside ``fp8_autocast`` (or under another recipe)
-  that is to train under ``recipe``; existing state is replaced. Does
-  nothing for a recipe without state. Returns ``model`` (changed in place).
+  that is to train under ``recipe``: fresh delayed-scaling state (existing
+  state is replaced); for a recipe without state, the existing state and
+  its update counters are removed (a module holding state that its recipe
+  does not use warns). Returns ``model`` (changed in place).
   """
   mode = recipe.scaling_mode()
-  for _, m in nnx.iter_modules(model):
+  for _, m in list(nnx.iter_modules(model)):
     if getattr(type(m), "FP8_GEMMS", None):
-      add_fp8_state(m, mode)
+      if mode.uses_state:
+        add_fp8_state(m, mode)
+        continue
+      for name in type(m).FP8_GEMMS + (COUNTERS,):
+        if isinstance(getattr(m, name, None), (FP8State, FP8Counters)):
+          delattr(m, name)
   return model
 
 
@@ -219,6 +234,8 @@ class NnxStates(layer_state.GemmStates):
   def __init__(self, module: nnx.Module):
     self.module = module
     self.module_name = type(module).__name__
+    self.warn_name = f"te_jax.nnx.{self.module_name}"
+    self.drop_fix = "te_jax.nnx.init_fp8_state(model, recipe) with that recipe removes it"
 
   def has(self, name: str) -> bool:
     return isinstance(getattr(self.module, name, None), FP8State)
@@ -229,16 +246,72 @@ class NnxStates(layer_state.GemmStates):
   def peek(self, name: str):
     return getattr(self.module, name).get_value()
 
-  def state(self, name: str, mode):
+  def read(self, name: str, mode):
     return gemm_state(self.module, name, mode)
+
+  def check_read(self, name: str, state) -> None:
+    _check_remat_read(self.module_name, name, state)
+
+  # tie: the base's (none). A kept state's "gradient" is zero, which
+  # apply_fp8_updates reads as "keep".
 
   def track_updates(self, kernel: jax.Array) -> None:
     track_updates(self.module, kernel)
 
 
+def _check_remat_read(module_name: str, name: str, state) -> None:
+  """Raises when a float32 FP8 state is read inside ``nnx.remat`` (any
+  ``jax.checkpoint``) of a differentiated step: the remat receives it as a new
+  value, and its next call on the same model reuses this trace (nothing of
+  te_jax runs then), so two calls would add their updates unseen. Read
+  through :func:`shared_fp8_state`, the calls merge."""
+  if layer_state.checkpoint_read_problem(state, None, seen_levels=0) is not None:
+    layer_state.warn_unseen_calls(
+        module_name, name,
+        "call the remat'd function inside `with te_jax.nnx.state.shared_fp8_state(model):` "
+        "(in the differentiated function); its calls then merge into one update.")
+
+
+@contextlib.contextmanager
+def shared_fp8_state(model: nnx.Module):
+  """Inside the block, ``model``'s delayed-scaling FP8 states are shared:
+  calls of ``nnx.remat`` (or ``jax.checkpoint``) on the model in a
+  differentiated step merge their updates into one (the largest amax in one
+  history entry) instead of adding them.
+
+  Use it in the differentiated function, around the remat'd calls::
+
+    def loss_fn(model):
+      with te_jax.nnx.state.shared_fp8_state(model):
+        return loss(block(model, a), block(model, b))   # block = nnx.remat(...)
+
+  Each :class:`FP8State` being differentiated holds, inside, its state in
+  the merging dtype of ``te_jax.fp8_state.merge_uses``, converted once in
+  this trace (``te_jax.fp8_state.share_tree``); the float32 values are put
+  back on exit, and the gradients come back float32. With FP8 off, a recipe
+  without state or nothing differentiated it changes nothing.
+  """
+  mode = read_autocast().mode
+  replaced = []
+  for _, var in nnx.iter_graph(model):
+    if isinstance(var, FP8State):
+      value = var.get_value()
+      shared = state_lib.share_tree(value, mode)
+      if shared is not value:
+        replaced.append((var, value))
+        var.set_value(shared)
+  try:
+    yield model
+  finally:
+    for var, value in replaced:
+      var.set_value(value)
+
+
 _WARNED = set()
 # uid -> the counts written last, not yet read (they were not ready).
 _UNREAD: Dict[int, list] = {}
+# uids whose counts a jitted step deleted (donate_argnums): read from copies.
+_DONATED = set()
 
 
 def _frozen_warning(module_name: str, pending: int) -> FP8StateWarning:
@@ -257,6 +330,12 @@ def _check_when_ready(var: FP8Counters, value) -> None:
   Reads only counts the device has finished (``is_ready``); the others wait
   for the next write. The counts only grow until ``apply_fp8_updates``
   resets them, so reading the newest finished one is enough.
+
+  A step jitted with ``donate_argnums`` (Flax's NNX tutorials write it so)
+  deletes the counts it was given: the one this function kept waiting is
+  gone by the next write. It is dropped, never read, and from then on the
+  module's counts are read from a private device copy, one at a time (the
+  copy is made when a count is written, before the next step can donate it).
   """
   pending = value.get("pending") if isinstance(value, dict) else None
   if not isinstance(pending, jax.Array) or isinstance(pending, jax.core.Tracer):
@@ -265,7 +344,13 @@ def _check_when_ready(var: FP8Counters, value) -> None:
   if uid in _WARNED:
     return
   unread = _UNREAD.setdefault(uid, [])
-  unread.append(pending)
+  if any(p.is_deleted() for p in unread):
+    _DONATED.add(uid)
+    unread[:] = [p for p in unread if not p.is_deleted()]
+  if uid not in _DONATED:
+    unread.append(pending)
+  elif not unread:
+    unread.append(jnp.copy(pending))
   ready = [p.is_ready() for p in unread]          # once: a count may finish meanwhile
   done = [p for p, r in zip(unread, ready) if r]
   unread[:] = [p for p, r in zip(unread, ready) if not r][-2:]   # the newest matter
@@ -307,9 +392,20 @@ def track_updates(module: nnx.Module, kernel: jax.Array) -> None:
   if not isinstance(var, FP8Counters):
     return
   c = var.get_value()
-  probe = lax.stop_gradient(jnp.ravel(kernel)[0]).astype(jnp.float32)
+  if isinstance(c["pending"], jax.core.Tracer) and _COUNTED_IN_TRACE.get(id(var)) is c["pending"]:
+    # A second use in this trace (a Fp8DotGeneral shared by several layers
+    # sees their different kernels): the step was counted by its first use.
+    return
+  probe = layer_state.kernel_probe(lax.stop_gradient(kernel))
   changed = probe != c["probe"]          # the stored NaN: a first pass counts
-  var.set_value({"pending": c["pending"] + changed.astype(jnp.int32), "probe": probe})
+  pending = c["pending"] + changed.astype(jnp.int32)
+  var.set_value({"pending": pending, "probe": probe})
+  _COUNTED_IN_TRACE[id(var)] = pending
+
+
+# id(FP8Counters variable) -> the count its last traced use wrote: finding it
+# there again means the same trace uses the module again.
+_COUNTED_IN_TRACE: Dict[int, Any] = {}
 
 
 # ------------------------------------------------------------- training ---
@@ -322,17 +418,6 @@ def _flat(tree, var_type) -> Dict[Tuple, Any]:
     st = nnx.state(tree, var_type)
   return {tuple(p): (v.get_value() if isinstance(v, nnx.Variable) else v)
           for p, v in nnx.to_flat_state(st)}
-
-
-def _keep_where_zero(new, old):
-  """``new``, except where a tensor's state came back as zeros (scale 0: the
-  GEMM did not use this state in the step), which keeps ``old``."""
-  if isinstance(new, dict) and "scale" in new:
-    ok = new["scale"] > 0
-    return {k: jnp.where(ok, v, old[k]) for k, v in new.items()}
-  if isinstance(new, dict):
-    return {k: _keep_where_zero(v, old[k]) for k, v in new.items()}
-  return new
 
 
 def _path_str(p):
@@ -371,7 +456,7 @@ def apply_fp8_updates(model: nnx.Module, grads) -> None:
                        "(pass the gradients of this model).")
     for path, var in nnx.iter_graph(model):
       if isinstance(var, FP8State):
-        var.set_value(_keep_where_zero(new[tuple(path)], var.get_value()))
+        var.set_value(state_lib.keep_where_unused(new[tuple(path)], var.get_value()))
   for _, var in nnx.iter_graph(model):
     if isinstance(var, FP8Counters):
       c = var.get_value()

@@ -12,8 +12,8 @@ built with nvcc and cuBLASLt. Every op takes ``impl``:
 * ``"reference"``: the pure-JAX spec.
 
 The environment variable ``TE_JAX_IMPL`` (``reference`` or ``cuda``) replaces
-``"auto"``. te_jax reads four environment variables: this one, in Python
-whenever an op is traced, and three in the CUDA GEMM handler
+``"auto"``. te_jax reads five environment variables: this one, in Python
+whenever an op is traced, and four in the CUDA GEMM handler
 (``custom_calls/ffi/gemm_autotune.h``), read once per process at the first
 GEMM:
 
@@ -23,7 +23,10 @@ GEMM:
 * ``TE_JAX_GEMM_PICK``: an experiment knob naming the answer to use
   (``K``, ``split=K``, ``fast=K`` or ``fast=K,split=L``);
 * ``TE_JAX_GEMM_LOG``: set and not ``0``, prints each problem's candidates
-  and choice to stderr.
+  and choice to stderr;
+* ``TE_JAX_GEMM_SM90``: ``1`` adds te_jax's own sm_90a blockwise GEMMs
+  (builds with the CUTLASS headers) to the candidates, ``only`` uses them
+  alone where they take the problem; unset or ``0``: cuBLASLt alone.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Callable, TypeVar
 
 import jax
 
-__all__ = ["cuda_available", "check_impl", "dispatch", "resolve_impl", "IMPLS"]
+__all__ = ["build_note", "cuda_available", "check_impl", "dispatch", "resolve_impl", "IMPLS"]
 
 IMPLS = ("auto", "cuda", "reference")
 _log = logging.getLogger("te_jax")
@@ -52,10 +55,24 @@ def _load_native():
   try:
     from te_jax import _te_jax_ffi as native  # pylint: disable=import-outside-toplevel
   except ImportError as e:
-    return None, f"the native module te_jax._te_jax_ffi is not built ({e})"
+    note = build_note()
+    return None, (f"the native module te_jax._te_jax_ffi is not built ({e})"
+                  + (f"; the build says: {note}" if note else ""))
   for name, capsule in native.registrations().items():
     jax.ffi.register_ffi_target(name, capsule, platform="CUDA")
   return native, ""
+
+
+def build_note() -> str:
+  """What the build recorded beside the module (``_te_jax_ffi_build.txt``:
+  which CUDA toolkit it used, or why it built no kernels); "" when absent."""
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                      "_te_jax_ffi_build.txt")
+  try:
+    with open(path, encoding="utf-8") as f:
+      return " ".join(f.read().split())
+  except OSError:
+    return ""
 
 
 def _gpu_backend() -> bool:

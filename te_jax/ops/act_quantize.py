@@ -19,11 +19,19 @@ exact value and returns 0 below 2^-126), which moves an FP8 value by at
 most one step on rare elements. Quantization is exactly
 ``ops/quantize.py``'s, applied to the float32 result (no bf16 rounding in
 between).
+
+Outputs: both FP8 copies by default; ``rowwise=False`` / ``columnwise=False``
+leaves one out (the forward of the FP8 MLP writes only the rowwise ``z`` its
+second GEMM reads). ``dact_quantize(..., act_columnwise=...)`` also writes
+the columnwise copy of ``z = act(h)`` for the wgrad GEMM of the second
+layer, quantized as the forward quantized ``z`` (:class:`ActColumnwise`),
+from the activation values its pass over ``h`` computes anyway: the
+forward need not keep that copy, and no second pass over ``h`` makes it.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence, Tuple
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +41,9 @@ from jax import lax
 from te_jax.ops import _native
 from te_jax.ops import act_quantize_cuda
 from te_jax.ops import quantize as quantize_op
+from te_jax.ops import quantize_copies as copies
 from te_jax.ops import tiling
-from te_jax.ops.fp8 import QuantizedTensor
+from te_jax.ops.fp8 import QuantizedTensor, ScaledTensor
 
 __all__ = [
     "ACTIVATIONS",
@@ -43,6 +52,9 @@ __all__ = [
     "MODES",
     "activation_forward",
     "activation_backward",
+    "ActColumnwise",
+    "act_columnwise_like",
+    "join_columnwise",
     "act_quantize_reference",
     "dact_quantize_reference",
     "act_quantize",
@@ -200,6 +212,65 @@ def _check_dz(dz, h, n_act: int):
                      f"with dz.shape = {dz.shape} and n_act = len(activations) = {n_act}.")
 
 
+class ActColumnwise(NamedTuple):
+  """The columnwise FP8 copy of ``z = act(h)`` that ``dact_quantize`` can also
+  write, for the wgrad GEMM of the layer after the activation: quantized
+  exactly as the forward's ``act_quantize`` call quantized ``z`` (the same
+  bytes), so that the forward need not keep it.
+
+  Build it with :func:`act_columnwise_like`, which checks it.
+
+  Attributes:
+    mode: that call's mode; the same as the ``dact_quantize`` call's (one
+      kernel, one tile layout).
+    dtype: its FP8 dtype.
+    scale: its float32 scale ("tensorwise"), else None.
+    amax: the amax it returned, a float32 scalar (per-tensor modes:
+      "current" derives the scale from it as that call did, "tensorwise"
+      gives a NaN scale_inv where it is not finite); None for "blockwise",
+      whose 128x1 tile scales come from the same values again.
+    power_2_scale: its power_2_scale ("blockwise").
+  """
+
+  mode: str
+  dtype: Any
+  scale: Optional[jax.Array] = None
+  amax: Optional[jax.Array] = None
+  power_2_scale: bool = False
+
+
+def act_columnwise_like(*, amax, mode: str, dtype, scale=None, power_2_scale: bool = False,
+                        impl: str = "auto") -> ActColumnwise:
+  """The :class:`ActColumnwise` of an ``act_quantize`` call with these options
+  that returned ``amax`` (its ``QuantizedTensor.amax``).
+
+  It takes the options as ``act_quantize`` does, so that
+  ``ScalingMode.quantize_fused(act_columnwise_like, "x", state, amax=...)``
+  names the quantization a recipe gave the forward's ``z``; ``impl`` comes
+  with that call and is not used (this says how ``z`` is quantized, not where).
+  """
+  del impl
+  return _check_act_columnwise(ActColumnwise(mode, dtype, scale, amax, power_2_scale), mode)
+
+
+def _check_act_columnwise(spec, mode: str) -> ActColumnwise:
+  if not isinstance(spec, ActColumnwise):
+    raise TypeError(f"act_columnwise must be an ActColumnwise (act_columnwise_like), got "
+                    f"{type(spec).__name__}.")
+  if spec.mode != mode:
+    raise ValueError(f"act_columnwise.mode ({spec.mode!r}) must be the dact_quantize call's "
+                     f"mode ({mode!r}).")
+  try:
+    dtype, scale = quantize_op.check_mode_args(spec.mode, spec.dtype, spec.scale,
+                                               spec.power_2_scale)
+    if spec.amax is None and mode != "blockwise":
+      raise ValueError(f"amax (the forward's max|act(h)|) is needed for mode={mode!r}.")
+    amax = copies.check_given_amax(mode, spec.amax)
+  except (TypeError, ValueError) as e:
+    raise type(e)(f"act_columnwise: {e}") from None
+  return ActColumnwise(mode, dtype, scale, amax, bool(spec.power_2_scale))
+
+
 # ------------------------------------------------------------- references ---
 
 def activation_forward(h: jax.Array, activations: Sequence[str]) -> jax.Array:
@@ -248,28 +319,74 @@ def activation_backward(dz: jax.Array, h: jax.Array,
 
 
 def act_quantize_reference(h: jax.Array, activations: Sequence[str], *, mode: str,
-                           dtype, scale=None, power_2_scale: bool = False
-                           ) -> QuantizedTensor:
+                           dtype, scale=None, power_2_scale: bool = False,
+                           rowwise: bool = True, columnwise: bool = True) -> QuantizedTensor:
   """Pure-JAX ``act_quantize``: quantizes ``activation_forward(h, activations)``."""
   acts = _check_activations(activations)
   _check_h(h, len(acts))
   dtype, scale = quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
-  return quantize_op.quantize_by_mode_reference(
-      activation_forward(h, acts), mode, dtype, scale, power_2_scale)
+  copies.check_outputs(rowwise, columnwise)
+  return copies.quantize_selected_reference(activation_forward(h, acts), mode, dtype, scale,
+                                     power_2_scale, rowwise=rowwise, columnwise=columnwise)
+
+
+def _act_columnwise_reference(h, acts, spec: ActColumnwise) -> ScaledTensor:
+  return copies.quantize_selected_reference(activation_forward(h, acts), spec.mode, spec.dtype,
+                                     spec.scale, spec.power_2_scale, amax=spec.amax,
+                                     rowwise=False).columnwise()
 
 
 def dact_quantize_reference(dz: jax.Array, h: jax.Array, activations: Sequence[str], *,
-                            mode: str, dtype, scale=None, power_2_scale: bool = False
-                            ) -> QuantizedTensor:
-  """Pure-JAX ``dact_quantize``: quantizes ``activation_backward(dz, h, activations)``."""
+                            mode: str, dtype, scale=None, power_2_scale: bool = False,
+                            act_columnwise: Optional[ActColumnwise] = None
+                            ) -> Union[QuantizedTensor, Tuple[QuantizedTensor, ScaledTensor]]:
+  """Pure-JAX ``dact_quantize``: quantizes ``activation_backward(dz, h,
+  activations)``, and with ``act_columnwise`` ``activation_forward(h,
+  activations)`` as it says, columnwise."""
   acts = _check_activations(activations)
   _check_dz(dz, h, len(acts))
   dtype, scale = quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
-  return quantize_op.quantize_by_mode_reference(
+  q = quantize_op.quantize_by_mode_reference(
       activation_backward(dz, h, acts), mode, dtype, scale, power_2_scale)
+  if act_columnwise is None:
+    return q
+  return q, _act_columnwise_reference(h, acts, _check_act_columnwise(act_columnwise, mode))
 
 
 # ------------------------------------------------------------ dispatchers ---
+
+def join_columnwise(parts: Sequence[ScaledTensor], impl: str = "auto") -> ScaledTensor:
+  """One columnwise operand (F, M) from those of row chunks (F, rows_i) of a
+  tensor quantized chunk by chunk (``dact_quantize(..., act_columnwise=...)``
+  on row chunks): the same values as the whole tensor's.
+
+  Args:
+    parts: ``ScaledTensor``s (F, rows_i) in row order, quantized with one
+      per-tensor scale (their scale_inv, all equal: the first is taken), or
+      blockwise in tiles of 128 rows (rows_i multiples of 128 but the last;
+      their scale grids are joined).
+    impl: "auto", "cuda" or "reference".
+
+  Returns:
+    A ``ScaledTensor`` (F, sum rows_i). The CUDA path concatenates the
+    kernels' buffers; the reference joins the chunks as rows, (M, F), and
+    transposes, the form of the whole tensor's reference copy (``data.T``),
+    so that XLA:CPU lays the wgrad GEMM's operand out as it does for the
+    whole tensor and sums in the same order: the same gradients bit for bit.
+  """
+  first = parts[0]
+  if len(parts) == 1:
+    return first
+  scale = (first.scale_inv if first.block_shape is None
+           else jnp.concatenate([p.scale_inv for p in parts], axis=1))
+
+  def cuda():
+    return jnp.concatenate([p.data for p in parts], axis=1)
+
+  def reference():
+    return jnp.concatenate([p.data.T for p in parts], axis=0).T
+  return ScaledTensor(_native.dispatch(impl, cuda, reference), scale, first.block_shape)
+
 
 def act_quantize_supported(m: int, f: int, n_act: int) -> bool:
   """Whether the CUDA path takes h (m, n_act*f) (and dz (m, f)).
@@ -299,8 +416,8 @@ def _check_cuda_shape(m: int, f: int, n_act: int):
 
 
 def act_quantize(h: jax.Array, activations: Sequence[str], *, mode: str, dtype,
-                 scale=None, power_2_scale: bool = False, impl: str = "auto"
-                 ) -> QuantizedTensor:
+                 scale=None, power_2_scale: bool = False, impl: str = "auto",
+                 rowwise: bool = True, columnwise: bool = True) -> QuantizedTensor:
   """FP8 quantization of ``z = activation_forward(h, activations)`` in one pass.
 
   Args:
@@ -313,13 +430,16 @@ def act_quantize(h: jax.Array, activations: Sequence[str], *, mode: str, dtype,
     scale: float32 scalar for "tensorwise"; None otherwise.
     power_2_scale: round the tile scales down to powers of two ("blockwise" only).
     impl: "auto", "cuda" or "reference" (see ``ops/_native.py``).
+    rowwise, columnwise: which FP8 copies to write (at least one; a copy
+      not asked for is never computed).
 
   Returns:
     A ``QuantizedTensor``: data (M, F) FP8 and data_t (F, M) the
     quantization of z.T. Per-tensor modes: scale_inv =
     scale_inv_t = 1/scale (float32 scalar), amax = max|z| (float32 scalar).
     "blockwise": scale_inv (M, ceil(F/128)), scale_inv_t (F, ceil(M/128))
-    (the logical layout of ``quantize_blockwise``), amax None.
+    (the logical layout of ``quantize_blockwise``), amax None. A copy not
+    asked for is None, with its scales (the per-tensor scale_inv stays).
 
   Raises:
     ValueError/TypeError for bad arguments; ValueError when the CUDA path is
@@ -328,35 +448,49 @@ def act_quantize(h: jax.Array, activations: Sequence[str], *, mode: str, dtype,
   acts = _check_activations(activations)
   f = _check_h(h, len(acts))
   dtype, scale = quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
+  copies.check_outputs(rowwise, columnwise)
 
   def cuda():
     _check_cuda_shape(h.shape[0], f, len(acts))
-    return act_quantize_cuda.act_quantize(h, None, _kernel_ids(acts), mode, dtype, scale, power_2_scale)
+    return act_quantize_cuda.act_quantize(h, None, _kernel_ids(acts), mode, dtype, scale,
+                                          power_2_scale, rowwise=rowwise, columnwise=columnwise)
   return _native.dispatch(impl, cuda, lambda: act_quantize_reference(
-      h, acts, mode=mode, dtype=dtype, scale=scale, power_2_scale=power_2_scale))
+      h, acts, mode=mode, dtype=dtype, scale=scale, power_2_scale=power_2_scale,
+      rowwise=rowwise, columnwise=columnwise))
 
 
 def dact_quantize(dz: jax.Array, h: jax.Array, activations: Sequence[str], *, mode: str,
-                  dtype, scale=None, power_2_scale: bool = False, impl: str = "auto"
-                  ) -> QuantizedTensor:
+                  dtype, scale=None, power_2_scale: bool = False, impl: str = "auto",
+                  act_columnwise: Optional[ActColumnwise] = None
+                  ) -> Union[QuantizedTensor, Tuple[QuantizedTensor, ScaledTensor]]:
   """FP8 quantization of ``dh = activation_backward(dz, h, activations)`` in one pass.
 
   Args:
     dz: (M, F) float32/bfloat16/float16 gradient of the activation output.
     h: (M, n_act*F) the activation input saved from the forward pass.
     activations, mode, dtype, scale, power_2_scale, impl: as ``act_quantize``.
+    act_columnwise: None, or an :class:`ActColumnwise` (same ``mode``): the
+      pass also writes the columnwise copy of ``z = activation_forward(h,
+      activations)`` quantized as it says (the forward's ``act_quantize``
+      call; the same bytes), from the activation values it computes anyway.
 
   Returns:
     A ``QuantizedTensor`` as ``act_quantize`` with
     W = n_act*F columns: data (M, W), data_t (W, M); blockwise scale_inv
-    (M, ceil(W/128)), scale_inv_t (W, ceil(M/128)).
+    (M, ceil(W/128)), scale_inv_t (W, ceil(M/128)). With ``act_columnwise``
+    the pair ``(that, z_t)``, ``z_t`` a ``ScaledTensor`` (F, M) (blockwise:
+    scales (F, ceil(M/128)), the 128x1 tiles of z), the operand
+    ``act_quantize(h, ...).columnwise()`` was.
   """
   acts = _check_activations(activations)
   _check_dz(dz, h, len(acts))
   dtype, scale = quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
+  spec = None if act_columnwise is None else _check_act_columnwise(act_columnwise, mode)
 
   def cuda():
     _check_cuda_shape(dz.shape[0], dz.shape[1], len(acts))
-    return act_quantize_cuda.act_quantize(h, dz, _kernel_ids(acts), mode, dtype, scale, power_2_scale)
+    return act_quantize_cuda.act_quantize(h, dz, _kernel_ids(acts), mode, dtype, scale,
+                                          power_2_scale, act_columnwise=spec)
   return _native.dispatch(impl, cuda, lambda: dact_quantize_reference(
-      dz, h, acts, mode=mode, dtype=dtype, scale=scale, power_2_scale=power_2_scale))
+      dz, h, acts, mode=mode, dtype=dtype, scale=scale, power_2_scale=power_2_scale,
+      act_columnwise=spec))

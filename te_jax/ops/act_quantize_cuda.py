@@ -1,11 +1,15 @@
 """CUDA custom-call path of ``ops/act_quantize.py`` (FFI handlers in
 ``custom_calls/ffi/act_quantize.cc``, kernels in ``custom_calls/kernels/``).
 
-One call reads h (and dz) and writes both FP8 copies of v = act(h) or
-dact(dz, h) plus the scales: v itself never reaches memory. The blockwise
-scales come back in the LOGICAL layout of ``quantize_blockwise`` through the
-layout's ``from_native`` (``tiling.py``), which ``gemm_cuda.py`` undoes (XLA
-cancels the pair under ``jit``).
+One call reads h (and dz) and writes the FP8 copies asked for of v = act(h)
+or dact(dz, h) plus the scales (and, for dact with ``act_columnwise``, the
+columnwise copy of act(h)): v itself never reaches memory. A copy not asked
+for is a (0, 0) placeholder result that the handler leaves alone. The
+blockwise scales come back in the LOGICAL layout of ``quantize_blockwise``
+through the layout's ``from_native`` (``tiling.py``), which ``gemm_cuda.py``
+undoes (XLA cancels the pair under ``jit``). ``fp8_outputs``,
+``scale_grid_outputs`` and ``selected_result`` serve ``normalization_cuda.py``
+too.
 
 Argument checks live in ``act_quantize.py``; this module assumes them.
 """
@@ -18,22 +22,59 @@ import numpy as np
 
 from te_jax.ops import quantize_cuda
 from te_jax.ops import tiling
-from te_jax.ops.fp8 import QuantizedTensor, nan_scale_inv_if_non_finite
+from te_jax.ops.fp8 import QuantizedTensor, ScaledTensor, nan_scale_inv_if_non_finite
 
-__all__ = ["act_quantize"]
+__all__ = ["act_quantize", "fp8_outputs", "scale_grid_outputs", "selected_result"]
 
 _F32 = jnp.float32
+_NONE_2D = (0, 0)
 
 
 def _sds(shape, dtype):
   return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
 
 
-def act_quantize(h, dz, kernel_ids, mode: str, dtype, scale, power_2_scale: bool):
-  """The ``QuantizedTensor`` of act(h) (``dz`` None) or of dact(dz, h).
+def fp8_outputs(m: int, k: int, dtype, rowwise: bool, columnwise: bool):
+  """Result shapes of the two FP8 copies of an (m, k) tensor; (0, 0) for one not asked for."""
+  return (_sds((m, k) if rowwise else _NONE_2D, dtype),
+          _sds((k, m) if columnwise else _NONE_2D, dtype))
+
+
+def scale_grid_outputs(m: int, k: int, layout: tiling.TileLayout, rowwise: bool,
+                       columnwise: bool):
+  """The native scale grids of a blockwise quantization of an (m, k) tensor,
+  (0, 0) for a copy not asked for."""
+  s, st = quantize_cuda.native_scale_shapes(m, k, layout)
+  return (_sds(s if rowwise else _NONE_2D, layout.scale_dtype),
+          _sds(st if columnwise else _NONE_2D, layout.scale_dtype))
+
+
+def selected_result(mode: str, m: int, k: int, data, scale_inv, data_t, scale_inv_t, amax,
+                    rowwise: bool, columnwise: bool) -> QuantizedTensor:
+  """The ``QuantizedTensor`` of a kernel's results, as the reference returns it
+  (``quantize_copies.quantize_selected_reference``): a copy not asked for is
+  None with its scales, except the per-tensor scale_inv (one for both);
+  blockwise scales from the native grids; per-tensor ones NaN where ``amax``
+  is not finite (a given scale saturates an Inf)."""
+  if mode == "blockwise":
+    layout = tiling.mode_layout(mode)
+    return QuantizedTensor(data if rowwise else None,
+                           layout.from_native(scale_inv, m, k) if rowwise else None,
+                           data_t if columnwise else None,
+                           layout.from_native(scale_inv_t, k, m) if columnwise else None,
+                           None, layout.block_shape)
+  q = QuantizedTensor(data if rowwise else None, scale_inv, data_t if columnwise else None,
+                      scale_inv if columnwise else None, amax)
+  return nan_scale_inv_if_non_finite(q) if mode == "tensorwise" else q
+
+
+def act_quantize(h, dz, kernel_ids, mode: str, dtype, scale, power_2_scale: bool, *,
+                 rowwise: bool = True, columnwise: bool = True, act_columnwise=None):
+  """The ``QuantizedTensor`` of act(h) (``dz`` None) or of dact(dz, h), and
+  with ``act_columnwise`` (dact only) also act(h)'s columnwise ``ScaledTensor``.
 
   ``kernel_ids``: one or two ``ActId``s (``Activation.kernel_id``); see
-  ``act_quantize.act_quantize`` for the shapes.
+  ``act_quantize.act_quantize`` / ``dact_quantize`` for the shapes.
   """
   backward = dz is not None
   n_act = len(kernel_ids)
@@ -47,26 +88,49 @@ def act_quantize(h, dz, kernel_ids, mode: str, dtype, scale, power_2_scale: bool
     common = jnp.promote_types(dz.dtype, h.dtype)
     h, dz = h.astype(common), dz.astype(common)
   # The forward has no dz: a 0-element placeholder keeps one handler per mode.
-  dz_arg = dz if backward else jnp.zeros((0, 0), h.dtype)
+  dz_arg = dz if backward else jnp.zeros(_NONE_2D, h.dtype)
   attrs = dict(backward=np.int64(backward), act0=np.int64(kernel_ids[0]),
                act1=np.int64(kernel_ids[1] if n_act == 2 else -1))
-  fp8 = (_sds((m, w), dtype), _sds((w, m), dtype))
+  spec = act_columnwise
+  fp8 = fp8_outputs(m, w, dtype, rowwise, columnwise)
+  # act(h)'s copy: (F, M) FP8 and its scales, or placeholders; per tensor
+  # also its scale ("tensorwise") or the forward's amax ("current").
+  act_operand = jnp.zeros((0,), _F32)
+  if spec is None:
+    act_outs = (_sds(_NONE_2D, dtype),
+                _sds(_NONE_2D if mode == "blockwise" else (0,), _F32))
+  elif mode == "blockwise":
+    act_outs = (_sds((f, m), spec.dtype),
+                scale_grid_outputs(m, f, tiling.mode_layout(mode), False, True)[1])
+  else:
+    act_outs = (_sds((f, m), spec.dtype), _sds((), _F32))
+    act_operand = jnp.asarray(spec.scale if mode == "tensorwise" else spec.amax, _F32)
+
+  if mode == "blockwise":
+    grids = scale_grid_outputs(m, w, tiling.mode_layout(mode), rowwise, columnwise)
+    data, s, data_t, st, act_t, act_st = jax.ffi.ffi_call(
+        "te_jax_act_quantize_blockwise", (fp8[0], grids[0], fp8[1], grids[1]) + act_outs)(
+            h, dz_arg, power_2_scale=np.int64(bool(power_2_scale)),
+            act_power_2_scale=np.int64(spec is not None and spec.power_2_scale), **attrs)
+    q = selected_result(mode, m, w, data, s, data_t, st, None, rowwise, columnwise)
+    if spec is None:
+      return q
+    layout = tiling.mode_layout(mode)
+    return q, ScaledTensor(act_t, layout.from_native(act_st, f, m), layout.block_shape)
+
+  scalars = (_sds((), _F32), _sds((), _F32))   # scale_inv, amax
   if mode == "tensorwise":
-    data, data_t, scale_inv, amax = jax.ffi.ffi_call(
-        "te_jax_act_quantize_tensorwise", fp8 + (_sds((), _F32), _sds((), _F32)))(
-            h, dz_arg, jnp.asarray(scale, _F32), **attrs)
-    return nan_scale_inv_if_non_finite(
-        QuantizedTensor(data, scale_inv, data_t, scale_inv, amax))
-  if mode == "current":
-    data, data_t, scale_inv, amax = jax.ffi.ffi_call(
-        "te_jax_act_quantize_current", fp8 + (_sds((), _F32), _sds((), _F32)))(
-            h, dz_arg, power_2_scale=np.int64(bool(power_2_scale)), **attrs)
-    return QuantizedTensor(data, scale_inv, data_t, scale_inv, amax)
-  # blockwise: the mode's tiles rowwise, and the same tiles of v.T for the
-  # columnwise copy.
-  layout = tiling.mode_layout(mode)
-  s_out, st_out = quantize_cuda.blockwise_scale_outputs(m, w, layout, True)
-  data, s, data_t, st = jax.ffi.ffi_call(
-      "te_jax_act_quantize_blockwise", (fp8[0], s_out, fp8[1], st_out))(
-          h, dz_arg, power_2_scale=np.int64(bool(power_2_scale)), **attrs)
-  return quantize_cuda.blockwise_result(data, s, data_t, st, m, w, layout)
+    data, data_t, scale_inv, amax, act_t, act_s = jax.ffi.ffi_call(
+        "te_jax_act_quantize_tensorwise", fp8 + scalars + act_outs)(
+            h, dz_arg, jnp.asarray(scale, _F32), act_operand, **attrs)
+  else:   # current
+    data, data_t, scale_inv, amax, act_t, act_s = jax.ffi.ffi_call(
+        "te_jax_act_quantize_current", fp8 + scalars + act_outs)(
+            h, dz_arg, act_operand, power_2_scale=np.int64(bool(power_2_scale)), **attrs)
+  q = selected_result(mode, m, w, data, scale_inv, data_t, scale_inv, amax, rowwise, columnwise)
+  if spec is None:
+    return q
+  # The act(h) copy's scale_inv, NaN where the forward's amax is not finite
+  # (for "current" the kernel's NaN scale already made it NaN).
+  act_s = jnp.where(jnp.isfinite(spec.amax), act_s, jnp.float32(jnp.nan))
+  return q, ScaledTensor(act_t, act_s)

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["FP8_DTYPES", "fp8_max", "amax", "pmax_amax", "ScaledTensor", "QuantizedTensor",
+__all__ = ["FP8_DTYPES", "fp8_max", "amax", "pmax_amax", "FP8Payload", "ScaledTensor", "QuantizedTensor",
            "dequantize_blockwise_reference", "nan_scale_inv_if_non_finite"]
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -71,7 +71,14 @@ def amax(x: jax.Array, axis=None) -> jax.Array:
 def pmax_amax(value: jax.Array, axis_name) -> jax.Array:
   """``lax.pmax`` of amaxes (values >= 0 or NaN) over mesh axes ``axis_name``,
   NaN-propagating like :func:`amax` (a plain ``pmax`` may drop a NaN on CPU)."""
-  return lax.bitcast_convert_type(lax.pmax(_abs_bits(value), axis_name), jnp.float32)
+  bits = _abs_bits(value)
+  # pmax needs its operand varying over every axis it reduces (JAX >= 0.11
+  # checks it under shard_map), and an amax of a tensor sharded over only some
+  # of them is invariant over the rest. Adding a zero built from axis_index
+  # makes it varying over all of them, on every JAX version, with or without
+  # check_vma; XLA folds the addition away.
+  bits = bits + jnp.zeros_like(bits) * lax.axis_index(axis_name).astype(bits.dtype)
+  return lax.bitcast_convert_type(lax.pmax(bits, axis_name), jnp.float32)
 
 
 def tile(x: jax.Array, block_shape) -> Tuple[jax.Array, int, int]:
@@ -101,12 +108,33 @@ def dequantize_blockwise_reference(data: jax.Array, scale_inv: jax.Array,
   return x.reshape(tiles.shape[0] * tiles.shape[1], -1)[:m, :k].astype(dtype)
 
 
+class FP8Payload:
+  """What every FP8 operand type shares: the shape and dtype of its FP8
+  ``data``, and the rule that only per-tensor scales and square tiles
+  survive a transpose (:meth:`check_transposable`)."""
+
+  @property
+  def shape(self):
+    return self.data.shape
+
+  @property
+  def dtype(self):
+    return self.data.dtype
+
+  def check_transposable(self, fix: str) -> None:
+    """Raises a ValueError (ending with ``fix``) unless the scales are
+    per-tensor or square tiles, the only ones a transpose keeps a tiling of."""
+    if self.block_shape is not None and self.block_shape[0] != self.block_shape[1]:
+      raise ValueError(f"the transpose of {self.block_shape} tiles is not a tiling of "
+                       f"the same shape; {fix}")
+
+
 @functools.partial(
     jax.tree_util.register_dataclass,
     data_fields=["data", "scale_inv"],
     meta_fields=["block_shape"])
 @dataclasses.dataclass(frozen=True)
-class ScaledTensor:
+class ScaledTensor(FP8Payload):
   """An FP8 matrix ``data`` with ``data * scale_inv ~= x``.
 
   Attributes:
@@ -126,19 +154,9 @@ class ScaledTensor:
   block_shape: Optional[Tuple[int, int]] = None
 
   @property
-  def shape(self):
-    return self.data.shape
-
-  @property
-  def dtype(self):
-    return self.data.dtype
-
-  @property
   def T(self) -> "ScaledTensor":  # pylint: disable=invalid-name
     """The transpose; exact for per-tensor scales and square blocks only."""
-    if self.block_shape is not None and self.block_shape[0] != self.block_shape[1]:
-      raise ValueError(f"the transpose of {self.block_shape} tiles is not a tiling of "
-                       "the same shape; quantize x.T instead (columnwise=True).")
+    self.check_transposable("quantize x.T instead (columnwise=True).")
     s = self.scale_inv if self.block_shape is None else self.scale_inv.T
     return ScaledTensor(self.data.T, s, self.block_shape)
 
@@ -218,6 +236,9 @@ class QuantizedTensor:
 
   def rowwise(self) -> ScaledTensor:
     """``data`` as a GEMM operand contiguous along K (M, K)."""
+    if self.data is None:
+      raise ValueError("this QuantizedTensor has no rowwise copy; quantize with "
+                       "rowwise=True.")
     return ScaledTensor(self.data, self.scale_inv, self.block_shape)
 
   def columnwise(self) -> ScaledTensor:

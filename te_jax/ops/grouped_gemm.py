@@ -24,7 +24,10 @@ pads every group to its recipe's token block (``ScalingMode.token_block``:
 columnwise operand straddles two groups; the reference below computes what
 the scales say for any sizes.
 
-The reference (the spec, and what runs until a CUDA kernel exists)
+The CUDA path (``grouped_gemm_cuda``: te_jax's sm_90a kernel, built on
+CUTLASS, in builds that found its headers) takes FP8 operands with a
+bfloat16 output on Hopper; the dispatchers run the reference for every
+other call (``impl="auto"`` logs why once at INFO). The reference (the spec)
 dequantizes to float32 and, per group, multiplies row chunks of a static
 size with a dynamic start: memory stays that of the operands and the
 output (never a dense ``(g, m, ...)`` expansion, as ``jax.lax.ragged_dot``'s
@@ -46,7 +49,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from te_jax.ops import _native
-from te_jax.ops.fp8 import FP8_DTYPES, ScaledTensor, dequantize_blockwise_reference
+from te_jax.ops import grouped_gemm_cuda
+from te_jax.ops.fp8 import FP8_DTYPES, FP8Payload, ScaledTensor, dequantize_blockwise_reference
 
 __all__ = ["GroupedScaledTensor", "grouped_gemm_reference", "grouped_wgrad_reference",
            "grouped_gemm", "grouped_wgrad", "chunk_rows", "varying_axes"]
@@ -65,7 +69,7 @@ _log = logging.getLogger("te_jax")
     data_fields=["data", "scale_inv"],
     meta_fields=["block_shape"])
 @dataclasses.dataclass(frozen=True)
-class GroupedScaledTensor:
+class GroupedScaledTensor(FP8Payload):
   """A stack of FP8 matrices, one per group, with the scales that dequantize them.
 
   Attributes:
@@ -85,20 +89,10 @@ class GroupedScaledTensor:
   block_shape: Optional[Tuple[int, int]] = None
 
   @property
-  def shape(self):
-    return self.data.shape
-
-  @property
-  def dtype(self):
-    return self.data.dtype
-
-  @property
   def T(self) -> "GroupedScaledTensor":  # pylint: disable=invalid-name
     """Each group's matrix transposed: (g, cols, rows); exact for per-tensor
     scales and square blocks (the dgrad GEMM reads the weight this way)."""
-    if self.block_shape is not None and self.block_shape[0] != self.block_shape[1]:
-      raise ValueError(f"the transpose of {self.block_shape} tiles is not a tiling of "
-                       "the same shape; quantize the transposed matrices instead.")
+    self.check_transposable("quantize the transposed matrices instead.")
     s = self.scale_inv if self.block_shape is None else jnp.swapaxes(self.scale_inv, 1, 2)
     return GroupedScaledTensor(jnp.swapaxes(self.data, 1, 2), s, self.block_shape)
 
@@ -330,20 +324,38 @@ def grouped_wgrad_reference(lhs_t: Operand, rhs_t: Operand, group_sizes: jax.Arr
 # ------------------------------------------------------------ dispatchers ---
 
 @functools.lru_cache(maxsize=None)
-def _log_no_kernel():
-  _log.info("te_jax: no grouped-GEMM CUDA kernel is built yet; grouped_gemm and "
-            "grouped_wgrad run their pure-JAX reference (impl='auto').")
+def _log_reference(op: str, reason: str):
+  _log.info("te_jax: %s runs its pure-JAX reference (impl='auto'): %s.", op, reason)
 
 
-def _run(impl: str, reference_fn):
-  """The reference for "auto" (logged once) and "reference"; "cuda" raises."""
-  _native.check_impl(impl)
-  if impl == "cuda":
-    raise ValueError("impl='cuda': te_jax has no grouped-GEMM CUDA kernel yet; pass "
-                     "impl='auto' or impl='reference' (the pure-JAX reference).")
-  if impl == "auto":
-    _log_no_kernel()
-  return reference_fn()
+def _kernel_reason(a, b, out_dtype, axis) -> str:
+  """Why the CUDA kernel does not take this call ("" when it does)."""
+  return (grouped_gemm_cuda.build_reason() or grouped_gemm_cuda.device_reason()
+          or grouped_gemm_cuda.unsupported_reason(a, b, out_dtype, axis))
+
+
+def _run(op: str, impl: str, a, b, out_dtype, axis, cuda_fn, reference_fn):
+  """The reference or the CUDA kernel, as ``impl`` and the call allow.
+
+  "reference", and "auto" where ``_native`` resolves to the reference (no
+  GPU; or no native module, which ``_native`` warns about): the reference.
+  Where the native module and a GPU exist but the kernel does not take the
+  call (a build without the sm90 GEMMs, not a Hopper GPU, float operands, an
+  output other than bfloat16, ...): "auto" logs why once at INFO and runs
+  the reference; "cuda" raises a ValueError saying why. Otherwise
+  ``_native.dispatch`` (the kernel on the GPU).
+  """
+  if _native.resolve_impl(impl) == "reference":
+    return reference_fn()
+  reason = _kernel_reason(a, b, out_dtype, axis)
+  if reason:
+    if impl == "cuda":
+      raise ValueError(f"impl='cuda': te_jax's grouped-GEMM CUDA kernel cannot run {op} here: "
+                       f"{reason}. Pass impl='auto' or impl='reference' (the pure-JAX "
+                       "reference).")
+    _log_reference(op, reason)
+    return reference_fn()
+  return _native.dispatch(impl, cuda_fn, reference_fn)
 
 
 def grouped_gemm(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *,
@@ -359,17 +371,20 @@ def grouped_gemm(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *,
     group_sizes: (g,) int32 on the device; groups may be empty; rows past
       their sum come out 0.
     out_dtype: bfloat16, float16 or float32.
-    fast_accum: per-tensor FP8 only: reduced-precision accumulation for a
+    fast_accum: per-tensor FP8 only: reduced-precision accumulation for the
       kernel (the reference always accumulates in float32).
-    impl: "auto" or "reference" (the reference either way until a CUDA
-      kernel exists; "auto" logs that once at INFO); "cuda" raises.
+    impl: "auto", "cuda" or "reference". The CUDA kernel
+      (``grouped_gemm_cuda``) takes FP8 operands with a bfloat16 output on a
+      Hopper GPU, in builds with the sm90 GEMMs; "auto" runs the reference
+      elsewhere (logged once at INFO), "cuda" raises there.
 
   Returns:
     (m, n) array of ``out_dtype``.
   """
   _check_gemm(lhs, rhs, group_sizes, out_dtype)
-  del fast_accum   # a kernel's setting; the reference is exact float32
-  return _run(impl, lambda: grouped_gemm_reference(lhs, rhs, group_sizes, out_dtype))
+  return _run("grouped_gemm", impl, lhs, rhs, out_dtype, grouped_gemm_cuda.ROWS,
+              lambda: grouped_gemm_cuda.grouped_gemm(lhs, rhs, group_sizes, fast_accum),
+              lambda: grouped_gemm_reference(lhs, rhs, group_sizes, out_dtype))
 
 
 def grouped_wgrad(lhs_t: Operand, rhs_t: Operand, group_sizes: jax.Array, *,
@@ -381,7 +396,10 @@ def grouped_wgrad(lhs_t: Operand, rhs_t: Operand, group_sizes: jax.Array, *,
     lhs_t: (k, m), rows of the grouped dim m sorted by group: a float array,
       or a ``ScaledTensor`` (per tensor, or 1x128 tiles along m).
     rhs_t: (n, m), the same layout and scaling.
-    group_sizes: (g,) int32 on the device; groups may be empty.
+    group_sizes: (g,) int32 on the device; groups may be empty. The CUDA
+      kernel needs every group to be a multiple of 16 (per tensor) or 128
+      (blockwise) -- the recipe's token block, to which the caller pads them;
+      other sizes give an all-NaN result there (device data cannot raise).
     out_dtype: bfloat16, float16 or float32.
     fast_accum, impl: as :func:`grouped_gemm`.
 
@@ -389,5 +407,6 @@ def grouped_wgrad(lhs_t: Operand, rhs_t: Operand, group_sizes: jax.Array, *,
     (g, k, n) array of ``out_dtype``.
   """
   _check_wgrad(lhs_t, rhs_t, group_sizes, out_dtype)
-  del fast_accum
-  return _run(impl, lambda: grouped_wgrad_reference(lhs_t, rhs_t, group_sizes, out_dtype))
+  return _run("grouped_wgrad", impl, lhs_t, rhs_t, out_dtype, grouped_gemm_cuda.CONTRACTION,
+              lambda: grouped_gemm_cuda.grouped_wgrad(lhs_t, rhs_t, group_sizes, fast_accum),
+              lambda: grouped_wgrad_reference(lhs_t, rhs_t, group_sizes, out_dtype))

@@ -6,8 +6,13 @@ ops (``act_quantize`` has the same options), both copies, plus the row
 statistics the backward needs. On the CUDA path ``y`` is never written in
 16 or 32 bits: a statistics kernel, then the 128x128-tile quantize kernel
 computing ``y`` in its prologue (``custom_calls/kernels/normalization.cu``).
-``norm_backward`` computes dx, dgamma and dbeta from dy in one kernel and a
-small reduction of per-block partial sums. ``norm_stats`` is the statistics
+``rowwise=False`` / ``columnwise=False`` leave a copy out (a layer's forward
+writes only the rowwise copy its fprop GEMM reads), and
+``norm_quantize_with_stats`` quantizes ``norm(x)`` again from given row
+statistics (and, for current scaling, a given amax), without the
+statistics pass: the columnwise copy for a backward's wgrad GEMM, the same
+bytes the forward would have kept. ``norm_backward`` computes dx, dgamma and
+dbeta from dy in one kernel and a small reduction of per-block partial sums. ``norm_stats`` is the statistics
 pass alone: with ``norm_apply_reference`` (one XLA elementwise pass) it is
 the forward of a norm whose output is not quantized.
 
@@ -53,6 +58,7 @@ from jax import lax
 from te_jax.ops import _native
 from te_jax.ops import normalization_cuda
 from te_jax.ops import quantize as quantize_op
+from te_jax.ops import quantize_copies as copies
 from te_jax.ops import tiling
 from te_jax.ops.fp8 import QuantizedTensor
 
@@ -67,8 +73,10 @@ __all__ = [
     "norm_forward_reference",
     "norm_backward_reference",
     "norm_quantize_reference",
+    "norm_quantize_with_stats_reference",
     "norm_stats",
     "norm_quantize",
+    "norm_quantize_with_stats",
     "norm_backward",
     "norm_supported",
     "check_norm_params",
@@ -228,16 +236,50 @@ def _check_backward_args(dy, x, gamma, mean, rstd, norm_type, zero_centered_gamm
 
 def norm_quantize_reference(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array], *,
                             norm_type: str, epsilon: float, zero_centered_gamma: bool,
-                            mode: str, dtype, scale=None, power_2_scale: bool = False
+                            mode: str, dtype, scale=None, power_2_scale: bool = False,
+                            rowwise: bool = True, columnwise: bool = True
                             ) -> Tuple[QuantizedTensor, Optional[jax.Array], jax.Array]:
-  """Pure-JAX ``norm_quantize``: ``quantize_by_mode_reference`` of
+  """Pure-JAX ``norm_quantize``: ``quantize_selected_reference`` of
   ``norm_forward_reference(...)[0]``, with the statistics."""
   dtype, scale = quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
+  copies.check_outputs(rowwise, columnwise)
   y, mean, rstd = norm_forward_reference(x, gamma, beta, norm_type=norm_type,
                                          epsilon=epsilon,
                                          zero_centered_gamma=zero_centered_gamma)
-  return (quantize_op.quantize_by_mode_reference(y, mode, dtype, scale, power_2_scale),
+  return (copies.quantize_selected_reference(y, mode, dtype, scale, power_2_scale,
+                                             rowwise=rowwise, columnwise=columnwise),
           mean, rstd)
+
+
+def _check_with_stats_args(x, gamma, beta, mean, rstd, norm_type, zero_centered_gamma,
+                           mode, dtype, scale, amax, power_2_scale, rowwise, columnwise):
+  _check_options(norm_type, 0.0, zero_centered_gamma)
+  check_norm_params(x, gamma, beta, norm_type)
+  _check_stats(x, mean, rstd, norm_type)
+  dtype, scale = quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
+  copies.check_outputs(rowwise, columnwise)
+  amax = copies.check_given_amax(mode, amax)
+  if mode == "current" and amax is None:
+    raise ValueError("mode='current' with given statistics needs amax (the forward's "
+                     "max|norm(x)|): the norm's amax comes from its statistics pass.")
+  return dtype, scale, amax
+
+
+def norm_quantize_with_stats_reference(x: jax.Array, gamma: jax.Array,
+                                       beta: Optional[jax.Array], mean: Optional[jax.Array],
+                                       rstd: jax.Array, *, norm_type: str,
+                                       zero_centered_gamma: bool, mode: str, dtype,
+                                       scale=None, amax=None, power_2_scale: bool = False,
+                                       rowwise: bool = True, columnwise: bool = True
+                                       ) -> QuantizedTensor:
+  """Pure-JAX ``norm_quantize_with_stats``: ``quantize_selected_reference`` of
+  ``norm_apply_reference`` with the given statistics."""
+  dtype, scale, amax = _check_with_stats_args(
+      x, gamma, beta, mean, rstd, norm_type, zero_centered_gamma, mode, dtype, scale, amax,
+      power_2_scale, rowwise, columnwise)
+  y = norm_apply_reference(x, gamma, beta, mean, rstd, zero_centered_gamma=zero_centered_gamma)
+  return copies.quantize_selected_reference(y, mode, dtype, scale, power_2_scale, amax=amax,
+                                            rowwise=rowwise, columnwise=columnwise)
 
 
 # ------------------------------------------------------------ dispatchers ---
@@ -295,7 +337,8 @@ def norm_stats(x: jax.Array, *, norm_type: str, epsilon: float, impl: str = "aut
 
 def norm_quantize(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array], *,
                   norm_type: str, epsilon: float, zero_centered_gamma: bool, mode: str,
-                  dtype, scale=None, power_2_scale: bool = False, impl: str = "auto"
+                  dtype, scale=None, power_2_scale: bool = False, impl: str = "auto",
+                  rowwise: bool = True, columnwise: bool = True
                   ) -> Tuple[QuantizedTensor, Optional[jax.Array], jax.Array]:
   """FP8 quantization of ``y = norm(x)`` in one pass over memory, with the statistics.
 
@@ -311,11 +354,13 @@ def norm_quantize(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array], *,
       a given float32 ``scale``, "current", or "blockwise" 1x128 + 128x1
       tiles with optional ``power_2_scale``).
     impl: "auto", "cuda" or "reference" (see ``ops/_native.py``).
+    rowwise, columnwise: which FP8 copies to write (at least one).
 
   Returns:
     (q, mean, rstd): q a ``QuantizedTensor`` of y as ``act_quantize``
     returns (data (M, H), data_t (H, M), scales; amax = max|y| per tensor,
-    None blockwise), mean float32 (M,) (None for rmsnorm), rstd float32 (M,).
+    None blockwise; a copy not asked for None), mean float32 (M,) (None for
+    rmsnorm), rstd float32 (M,).
 
   Raises:
     ValueError/TypeError for bad arguments; ValueError when the CUDA path is
@@ -324,16 +369,65 @@ def norm_quantize(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array], *,
   _check_options(norm_type, epsilon, zero_centered_gamma)
   check_norm_params(x, gamma, beta, norm_type)
   dtype, scale = quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
+  copies.check_outputs(rowwise, columnwise)
 
   def cuda():
     _check_cuda_shape(*x.shape)
     return normalization_cuda.norm_quantize(
         x, gamma, beta, norm_type == "rmsnorm", float(epsilon), bool(zero_centered_gamma),
-        mode, dtype, scale, power_2_scale)
+        mode, dtype, scale, power_2_scale, rowwise=rowwise, columnwise=columnwise)
   return _native.dispatch(impl, cuda, lambda: norm_quantize_reference(
       x, gamma, beta, norm_type=norm_type, epsilon=epsilon,
       zero_centered_gamma=zero_centered_gamma, mode=mode, dtype=dtype, scale=scale,
-      power_2_scale=power_2_scale))
+      power_2_scale=power_2_scale, rowwise=rowwise, columnwise=columnwise))
+
+
+def norm_quantize_with_stats(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
+                             mean: Optional[jax.Array], rstd: jax.Array, *, norm_type: str,
+                             zero_centered_gamma: bool, mode: str, dtype, scale=None,
+                             amax=None, power_2_scale: bool = False, rowwise: bool = True,
+                             columnwise: bool = True, impl: str = "auto") -> QuantizedTensor:
+  """FP8 quantization of ``y = norm(x)`` from given row statistics: no statistics pass.
+
+  For a backward that quantizes ``norm(x)`` again as its forward did (x and
+  the statistics are kept for the norm's backward anyway): with the
+  forward's ``mean`` and ``rstd`` (and its scale, or under current scaling
+  its amax) the bytes are those the forward's ``norm_quantize`` wrote.
+
+  Args:
+    x, gamma, beta, norm_type, zero_centered_gamma: as ``norm_quantize``.
+    mean, rstd: float32 (M,) statistics (mean None for rmsnorm), as
+      ``norm_quantize`` returned them.
+    mode, dtype, scale, power_2_scale: as ``norm_quantize``.
+    amax: max|y| known beforehand (float32 scalar): required for "current"
+      (its scale comes from it; the amax pass is the statistics pass),
+      optional for "tensorwise" (returned, not computed; NaN scale_inv where
+      it is not finite), None for "blockwise".
+    rowwise, columnwise: which FP8 copies to write (at least one).
+    impl: "auto", "cuda" or "reference".
+
+  Returns:
+    A ``QuantizedTensor`` as ``norm_quantize``'s (amax: the given one, or
+    max|y| for "tensorwise" without one).
+
+  Raises:
+    ValueError/TypeError for bad arguments; ValueError when the CUDA path is
+    chosen and ``norm_supported(M, H)`` is False.
+  """
+  dtype, scale, amax = _check_with_stats_args(
+      x, gamma, beta, mean, rstd, norm_type, zero_centered_gamma, mode, dtype, scale, amax,
+      power_2_scale, rowwise, columnwise)
+
+  def cuda():
+    _check_cuda_shape(*x.shape)
+    return normalization_cuda.norm_quantize(
+        x, gamma, beta, norm_type == "rmsnorm", 0.0, bool(zero_centered_gamma), mode, dtype,
+        scale, power_2_scale, rowwise=rowwise, columnwise=columnwise, stats=(mean, rstd),
+        amax=amax)[0]
+  return _native.dispatch(impl, cuda, lambda: norm_quantize_with_stats_reference(
+      x, gamma, beta, mean, rstd, norm_type=norm_type, zero_centered_gamma=zero_centered_gamma,
+      mode=mode, dtype=dtype, scale=scale, amax=amax, power_2_scale=power_2_scale,
+      rowwise=rowwise, columnwise=columnwise))
 
 
 def norm_backward(dy: jax.Array, x: jax.Array, gamma: jax.Array, mean: Optional[jax.Array],

@@ -17,9 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from te_jax.ops import quantize_cuda
+from te_jax.ops import act_quantize_cuda
 from te_jax.ops import tiling
-from te_jax.ops.fp8 import QuantizedTensor, nan_scale_inv_if_non_finite
 
 __all__ = ["norm_stats", "norm_quantize", "norm_backward", "MAX_HIDDEN", "backward_blocks"]
 
@@ -28,7 +27,7 @@ MAX_HIDDEN = 8192   # custom_calls/kernels/normalization.h: kNormBwdMaxHidden
 # CUDA blocks of the backward kernel: each takes every `blocks`-th row and
 # writes one row of partial dgamma/dbeta sums. The kernel runs H / 8 threads
 # per block within a 64-register budget (launch bounds of 1024 threads), so an
-# SM holds 1024 / threads blocks: the grid fills the H200's 132 SMs with that
+# SM holds 1024 / threads blocks: the grid fills an H100's or H200's 132 SMs with that
 # many (264 at H = 4096, 528 at H = 2048, where a fixed 264 left half of each
 # SM's threads idle). Constants rather than the device's SM count so that
 # results (the partial sums' order) do not depend on the GPU model.
@@ -63,39 +62,58 @@ def norm_stats(x, rms: bool, epsilon: float):
 
 
 def norm_quantize(x, gamma, beta, rms: bool, epsilon: float, zero_centered: bool, mode: str,
-                  dtype, scale, power_2_scale: bool):
-  """(QuantizedTensor of norm(x), mean or None, rstd); see ``normalization.norm_quantize``."""
+                  dtype, scale, power_2_scale: bool, *, rowwise: bool = True,
+                  columnwise: bool = True, stats=None, amax=None):
+  """(QuantizedTensor of norm(x), mean or None, rstd); see ``normalization.norm_quantize``.
+
+  ``stats``: the (mean or None, rstd) to normalize with instead of a
+  statistics pass (``normalization.norm_quantize_with_stats``), returned as
+  given. ``amax``: max|norm(x)| known beforehand ("current": the scale's,
+  required with ``stats``; "tensorwise": returned instead of computed).
+  """
   m, h = x.shape
-  stats = (_sds((0,) if rms else (m,), _F32), _sds((m,), _F32))
+  given = stats is not None
+  none = jnp.zeros((0,), _F32)
+  mean_in, rstd_in = ((none, none) if not given else
+                      (none if stats[0] is None else stats[0], stats[1]))
+  stats_out = (_sds((0,) if rms or given else (m,), _F32), _sds((0,) if given else (m,), _F32))
   attrs = dict(rmsnorm=np.int64(rms), zero_centered_gamma=np.int64(zero_centered),
                epsilon=np.float32(epsilon))
   operands = (x, _f32(gamma), _f32(beta))
-  fp8 = (_sds((m, h), dtype), _sds((h, m), dtype))
-  scalars = (_sds((), _F32), _sds((), _F32))
+  fp8 = act_quantize_cuda.fp8_outputs(m, h, dtype, rowwise, columnwise)
+  # amax: a result unless the caller has it.
+  amax_out = _sds((0,) if amax is not None else (), _F32)
 
-  def stats_out(mean, rstd):
+  def stats_result(mean, rstd):
+    if given:
+      return stats
     return (None if rms else mean), rstd
 
-  if mode == "tensorwise":
-    data, data_t, scale_inv, amax, mean, rstd = jax.ffi.ffi_call(
-        "te_jax_norm_quantize_tensorwise", fp8 + scalars + stats)(
-            *operands, jnp.asarray(scale, _F32), **attrs)
-    q = nan_scale_inv_if_non_finite(QuantizedTensor(data, scale_inv, data_t, scale_inv, amax))
-    return (q,) + stats_out(mean, rstd)
-  if mode == "current":
-    data, data_t, scale_inv, amax, mean, rstd = jax.ffi.ffi_call(
-        "te_jax_norm_quantize_current", fp8 + scalars + stats)(
-            *operands, power_2_scale=np.int64(bool(power_2_scale)), **attrs)
-    return (QuantizedTensor(data, scale_inv, data_t, scale_inv, amax),) + stats_out(mean, rstd)
-  # blockwise: the mode's tiles rowwise, and the same tiles of y.T for the
-  # columnwise copy.
-  layout = tiling.mode_layout(mode)
-  s_out, st_out = quantize_cuda.blockwise_scale_outputs(m, h, layout, True)
-  data, s, data_t, st, mean, rstd = jax.ffi.ffi_call(
-      "te_jax_norm_quantize_blockwise", (fp8[0], s_out, fp8[1], st_out) + stats)(
-          *operands, power_2_scale=np.int64(bool(power_2_scale)), **attrs)
-  q = quantize_cuda.blockwise_result(data, s, data_t, st, m, h, layout)
-  return (q,) + stats_out(mean, rstd)
+  if mode == "blockwise":
+    grids = act_quantize_cuda.scale_grid_outputs(m, h, tiling.mode_layout(mode), rowwise,
+                                                 columnwise)
+    data, s, data_t, st, mean, rstd = jax.ffi.ffi_call(
+        "te_jax_norm_quantize_blockwise", (fp8[0], grids[0], fp8[1], grids[1]) + stats_out)(
+            *operands, mean_in, rstd_in, power_2_scale=np.int64(bool(power_2_scale)), **attrs)
+    amax_result = None
+  else:
+    outs = fp8 + (_sds((), _F32), amax_out) + stats_out
+    if mode == "tensorwise":
+      data, data_t, s, amax_result, mean, rstd = jax.ffi.ffi_call(
+          "te_jax_norm_quantize_tensorwise", outs)(
+              *operands, jnp.asarray(scale, _F32), mean_in, rstd_in, **attrs)
+    else:   # current
+      amax_in = none if amax is None else jnp.asarray(amax, _F32)
+      data, data_t, s, amax_result, mean, rstd = jax.ffi.ffi_call(
+          "te_jax_norm_quantize_current", outs)(
+              *operands, amax_in, mean_in, rstd_in,
+              power_2_scale=np.int64(bool(power_2_scale)), **attrs)
+    if amax is not None:
+      amax_result = amax
+    st = s
+  q = act_quantize_cuda.selected_result(mode, m, h, data, s, data_t, st, amax_result, rowwise,
+                                        columnwise)
+  return (q,) + stats_result(mean, rstd)
 
 
 def norm_backward(dy, x, gamma, mean, rstd, zero_centered: bool, blocks: int | None = None):

@@ -1,0 +1,373 @@
+"""The MoE layer and the ``moe`` preset per recipe: time, kernel time by part, memory.
+
+Two parts, each recipe in a fresh process (``--in-process``: one process):
+
+* ``layer``: a training step (forward + backward, FP8 state carried) of
+  ``te_jax.flax.MoE`` as one layer of ``train_gpt.py --preset moe`` holds it
+  (8 x 2048 tokens of width 1024, 64 experts of width 512, 8 per token, a
+  shared expert of width 1024, bf16 compute). Rows: each recipe, against
+  te_jax's FP8-off MoE (``none``: the same block, its grouped GEMMs the
+  unquantized grouped reference) and ``ragged_dot`` (FP8 off, the grouped
+  GEMMs by XLA's ``jax.lax.ragged_dot``).
+* ``model``: ``examples/train_gpt.py --preset moe`` (``--small``: moe_tiny)
+  training steps per recipe: tokens/s against bf16 (``none``).
+
+Each row: ms per step (``--repeats`` timings of ``--k`` steps after 3
+warm-ups, median; max |dx| of the layer's input gradient shows the state is
+not frozen), GPU kernel time per step by part of the MoE from a profiler
+trace (router, dispatch, grouped GEMMs with the experts' activation,
+combine, shared expert; the all-to-alls of expert parallelism belong to
+dispatch and combine; "other" is the rest: attention, norms, the optimizer),
+told apart by the named scopes of ``te_jax.moe.SCOPES`` that the compiled
+program's op names carry, and device memory: the compiled step's arguments
++ temp (``memory_analysis()``).
+
+The grouped GEMM has no CUDA kernel yet: on a GPU it runs te_jax's pure-JAX
+reference under XLA (FP8 operands dequantized to float32), so the FP8 rows
+measure the reference, not FP8 tensor cores; the tables say so.
+
+  python3 benchmarks/bench_moe.py                     # GPU: layer and model, every recipe
+  python3 benchmarks/bench_moe.py --small --in-process     # CPU smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RECIPES = ("none", "delayed", "current", "blockwise")
+LAYER_ROWS = RECIPES + ("ragged_dot",)
+PARTS = ("router", "dispatch", "experts", "combine", "shared")
+KINDS = PARTS + ("other",)
+NOTE = ("The grouped GEMMs have no CUDA kernel yet: they run te_jax's pure-JAX reference "
+        "under XLA (FP8 operands dequantized to float32), so FP8 rows time that reference.")
+# (tokens as batch x seq, hidden, experts, per token, expert width, shared width)
+LAYER_SIZES = {"full": dict(batch=8, seq=2048, hidden=1024, experts=64, k=8, mlp=512,
+                            shared=1024),
+               "small": dict(batch=2, seq=64, hidden=128, experts=8, k=2, mlp=128, shared=128)}
+
+
+def part_of(op_name: str) -> str:
+  """The MoE part (``KINDS``) of an op from its name stack: the innermost
+  ``te_jax.moe.SCOPES`` scope it names, else "other"."""
+  from te_jax.moe import SCOPES  # pylint: disable=import-outside-toplevel
+  best, where = "other", -1
+  for part, scope in SCOPES.items():
+    i = op_name.rfind(scope)
+    if i > where:
+      best, where = part, i
+  return best
+
+
+def hlo_parts(hlo_text: str) -> dict:
+  """{HLO instruction name: MoE part} of a compiled module (from the op_name
+  metadata: ``model_memory.op_names``)."""
+  from model_memory import op_names  # pylint: disable=import-error,import-outside-toplevel
+  return {name: part_of(op) for name, op in op_names(hlo_text).items()}
+
+
+def _event_part(event, parts: dict) -> str:
+  """The part of one GPU kernel event of a trace: a scope named in its
+  arguments (XLA's annotation of the op), else its HLO op's in ``parts``."""
+  args = event.get("args", {}) or {}
+  text = " ".join(str(v) for v in args.values())
+  part = part_of(text)
+  if part != "other":
+    return part
+  op = args.get("hlo_op") or args.get("name")
+  return parts.get(str(op), "other") if op else "other"
+
+
+def kernel_time_by_part(run_steps, steps: int, parts: dict):
+  """GPU kernel ms per step by MoE part from a ``jax.profiler`` trace of
+  ``run_steps(steps)``; None where the trace has no GPU kernels (a CPU)."""
+  import glob  # pylint: disable=import-outside-toplevel
+  import gzip  # pylint: disable=import-outside-toplevel
+  import tempfile  # pylint: disable=import-outside-toplevel
+  import jax  # pylint: disable=import-outside-toplevel
+  with tempfile.TemporaryDirectory() as d:
+    jax.profiler.start_trace(d)
+    jax.block_until_ready(run_steps(steps))
+    jax.profiler.stop_trace()
+    files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
+    if not files:
+      return None
+    with gzip.open(files[0]) as fh:
+      events = json.load(fh).get("traceEvents", [])
+  gpus = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+          and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
+  streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
+             and e.get("name") == "thread_name" and e.get("pid") in gpus
+             and "stream" in str(e.get("args", {}).get("name", "")).lower()}
+  ms = {kind: 0.0 for kind in KINDS}
+  for e in events:
+    if e.get("ph") != "X" or e.get("pid") not in gpus:
+      continue
+    if streams and (e["pid"], e.get("tid")) not in streams:
+      continue   # XLA op/module summary lines duplicate the kernels' time
+    ms[_event_part(e, parts)] += e.get("dur", 0) / 1e3 / steps
+  return ms if any(ms.values()) else None
+
+
+@contextlib.contextmanager
+def _ragged_dot_gemms():
+  """Within: te_jax's grouped GEMMs are ``jax.lax.ragged_dot`` (FP8 off only),
+  so the ``ragged_dot`` row's block is te_jax's with XLA's grouped GEMMs."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from jax import lax  # pylint: disable=import-outside-toplevel
+  from te_jax.ops import grouped_gemm as op  # pylint: disable=import-outside-toplevel
+
+  def gemm(lhs, rhs, group_sizes, *, out_dtype=jnp.bfloat16, **_):
+    return lax.ragged_dot(lhs, rhs, group_sizes,
+                          preferred_element_type=jnp.float32).astype(out_dtype)
+
+  def wgrad(lhs_t, rhs_t, group_sizes, *, out_dtype=jnp.float32, **_):
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[1],
+        rhs_group_dimensions=[])
+    return lax.ragged_dot_general(lhs_t, rhs_t, group_sizes, dims,
+                                  preferred_element_type=jnp.float32).astype(out_dtype)
+  saved = op.grouped_gemm, op.grouped_wgrad
+  op.grouped_gemm, op.grouped_wgrad = gemm, wgrad
+  try:
+    yield
+  finally:
+    op.grouped_gemm, op.grouped_wgrad = saved
+
+
+def run_layer(row: str, small: bool, k: int, repeats: int, profile_steps: int) -> dict:
+  """Times one layer row (``LAYER_ROWS``); returns a JSON-ready dict."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  import te_jax  # pylint: disable=import-outside-toplevel
+  from te_jax import flax as tfx, moe  # pylint: disable=import-outside-toplevel
+  from _fp8_carry import run_steps, time_steps  # pylint: disable=import-error,import-outside-toplevel
+  from model_memory import memory_stats  # pylint: disable=import-error,import-outside-toplevel
+  sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+  import train_gpt  # pylint: disable=import-error,import-outside-toplevel
+
+  sz = LAYER_SIZES["small" if small else "full"]
+  recipe = None if row in ("none", "ragged_dot") else train_gpt.make_recipe(row)
+  cfg = train_gpt.moe_config(train_gpt.Config(preset="moe_tiny" if small else "moe",
+                                              experts=sz["experts"],
+                                              experts_per_token=sz["k"],
+                                              shared_mlp=sz["shared"]).resolved())
+  module = tfx.MoE(intermediate_dim=sz["mlp"], dtype=jnp.bfloat16, **dataclasses.asdict(cfg))
+  rng = np.random.default_rng(0)
+  shape = (sz["batch"], sz["seq"], sz["hidden"])
+  xs = [jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(2)]
+  g = jnp.asarray(rng.standard_normal(shape), jnp.float32) / np.sqrt(np.prod(shape))
+
+  def loss(v, x):
+    y, st = module.apply(v, x, mutable=["intermediates"])
+    return jnp.sum(y.astype(jnp.float32) * g) + moe.aux_totals(st)["aux_loss"]
+
+  swap = _ragged_dot_gemms() if row == "ragged_dot" else contextlib.nullcontext()
+  with swap, te_jax.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+    variables = nn.meta.unbox(jax.jit(module.init)(jax.random.key(0), xs[0]))
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    compiled = step.lower(variables, xs[0]).compile()
+    times, variables, out = time_steps(step, variables, xs, k, repeats)
+    live = {"v": variables}
+
+    def profiled(n):
+      live["v"], last = run_steps(step, live["v"], xs, n)
+      return last
+    kinds = kernel_time_by_part(profiled, profile_steps, hlo_parts(compiled.as_text()))
+  stats = memory_stats(compiled)
+  tokens = sz["batch"] * sz["seq"]
+  ms = statistics.median(times)
+  return {"part": "layer", "row": row, "ms": ms, "times": times,
+          "tokens_per_s": tokens / (ms / 1e3),
+          "max_abs_dx": float(jnp.max(jnp.abs(out[1][1].astype(jnp.float32)))),
+          "kernels_ms": kinds, "hlo_ops": _count_parts(compiled.as_text()),
+          "args_temp": stats["argument"] + stats["temp"], "sizes": sz}
+
+
+def _count_parts(hlo_text: str) -> dict:
+  """How many instructions of the compiled module each part has."""
+  counts = {kind: 0 for kind in KINDS}
+  for part in hlo_parts(hlo_text).values():
+    counts[part] += 1
+  return counts
+
+
+def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int) -> dict:
+  """Times ``train_gpt.py --preset moe`` (moe_tiny with ``small``) steps."""
+  import jax  # pylint: disable=import-outside-toplevel
+  sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+  import train_gpt  # pylint: disable=import-error,import-outside-toplevel
+  from _fp8_carry import run_steps, time_steps  # pylint: disable=import-error,import-outside-toplevel
+  from model_memory import memory_stats  # pylint: disable=import-error,import-outside-toplevel
+
+  cfg = train_gpt.Config(preset="moe_tiny" if small else "moe", recipe=recipe,
+                         num_docs=1000 if small else 20000, out_dir=None, progress=False,
+                         eval_batches=0)
+  trainer = train_gpt.Trainer(cfg)
+  state = trainer.init()
+  batches = [trainer.batch(i) for i in range(2)]
+
+  def step(st, batch):        # time_steps' layout: (output, (next state,))
+    new, metrics = trainer.step(st, batch)
+    return metrics, (new,)
+
+  def carry(_, new):
+    return new
+
+  times, state, out = time_steps(step, state, batches, k, repeats, carry)
+  with trainer._ctx():  # pylint: disable=protected-access
+    compiled = trainer._step.lower(state, batches[0]).compile()  # pylint: disable=protected-access
+  live = {"state": state}
+
+  def profiled(n):
+    live["state"], last = run_steps(step, live["state"], batches, n, carry)
+    return last
+  kinds = kernel_time_by_part(profiled, profile_steps, hlo_parts(compiled.as_text()))
+  stats = memory_stats(compiled)
+  ms = statistics.median(times)
+  tokens = trainer.cfg.batch * trainer.cfg.seq_len
+  return {"part": "model", "row": recipe, "ms": ms, "times": times,
+          "tokens_per_s": tokens / (ms / 1e3), "loss": float(out[0]["loss"]),
+          "dropped": int(out[0]["dropped"]), "params": train_gpt.param_count(state),
+          "kernels_ms": kinds, "args_temp": stats["argument"] + stats["temp"],
+          "device": jax.devices()[0].device_kind}
+
+
+def _fmt_kinds(r) -> str:
+  k = r.get("kernels_ms")
+  if not k:
+    return " | ".join("-" for _ in KINDS)
+  return " | ".join(f"{k[kind]:.2f}" for kind in KINDS)
+
+
+def _against(r, base):
+  """(speed-up, memory ratio) of row ``r`` against the baseline row ``base``
+  ("-" without one): base time / time, and args+temp / the base's."""
+  if base is None:
+    return "-", "-"
+  return f"{base['ms'] / r['ms']:.3f}x", f"{r['args_temp'] / base['args_temp']:.3f}x"
+
+
+def format_tables(results, args) -> str:
+  """The markdown tables of the rows measured (layer, then model)."""
+  from bench_layer import environment  # pylint: disable=import-error,import-outside-toplevel
+  env = environment()
+  lines = [f"### bench_moe.py{' --small' if args.small else ''}, {env['date']}, "
+           f"{env['device']}, jax {env['jax']}, flax {env['flax']}", "", NOTE, "",
+           f"Median of {args.repeats} timings of {args.k} steps after 3 warm-ups, FP8 state "
+           f"carried; kernel ms per step from a trace of {args.profile_steps} steps, by part "
+           "of the MoE (- : no GPU trace); args+temp: the compiled step's device memory.", ""]
+  kinds_head = " | ".join(f"{kind} ms" for kind in KINDS)
+  layer = [r for r in results if r["part"] == "layer"]
+  if layer:
+    base = next((r for r in layer if r["row"] == "none"), None)
+    sz = layer[0]["sizes"]
+    lines += [f"MoE layer: {sz['batch']} x {sz['seq']} tokens, hidden {sz['hidden']}, "
+              f"{sz['experts']} experts of width {sz['mlp']}, {sz['k']} per token, shared "
+              f"expert {sz['shared']}; against te_jax's FP8-off MoE (none).", "",
+              f"| row | ms / step | vs FP8 off | {kinds_head} | args+temp MiB | mem vs FP8 off "
+              "| max abs dx |", "|---|" + "---:|" * (len(KINDS) + 5)]
+    for r in layer:
+      speed, mem = _against(r, base)
+      lines.append(f"| {r['row']} | {r['ms']:.2f} | {speed} | {_fmt_kinds(r)} | "
+                   f"{r['args_temp'] / 2**20:.1f} | {mem} | {r['max_abs_dx']:.3g} |")
+    lines.append("")
+  model = [r for r in results if r["part"] == "model"]
+  if model:
+    base = next((r for r in model if r["row"] == "none"), None)
+    lines += [f"train_gpt.py --preset {'moe_tiny' if args.small else 'moe'} "
+              f"({model[0]['params'] / 1e6:.1f}M parameters): tokens/s per recipe against "
+              "bf16 (none).", "",
+              f"| recipe | ms / step | tokens/s | vs bf16 | {kinds_head} | args+temp GiB "
+              "| mem vs bf16 | loss | dropped |", "|---|" + "---:|" * (len(KINDS) + 7)]
+    for r in model:
+      speed, mem = _against(r, base)
+      lines.append(f"| {r['row']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {speed} | "
+                   f"{_fmt_kinds(r)} | {r['args_temp'] / 2**30:.2f} | {mem} | "
+                   f"{r['loss']:.3f} | {r['dropped']} |")
+  blind = [r["row"] for r in results if r.get("kernels_ms")
+           and not any(r["kernels_ms"][part] for part in PARTS)]
+  if blind:
+    lines += ["", f"Rows {blind}: no kernel of the trace named a MoE scope or an HLO op of "
+              "the step (all time is in 'other'): this trace format does not say which op a "
+              "kernel ran, so the parts could not be told apart."]
+  return "\n".join(lines)
+
+
+def _one(part, row, args) -> dict:
+  fn = run_layer if part == "layer" else run_model
+  return fn(row, args.small, args.k, args.repeats, args.profile_steps)
+
+
+def _child(part, row, args) -> dict:
+  cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{part}:{row}", "--k",
+         str(args.k), "--repeats", str(args.repeats), "--profile-steps",
+         str(args.profile_steps)] + (["--small"] if args.small else [])
+  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=HERE,
+                        check=False)
+  line = [l for l in proc.stdout.splitlines() if l.startswith("JSON ")]
+  if not line:
+    raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
+                       else f"exit {proc.returncode}")
+  return json.loads(line[0][5:])
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--parts", default="layer,model", help="layer, model or both")
+  p.add_argument("--recipes", default=",".join(RECIPES),
+                 help="none,delayed,current,blockwise (the layer part also takes ragged_dot; "
+                      "it always runs none and ragged_dot as its baselines)")
+  p.add_argument("--k", type=int, default=10, help="back-to-back steps per timing")
+  p.add_argument("--repeats", type=int, default=5, help="timings; the median is kept")
+  p.add_argument("--profile-steps", type=int, default=2, help="steps in the kernel trace")
+  p.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke test)")
+  p.add_argument("--in-process", action="store_true",
+                 help="every row in this process (default: a fresh process each)")
+  p.add_argument("--timeout", type=int, default=900, help="seconds per row")
+  p.add_argument("--json-out", help="write the rows so far to this JSON file after each")
+  p.add_argument("--one", help=argparse.SUPPRESS)   # part:row, print one JSON line
+  args = p.parse_args(argv)
+  if args.one:
+    part, row = args.one.split(":")
+    print("JSON " + json.dumps(_one(part, row, args)), flush=True)
+    return 0
+  recipes = [r for r in args.recipes.split(",") if r]
+  bad = [r for r in recipes if r not in LAYER_ROWS]
+  if bad:
+    p.error(f"unknown recipe(s) {bad}; choose from {LAYER_ROWS}")
+  todo = []
+  for part in [q for q in args.parts.split(",") if q]:
+    if part not in ("layer", "model"):
+      p.error(f"--parts takes layer and/or model, got {part!r}")
+    rows = list(dict.fromkeys(["none"] + recipes + (["ragged_dot"] if part == "layer"
+                                                     else [])))
+    todo += [(part, row) for row in rows if part == "layer" or row != "ragged_dot"]
+  results, ok = [], True
+  for part, row in todo:
+    try:
+      r = _one(part, row, args) if args.in_process else _child(part, row, args)
+      results.append(r)
+      print(f"{part} {row}: {r['ms']:.2f} ms/step, kernels {r['kernels_ms']}", file=sys.stderr,
+            flush=True)
+      if args.json_out:
+        with open(args.json_out, "w", encoding="utf-8") as fh:
+          json.dump(results, fh, indent=1)
+    except Exception as err:  # pylint: disable=broad-except
+      ok = False
+      print(f"{part} {row}: FAILED {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+  print(format_tables(results, args))
+  return 0 if ok and results else 1
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,290 @@
+"""te_jax's own sm_90a FP8 GEMMs (CUTLASS-based) against the references (``gpu``).
+
+Needs a Hopper GPU and a native module built with the CUTLASS headers
+(``-DTE_JAX_CUTLASS_INCLUDE=...``; ``te_jax/_te_jax_ffi_build.txt`` ends
+"sm90 GEMMs: built ..."); skipped elsewhere.
+
+1. The grouped GEMM (``te_jax_grouped_gemm``, impl="cuda") against
+   ``grouped_gemm_reference`` / ``grouped_wgrad_reference`` computed on the
+   CPU backend in float32: per tensor (split and fast accumulation, E5M2 x
+   E4M3 as HYBRID's dgrad, E4M3 x E5M2 as its wgrad) and blockwise; odd
+   shapes (m, k, n not multiples of 128), empty groups, one group, one row,
+   rows past the groups, skewed sizes, 64 groups and the most the kernel
+   takes (6144, whose workspace the handler checks against the device's
+   SM count). Relative Frobenius error
+   within the bfloat16 output's tolerance (tests/test_cuda_ops.py: 1e-2; the
+   FP8 operands are exact inputs to both sides), tail rows and empty
+   groups' blocks exactly 0, no stray non-finite value, and a second run
+   equal bit for bit.
+2. One jitted function, group sizes changed between calls: traced once,
+   every call right (sizes are read on the device).
+3. Sizes that cannot describe the buffer make the whole output NaN (the
+   reference's rule; for the contraction also sizes off the 16 / 128
+   multiple, which the kernel needs and the reference does not).
+4. The dense sm90 variants in the GEMM autotuner (TE_JAX_GEMM_SM90, read once
+   per process: subprocesses): with "only" the selection log names an sm90
+   winner for the blockwise pairs and results match the reference and
+   cuBLASLt's; with "1" the sm90 variants are timed beside cuBLASLt's answers.
+"""
+
+import json
+import re
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from te_jax.ops import _native
+from te_jax.ops import grouped_gemm as gg
+from te_jax.ops import grouped_gemm_cuda as ggc
+from te_jax.ops import quantize as q
+from te_jax.ops.fp8 import ScaledTensor
+
+from test_gpu_gemm_autotune import _run, _selections  # the subprocess helpers
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _native.cuda_available() or bool(ggc.build_reason())
+                       or bool(ggc.device_reason()),
+                       reason="needs a Hopper GPU and te_jax built with the sm90 GEMMs (CUTLASS)"),
+]
+
+E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+_TOL = 1e-2                      # bfloat16 output (tests/test_cuda_ops.py)
+_CPU = jax.devices("cpu")[0]
+
+
+def _spread(rng, shape):
+  """Normal values, magnitudes spread over rows and 128-column blocks."""
+  x = rng.standard_normal(shape) * 10.0 ** rng.uniform(-2, 2, size=(shape[0], 1))
+  cols = 10.0 ** rng.uniform(-2, 2, size=-(-shape[1] // 128)).repeat(128)[:shape[1]]
+  return (x * cols).astype(np.float32)
+
+
+def _scaled(x, dtype, block):
+  x = jnp.asarray(x)
+  if block is None:
+    t = q.quantize_current_reference(x, dtype)
+  else:
+    t = q.quantize_blockwise_reference(x, block, dtype, power_2_scale=True)
+  return ScaledTensor(t.data, t.scale_inv, block)
+
+
+def _experts(rng, g, k, n, dtype, blockwise):
+  """(g, k, n) expert weights, one magnitude per expert, quantized per expert."""
+  w = jnp.asarray(np.stack([_spread(rng, (k, n)) * 10.0 ** rng.uniform(-2, 2)
+                            for _ in range(g)]))
+  if blockwise:
+    t = jax.vmap(lambda v: q.quantize_blockwise_reference(v, (128, 128), dtype, True))(w)
+    return gg.GroupedScaledTensor(t.data, t.scale_inv, (128, 128))
+  t = jax.vmap(lambda v: q.quantize_current_reference(v, dtype))(w)
+  return gg.GroupedScaledTensor(t.data, t.scale_inv)
+
+
+def _on_cpu(fn, *args):
+  return np.asarray(jax.jit(fn)(*jax.device_put(args, _CPU)), np.float64)
+
+
+def _compare(got, want, zero_mask=None):
+  """Relative Frobenius error within _TOL, no stray non-finite value, and
+  exact zeros where ``zero_mask`` says."""
+  got = np.asarray(got, np.float64)
+  assert np.isfinite(got).all(), "non-finite values in the kernel's output"
+  if zero_mask is not None:
+    assert (got[zero_mask] == 0).all(), "rows / blocks no group covers must be 0"
+  norm = np.linalg.norm(want)
+  err = np.linalg.norm(got - want) / (norm if norm > 0 else 1.0)
+  assert err < _TOL, f"relative error {err:.3g} >= {_TOL}"
+
+
+ROWS_VARIANTS = {   # name: (lhs dtype, rhs dtype, blockwise, fast_accum)
+    "tensor_e4m3_split": (E4M3, E4M3, False, False),
+    "tensor_e4m3_fast": (E4M3, E4M3, False, True),
+    "tensor_e5m2xe4m3": (E5M2, E4M3, False, False),
+    "blockwise": (E4M3, E4M3, True, False),
+}
+ROWS_CASES = {      # name: (m, k, n, sizes)
+    "odd_with_empty_and_tail": (200, 400, 272, [0, 1, 130, 37]),
+    "one_group": (256, 256, 128, [256]),
+    "one_row": (1, 128, 16, [0, 1]),
+    "skewed": (1024, 512, 256, [512, 0, 64, 448]),
+    "all_empty": (64, 128, 32, [0, 0, 0]),
+    "64_groups": (640, 256, 128, [10] * 64),
+    "max_groups": (ggc.MAX_GROUPS, 128, 16, [1] * ggc.MAX_GROUPS),   # the largest workspace
+}
+
+
+@pytest.mark.parametrize("case", list(ROWS_CASES))
+@pytest.mark.parametrize("variant", list(ROWS_VARIANTS))
+def test_grouped_gemm_rows(variant, case):
+  ta, tb, blockwise, fast = ROWS_VARIANTS[variant]
+  m, k, n, sizes = ROWS_CASES[case]
+  rng = np.random.default_rng(len(case) * 7 + len(variant))
+  lhs = _scaled(_spread(rng, (m, k)), ta, (1, 128) if blockwise else None)
+  rhs = _experts(rng, len(sizes), k, n, tb, blockwise)
+  gs = jnp.asarray(sizes, jnp.int32)
+  f = jax.jit(lambda l, r, s: gg.grouped_gemm(l, r, s, out_dtype=jnp.bfloat16,
+                                              fast_accum=fast, impl="cuda"))
+  got, again = np.asarray(f(lhs, rhs, gs), np.float32), np.asarray(f(lhs, rhs, gs), np.float32)
+  np.testing.assert_array_equal(got, again)
+  want = _on_cpu(lambda l, r, s: gg.grouped_gemm_reference(l, r, s, jnp.float32), lhs, rhs, gs)
+  tail = np.zeros((m, n), bool)
+  tail[sum(sizes):] = True
+  _compare(got, want, tail)
+
+
+def test_grouped_gemm_dgrad_operand():
+  """The dgrad form: grad (m, n) against kernel.T, the transposed stack."""
+  rng = np.random.default_rng(3)
+  m, k, n, sizes = 200, 400, 272, [64, 0, 100, 36]
+  for blockwise in (False, True):
+    w = _experts(rng, 4, k, n, E4M3, blockwise)
+    grad = _scaled(_spread(rng, (m, n)), E4M3 if blockwise else E5M2,
+                   (1, 128) if blockwise else None)
+    gs = jnp.asarray(sizes, jnp.int32)
+    got = jax.jit(lambda a, b, s: gg.grouped_gemm(a, b.T, s, impl="cuda"))(grad, w, gs)
+    want = _on_cpu(lambda a, b, s: gg.grouped_gemm_reference(a, b.T, s, jnp.float32),
+                   grad, w, gs)
+    _compare(got, want)
+
+
+WGRAD_CASES = {     # name: (lhs_t dtype, rhs_t dtype, blockwise, k, m, n, sizes)
+    "tensor_e4m3": (E4M3, E4M3, False, 144, 640, 264, [0, 16, 48, 144]),
+    "tensor_hybrid_swapped": (E4M3, E5M2, False, 144, 640, 264, [32, 0, 608]),
+    "tensor_e5m2xe4m3": (E5M2, E4M3, False, 200, 256, 136, [256]),
+    "blockwise": (E4M3, E4M3, True, 144, 640, 264, [0, 128, 384]),
+    "blockwise_one_group": (E4M3, E4M3, True, 130, 512, 96, [512]),
+}
+
+
+@pytest.mark.parametrize("case", list(WGRAD_CASES))
+def test_grouped_wgrad(case):
+  ta, tb, blockwise, k, m, n, sizes = WGRAD_CASES[case]
+  rng = np.random.default_rng(len(case))
+  block = (1, 128) if blockwise else None
+  lhs_t, rhs_t = _scaled(_spread(rng, (k, m)), ta, block), _scaled(_spread(rng, (n, m)), tb, block)
+  gs = jnp.asarray(sizes, jnp.int32)
+  f = jax.jit(lambda a, b, s: gg.grouped_wgrad(a, b, s, out_dtype=jnp.bfloat16, impl="cuda"))
+  got = np.asarray(f(lhs_t, rhs_t, gs), np.float32)
+  np.testing.assert_array_equal(got, np.asarray(f(lhs_t, rhs_t, gs), np.float32))
+  want = _on_cpu(lambda a, b, s: gg.grouped_wgrad_reference(a, b, s, jnp.float32),
+                 lhs_t, rhs_t, gs)
+  empty = np.zeros(got.shape, bool)
+  empty[[e for e, s in enumerate(sizes) if s == 0]] = True
+  _compare(got, want, empty)
+
+
+def test_new_group_sizes_without_recompiling():
+  rng = np.random.default_rng(5)
+  m, k, n = 512, 256, 128
+  lhs = _scaled(_spread(rng, (m, k)), E4M3, (1, 128))
+  rhs = _experts(rng, 4, k, n, E4M3, True)
+  traces = []
+
+  @jax.jit
+  def step(l, r, s):
+    traces.append(1)
+    return gg.grouped_gemm(l, r, s, impl="cuda")
+
+  for sizes in ([128, 128, 128, 128], [512, 0, 0, 0], [0, 1, 300, 11], [0, 0, 0, 0]):
+    gs = jnp.asarray(sizes, jnp.int32)
+    want = _on_cpu(lambda l, r, s: gg.grouped_gemm_reference(l, r, s, jnp.float32), lhs, rhs, gs)
+    _compare(step(lhs, rhs, gs), want)
+  assert len(traces) == 1
+
+
+@pytest.mark.parametrize("sizes", [[-5, 10, 20], [100, 0, 200]])
+def test_rows_sizes_that_cannot_describe_the_rows_give_nan(sizes):
+  rng = np.random.default_rng(6)
+  lhs = _scaled(_spread(rng, (200, 128)), E4M3, None)
+  rhs = _experts(rng, 3, 128, 32, E4M3, False)
+  out = gg.grouped_gemm(lhs, rhs, jnp.asarray(sizes, jnp.int32), impl="cuda")
+  assert np.isnan(np.asarray(out, np.float32)).all()
+
+
+@pytest.mark.parametrize("blockwise, sizes", [(False, [16, 24]), (True, [128, 64]),
+                                               (False, [-16, 32]), (True, [512, 256])])
+def test_contraction_sizes_the_kernel_cannot_take_give_nan(blockwise, sizes):
+  rng = np.random.default_rng(7)
+  block = (1, 128) if blockwise else None
+  a, b = _scaled(_spread(rng, (64, 512)), E4M3, block), _scaled(_spread(rng, (32, 512)), E4M3,
+                                                                 block)
+  out = gg.grouped_wgrad(a, b, jnp.asarray(sizes, jnp.int32), out_dtype=jnp.bfloat16,
+                         impl="cuda")
+  assert np.isnan(np.asarray(out, np.float32)).all()
+
+
+def test_auto_takes_the_kernel():
+  """impl="auto" on this GPU stages te_jax_grouped_gemm for FP8 with bf16 out."""
+  rng = np.random.default_rng(8)
+  lhs = _scaled(_spread(rng, (64, 128)), E4M3, None)
+  rhs = _experts(rng, 2, 128, 32, E4M3, False)
+  gs = jnp.asarray([30, 34], jnp.int32)
+  hlo = jax.jit(lambda l, r, s: gg.grouped_gemm(l, r, s)).lower(lhs, rhs, gs).as_text()
+  assert ggc.TARGET in hlo
+
+
+# ------------------------------------------- 4. dense sm90 variants ---
+
+# Blockwise GEMMs (argv[1]: output .npz) at odd shapes, each run twice; prints
+# one JSON line per GEMM: relative error against the reference, repeat equality.
+_DENSE_SCRIPT = r"""
+import json, sys
+import numpy as np
+import jax, jax.numpy as jnp
+from te_jax.ops import gemm as gemm_ops
+from te_jax.ops import quantize as q
+from te_jax.ops.fp8 import ScaledTensor
+
+def operand(rows, k, block, seed):
+  rng = np.random.default_rng(seed)
+  x = rng.standard_normal((rows, k)) * 10.0 ** rng.uniform(-2, 2, size=(rows, 1))
+  t = q.quantize_blockwise_reference(jnp.asarray(x, jnp.float32), block, jnp.float8_e4m3fn, True)
+  return ScaledTensor(t.data, t.scale_inv, block)
+
+outs = {}
+for m, n, k in [(208, 336, 768), (1040, 400, 640), (4096, 1552, 1024)]:
+  for bb in [(128, 128), (1, 128)]:
+    a, b = operand(m, k, (1, 128), 1), operand(n, k, bb, 2)
+    f = jax.jit(lambda a, b: gemm_ops.gemm(a, b, out_dtype=jnp.bfloat16, impl="cuda"))
+    first, again = np.asarray(f(a, b), np.float32), np.asarray(f(a, b), np.float32)
+    want = np.asarray(gemm_ops.gemm_reference(a, b, jnp.float32), np.float64)
+    name = f"{m}x{n}x{k}_b{bb[0]}"
+    outs[name] = first
+    print(json.dumps({"name": name, "repeat_equal": bool(np.array_equal(first, again)),
+                      "rel": float(np.linalg.norm(first - want) / np.linalg.norm(want))}))
+np.savez(sys.argv[1], **outs)
+"""
+
+
+def _dense(tmp_path, name, **env):
+  out = tmp_path / f"{name}.npz"
+  stdout, stderr = _run(_DENSE_SCRIPT, tmp_path, [out], TE_JAX_GEMM_LOG="1", **env)
+  runs = [json.loads(l) for l in stdout.splitlines() if l.startswith("{")]
+  assert len(runs) == 6, stdout
+  for r in runs:
+    assert r["repeat_equal"] and r["rel"] < _TOL, r
+  return dict(np.load(out)), _selections(stderr), stderr
+
+
+def test_dense_sm90_variants_match_the_reference_and_cublaslt(tmp_path):
+  base, base_sel, _ = _dense(tmp_path, "cublaslt")
+  assert all(not s["winner"] or not s["winner"].startswith("sm90") for s in base_sel)
+  only, sel, log = _dense(tmp_path, "only", TE_JAX_GEMM_SM90="only")
+  winners = [s["winner"] for s in sel if s["winner"]]
+  assert len(winners) == 6 and all(w.startswith("sm90 ") for w in winners), log[-4000:]
+  assert any("vecvec" in w for w in winners) and any("vecblk" in w for w in winners)
+  for name, got in only.items():   # against cuBLASLt's answer, as against the reference
+    ref = base[name].astype(np.float64)
+    assert np.linalg.norm(got - ref) / np.linalg.norm(ref) < 2 * _TOL, name
+
+
+def test_dense_sm90_variants_join_the_timing(tmp_path):
+  _, sel, log = _dense(tmp_path, "added", TE_JAX_GEMM_SM90="1")
+  assert len(sel) == 6, log[-4000:]
+  for s in sel:
+    timed = " ".join(s["timed"])
+    assert re.search(r"candidate \d+: sm90 ", timed), log[-4000:]
+    assert re.search(r"candidate \d+: algo=", timed), log[-4000:]

@@ -1,0 +1,52 @@
+"""benchmarks/bench_moe.py on a CPU with --small: every row runs, the tables
+come out, and the compiled step's ops are sorted into the MoE's parts by
+their named scopes (what the GPU kernel time by part rests on)."""
+
+import json
+
+import pytest
+
+import bench_moe  # pylint: disable=import-error  (benchmarks/ is on pytest's pythonpath)
+
+
+def test_part_of_takes_the_innermost_moe_scope():
+  assert bench_moe.part_of("jit(step)/jvp(moe_experts)/dot_general") == "experts"
+  # the backward of the combine inside the experts' custom VJP names both
+  assert bench_moe.part_of("transpose(jvp(moe_experts))/moe_combine/mul") == "combine"
+  assert bench_moe.part_of("jit(step)/self_attention/dot") == "other"
+
+
+def test_gpu_events_are_sorted_by_their_annotation_or_their_hlo_op():
+  parts = {"fusion.3": "dispatch"}
+  assert bench_moe._event_part(  # pylint: disable=protected-access
+      {"args": {"tf_op": "jit(step)/moe_router/top_k"}}, parts) == "router"
+  assert bench_moe._event_part({"args": {"hlo_op": "fusion.3"}}, parts) == "dispatch"  # pylint: disable=protected-access
+  assert bench_moe._event_part({"args": {"hlo_op": "fusion.9"}}, parts) == "other"  # pylint: disable=protected-access
+
+
+def test_small_run_on_cpu_times_every_row_and_sorts_the_ops(tmp_path, capsys):
+  out_json = tmp_path / "rows.json"
+  code = bench_moe.main(["--small", "--in-process", "--k", "1", "--repeats", "1",
+                         "--profile-steps", "1", "--recipes", "blockwise",
+                         "--json-out", str(out_json)])
+  out = capsys.readouterr().out
+  assert code == 0, out
+  assert bench_moe.NOTE in out
+  rows = json.loads(out_json.read_text())
+  assert [(r["part"], r["row"]) for r in rows] == [
+      ("layer", "none"), ("layer", "blockwise"), ("layer", "ragged_dot"),
+      ("model", "none"), ("model", "blockwise")]
+  for r in rows:
+    assert r["ms"] > 0 and r["args_temp"] > 0
+    assert r["kernels_ms"] is None        # no GPU trace on a CPU
+  for r in rows[:3]:
+    assert r["max_abs_dx"] > 0
+    assert all(r["hlo_ops"][part] > 0 for part in bench_moe.PARTS), r["hlo_ops"]
+  for line in ("| none | ", "| blockwise | ", "| ragged_dot | "):
+    assert line in out
+  assert "train_gpt.py --preset moe_tiny" in out
+
+
+def test_unknown_recipe_is_a_usage_error():
+  with pytest.raises(SystemExit):
+    bench_moe.main(["--small", "--recipes", "fp4"])
