@@ -152,7 +152,8 @@ def smooth(values, window: int = 10):
 # checkpoint was written with (train_gpt_run.json in each step directory).
 RUN_FIELDS = ("preset", "recipe", "hidden", "layers", "heads", "mlp", "dtype",
               "amax_history_len", "seq_len", "batch", "num_docs", "seed", "lr", "warmup",
-              "weight_decay", "kv_groups")
+              "weight_decay", "kv_groups", "arch", "experts", "experts_per_token",
+              "shared_mlp", "capacity_factor")
 RUN_CONFIG_FILE = "train_gpt_run.json"
 HISTORY_FILE = "train_gpt_history.json"
 # Config fields without a command-line flag (named as such in errors).

@@ -151,3 +151,27 @@ def test_nnx_module_checks():
     model(jnp.ones((4, H + 1)))
   with pytest.raises(TypeError, match="needs moe="):
     tnx.TransformerLayer(mlp_type="moe", **LAYER, rngs=nnx.Rngs(0))
+
+
+def test_router_bias_moves_between_linen_and_nnx():
+  """The router bias (Linen: collection "router_bias", NNX: attribute
+  router_bias) travels with load_linen_variables / linen_variables: a
+  loaded model routes as the Linen one, and a variables dict without it is
+  refused, not silently left at zero."""
+  r = RECIPES["delayed"]
+  x, _ = inputs(seed=5)
+  linen = tfx.TransformerLayer(mlp_type="moe", moe=CFG, **LAYER)
+  with autocast(r):
+    variables = nn.meta.unbox(linen.init(jax.random.key(0), x))
+    bias = jax.random.normal(jax.random.key(9), (E,), jnp.float32)
+    variables = {**variables, ROUTER_BIAS_COLLECTION: {"moe": {"bias": bias}}}
+    layer = tnx.TransformerLayer(mlp_type="moe", moe=CFG, **LAYER, rngs=nnx.Rngs(1))
+    tnx.load_linen_variables(layer, variables)
+    np.testing.assert_array_equal(layer.moe.router_bias[...], bias)
+    np.testing.assert_array_equal(
+        tnx.linen_variables(layer)[ROUTER_BIAS_COLLECTION]["moe"]["bias"], bias)
+    y = linen.apply(variables, x, deterministic=True)
+    np.testing.assert_array_equal(layer(x, deterministic=True), y)
+    no_bias = {k: v for k, v in variables.items() if k != ROUTER_BIAS_COLLECTION}
+    with pytest.raises(ValueError, match="router_bias/moe/bias"):
+      tnx.load_linen_variables(layer, no_bias)

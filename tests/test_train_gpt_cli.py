@@ -80,11 +80,12 @@ def test_resume_with_changed_flags_names_them(resumed_run, capsys):
   ckpt = resumed_run[0]
   with pytest.raises(SystemExit) as e:
     train_gpt.main(["--ckpt_dir", ckpt, "--resume", "--steps", "8", "--hidden", "32",
-                    "--recipe", "current"] + QUIET)
+                    "--recipe", "current", "--experts", "2", "--experts_per_token", "1"] + QUIET)
   assert e.value.code == 2
   err = capsys.readouterr().err
   assert "--hidden: 64 in the checkpoint, 32 now" in err
   assert "--recipe: 'delayed' in the checkpoint, 'current' now" in err
+  assert "--experts: " in err and ", 2 now" in err
   msg = err.split("error:", 1)[1]
   assert "--layers" not in msg and len(msg) < 1000
   # The same through the Python API (no flags filled in: every field compared).

@@ -50,7 +50,7 @@ __all__ = ["MoE", "ROUTER_BIAS_COLLECTION", "AUX_NAME"]
 
 Dtype = Any
 Initializer = Callable[..., jax.Array]
-ROUTER_BIAS_COLLECTION = "router_bias"
+ROUTER_BIAS_COLLECTION = moe_core.ROUTER_BIAS_COLLECTION
 AUX_NAME = "moe_aux"
 _AXES = moe_core.KERNEL_AXES
 
@@ -140,7 +140,7 @@ class MoE(nn.Module):
     params = self._declare(inputs.shape[-1], config)
     bias = None
     if config.router_bias_update_rate is not None:
-      bias_var = self.variable(ROUTER_BIAS_COLLECTION, "bias", jnp.zeros,
+      bias_var = self.variable(ROUTER_BIAS_COLLECTION, moe_core.ROUTER_BIAS_NAME, jnp.zeros,
                                (config.num_experts,), jnp.float32)
       bias = bias_var.value
     y, aux = moe_core.moe_layer(

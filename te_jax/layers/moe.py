@@ -53,9 +53,13 @@ from te_jax.layers.settings import Settings
 from te_jax.layers.state import GemmStates
 
 __all__ = ["EXPERT_GEMMS", "SHARED_GEMMS", "FP8_GEMMS", "CONFIG_FIELDS", "KERNEL_AXES",
+           "ROUTER_BIAS_COLLECTION", "ROUTER_BIAS_NAME",
            "GroupedMode", "expert_kernel_init", "config_of", "moe_layer", "next_router_bias",
            "zero_aux"]
 
+# Where the Linen module keeps the router bias (variable "bias" of this
+# collection); the NNX module's is its attribute "router_bias".
+ROUTER_BIAS_COLLECTION, ROUTER_BIAS_NAME = "router_bias", "bias"
 EXPERT_GEMMS = ("wi_fp8_meta", "wo_fp8_meta")
 SHARED_GEMMS = ("shared_wi_fp8_meta", "shared_wo_fp8_meta")
 FP8_GEMMS = EXPERT_GEMMS + SHARED_GEMMS

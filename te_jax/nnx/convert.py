@@ -42,13 +42,25 @@ from flax.core import meta
 
 from te_jax import fp8_state as state_lib
 from te_jax import sharding as sharding_lib
+from te_jax.layers import moe as moe_core
 from te_jax.nnx import state as st
+from te_jax.nnx.moe import RouterBias
 from te_jax.nnx.state import FP8State
 
 __all__ = ["load_linen_variables", "linen_variables", "get_named_sharding",
            "get_abstract_model"]
 
-_COLLECTIONS = (("params", nnx.Param), (state_lib.FP8_COLLECTION, FP8State))
+# (Linen collection, NNX variable type, {NNX attribute: Linen name} where
+# the two name the variable differently).
+_COLLECTIONS = (("params", nnx.Param, {}), (state_lib.FP8_COLLECTION, FP8State, {}),
+                (moe_core.ROUTER_BIAS_COLLECTION, RouterBias,
+                 {"router_bias": moe_core.ROUTER_BIAS_NAME}))
+
+
+def _linen_path(path, rename) -> tuple:
+  """The Linen path of the NNX variable at ``path``."""
+  path = tuple(str(p) for p in path)
+  return path[:-1] + (rename.get(path[-1], path[-1]),)
 
 
 def _lookup(tree, path):
@@ -68,7 +80,8 @@ def _leaf_paths(tree, prefix=()):
 
 
 def load_linen_variables(model: nnx.Module, variables: Dict[str, Any]) -> None:
-  """Sets ``model``'s parameters and FP8 state from a Linen variables dict.
+  """Sets ``model``'s parameters, FP8 state and MoE router biases from a Linen
+  variables dict.
 
   Args:
     model: a te_jax.nnx module (or a model made of them).
@@ -82,13 +95,13 @@ def load_linen_variables(model: nnx.Module, variables: Dict[str, Any]) -> None:
       does not have.
   """
   variables = meta.unbox(variables)
-  for coll, var_type in _COLLECTIONS:
+  for coll, var_type, rename in _COLLECTIONS:
     tree = variables.get(coll, {})
     used = set()
     for path, var in nnx.iter_graph(model):
       if not isinstance(var, var_type):
         continue
-      path = tuple(str(p) for p in path)
+      path = _linen_path(path, rename)
       value = _lookup(tree, path)
       where = f"{coll}/{'/'.join(path)}"
       if value is None:
@@ -108,17 +121,19 @@ def load_linen_variables(model: nnx.Module, variables: Dict[str, Any]) -> None:
 
 
 def linen_variables(model: nnx.Module) -> Dict[str, Any]:
-  """``model``'s parameters and FP8 state as a Linen variables dict (for the
-  matching ``te_jax.flax`` module, or a Linen checkpoint)."""
+  """``model``'s parameters, FP8 state and MoE router biases as a Linen
+  variables dict (for the matching ``te_jax.flax`` module, or a Linen
+  checkpoint)."""
   out: Dict[str, Any] = {}
-  for coll, var_type in _COLLECTIONS:
+  for coll, var_type, rename in _COLLECTIONS:
     tree: Dict[str, Any] = {}
     for path, var in nnx.iter_graph(model):
       if isinstance(var, var_type):
+        path = _linen_path(path, rename)
         node = tree
         for k in path[:-1]:
-          node = node.setdefault(str(k), {})
-        node[str(path[-1])] = var.get_value()
+          node = node.setdefault(k, {})
+        node[path[-1]] = var.get_value()
     if tree:
       out[coll] = tree
   return out
