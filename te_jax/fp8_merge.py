@@ -373,7 +373,7 @@ def share_tree(tree, mode=None):
   merging dtype (:func:`shared_state`), as plain dicts; any other node (a
   stack of per-layer states, a constant) as it is. For handing a whole
   collection to a lifted transform called several times
-  (``te_jax.flax.fp8_module.share_fp8_state``). ``mode``: the active
+  (``te_jax.flax.share_fp8_state``). ``mode``: the active
   ``ScalingMode`` or None; a state that only calls keeping it unused read
   (FP8 off, another recipe) is shared too, so that it comes back unchanged
   rather than once per call."""

@@ -34,9 +34,9 @@ from te_jax import flax as tfx
 from te_jax import fp8_state
 from te_jax import nnx as tnx
 from te_jax import recipe
-from te_jax.flax.fp8_module import share_fp8_state
+from te_jax.flax import share_fp8_state
 from te_jax.fp8_state import FP8_COLLECTION
-from te_jax.nnx.state import shared_fp8_state
+from te_jax.nnx import shared_fp8_state
 
 HIST = 4
 R = recipe.DelayedScaling(amax_history_len=HIST)
@@ -174,3 +174,17 @@ def test_nnx_remat_without_sharing_warns_naming_the_fix(twice, monkeypatch):
 def test_nnx_shared_remat_calls_merge(twice):
   old, got, kernel = _nnx(share=True, twice=twice)
   _assert_state(got, _expected(old, 3.0 if twice else 2.0, kernel, 2.0 if twice else 1.0))
+
+
+def test_the_fixes_the_messages_name_are_public():
+  """The errors and warnings above name te_jax.flax.share_fp8_state and
+  te_jax.nnx.shared_fp8_state: both resolve, and are in their __all__."""
+  import te_jax.flax
+  import te_jax.nnx
+  import inspect
+  from te_jax.flax import fp8_module
+  from te_jax.nnx import state as nnx_state
+  for module, name, source in ((te_jax.flax, "share_fp8_state", fp8_module),
+                               (te_jax.nnx, "shared_fp8_state", nnx_state)):
+    assert name in module.__all__ and callable(getattr(module, name))
+    assert f"{module.__name__}.{name}" in inspect.getsource(source)

@@ -29,7 +29,7 @@ from te_jax import flax as tfx
 from te_jax import nnx as tnx
 from te_jax import recipe
 from te_jax.fp8_state import FP8_COLLECTION
-from te_jax.nnx.state import shared_fp8_state
+from te_jax.nnx import shared_fp8_state
 
 HIST = 4
 R = recipe.DelayedScaling(amax_history_len=HIST)

@@ -27,6 +27,10 @@ moe=te_jax.moe.MoEConfig(...))`` puts one in place of the MLP); its
 auxiliary losses are sown into ``"intermediates"`` and its router bias lives
 in the collection ``"router_bias"`` (``te_jax.flax.moe`` says how a training
 loop uses both).
+
+``share_fp8_state(nn.remat(Block))`` lets a rematerialized block be called
+several times in one step with one merged FP8 state update (see
+``docs/recipes.md``).
 """
 
 from te_jax.flax.norm import LayerNorm, NormParameters, RMSNorm
@@ -36,6 +40,7 @@ from te_jax.flax.mlp import LayerNormMLP
 from te_jax.flax.moe import MoE
 from te_jax.flax.attention import MultiHeadAttention
 from te_jax.flax.transformer import TransformerLayer
+from te_jax.flax.fp8_module import share_fp8_state
 
 __all__ = [
     "LayerNorm",
@@ -49,4 +54,5 @@ __all__ = [
     "MoE",
     "MultiHeadAttention",
     "TransformerLayer",
+    "share_fp8_state",
 ]

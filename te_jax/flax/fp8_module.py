@@ -353,12 +353,12 @@ def check_remat_calls(module: nn.Module, name: str, state) -> None:
         f"{_where(module)}: its FP8 state '{name}' is read by a second call of the "
         "nn.remat around it in one differentiated step. Each call receives the state "
         f"as a new value, so {summed}. Share it across the calls: wrap the remat'd "
-        "module as te_jax.flax.fp8_module.share_fp8_state(nn.remat(Block)); its calls "
+        "module as te_jax.flax.share_fp8_state(nn.remat(Block)); its calls "
         "then merge into one update.")
   # "unseen": a jax.checkpoint around apply, whose next call may reuse this
   # trace; one call per step is right, so this is said, not refused.
   layer_state.warn_unseen_calls(
       type(module).__name__, name,
-      "use nn.remat inside the model (te_jax.flax.fp8_module.share_fp8_state("
+      "use nn.remat inside the model (te_jax.flax.share_fp8_state("
       "nn.remat(Block)) for a block called several times), or pass the variables to the "
       "checkpoint as te_jax.fp8_state.share_tree(variables, recipe.scaling_mode()).")

@@ -44,7 +44,7 @@ second step, read on the host without waiting for the device (a loop over
 
 from te_jax.nnx.state import (FP8State, FP8Counters, FP8StateWarning, WRT, diff_state,
                               apply_fp8_updates, accumulate_gradients, init_fp8_state,
-                              remove_update_check, check_fp8_updates)
+                              remove_update_check, check_fp8_updates, shared_fp8_state)
 from te_jax.nnx.linear import Linear, LayerNormLinear, LayerNorm, RMSNorm
 from te_jax.nnx.mlp import LayerNormMLP
 from te_jax.nnx.moe import MoE, MoEMetrics, RouterBias
@@ -76,6 +76,7 @@ __all__ = [
     "init_fp8_state",
     "remove_update_check",
     "check_fp8_updates",
+    "shared_fp8_state",
     "load_linen_variables",
     "linen_variables",
     "get_named_sharding",

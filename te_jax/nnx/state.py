@@ -268,7 +268,7 @@ def _check_remat_read(module_name: str, name: str, state) -> None:
   if layer_state.checkpoint_read_problem(state, None, seen_levels=0) is not None:
     layer_state.warn_unseen_calls(
         module_name, name,
-        "call the remat'd function inside `with te_jax.nnx.state.shared_fp8_state(model):` "
+        "call the remat'd function inside `with te_jax.nnx.shared_fp8_state(model):` "
         "(in the differentiated function); its calls then merge into one update.")
 
 
@@ -282,7 +282,7 @@ def shared_fp8_state(model: nnx.Module):
   Use it in the differentiated function, around the remat'd calls::
 
     def loss_fn(model):
-      with te_jax.nnx.state.shared_fp8_state(model):
+      with te_jax.nnx.shared_fp8_state(model):
         return loss(block(model, a), block(model, b))   # block = nnx.remat(...)
 
   Each :class:`FP8State` being differentiated holds, inside, its state in
