@@ -193,7 +193,8 @@ def run_jobs(jobs: list, n_dev: int, max_jobs: int, fake: bool, args) -> list:
 
 
 def checks(results: list, first_rtol: float, loss_rtol: float) -> list:
-  """[(ok, check name, run, detail)] of every check that applies."""
+  """[(ok, check name, run, detail)] of every check that applies or reports
+  (ok None: information only)."""
   by = {(x["recipe"], x["name"]): x for x in results}
   out = []
   for x in results:
@@ -211,7 +212,7 @@ def checks(results: list, first_rtol: float, loss_rtol: float) -> list:
                   ("all-to-all", runs_lib.check_moe_all_to_all(x)),
                   ("fsdp weight gathers", runs_lib.check_fsdp_gathers(x)),
                   ("activation gathers", runs_lib.check_activation_gathers(x))]
-    out += [(ok, name, run, detail) for name, (ok, detail) in found if ok is not None]
+    out += [(ok, name, run, detail) for name, (ok, detail) in found if ok is not None or detail]
   return out
 
 
@@ -258,9 +259,10 @@ def report(results: list, args, header: str) -> bool:
   print()
   found = checks(results, args.first_rtol, args.loss_rtol)
   for ok, name, run, detail in found:
-    print(f"{'PASS' if ok else 'FAIL'} {name} {run}: {detail}")
-  failed = sum(not ok for ok, *_ in found)
-  print(f"\n{len(found) - failed} checks passed, {failed} failed")
+    print(f"{'INFO' if ok is None else 'PASS' if ok else 'FAIL'} {name} {run}: {detail}")
+  failed = sum(ok is False for ok, *_ in found)
+  passed = sum(ok is True for ok, *_ in found)
+  print(f"\n{passed} checks passed, {failed} failed")
   return failed == 0
 
 
