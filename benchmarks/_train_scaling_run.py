@@ -130,7 +130,7 @@ def _expectations(trainer, abstract_state, rows: int, mesh: dict) -> dict:
 
 
 def _prepare(spec: dict, train_gpt):
-  """(trainer, lowered step, abstract state rows) of one run spec."""
+  """(trainer, lowered step, expectations) of one run spec."""
   import jax  # pylint: disable=import-outside-toplevel
   mesh = spec["mesh"]
   cfg = train_gpt.Config(recipe=spec["recipe"], preset=spec["preset"], steps=spec["steps"],
@@ -184,10 +184,10 @@ def worker(job: dict, compile_threads: int = 1) -> None:
   # a hit would skip the passes that write the partitioned HLO the checks read.
   jax.config.update("jax_enable_compilation_cache", False)
   if job.get("num_processes", 1) > 1:
-    jax.distributed.initialize(job["coordinator"], job["num_processes"], job["process_id"])
+    jax.distributed.initialize(job["coordinator"], job["num_processes"], job["process_id"],
+                               local_device_ids=job.get("local_device_ids"))
   import numpy as np  # pylint: disable=import-outside-toplevel
   import train_gpt  # pylint: disable=import-outside-toplevel,import-error  # examples/
-  from te_jax import hlo_inspect  # pylint: disable=import-outside-toplevel
 
   def emit(rec):
     if jax.process_index() == 0:
@@ -211,28 +211,26 @@ def worker(job: dict, compile_threads: int = 1) -> None:
     except Exception as e:  # pylint: disable=broad-except
       emit(dict(run_head(spec), error=_error(e)))
       continue
-    colls = hlo_inspect.collectives(text) if text else []
     emit(dict(run_head(spec), losses=res["losses"], final_loss=res["final_loss"],
               step_time_s=res["step_time_s"], tokens_per_s=res["tokens_per_s"],
               step_times=[float(t) for t in np.asarray(res["step_times"])],
               params=res["params"], devices=res["devices"], processes=res["processes"],
               dtype=trainer.cfg.dtype, compile_s=compile_s, memory=_memory(compiled),
               token_counts=_all_token_counts(trainer, res["steps"]),
-              collectives=[[c.kind, c.dtype, list(c.shape), c.bytes] for c in colls],
-              gathers=_gathers(text or ""),
-              expect=expect))
+              collectives=_collectives(text or ""), expect=expect))
     del res, trainer._step   # pylint: disable=protected-access  # the final state, the executable
 
 
-def _gathers(hlo_text: str) -> list:
-  """[dtype, shape, jax op name] of every all-gather result in ``hlo_text``."""
+def _collectives(hlo_text: str) -> list:
+  """[kind, dtype, shape, bytes per device, jax op name] of every collective
+  result in ``hlo_text`` (``te_jax.hlo_inspect.collectives``, line by line to
+  keep each one's op name: which part of the model it serves)."""
   from te_jax import hlo_inspect  # pylint: disable=import-outside-toplevel
   out = []
   for line in hlo_text.splitlines():
-    for c in hlo_inspect.collectives(line) if "all-gather" in line else ():
-      if c.kind == "all-gather":
-        op = _OP_NAME.search(line)
-        out.append([c.dtype, list(c.shape), op.group(1) if op else "?"])
+    for c in hlo_inspect.collectives(line):
+      op = _OP_NAME.search(line)
+      out.append([c.kind, c.dtype, list(c.shape), c.bytes, op.group(1) if op else "?"])
   return out
 
 
@@ -338,7 +336,7 @@ def check_fsdp_gathers(rec: dict):
   exp = (rec.get("expect") or {}).get("fsdp")
   if exp is None or not exp["layer_kernels"]:
     return None, ""
-  gathers = rec.get("gathers") or []
+  gathers = [c[1:3] + c[4:] for c in rec["collectives"] if c[0] == "all-gather"]
   if rec["recipe"] == "none":
     floats = [(d, math.prod(sh)) for d, sh, _ in gathers if d in FLOAT_DTYPES]
     return None, (f"FP8 off, partitioned by XLA (not checked): {len(floats)} float all-gathers "
@@ -364,8 +362,8 @@ def check_activation_gathers(rec: dict):
   if exp is None or exp["batch_shards"] < 2:
     return None, ""
   rows, seq = exp["rows"], exp["seq_len"]
-  full = [g for g in rec.get("gathers") or [] if g[0] in FLOAT_DTYPES
-          and (rows * seq in g[1] or tuple(g[1][:2]) == (rows, seq))]
+  full = [c[1:3] + c[4:] for c in rec["collectives"] if c[0] == "all-gather"
+          and c[1] in FLOAT_DTYPES and (rows * seq in c[2] or tuple(c[2][:2]) == (rows, seq))]
   shown = "; ".join(f"{d}{tuple(sh)} at {op}" for d, sh, op in full[:3])
   more = f"; {len(full) - 3} more" if len(full) > 3 else ""
   detail = f"float all-gathers holding all {rows} x {seq} tokens: {shown or 'none'}{more}"

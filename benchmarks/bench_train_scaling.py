@@ -99,7 +99,7 @@ def _free_port() -> int:
 
 def _launch(job: dict, devices: list, fake: bool, log_dir: str, compile_threads: int) -> list:
   """Starts the job's processes (each in its own session); returns
-  [(Popen, log path)]. Process i gets the i-th share of ``devices``."""
+  [(Popen, log path)]. Process i uses the i-th share of ``devices``."""
   per = job["devices"] // job["processes"]
   coordinator = f"127.0.0.1:{_free_port()}" if job["processes"] > 1 else None
   threads = compile_threads or (1 if fake else len(job["runs"]))
@@ -113,9 +113,11 @@ def _launch(job: dict, devices: list, fake: bool, log_dir: str, compile_threads:
                if not f.startswith("--xla_force_host_platform_device_count")]
       env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(
           flags + [f"--xla_force_host_platform_device_count={per}"]))
-    else:
-      env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices[i * per:(i + 1) * per])
-    spec = dict(job, process_id=i, num_processes=job["processes"], coordinator=coordinator)
+    else:   # every process sees all the job's GPUs (NCCL's peer-to-peer paths), uses its share
+      env["CUDA_VISIBLE_DEVICES"] = ",".join(str(d) for d in devices)
+    local = None if fake or job["processes"] == 1 else list(range(i * per, (i + 1) * per))
+    spec = dict(job, process_id=i, num_processes=job["processes"], coordinator=coordinator,
+                local_device_ids=local)
     log = os.path.join(log_dir, f"{job['name']}.p{i}.log".replace("/", "_"))
     with open(log, "w") as fh:
       procs.append((subprocess.Popen(
@@ -251,7 +253,7 @@ def report(results: list, args, header: str) -> bool:
   for x in results:
     if x.get("collectives"):
       summary = {}
-      for kind, dtype, _, nbytes in x["collectives"]:
+      for kind, dtype, _, nbytes, _ in x["collectives"]:
         e = summary.setdefault(f"{kind} {dtype}", [0, 0])
         e[0], e[1] = e[0] + 1, e[1] + nbytes
       print(f"collectives {x['recipe']}/{x['name']} (count, MiB per device): "
@@ -321,7 +323,11 @@ def main(argv=None):
   os.makedirs(args.log_dir, exist_ok=True)
   slots = args.jobs if fake else max(1, n_dev)
   jobs = plan_jobs(args, n, slots)
-  results = run_jobs(jobs, n_dev, slots, fake, args)
+  planned = [(s["recipe"], s["name"]) for j in jobs for s in j["runs"]]
+  recipes = [r for r in args.recipes.split(",") if r]
+  order = {key: (recipes.index(key[0]), i) for i, key in enumerate(planned)}
+  results = sorted(run_jobs(jobs, n_dev, slots, fake, args),   # by recipe, then as planned
+                   key=lambda x: order[(x["recipe"], x["name"])])
   from importlib import metadata  # pylint: disable=import-outside-toplevel
   device = "fake CPU devices" if fake else (gpus[0] if gpus else "no GPU")
   header = (f"{datetime.date.today().isoformat()} {device} x{n_dev}, jax "

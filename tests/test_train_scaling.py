@@ -132,11 +132,11 @@ def test_fsdp_check_fails_on_a_float_weight_gather_or_missing_fp8(bench_run):
   x = _record(bench_run, "ep2_fsdp4")
   kernel = x["expect"]["fsdp"]["layer_kernels"][0]            # e.g. (64, 2, 64)
   flat = [kernel[0], kernel[1] * kernel[2]] if len(kernel) == 3 else kernel
-  x["gathers"].append(["bf16", flat, "jit(train_step)/all_gather"])
+  x["collectives"].append(["all-gather", "bf16", flat, 2 * flat[0] * flat[1], "all_gather"])
   assert runs_lib.check_fsdp_gathers(x)[0] is False
-  x["gathers"][-1][2] = "jit(train_step)/jvp(GPT)/lm_head/dot_general"   # allowed there
+  x["collectives"][-1][4] = "jit(train_step)/jvp(GPT)/lm_head/dot_general"   # allowed there
   assert runs_lib.check_fsdp_gathers(x)[0] is True
-  x["gathers"] = [g for g in x["gathers"] if g[0] != "f8e4m3fn"]
+  x["collectives"] = [c for c in x["collectives"] if c[1] != "f8e4m3fn"]
   assert runs_lib.check_fsdp_gathers(x)[0] is False
   x["recipe"] = "none"                                        # FP8 off: reported only
   assert runs_lib.check_fsdp_gathers(x)[0] is None
@@ -144,9 +144,10 @@ def test_fsdp_check_fails_on_a_float_weight_gather_or_missing_fp8(bench_run):
 
 def test_activation_check_sees_a_gathered_batch(bench_run):
   x = _record(bench_run, "ep2_fsdp4")
-  x["gathers"] = [["f32", [8, 128, 64], "jit(train_step)/jvp(GPT)/layer_0/mlp/dot_general"]]
+  x["collectives"] = [["all-gather", "f32", [8, 128, 64], 4 * 8 * 128 * 64,
+                       "jit(train_step)/jvp(GPT)/layer_0/mlp/dot_general"]]
   assert runs_lib.check_activation_gathers(x)[0] is False
-  x["gathers"] = [["f32", [64], "jit(train_step)/jvp(GPT)/final_norm/mul"]]
+  x["collectives"] = [["all-gather", "f32", [64], 256, "jit(train_step)/jvp(GPT)/final_norm/mul"]]
   assert runs_lib.check_activation_gathers(x)[0] is True
 
 
