@@ -24,6 +24,9 @@ import traceback
 
 AXES = ("dp", "ep", "fsdp", "tp")
 FLOAT_DTYPES = ("bf16", "f16", "f32", "f64")
+# Recipe names of the runs without FP8: "none" computes in the preset's dtype,
+# "bf16" in bfloat16 whatever the preset's.
+FP8_OFF = ("none", "bf16")
 FP8_DTYPES = ("f8e4m3fn", "f8e5m2")
 # jax op names of the model parts that keep float weights (gpt_model.GPT)
 _HIGHER_PRECISION_OPS = ("/embed/", "/lm_head/")
@@ -133,9 +136,10 @@ def _prepare(spec: dict, train_gpt):
   """(trainer, lowered step, expectations) of one run spec."""
   import jax  # pylint: disable=import-outside-toplevel
   mesh = spec["mesh"]
-  cfg = train_gpt.Config(recipe=spec["recipe"], preset=spec["preset"], steps=spec["steps"],
-                         batch=spec["batch"], layers=spec.get("layers"),
-                         num_docs=spec.get("num_docs"), dtype=spec.get("dtype"),
+  bf16 = spec["recipe"] == "bf16"
+  cfg = train_gpt.Config(recipe="none" if bf16 else spec["recipe"], preset=spec["preset"],
+                         steps=spec["steps"], batch=spec["batch"], layers=spec.get("layers"),
+                         num_docs=spec.get("num_docs"), dtype="bfloat16" if bf16 else None,
                          dp=mesh["dp"], ep=mesh["ep"], fsdp=mesh["fsdp"], tp=mesh["tp"],
                          out_dir=None, sample_chars=0, eval_batches=0, progress=False,
                          log_every=10**9)
@@ -337,7 +341,7 @@ def check_fsdp_gathers(rec: dict):
   if exp is None or not exp["layer_kernels"]:
     return None, ""
   gathers = [c[1:3] + c[4:] for c in rec["collectives"] if c[0] == "all-gather"]
-  if rec["recipe"] == "none":
+  if rec["recipe"] in FP8_OFF:
     floats = [(d, math.prod(sh)) for d, sh, _ in gathers if d in FLOAT_DTYPES]
     return None, (f"FP8 off, partitioned by XLA (not checked): {len(floats)} float all-gathers "
                   f"of {sum(n for _, n in floats) / 2**20:.2f} M elements in "
@@ -367,6 +371,6 @@ def check_activation_gathers(rec: dict):
   shown = "; ".join(f"{d}{tuple(sh)} at {op}" for d, sh, op in full[:3])
   more = f"; {len(full) - 3} more" if len(full) > 3 else ""
   detail = f"float all-gathers holding all {rows} x {seq} tokens: {shown or 'none'}{more}"
-  if rec["recipe"] == "none":
+  if rec["recipe"] in FP8_OFF:
     return None, "FP8 off, partitioned by XLA (not checked): " + detail
   return not full, detail

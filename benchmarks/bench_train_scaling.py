@@ -2,9 +2,9 @@
 
 For one preset (``--preset``: ``moe``, ``llama``, ``h200``, or ``moe_tiny`` /
 ``llama_tiny`` / ``tiny`` for CPU smoke runs) and each recipe of
-``--recipes`` (``none`` is FP8 off in the preset's dtype: the bf16 baseline
-of the GPU presets), trains the same model on the same packed documents for
-``--steps`` steps:
+``--recipes`` (``none``: FP8 off in the preset's dtype, bf16 for the GPU
+presets; ``bf16``: FP8 off in bfloat16), trains the same model on the same
+packed documents for ``--steps`` steps:
 
 * ``1gpu_b``: one GPU, ``--per_device_batch`` rows (the scaling baseline);
 * ``1gpu_nb``: one GPU, N x that batch (the parity baseline: the global
@@ -12,7 +12,8 @@ of the GPU presets), trains the same model on the same packed documents for
 * each mesh of ``--meshes`` with N x the batch, i.e. the same rows per batch
   shard as ``1gpu_b``. A mesh name joins ``dp<n>``, ``ep<n>`` (experts split
   over n devices), ``fsdp<n>``, ``tp<n>`` and ``sp`` (sequence parallelism
-  over tp): ``ep8``, ``ep4_tp2_sp``, ``fsdp8``, ``dp2_fsdp2_tp2``;
+  over tp, which train_gpt has no flag for: the worker's Trainer sets it in
+  its mesh resource): ``ep8``, ``ep4_tp2_sp``, ``fsdp8``, ``dp2_fsdp2_tp2``;
 * ``--two_process MESH``: that mesh once more as two ``jax.distributed``
   processes with half the GPUs each (the multi-host path, on one host), for
   the first FP8 recipe of ``--recipes``.
@@ -20,22 +21,25 @@ of the GPU presets), trains the same model on the same packed documents for
 Prints a table (final loss and its ratio to ``1gpu_nb``, ms/step, tokens/s,
 scaling efficiency = tokens/s / (N x tokens/s of ``1gpu_b``), tokens/s
 against the FP8-off run of the same mesh, compiled memory per device), the
-collectives of each partitioned step (``te_jax.hlo_inspect``), then one
-``PASS``/``FAIL`` line per check, and exits 1 if any fails:
+collectives of each partitioned step (``te_jax.hlo_inspect``), the seconds
+each job took, then one ``PASS``/``FAIL`` line per check (``INFO`` for what
+is only reported), and exits 1 if any fails:
 
 * finished: every step ran (no hang: each job has ``--timeout`` seconds),
   every loss finite;
 * parity: against ``1gpu_nb`` (and a two-process run against the same mesh
-  in one process): step 0 within ``--first_rtol``, the final loss (mean of
-  the last 10 steps) within ``--loss_rtol``. Defaults: 2e-3, and 1e-2 for
-  the final loss: a sharded run differs from the 1-GPU run only in the
-  order of its float sums, which FP8 rounding and top-k routing amplify
-  over the steps; dense 2-GPU runs stayed within 8e-4 after 30 steps
-  (docs/benchmarks-log-2026-11.md), the FP8 recipes differ from bf16 by
-  1-2% there;
-* tokens: the packed rows give the devices different real token counts;
-* all-to-all (meshes with ``ep``) and FSDP gathers (meshes with ``fsdp``):
-  see ``_train_scaling_run.check_moe_all_to_all`` / ``check_fsdp_gathers``.
+  in one process): step 0 within ``--first_rtol`` (2e-3: the same
+  parameters and batch, rounding only), the final loss (mean of the last 10
+  steps) within ``--loss_rtol`` (1e-2). A sharded run differs from the
+  1-GPU run only in the order of its float sums, which FP8 rounding and
+  top-k routing amplify over the steps; the dense 2-GPU runs of
+  docs/benchmarks-log-2026-11.md stayed far inside 1e-2, which is below the
+  loss gap between the FP8 recipes and bf16 there;
+* packed tokens: the packed rows give the devices different real token counts;
+* all-to-all (meshes with ``ep``), FSDP weight gathers (``fsdp``) and
+  activation gathers (more than one batch shard): the design's collectives,
+  see ``check_moe_all_to_all``, ``check_fsdp_gathers`` and
+  ``check_activation_gathers`` in ``_train_scaling_run.py``.
 
 Scheduling: a job is runs that share devices; 1-GPU runs are spread over
 all GPUs at once (as many jobs as GPUs), each mesh is one job holding its
@@ -84,7 +88,7 @@ def plan_jobs(args, n: int, one_device_slots: int) -> list:
                            for r in recipes]))
   if args.two_process:
     mesh = runs_lib.parse_mesh(args.two_process)
-    fp8 = [r for r in recipes if r != "none"] or recipes
+    fp8 = [r for r in recipes if r not in runs_lib.FP8_OFF] or recipes
     jobs.append(dict(name=f"{args.two_process}@2proc", devices=runs_lib.mesh_size(mesh),
                      processes=2, runs=[dict(base, name=f"{args.two_process}@2proc",
                                              recipe=fp8[0], mesh=mesh, batch=n * b)]))
@@ -158,9 +162,10 @@ def _failed(spec: dict, why: str) -> dict:
 def run_jobs(jobs: list, n_dev: int, max_jobs: int, fake: bool, args) -> list:
   """Runs the jobs, each on devices of its own, at most ``max_jobs`` at once,
   in order (a job waits until enough devices are free). A job past
-  ``--timeout`` is killed; none starts after ``--deadline``."""
+  ``--timeout`` is killed; none starts after ``--deadline``. Returns (the
+  runs' records, {job name: seconds})."""
   t_end = time.time() + (args.deadline or 1e9)
-  queue, running, free, out = list(jobs), [], list(range(n_dev)), []
+  queue, running, free, out, seconds = list(jobs), [], list(range(n_dev)), [], {}
   while queue or running:
     while queue and len(running) < max_jobs and queue[0]["devices"] <= len(free):
       job = queue.pop(0)
@@ -189,9 +194,10 @@ def run_jobs(jobs: list, n_dev: int, max_jobs: int, fake: bool, args) -> list:
         for r in recs:   # the whole record, so a log cut short keeps it
           print("JSON " + json.dumps(r), file=sys.stderr, flush=True)
         out.extend(recs)
+        seconds[job["name"]] = time.time() - t0
         running.remove(entry)
         free = sorted(free + devs)
-  return out
+  return out, seconds
 
 
 def checks(results: list, first_rtol: float, loss_rtol: float) -> list:
@@ -222,33 +228,35 @@ def _fmt(v, f):
   return "-" if v is None else format(v, f)
 
 
-def report(results: list, args, header: str) -> bool:
-  """Prints the table, the collectives and the checks; True if all pass."""
+def report(results: list, args, header: str, job_seconds: dict) -> bool:
+  """Prints the table, the collectives, the jobs' seconds and the checks;
+  True if all pass."""
   by = {(x["recipe"], x["name"]): x for x in results if "error" not in x}
   print(f"\n{header}\n")
   print("| recipe | run | devices | batch | final loss | vs 1 GPU same batch | step 0 diff | "
-        "ms/step | tokens/s | scaling eff. | vs FP8 off | GiB/device |")
-  print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        "ms/step | tokens/s | scaling eff. | vs FP8 off | GiB/device | compile s |")
+  print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
   for x in results:
     if "error" in x:
       print(f"| {x['recipe']} | {x['name']} | | {x['batch']} | FAILED: "
-            f"{x['error'].splitlines()[-1][-100:]!r} | | | | | | | |")
+            f"{x['error'].splitlines()[-1][-100:]!r} | | | | | | | | |")
       continue
     ref, one = by.get((x["recipe"], "1gpu_nb")), by.get((x["recipe"], "1gpu_b"))
-    off = by.get(("none", x["name"]))
+    off = by.get(("bf16", x["name"])) or by.get(("none", x["name"]))
     cmp = ref if ref and x["name"] != "1gpu_b" else None
     ratio = x["final_loss"] / cmp["final_loss"] if cmp else None
     diff = abs(x["losses"][0] - cmp["losses"][0]) if cmp and x["losses"] else None
     eff = (x["tokens_per_s"] / (x["devices"] * one["tokens_per_s"])
            if one and x["name"] not in BASELINES else None)
-    vs_off = x["tokens_per_s"] / off["tokens_per_s"] if off and x["recipe"] != "none" else None
+    vs_off = (x["tokens_per_s"] / off["tokens_per_s"]
+              if off and x["recipe"] not in runs_lib.FP8_OFF else None)
     mem = x.get("memory")
     gib = (mem["argument_bytes"] + mem["temp_bytes"]) / 2**30 if mem else None
     label = f"none ({x['dtype']})" if x["recipe"] == "none" else x["recipe"]
     print(f"| {label} | {x['name']} | {x['devices']} | {x['batch']} | {x['final_loss']:.4f} | "
           f"{_fmt(ratio, '.4f')} | {_fmt(diff, '.2e')} | {x['step_time_s'] * 1e3:.1f} | "
           f"{x['tokens_per_s']:,.0f} | {_fmt(eff, '.2f')} | {_fmt(vs_off, '.2f')} | "
-          f"{_fmt(gib, '.2f')} |")
+          f"{_fmt(gib, '.2f')} | {x['compile_s']:.0f} |")
   print()
   for x in results:
     if x.get("collectives"):
@@ -258,7 +266,7 @@ def report(results: list, args, header: str) -> bool:
         e[0], e[1] = e[0] + 1, e[1] + nbytes
       print(f"collectives {x['recipe']}/{x['name']} (count, MiB per device): "
             + ", ".join(f"{k} {c} {b / 2**20:.2f}" for k, (c, b) in sorted(summary.items())))
-  print()
+  print("\njob seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in job_seconds.items()) + "\n")
   found = checks(results, args.first_rtol, args.loss_rtol)
   for ok, name, run, detail in found:
     print(f"{'INFO' if ok is None else 'PASS' if ok else 'FAIL'} {name} {run}: {detail}")
@@ -326,15 +334,15 @@ def main(argv=None):
   planned = [(s["recipe"], s["name"]) for j in jobs for s in j["runs"]]
   recipes = [r for r in args.recipes.split(",") if r]
   order = {key: (recipes.index(key[0]), i) for i, key in enumerate(planned)}
-  results = sorted(run_jobs(jobs, n_dev, slots, fake, args),   # by recipe, then as planned
-                   key=lambda x: order[(x["recipe"], x["name"])])
+  records, job_seconds = run_jobs(jobs, n_dev, slots, fake, args)
+  results = sorted(records, key=lambda x: order[(x["recipe"], x["name"])])  # recipe, then plan
   from importlib import metadata  # pylint: disable=import-outside-toplevel
   device = "fake CPU devices" if fake else (gpus[0] if gpus else "no GPU")
   header = (f"{datetime.date.today().isoformat()} {device} x{n_dev}, jax "
             f"{metadata.version('jax')}; preset {args.preset}, {args.layers} layers, "
             f"{args.per_device_batch} rows per batch shard, {args.steps} steps; logs "
             f"{args.log_dir}")
-  ok = report(results, args, header)
+  ok = report(results, args, header, job_seconds)
   if args.json_out:
     with open(args.json_out, "w") as f:
       json.dump(results, f, indent=1)

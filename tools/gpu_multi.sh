@@ -61,7 +61,7 @@ scaling() {
     --per_device_batch "$PER" --num_docs "${NUM_DOCS:-20000}" --timeout "${JOB_LIMIT:-240}" \
     --deadline "$limit" --log_dir "$LOGS/$name" --json-out "$OUT/$name.json" \
     ${SCALING_ARGS:-} > "$OUT/$name.log" 2>&1 || status=1
-  grep -E '^(\||PASS|FAIL|INFO|[0-9]+ checks)' "$OUT/$name.log" | cut -c1-400
+  grep -E '^(\||PASS|FAIL|INFO|job seconds|[0-9]+ checks)' "$OUT/$name.log" | cut -c1-400
 }
 
 for part in ${PARTS:-moe llama}; do
