@@ -144,10 +144,12 @@ def _prepare(spec: dict, train_gpt):
                          out_dir=None, sample_chars=0, eval_batches=0, progress=False,
                          log_every=10**9)
   trainer = _trainer_class(train_gpt, mesh["sp"])(cfg)
-  with trainer._ctx():  # pylint: disable=protected-access
-    abstract = jax.eval_shape(trainer._init, jax.random.PRNGKey(cfg.seed))  # pylint: disable=protected-access
+  # pylint: disable=protected-access  # the Trainer's jitted init and step, lowered
+  with trainer._ctx():
+    abstract = jax.eval_shape(trainer._init, jax.random.PRNGKey(cfg.seed))
     batch = trainer.batch(0)
-    lowered = trainer._step.lower(abstract, batch)  # pylint: disable=protected-access
+    lowered = trainer._step.lower(abstract, batch)
+  # pylint: enable=protected-access
   expect = _expectations(trainer, abstract, batch[0].shape[0], mesh)
   return trainer, lowered, expect
 

@@ -29,7 +29,8 @@
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-/tmp/te_jax_out}"
-LOGS=/tmp/te_jax_scaling_logs
+LOGS=/tmp/te_jax_scaling_logs   # one folder per part, packed into $OUT at the end
+rm -rf "$LOGS"
 mkdir -p "$OUT" "$LOGS"
 cd "$REPO" || exit 1
 export PYTHONUNBUFFERED=1
