@@ -283,17 +283,18 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
     raise ValueError("config.router_bias_update_rate is set (bias-based balancing): pass the "
                      "router_bias (E,) (zeros at first) and update it after each step with "
                      "te_jax.moe.update_balance_bias.")
+  plan = parallel.make_plan(x.shape, config, recipe, mesh_resource, ep_axis, mesh)
   with jax.named_scope(SCOPES["router"]):
     routing = router_lib.route(
         x.reshape(-1, h), params["router"], num_experts_per_token=config.num_experts_per_token,
         score_function=config.score_function, normalize_weights=config.normalize_topk_weights,
-        scaling_factor=config.routed_scaling_factor, bias=router_bias, token_mask=mask)
+        scaling_factor=config.routed_scaling_factor, bias=router_bias, token_mask=mask,
+        top_k_ids=None if plan is None else parallel.top_k_ids(plan, lead))
   if fp8_state is not None and not (isinstance(fp8_state, dict) and
                                     {"wi", "wo"} <= set(fp8_state)):
     raise ValueError("fp8_state must be the dict of te_jax.moe.init_fp8_state (with 'wi' "
                      f"and 'wo'), got {type(fp8_state).__name__}.")
   expert_states = None if fp8_state is None else {r: fp8_state[r] for r in ("wi", "wo")}
-  plan = parallel.make_plan(x.shape, config, recipe, mesh_resource, ep_axis, mesh)
   if plan is None:
     y2, dropped = _local_experts(x.reshape(-1, h), routing, params, config, recipe,
                                  expert_states, impl)

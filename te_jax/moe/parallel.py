@@ -272,6 +272,18 @@ def _state_specs(states, ep_axis):
   return jax.tree_util.tree_map_with_path(spec, states)
 
 
+def top_k_ids(plan: ExpertPlan, lead: Tuple[int, ...]):
+  """``route``'s top-k selection on each device's own tokens: ``(select (T,
+  E), k) -> (T, k)`` ids, the T tokens x's ``lead`` dims flattened."""
+  spec = P(*plan.x_spec[:-1], None)
+
+  def select_ids(select, k):
+    per_device = jax.shard_map(lambda s: lax.top_k(s, k)[1], mesh=plan.mesh,
+                               in_specs=spec, out_specs=spec)
+    return per_device(select.reshape(lead + select.shape[-1:])).reshape(-1, k)
+  return select_ids
+
+
 def sharded_experts(x: jax.Array, routing, wi: jax.Array, wo: jax.Array, states, *,
                     plan: ExpertPlan, impl: str = "auto"):
   """Steps 1-6 of the module doc over ``plan.mesh``.

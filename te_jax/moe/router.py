@@ -36,7 +36,7 @@ and it counts in neither loss nor in the expert loads.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -92,7 +92,8 @@ def _check_route_args(x, kernel, k, score_function, bias, token_mask):
 def route(x: jax.Array, kernel: jax.Array, *, num_experts_per_token: int,
           score_function: str = "softmax", normalize_weights: bool = True,
           scaling_factor: float = 1.0, bias: Optional[jax.Array] = None,
-          token_mask: Optional[jax.Array] = None) -> Routing:
+          token_mask: Optional[jax.Array] = None,
+          top_k_ids: Optional[Callable[[jax.Array, int], jax.Array]] = None) -> Routing:
   """Routes each token to its top-k experts.
 
   Args:
@@ -104,6 +105,10 @@ def route(x: jax.Array, kernel: jax.Array, *, num_experts_per_token: int,
     scaling_factor: multiplies the weights (DeepSeek-V3's routed scaling).
     bias: optional (E,) selection bias (bias-based balancing; no gradient).
     token_mask: optional (T,) bool; False tokens are routed nowhere.
+    top_k_ids: ``(select (T, E), k) -> (T, k) int32`` ids of each row's k
+      largest entries; default ``lax.top_k``. A sharded block passes one
+      that selects on each device's own tokens (XLA's partitioner would
+      gather every token's scores onto every device for ``lax.top_k``).
 
   Returns:
     A :class:`Routing`.
@@ -119,7 +124,7 @@ def route(x: jax.Array, kernel: jax.Array, *, num_experts_per_token: int,
     scores = jax.nn.sigmoid(logits)
     probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
   select = scores if bias is None else scores + lax.stop_gradient(bias.astype(jnp.float32))
-  _, ids = lax.top_k(lax.stop_gradient(select), num_experts_per_token)
+  ids = (top_k_ids or _top_k_ids)(lax.stop_gradient(select), num_experts_per_token)
   weights = jnp.take_along_axis(scores, ids, axis=-1)
   if normalize_weights:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
@@ -129,6 +134,10 @@ def route(x: jax.Array, kernel: jax.Array, *, num_experts_per_token: int,
   ids = jnp.where(mask[:, None], ids, e).astype(jnp.int32)
   weights = jnp.where(mask[:, None], weights, 0.0)
   return Routing(ids, weights, probs, logits, mask)
+
+
+def _top_k_ids(select: jax.Array, k: int) -> jax.Array:
+  return lax.top_k(select, k)[1]
 
 
 def tokens_per_expert(routing: Routing, num_experts: int) -> jax.Array:
