@@ -15,7 +15,6 @@ does not apply.
 from __future__ import annotations
 
 import concurrent.futures
-import dataclasses
 import json
 import math
 import re
@@ -67,27 +66,17 @@ def mesh_size(mesh: dict) -> int:
 
 # ------------------------------------------------------------- worker ----
 
-def _trainer_class(train_gpt, sequence_parallel: bool):
-  """train_gpt's Trainer, recording each step's real tokens per device;
-  with ``sequence_parallel`` its MESH_RESOURCE also splits the tokens of
-  activations over tp (train_gpt has no flag for that)."""
-  import te_jax  # pylint: disable=import-outside-toplevel
-  from te_jax import sharding  # pylint: disable=import-outside-toplevel
+def _trainer_class(train_gpt):
+  """train_gpt's Trainer, recording each step's real tokens per device."""
   import numpy as np  # pylint: disable=import-outside-toplevel
-  resource = dataclasses.replace(train_gpt.MESH_RESOURCE, sequence_parallel=sequence_parallel)
 
   class ScalingTrainer(train_gpt.Trainer):
-    """Trainer with ``resource`` and ``token_counts[step]``: the real
-    (segment id > 0) tokens of the rows each local device was fed."""
+    """Trainer with ``token_counts[step]``: the real (segment id > 0) tokens
+    of the rows each local device was fed."""
 
     def _build(self):
       self.token_counts = {}
-      self.rules = sharding.logical_axis_rules(resource)
       super()._build()
-
-    def autocast(self):
-      return te_jax.fp8_autocast(enabled=self.recipe is not None, fp8_recipe=self.recipe,
-                                 mesh_resource=resource)
 
     def batch(self, step, docs=None):
       arrays = super().batch(step, docs)
@@ -141,9 +130,9 @@ def _prepare(spec: dict, train_gpt):
                          steps=spec["steps"], batch=spec["batch"], layers=spec.get("layers"),
                          num_docs=spec.get("num_docs"), dtype="bfloat16" if bf16 else None,
                          dp=mesh["dp"], ep=mesh["ep"], fsdp=mesh["fsdp"], tp=mesh["tp"],
-                         out_dir=None, sample_chars=0, eval_batches=0, progress=False,
+                         sp=mesh["sp"], out_dir=None, sample_chars=0, eval_batches=0, progress=False,
                          log_every=10**9)
-  trainer = _trainer_class(train_gpt, mesh["sp"])(cfg)
+  trainer = _trainer_class(train_gpt)(cfg)
   # pylint: disable=protected-access  # the Trainer's jitted init and step, lowered
   with trainer._ctx():
     abstract = jax.eval_shape(trainer._init, jax.random.PRNGKey(cfg.seed))

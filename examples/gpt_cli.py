@@ -145,6 +145,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
   parser.add_argument("--ep", type=int, default=1,
                       help="expert-parallel mesh axis size: the experts are split over it, "
                            "every other layer sees it as a data axis (must divide --experts)")
+  parser.add_argument("--sp", action="store_true",
+                      help="sequence parallelism: the layers outside attention split each "
+                           "row's tokens over the tp axis too (needs --tp >= 2)")
   parser.add_argument("--peak_tflops", type=float, default=None,
                       help="dense bf16 peak TFLOP/s of one device, for the model FLOP "
                            "utilisation printed (default: known for H100/H200/A100 from "

@@ -178,6 +178,7 @@ class Config:
   tp: int = 1
   dp: int = 1
   ep: int = 1                      # expert-parallel mesh axis (splits the experts)
+  sp: bool = False                 # sequence parallelism: tokens split over tp too
   seed: int = 0
   num_docs: Optional[int] = None
   remat: bool = False
@@ -220,6 +221,9 @@ class Config:
     elif cfg.ep != 1:
       raise ValueError(f"--ep {cfg.ep} needs a mixture of experts (--experts > 0, or "
                        "--preset moe / moe_tiny).")
+    if cfg.sp and (cfg.tp < 2 or cfg.seq_len % cfg.tp):
+      raise ValueError(f"--sp splits each row's {cfg.seq_len} tokens over --tp: it needs "
+                       f"--tp >= 2 dividing --seq_len (got --tp {cfg.tp}).")
     return cfg
 
 
@@ -345,7 +349,8 @@ class Trainer:
     self.cfg = cfg = cfg.resolved()
     self.recipe = make_recipe(cfg.recipe, cfg.amax_history_len)
     self.mesh = mesh if mesh is not None else make_mesh(cfg.fsdp, cfg.tp, cfg.dp, ep=cfg.ep)
-    self.rules = sharding.logical_axis_rules(MESH_RESOURCE)
+    self.mesh_resource = dataclasses.replace(MESH_RESOURCE, sequence_parallel=cfg.sp)
+    self.rules = sharding.logical_axis_rules(self.mesh_resource)
     self.batch_shards = sharding.mesh_axis_size(self.mesh, BATCH_AXES)
     if cfg.batch % self.batch_shards:
       raise ValueError(f"--batch {cfg.batch} must be divisible by the {self.batch_shards} "
@@ -360,13 +365,15 @@ class Trainer:
                      moe=moe_config(cfg))
     self.tx = make_optimizer(cfg)
     block = self.recipe.token_block if self.recipe is not None else 16
-    self.block = max(block, 16)
+    # Under --sp a device holds rows x seq_len / tp tokens: a multiple of the
+    # recipe's block when rows x seq_len is one of block x tp.
+    self.block = max(block, 16) * (cfg.tp if cfg.sp else 1)
     self.batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES, None))
     self._build()
 
   def autocast(self):
     return te_jax.fp8_autocast(enabled=self.recipe is not None, fp8_recipe=self.recipe,
-                               mesh_resource=MESH_RESOURCE)
+                               mesh_resource=self.mesh_resource)
 
   def batch(self, step: int, docs=None):
     """The global batch of ``step`` as arrays sharded over the mesh's batch axes.
@@ -568,7 +575,8 @@ def _train(cfg: Config, trainer: Optional[Trainer] = None) -> dict:
             f"metrics.json and the loss plot start at step {start}")
   n_params = param_count(state)
   print(f"te_jax {te_jax.__version__} | {jax.default_backend()} x{len(jax.devices())} "
-        f"mesh {dict(trainer.mesh.shape)} | recipe {cfg.recipe} | "
+        f"mesh {dict(trainer.mesh.shape)}{' sequence-parallel' if cfg.sp else ''} | "
+        f"recipe {cfg.recipe} | "
         f"{n_params / 1e6:.2f}M params, {cfg.layers} layers, hidden {cfg.hidden}, "
         f"{cfg.dtype} | batch {cfg.batch}x{cfg.seq_len} | steps {start}->{cfg.steps}"
         + (f" | attention band {trainer.doc_window} tokens" if trainer.doc_window else "")
@@ -725,7 +733,8 @@ def main(argv=None):
   cfg = Config(recipe=args.recipe, preset=args.preset, hidden=args.hidden,
                layers=args.layers, heads=args.heads, mlp=args.mlp, experts=args.experts,
                experts_per_token=args.experts_per_token, shared_mlp=args.shared_mlp,
-               capacity_factor=args.capacity_factor, ep=args.ep, seq_len=args.seq_len,
+               capacity_factor=args.capacity_factor, ep=args.ep, sp=args.sp,
+               seq_len=args.seq_len,
                batch=args.batch, steps=args.steps, lr_horizon=args.lr_horizon, lr=args.lr,
                warmup=args.warmup, num_docs=args.num_docs, dtype=args.dtype,
                kv_groups=args.kv_groups, peak_tflops=args.peak_tflops, fsdp=args.fsdp,

@@ -530,6 +530,7 @@ def test_moe_preset_is_deepseek_style_and_sized_for_one_gpu():
     (["--preset", "moe_tiny", "--ep", "3"], "--ep 3 must divide --experts 8"),
     (["--preset", "tiny", "--ep", "2"], "--ep 2 needs a mixture of experts"),
     (["--preset", "moe_tiny", "--experts_per_token", "9"], "--experts_per_token 9 must be in"),
+    (["--preset", "tiny", "--sp"], "--sp splits each row's 128 tokens over --tp"),
 ])
 def test_moe_flags_that_do_not_fit_are_usage_errors(flags, msg, capsys):
   with pytest.raises(SystemExit) as e:
