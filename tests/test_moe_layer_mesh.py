@@ -41,11 +41,10 @@ MESHES = {
     "fsdp2_ep4": (("fsdp", "ep"), (2, 4), dict(fsdp_resource="fsdp", ep_resource="ep"),
                   False),
 }
-# Every mesh with FP8 off and one FP8 recipe each on two of them (the
-# functional block's recipes on these meshes: test_moe_mesh.py); delayed
-# scaling carries the per-expert state through the expert-sharded path.
-CASES = [("ep8", "off"), ("ep8", "delayed"), ("ep4_tp2_sp", "off"),
-         ("ep4_tp2_sp", "blockwise"), ("fsdp2_ep4", "off")]
+# Each mesh once, two of them under an FP8 recipe (the functional block's
+# recipes and FP8 off on these meshes: test_moe_mesh.py); delayed scaling
+# carries the per-expert state through the expert-sharded path.
+CASES = [("ep8", "delayed"), ("ep4_tp2_sp", "blockwise"), ("fsdp2_ep4", "off")]
 B, S, H, F = 8, 16, 256, 128
 KW = dict(num_experts=8, num_experts_per_token=2, intermediate_dim=F, impl="reference")
 
