@@ -1,6 +1,6 @@
 """Shared pytest setup: the ``gpu`` marker skips where no CUDA path exists; one
-XLA compilation cache for the run; one line at the end that counts the
-skipped tests by reason."""
+XLA compilation cache for the run; XLA:CPU's code optimizations off; one line
+at the end that counts the skipped tests by reason."""
 
 import collections
 import os
@@ -26,8 +26,38 @@ _CACHE_SETTINGS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
 _made_cache_dir = None   # the directory this process made, removed at the end
 
 
+# XLA:CPU spends most of a test's time compiling; LLVM's optimizations of
+# the code it generates take a fifth of the suite's time on 2 cores and buy
+# nothing for programs this small. Off for the run (the subprocesses inherit
+# it) unless a GPU plugin is installed (it would slow the kernels XLA writes
+# for the GPU) or TE_JAX_TEST_XLA_OPT=1.
+_FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+
+
+def _gpu_plugin_installed() -> bool:
+  import importlib.util  # pylint: disable=import-outside-toplevel
+  import pkgutil  # pylint: disable=import-outside-toplevel
+  try:
+    spec = importlib.util.find_spec("jax_plugins")
+  except (ImportError, ValueError):
+    return False
+  if spec is None or not spec.submodule_search_locations:
+    return False
+  return any("cuda" in m.name or "rocm" in m.name
+             for m in pkgutil.iter_modules(spec.submodule_search_locations))
+
+
+def _compile_fast() -> None:
+  flags = os.environ.get("XLA_FLAGS", "")
+  if (os.environ.get("TE_JAX_TEST_XLA_OPT", "0") == "1" or "xla_backend_optimization_level"
+      in flags or _gpu_plugin_installed()):
+    return
+  os.environ["XLA_FLAGS"] = f"{flags} {_FAST_COMPILE_FLAG}".strip()
+
+
 def pytest_configure(config):
   global _made_cache_dir  # pylint: disable=global-statement
+  _compile_fast()
   if os.environ.get(_CACHE_ENV, "1") == "0":
     return
   if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):
