@@ -177,8 +177,9 @@ def _run_groups(groups, timeout=900):
 @pytest.mark.skipif(len(jax.devices()) >= 8,
                     reason="this process has 8 devices: test_sharding_mesh.py runs directly")
 def test_eight_device_suite():
-  """Sharded == single device for every mesh, SP setting, recipe and axis type
-  (auto and explicit); HLO checks; explicit-axes NNX training."""
+  """Sharded == single device for every mesh, SP setting and recipe under
+  auto axes, and a half of them under explicit axes; HLO checks;
+  explicit-axes NNX training; sharded NNX checkpoints."""
   split = "transformer_layer or hlo or nnx_model"
   # (the one_device tests of those files run in this process already)
   outs = _run_groups([split, f"not ({split}) and not one_device"])
