@@ -27,8 +27,10 @@ FLOAT_DTYPES = ("bf16", "f16", "f32", "f64")
 # "bf16" in bfloat16 whatever the preset's.
 FP8_OFF = ("none", "bf16")
 FP8_DTYPES = ("f8e4m3fn", "f8e5m2")
-# jax op names of the model parts that keep float weights (gpt_model.GPT)
-_HIGHER_PRECISION_OPS = ("/embed/", "/lm_head/")
+# The model parts that keep float weights (gpt_model.GPT), as a jax op name
+# ("jit(train_step)/.../lm_head/dot_general") or a parameter path
+# ("state.params['params']['lm_head']['kernel']", newer jax) names them.
+_HIGHER_PRECISION_OP = re.compile(r"""(^|[/'\[])(embed|lm_head)([/'\]\\]|$)""")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _MESH_PART = re.compile(r"^(dp|ep|fsdp|tp)([1-9][0-9]*)$")
 
@@ -339,7 +341,7 @@ def check_fsdp_gathers(rec: dict):
                   f"{sorted({d for d, _ in floats})}")
   fp8_elements = [math.prod(sh) for d, sh, _ in gathers if d in FP8_DTYPES]
   float_w = [(d, tuple(sh), op) for d, sh, op in gathers
-             if d in FLOAT_DTYPES and not any(m in op for m in _HIGHER_PRECISION_OPS)
+             if d in FLOAT_DTYPES and not _HIGHER_PRECISION_OP.search(op)
              and any(_is_view_of(sh, k) for k in exp["layer_kernels"])]
   n, need = len(exp["layer_kernels"]), sum(math.prod(k) for k in exp["layer_kernels"])
   got = sum(fp8_elements)
