@@ -141,8 +141,17 @@ def impl(request):
   return request.param
 
 
+# Files whose tests run subprocesses for a minute or more (8-device and
+# two-process suites, the benchmarks' CPU runs). They go first: under
+# pytest-xdist they then overlap the many short tests instead of running
+# alone at the end, in collection order, after them.
+LONG_FILES = ("test_sharding.py", "test_moe_sharding.py", "test_moe_layer_sharding.py",
+              "test_multihost.py", "test_train_scaling.py", "test_moe_bench.py")
+
+
 def pytest_collection_modifyitems(config, items):
   del config
+  items.sort(key=lambda item: item.path.name not in LONG_FILES)   # stable
   if _cuda_available():
     return
   skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
