@@ -78,8 +78,10 @@ def _norm_variant(kernels_from, bwd_blocks):
   return ", ".join(label)
 
 
-def run_one(preset, recipe, k, repeats, profile_steps, small, doc_window=None, variant=""):
-  """Times and profiles one recipe; returns a dict (one JSON line)."""
+def run_one(preset, recipe, k, repeats, profile_steps, small, doc_window=None, variant="",
+            overrides=None):
+  """Times and profiles one recipe; returns a dict (one JSON line). ``overrides``:
+  ``train_gpt.Config`` fields (``--set``), e.g. ``batch`` or ``offload_optimizer``."""
   sys.path.insert(0, os.path.join(HERE, "..", "examples"))
   import jax  # pylint: disable=import-outside-toplevel
   import train_gpt  # pylint: disable=import-error,import-outside-toplevel
@@ -90,7 +92,7 @@ def run_one(preset, recipe, k, repeats, profile_steps, small, doc_window=None, v
   extra = dict(hidden=64, layers=2, heads=4, mlp=128, seq_len=128, batch=2) if small else {}
   cfg = train_gpt.Config(preset=preset, recipe=recipe, num_docs=2000 if small else 20000,
                          out_dir=None, progress=False, eval_batches=0, doc_window=doc_window,
-                         **extra)
+                         **{**extra, **(overrides or {})})
   trainer = train_gpt.Trainer(cfg)
   state = trainer.init()
   batches = [trainer.batch(i) for i in range(2)]
@@ -126,7 +128,7 @@ def run_one(preset, recipe, k, repeats, profile_steps, small, doc_window=None, v
     kinds[kernel_kind(name)] += kms
   top = {kind: sorted(((n, round(t, 3)) for n, t, _ in rows if kernel_kind(n) == kind),
                       key=lambda r: -r[1])[:4] for kind in KINDS}
-  return {"recipe": recipe + (f" ({variant})" if variant else ""),
+  return {"recipe": recipe + (f" ({variant})" if variant else ""), "overrides": overrides or {},
           "doc_window": trainer.doc_window, "ms": ms, "times": times,
           "tokens_per_s": tokens / (ms / 1e3),
           "mfu": None if peak is None else flops / peak, "loss": loss,
@@ -170,16 +172,18 @@ def main(argv=None):
                       "(te_jax.layers.norm.MIN_KERNEL_HIDDEN)")
   p.add_argument("--norm-bwd-blocks", type=int, default=None,
                  help="A/B: a fixed CUDA grid for the norm backward kernel")
+  p.add_argument("--set", default="",
+                 help="train_gpt Config overrides, e.g. batch=4 or offload_optimizer=true")
   args = p.parse_args(argv)
   if args.one:
     from model_memory import (keep_fp8_copies,  # pylint: disable=import-error,import-outside-toplevel
-                              split_recipe)
+                              parse_overrides, split_recipe)
     variant = _norm_variant(args.norm_kernels_from, args.norm_bwd_blocks)
     recipe, keep = split_recipe(args.one)
     with keep_fp8_copies(keep):
       res = run_one(args.preset, recipe, args.k, args.repeats, args.profile_steps, args.small,
                     args.doc_window, ", ".join(v for v in (variant, keep and "FP8 copies kept")
-                                               if v))
+                                               if v), parse_overrides(args.set))
     print("JSON " + json.dumps(res), flush=True)
     return 0
 
@@ -188,6 +192,7 @@ def main(argv=None):
     cmd = [sys.executable, os.path.abspath(__file__), "--one", recipe, "--preset", args.preset,
            "--k", str(args.k), "--repeats", str(args.repeats),
            "--profile-steps", str(args.profile_steps)] + (["--small"] if args.small else []) + (
+               ["--set", args.set] if args.set else []) + (
                [] if args.doc_window is None else
                ["--doc-window" if args.doc_window else "--no-doc-window"]) + [
                    f"--{name}={val}" for name, val in (
@@ -222,7 +227,7 @@ def format_tables(results, args) -> str:
   base = next((r for r in results if r["recipe"].split(" (")[0] == "none"), None)
   bands = sorted({r["doc_window"] for r in results if r.get("doc_window")})
   window = f" (attention band {', '.join(map(str, bands))} tokens)" if bands else ""
-  lines = [f"### train_gpt.py --preset {args.preset}{window}, {env['date']}, {env['device']}, "
+  lines = [f"### train_gpt.py --preset {args.preset}{(' --set ' + args.set) if args.set else ''}{window}, {env['date']}, {env['device']}, "
            f"jax {env['jax']}, flax {env['flax']}", "",
            f"Median of {args.repeats} timings of {args.k} steps after 3 warm-ups, state carried; "
            f"kernel time from a trace of {args.profile_steps} steps.", "",

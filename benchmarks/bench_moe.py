@@ -22,9 +22,10 @@ told apart by the named scopes of ``te_jax.moe.SCOPES`` that the compiled
 program's op names carry, and device memory: the compiled step's arguments
 + temp (``memory_analysis()``).
 
-The grouped GEMM has no CUDA kernel yet: on a GPU it runs te_jax's pure-JAX
-reference under XLA (FP8 operands dequantized to float32), so the FP8 rows
-measure the reference, not FP8 tensor cores; the tables say so.
+The FP8 grouped GEMMs run te_jax's sm_90a kernel where the native module was
+built with it (CUTLASS headers found at build time) on a Hopper GPU; anywhere
+else they run the pure-JAX reference under XLA (FP8 operands dequantized to
+float32), and the tables say so.
 
   python3 benchmarks/bench_moe.py                     # GPU: layer and model, every recipe
   python3 benchmarks/bench_moe.py --small --in-process     # CPU smoke test
@@ -46,12 +47,20 @@ RECIPES = ("none", "delayed", "current", "blockwise")
 LAYER_ROWS = RECIPES + ("ragged_dot",)
 PARTS = ("router", "dispatch", "experts", "combine", "shared")
 KINDS = PARTS + ("other",)
-NOTE = ("The grouped GEMMs have no CUDA kernel yet: they run te_jax's pure-JAX reference "
-        "under XLA (FP8 operands dequantized to float32), so FP8 rows time that reference.")
 # (tokens as batch x seq, hidden, experts, per token, expert width, shared width)
 LAYER_SIZES = {"full": dict(batch=8, seq=2048, hidden=1024, experts=64, k=8, mlp=512,
                             shared=1024),
                "small": dict(batch=2, seq=64, hidden=128, experts=8, k=2, mlp=128, shared=128)}
+
+
+def grouped_gemm_note() -> str:
+  """Which implementation the FP8 rows' grouped GEMMs ran, and why."""
+  from te_jax.ops import grouped_gemm_cuda  # pylint: disable=import-outside-toplevel
+  why = grouped_gemm_cuda.build_reason() or grouped_gemm_cuda.device_reason()
+  if not why:
+    return "FP8 grouped GEMMs: te_jax's sm_90a kernel."
+  return (f"FP8 grouped GEMMs: the pure-JAX reference under XLA ({why}), so the FP8 rows "
+          "time that reference, not FP8 tensor cores.")
 
 
 def part_of(op_name: str) -> str:
@@ -262,7 +271,7 @@ def format_tables(results, args) -> str:
   from bench_layer import environment  # pylint: disable=import-error,import-outside-toplevel
   env = environment()
   lines = [f"### bench_moe.py{' --small' if args.small else ''}, {env['date']}, "
-           f"{env['device']}, jax {env['jax']}, flax {env['flax']}", "", NOTE, "",
+           f"{env['device']}, jax {env['jax']}, flax {env['flax']}", "", grouped_gemm_note(), "",
            f"Median of {args.repeats} timings of {args.k} steps after 3 warm-ups, FP8 state "
            f"carried; kernel ms per step from a trace of {args.profile_steps} steps, by part "
            "of the MoE (- : no GPU trace); args+temp: the compiled step's device memory.", ""]
