@@ -224,18 +224,14 @@ def _build(config, sz):
   return module.apply, variables, xs, mlp_flops, label
 
 
-def kernel_profile(run_steps, steps=3, top=25):
-  """GPU kernel time per step by kernel name, from a jax.profiler trace.
+def gpu_kernel_events(run_steps, steps):
+  """The GPU kernel events of a ``jax.profiler`` trace of ``run_steps(steps)``.
 
   ``run_steps(steps)`` dispatches ``steps`` steps back to back (as the timed
-  loop does) and returns something to block on.
-
-  Returns ([(name, ms per step, launches per step)] largest first, total
-  kernel ms per step, span ms per step, GEMM kernel ms per step): the span
-  runs from the first kernel's start to the last one's end, so span - total
-  is the time per step the GPU sat idle between kernels; the GEMM sum counts
-  the kernels whose names mark them as cuBLAS(Lt) matrix products
-  (``GEMM_KERNEL_MARKS``).
+  loop does) and returns something to block on. Returns the trace's complete
+  ("X") events on the GPU devices' stream threads (the kernels; XLA's op and
+  module summary lines on other threads would count their time twice); an
+  empty list where the trace holds no GPU (a CPU).
   """
   import glob
   import gzip
@@ -247,22 +243,37 @@ def kernel_profile(run_steps, steps=3, top=25):
     jax.profiler.stop_trace()
     files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
     if not files:
-      return [], 0.0, 0.0, 0.0
+      return []
     with gzip.open(files[0]) as fh:
-      trace = json.load(fh)
-  events = trace.get("traceEvents", [])
+      return kernel_events(json.load(fh).get("traceEvents", []))
+
+
+def kernel_events(events):
+  """The GPU kernel events among a Chrome trace's ``events`` (see
+  :func:`gpu_kernel_events`)."""
   pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
           and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
   streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
              and e.get("name") == "thread_name" and e.get("pid") in pids
              and "stream" in str(e.get("args", {}).get("name", "")).lower()}
+  return [e for e in events if e.get("ph") == "X" and e.get("pid") in pids
+          and (not streams or (e["pid"], e.get("tid")) in streams)]
+
+
+def kernel_profile(run_steps, steps=3, top=25):
+  """GPU kernel time per step by kernel name, from a jax.profiler trace
+  (:func:`gpu_kernel_events`).
+
+  Returns ([(name, ms per step, launches per step)] largest first, total
+  kernel ms per step, span ms per step, GEMM kernel ms per step): the span
+  runs from the first kernel's start to the last one's end, so span - total
+  is the time per step the GPU sat idle between kernels; the GEMM sum counts
+  the kernels whose names mark them as cuBLAS(Lt) matrix products
+  (``GEMM_KERNEL_MARKS``).
+  """
   agg = {}
   start, end = float("inf"), float("-inf")
-  for e in events:
-    if e.get("ph") != "X" or e.get("pid") not in pids:
-      continue
-    if streams and (e["pid"], e.get("tid")) not in streams:
-      continue   # XLA op/module summary lines duplicate the kernels' time
+  for e in gpu_kernel_events(run_steps, steps):
     ms, n = agg.get(e["name"], (0.0, 0))
     agg[e["name"]] = (ms + e.get("dur", 0) / 1e3, n + 1)
     start = min(start, e["ts"])

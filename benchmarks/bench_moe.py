@@ -97,30 +97,9 @@ def _event_part(event, parts: dict) -> str:
 def kernel_time_by_part(run_steps, steps: int, parts: dict):
   """GPU kernel ms per step by MoE part from a ``jax.profiler`` trace of
   ``run_steps(steps)``; None where the trace has no GPU kernels (a CPU)."""
-  import glob  # pylint: disable=import-outside-toplevel
-  import gzip  # pylint: disable=import-outside-toplevel
-  import tempfile  # pylint: disable=import-outside-toplevel
-  import jax  # pylint: disable=import-outside-toplevel
-  with tempfile.TemporaryDirectory() as d:
-    jax.profiler.start_trace(d)
-    jax.block_until_ready(run_steps(steps))
-    jax.profiler.stop_trace()
-    files = glob.glob(os.path.join(d, "**", "*.trace.json.gz"), recursive=True)
-    if not files:
-      return None
-    with gzip.open(files[0]) as fh:
-      events = json.load(fh).get("traceEvents", [])
-  gpus = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-          and "/device:GPU" in str(e.get("args", {}).get("name", ""))}
-  streams = {(e["pid"], e["tid"]) for e in events if e.get("ph") == "M"
-             and e.get("name") == "thread_name" and e.get("pid") in gpus
-             and "stream" in str(e.get("args", {}).get("name", "")).lower()}
+  from bench_layer import gpu_kernel_events  # pylint: disable=import-error,import-outside-toplevel
   ms = {kind: 0.0 for kind in KINDS}
-  for e in events:
-    if e.get("ph") != "X" or e.get("pid") not in gpus:
-      continue
-    if streams and (e["pid"], e.get("tid")) not in streams:
-      continue   # XLA op/module summary lines duplicate the kernels' time
+  for e in gpu_kernel_events(run_steps, steps):
     ms[_event_part(e, parts)] += e.get("dur", 0) / 1e3 / steps
   return ms if any(ms.values()) else None
 

@@ -24,6 +24,21 @@ def test_gpu_events_are_sorted_by_their_annotation_or_their_hlo_op():
   assert bench_moe._event_part({"args": {"hlo_op": "fusion.9"}}, parts) == "other"  # pylint: disable=protected-access
 
 
+def test_kernel_events_keep_the_gpu_stream_kernels_only():
+  import bench_layer  # pylint: disable=import-error,import-outside-toplevel
+  meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+          {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+          {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "Stream #7"}},
+          {"ph": "M", "name": "thread_name", "pid": 1, "tid": 9, "args": {"name": "XLA Ops"}}]
+  kernel = {"ph": "X", "pid": 1, "tid": 7, "name": "gemm", "ts": 0, "dur": 5}
+  op_line = {"ph": "X", "pid": 1, "tid": 9, "name": "fusion", "ts": 0, "dur": 5}
+  host = {"ph": "X", "pid": 2, "tid": 7, "name": "dispatch", "ts": 0, "dur": 5}
+  assert bench_layer.kernel_events(meta + [kernel, op_line, host]) == [kernel]
+  # Without stream names, every X event of a GPU process counts.
+  assert bench_layer.kernel_events(meta[:2] + [kernel, op_line, host]) == [kernel, op_line]
+  assert bench_layer.kernel_events([host]) == []
+
+
 def test_small_run_on_cpu_times_every_row_and_sorts_the_ops(tmp_path, capsys):
   out_json = tmp_path / "rows.json"
   code = bench_moe.main(["--small", "--in-process", "--k", "1", "--repeats", "1",
@@ -31,7 +46,7 @@ def test_small_run_on_cpu_times_every_row_and_sorts_the_ops(tmp_path, capsys):
                          "--json-out", str(out_json)])
   out = capsys.readouterr().out
   assert code == 0, out
-  assert bench_moe.NOTE in out
+  assert bench_moe.grouped_gemm_note() in out   # which grouped GEMM the FP8 rows ran
   rows = json.loads(out_json.read_text())
   assert [(r["part"], r["row"]) for r in rows] == [
       ("layer", "none"), ("layer", "blockwise"), ("layer", "ragged_dot"),
