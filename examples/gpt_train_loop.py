@@ -196,10 +196,20 @@ def _print_run(cfg, trainer, n_params: int, start: int) -> None:
           + (f", a shared expert of width {cfg.shared_mlp}" if cfg.shared_mlp else "")
           + f", over ep={cfg.ep} device(s); "
           + (f"capacity factor {cfg.capacity_factor}" if cfg.capacity_factor else "dropless")
-          + "; the grouped GEMMs run te_jax's pure-JAX reference (no CUDA kernel yet)")
+          + f"; grouped GEMMs: {_grouped_gemm_path(cfg)}")
   if jax.process_count() > 1:
     print(f"{jax.process_count()} processes, {jax.local_device_count()} devices each; "
           "this log is process 0's")
+
+
+def _grouped_gemm_path(cfg) -> str:
+  """Which implementation the experts' grouped GEMMs run, for the banner."""
+  from te_jax.ops import grouped_gemm_cuda  # pylint: disable=import-outside-toplevel
+  if cfg.recipe == "none":
+    return "FP8 off, te_jax's float reference under XLA"
+  why = ("no GPU" if jax.default_backend() != "gpu" else
+         grouped_gemm_cuda.build_reason() or grouped_gemm_cuda.device_reason())
+  return f"the pure-JAX reference ({why})" if why else "te_jax's sm_90a FP8 kernel"
 
 
 def _save(cfg, step: int, state, run_steps, run_losses) -> None:
