@@ -227,7 +227,9 @@ def format_tables(results, args) -> str:
   base = next((r for r in results if r["recipe"].split(" (")[0] == "none"), None)
   bands = sorted({r["doc_window"] for r in results if r.get("doc_window")})
   window = f" (attention band {', '.join(map(str, bands))} tokens)" if bands else ""
-  lines = [f"### train_gpt.py --preset {args.preset}{(' --set ' + args.set) if args.set else ''}{window}, {env['date']}, {env['device']}, "
+  overrides = f" --set {args.set}" if getattr(args, "set", "") else ""
+  lines = [f"### train_gpt.py --preset {args.preset}{overrides}{window}, {env['date']}, "
+           f"{env['device']}, "
            f"jax {env['jax']}, flax {env['flax']}", "",
            f"Median of {args.repeats} timings of {args.k} steps after 3 warm-ups, state carried; "
            f"kernel time from a trace of {args.profile_steps} steps.", "",

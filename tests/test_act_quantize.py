@@ -368,8 +368,13 @@ def _same_bits(got, want, what):
   if got is not None:
     g, w = np.asarray(got), np.asarray(want)
     assert g.shape == w.shape and g.dtype == w.dtype, (what, g.shape, w.shape)
-    np.testing.assert_array_equal(g.reshape(-1).view(np.uint8), w.reshape(-1).view(np.uint8),
-                                  err_msg=what)
+    g, w = g.reshape(-1), w.reshape(-1)
+    if np.issubdtype(g.dtype, np.floating):
+      # Any NaN equals any NaN: a scale from a NaN amax and a canonical NaN
+      # differ in their payload bits (seen on the H100), not in meaning.
+      both_nan = np.isnan(g) & np.isnan(w)
+      g, w = g[~both_nan], w[~both_nan]
+    np.testing.assert_array_equal(g.view(np.uint8), w.view(np.uint8), err_msg=what)
 
 
 def _check_selection(both, rows, cols, mode, tag):

@@ -144,6 +144,22 @@ def unsupported_reason(a, b, out_dtype, axis: int) -> str:
   return ""
 
 
+# The blockwise grouped kernels disagree with the reference on the H100 for
+# several groups with two or more 128-wide k-blocks (fprop and dgrad grouped
+# over rows) and for one grouped-K slice whose output rows are not a multiple
+# of 128 (wgrad): tests/test_gpu_grouped_gemm.py's blockwise cases marked
+# xfail. Until they pass, "auto" does not take them; impl="cuda" still
+# reaches them (the tests, debugging).
+BLOCKWISE_AUTO_REASON = ("the blockwise grouped kernels fail their GPU checks "
+                         "(tests/test_gpu_grouped_gemm.py), so impl='auto' does not take them")
+
+
+def auto_reason(a) -> str:
+  """"" when ``impl="auto"`` may take the kernel for operand ``a`` (already
+  supported by :func:`unsupported_reason`), else why not."""
+  return BLOCKWISE_AUTO_REASON if getattr(a, "block_shape", None) is not None else ""
+
+
 class KernelOperands(NamedTuple):
   """What the handler reads: ``a``, ``b`` (FP8), their scales in the native
   layouts (float32) and the ``scaling`` attribute (0 per tensor, 1 blockwise)."""
