@@ -122,7 +122,8 @@ ROWS_CASES = {      # name: (m, k, n, sizes)
 # "auto" does not take the blockwise kernels (grouped_gemm_cuda.auto_reason);
 # strict, so a fixed kernel fails here until the marks and that guard go.
 BLOCKWISE_KNOWN_BAD = pytest.mark.xfail(
-    strict=True, reason="blockwise grouped kernel: wrong with several groups of k >= 256")
+    strict=True, reason="blockwise grouped kernel: 1x128 scales read as compact per group "
+    "(see grouped_gemm_cuda.BLOCKWISE_AUTO_REASON)")
 ROWS_KNOWN_BAD = {("blockwise", "odd_with_empty_and_tail"), ("blockwise", "skewed"),
                   ("blockwise", "64_groups")}
 
