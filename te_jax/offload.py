@@ -12,8 +12,8 @@ same; this module is the piece a Flax/optax training loop needs:
 
 * :func:`offload_optimizer` wraps an ``optax.GradientTransformation``: its
   state is created in host memory, and each ``update`` brings it to device
-  memory, runs the wrapped update there and sends the new state back (inside
-  ``jax.jit``: XLA inserts the transfers and may overlap them with compute);
+  memory once the gradients exist, runs the wrapped update there and sends
+  the new state back (inside ``jax.jit``: XLA inserts the transfers);
 * :func:`host_shardings` gives the shardings to declare for such a state
   (the same partition specs in host memory), for ``jax.jit``'s
   ``in_shardings``/``out_shardings`` or ``jax.device_put``: a jitted step
@@ -132,6 +132,12 @@ def offload_optimizer(tx: optax.GradientTransformation) -> optax.GradientTransfo
     return to_host(tx.init(params))
 
   def update(updates, state, params=None, **extra):
+    # Tied to the gradients, the state's trip to the device cannot start
+    # before they exist, i.e. before the backward pass has freed its
+    # activations; untied, XLA started it early and the device held the
+    # state beside the activations at the step's peak (device memory no
+    # lower than without the offload).
+    updates, state = jax.lax.optimization_barrier((updates, state))
     new_updates, new_state = optax.with_extra_args_support(tx).update(
         updates, to_device(state), params, **extra)
     return new_updates, to_host(new_state)

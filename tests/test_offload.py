@@ -55,6 +55,25 @@ def test_wrapped_optimizer_lives_on_host_and_computes_the_same():
   assert offload.is_offloaded(tx) and offload.offload_optimizer(tx) is tx
 
 
+def test_state_comes_to_the_device_only_after_the_gradients():
+  """Every transfer of the state to the device reads it through an
+  optimization barrier that also takes the gradients, so XLA cannot start it
+  before the backward pass (where it would sit beside the activations)."""
+  params = {"w": jnp.ones((8, 8)), "b": jnp.ones((8,))}
+  tx = offload.offload_optimizer(optax.adamw(1e-2))
+  state = tx.init(params)
+  jaxpr = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(params, state, params).jaxpr
+  grads, state_in = jaxpr.invars[:2], jaxpr.invars[2:2 + len(jax.tree.leaves(state))]
+  barrier = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+  assert len(barrier) == 1 and set(grads) <= set(barrier[0].invars), jaxpr
+  tied = {o for i, o in zip(barrier[0].invars, barrier[0].outvars) if i in set(state_in)}
+  to_device = [e for e in jaxpr.eqns if e.primitive.name == "device_put"
+               and any(v in set(state_in) | tied for v in e.invars)]
+  assert to_device, jaxpr
+  for e in to_device:            # the state's transfers read the barrier's outputs only
+    assert not set(e.invars) & set(state_in), e
+
+
 def test_host_shardings_keep_specs_and_refuse_other_leaves():
   mesh = Mesh(np.array(jax.devices()[:1]), ("fsdp",))
   tree = {"a": NamedSharding(mesh, P("fsdp")), "b": NamedSharding(mesh, P())}
