@@ -53,8 +53,30 @@ std::vector<VariantInfo> AllVariants() {
   return v;
 }
 
+// A native scale grid (outer x ld floats, the first `valid` of each outer
+// row used) without its padding, its valid columns cut into the blocks
+// [cuts[i], cuts[i + 1]), each block stored whole before the next: column c
+// of block i, outer row o, at cuts[i] * outer + o * (cuts[i + 1] - cuts[i])
+// + c - cuts[i]. One block {0, valid}: the grid unpadded.
+std::vector<float> CompactBlocks(const std::vector<float>& native, int outer, int ld,
+                                 const std::vector<long>& cuts) {
+  std::vector<float> out(size_t(outer) * cuts.back());
+  for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+    const long c0 = cuts[i], width = cuts[i + 1] - c0;
+    for (long o = 0; o < outer; ++o)
+      for (long c = c0; c < cuts[i + 1]; ++c)
+        out[size_t(c0) * outer + size_t(o) * width + (c - c0)] = native[size_t(o) * ld + c];
+  }
+  return out;
+}
+
 // One grouped problem's device operands (one input set). Rows: a (m, k),
 // b (G, n, k), out (m, n). Contraction: a (m, k), b (n, k), out (G, m, n).
+// sa, sb: the scales in te_jax's native grids (what the host reference and
+// the cuBLASLt loop read); sa_kernel, sb_kernel: what the grouped kernel
+// reads (sa, sb for per-tensor scaling; blockwise, compact per group as
+// te_jax's grouped_gemm_cuda.py lays them out: see grouped_gemm_sm90_impl.cuh
+// above GroupedSetupKernel).
 struct Problem {
   Axis axis;
   Scaling scaling;
@@ -63,7 +85,7 @@ struct Problem {
   bool a_e5m2, b_e5m2;
   bench::ScaleGrid ga{}, gb{};  // gb: one expert's grid for rows
   uint8_t *a = nullptr, *b = nullptr;
-  float *sa = nullptr, *sb = nullptr;
+  float *sa = nullptr, *sb = nullptr, *sa_kernel = nullptr, *sb_kernel = nullptr;
   int32_t* sizes = nullptr;
   std::vector<int32_t> host_sizes;
 
@@ -91,10 +113,23 @@ struct Problem {
     sb = DeviceAlloc<float>(gb.count() * experts);
     bench::FillScales(sa, ga.outer, ga.ld, ga.valid, seed + 2);
     bench::FillScales(sb, gb.outer * experts, gb.ld, gb.valid, seed + 3);
+    sa_kernel = sa;
+    sb_kernel = sb;
+    if (scaling == Scaling::kBlockwise) {
+      sa_kernel = DeviceAlloc<float>(size_t(ga.outer) * ga.valid);
+      sb_kernel = DeviceAlloc<float>(size_t(gb.outer) * experts * gb.valid);
+      // b's compact grid does not depend on the sizes: (G, nb, kb) or (kb, n).
+      const auto b_grid = bench::ToHost<float>(sb, gb.count() * experts);
+      const auto b_compact = CompactBlocks(b_grid, gb.outer * experts, gb.ld, {0, gb.valid});
+      CHECK_CUDA(cudaMemcpy(sb_kernel, b_compact.data(), b_compact.size() * sizeof(float),
+                            cudaMemcpyHostToDevice));
+    }
     sizes = DeviceAlloc<int32_t>(groups);
     SetSizes(sz);
   }
   ~Problem() {
+    if (sa_kernel != sa) cudaFree(sa_kernel);
+    if (sb_kernel != sb) cudaFree(sb_kernel);
     for (void* p : {static_cast<void*>(a), static_cast<void*>(b), static_cast<void*>(sa),
                     static_cast<void*>(sb), static_cast<void*>(sizes)})
       cudaFree(p);
@@ -102,16 +137,33 @@ struct Problem {
   Problem(const Problem&) = delete;
   Problem& operator=(const Problem&) = delete;
 
+  // New group sizes, and a's kernel scales laid out for them (blockwise
+  // rows: one compact block per group's rows and one for the rows past
+  // the last group; contraction: the grid unpadded, whatever the sizes).
   void SetSizes(const std::vector<int32_t>& sz) {
     host_sizes = sz;
     CHECK_CUDA(cudaMemcpy(sizes, sz.data(), sz.size() * sizeof(int32_t), cudaMemcpyHostToDevice));
+    if (scaling != Scaling::kBlockwise) return;
+    std::vector<long> cuts = {0};
+    if (axis == Axis::kRows) {
+      std::vector<long> start, end;
+      std::vector<bool> valid;
+      Slices(&start, &end, &valid);
+      cuts.insert(cuts.end(), end.begin(), end.end());
+    }
+    if (cuts.back() != ga.valid) cuts.push_back(ga.valid);
+    const auto a_grid = bench::ToHost<float>(sa, ga.count());
+    const auto a_compact = CompactBlocks(a_grid, ga.outer, ga.ld, cuts);
+    CHECK_CUDA(cudaMemcpy(sa_kernel, a_compact.data(), a_compact.size() * sizeof(float),
+                          cudaMemcpyHostToDevice));
   }
   size_t out_elems() const { return axis == Axis::kRows ? size_t(m) * n : size_t(groups) * m * n; }
   sm90::GroupedGemmArgs Args(void* out) const {
     sm90::GroupedGemmArgs p;
     p.axis = axis; p.scaling = scaling; p.groups = groups;
     p.m = m; p.n = n; p.k = k;
-    p.group_sizes = sizes; p.a = a; p.b = b; p.a_sinv = sa; p.b_sinv = sb; p.out = out;
+    p.group_sizes = sizes; p.a = a; p.b = b; p.out = out;
+    p.a_sinv = sa_kernel; p.b_sinv = sb_kernel;
     return p;
   }
   // Slice [start, end) of the grouped axis per group, and whether the

@@ -315,47 +315,52 @@ def test_device_reason():
   assert ggc.device_reason(object()) == ""     # a device that does not say (the CPU)
 
 
-def _vec128_scale(native, rows, cols):
-  """Per-element scales of a (rows, cols) operand from its native 1x128 grid
-  (ceil(cols/128), roundup(rows, 4)): element (r, c) has native[c // 128, r]."""
-  s = np.asarray(native, np.float64)
-  assert s.shape == (-(-cols // 128), -(-rows // 4) * 4), s.shape
-  return s[np.arange(cols) // 128][:, :rows].T
-
-
-def _blk_scale(native, rows, cols):
-  """Per-element scales from a native 128x128 grid (ceil(rows/128),
-  roundup(ceil(cols/128), 4)): element (r, c) has native[r // 128, c // 128]."""
-  s = np.asarray(native, np.float64)
-  assert s.shape == (-(-rows // 128), -(-(-(-cols // 128)) // 4) * 4), s.shape
-  return s[np.arange(rows) // 128][:, np.arange(cols) // 128]
+def _cdiv(a, b):
+  return -(-a // b)
 
 
 def kernel_model(axis, ops, sizes):
   """float64 numpy model of the kernel's contract (custom_calls/kernels/
-  gemm_sm90.cuh): TN operands, scales in the native layouts."""
+  gemm_sm90.cuh): TN operands; blockwise scales read as CUTLASS's grouped
+  mainloop reads them (Sm90BlockwiseScaleConfig::tile_atom_to_shape_SFA/SFB
+  of the group's own problem shape), from each group's pointer:
+  1x128 (row i, k-block j) at ``ptr + i + j * rows`` (``rows`` the group's
+  M, or N), 128x128 (row block q, k-block j) at ``ptr + q * kb + j``.
+  Pointers: rows, a ``start * kb``, b ``group * nb * kb``; contraction,
+  ``(start / 128) * rows``. Valid sizes only."""
   a = np.asarray(ops.a.astype(jnp.float32), np.float64)
   b = np.asarray(ops.b.astype(jnp.float32), np.float64)
-  sa, sb = np.asarray(ops.a_sinv, np.float64), np.asarray(ops.b_sinv, np.float64)
-  bounds = np.concatenate([[0], np.cumsum(sizes)])
+  sa = np.ravel(np.asarray(ops.a_sinv, np.float64))
+  sb = np.ravel(np.asarray(ops.b_sinv, np.float64))
+  bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
   if axis == ggc.ROWS:
     (m, k), (g, n, _) = a.shape, b.shape
+    kb, nb = _cdiv(k, 128), _cdiv(n, 128)
+    kcol, nrow = np.arange(k) // 128, np.arange(n) // 128
     out = np.zeros((m, n))
     for e in range(g):
-      r = slice(bounds[e], bounds[e + 1])
+      start, rows = bounds[e], sizes[e]
+      r = slice(start, start + rows)
       if ops.scaling == ggc.PER_TENSOR:
         out[r] = a[r] @ b[e].T * sa[0] * sb[e]
-      else:
-        ad = a * _vec128_scale(sa, m, k)
-        out[r] = ad[r] @ (b[e] * _blk_scale(sb[e], n, k)).T
+        continue
+      sfa = sa[start * kb + np.arange(rows)[:, None] + np.arange(kb)[None, :] * rows]
+      sfb = sb[e * nb * kb + np.arange(nb)[:, None] * kb + np.arange(kb)[None, :]]
+      out[r] = (a[r] * sfa[:, kcol]) @ (b[e] * sfb[nrow][:, kcol]).T
     return out
   (m, k), n = a.shape, b.shape[0]
-  if ops.scaling == ggc.PER_TENSOR:
-    ad, bd = a * sa[0], b * sb[0]
-  else:
-    ad, bd = a * _vec128_scale(sa, m, k), b * _vec128_scale(sb, n, k)
-  return np.stack([ad[:, bounds[e]:bounds[e + 1]] @ bd[:, bounds[e]:bounds[e + 1]].T
-                   for e in range(len(sizes))])
+  out = np.zeros((len(sizes), m, n))
+  for e, rows in enumerate(sizes):
+    t = slice(bounds[e], bounds[e + 1])
+    if ops.scaling == ggc.PER_TENSOR:
+      out[e] = a[:, t] @ b[:, t].T * sa[0] * sb[0]
+      continue
+    kcol = np.arange(rows) // 128      # the group's own k-blocks
+    ptr = bounds[e] // 128
+    sfa = sa[ptr * m + np.arange(m)[:, None] + kcol[None, :] * m]
+    sfb = sb[ptr * n + np.arange(n)[:, None] + kcol[None, :] * n]
+    out[e] = (a[:, t] * sfa) @ (b[:, t] * sfb).T
+  return out
 
 
 def _scaled(x, dtype, block):
@@ -402,7 +407,7 @@ def test_rows_layout_conversions_meet_the_kernel_contract(scaling, dtypes, trans
     rhs = rhs.T
     lhs = _scaled(_spread(_rng(11), (202, 272)), dtypes[0], lhs.block_shape)
   sizes = [0, 1, 130, 37]
-  ops = jax.jit(ggc.rows_operands)(lhs, rhs)
+  ops = jax.jit(ggc.rows_operands)(lhs, rhs, jnp.asarray(sizes, jnp.int32))
   assert ops.scaling == (ggc.PER_TENSOR if scaling == "tensor" else ggc.BLOCKWISE)
   want = gg.grouped_gemm_reference(lhs, rhs, jnp.asarray(sizes, jnp.int32), jnp.float32)
   _close(kernel_model(ggc.ROWS, ops, sizes), want)
@@ -427,18 +432,108 @@ def test_contraction_layout_conversions_meet_the_kernel_contract(scaling, dtypes
   _close(got, want)
 
 
-def _ffi_calls(jaxpr):
-  """The ffi_call equations of a (closed) jaxpr, nested ones included."""
-  found = []
+def _numbered_vec128(rows, cols):
+  """A 1x128 ScaledTensor (rows, cols) whose scales are 1, 2, 3, ... (each
+  one telling where it came from); the data does not matter here."""
+  scales = np.arange(1, rows * _cdiv(cols, 128) + 1, dtype=np.float32)
+  return ScaledTensor(jnp.zeros((rows, cols), E4M3),
+                      jnp.asarray(scales.reshape(rows, -1)), (1, 128))
+
+
+def _compact_blocks_spec(logical, cuts):
+  """numpy spec of the compact 1x128 layout: the rows of ``logical``
+  (rows, kb) cut into blocks [cuts[i], cuts[i + 1]); the block of r rows from
+  row s holds (row s + i, k-block j) at s * kb + j * r + i."""
+  rows, kb = logical.shape
+  flat = np.zeros(rows * kb, logical.dtype)
+  for s, e in zip(cuts[:-1], cuts[1:]):
+    for i in range(e - s):
+      for j in range(kb):
+        flat[s * kb + j * (e - s) + i] = logical[s + i, j]
+  return flat
+
+
+@pytest.mark.parametrize("sizes", [
+    [0, 5, 130, 0, 37, 3],        # empty groups, sizes not multiples of 4, a 27-row tail
+    [202],                        # one group, no tail
+    [0, 0],                       # every row in the tail
+])
+def test_rows_scales_are_where_the_grouped_kernel_reads_them(sizes):
+  """Every (row, k-block) 1x128 scale of the rows-grouped ``a`` lands where
+  the compact per-group formula says (k-block stride = the group's rows),
+  the tail rows in a block of their own; the 128x128 scales as (g, nb, kb)
+  with no padding; zeros after them up to the native shapes the handler
+  checks. Group sizes traced (device data)."""
+  m, k, n = 202, 300, 400                      # kb = 3, nb = 4: a swap of the two shows
+  lhs = _numbered_vec128(m, k)
+  g = len(sizes)
+  rhs_scales = np.arange(1, g * 3 * 4 + 1, dtype=np.float32).reshape(g, 3, 4)
+  rhs = gg.GroupedScaledTensor(jnp.zeros((g, k, n), E4M3), jnp.asarray(rhs_scales), (128, 128))
+  ops = jax.jit(ggc.rows_operands)(lhs, rhs, jnp.asarray(sizes, jnp.int32))
+  assert ops.a_sinv.shape == (3, 204) and ops.b_sinv.shape == (g, 4, 4)
+  cuts = sorted(set(np.concatenate([[0], np.cumsum(sizes), [m]]).tolist()))
+  want_a = np.zeros(3 * 204, np.float32)
+  want_a[:m * 3] = _compact_blocks_spec(np.asarray(lhs.scale_inv), cuts)
+  np.testing.assert_array_equal(np.ravel(ops.a_sinv), want_a)
+  want_b = np.zeros(g * 4 * 4, np.float32)
+  for e in range(g):
+    for q in range(4):           # n-block (row block of b = rhs[e].T)
+      for j in range(3):         # k-block
+        want_b[e * 4 * 3 + q * 3 + j] = rhs_scales[e, j, q]
+  np.testing.assert_array_equal(np.ravel(ops.b_sinv), want_b)
+
+
+@pytest.mark.parametrize("sizes", [[50, -5, 100, 80], [2 ** 31 - 1, 2 ** 31 - 1, 7]])
+def test_rows_scales_relayout_is_a_permutation_for_any_sizes(sizes):
+  """Sizes the kernel rejects (a negative one, a sum past m, int32 sums that
+  would overflow) still move every scale once: nothing lost or doubled."""
+  lhs = _numbered_vec128(202, 300)
+  got = jax.jit(ggc.rows_scales_compact)(lhs.scale_inv, jnp.asarray(sizes, jnp.int32))
+  np.testing.assert_array_equal(np.sort(np.asarray(got)), np.arange(1, 202 * 3 + 1))
+
+
+def test_group_bounds_follow_the_setup_kernel():
+  """start[e+1] = min(start[e] + max(size, 0), extent), in int32 whatever the sizes."""
+  sizes = [3, -2, 10, 2 ** 31 - 1, 5, 2 ** 31 - 1]
+  want, start = [0], 0
+  for size in sizes:
+    start = min(start + max(size, 0), 20)
+    want.append(start)
+  got = jax.jit(ggc.group_bounds, static_argnums=1)(jnp.asarray(sizes, jnp.int32), 20)
+  assert np.asarray(got).tolist() == want == [0, 3, 3, 13, 20, 20, 20]
+
+
+def test_contraction_scales_are_where_the_grouped_kernel_reads_them():
+  """wgrad: (row i, k-block j) of each 1x128-along-m operand at j * rows + i
+  (k-block stride exactly the kernel's M or N, not padded to 4), zeros after."""
+  k, m, n = 146, 640, 262
+  lhs_t, rhs_t = _numbered_vec128(k, m), _numbered_vec128(n, m)
+  ops, swapped = jax.jit(ggc.contraction_operands)(lhs_t, rhs_t)
+  assert not swapped
+  for got, t, rows in ((ops.a_sinv, lhs_t, k), (ops.b_sinv, rhs_t, n)):
+    logical = np.asarray(t.scale_inv)
+    assert got.shape == (5, -(-rows // 4) * 4)
+    want = np.zeros(got.size, np.float32)
+    for i in range(rows):
+      for j in range(5):
+        want[j * rows + i] = logical[i, j]
+    np.testing.assert_array_equal(np.ravel(got), want)
+
+
+def _eqns(jaxpr):
+  """Every equation of a (closed) jaxpr, nested ones included."""
   for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "ffi_call":
-      found.append(eqn)
+    yield eqn
     for v in eqn.params.values():
       for sub in (v if isinstance(v, (tuple, list)) else (v,)):
         inner = getattr(sub, "jaxpr", sub)
         if hasattr(inner, "eqns"):
-          found += _ffi_calls(inner)
-  return found
+          yield from _eqns(inner)
+
+
+def _ffi_calls(jaxpr):
+  """The ffi_call equations of a (closed) jaxpr, nested ones included."""
+  return [eqn for eqn in _eqns(jaxpr) if eqn.primitive.name == "ffi_call"]
 
 
 @pytest.fixture
@@ -463,17 +558,24 @@ def _staged(fn, *args):
 
 def test_dispatcher_stages_the_kernel(fake_gpu):
   """FP8 operands with a bfloat16 output: one te_jax_grouped_gemm call with
-  the kernel's operand layouts, attributes and a static workspace."""
+  the kernel's operand layouts, attributes and a static workspace; the
+  1x128 scales re-laid per group by a scatter staged with the traced group
+  sizes (no host synchronization)."""
   del fake_gpu
   lhs, rhs = _rows_operands("blockwise", (E4M3, E4M3), _rng(13))
   gs = jnp.asarray([50, 0, 100, 50], jnp.int32)
-  (call,) = _staged(lambda l, r, s: gg.grouped_gemm(l, r, s, fast_accum=True, impl="cuda"),
-                    lhs, rhs, gs)
+  def fn(l, r, s):
+    return gg.grouped_gemm(l, r, s, fast_accum=True, impl="cuda")
+  (call,) = _staged(fn, lhs, rhs, gs)
   assert call.params["target_name"] == ggc.TARGET == "te_jax_grouped_gemm"
   assert dict(call.params["attributes"]) == {"axis": 0, "scaling": 1, "fast_accum": 1}
   shapes = [(tuple(v.aval.shape), v.aval.dtype) for v in call.invars]
+  # the scales' arrays have the native layouts' shapes (the handler checks
+  # them), their contents the compact per-group layout (tests above)
   assert shapes == [((202, 400), E4M3), ((4, 272, 400), E4M3), ((4, 204), jnp.float32),
                     ((4, 3, 4), jnp.float32), ((4,), jnp.int32)]
+  staged = {e.primitive.name for e in _eqns(jax.make_jaxpr(fn)(lhs, rhs, gs).jaxpr)}
+  assert "scatter" in staged
   assert [(tuple(v.aval.shape), v.aval.dtype) for v in call.outvars] == [
       ((202, 272), jnp.bfloat16), ((ggc.workspace_bytes(4),), jnp.uint8)]
   # wgrad, HYBRID per tensor: the E5M2 operand goes first, the result comes back transposed

@@ -169,6 +169,17 @@ struct GroupedConfig {
 // count as 0), clamped to the buffer; a group that is negative, overruns the
 // buffer, or whose size or start breaks the alignment `multiple` is
 // kGroupInvalid and computes nothing (the fill kernel NaNs its output).
+//
+// Blockwise scales: CUTLASS's grouped mainloop builds each group's scale
+// layout from the group's problem shape (load_init:
+// Sm90BlockwiseScaleConfig::tile_atom_to_shape_SFA/SFB), not from the
+// layout_sfa / layout_sfb arrays, so the scales must be compact per group
+// from the group's pointer: 1x128 (row i, k-block j) at i + j * rows,
+// 128x128 (row block r, k-block j) at r * ceil(k/128) + j. The Python side
+// lays them out so (grouped_gemm_cuda.rows_operands / contraction_operands:
+// rows, a: one block per group at start * kb (and a tail block past the
+// last group); b: (G, nb, kb); contraction: (ceil(k/128), m) and
+// (ceil(k/128), n)). The layouts written here say the same thing.
 template <class Cfg>
 __global__ void GroupedSetupKernel(GroupedGemmArgs p, GroupTable table,
                                    typename Cfg::Arrays t, int multiple) {
@@ -213,11 +224,14 @@ __global__ void GroupedSetupKernel(GroupedGemmArgs p, GroupTable table,
       t.stride_d[g] = make_stride(int64_t(n), _1{}, _0{});
       if constexpr (!Cfg::kIsBlockwise) t.alpha[g] = p.a_sinv[0] * p.b_sinv[g];
       if constexpr (Cfg::kIsBlockwise && Cfg::kScaleGranB == 128) {
-        const int ld_a = RoundUp4(m), kb = KBlocks(k), ld_b = RoundUp4(kb);
-        t.ptr_sfa[g] = p.a_sinv + start;  // VEC128: rows contiguous
-        t.ptr_sfb[g] = p.b_sinv + int64_t(g) * ((n + 127) / 128) * ld_b;
-        t.layout_sfa[g] = NativeScaleLayout<typename Cfg::LayoutSFA, 1>(size, k, ld_a);
-        t.layout_sfb[g] = NativeScaleLayout<typename Cfg::LayoutSFB, 128>(n, k);
+        // Compact per group (see the note above the kernel): a's block of
+        // this group's rows at start * kb, k-block stride = its rows; b's
+        // grid at g * nb * kb, row-block stride kb.
+        const int kb = KBlocks(k), nb = (n + 127) / 128;
+        t.ptr_sfa[g] = p.a_sinv + start * kb;
+        t.ptr_sfb[g] = p.b_sinv + int64_t(g) * nb * kb;
+        t.layout_sfa[g] = NativeScaleLayout<typename Cfg::LayoutSFA, 1>(size, k, size);
+        t.layout_sfb[g] = NativeScaleLayout<typename Cfg::LayoutSFB, 128>(n, k, kb);
       }
     } else {  // columns [start, start + size) of a (m, k) and b (n, k); block g of out
       t.shapes[g] = make_shape(size ? m : 0, n, size);  // no tiles for an empty group
@@ -229,11 +243,12 @@ __global__ void GroupedSetupKernel(GroupedGemmArgs p, GroupTable table,
       t.stride_d[g] = make_stride(int64_t(n), _1{}, _0{});
       if constexpr (!Cfg::kIsBlockwise) t.alpha[g] = p.a_sinv[0] * p.b_sinv[0];
       if constexpr (Cfg::kIsBlockwise && Cfg::kScaleGranB == 1) {
-        const int ld_a = RoundUp4(m), ld_b = RoundUp4(n);
-        t.ptr_sfa[g] = p.a_sinv + (start / 128) * ld_a;
-        t.ptr_sfb[g] = p.b_sinv + (start / 128) * ld_b;
-        t.layout_sfa[g] = NativeScaleLayout<typename Cfg::LayoutSFA, 1>(m, size, ld_a);
-        t.layout_sfb[g] = NativeScaleLayout<typename Cfg::LayoutSFB, 1>(n, size, ld_b);
+        // Compact (ceil(k/128), m) and (ceil(k/128), n) grids: k-block
+        // stride exactly m (n), the group's first k-block at start / 128.
+        t.ptr_sfa[g] = p.a_sinv + (start / 128) * m;
+        t.ptr_sfb[g] = p.b_sinv + (start / 128) * n;
+        t.layout_sfa[g] = NativeScaleLayout<typename Cfg::LayoutSFA, 1>(m, size, m);
+        t.layout_sfb[g] = NativeScaleLayout<typename Cfg::LayoutSFB, 1>(n, size, n);
       }
     }
     t.alpha_ptr[g] = &t.alpha[g];

@@ -18,16 +18,32 @@ Layout conversions from te_jax's operands (XLA ops here; per call):
 * :func:`grouped_gemm`: ``rhs.data (g, k, n)`` is transposed to ``(g, n, k)``:
   one pass over the FP8 expert weights (``g*k*n`` bytes read and written),
   except for the dgrad operand ``kernel.T``, whose transpose this one
-  cancels under ``jit``. The 1x128 scales of ``lhs`` go back to the native
-  layout (``TILE_1X128.to_native``, which cancels the quantize's
-  ``from_native``); the 128x128 scales of ``rhs`` are transposed per expert
-  and padded (``g * ceil(k/128) * ceil(n/128)`` floats).
+  cancels under ``jit``. The 1x128 scales of ``lhs`` are re-laid per group
+  (:func:`rows_scales_compact`: a scatter of ``m * ceil(k/128)`` floats whose
+  destinations come from a scan of ``group_sizes`` on the device); the
+  128x128 scales of ``rhs`` are transposed per expert
+  (``g * ceil(k/128) * ceil(n/128)`` floats).
 * :func:`grouped_wgrad`: ``lhs_t (k, m)`` and ``rhs_t (n, m)`` are already
-  contiguous along the grouped ``m``; their scales go to the native layout
-  (cancels as above). The per-tensor kernels take E5M2 only as their first
-  operand, so E4M3 ``lhs_t`` with E5M2 ``rhs_t`` (HYBRID's ``x.T`` and
-  ``grad.T``) is computed as ``out[e].T = rhs_t @ lhs_t.T`` and the
-  ``(g, n, k)`` bfloat16 result transposed: one pass over the output.
+  contiguous along the grouped ``m``; their scales go to the compact
+  transposed grid (the quantize's native layout without its row padding).
+  The per-tensor kernels take E5M2 only as their first operand, so E4M3
+  ``lhs_t`` with E5M2 ``rhs_t`` (HYBRID's ``x.T`` and ``grad.T``) is
+  computed as ``out[e].T = rhs_t @ lhs_t.T`` and the ``(g, n, k)`` bfloat16
+  result transposed: one pass over the output.
+
+Why compact scales: CUTLASS's grouped blockwise mainloop
+(``sm90_mma_array_tma_gmma_ss_warpspecialized_fp8_blockwise_scaling.hpp``,
+``load_init``) does not read the per-group scale layouts it is given; it
+builds each group's from the group's problem shape
+(``Sm90BlockwiseScaleConfig::tile_atom_to_shape_SFA/SFB``): 1x128 scales
+(row i, k-block j) at ``i + j * rows`` of the group (k-block stride exactly
+its row count), 128x128 scales (row block r, k-block j) at
+``r * ceil(k/128) + j``. So each group's scales must be stored that way
+from its scale pointer. The handler (``custom_calls/ffi/grouped_gemm.cc``)
+checks the scale operands' shapes against the native layouts'
+(``tiling.TileLayout.native_scale_shape``), which are never smaller than
+the compact buffers: the compact floats come first, zeros fill the rest
+(:func:`_in_native_shape`).
 
 :func:`unsupported_reason` says which calls the kernel does not take (the
 dispatcher then runs the reference, logged); every argument it checks is
@@ -38,7 +54,6 @@ for direct ``ffi_call`` users.
 from __future__ import annotations
 
 import functools
-import os
 from typing import NamedTuple
 
 import jax
@@ -48,9 +63,10 @@ import numpy as np
 from te_jax.ops import _native
 from te_jax.ops import tiling
 
-__all__ = ["TARGET", "ROWS", "CONTRACTION", "MAX_GROUPS", "KernelOperands", "workspace_bytes", "build_reason",
-           "device_reason", "unsupported_reason", "rows_operands", "contraction_operands",
-           "grouped_gemm", "grouped_wgrad"]
+__all__ = ["TARGET", "ROWS", "CONTRACTION", "MAX_GROUPS", "KernelOperands", "workspace_bytes",
+           "build_reason", "device_reason", "unsupported_reason", "group_bounds",
+           "rows_scales_compact", "rows_operands", "contraction_operands", "grouped_gemm",
+           "grouped_wgrad"]
 
 TARGET = "te_jax_grouped_gemm"
 ROWS, CONTRACTION = 0, 1           # the handler's ``axis`` attribute
@@ -144,17 +160,17 @@ def unsupported_reason(a, b, out_dtype, axis: int) -> str:
   return ""
 
 
-# The blockwise grouped kernels disagree with the reference on the H100 for
+# The blockwise grouped kernels disagreed with the reference on the H100 for
 # several groups with two or more 128-wide k-blocks (fprop and dgrad grouped
-# over rows) and for one grouped-K slice of 130 output rows (wgrad):
-# tests/test_gpu_grouped_gemm.py's blockwise cases marked xfail, and the
-# harness's own checks. Every failing case has a 1x128 scale operand whose
-# k-block stride (the native layout's rows rounded up to 4, over all groups)
-# differs from the group's own row count; every passing one has them equal
-# (one group of 4k rows, or a single k-block). So the kernel reads those
-# scales as if compact per group, whatever layout the setup passes: the
-# likely fix is a per-group compact copy of the scales. Until the checks
-# pass, "auto" does not take these kernels; impl="cuda" still reaches them.
+# over rows) and for a grouped-K slice whose output rows are not a multiple
+# of 4 (wgrad): tests/test_gpu_grouped_gemm.py's blockwise cases marked
+# xfail, and the harness's own checks. Cause, read in CUTLASS's sources: its
+# grouped mainloop ignores the per-group scale layouts and reads each
+# group's scales compact (see the module doc), while they were passed in
+# te_jax's native layouts. The fix (the compact re-layout of
+# rows_operands / contraction_operands and the setup kernel's matching
+# pointers) is in but not yet verified on a GPU: until those xfails pass,
+# "auto" does not take these kernels; impl="cuda" reaches them.
 BLOCKWISE_AUTO_REASON = ("the blockwise grouped kernels fail their GPU checks "
                          "(tests/test_gpu_grouped_gemm.py), so impl='auto' does not take them")
 
@@ -166,8 +182,11 @@ def auto_reason(a) -> str:
 
 
 class KernelOperands(NamedTuple):
-  """What the handler reads: ``a``, ``b`` (FP8), their scales in the native
-  layouts (float32) and the ``scaling`` attribute (0 per tensor, 1 blockwise)."""
+  """What the handler reads: ``a``, ``b`` (FP8), their float32 scales and
+  the ``scaling`` attribute (0 per tensor, 1 blockwise). Blockwise scales
+  are laid out as the grouped kernel reads them (compact per group: see the
+  module doc), inside arrays of the native layouts' shapes, which the
+  handler checks."""
   a: jax.Array
   b: jax.Array
   a_sinv: jax.Array
@@ -175,36 +194,96 @@ class KernelOperands(NamedTuple):
   scaling: int
 
 
-def _vec128_native(t) -> jax.Array:
-  """A 1x128-tiled operand's logical scales in the native layout."""
-  return tiling.TILE_1X128.to_native(t.scale_inv)
+def _in_native_shape(compact: jax.Array, shape) -> jax.Array:
+  """``compact`` flattened into an array of ``shape`` (the native layout's,
+  never smaller), its floats first and zeros after them."""
+  flat = jnp.ravel(compact)
+  return jnp.pad(flat, (0, int(np.prod(shape)) - flat.size)).reshape(shape)
 
 
-def rows_operands(lhs, rhs) -> KernelOperands:
+def group_bounds(group_sizes: jax.Array, extent: int) -> jax.Array:
+  """(g + 1,) int32: group e's slice of a grouped axis of ``extent`` is
+  ``[bounds[e], bounds[e + 1])``, as the setup kernel computes it: each
+  start is the previous one plus that group's size (a negative size counts
+  as 0), clamped to ``extent``. A saturating scan, so that no sum of int32
+  sizes overflows."""
+  sizes = jnp.clip(group_sizes.astype(jnp.int32), 0, extent)
+  # min(a + b, extent) for a, b in [0, extent], written so that it stays
+  # within int32; associative on that range, so a parallel scan may use it.
+  ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a, extent - b) + b, sizes)
+  return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+
+
+def rows_scales_compact(scale_inv: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """The 1x128 scales of the rows-grouped ``a (m, k)`` as the grouped kernel
+  reads them: a flat ``(m * kb,)`` float32 buffer (``kb = ceil(k/128)``) in
+  which every group's rows, and the tail rows past the last group, form one
+  compact block: the block of ``r`` rows starting at row ``s`` holds
+  (row ``s + i``, k-block ``j``) at ``s * kb + j * r + i``. The blocks tile
+  the buffer, so the re-layout is a permutation whatever the sizes.
+
+  Args:
+    scale_inv: (m, kb) float32, the logical grid of ``a``'s scales.
+    group_sizes: (g,) int32 on the device (no host synchronization).
+  """
+  m, kb = scale_inv.shape
+  bounds = group_bounds(group_sizes, m)
+  starts, ends = bounds, jnp.append(bounds[1:], m)       # g groups and the tail
+  rows = jnp.arange(m, dtype=jnp.int32)
+  block = jnp.searchsorted(ends, rows, side="right")     # the first block ending past the row
+  start, height = starts[block], ends[block] - starts[block]
+  dest = start[None, :] * kb + jnp.arange(kb, dtype=jnp.int32)[:, None] * height[None, :] \
+      + (rows - start)[None, :]                          # (kb, m), as the native grid
+  # scale_inv.T is the quantize's native grid (rows contiguous): XLA cancels
+  # this transpose against the one that made scale_inv.
+  return jnp.zeros((m * kb,), jnp.float32).at[dest.ravel()].set(
+      jnp.ravel(scale_inv.T).astype(jnp.float32), unique_indices=True)
+
+
+def rows_operands(lhs, rhs, group_sizes) -> KernelOperands:
   """Kernel operands of :func:`grouped_gemm`: ``a = lhs.data (m, k)``,
   ``b = rhs.data`` per group transposed to ``(g, n, k)``; scales (1,) and
-  (g,) per tensor, or native 1x128 ``(ceil(k/128), roundup(m, 4))`` and
-  128x128 ``(g, ceil(n/128), roundup(ceil(k/128), 4))``."""
+  (g,) per tensor; blockwise, with ``kb = ceil(k/128)``, ``nb = ceil(n/128)``:
+  ``a``'s 1x128 scales re-laid per group by :func:`rows_scales_compact`
+  (group g's at ``start_g * kb``), in a ``(kb, roundup(m, 4))`` array, and
+  ``b``'s 128x128 scales compact ``(g, nb, kb)`` (group g's at
+  ``g * nb * kb``; (row block r, k-block j) at ``r * kb + j``), in a
+  ``(g, nb, roundup(kb, 4))`` array."""
   b = jnp.swapaxes(rhs.data, 1, 2)
   if lhs.block_shape is None:
     return KernelOperands(lhs.data, b, jnp.reshape(lhs.scale_inv, (1,)), rhs.scale_inv,
                           PER_TENSOR)
-  b_sinv = jax.vmap(tiling.BLOCK_128X128.to_native)(jnp.swapaxes(rhs.scale_inv, 1, 2))
-  return KernelOperands(lhs.data, b, _vec128_native(lhs), b_sinv, BLOCKWISE)
+  (m, k), (g, n) = lhs.shape, b.shape[:2]
+  a_sinv = _in_native_shape(rows_scales_compact(lhs.scale_inv, group_sizes),
+                            tiling.TILE_1X128.native_scale_shape(m, k))
+  b_sinv = _in_native_shape(jnp.swapaxes(rhs.scale_inv, 1, 2),
+                            (g,) + tiling.BLOCK_128X128.native_scale_shape(n, k))
+  return KernelOperands(lhs.data, b, a_sinv, b_sinv, BLOCKWISE)
+
+
+def _contraction_scales_compact(t) -> jax.Array:
+  """A 1x128-along-m operand ``t (rows, m)``'s scales as the grouped kernel
+  reads them: ``(ceil(m/128), rows)``, (row i, k-block j) at ``j * rows + i``
+  (group g's at ``(start_g / 128) * rows``), in a ``(ceil(m/128),
+  roundup(rows, 4))`` array."""
+  rows, m = t.shape
+  # t.scale_inv.T: the quantize's native grid without its row padding.
+  return _in_native_shape(t.scale_inv.T, tiling.TILE_1X128.native_scale_shape(rows, m))
 
 
 def contraction_operands(lhs_t, rhs_t):
   """Kernel operands of :func:`grouped_wgrad` and whether they are swapped
   (``a = rhs_t``: an E4M3 ``lhs_t`` with an E5M2 ``rhs_t``; the result is then
-  ``(g, n, k)``). Scales: (1,) each per tensor, else native 1x128 along the
-  grouped m: ``(ceil(m/128), roundup(rows, 4))``."""
+  ``(g, n, k)``). Scales: (1,) each per tensor, else 1x128 along the grouped
+  m, compact (:func:`_contraction_scales_compact`)."""
   swapped = (jnp.dtype(lhs_t.dtype), jnp.dtype(rhs_t.dtype)) == (_E4M3, _E5M2)
   a, b = (rhs_t, lhs_t) if swapped else (lhs_t, rhs_t)
   if a.block_shape is None:
     ops = KernelOperands(a.data, b.data, jnp.reshape(a.scale_inv, (1,)),
                          jnp.reshape(b.scale_inv, (1,)), PER_TENSOR)
   else:
-    ops = KernelOperands(a.data, b.data, _vec128_native(a), _vec128_native(b), BLOCKWISE)
+    ops = KernelOperands(a.data, b.data, _contraction_scales_compact(a),
+                         _contraction_scales_compact(b), BLOCKWISE)
   return ops, swapped
 
 
@@ -241,8 +320,8 @@ def grouped_gemm(lhs, rhs, group_sizes, fast_accum: bool = False) -> jax.Array:
     sizes cannot describe m rows (a negative one, or a sum above m).
   """
   _check(lhs, rhs, jnp.bfloat16, ROWS)
-  return _call(rows_operands(lhs, rhs), group_sizes, (lhs.shape[0], rhs.shape[2]), ROWS,
-               fast_accum)
+  return _call(rows_operands(lhs, rhs, group_sizes), group_sizes,
+               (lhs.shape[0], rhs.shape[2]), ROWS, fast_accum)
 
 
 def grouped_wgrad(lhs_t, rhs_t, group_sizes, fast_accum: bool = False) -> jax.Array:
