@@ -11,10 +11,12 @@
 //   group_sizes (G,) int32, read on the device only.
 //   Scales (float32), scaling 0 per tensor: a_sinv (1,), b_sinv (G,) for
 //   rows (one per expert weight) or (1,) for the contraction. Scaling 1
-//   blockwise, te_jax's native layouts (te_jax/ops/tiling.py): rows: a 1x128
-//   (ceil(k/128), roundup(m, 4)), b 128x128 per expert (G, ceil(n/128),
-//   roundup(ceil(k/128), 4)); contraction: a and b 1x128 along the grouped
-//   contraction, (ceil(k/128), roundup(m, 4)) and (ceil(k/128), roundup(n, 4)).
+//   blockwise, arrays of the native layouts' shapes (te_jax/tiling.py): rows:
+//   a 1x128 (ceil(k/128), roundup(m, 4)), b 128x128 per expert (G,
+//   ceil(n/128), roundup(ceil(k/128), 4)); contraction: a and b 1x128 along
+//   the grouped contraction, (ceil(k/128), roundup(m, 4)) and (ceil(k/128),
+//   roundup(n, 4)). Their contents are compact per group, as CUTLASS's grouped
+//   mainloop reads them (grouped_gemm_cuda.py lays them out), zeros after.
 //   out is bfloat16 (the kernels' one output type).
 //   fast_accum 1: the tensor cores' own accumulation where a variant has it
 //   (per-tensor E4M3 x E4M3); elsewhere split accumulation, the more exact.

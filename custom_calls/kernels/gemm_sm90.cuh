@@ -105,10 +105,13 @@ cudaError_t LaunchBlockwiseGemm(BlockwiseVariant v, const BlockwiseGemmArgs& arg
 // Scales:
 //   kTensor: a_sinv (1,); b_sinv (G,) one per expert weight for kRows, (1,)
 //     for kContraction (both operands are activations / gradients).
-//   kBlockwise, kRows: a VEC128 native (ceil(k/128), roundup(m, 4)); b
-//     BLK128x128 per expert (G, ceil(n/128), roundup(ceil(k/128), 4)).
-//   kBlockwise, kContraction: a and b VEC128 along the contraction (tokens):
-//     (ceil(k/128), roundup(m, 4)) and (ceil(k/128), roundup(n, 4)).
+//   kBlockwise, kRows: a VEC128, group g's (rows, k-blocks) compact from
+//     start_g * kb with k-block stride size_g; b BLK128x128 per expert,
+//     compact (G, ceil(n/128), ceil(k/128)).
+//   kBlockwise, kContraction: a and b VEC128 along the contraction (tokens),
+//     compact (ceil(k/128), m) and (ceil(k/128), n).
+//   (In buffers of the native layouts' sizes; grouped_gemm_cuda.py lays them
+//   out: CUTLASS's grouped mainloop reads each group's scales compact.)
 // Group sizes: any size >= 0 for kRows; multiples of 16 (per-tensor) or 128
 // (blockwise, so no scale block straddles two groups) for kContraction; the
 // caller pads each group to the recipe's token block. A group that breaks

@@ -23,8 +23,9 @@ CUTE_HOST_DEVICE int KBlocks(int k) { return (k + 127) / 128; }
 // layout type LayoutSF with `kGran` rows per scale:
 //   kGran 1   (VEC128): scale (r, kb) at kb * ld + r, ld = roundup(rows, 4)
 //   kGran 128 (BLK):    scale (r, kb) at (r / 128) * ld + kb, ld = roundup(ceil(k/128), 4)
-// `ld` < 0 takes those defaults; the grouped GEMM passes the whole tensor's
-// ld for one group's slice. The layout claims exactly `rows` rows; the dense
+// `ld` < 0 takes those defaults; the grouped GEMM passes its compact
+// per-group ld (CUTLASS's grouped mainloop reads each group's scales compact,
+// whatever layout it is given). The layout claims exactly `rows` rows; the dense
 // GEMM passes roundup(rows, 4) for a 1x128 operand, because CUTLASS's bulk
 // copy of those scales asks for a multiple of 4 (the padding rows exist in
 // te_jax's grid; their results are never stored).
