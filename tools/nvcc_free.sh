@@ -17,12 +17,15 @@
 #                    build isolation, which needs a package index)
 #       OUT          logs (default /tmp/te_jax_out)
 # How the system toolkit is hidden: in a private mount namespace (unshare -m,
-# needs root) an empty tmpfs covers /usr/local/cuda* and /opt/cuda*, and a
-# non-executable empty file covers every other nvcc on PATH; CUDA_HOME,
+# needs root) an empty tmpfs covers each /usr/local/cuda* and /opt/cuda*
+# folder but its compat/ (the forward-compatibility driver, libcuda.so, that
+# images put on the loader path: the GPU stays usable, and no build reads it),
+# and a non-executable empty file covers every other nvcc on PATH; CUDA_HOME,
 # CUDA_PATH, CUDACXX, CUDAToolkit_ROOT are unset. Without unshare, PATH
 # entries holding nvcc are dropped instead (the toolkit folders stay visible:
-# the script says so). Exit status: 0 only when te_jax._te_jax_ffi imports and
-# its build note names the pip packages.
+# the script says so). The log names what was hidden and where libcuda.so.1
+# loads from. Exit status: 0 only when te_jax._te_jax_ffi imports and its
+# build note names the pip packages.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -43,18 +46,55 @@ nvcc_on_path() {
   return 1
 }
 
+# Covers toolkit folder $1 with an empty tmpfs, then mounts its compat/ back.
+hide_toolkit_dir() {
+  local dir="$1" keep="" had_compat=""
+  if [[ -d "$dir/compat" ]]; then
+    had_compat=1; keep="$(mktemp -d)"
+    mount --bind "$dir/compat" "$keep" || keep=""
+  fi
+  mount -t tmpfs none "$dir" || { echo "FAIL: cannot cover $dir"; return 1; }
+  if [[ -n "$keep" ]] && mkdir "$dir/compat" && mount --bind "$keep" "$dir/compat"; then
+    umount "$keep" && rmdir "$keep"
+    echo "system toolkit hidden: $dir (empty tmpfs; compat/ kept: $(ls "$dir/compat" | tr '\n' ' '))"
+  elif [[ -n "$had_compat" ]]; then
+    echo "WARNING: system toolkit hidden: $dir (empty tmpfs), its compat/ too: it could not be mounted back"
+  else
+    echo "system toolkit hidden: $dir (empty tmpfs)"
+  fi
+}
+
+# Where the CUDA driver library loads from, as jax would load it.
+report_driver() {
+  "$PYTHON" - <<'PY' || true
+import ctypes
+try:
+  ctypes.CDLL("libcuda.so.1")
+except OSError as e:
+  print(f"driver: libcuda.so.1 does not load ({e}): jax will see no GPU")
+else:
+  maps = open("/proc/self/maps").read().split()
+  print("driver: libcuda.so.1 loads from", sorted({w for w in maps if "libcuda.so" in w}))
+PY
+}
+
 hide_system_toolkit() {
   unset CUDA_HOME CUDA_PATH CUDACXX CUDAToolkit_ROOT CUDA_ROOT
   if [[ -n "${TE_JAX_NVCC_FREE_NS:-}" ]]; then
     local d blank n=0
+    local -A covered=()   # /usr/local/cuda and cuda-13.0 are often one folder
     for d in /usr/local/cuda* /opt/cuda*; do
-      [[ -d "$d" ]] && mount -t tmpfs none "$(realpath "$d")" 2>/dev/null || true
+      [[ -d "$d" ]] || continue
+      d="$(realpath "$d")"
+      [[ -n "${covered[$d]:-}" ]] && continue
+      covered[$d]=1
+      hide_toolkit_dir "$d" || return 1
     done
     blank="$(mktemp)"; chmod a-x "$blank"
     while d="$(nvcc_on_path)" && (( n++ < 20 )); do
       mount --bind "$blank" "$(realpath "$d")"
+      echo "system nvcc hidden: $d"
     done
-    echo "system toolkit hidden: mount namespace (tmpfs over /usr/local/cuda*, /opt/cuda*)"
   else
     local p keep=()
     IFS=: read -ra p <<< "$PATH"
@@ -64,7 +104,8 @@ hide_system_toolkit() {
          "/usr/local/cuda stays visible to CMake's searches"
   fi
   if nvcc_on_path; then echo "FAIL: an nvcc is still on PATH"; exit 1; fi
-  echo "nvcc on PATH: none; /usr/local/cuda: $(ls /usr/local/cuda 2>/dev/null | wc -l) entries"
+  echo "nvcc on PATH: none; /usr/local/cuda holds: $(ls /usr/local/cuda 2>/dev/null | tr '\n' ' ')"
+  report_driver
 }
 
 cd "$REPO"
@@ -101,7 +142,8 @@ note = (so.parent / "_te_jax_ffi_build.txt").read_text().strip()
 print("native module:", so, sorted(m.registrations())[:3], "...")
 print("build note:", note)
 dyn = subprocess.run(["readelf", "-d", str(so)], capture_output=True, text=True).stdout
-print("RUNPATH:", [l.split("[", 1)[1].rstrip("]") for l in dyn.splitlines() if "RUNPATH" in l or "RPATH" in l])
+for tag in ("NEEDED", "RUNPATH", "RPATH"):
+  print(f"{tag}:", [l.split("[", 1)[1].rstrip("]") for l in dyn.splitlines() if f"({tag})" in l])
 sys.exit(0 if "pip packages" in note else "FAIL: the build note does not name the pip packages")
 EOF
 } 2>&1 | tee -a "$LOG"

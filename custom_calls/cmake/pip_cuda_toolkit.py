@@ -19,6 +19,10 @@ Output, one ``key=value`` per line (CMake reads them):
   ``root=DIR``          the tree holding the compiler and the CUDA runtime
   ``cublaslt_root=DIR`` the tree holding cuBLASLt (usually the same)
   ``version=X.Y.Z``     the nvidia-cuda-nvcc package version, when known
+  ``devrt=1`` or ``0``  whether ``lib/libcudadevrt.a`` (the device runtime,
+                        needed only by relocatable device code) is there;
+                        optional: some nvidia-cuda-runtime installs lack it,
+                        and TeJaxCudaToolkit.cmake builds without it
   ``missing=TEXT``      what an incomplete tree lacks, by pip package name
 Nothing is printed when no ``nvidia/cuNN`` tree with ``bin/nvcc`` exists.
 """
@@ -42,6 +46,9 @@ COMPILER_FILES = {
     "include/nv/target": "nvidia-cuda-cccl",
 }
 CUDART_GLOB = "lib/libcudart.so*"
+# Optional: nvcc links it into every executable by default, but te_jax
+# compiles no relocatable device code, so it builds without it.
+DEVRT_FILE = "lib/libcudadevrt.a"
 CUBLASLT_FILES = ("include/cublasLt.h",)
 CUBLASLT_GLOB = "lib/libcublasLt.so*"
 CUBLASLT_PACKAGE = "nvidia-cublas"
@@ -97,8 +104,9 @@ def find(search_paths):
     {} when no tree has ``bin/nvcc``; else a dict with ``root`` (the first
     tree with ``bin/nvcc``, newest CUDA major first), ``cublaslt_root`` (the
     first tree of the same CUDA major with cuBLASLt, the compiler tree
-    preferred; "" if none), ``version`` (nvidia-cuda-nvcc's, "" if unknown)
-    and ``missing`` (a list, empty when the toolkit is complete).
+    preferred; "" if none), ``version`` (nvidia-cuda-nvcc's, "" if unknown),
+    ``devrt`` (whether the root has ``DEVRT_FILE``) and ``missing`` (a list,
+    empty when the toolkit is complete; ``DEVRT_FILE`` is never in it).
   """
   all_trees = trees(search_paths)
   compilers = [t for t in all_trees if (t / "bin/nvcc").is_file()]
@@ -111,7 +119,8 @@ def find(search_paths):
   if not lt_roots:
     missing.append(f"{CUBLASLT_PACKAGE} ({CUBLASLT_FILES[0]}, {CUBLASLT_GLOB})")
   return {"root": str(root), "cublaslt_root": str(lt_roots[0]) if lt_roots else "",
-          "version": _nvcc_version(root), "missing": missing}
+          "version": _nvcc_version(root), "devrt": (root / DEVRT_FILE).is_file(),
+          "missing": missing}
 
 
 def search_paths():
@@ -132,7 +141,7 @@ def report(result):
   if not result:
     return ""
   lines = [f"root={result['root']}", f"cublaslt_root={result['cublaslt_root']}",
-           f"version={result['version']}"]
+           f"version={result['version']}", f"devrt={int(result['devrt'])}"]
   if result["missing"]:
     lines.append("missing=" + ", ".join(result["missing"]))
   return "\n".join(lines) + "\n"
