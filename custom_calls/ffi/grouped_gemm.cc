@@ -11,7 +11,7 @@
 //   group_sizes (G,) int32, read on the device only.
 //   Scales (float32), scaling 0 per tensor: a_sinv (1,), b_sinv (G,) for
 //   rows (one per expert weight) or (1,) for the contraction. Scaling 1
-//   blockwise, arrays of the native layouts' shapes (te_jax/tiling.py): rows:
+//   blockwise, arrays of the native layouts' shapes (te_jax/ops/tiling.py): rows:
 //   a 1x128 (ceil(k/128), roundup(m, 4)), b 128x128 per expert (G,
 //   ceil(n/128), roundup(ceil(k/128), 4)); contraction: a and b 1x128 along
 //   the grouped contraction, (ceil(k/128), roundup(m, 4)) and (ceil(k/128),
