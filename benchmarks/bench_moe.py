@@ -22,10 +22,11 @@ told apart by the named scopes of ``te_jax.moe.SCOPES`` that the compiled
 program's op names carry, and device memory: the compiled step's arguments
 + temp (``memory_analysis()``).
 
-The FP8 grouped GEMMs run te_jax's sm_90a kernel where the native module was
-built with it (CUTLASS headers found at build time) on a Hopper GPU; anywhere
-else they run the pure-JAX reference under XLA (FP8 operands dequantized to
-float32), and the tables say so.
+The per-tensor FP8 grouped GEMMs run te_jax's sm_90a kernel where the native
+module was built with it (CUTLASS headers found at build time) on a Hopper
+GPU; blockwise ones (until their GPU checks pass) and anything elsewhere run
+the pure-JAX reference under XLA (FP8 operands dequantized to float32), and
+the tables say which (``grouped_gemm_cuda.auto_reference_reason``).
 
   python3 benchmarks/bench_moe.py                     # GPU: layer and model, every recipe
   python3 benchmarks/bench_moe.py --small --in-process     # CPU smoke test
@@ -56,11 +57,15 @@ LAYER_SIZES = {"full": dict(batch=8, seq=2048, hidden=1024, experts=64, k=8, mlp
 def grouped_gemm_note() -> str:
   """Which implementation the FP8 rows' grouped GEMMs ran, and why."""
   from te_jax.ops import grouped_gemm_cuda  # pylint: disable=import-outside-toplevel
-  why = grouped_gemm_cuda.build_reason() or grouped_gemm_cuda.device_reason()
-  if not why:
-    return "FP8 grouped GEMMs: te_jax's sm_90a kernel."
-  return (f"FP8 grouped GEMMs: the pure-JAX reference under XLA ({why}), so the FP8 rows "
-          "time that reference, not FP8 tensor cores.")
+  paths = []
+  for rows, blockwise in (("per-tensor", False), ("blockwise", True)):
+    why = grouped_gemm_cuda.auto_reference_reason(blockwise)
+    if why:
+      paths.append(f"{rows} rows, the pure-JAX reference under XLA ({why}: they time that "
+                   "reference, not FP8 tensor cores)")
+    else:
+      paths.append(f"{rows} rows, te_jax's sm_90a kernel")
+  return "FP8 grouped GEMMs: " + "; ".join(paths) + "."
 
 
 def part_of(op_name: str) -> str:

@@ -610,6 +610,18 @@ def test_auto_leaves_out_the_blockwise_kernels_with_known_failures(fake_gpu, cap
   assert len(_staged(lambda: gg.grouped_gemm(*tensor, jnp.asarray([30, 34], jnp.int32)))) == 1
 
 
+def test_auto_reference_reason_says_what_auto_runs(fake_gpu, monkeypatch):
+  """The banners' answer agrees with the dispatcher: no GPU; the kernel per
+  tensor but the reference blockwise; the build's reason for both."""
+  assert ggc.auto_reference_reason(False) == ggc.auto_reference_reason(True) == "no GPU"
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert ggc.auto_reference_reason(False) == ""
+  assert ggc.auto_reference_reason(True) == ggc.BLOCKWISE_AUTO_REASON
+  fake_gpu["text"] = _LEFT_OUT_NOTE
+  assert ggc.auto_reference_reason(False) == ggc.auto_reference_reason(True) == ggc.build_reason()
+  assert ggc.build_reason()
+
+
 @pytest.mark.parametrize("case, says", [
     ("left out", "built without the sm90 GEMMs (no CUTLASS headers"),
     ("float operands", "float (FP8-off) operands"),

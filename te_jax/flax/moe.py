@@ -91,9 +91,10 @@ class MoE(nn.Module):
     return_aux: return ``(y, aux)`` instead of y (the aux values are sown
       either way).
     impl: "auto" (default), "cuda" or "reference": the FP8 ops'
-      implementation (the FP8 grouped GEMMs run te_jax's sm_90a kernel
-      where the native module has it, on Hopper; elsewhere the reference,
-      logged once).
+      implementation (the per-tensor FP8 grouped GEMMs run te_jax's sm_90a
+      kernel where the native module has it, on Hopper; blockwise ones and
+      everything elsewhere the reference, logged once:
+      ``te_jax.ops.grouped_gemm_cuda.auto_reference_reason`` says which).
   """
 
   num_experts: int

@@ -64,7 +64,8 @@ from te_jax.ops import _native
 from te_jax.ops import tiling
 
 __all__ = ["TARGET", "ROWS", "CONTRACTION", "MAX_GROUPS", "KernelOperands", "workspace_bytes",
-           "build_reason", "device_reason", "unsupported_reason", "group_bounds",
+           "build_reason", "device_reason", "unsupported_reason", "auto_reason",
+           "auto_reference_reason", "group_bounds",
            "rows_scales_compact", "rows_operands", "contraction_operands", "grouped_gemm",
            "grouped_wgrad"]
 
@@ -179,6 +180,16 @@ def auto_reason(a) -> str:
   """"" when ``impl="auto"`` may take the kernel for operand ``a`` (already
   supported by :func:`unsupported_reason`), else why not."""
   return BLOCKWISE_AUTO_REASON if getattr(a, "block_shape", None) is not None else ""
+
+
+def auto_reference_reason(blockwise: bool) -> str:
+  """Why ``impl="auto"`` runs the reference for this process's FP8 grouped
+  GEMMs with a bfloat16 output, per tensor or ``blockwise`` ("" when it runs
+  the kernel): no GPU backend, the build, the GPU, or :func:`auto_reason`.
+  For banners and benchmark notes; the dispatcher decides per call."""
+  if jax.default_backend() != "gpu":
+    return "no GPU"
+  return build_reason() or device_reason() or (BLOCKWISE_AUTO_REASON if blockwise else "")
 
 
 class KernelOperands(NamedTuple):
