@@ -162,10 +162,10 @@ def _initial_state(cfg, trainer, last, stored):
   if cfg.ckpt_dir and not checkpoint.orbax_available():
     print("orbax-checkpoint is not installed: checkpoints are written as .npz files "
           "(single host; python3 -m pip install orbax-checkpoint for orbax)")
-  if cfg.ckpt_dir and not cfg.resume and checkpoint.latest_step(cfg.ckpt_dir) is not None:
-    print(f"note: {cfg.ckpt_dir} already holds checkpoints (up to step "
-          f"{checkpoint.latest_step(cfg.ckpt_dir)}); without --resume this run starts from "
-          "scratch and replaces the steps it saves")
+  existing = checkpoint.latest_step(cfg.ckpt_dir) if cfg.ckpt_dir and not cfg.resume else None
+  if existing is not None:
+    print(f"note: {cfg.ckpt_dir} already holds checkpoints (up to step {existing}); "
+          "without --resume this run starts from scratch and replaces the steps it saves")
   run_steps, run_losses = [], []     # the whole run's, across invocations
   if last is not None:
     state = restore_checkpoint(cfg.ckpt_dir, last, state, stored)
