@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# A/B of the layer benchmark between this tree and an older te_jax, in one
-# device call on one GPU: both are built (this tree installed as usual, the
-# old one with `pip install --target` into $AB_PREFIX), then every
+# A/B of the layer benchmark between this tree and older te_jax trees, in
+# one device call on one GPU: all are built (this tree installed as usual,
+# each old one with `pip install --target` into $AB_PREFIX/<name>), then every
 # configuration runs with this tree's benchmarks/bench_layer.py against each
-# install in turn (new, old; then the order reversed for the next
-# configuration), so drift in clocks and temperature falls on both sides.
+# install in turn (new first, then the bases; the order reversed for the next
+# configuration), so drift in clocks and temperature falls on every side.
 #
 # Usage: bash tools/gpu_ab.sh [build] [bench]   (default: both)
-#   env: AB_BASE     source tree of the old version (default .ab_base; make it
-#                    with `git archive <commit> | tar -x -C .ab_base`, list it
-#                    in .git/info/exclude and carry it to the device)
-#        AB_PREFIX   where the old version is installed (default /tmp/te_jax_ab)
+#   env: AB_BASES    space-separated name=source-tree pairs of the old versions
+#                    (default "old=$AB_BASE"); several bases split a change
+#                    between the commits where it happened
+#        AB_BASE     source tree of the one old version (default .ab_base; make
+#                    it with `git archive <commit> | tar -x -C .ab_base`, list
+#                    it in .git/info/exclude and carry it to the device)
+#        AB_PREFIX   where the old versions are installed (default /tmp/te_jax_ab)
+#        AB_SKIP_NEW=1  build only the bases (this tree is already installed)
 #        AB_CONFIGS  comma-separated bench_layer.py configurations (default:
 #                    the MLP block and the TransformerLayer, FP8 off and the
 #                    three recipes)
@@ -20,24 +24,34 @@ set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:-/tmp/te_jax_out}"; mkdir -p "$OUT"; cd "$REPO" || exit 1
 export PYTHONUNBUFFERED=1
-BASE="$(cd "${AB_BASE:-.ab_base}" && pwd)"
+read -ra BASES <<< "${AB_BASES:-old=${AB_BASE:-.ab_base}}"
 PREFIX="${AB_PREFIX:-/tmp/te_jax_ab}"
+NAMES=(); for b in "${BASES[@]}"; do NAMES+=("${b%%=*}"); done
 STEPS=("$@"); [[ ${#STEPS[@]} -eq 0 ]] && STEPS=(build bench)
 want() { local s; for s in "${STEPS[@]}"; do [[ "$s" == "$1" ]] && return 0; done; return 1; }
 t0=$(date +%s)
 
 if want build; then
-  bash tools/gpu_check.sh build > "$OUT/build_new.log" 2>&1 &
-  new=$!
-  (cd "$BASE" && [[ -f README.md ]] || echo "# te_jax" > "$BASE/README.md"
-   rm -rf "$PREFIX" && python3 -m pip install --no-build-isolation --no-deps \
-     --target "$PREFIX" "$BASE" > "$OUT/build_old.log" 2>&1
-   # From /tmp: in $BASE the source tree (no .so) would shadow the install.
-   cd /tmp && PYTHONPATH="$PREFIX" python3 -c "import te_jax._te_jax_ffi, te_jax; print('old:', te_jax.__file__)" \
-     >> "$OUT/build_old.log" 2>&1) &
-  old=$!
-  wait $new; wait $old
-  tail -n 2 "$OUT/build_new.log"; tail -n 1 "$OUT/build_old.log"
+  pids=()
+  if [[ -z "${AB_SKIP_NEW:-}" ]]; then
+    bash tools/gpu_check.sh build > "$OUT/build_new.log" 2>&1 &
+    pids+=($!)
+  fi
+  for b in "${BASES[@]}"; do
+    name=${b%%=*}; src="$(cd "${b#*=}" && pwd)"
+    # The bases are built without the optional CUTLASS GEMMs: what the
+    # benchmark runs does not use them, and they double the build time.
+    (cd "$src" && { [[ -f README.md ]] || echo "# te_jax" > README.md; }
+     rm -rf "${PREFIX:?}/$name" && env -u SKBUILD_CMAKE_DEFINE python3 -m pip install \
+       --no-build-isolation --no-deps --target "$PREFIX/$name" "$src" > "$OUT/build_$name.log" 2>&1
+     # From /tmp: in the source tree (no .so) the sources would shadow the install.
+     cd /tmp && PYTHONPATH="$PREFIX/$name" python3 -c "import te_jax._te_jax_ffi, te_jax; print('$name:', te_jax.__file__)" \
+       >> "$OUT/build_$name.log" 2>&1) &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p"; done
+  [[ -z "${AB_SKIP_NEW:-}" ]] && tail -n 2 "$OUT/build_new.log"
+  for n in "${NAMES[@]}"; do tail -n 1 "$OUT/build_$n.log"; done
   echo "build: $(( $(date +%s) - t0 )) s"
 fi
 
@@ -47,9 +61,11 @@ if want bench; then
   : > "$OUT/ab.jsonl"
   i=0
   for c in "${cfgs[@]}"; do
-    order=(new old); (( i % 2 )) && order=(old new); i=$((i + 1))
+    order=(new "${NAMES[@]}")
+    if (( i % 2 )); then order=(); for n in new "${NAMES[@]}"; do order=("$n" "${order[@]}"); done; fi
+    i=$((i + 1))
     for side in "${order[@]}"; do
-      pp=""; [[ $side == old ]] && pp="$PREFIX"
+      pp=""; [[ $side != new ]] && pp="$PREFIX/$side"
       # shellcheck disable=SC2086  # AB_ARGS is a word list on purpose
       line=$(cd /tmp && PYTHONPATH="$pp" timeout 300 python3 "$REPO/benchmarks/bench_layer.py" \
         --config "$c" ${AB_ARGS:---k 10 --repeats 5} 2>>"$OUT/ab_stderr.log" | tail -n 1)
@@ -58,22 +74,23 @@ if want bench; then
       echo "$side $c: ${line:0:200}"
     done
   done
-  python3 - "$OUT/ab.jsonl" <<'EOF'
+  python3 - "$OUT/ab.jsonl" "${NAMES[@]}" <<'EOF'
 import json, sys
 rows = {}
 for ln in open(sys.argv[1]):
   d = json.loads(ln)
-  r = d["result"]
-  if not r:
-    continue
-  rows.setdefault(r["config"], {})[d["side"]] = r
-print("| config | new ms | old ms | new/old | new max|dx| | old max|dx| | impl new/old |")
-print("|---|---|---|---|---|---|---|")
-for c, s in rows.items():
-  n, o = s.get("new"), s.get("old")
-  if n and o:
-    print(f"| {c} | {n['ms']:.3f} | {o['ms']:.3f} | {n['ms'] / o['ms']:.4f} | "
-          f"{n.get('dx_abs_max') or float('nan'):.3g} | {o.get('dx_abs_max') or float('nan'):.3g} | {n.get('impl')}/{o.get('impl')} |")
+  if d["result"]:
+    rows.setdefault(d["result"]["config"], {})[d["side"]] = d["result"]
+for base in sys.argv[2:]:
+  print(f"\nnew against {base}:")
+  print("| config | new ms | old ms | new/old | new max|dx| | old max|dx| | impl new/old |")
+  print("|---|---|---|---|---|---|---|")
+  for c, s in rows.items():
+    n, o = s.get("new"), s.get(base)
+    if n and o:
+      print(f"| {c} | {n['ms']:.3f} | {o['ms']:.3f} | {n['ms'] / o['ms']:.4f} | "
+            f"{n.get('dx_abs_max') or float('nan'):.3g} | {o.get('dx_abs_max') or float('nan'):.3g} | "
+            f"{n.get('impl')}/{o.get('impl')} |")
 EOF
 fi
 echo "total $(( $(date +%s) - t0 )) s"

@@ -1,29 +1,41 @@
 #!/usr/bin/env bash
 # The open issues' GPU work as one background run on a 1-GPU machine: stages
-# back to back, each under its own time limit, logs under $OUT, one line per
-# stage in $OUT/stages.log. The machine goes back 30 s after a device call
-# ends, so start this in the background and keep calling `... wait`:
+# back to back, each under its own time limit, logs under $RUN_DIR, one line
+# per stage in $RUN_DIR/stages.log. The machine goes back 30 s after a device
+# call ends, so start this in the background and keep calling `... wait`:
 #
 #   call 1:  cp -a . /tmp/repo && (setsid bash /tmp/repo/tools/gpu_session.sh \
-#              > /tmp/gpu_session.log 2>&1 < /dev/null &)      # carry .cutlass, .ab_base
+#              > /tmp/gpu_session.log 2>&1 < /dev/null &)      # carry .cutlass (+ bases)
 #   later:   bash /tmp/repo/tools/gpu_session.sh wait 540     # prints stages.log and copies
 #                                                             # the logs to the call's $OUT
 #
-# Stages (STAGES, space-separated, in this order by default):
+# Stages (STAGES, space-separated; default "build suite ab kernels grouped
+# offload moe", run in this order):
 #   build     this tree (with the CUTLASS sm90 GEMMs when .cutlass/ holds the
-#             headers' tarball) and the A/B base (.ab_base) side by side, and the
-#             standalone kernel harnesses (tools/gpu_kernels.sh build)
-#   ab        tools/gpu_ab.sh bench (AB_CONFIGS: the MLP and layer rows per recipe)
-#   suite     pytest -m gpu (tools/gpu_check.sh test), beside model_memory.py's
-#             compile-only Llama tables (with and without --offload_optimizer)
+#             headers' tarball); then in the background, while the suite runs:
+#             the A/B bases (AB_BASES, as tools/gpu_ab.sh takes them), the
+#             standalone kernel harnesses, and the nvcc-free build (NVCC_FREE)
+#   suite     pytest -m gpu (tools/gpu_check.sh test, the serial files too),
+#             beside model_memory.py's compile-only Llama table with
+#             --offload_optimizer
+#   ab        tools/gpu_ab.sh bench against every base (AB_CONFIGS)
 #   model     bench_model.py --preset llama, batch 8, every recipe
 #   kernels   tools/gpu_kernels.sh blockwise grouped
-#   moe       bench_moe.py (layer rows; MOE_TIMEOUT seconds each)
-#   offload   bench_model.py with --set offload_optimizer=true
+#   grouped   benchmarks/bench_grouped.py (te_jax grouped GEMM vs ragged_dot)
+#   offload   bench_model.py with --set offload_optimizer=true (bf16, delayed)
+#   moe       bench_moe.py layer rows (MOE_RECIPES; MOE_TIMEOUT seconds each)
 #   jax012    the GPU suite on the jax wheels in $JAX_WHEELS (a venv over the
 #             image's packages, te_jax built against that jax's FFI headers)
+# NVCC_FREE: a tar.xz of the pip CUDA compiler packages (nvidia-cuda-nvcc,
+# -crt, nvvm, -cccl as installed site-packages); when set, the build stage
+# waits for it (it may arrive in pieces, with a later call), unpacks it into
+# the image's site-packages, and runs tools/nvcc_free.sh for a venv over the
+# image's packages (this tree's install stays untouched): the build with the
+# system toolkit hidden, then GPU tests (NVCC_FREE_TESTS) in that same view,
+# alongside the suite. The nvcc-free lines join stages.log when it ends.
 # Env: RUN_DIR (the logs; default /tmp/gpu_session: not the device call's $OUT,
-# which a later call empties), STAGES, AB_CONFIGS, MOE_TIMEOUT, JAX_WHEELS.
+# which a later call empties), STAGES, AB_BASES, AB_CONFIGS, MOE_TIMEOUT,
+# MOE_RECIPES, JAX_WHEELS, NVCC_FREE, NVCC_FREE_TESTS.
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RUN_DIR="${RUN_DIR:-/tmp/gpu_session}"; mkdir -p "$RUN_DIR"
@@ -43,7 +55,7 @@ OUT="$RUN_DIR"
 cd "$REPO" || exit 1
 export PYTHONUNBUFFERED=1
 st() { echo "$(date -u +%T) $*" >> "$LOG"; }
-want() { [[ " ${STAGES:-build ab suite model kernels moe offload jax012} " == *" $1 "* ]]; }
+want() { [[ " ${STAGES:-build suite ab kernels grouped offload moe} " == *" $1 "* ]]; }
 tarball=$(ls .cutlass/cutlass-*-include.tar.gz 2>/dev/null | head -1)
 if [[ -n "$tarball" ]]; then
   tar -xzf "$tarball" -C .cutlass
@@ -52,30 +64,49 @@ fi
 
 if want build; then
   st "build"
-  OUT=$OUT bash tools/gpu_ab.sh build > "$OUT/build_ab.log" 2>&1 &
-  b1=$!
-  [[ -n "$tarball" ]] && OUT=$OUT BUILD_ONLY=1 bash tools/gpu_kernels.sh build \
-    > "$OUT/build_kernels.log" 2>&1
-  wait $b1
-  grep -E "te_jax: (CUDA|sm90)|^build:" "$OUT/build.log" >> "$LOG"
-fi
-if want ab; then
-  st "ab"
-  OUT=$OUT timeout 600 bash tools/gpu_ab.sh bench > "$OUT/ab.log" 2>&1
-  grep -E "^\| (mlp|layer)/" "$OUT/ab.log" >> "$LOG"
+  OUT=$OUT bash tools/gpu_check.sh build > "$OUT/build.log" 2>&1
+  grep -E "te_jax: (CUDA|sm90)|^build:|native module" "$OUT/build.log" >> "$LOG"
+  # CPU work for later stages, in the background while the suite runs.
+  (OUT=$OUT AB_SKIP_NEW=1 bash tools/gpu_ab.sh build > "$OUT/build_ab.log" 2>&1) &
+  bases_built=$!
+  if [[ -n "$tarball" ]]; then
+    (OUT=$OUT BUILD_ONLY=1 bash tools/gpu_kernels.sh build > "$OUT/build_kernels.log" 2>&1) &
+    kernels_built=$!
+  fi
+  if [[ -n "${NVCC_FREE:-}" ]]; then
+    (until [[ -f "$NVCC_FREE" ]]; do sleep 5; done
+     site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+     tar -xJf "$NVCC_FREE" -C "$site"
+     python3 -m venv /tmp/vnf
+     echo "$site" > "$(/tmp/vnf/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_image.pth"
+     mkdir -p "$OUT/nvcc_free"
+     # shellcheck disable=SC2086  # the test list is a word list
+     env -u SKBUILD_CMAKE_DEFINE OUT="$OUT/nvcc_free" PYTHON=/tmp/vnf/bin/python NEED_GPU=1 \
+       timeout 900 bash tools/nvcc_free.sh env XLA_PYTHON_CLIENT_PREALLOCATE=false \
+       /tmp/vnf/bin/python -m pytest -q -m gpu -n 2 -p no:cacheprovider \
+       ${NVCC_FREE_TESTS:-$REPO/tests/test_cuda_ops.py $REPO/tests/test_gpu_dense.py $REPO/tests/test_gpu_flax.py} \
+       > "$OUT/nvcc_free.log" 2>&1
+     echo "$(date -u +%T) nvcc-free: exit $?; $(grep -E "build note|^build:|FAIL" "$OUT/nvcc_free.log" | tr '\n' ' ')" >> "$LOG"
+     tail -n 1 "$OUT/nvcc_free.log" >> "$LOG") &
+  fi
 fi
 if want suite; then
-  st "suite + model_memory"
+  st "suite + model_memory --offload_optimizer"
   (mkdir -p "$OUT/suite" && OUT=$OUT/suite timeout 600 bash tools/gpu_check.sh test \
      > "$OUT/suite.log" 2>&1) &
   s1=$!
-  (cd /tmp && timeout 420 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
-     --batches 4,8 --recipes none,delayed,current,blockwise --jobs 4 > "$OUT/memory.log" 2>&1
-   cd /tmp && timeout 240 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
+  (cd /tmp && timeout 300 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
      --batches 8 --recipes none,delayed,current,blockwise --jobs 4 --offload_optimizer \
      > "$OUT/memory_offload.log" 2>&1)
   wait $s1
   tail -qn 1 "$OUT"/suite/pytest_gpu*.log >> "$LOG"
+fi
+if want ab; then
+  st "ab"
+  wait "${bases_built:-}" 2>/dev/null
+  tail -n 1 "$OUT/build_ab.log" >> "$LOG"
+  OUT=$OUT timeout 600 bash tools/gpu_ab.sh bench > "$OUT/ab.log" 2>&1
+  grep -E "^new against|^\| (mlp|layer)/" "$OUT/ab.log" >> "$LOG"
 fi
 if want model; then
   st "model"
@@ -85,20 +116,26 @@ if want model; then
 fi
 if want kernels && [[ -n "$tarball" ]]; then
   st "kernels"
+  wait "${kernels_built:-}" 2>/dev/null
   OUT=$OUT timeout 200 bash tools/gpu_kernels.sh blockwise grouped > "$OUT/kernels.log" 2>&1
   grep -E "^checks:" "$OUT/kernels.log" >> "$LOG"
 fi
-if want moe; then
-  st "moe"
-  (cd /tmp && timeout 600 python3 "$REPO/benchmarks/bench_moe.py" --parts layer \
-     --timeout "${MOE_TIMEOUT:-180}" > "$OUT/moe.log" 2>&1)
-  grep -E "^layer " "$OUT/moe.log" >> "$LOG"
+if want grouped; then
+  st "grouped"
+  (cd /tmp && timeout 300 python3 "$REPO/benchmarks/bench_grouped.py" > "$OUT/grouped.log" 2>&1)
+  grep -E "^\| (fprop|dgrad|wgrad) " "$OUT/grouped.log" >> "$LOG"
 fi
 if want offload; then
   st "offload"
   (cd /tmp && timeout 400 python3 "$REPO/benchmarks/bench_model.py" --preset llama \
      --recipes none,delayed --set offload_optimizer=true --timeout 180 > "$OUT/offload.log" 2>&1)
   grep -E "^\| (none|delayed) " "$OUT/offload.log" >> "$LOG"
+fi
+if want moe; then
+  st "moe"
+  (cd /tmp && timeout 600 python3 "$REPO/benchmarks/bench_moe.py" --parts layer \
+     --recipes "${MOE_RECIPES:-none,delayed}" --timeout "${MOE_TIMEOUT:-150}" > "$OUT/moe.log" 2>&1)
+  grep -E "^layer " "$OUT/moe.log" >> "$LOG"
 fi
 if want jax012 && [[ -d "${JAX_WHEELS:-}" ]]; then
   st "jax012"
@@ -114,4 +151,5 @@ if want jax012 && [[ -d "${JAX_WHEELS:-}" ]]; then
     bash tools/gpu_check.sh test >> "$OUT/jax012.log" 2>&1
   tail -qn 1 "$OUT"/jax012/pytest_gpu*.log >> "$LOG"
 fi
+wait   # the nvcc-free run, when it is still going
 st "END"
