@@ -42,6 +42,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECIPES = ("none", "delayed", "current", "blockwise")
@@ -165,17 +166,21 @@ def run_layer(row: str, small: bool, k: int, repeats: int, profile_steps: int) -
     return jnp.sum(y.astype(jnp.float32) * g) + moe.aux_totals(st)["aux_loss"]
 
   swap = _ragged_dot_gemms() if row == "ragged_dot" else contextlib.nullcontext()
+  phase = _phases()
   with swap, te_jax.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
     variables = nn.meta.unbox(jax.jit(module.init)(jax.random.key(0), xs[0]))
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     compiled = step.lower(variables, xs[0]).compile()
+    phase("init + compile")
     times, variables, out = time_steps(step, variables, xs, k, repeats)
+    phase(f"{k * repeats} timed steps")
     live = {"v": variables}
 
     def profiled(n):
       live["v"], last = run_steps(step, live["v"], xs, n)
       return last
     kinds = kernel_time_by_part(profiled, profile_steps, hlo_parts(compiled.as_text()))
+    phase(f"{profile_steps} profiled steps + trace")
   stats = memory_stats(compiled)
   tokens = sz["batch"] * sz["seq"]
   ms = statistics.median(times)
@@ -296,6 +301,18 @@ def format_tables(results, args) -> str:
   return "\n".join(lines)
 
 
+def _phases():
+  """A function that prints, to stderr, each phase's name and its seconds
+  since the previous one: a row that runs out of time says where it was."""
+  last = [time.perf_counter()]
+
+  def phase(name):
+    now = time.perf_counter()
+    print(f"phase: {name} {now - last[0]:.1f} s", file=sys.stderr, flush=True)
+    last[0] = now
+  return phase
+
+
 def _one(part, row, args) -> dict:
   fn = run_layer if part == "layer" else run_model
   return fn(row, args.small, args.k, args.repeats, args.profile_steps)
@@ -305,8 +322,14 @@ def _child(part, row, args) -> dict:
   cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{part}:{row}", "--k",
          str(args.k), "--repeats", str(args.repeats), "--profile-steps",
          str(args.profile_steps)] + (["--small"] if args.small else [])
-  proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=HERE,
-                        check=False)
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=HERE,
+                          check=False)
+  except subprocess.TimeoutExpired as e:
+    err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
+    done = [l[len("phase: "):] for l in err.splitlines() if l.startswith("phase: ")]
+    raise RuntimeError(f"timed out after {args.timeout} s; phases done: "
+                       f"{'; '.join(done) or 'none (still building or compiling)'}") from None
   line = [l for l in proc.stdout.splitlines() if l.startswith("JSON ")]
   if not line:
     raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
