@@ -36,7 +36,10 @@ of the norm + quantize kernels; with ``te_off``, XLA's norm instead of te_jax's
 unquantized norm kernels); ``_fastacc`` turns on fast
 accumulation in all three GEMMs (TE-JAX's default, not ours); ``_noguard``
 sets ``DelayedScaling(outlier_factor=None)`` (no outlier guard, TE's rule);
-``_packed``
+``_keep`` keeps the fused norm and MLP layers' FP8 copies of their inputs and
+kernels for the backward instead of quantizing again there
+(``model_memory.keep_fp8_copies``: the residual plan before the memory work;
+on a te_jax that predates the choice, what it always did); ``_packed``
 feeds the TransformerLayer packed rows (``segment_ids``: documents of 700,
 500, 400, 300 and 148 tokens in a row-dependent order, the last row ending
 in 148 tokens of padding), which on GPU run in cuDNN's packed layout;
@@ -53,6 +56,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -77,6 +81,8 @@ LAYER_CONFIGS = ["layer/te_off", "layer/te_delayed", "layer/te_current", "layer/
                  "attn/core", "attn/module_off", "attn/te_delayed", "attn/te_current",
                  "attn/te_block"]
 CONFIGS = MLP_CONFIGS + LAYER_CONFIGS
+# Run on request only (--config/--configs), for A/Bs across the memory plan.
+KEEP_CONFIGS = [f"{g}/te_{r}_keep" for g in ("mlp", "layer") for r in ("delayed", "current", "block")]
 # Suffix of a configuration timed with its initial FP8 state every step, as
 # this script did before 2026-11-30 (see _fp8_carry.py): kept to show the gap.
 FROZEN = "_frozen"
@@ -121,6 +127,24 @@ def _packed_segment_ids(b, s):
   return jnp.asarray(np.stack(rows), jnp.int32)
 
 
+@contextlib.contextmanager
+def _keep_fp8_copies():
+  """``model_memory.keep_fp8_copies`` where the installed te_jax has the
+  choice (``fused_mlp.fp8_mlp`` takes ``save_original_input``); an older
+  te_jax always keeps its FP8 copies, so nothing to change there."""
+  import inspect  # pylint: disable=import-outside-toplevel
+  from te_jax import fused_mlp  # pylint: disable=import-outside-toplevel
+  if "save_original_input" not in inspect.signature(fused_mlp.fp8_mlp).parameters:
+    yield
+    return
+  if __package__:
+    from .model_memory import keep_fp8_copies  # pylint: disable=import-outside-toplevel
+  else:
+    from model_memory import keep_fp8_copies  # pylint: disable=import-error,import-outside-toplevel
+  with keep_fp8_copies(True):
+    yield
+
+
 def _build(config, sz):
   """Returns (apply(variables, x) -> y, variables, xs, flops, label)."""
   import jax
@@ -156,6 +180,9 @@ def _build(config, sz):
     if kind.endswith(suffix):
       packed, kind = impl, kind[:-len(suffix)]
       break
+  keep = kind.endswith("_keep")   # the FP8 copies kept for the backward
+  if keep:
+    kind = kind[:-len("_keep")]
   guard = not kind.endswith("_noguard")   # DelayedScaling's outlier guard (default on)
   if not guard:
     kind = kind[:-len("_noguard")]
@@ -198,9 +225,10 @@ def _build(config, sz):
       variables = nn.unbox(jax.jit(module.init)(jax.random.key(0), xs[0]))
 
     kwargs = {"segment_ids": _packed_segment_ids(b, s)} if packed else {}
+    kept = _keep_fp8_copies if keep else contextlib.nullcontext
 
     def apply(variables, x, module=module, r=r):
-      with te_jax.fp8_autocast(enabled=r is not None, fp8_recipe=r):
+      with kept(), te_jax.fp8_autocast(enabled=r is not None, fp8_recipe=r):
         return module.apply(variables, x, **kwargs)
     return apply, variables, xs, flops, label
 
@@ -435,8 +463,8 @@ def main(argv=None):
   args = p.parse_args(argv)
 
   if args.config:
-    if args.config.removesuffix(FROZEN) not in CONFIGS:
-      p.error(f"unknown config {args.config}; known: {CONFIGS}")
+    if args.config.removesuffix(FROZEN) not in CONFIGS + KEEP_CONFIGS:
+      p.error(f"unknown config {args.config}; known: {CONFIGS + KEEP_CONFIGS}")
     print("JSON " + json.dumps(run_one(args.config, args.small, args.k, args.repeats,
                                        args.profile, args.profile_steps)), flush=True)
     return 0
