@@ -1,10 +1,12 @@
 """Shared pytest setup: the ``gpu`` marker skips where no CUDA path exists; one
-XLA compilation cache for the run; XLA:CPU's code optimizations off; one line
-at the end that counts the skipped tests by reason."""
+XLA compilation cache for the run; XLA:CPU set to compile fast; one line at
+the end that counts the skipped tests by reason; the long files first."""
 
 import collections
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -12,8 +14,7 @@ import pytest
 # Many tests compile the same programs (the same ops and shapes under several
 # parametrizations and modules, the three training runs of the resume test,
 # the subprocesses of the example tests). XLA's persistent compilation cache
-# serves the repeats, small programs included (min compile time 0): on a
-# 2-core CPU test_dense.py + test_nnx.py take 133 s instead of 167 s. The key
+# serves the repeats, small programs included (min compile time 0). The key
 # is the program, the compile options, the devices and the jax/jaxlib
 # versions, so a hit is the same executable. The directory is made for the
 # run and removed after it; the xdist workers and the tests' subprocesses
@@ -26,12 +27,24 @@ _CACHE_SETTINGS = {"JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
 _made_cache_dir = None   # the directory this process made, removed at the end
 
 
-# XLA:CPU spends most of a test's time compiling; LLVM's optimizations of
-# the code it generates take a fifth of the suite's time on 2 cores and buy
-# nothing for programs this small. Off for the run (the subprocesses inherit
-# it) unless a GPU plugin is installed (it would slow the kernels XLA writes
-# for the GPU) or TE_JAX_TEST_XLA_OPT=1.
+# XLA:CPU spends most of a test's time compiling, and these programs are
+# small: fast compilation matters, fast code does not. For the run (the xdist
+# workers and the tests' subprocesses inherit XLA_FLAGS), unless a GPU plugin
+# is installed (the flags would slow the kernels XLA writes for the GPU),
+# TE_JAX_TEST_XLA_OPT=1, or the caller's XLA_FLAGS set an optimization level:
+# - LLVM's optimizations of the generated code off;
+# - the LLVM IR fusion emitters instead of the MLIR ones that jaxlib 0.10
+#   uses by default, which take much longer to compile a program; both
+#   emit the same HLO fusions, and a test compares programs compiled the
+#   same way;
+# - code generation in one piece (splitting it buys nothing on 2 cores).
+# Newer XLA knows neither of the last two (its MLIR emitters are its only
+# ones, and compile fast) and aborts a process whose XLA_FLAGS name an
+# unknown flag: each is tried in a short subprocess first.
 _FAST_COMPILE_FLAG = "--xla_backend_optimization_level=0"
+_FAST_COMPILE_IF_KNOWN = ("--xla_cpu_use_fusion_emitters=false",
+                          "--xla_cpu_parallel_codegen_split_count=1")
+_unknown_flags = []   # the flags of _FAST_COMPILE_IF_KNOWN this jaxlib's XLA refused
 
 
 def _gpu_plugin_installed() -> bool:
@@ -47,12 +60,32 @@ def _gpu_plugin_installed() -> bool:
              for m in pkgutil.iter_modules(spec.submodule_search_locations))
 
 
+def _xla_accepts(flags) -> list:
+  """Which of ``flags`` XLA accepts in XLA_FLAGS: one process per flag (in
+  parallel) makes the CPU client with that flag alone."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  procs = [(flag, subprocess.Popen([sys.executable, "-c", "import jax; jax.devices()"],
+                                   env=dict(env, XLA_FLAGS=flag), stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)) for flag in flags]
+  accepted = []
+  for flag, proc in procs:
+    try:
+      if proc.wait(timeout=120) == 0:
+        accepted.append(flag)
+    except subprocess.TimeoutExpired:
+      proc.kill()
+      proc.wait()
+  return accepted
+
+
 def _compile_fast() -> None:
   flags = os.environ.get("XLA_FLAGS", "")
   if (os.environ.get("TE_JAX_TEST_XLA_OPT", "0") == "1" or "xla_backend_optimization_level"
       in flags or _gpu_plugin_installed()):
     return
-  os.environ["XLA_FLAGS"] = f"{flags} {_FAST_COMPILE_FLAG}".strip()
+  known = _xla_accepts(_FAST_COMPILE_IF_KNOWN)
+  _unknown_flags.extend(f for f in _FAST_COMPILE_IF_KNOWN if f not in known)
+  os.environ["XLA_FLAGS"] = " ".join([flags, _FAST_COMPILE_FLAG, *known]).strip()
 
 
 def pytest_configure(config):
@@ -85,8 +118,12 @@ def pytest_unconfigure(config):
 def pytest_report_header(config):
   del config
   cache = os.environ.get("JAX_COMPILATION_CACHE_DIR")
-  return (f"XLA compilation cache: {cache} ({_CACHE_ENV}=0 turns it off)" if cache
-          else "XLA compilation cache: off")
+  lines = [f"XLA compilation cache: {cache} ({_CACHE_ENV}=0 turns it off)" if cache
+           else "XLA compilation cache: off",
+           f"XLA_FLAGS: {os.environ.get('XLA_FLAGS', '')!r}"]
+  if _unknown_flags:
+    lines.append(f"not known to this XLA, not used: {' '.join(_unknown_flags)}")
+  return lines
 
 
 GPU_SKIP_REASON = "need an NVIDIA GPU and the te_jax CUDA custom calls (gpu marker)"

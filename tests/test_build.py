@@ -9,7 +9,7 @@ The CUDA toolkit of the pip packages is test_build_pip_toolkit.py's (its
 _configure also runs the whole configure here). CUTLASS for the sm90 GEMMs:
 cmake/TeJaxCutlass.cmake and the configure with and without it. Last, the
 test command's one-line skip summary (tests/conftest.py), with and without
-pytest-xdist.
+pytest-xdist; its compile-fast XLA flags, and those of the tests' subprocesses.
 """
 
 import ast
@@ -521,3 +521,24 @@ def test_skip_summary_line(tmp_path, workers):
           f"6 skipped: 3 needs thing A; 2 {conftest.GPU_SKIP_REASON}; 1 needs thing B")
   assert want in lines, out
   assert lines.index(want) == len(lines) - 2, "not the line before pytest's closing line"
+
+
+def test_compile_fast_flags_are_those_xla_accepts():
+  """conftest.py puts a compile-fast flag in XLA_FLAGS only where this XLA
+  accepts it: an unknown one would abort every process of the run."""
+  import conftest  # pylint: disable=import-outside-toplevel  # tests/ is on sys.path
+  real, unknown = "--xla_backend_optimization_level=0", "--xla_te_jax_no_such_flag=1"
+  assert conftest._xla_accepts([unknown, real]) == [real]   # pylint: disable=protected-access
+
+
+def test_subprocess_xla_flags_keep_the_runs_flags_and_set_the_device_count(monkeypatch):
+  from subprocess_flags import subprocess_xla_flags  # pylint: disable=import-outside-toplevel
+  monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_a=1 --xla_force_host_platform_device_count=2")
+  assert subprocess_xla_flags(8).split() == [
+      "--xla_cpu_a=1", "--xla_backend_optimization_level=0",
+      "--xla_force_host_platform_device_count=8"]
+  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=2")   # the caller's level
+  assert subprocess_xla_flags() == "--xla_backend_optimization_level=2"
+  monkeypatch.delenv("XLA_FLAGS")
+  assert subprocess_xla_flags(4).split() == [
+      "--xla_backend_optimization_level=0", "--xla_force_host_platform_device_count=4"]

@@ -24,6 +24,8 @@ import te_jax
 from te_jax import checkpoint, fp8_state, recipe
 from te_jax import flax as tfx
 
+from subprocess_flags import subprocess_xla_flags
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 NDEV = len(jax.devices())
@@ -218,8 +220,7 @@ def test_sharded_restore_into_abstract_target(tmp_path, backend):
 def test_eight_device_subprocess():
   """Runs this file's sharded tests on 8 fake CPU devices."""
   env = dict(os.environ)
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                      " --xla_force_host_platform_device_count=8").strip()
+  env["XLA_FLAGS"] = subprocess_xla_flags(devices=8)
   env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
   env.setdefault("JAX_PLATFORMS", "cpu")
   cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

@@ -13,6 +13,8 @@ import sys
 import jax
 import pytest
 
+from subprocess_flags import subprocess_xla_flags
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 _MESH_FILE = os.path.join(_HERE, "test_moe_layer_mesh.py")
@@ -20,9 +22,7 @@ _MESH_FILE = os.path.join(_HERE, "test_moe_layer_mesh.py")
 
 def _env():
   env = dict(os.environ)
-  # Backend optimization off, as test_sharding.py: small programs compiled once.
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                      " --xla_backend_optimization_level=0").strip()
+  env["XLA_FLAGS"] = subprocess_xla_flags(devices=8)   # small programs compiled once
   env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, _HERE, env.get("PYTHONPATH")) if p)
   env.setdefault("JAX_PLATFORMS", "cpu")
   return env

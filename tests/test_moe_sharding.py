@@ -14,6 +14,8 @@ import sys
 import jax
 import pytest
 
+from subprocess_flags import subprocess_xla_flags
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 
@@ -23,9 +25,7 @@ _ROOT = os.path.dirname(_HERE)
 def test_moe_eight_device_suite():
   """Sharded MoE == one device on EP=8, EP=4 x TP=2 with SP, FSDP=2 x EP=4."""
   env = dict(os.environ)
-  # Backend optimization off, as test_sharding.py: tiny programs compiled once.
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                      " --xla_backend_optimization_level=0").strip()
+  env["XLA_FLAGS"] = subprocess_xla_flags(devices=8)   # tiny programs compiled once
   env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
   env.setdefault("JAX_PLATFORMS", "cpu")
   cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

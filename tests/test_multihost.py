@@ -38,6 +38,8 @@ import sys
 import numpy as np
 import pytest
 
+from subprocess_flags import subprocess_xla_flags
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Runs train_gpt.main in a fresh process and prints its result as one JSON
@@ -73,9 +75,8 @@ def _start(args, devices: int, cache_dir: str) -> subprocess.Popen:
   env["PYTHONPATH"] = os.pathsep.join(
       p for p in (ROOT, os.path.join(ROOT, "examples"), env.get("PYTHONPATH")) if p)
   env["JAX_PLATFORMS"] = "cpu"
-  # Backend optimization off: compiling, not running, is the cost here.
-  env["XLA_FLAGS"] = (f"--xla_force_host_platform_device_count={devices} "
-                      "--xla_backend_optimization_level=0")
+  # Compiled to compile fast: compiling, not running, is the cost here.
+  env["XLA_FLAGS"] = subprocess_xla_flags(devices)
   return subprocess.Popen([sys.executable, "-c", _DRIVER] + COMMON + args, env=env,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

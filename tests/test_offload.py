@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from te_jax import offload
 
 import train_gpt  # pylint: disable=import-error  (examples/ is on pytest's path)
+from subprocess_flags import subprocess_xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytestmark = pytest.mark.skipif(offload.host_memory_kind() is None,
@@ -114,8 +115,7 @@ print("JSON " + json.dumps(out))
 
 def test_train_gpt_offload_under_fsdp_on_8_devices():
   env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8 "
-                       "--xla_backend_optimization_level=0",   # compiling is the cost
+             XLA_FLAGS=subprocess_xla_flags(devices=8),   # compiling is the cost
              PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "examples")]))
   proc = subprocess.run([sys.executable, "-c", _FSDP_SCRIPT], env=env, capture_output=True,
                         text=True, timeout=900, check=False)

@@ -22,6 +22,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from te_jax import sharding
 
+from subprocess_flags import subprocess_xla_flags
+
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _ROOT = os.path.dirname(_HERE)
 
@@ -147,13 +149,10 @@ EIGHT_DEVICE_FILES = ("test_sharding_mesh.py", "test_explicit_sharding.py",
 
 def _run_groups(groups, timeout=900):
   env = dict(os.environ)
-  # Backend optimization off, as in test_multihost.py: these programs are
-  # compiled once and run on tiny shapes, so LLVM's optimization passes were
-  # most of the cost (the file alone: 220 s -> 104 s on a CPU). Each test
-  # compares a sharded program with the single-device one, both compiled
-  # with the same flags.
-  env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                      " --xla_backend_optimization_level=0").strip()
+  # Compiled to compile fast (tests/subprocess_flags.py): each test compares
+  # a sharded program with the single-device one, both compiled with the
+  # same flags.
+  env["XLA_FLAGS"] = subprocess_xla_flags(devices=8)
   env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
   env.setdefault("JAX_PLATFORMS", "cpu")
   procs = []
