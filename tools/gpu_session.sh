@@ -9,16 +9,17 @@
 #   later:   bash /tmp/repo/tools/gpu_session.sh wait 540     # prints stages.log and copies
 #                                                             # the logs to the call's $OUT
 #
-# Stages (STAGES, space-separated; default "build suite ab kernels grouped
+# Stages (STAGES, space-separated; default "build ab suite kernels grouped
 # offload moe", run in this order):
 #   build     this tree (with the CUTLASS sm90 GEMMs when .cutlass/ holds the
-#             headers' tarball); then in the background, while the suite runs:
-#             the A/B bases (AB_BASES, as tools/gpu_ab.sh takes them), the
-#             standalone kernel harnesses, and the nvcc-free build (NVCC_FREE)
+#             headers' tarball) beside the A/B bases (AB_BASES, as
+#             tools/gpu_ab.sh takes them); then in the background: the
+#             standalone kernel harnesses and the nvcc-free build (NVCC_FREE)
+#   ab        tools/gpu_ab.sh bench against every base (AB_CONFIGS), on an
+#             otherwise idle GPU
 #   suite     pytest -m gpu (tools/gpu_check.sh test, the serial files too),
 #             beside model_memory.py's compile-only Llama table with
 #             --offload_optimizer
-#   ab        tools/gpu_ab.sh bench against every base (AB_CONFIGS)
 #   model     bench_model.py --preset llama, batch 8, every recipe
 #   kernels   tools/gpu_kernels.sh blockwise grouped
 #   grouped   benchmarks/bench_grouped.py (te_jax grouped GEMM vs ragged_dot)
@@ -55,7 +56,7 @@ OUT="$RUN_DIR"
 cd "$REPO" || exit 1
 export PYTHONUNBUFFERED=1
 st() { echo "$(date -u +%T) $*" >> "$LOG"; }
-want() { [[ " ${STAGES:-build suite ab kernels grouped offload moe} " == *" $1 "* ]]; }
+want() { [[ " ${STAGES:-build ab suite kernels grouped offload moe} " == *" $1 "* ]]; }
 tarball=$(ls .cutlass/cutlass-*-include.tar.gz 2>/dev/null | head -1)
 if [[ -n "$tarball" ]]; then
   tar -xzf "$tarball" -C .cutlass
@@ -64,17 +65,19 @@ fi
 
 if want build; then
   st "build"
-  OUT=$OUT bash tools/gpu_check.sh build > "$OUT/build.log" 2>&1
-  grep -E "te_jax: (CUDA|sm90)|^build:|native module" "$OUT/build.log" >> "$LOG"
-  # CPU work for later stages, in the background while the suite runs.
+  # The A/B bases build beside this tree; the harnesses and the nvcc-free
+  # build after it, in the background while the GPU stages run.
   (OUT=$OUT AB_SKIP_NEW=1 bash tools/gpu_ab.sh build > "$OUT/build_ab.log" 2>&1) &
   bases_built=$!
-  if [[ -n "$tarball" ]]; then
+  OUT=$OUT bash tools/gpu_check.sh build > "$OUT/build.log" 2>&1
+  grep -E "te_jax: (CUDA|sm90)|^build:|native module" "$OUT/build.log" >> "$LOG"
+  if [[ -n "$tarball" ]] && want kernels; then
     (OUT=$OUT BUILD_ONLY=1 bash tools/gpu_kernels.sh build > "$OUT/build_kernels.log" 2>&1) &
     kernels_built=$!
   fi
   if [[ -n "${NVCC_FREE:-}" ]]; then
-    (until [[ -f "$NVCC_FREE" ]]; do sleep 5; done
+    # After the A/B: its timings run on an otherwise idle machine.
+    (until [[ -f "$NVCC_FREE" && -f "$OUT/.ab_done" ]]; do sleep 5; done
      site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
      tar -xJf "$NVCC_FREE" -C "$site"
      python3 -m venv /tmp/vnf
@@ -90,6 +93,14 @@ if want build; then
      tail -n 1 "$OUT/nvcc_free.log" >> "$LOG") &
   fi
 fi
+if want ab; then
+  st "ab"
+  wait "${bases_built:-}" 2>/dev/null
+  tail -n 1 "$OUT/build_ab.log" >> "$LOG"
+  OUT=$OUT timeout 600 bash tools/gpu_ab.sh bench > "$OUT/ab.log" 2>&1
+  grep -E "^new against|^\| (mlp|layer)/" "$OUT/ab.log" >> "$LOG"
+fi
+touch "$OUT/.ab_done"
 if want suite; then
   st "suite + model_memory --offload_optimizer"
   (mkdir -p "$OUT/suite" && OUT=$OUT/suite timeout 600 bash tools/gpu_check.sh test \
@@ -100,13 +111,6 @@ if want suite; then
      > "$OUT/memory_offload.log" 2>&1)
   wait $s1
   tail -qn 1 "$OUT"/suite/pytest_gpu*.log >> "$LOG"
-fi
-if want ab; then
-  st "ab"
-  wait "${bases_built:-}" 2>/dev/null
-  tail -n 1 "$OUT/build_ab.log" >> "$LOG"
-  OUT=$OUT timeout 600 bash tools/gpu_ab.sh bench > "$OUT/ab.log" 2>&1
-  grep -E "^new against|^\| (mlp|layer)/" "$OUT/ab.log" >> "$LOG"
 fi
 if want model; then
   st "model"
