@@ -25,18 +25,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from te_jax.ops import grouped_gemm as gg
+from te_jax.ops import quantize as q
 
-from benchmarks.bench_ops import bench  # noqa: E402  (median seconds per call)
-from te_jax.ops import grouped_gemm as gg  # noqa: E402
-from te_jax.ops import quantize as q  # noqa: E402
+# Run by path, this folder is sys.path[0]; the repository root is not put on
+# the path, so te_jax is the installed one (with its CUDA module), not the
+# source tree beside it.
+if __package__:
+  from .bench_ops import bench   # median seconds per call
+else:
+  from bench_ops import bench  # pylint: disable=import-error
 
 E4M3, E5M2, BF16, F32 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16, jnp.float32
 SIZES = {"full": dict(groups=16, rows=1024, k=4096, n=2048),
@@ -102,12 +106,15 @@ def bf16_calls(x, w, dy):
   """(pass -> (fn, args)) for bf16 ``jax.lax.ragged_dot``."""
   xb, wb, dyb = x.astype(BF16), w.astype(BF16), dy.astype(BF16)
 
-  def wgrad(a, d, s):
-    return jax.vjp(lambda v: jax.lax.ragged_dot(a, v, s), wb)[1](d)[0]
+  def wgrad(a, d, w_, s):
+    # w_ only gives the primal its shape (the product is linear in it; the
+    # unused forward is dropped under jit). An argument, not a closure: a
+    # closed-over array would be compiled into the program as a constant.
+    return jax.vjp(lambda v: jax.lax.ragged_dot(a, v, s), w_)[1](d)[0]
 
   return {"fprop": (lambda a, b, s: jax.lax.ragged_dot(a, b, s), (xb, wb)),
           "dgrad": (lambda a, b, s: jax.lax.ragged_dot(a, b, s), (dyb, jnp.swapaxes(wb, 1, 2))),
-          "wgrad": (wgrad, (xb, dyb))}
+          "wgrad": (wgrad, (xb, dyb, wb))}
 
 
 def rel_error(out, ref) -> float:
