@@ -1,5 +1,6 @@
 """Benchmark helpers that decide what a timing measures."""
 
+import functools
 import json
 
 import flax.linen as nn
@@ -406,3 +407,25 @@ def test_peers_rounds_alternate_the_row_order_and_report_medians(tmp_path, capsy
     assert r["ms_rounds"] == samples and r["ms"] == sorted(samples)[1], label
   with pytest.raises(SystemExit):
     bench_peers.main(["--small", "--rounds", "0"])
+
+
+def test_layer_keep_config_keeps_the_fp8_copies(monkeypatch):
+  from te_jax import fused_mlp   # pylint: disable=import-outside-toplevel
+  seen = []
+  real = fused_mlp.fp8_mlp
+
+  @functools.wraps(real)   # its signature: bench_layer asks whether the choice exists
+  def recording(*args, **kwargs):
+    seen.append(kwargs.get("save_original_input", "default"))
+    return real(*args, **kwargs)
+  monkeypatch.setattr(fused_mlp, "fp8_mlp", recording)
+  sz = bench_layer.sizes(True)
+  called = {}
+  for config in ("mlp/te_delayed", "mlp/te_delayed_keep"):
+    apply, variables, xs = bench_layer._build(config, sz)[:3]  # pylint: disable=protected-access
+    seen.clear()
+    jax.eval_shape(apply, variables, xs[0])
+    called[config] = list(seen)
+  # The default plan, then the copies kept; the module's function put back.
+  assert called == {"mlp/te_delayed": ["default"], "mlp/te_delayed_keep": [False]}
+  assert fused_mlp.fp8_mlp is recording
