@@ -6,8 +6,8 @@
 #
 #   call 1:  cp -a . /tmp/repo && (setsid bash /tmp/repo/tools/gpu_session.sh \
 #              > /tmp/gpu_session.log 2>&1 < /dev/null &)      # carry .cutlass (+ bases)
-#   later:   bash /tmp/repo/tools/gpu_session.sh wait 540     # prints stages.log and copies
-#                                                             # the logs to the call's $OUT
+#   later:   bash /tmp/repo/tools/gpu_session.sh wait 540     # prints stages.log; the logs
+#                                                             # come back as $OUT/logs.tgz
 #
 # Stages (STAGES, space-separated; default "build ab suite kernels grouped
 # offload moe", run in this order):
@@ -47,7 +47,9 @@ if [[ "${1:-}" == wait ]]; then       # a foreground call: wait, report, hand ba
   while (( $(date +%s) < deadline )) && ! grep -q " END$" "$LOG" 2>/dev/null; do sleep 5; done
   cat "$LOG"
   if [[ -n "${OUT:-}" ]]; then        # the device call's folder: the files come back
-    (cd "$RUN_DIR" && find . -name '*.log' -size -4M -exec cp --parents {} "$OUT/" \;)
+    # One archive: a call hands back only a few files.
+    cp "$LOG" "$OUT/" 2>/dev/null
+    (cd "$RUN_DIR" && find . -name '*.log' -size -4M -print0 | tar -czf "$OUT/logs.tgz" --null -T -)
   fi
   exit 0
 fi
