@@ -8,9 +8,10 @@ group holds half the rows):
 * dgrad  ``dy (m, n) @ w[e].T (n, k)``     -- te_jax.ops.grouped_gemm
 * wgrad  ``x[rows_e].T @ dy[rows_e]``      -- te_jax.ops.grouped_wgrad
 
-te_jax runs on operands quantized beforehand (per tensor E4M3, E5M2 for the
-gradient; and blockwise: 1x128 activations, 128x128 weights, 1x128 along
-the rows for wgrad), so the rows time the GEMM alone; ``ragged_dot`` runs in
+te_jax runs on operands quantized beforehand, in each recipe's default
+formats (per tensor: E4M3, E5M2 for the gradient, as delayed and current
+scaling's HYBRID; blockwise: all E4M3, 1x128 activations, 128x128 weights,
+1x128 along the rows for wgrad), so the rows time the GEMM alone; ``ragged_dot`` runs in
 bf16 (wgrad: its VJP with respect to the weights, what a bf16 MoE layer
 runs). Each te_jax row also reports its largest error against the pure-JAX
 reference on the same FP8 operands, relative to the reference's largest
@@ -91,7 +92,8 @@ def fp8_calls(x, w, dy, per_tensor: bool, fast: bool, impl: str):
   act = (lambda v, d: _per_tensor(v, d)) if per_tensor else (lambda v, d: _blockwise(v, (1, 128), d))
   kw = dict(fast_accum=fast, impl=impl)
   wq, wtq = _grouped(w, per_tensor, E4M3), _grouped(jnp.swapaxes(w, 1, 2), per_tensor, E4M3)
-  xq, dyq, xtq, dytq = act(x, E4M3), act(dy, E5M2), act(x.T, E4M3), act(dy.T, E5M2)
+  g8 = E5M2 if per_tensor else E4M3   # the gradient's format: each recipe's default
+  xq, dyq, xtq, dytq = act(x, E4M3), act(dy, g8), act(x.T, E4M3), act(dy.T, g8)
   return {
       "fprop": (lambda a, b, s: gg.grouped_gemm(a, b, s, **kw), (xq, wq),
                 lambda a, b, s: gg.grouped_gemm_reference(a, b, s)),
