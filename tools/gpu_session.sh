@@ -58,6 +58,14 @@ OUT="$RUN_DIR"
 cd "$REPO" || exit 1
 export PYTHONUNBUFFERED=1
 st() { echo "$(date -u +%T) $*" >> "$LOG"; }
+purelib() { "$1" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"; }
+# venv_over_image DIR: a venv that also sees the image's packages. The
+# image's python is itself a venv: a --system-site-packages venv would see
+# the base interpreter's packages, not the image's; a .pth puts the image's
+# site-packages after the venv's own (what is installed there comes first).
+venv_over_image() {
+  python3 -m venv "$1" && purelib python3 > "$(purelib "$1/bin/python")/zz_image.pth"
+}
 want() { [[ " ${STAGES:-build ab suite kernels grouped offload moe} " == *" $1 "* ]]; }
 tarball=$(ls .cutlass/cutlass-*-include.tar.gz 2>/dev/null | head -1)
 if [[ -n "$tarball" ]]; then
@@ -80,10 +88,8 @@ if want build; then
   if [[ -n "${NVCC_FREE:-}" ]]; then
     # After the A/B: its timings run on an otherwise idle machine.
     (until [[ -f "$NVCC_FREE" && -f "$OUT/.ab_done" ]]; do sleep 5; done
-     site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-     tar -xJf "$NVCC_FREE" -C "$site"
-     python3 -m venv /tmp/vnf
-     echo "$site" > "$(/tmp/vnf/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_image.pth"
+     tar -xJf "$NVCC_FREE" -C "$(purelib python3)"
+     venv_over_image /tmp/vnf
      mkdir -p "$OUT/nvcc_free"
      # shellcheck disable=SC2086  # the test list is a word list
      env -u SKBUILD_CMAKE_DEFINE OUT="$OUT/nvcc_free" PYTHON=/tmp/vnf/bin/python NEED_GPU=1 \
@@ -145,13 +151,8 @@ if want moe; then
 fi
 if want jax012 && [[ -d "${JAX_WHEELS:-}" ]]; then
   st "jax012"
-  # The image's python is itself a venv: a --system-site-packages venv would
-  # see the base interpreter's packages, not the image's; a .pth puts the
-  # image's site-packages after the new jax.
-  site=$(python3 -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-  python3 -m venv /tmp/vjax && /tmp/vjax/bin/python -m pip install -q --no-index --no-deps \
+  venv_over_image /tmp/vjax && /tmp/vjax/bin/python -m pip install -q --no-index --no-deps \
     "$JAX_WHEELS"/*.whl > "$OUT/jax012.log" 2>&1
-  echo "$site" > "$(/tmp/vjax/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/zz_image.pth"
   /tmp/vjax/bin/python -m pip install --no-build-isolation --no-deps -v . >> "$OUT/jax012.log" 2>&1
   mkdir -p "$OUT/jax012" && PATH=/tmp/vjax/bin:$PATH OUT=$OUT/jax012 timeout 560 \
     bash tools/gpu_check.sh test >> "$OUT/jax012.log" 2>&1
