@@ -77,8 +77,10 @@ if want build; then
   st "build"
   # The A/B bases build beside this tree; the harnesses and the nvcc-free
   # build after it, in the background while the GPU stages run.
-  (OUT=$OUT AB_SKIP_NEW=1 bash tools/gpu_ab.sh build > "$OUT/build_ab.log" 2>&1) &
-  bases_built=$!
+  if want ab; then
+    (OUT=$OUT AB_SKIP_NEW=1 bash tools/gpu_ab.sh build > "$OUT/build_ab.log" 2>&1) &
+    bases_built=$!
+  fi
   OUT=$OUT bash tools/gpu_check.sh build > "$OUT/build.log" 2>&1
   grep -E "te_jax: (CUDA|sm90)|^build:|native module" "$OUT/build.log" >> "$LOG"
   if [[ -n "$tarball" ]] && want kernels; then
