@@ -38,7 +38,7 @@ accumulation in all three GEMMs (TE-JAX's default, not ours); ``_noguard``
 sets ``DelayedScaling(outlier_factor=None)`` (no outlier guard, TE's rule);
 ``_keep`` keeps the fused norm and MLP layers' FP8 copies of their inputs and
 kernels for the backward instead of quantizing again there
-(``model_memory.keep_fp8_copies``: the residual plan before the memory work;
+(the autocast's ``keep_fp8_copies=True``: the residual plan before the memory work;
 on a te_jax that predates the choice, what it always did); ``_packed``
 feeds the TransformerLayer packed rows (``segment_ids``: documents of 700,
 500, 400, 300 and 148 tokens in a row-dependent order, the last row ending
@@ -127,22 +127,13 @@ def _packed_segment_ids(b, s):
   return jnp.asarray(np.stack(rows), jnp.int32)
 
 
-@contextlib.contextmanager
 def _keep_fp8_copies():
-  """``model_memory.keep_fp8_copies`` where the installed te_jax has the
-  choice (``fused_mlp.fp8_mlp`` takes ``save_original_input``); an older
-  te_jax always keeps its FP8 copies, so nothing to change there."""
-  import inspect  # pylint: disable=import-outside-toplevel
-  from te_jax import fused_mlp  # pylint: disable=import-outside-toplevel
-  if "save_original_input" not in inspect.signature(fused_mlp.fp8_mlp).parameters:
-    yield
-    return
+  """``model_memory.keep_fp8_copies`` (inside the autocast)."""
   if __package__:
     from .model_memory import keep_fp8_copies  # pylint: disable=import-outside-toplevel
   else:
     from model_memory import keep_fp8_copies  # pylint: disable=import-error,import-outside-toplevel
-  with keep_fp8_copies(True):
-    yield
+  return keep_fp8_copies(True)
 
 
 def _build(config, sz):
@@ -228,7 +219,7 @@ def _build(config, sz):
     kept = _keep_fp8_copies if keep else contextlib.nullcontext
 
     def apply(variables, x, module=module, r=r):
-      with kept(), te_jax.fp8_autocast(enabled=r is not None, fp8_recipe=r):
+      with te_jax.fp8_autocast(enabled=r is not None, fp8_recipe=r), kept():
         return module.apply(variables, x, **kwargs)
     return apply, variables, xs, flops, label
 

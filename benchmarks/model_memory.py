@@ -57,15 +57,28 @@ KEEP = "+keep"
 
 @contextlib.contextmanager
 def keep_fp8_copies(enabled: bool = True):
-  """Within: ``te_jax.fused_mlp.fp8_mlp`` and ``te_jax.norm_dense.fp8_norm_dense``
-  keep the FP8 copies of their inputs and kernels for the backward
-  (``save_original_input`` / ``save_original_kernel`` = False), the layers'
-  behaviour before they quantized again in the backward (the modules look
-  both up at call time). Nothing changes with ``enabled`` False."""
-  from te_jax import fused_mlp, norm_dense  # pylint: disable=import-outside-toplevel
+  """Within (inside an ``fp8_autocast``): the fused norm and MLP blocks keep
+  the FP8 copies of their inputs and kernels for the backward, the residual
+  plan before they quantized again there. That is the autocast's
+  ``keep_fp8_copies=True``; a te_jax from before that option gets the same by
+  ``save_original_input`` / ``save_original_kernel`` = False on its two fused
+  functions (the modules look both up at call time), and an older one always
+  keeps its copies. Nothing changes with ``enabled`` False."""
+  import inspect  # pylint: disable=import-outside-toplevel
+  import te_jax  # pylint: disable=import-outside-toplevel
+  from te_jax import autocast, fused_mlp, norm_dense  # pylint: disable=import-outside-toplevel
+  if not enabled:
+    yield
+    return
+  if "keep_fp8_copies" in inspect.signature(te_jax.fp8_autocast).parameters:
+    ctx = autocast.get_fp8_context()
+    with te_jax.fp8_autocast(enabled=ctx.enabled, fp8_recipe=ctx.recipe,
+                             mesh_resource=ctx.mesh_resource, keep_fp8_copies=True):
+      yield
+    return
   saved = [(m, n, getattr(m, n)) for m, n in ((fused_mlp, "fp8_mlp"),
                                               (norm_dense, "fp8_norm_dense"))]
-  if enabled:
+  if "save_original_input" in inspect.signature(saved[0][2]).parameters:
     for module, name, fn in saved:
       setattr(module, name, functools.partial(fn, save_original_input=False,
                                               save_original_kernel=False))

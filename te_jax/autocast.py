@@ -38,12 +38,15 @@ class FP8Context:
     enabled: whether GEMMs run in FP8.
     recipe: the active recipe (``DelayedScaling()`` when none was given).
     mesh_resource: a ``te_jax.sharding.MeshResource`` or None.
+    keep_fp8_copies: whether the fused norm and MLP blocks keep the FP8
+      copies their backward GEMMs read (see ``fp8_autocast``).
   """
 
   enabled: bool = False
   recipe: recipe_lib.Recipe = dataclasses.field(
       default_factory=recipe_lib.DelayedScaling)
   mesh_resource: Optional[sharding_lib.MeshResource] = None
+  keep_fp8_copies: bool = False
 
 
 # What holds outside any fp8_autocast: FP8 off, by default rather than by choice.
@@ -62,7 +65,8 @@ def _jit_key(ctx: FP8Context):
   does not retrace)."""
   if not ctx.enabled and ctx.mesh_resource is None:
     return None
-  return (ctx.enabled, ctx.recipe if ctx.enabled else None, ctx.mesh_resource)
+  return (ctx.enabled, ctx.recipe if ctx.enabled else None, ctx.mesh_resource,
+          ctx.enabled and ctx.keep_fp8_copies)
 
 
 def _check_mesh_resource(mesh_resource):
@@ -109,7 +113,7 @@ def in_fp8_autocast() -> bool:
 @contextlib.contextmanager
 def fp8_autocast(enabled: bool = True,
                  fp8_recipe: Optional[recipe_lib.Recipe] = None,
-                 mesh_resource=None) -> Iterator[FP8Context]:
+                 mesh_resource=None, keep_fp8_copies: bool = False) -> Iterator[FP8Context]:
   """Runs the te_jax layers traced inside in FP8 with ``fp8_recipe``.
 
   Args:
@@ -119,6 +123,16 @@ def fp8_autocast(enabled: bool = True,
       mesh axes used for data, FSDP and tensor parallelism, e.g.
       ``MeshResource(fsdp_resource="fsdp")``; anything else (an axis name, a
       dict) raises a TypeError on entry.
+    keep_fp8_copies: what the fused norm + GEMM and norm + MLP blocks of the
+      modules keep for their backward. False (the default, the memory plan):
+      the original x and kernels, from which the backward quantizes norm(x)
+      and each kernel again, so an FP8 step holds no more than the FP8-off
+      step. True: the FP8 copies the forward wrote (norm(x) transposed, each
+      kernel in its dgrad layout), as ``te_jax.dense`` always keeps them: the
+      backward skips those passes over the kernels and norm(x) (faster where
+      the kernels are large against the tokens of a step), and holds one byte
+      per kernel element and per norm(x) element until then. Same values
+      either way (the copies are quantized with the same scales).
 
   Yields:
     The active ``FP8Context``.
@@ -132,7 +146,10 @@ def fp8_autocast(enabled: bool = True,
         "fp8_recipe must be a te_jax.recipe recipe (DelayedScaling, "
         f"Float8CurrentScaling or Float8BlockScaling), got {fp8_recipe!r}.")
   _check_mesh_resource(mesh_resource)
-  ctx = FP8Context(enabled=enabled, recipe=fp8_recipe, mesh_resource=mesh_resource)
+  if not isinstance(keep_fp8_copies, bool):
+    raise TypeError(f"keep_fp8_copies must be a bool, got {keep_fp8_copies!r}.")
+  ctx = FP8Context(enabled=enabled, recipe=fp8_recipe, mesh_resource=mesh_resource,
+                   keep_fp8_copies=keep_fp8_copies)
   token = _CONTEXT.set(ctx)
   try:
     with _JIT_KEY(_jit_key(ctx)):

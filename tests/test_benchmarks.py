@@ -426,6 +426,7 @@ def test_layer_keep_config_keeps_the_fp8_copies(monkeypatch):
     seen.clear()
     jax.eval_shape(apply, variables, xs[0])
     called[config] = list(seen)
-  # The default plan, then the copies kept; the module's function put back.
-  assert called == {"mlp/te_delayed": ["default"], "mlp/te_delayed_keep": [False]}
+  # The default plan, then the copies kept (the autocast's keep_fp8_copies);
+  # the module's function left as it was.
+  assert called == {"mlp/te_delayed": [True], "mlp/te_delayed_keep": [False]}
   assert fused_mlp.fp8_mlp is recording

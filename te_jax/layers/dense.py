@@ -102,7 +102,7 @@ def norm_project(x, norm: norm_dense_lib.NormParams, kernel, bias, settings: Set
       norm_type=norm.norm_type, epsilon=norm.epsilon,
       zero_centered_gamma=norm.zero_centered_gamma, recipe=settings.recipe,
       fp8_state=state, impl=settings.impl, return_norm_output=return_norm_output,
-      dtype=dtype, num_splits=num_splits)
+      dtype=dtype, num_splits=num_splits, **settings.residual_plan())
   y, ln_out = out if return_norm_output else (out, None)
   if num_splits > 1:
     y = tuple(p.reshape(lead + tuple(features[1:])) for p in y)

@@ -122,7 +122,7 @@ def fused_norm_mlp(x, wi, wo, bi, bo, *, norm: norm_dense.NormParams, settings: 
       None if bi is None else bi.reshape(-1), bo, activations=activations,
       recipe=settings.recipe, wi_state=states[0], wo_state=states[1],
       impl=settings.impl, dtype=dtype, norm=norm, return_norm_output=return_norm_output,
-      backward_chunks=backward_chunks)
+      backward_chunks=backward_chunks, **settings.residual_plan())
   if return_norm_output:
     return out[0].reshape(*lead, e), out[1].reshape(x.shape)
   return out.reshape(*lead, e)

@@ -48,6 +48,8 @@ class Settings(NamedTuple):
     mesh: the active mesh (``te_jax.sharding.get_mesh()``) or None.
     axis_rules: the logical axis rules in effect, ``(name, mesh axes)`` pairs.
     impl: "auto", "cuda" or "reference" (the module's ``impl`` attribute).
+    keep_fp8_copies: the autocast's ``keep_fp8_copies`` (False when FP8 is
+      off): what the fused blocks keep for their backward.
   """
 
   recipe: Optional[recipe_lib.Recipe]
@@ -56,6 +58,13 @@ class Settings(NamedTuple):
   mesh: Any
   axis_rules: Tuple[Tuple[str, Any], ...]
   impl: str
+  keep_fp8_copies: bool = False
+
+  def residual_plan(self) -> dict:
+    """The fused blocks' ``save_original_input`` / ``save_original_kernel``
+    arguments (``te_jax.fused_mlp.fp8_mlp``, ``te_jax.norm_dense.fp8_norm_dense``)."""
+    save = not self.keep_fp8_copies
+    return dict(save_original_input=save, save_original_kernel=save)
 
   def unsharded(self) -> bool:
     """True when no mesh axis named by the mesh resource has size > 1, and
@@ -98,7 +107,8 @@ def read_settings(impl: str = "auto", axis_rules: Sequence = ()) -> Settings:
   rules = tuple(axis_rules) or sharding_lib.logical_axis_rules(ctx.mesh_resource)
   return Settings(recipe=recipe, mode=None if recipe is None else recipe.scaling_mode(),
                   mesh_resource=ctx.mesh_resource, mesh=sharding_lib.get_mesh(),
-                  axis_rules=rules, impl=impl)
+                  axis_rules=rules, impl=impl,
+                  keep_fp8_copies=recipe is not None and ctx.keep_fp8_copies)
 
 
 def in_autocast() -> bool:
