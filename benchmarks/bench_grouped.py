@@ -11,7 +11,12 @@ group holds half the rows):
 te_jax runs on operands quantized beforehand, in each recipe's default
 formats (per tensor: E4M3, E5M2 for the gradient, as delayed and current
 scaling's HYBRID; blockwise: all E4M3, 1x128 activations, 128x128 weights,
-1x128 along the rows for wgrad), so the rows time the GEMM alone; ``ragged_dot`` runs in
+1x128 along the rows for wgrad), so the rows time the GEMM alone. The
+weights come in the layout the kernel reads (contiguous along the
+contraction): fprop gets each expert's ``w.T`` quantized and viewed
+transposed, dgrad ``w`` viewed transposed, so the transposes cancel under
+``jit`` (a MoE layer that quantizes its weights in the other layout pays one
+pass over them on top). ``ragged_dot`` runs in
 bf16 (wgrad: its VJP with respect to the weights, what a bf16 MoE layer
 runs). Each te_jax row also reports its largest error against the pure-JAX
 reference on the same FP8 operands, relative to the reference's largest
@@ -94,13 +99,18 @@ def fp8_calls(x, w, dy, per_tensor: bool, fast: bool, impl: str):
   wq, wtq = _grouped(w, per_tensor, E4M3), _grouped(jnp.swapaxes(w, 1, 2), per_tensor, E4M3)
   g8 = E5M2 if per_tensor else E4M3   # the gradient's format: each recipe's default
   xq, dyq, xtq, dytq = act(x, E4M3), act(dy, g8), act(x.T, E4M3), act(dy.T, g8)
+  # rhs.T inside the jitted function: the (g, k, n) view of wtq for fprop,
+  # the (g, n, k) view of wq for dgrad, each cancelling the kernel's own
+  # transpose to (g, n, k) / (g, k, n).
   return {
-      "fprop": (lambda a, b, s: gg.grouped_gemm(a, b, s, **kw), (xq, wq),
-                lambda a, b, s: gg.grouped_gemm_reference(a, b, s)),
-      "dgrad": (lambda a, b, s: gg.grouped_gemm(a, b, s, **kw), (dyq, wtq),
-                lambda a, b, s: gg.grouped_gemm_reference(a, b, s)),
-      "wgrad": (lambda a, b, s: gg.grouped_wgrad(a, b, s, **kw), (xtq, dytq),
-                lambda a, b, s: gg.grouped_wgrad_reference(a, b, s)),
+      "fprop": (lambda a, b, s: gg.grouped_gemm(a, b.T, s, **kw), (xq, wtq),
+                lambda a, b, s: gg.grouped_gemm_reference(a, b.T, s)),
+      "dgrad": (lambda a, b, s: gg.grouped_gemm(a, b.T, s, **kw), (dyq, wq),
+                lambda a, b, s: gg.grouped_gemm_reference(a, b.T, s)),
+      # bfloat16 weight gradients: what the sm90 kernels write (a float32
+      # output would run the reference under "auto" and fail under "cuda").
+      "wgrad": (lambda a, b, s: gg.grouped_wgrad(a, b, s, out_dtype=BF16, **kw), (xtq, dytq),
+                lambda a, b, s: gg.grouped_wgrad_reference(a, b, s, BF16)),
   }
 
 

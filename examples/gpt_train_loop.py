@@ -207,7 +207,7 @@ def _grouped_gemm_path(cfg) -> str:
   from te_jax.ops import grouped_gemm_cuda  # pylint: disable=import-outside-toplevel
   if cfg.recipe == "none":
     return "FP8 off, te_jax's float reference under XLA"
-  why = grouped_gemm_cuda.auto_reference_reason(cfg.recipe == "blockwise")
+  why = grouped_gemm_cuda.auto_reference_reason()
   return f"the pure-JAX reference ({why})" if why else "te_jax's sm_90a FP8 kernel"
 
 

@@ -116,23 +116,9 @@ ROWS_CASES = {      # name: (m, k, n, sizes)
 }
 
 
-# Measured on an H100 (2026-12-05, jax 0.11.2 and 0.12.0.1): the blockwise
-# rows kernel is far off the reference (relative error ~1) with several groups
-# and k of two or more 128-blocks; one group, 1-row groups and k = 128 agree.
-# "auto" does not take the blockwise kernels (grouped_gemm_cuda.auto_reason);
-# strict, so a fixed kernel fails here until the marks and that guard go.
-BLOCKWISE_KNOWN_BAD = pytest.mark.xfail(
-    strict=True, reason="blockwise grouped kernel: 1x128 scales read as compact per group "
-    "(see grouped_gemm_cuda.BLOCKWISE_AUTO_REASON)")
-ROWS_KNOWN_BAD = {("blockwise", "odd_with_empty_and_tail"), ("blockwise", "skewed"),
-                  ("blockwise", "64_groups")}
-
-
 @pytest.mark.parametrize("case", list(ROWS_CASES))
 @pytest.mark.parametrize("variant", list(ROWS_VARIANTS))
-def test_grouped_gemm_rows(variant, case, request):
-  if (variant, case) in ROWS_KNOWN_BAD:
-    request.applymarker(BLOCKWISE_KNOWN_BAD)
+def test_grouped_gemm_rows(variant, case):
   ta, tb, blockwise, fast = ROWS_VARIANTS[variant]
   m, k, n, sizes = ROWS_CASES[case]
   rng = np.random.default_rng(len(case) * 7 + len(variant))
@@ -149,7 +135,7 @@ def test_grouped_gemm_rows(variant, case, request):
   _compare(got, want, tail)
 
 
-@pytest.mark.parametrize("blockwise", [False, pytest.param(True, marks=BLOCKWISE_KNOWN_BAD)])
+@pytest.mark.parametrize("blockwise", [False, True])
 def test_grouped_gemm_dgrad_operand(blockwise):
   """The dgrad form: grad (m, n) against kernel.T, the transposed stack."""
   rng = np.random.default_rng(3)
@@ -171,13 +157,10 @@ WGRAD_CASES = {     # name: (lhs_t dtype, rhs_t dtype, blockwise, k, m, n, sizes
     "blockwise": (E4M3, E4M3, True, 144, 640, 264, [0, 128, 384]),
     "blockwise_one_group": (E4M3, E4M3, True, 130, 512, 96, [512]),
 }
-WGRAD_KNOWN_BAD = {"blockwise_one_group"}   # relative error ~1.5 on the H100 (see above)
 
 
 @pytest.mark.parametrize("case", list(WGRAD_CASES))
-def test_grouped_wgrad(case, request):
-  if case in WGRAD_KNOWN_BAD:
-    request.applymarker(BLOCKWISE_KNOWN_BAD)
+def test_grouped_wgrad(case):
   ta, tb, blockwise, k, m, n, sizes = WGRAD_CASES[case]
   rng = np.random.default_rng(len(case))
   block = (1, 128) if blockwise else None
@@ -193,7 +176,6 @@ def test_grouped_wgrad(case, request):
   _compare(got, want, empty)
 
 
-@BLOCKWISE_KNOWN_BAD
 def test_new_group_sizes_without_recompiling():
   rng = np.random.default_rng(5)
   m, k, n = 512, 256, 128

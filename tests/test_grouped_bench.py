@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from benchmarks import bench_grouped as bg
+import bench_grouped as bg  # pylint: disable=import-error  (benchmarks/ is on pytest's path)
 
 
 @pytest.mark.parametrize("groups,rows", [(16, 1024), (4, 256), (8, 128)])

@@ -590,35 +590,29 @@ def test_dispatcher_stages_the_kernel(fake_gpu):
   assert jaxpr.out_avals[0].shape == (4, 144, 264)
 
 
-def test_auto_leaves_out_the_blockwise_kernels_with_known_failures(fake_gpu, caplog):
-  """Blockwise operands: "auto" runs the reference (logged once, naming the
-  failing GPU checks) while "cuda" still stages the kernel; per-tensor
-  operands still take it under "auto"."""
+def test_auto_takes_the_blockwise_kernels(fake_gpu):
+  """Blockwise operands take the kernel under "auto" as per-tensor ones do
+  (the rows form and the wgrad)."""
   del fake_gpu
   rng = _rng(19)
   lhs, rhs = _rows_operands("blockwise", (E4M3, E4M3), rng, m=256, k=256, n=128, g=2)
   gs = jnp.asarray([128, 128], jnp.int32)
-  with caplog.at_level(logging.INFO, logger="te_jax"):
-    assert not _staged(lambda: gg.grouped_gemm(lhs, rhs, gs))
-    x_t = _scaled(_spread(rng, (128, 256)), E4M3, (1, 128))
-    g_t = _scaled(_spread(rng, (64, 256)), E4M3, (1, 128))
-    assert not _staged(lambda: gg.grouped_wgrad(x_t, g_t, gs, out_dtype=jnp.bfloat16))
-  logged = [r.getMessage() for r in caplog.records if ggc.BLOCKWISE_AUTO_REASON in r.getMessage()]
-  assert len(logged) == 2, caplog.records            # once per op
-  assert len(_staged(lambda: gg.grouped_gemm(lhs, rhs, gs, impl="cuda"))) == 1
+  assert len(_staged(lambda: gg.grouped_gemm(lhs, rhs, gs))) == 1
+  x_t = _scaled(_spread(rng, (128, 256)), E4M3, (1, 128))
+  g_t = _scaled(_spread(rng, (64, 256)), E4M3, (1, 128))
+  assert len(_staged(lambda: gg.grouped_wgrad(x_t, g_t, gs, out_dtype=jnp.bfloat16))) == 1
   tensor = _rows_operands("tensor", (E4M3, E4M3), rng, m=64, k=128, n=32, g=2)
   assert len(_staged(lambda: gg.grouped_gemm(*tensor, jnp.asarray([30, 34], jnp.int32)))) == 1
 
 
 def test_auto_reference_reason_says_what_auto_runs(fake_gpu, monkeypatch):
-  """The banners' answer agrees with the dispatcher: no GPU; the kernel per
-  tensor but the reference blockwise; the build's reason for both."""
-  assert ggc.auto_reference_reason(False) == ggc.auto_reference_reason(True) == "no GPU"
+  """The banners' answer agrees with the dispatcher: no GPU; the kernel;
+  the build's reason."""
+  assert ggc.auto_reference_reason() == "no GPU"
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert ggc.auto_reference_reason(False) == ""
-  assert ggc.auto_reference_reason(True) == ggc.BLOCKWISE_AUTO_REASON
+  assert ggc.auto_reference_reason() == ""
   fake_gpu["text"] = _LEFT_OUT_NOTE
-  assert ggc.auto_reference_reason(False) == ggc.auto_reference_reason(True) == ggc.build_reason()
+  assert ggc.auto_reference_reason() == ggc.build_reason()
   assert ggc.build_reason()
 
 

@@ -342,16 +342,12 @@ def _run(op: str, impl: str, a, b, out_dtype, axis, cuda_fn, reference_fn):
   Where the native module and a GPU exist but the kernel does not take the
   call (a build without the sm90 GEMMs, not a Hopper GPU, float operands, an
   output other than bfloat16, ...): "auto" logs why once at INFO and runs
-  the reference; "cuda" raises a ValueError saying why. "auto" also leaves
-  out kernels with known failures (``grouped_gemm_cuda.auto_reason``: the
-  blockwise ones), which "cuda" still runs. Otherwise ``_native.dispatch``
-  (the kernel on the GPU).
+  the reference; "cuda" raises a ValueError saying why. Otherwise
+  ``_native.dispatch`` (the kernel on the GPU).
   """
   if _native.resolve_impl(impl) == "reference":
     return reference_fn()
   reason = _kernel_reason(a, b, out_dtype, axis)
-  if not reason and impl != "cuda":
-    reason = grouped_gemm_cuda.auto_reason(a)
   if reason:
     if impl == "cuda":
       raise ValueError(f"impl='cuda': te_jax's grouped-GEMM CUDA kernel cannot run {op} here: "

@@ -64,7 +64,7 @@ from te_jax.ops import _native
 from te_jax.ops import tiling
 
 __all__ = ["TARGET", "ROWS", "CONTRACTION", "MAX_GROUPS", "KernelOperands", "workspace_bytes",
-           "build_reason", "device_reason", "unsupported_reason", "auto_reason",
+           "build_reason", "device_reason", "unsupported_reason",
            "auto_reference_reason", "group_bounds",
            "rows_scales_compact", "rows_operands", "contraction_operands", "grouped_gemm",
            "grouped_wgrad"]
@@ -161,35 +161,14 @@ def unsupported_reason(a, b, out_dtype, axis: int) -> str:
   return ""
 
 
-# The blockwise grouped kernels disagreed with the reference on the H100 for
-# several groups with two or more 128-wide k-blocks (fprop and dgrad grouped
-# over rows) and for a grouped-K slice whose output rows are not a multiple
-# of 4 (wgrad): tests/test_gpu_grouped_gemm.py's blockwise cases marked
-# xfail, and the harness's own checks. Cause, read in CUTLASS's sources: its
-# grouped mainloop ignores the per-group scale layouts and reads each
-# group's scales compact (see the module doc), while they were passed in
-# te_jax's native layouts. The fix (the compact re-layout of
-# rows_operands / contraction_operands and the setup kernel's matching
-# pointers) is in but not yet verified on a GPU: until those xfails pass,
-# "auto" does not take these kernels; impl="cuda" reaches them.
-BLOCKWISE_AUTO_REASON = ("the blockwise grouped kernels fail their GPU checks "
-                         "(tests/test_gpu_grouped_gemm.py), so impl='auto' does not take them")
-
-
-def auto_reason(a) -> str:
-  """"" when ``impl="auto"`` may take the kernel for operand ``a`` (already
-  supported by :func:`unsupported_reason`), else why not."""
-  return BLOCKWISE_AUTO_REASON if getattr(a, "block_shape", None) is not None else ""
-
-
-def auto_reference_reason(blockwise: bool) -> str:
+def auto_reference_reason() -> str:
   """Why ``impl="auto"`` runs the reference for this process's FP8 grouped
-  GEMMs with a bfloat16 output, per tensor or ``blockwise`` ("" when it runs
-  the kernel): no GPU backend, the build, the GPU, or :func:`auto_reason`.
-  For banners and benchmark notes; the dispatcher decides per call."""
+  GEMMs with a bfloat16 output ("" when it runs the kernel): no GPU backend,
+  the build, or the GPU. For banners and benchmark notes; the dispatcher
+  decides per call."""
   if jax.default_backend() != "gpu":
     return "no GPU"
-  return build_reason() or device_reason() or (BLOCKWISE_AUTO_REASON if blockwise else "")
+  return build_reason() or device_reason()
 
 
 class KernelOperands(NamedTuple):
