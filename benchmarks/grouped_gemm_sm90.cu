@@ -439,6 +439,11 @@ TimingRow TimeConfig(const VariantInfo& v, const Pass& pass, bool skewed, int sm
   const bool fast = v.id == sm90::GroupedVariant::kTensorE4M3Fast;
   std::vector<std::unique_ptr<bench::LtGemm>> loop;
   std::vector<std::vector<float*>> group_sa(sets);
+  // Rows per tensor: each group's scale in its own allocation. p.sb + g is
+  // only 4-byte aligned, and every per-tensor rows loop failed its first
+  // non-aligned group on the H100 (status not success; the blockwise loop,
+  // whose scale arrays are separate allocations, ran).
+  std::vector<std::vector<float*>> group_sb(sets);
   for (int g = 0; g < G; ++g) {
     const long sz = end[g] - start[g];
     if (rows)
@@ -447,6 +452,11 @@ TimingRow TimeConfig(const VariantInfo& v, const Pass& pass, bool skewed, int sm
     else
       loop.emplace_back(new bench::LtGemm(lt, pass.m, pass.n, sz, ta, tb, CUDA_R_16BF, a_mode,
                                           b_mode, fast, lt_ws, lt_ws_bytes, pass.k, pass.k));
+    for (int i = 0; i < sets && rows && !blockwise; ++i) {
+      float* s = DeviceAlloc<float>(1);
+      CHECK_CUDA(cudaMemcpy(s, ps[i]->sb + g, 4, cudaMemcpyDeviceToDevice));
+      group_sb[i].push_back(s);
+    }
     for (int i = 0; i < sets && rows && blockwise; ++i) {
       const int kb = bench::KBlocks(pass.k);
       float* s = DeviceAlloc<float>(size_t(kb) * sz);
@@ -462,9 +472,11 @@ TimingRow TimeConfig(const VariantInfo& v, const Pass& pass, bool skewed, int sm
       auto* d = static_cast<__nv_bfloat16*>(o);
       if (rows) {
         const float* sa = blockwise ? group_sa[r % sets][g] : p.sa;
-        const float* sb = blockwise ? p.sb + size_t(g) * p.gb.count() : p.sb + g;
-        ok = loop[g]->Run(p.a + start[g] * p.k, p.b + size_t(g) * p.n * p.k, sa, sb,
-                          d + start[g] * p.n, 0) == CUBLAS_STATUS_SUCCESS;
+        const float* sb = blockwise ? p.sb + size_t(g) * p.gb.count() : group_sb[r % sets][g];
+        const cublasStatus_t st = loop[g]->Run(p.a + start[g] * p.k, p.b + size_t(g) * p.n * p.k,
+                                               sa, sb, d + start[g] * p.n, 0);
+        ok = st == CUBLAS_STATUS_SUCCESS;
+        if (!ok) std::fprintf(stderr, "loop_fp8: group %d: cuBLASLt status %d\n", g, int(st));
       } else {
         const size_t off = blockwise ? size_t(start[g] / 128) : 0;
         ok = loop[g]->Run(p.a + start[g], p.b + start[g], p.sa + off * p.ga.ld,
