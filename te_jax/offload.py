@@ -106,6 +106,41 @@ def to_host(tree):
   return jax.device_put(tree, jax.memory.Space.Host)
 
 
+def _tie_to_gradients(updates, state):
+  """``(updates, state)`` with each part of the state readable only once its
+  gradients exist (``jax.lax.optimization_barrier``).
+
+  Untied, XLA brought the state to the device at the start of the step, and
+  it sat there beside the activations at the step's peak. Tied to all the
+  gradients at once, its transfer waited for the whole backward pass and
+  then ran alone. So every subtree of the state shaped like the parameters
+  (AdamW's two moments) is tied leaf by leaf: the moments of a parameter
+  can come to the device as soon as its gradient exists, while the backward
+  pass goes on through the layers before it, whose activations that
+  gradient's layer no longer needs. The rest of the state (step counts,
+  anything not shaped like the parameters) waits for every gradient.
+  """
+  g_leaves, g_def = jax.tree.flatten(updates)
+
+  def like_params(node):
+    return not isinstance(node, jax.Array) and jax.tree.structure(node) == g_def
+  parts, s_def = jax.tree.flatten(state, is_leaf=like_params)
+  per_leaf = [i for i, p in enumerate(parts) if like_params(p)]
+  if not per_leaf:
+    return jax.lax.optimization_barrier((updates, state))
+  moments = [jax.tree.leaves(parts[i]) for i in per_leaf]
+  tied = [jax.lax.optimization_barrier((g, [m[j] for m in moments]))
+          for j, g in enumerate(g_leaves)]
+  for k, i in enumerate(per_leaf):
+    parts[i] = jax.tree.unflatten(g_def, [t[1][k] for t in tied])
+  g_leaves = [t[0] for t in tied]
+  rest = [i for i in range(len(parts)) if i not in set(per_leaf)]
+  g_leaves, rest_parts = jax.lax.optimization_barrier((g_leaves, [parts[i] for i in rest]))
+  for i, p in zip(rest, rest_parts):
+    parts[i] = p
+  return jax.tree.unflatten(g_def, g_leaves), jax.tree.unflatten(s_def, parts)
+
+
 class _Offloaded(optax.GradientTransformationExtraArgs):
   """Marks a transformation made by :func:`offload_optimizer`."""
 
@@ -132,12 +167,7 @@ def offload_optimizer(tx: optax.GradientTransformation) -> optax.GradientTransfo
     return to_host(tx.init(params))
 
   def update(updates, state, params=None, **extra):
-    # Tied to the gradients, the state's trip to the device cannot start
-    # before they exist, i.e. before the backward pass has freed its
-    # activations; untied, XLA started it early and the device held the
-    # state beside the activations at the step's peak (device memory no
-    # lower than without the offload).
-    updates, state = jax.lax.optimization_barrier((updates, state))
+    updates, state = _tie_to_gradients(updates, state)
     new_updates, new_state = optax.with_extra_args_support(tx).update(
         updates, to_device(state), params, **extra)
     return new_updates, to_host(new_state)

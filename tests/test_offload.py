@@ -56,23 +56,42 @@ def test_wrapped_optimizer_lives_on_host_and_computes_the_same():
   assert offload.is_offloaded(tx) and offload.offload_optimizer(tx) is tx
 
 
-def test_state_comes_to_the_device_only_after_the_gradients():
+def test_state_comes_to_the_device_only_after_its_gradients():
   """Every transfer of the state to the device reads it through an
-  optimization barrier that also takes the gradients, so XLA cannot start it
-  before the backward pass (where it would sit beside the activations)."""
+  optimization barrier that also takes gradients, so XLA cannot start it
+  before the backward pass (where it would sit beside the activations): the
+  moments of each parameter through a barrier with that parameter's
+  gradient alone (so their transfer can overlap the rest of the backward),
+  the step count through one with every gradient."""
   params = {"w": jnp.ones((8, 8)), "b": jnp.ones((8,))}
   tx = offload.offload_optimizer(optax.adamw(1e-2))
   state = tx.init(params)
   jaxpr = jax.make_jaxpr(lambda g, s, p: tx.update(g, s, p))(params, state, params).jaxpr
-  grads, state_in = jaxpr.invars[:2], jaxpr.invars[2:2 + len(jax.tree.leaves(state))]
-  barrier = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
-  assert len(barrier) == 1 and set(grads) <= set(barrier[0].invars), jaxpr
-  tied = {o for i, o in zip(barrier[0].invars, barrier[0].outvars) if i in set(state_in)}
+  n_state = len(jax.tree.leaves(state))
+  grads, state_in = jaxpr.invars[:2], jaxpr.invars[2:2 + n_state]
+  origin = {g: {g.aval.shape} for g in grads}     # var -> shapes of the gradients it waits for
+  tied_to = {}                                    # state var out of a barrier -> its grads
+  for e in jaxpr.eqns:
+    if e.primitive.name != "optimization_barrier":
+      continue
+    waits = set().union(*(origin.get(v, set()) for v in e.invars))
+    for i, o in zip(e.invars, e.outvars):
+      if i in origin:
+        origin[o] = waits
+      if i in set(state_in):
+        tied_to[o] = waits
   to_device = [e for e in jaxpr.eqns if e.primitive.name == "device_put"
-               and any(v in set(state_in) | tied for v in e.invars)]
-  assert to_device, jaxpr
-  for e in to_device:            # the state's transfers read the barrier's outputs only
-    assert not set(e.invars) & set(state_in), e
+               and any(v in set(state_in) | set(tied_to) for v in e.invars)]
+  assert len(to_device) >= 1, jaxpr
+  seen = []
+  for e in to_device:
+    assert not set(e.invars) & set(state_in), e      # only through a barrier
+    for v in e.invars:
+      shape = v.aval.shape
+      want = {shape} if shape else {(8, 8), (8,)}     # a moment: its gradient; the count: all
+      assert tied_to[v] == want, (shape, tied_to[v])
+      seen.append(shape)
+  assert sorted(seen, key=len) == sorted([(), (8,), (8,), (8, 8), (8, 8)], key=len)
 
 
 def test_host_shardings_keep_specs_and_refuse_other_leaves():
