@@ -95,9 +95,11 @@ def _transpose(kernel):
   return kernel.T if isinstance(kernel, GroupedScaledTensor) else jnp.swapaxes(kernel, 1, 2)
 
 
-def _gather(kernel, axes: GroupedAxes):
-  """All-gathers the FSDP-sharded kernel dims (FP8 data and per-block scales)."""
-  for dim, ax in ((1, axes.k_gather_axes), (2, axes.n_gather_axes)):
+def _gather(kernel, axes: GroupedAxes, transposed: bool = False):
+  """All-gathers the FSDP-sharded kernel dims (FP8 data and per-block scales)
+  of ``kernel`` (E, K, N), or (E, N, K) when ``transposed``."""
+  k_dim, n_dim = (2, 1) if transposed else (1, 2)
+  for dim, ax in ((k_dim, axes.k_gather_axes), (n_dim, axes.n_gather_axes)):
     if not ax:
       continue
     gather = functools.partial(lax.all_gather, axis_name=_axis_name(ax), axis=dim,
@@ -125,24 +127,31 @@ def _sum_to_type_of(ct, primal):
   return lax.psum(ct, tuple(sorted(extra))) if extra else ct
 
 
-def _quantize_experts(mode, kernel, state, impl, amax_axes):
-  """Each expert's (K, N) weight quantized on its own: a ``GroupedScaledTensor``
-  and the per-expert amaxes (E,) (None where the mode has none).
+def _quantize_experts(mode, kernel, state, impl, amax_axes, transposed: bool = False):
+  """Each expert's (K, N) weight quantized on its own: ``(rows, cols, amax)``,
+  ``rows`` a ``GroupedScaledTensor`` (E, K, N), ``cols`` with ``transposed``
+  the (E, N, K) copy written by the same pass (else None), ``amax`` the
+  per-expert amaxes (E,) (None where the mode has none).
 
-  ``lax.map`` calls the protocol's 2-D quantize once per expert (one traced
-  body; the CUDA quantize kernels have no batching rule for ``vmap``)."""
+  ``cols`` is the layout the fprop's grouped GEMM reads (each expert's
+  matrix contiguous along K): from the quantize it costs one more byte per
+  weight written, where transposing ``rows`` before the GEMM would read and
+  write one each. ``lax.map`` calls the protocol's 2-D quantize once per
+  expert (one traced body; the CUDA quantize kernels have no batching rule
+  for ``vmap``)."""
   kstate = None if state is None else state["kernel"]
   block = []
 
   def one(args):
     w, st = args
     q = mode.quantize(w, "kernel", None if st is None else {"kernel": st}, impl=impl,
-                      columnwise=False, amax_axes=amax_axes)
+                      columnwise=transposed, amax_axes=amax_axes)
     block.append(q.block_shape)
-    return q.data, q.scale_inv, q.amax
+    return q.data, q.scale_inv, q.amax, (q.data_t, q.scale_inv_t) if transposed else None
 
-  data, scale_inv, amax = lax.map(one, (kernel, kstate))
-  return GroupedScaledTensor(data, scale_inv, block[0]), amax
+  data, scale_inv, amax, cols = lax.map(one, (kernel, kstate))
+  rows = GroupedScaledTensor(data, scale_inv, block[0])
+  return rows, None if cols is None else GroupedScaledTensor(*cols, block[0]), amax
 
 
 def _update_state(mode, state, amaxes, kernel_amax=None):
@@ -169,12 +178,17 @@ def _grouped_fwd(x, kernel, group_sizes, state, cfg):
   mode, impl, axes = cfg.mode, cfg.impl, cfg.axes
   if mode is None:
     a, a_t, k_local, new_state, accum = x, x, kernel, state, False
+    k_fprop = _gather(kernel, axes)
   else:
     qx = mode.quantize(x, "x", state, impl=impl, amax_axes=axes.token_axes)
-    k_local, k_amax = _quantize_experts(mode, kernel, state, impl, axes.kernel_axes)
+    k_local, k_cols, k_amax = _quantize_experts(mode, kernel, state, impl, axes.kernel_axes,
+                                                transposed=True)
     a, a_t, accum = qx.rowwise(), qx.columnwise(), mode.fast_accum("fprop")
     new_state = _update_state(mode, state, {"x": qx.amax}, k_amax)
-  y = grouped_op.grouped_gemm(a, _gather(k_local, axes), group_sizes, out_dtype=x.dtype,
+    # The (E, N, K) copy seen as (E, K, N): the GEMM's own transpose to
+    # (E, N, K) cancels this one under jit.
+    k_fprop = _gather(k_cols, axes, transposed=True).T
+  y = grouped_op.grouped_gemm(a, k_fprop, group_sizes, out_dtype=x.dtype,
                               fast_accum=accum, impl=impl)
   # Kept for the backward: x.T (FP8 unless FP8 is off) and the local kernel
   # shard (gathered again there, as te_jax.sharded_dense does); empty slices
