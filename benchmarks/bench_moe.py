@@ -20,10 +20,11 @@ combine, shared expert; the all-to-alls of expert parallelism belong to
 dispatch and combine; "other" is the rest: attention, norms, the optimizer),
 told apart by the named scopes of ``te_jax.moe.SCOPES`` that the compiled
 program's op names carry, device memory: the compiled step's arguments
-+ temp (``memory_analysis()``), and for the layer the seconds of building
-the step, phase by phase (``init``: ``jax.jit(module.init)`` traced,
-compiled and run; the step's ``lower`` and ``compile``), which each row
-also prints to stderr as it finishes them, before its timed steps.
++ temp (``memory_analysis()``), and the seconds of building the step,
+phase by phase (``init``: the layer's ``jax.jit(module.init)`` traced,
+compiled and run, or the model's trainer built and its state initialized;
+the step's ``lower`` and ``compile``), which each row also prints to
+stderr as it finishes them, before its timed steps.
 
 The per-tensor FP8 grouped GEMMs run te_jax's sm_90a kernel where the native
 module was built with it (CUTLASS headers found at build time) on a Hopper
@@ -242,7 +243,12 @@ def _count_parts(hlo_text: str) -> dict:
 
 
 def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int) -> dict:
-  """Times ``train_gpt.py --preset moe`` (moe_tiny with ``small``) steps."""
+  """Times ``train_gpt.py --preset moe`` (moe_tiny with ``small``) steps.
+
+  As for the layer, building the step is timed phase by phase before the
+  timed steps: ``init`` (the ``Trainer`` built, its state initialized),
+  the step's ``lower`` and ``compile``; the timed steps run that compiled
+  step (calling the jitted one would compile it again)."""
   import jax  # pylint: disable=import-outside-toplevel
   sys.path.insert(0, os.path.join(HERE, "..", "examples"))
   import train_gpt  # pylint: disable=import-error,import-outside-toplevel
@@ -252,20 +258,27 @@ def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int
   cfg = train_gpt.Config(preset="moe_tiny" if small else "moe", recipe=recipe,
                          num_docs=1000 if small else 20000, out_dir=None, progress=False,
                          eval_batches=0)
+  phase = _phases()
   trainer = train_gpt.Trainer(cfg)
-  state = trainer.init()
+  state = jax.block_until_ready(trainer.init())
+  seconds = {"init": phase("init (Trainer built + state initialized)")}
   batches = [trainer.batch(i) for i in range(2)]
+  with trainer._ctx():  # pylint: disable=protected-access
+    lowered = trainer._step.lower(state, batches[0])  # pylint: disable=protected-access
+    seconds["lower"] = phase("step lower")
+    compiled = lowered.compile()
+    seconds["compile"] = phase("step compile")
 
   def step(st, batch):        # time_steps' layout: (output, (next state,))
-    new, metrics = trainer.step(st, batch)
+    with trainer._ctx():  # pylint: disable=protected-access
+      new, metrics = compiled(st, batch)
     return metrics, (new,)
 
   def carry(_, new):
     return new
 
   times, state, out = time_steps(step, state, batches, k, repeats, carry)
-  with trainer._ctx():  # pylint: disable=protected-access
-    compiled = trainer._step.lower(state, batches[0]).compile()  # pylint: disable=protected-access
+  phase(f"{k * repeats} timed steps")
   live = {"state": state}
 
   def profiled(n):
@@ -279,7 +292,7 @@ def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int
           "tokens_per_s": tokens / (ms / 1e3), "loss": float(out[0]["loss"]),
           "dropped": int(out[0]["dropped"]), "params": train_gpt.param_count(state),
           "kernels_ms": kinds, "args_temp": stats["argument"] + stats["temp"],
-          "device": jax.devices()[0].device_kind}
+          "device": jax.devices()[0].device_kind, "build_s": seconds}
 
 
 def _fmt_kinds(r) -> str:
@@ -287,6 +300,11 @@ def _fmt_kinds(r) -> str:
   if not k:
     return " | ".join("-" for _ in KINDS)
   return " | ".join(f"{k[kind]:.2f}" for kind in KINDS)
+
+
+def _fmt_build(r) -> str:
+  """The seconds of building a row's step: init / lower / compile."""
+  return " / ".join(f"{r['build_s'][p]:.1f}" for p in ("init", "lower", "compile"))
 
 
 def _against(r, base):
@@ -306,8 +324,9 @@ def format_tables(results, args) -> str:
            f"Median of {args.repeats} timings of {args.k} steps after 3 warm-ups, FP8 state "
            f"carried; kernel ms per step from a trace of {args.profile_steps} steps, by part "
            "of the MoE (- : no GPU trace); args+temp: the compiled step's device memory; "
-           "init / lower / compile s: building the layer step (init: jax.jit(module.init) "
-           "traced, compiled and run).", ""]
+           "init / lower / compile s: building the step (init: the layer's jax.jit(module.init) "
+           "traced, compiled and run; the model's Trainer built and its state initialized).",
+           ""]
   kinds_head = " | ".join(f"{kind} ms" for kind in KINDS)
   layer = [r for r in results if r["part"] == "layer"]
   if layer:
@@ -320,9 +339,9 @@ def format_tables(results, args) -> str:
               "| max abs dx | init / lower / compile s |", "|---|" + "---:|" * (len(KINDS) + 6)]
     for r in layer:
       speed, mem = _against(r, base)
-      build = " / ".join(f"{r['build_s'][p]:.1f}" for p in ("init", "lower", "compile"))
       lines.append(f"| {r['row']} | {r['ms']:.2f} | {speed} | {_fmt_kinds(r)} | "
-                   f"{r['args_temp'] / 2**20:.1f} | {mem} | {r['max_abs_dx']:.3g} | {build} |")
+                   f"{r['args_temp'] / 2**20:.1f} | {mem} | {r['max_abs_dx']:.3g} | "
+                   f"{_fmt_build(r)} |")
     lines.append("")
   model = [r for r in results if r["part"] == "model"]
   if model:
@@ -331,12 +350,13 @@ def format_tables(results, args) -> str:
               f"({model[0]['params'] / 1e6:.1f}M parameters): tokens/s per recipe against "
               "bf16 (none).", "",
               f"| recipe | ms / step | tokens/s | vs bf16 | {kinds_head} | args+temp GiB "
-              "| mem vs bf16 | loss | dropped |", "|---|" + "---:|" * (len(KINDS) + 7)]
+              "| mem vs bf16 | loss | dropped | init / lower / compile s |",
+              "|---|" + "---:|" * (len(KINDS) + 8)]
     for r in model:
       speed, mem = _against(r, base)
       lines.append(f"| {r['row']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {speed} | "
                    f"{_fmt_kinds(r)} | {r['args_temp'] / 2**30:.2f} | {mem} | "
-                   f"{r['loss']:.3f} | {r['dropped']} |")
+                   f"{r['loss']:.3f} | {r['dropped']} | {_fmt_build(r)} |")
   blind = [r["row"] for r in results if r.get("kernels_ms")
            and not any(r["kernels_ms"][part] for part in PARTS)]
   if blind:

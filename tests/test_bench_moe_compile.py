@@ -2,6 +2,7 @@
 reports the build phases (issue 47: a row that timed out could not say
 whether init, lowering or compiling took the time)."""
 
+import argparse
 import re
 
 import jax
@@ -46,3 +47,16 @@ def test_layer_row_prints_and_returns_each_build_phase(capsys):
                         "1 timed steps"], err
   assert set(r["build_s"]) == {"init", "lower", "compile"}
   assert all(v > 0 for v in r["build_s"].values()), r["build_s"]
+
+
+def test_model_row_prints_and_returns_each_build_phase(capsys):
+  r = bench_moe.run_model("none", small=True, k=1, repeats=1, profile_steps=1)
+  err = capsys.readouterr().err
+  phases = re.findall(r"^phase: (.+?) [0-9.]+ s$", err, re.M)
+  assert phases[:4] == ["init (Trainer built + state initialized)", "step lower",
+                        "step compile", "1 timed steps"], err
+  assert all(r["build_s"][p] > 0 for p in ("init", "lower", "compile")), r["build_s"]
+  table = bench_moe.format_tables([r], argparse.Namespace(small=True, repeats=1, k=1,
+                                                         profile_steps=1))
+  build = " / ".join(f"{r['build_s'][p]:.1f}" for p in ("init", "lower", "compile"))
+  assert f"| {build} |" in table and "init / lower / compile s |" in table, table
