@@ -19,8 +19,12 @@ trace (router, dispatch, grouped GEMMs with the experts' activation,
 combine, shared expert; the all-to-alls of expert parallelism belong to
 dispatch and combine; "other" is the rest: attention, norms, the optimizer),
 told apart by the named scopes of ``te_jax.moe.SCOPES`` that the compiled
-program's op names carry, and device memory: the compiled step's arguments
-+ temp (``memory_analysis()``).
+program's op names carry, device memory: the compiled step's arguments
++ temp (``memory_analysis()``), and the seconds of building the step,
+phase by phase (``init``: the layer's ``jax.jit(module.init)`` traced,
+compiled and run, or the model's trainer built and its state initialized;
+the step's ``lower`` and ``compile``), which each row also prints to
+stderr as it finishes them, before its timed steps.
 
 The per-tensor FP8 grouped GEMMs run te_jax's sm_90a kernel where the native
 module was built with it (CUTLASS headers found at build time) on a Hopper
@@ -132,16 +136,26 @@ def _ragged_dot_gemms():
     op.grouped_gemm, op.grouped_wgrad = saved
 
 
-def run_layer(row: str, small: bool, k: int, repeats: int, profile_steps: int) -> dict:
-  """Times one layer row (``LAYER_ROWS``); returns a JSON-ready dict."""
+def layer_case(row: str, small: bool) -> dict:
+  """What one layer row (``LAYER_ROWS``) runs, built but not traced.
+
+  Returns a dict: ``module`` (the ``te_jax.flax.MoE``), ``xs`` (two
+  (batch, seq, hidden) bfloat16 inputs), ``g`` (the float32 output
+  cotangent), ``grad_step`` (jitted ``(variables, x, g) -> (loss,
+  (variable grads, input grad))``), ``context`` (a function returning the
+  context to trace in: the recipe's autocast, and for ``ragged_dot`` the
+  swapped grouped GEMMs) and ``sizes``.
+
+  ``g`` is an argument of the step, not a value its loss closes over: a
+  closed-over array is a constant of the program (64 MiB at the full size),
+  and XLA then constant-folds what depends on it alone -- the FP8 amaxes
+  of the output gradient -- which took most of the FP8 rows' compile time.
+  """
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  import flax.linen as nn  # pylint: disable=import-outside-toplevel
   import te_jax  # pylint: disable=import-outside-toplevel
   from te_jax import flax as tfx, moe  # pylint: disable=import-outside-toplevel
-  from _fp8_carry import run_steps, time_steps  # pylint: disable=import-error,import-outside-toplevel
-  from model_memory import memory_stats  # pylint: disable=import-error,import-outside-toplevel
   sys.path.insert(0, os.path.join(HERE, "..", "examples"))
   import train_gpt  # pylint: disable=import-error,import-outside-toplevel
 
@@ -157,17 +171,46 @@ def run_layer(row: str, small: bool, k: int, repeats: int, profile_steps: int) -
   xs = [jnp.asarray(rng.standard_normal(shape), jnp.bfloat16) for _ in range(2)]
   g = jnp.asarray(rng.standard_normal(shape), jnp.float32) / np.sqrt(np.prod(shape))
 
-  def loss(v, x):
+  def loss(v, x, g):
     y, st = module.apply(v, x, mutable=["intermediates"])
     return jnp.sum(y.astype(jnp.float32) * g) + moe.aux_totals(st)["aux_loss"]
 
-  swap = _ragged_dot_gemms() if row == "ragged_dot" else contextlib.nullcontext()
+  @contextlib.contextmanager
+  def context():
+    swap = _ragged_dot_gemms() if row == "ragged_dot" else contextlib.nullcontext()
+    with swap, te_jax.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+      yield
+  return {"module": module, "xs": xs, "g": g, "context": context, "sizes": sz,
+          "grad_step": jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))}
+
+
+def run_layer(row: str, small: bool, k: int, repeats: int, profile_steps: int) -> dict:
+  """Times one layer row (``LAYER_ROWS``); returns a JSON-ready dict.
+
+  Before the timed steps, each phase of building the step is timed on its
+  own and printed (``_phases``): ``init`` (``jax.jit(module.init)``
+  traced, compiled and run), ``lower`` and ``compile`` of the step; a row
+  that runs out of time says which one it was in."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  import flax.linen as nn  # pylint: disable=import-outside-toplevel
+  from _fp8_carry import run_steps, time_steps  # pylint: disable=import-error,import-outside-toplevel
+  from model_memory import memory_stats  # pylint: disable=import-error,import-outside-toplevel
+
+  case = layer_case(row, small)
+  module, xs, g, sz = case["module"], case["xs"], case["g"], case["sizes"]
   phase = _phases()
-  with swap, te_jax.fp8_autocast(enabled=recipe is not None, fp8_recipe=recipe):
+  with case["context"]():
     variables = nn.meta.unbox(jax.jit(module.init)(jax.random.key(0), xs[0]))
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    compiled = step.lower(variables, xs[0]).compile()
-    phase("init + compile")
+    jax.block_until_ready(variables)
+    seconds = {"init": phase("init (trace + compile + run)")}
+    lowered = case["grad_step"].lower(variables, xs[0], g)
+    seconds["lower"] = phase("step lower")
+    compiled = lowered.compile()
+    seconds["compile"] = phase("step compile")
+
+    def step(v, x):   # the compiled program: the timed steps compile nothing again
+      return compiled(v, x, g)
     times, variables, out = time_steps(step, variables, xs, k, repeats)
     phase(f"{k * repeats} timed steps")
     live = {"v": variables}
@@ -184,7 +227,7 @@ def run_layer(row: str, small: bool, k: int, repeats: int, profile_steps: int) -
           "tokens_per_s": tokens / (ms / 1e3),
           "max_abs_dx": float(jnp.max(jnp.abs(out[1][1].astype(jnp.float32)))),
           "kernels_ms": kinds, "hlo_ops": _count_parts(compiled.as_text()),
-          "args_temp": stats["argument"] + stats["temp"], "sizes": sz}
+          "args_temp": stats["argument"] + stats["temp"], "sizes": sz, "build_s": seconds}
 
 
 def _count_parts(hlo_text: str) -> dict:
@@ -196,7 +239,12 @@ def _count_parts(hlo_text: str) -> dict:
 
 
 def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int) -> dict:
-  """Times ``train_gpt.py --preset moe`` (moe_tiny with ``small``) steps."""
+  """Times ``train_gpt.py --preset moe`` (moe_tiny with ``small``) steps.
+
+  As for the layer, building the step is timed phase by phase before the
+  timed steps: ``init`` (the ``Trainer`` built, its state initialized),
+  the step's ``lower`` and ``compile``; the timed steps run that compiled
+  step (calling the jitted one would compile it again)."""
   import jax  # pylint: disable=import-outside-toplevel
   sys.path.insert(0, os.path.join(HERE, "..", "examples"))
   import train_gpt  # pylint: disable=import-error,import-outside-toplevel
@@ -206,20 +254,27 @@ def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int
   cfg = train_gpt.Config(preset="moe_tiny" if small else "moe", recipe=recipe,
                          num_docs=1000 if small else 20000, out_dir=None, progress=False,
                          eval_batches=0)
+  phase = _phases()
   trainer = train_gpt.Trainer(cfg)
-  state = trainer.init()
+  state = jax.block_until_ready(trainer.init())
+  seconds = {"init": phase("init (Trainer built + state initialized)")}
   batches = [trainer.batch(i) for i in range(2)]
+  with trainer._ctx():  # pylint: disable=protected-access
+    lowered = trainer._step.lower(state, batches[0])  # pylint: disable=protected-access
+    seconds["lower"] = phase("step lower")
+    compiled = lowered.compile()
+    seconds["compile"] = phase("step compile")
 
   def step(st, batch):        # time_steps' layout: (output, (next state,))
-    new, metrics = trainer.step(st, batch)
+    with trainer._ctx():  # pylint: disable=protected-access
+      new, metrics = compiled(st, batch)
     return metrics, (new,)
 
   def carry(_, new):
     return new
 
   times, state, out = time_steps(step, state, batches, k, repeats, carry)
-  with trainer._ctx():  # pylint: disable=protected-access
-    compiled = trainer._step.lower(state, batches[0]).compile()  # pylint: disable=protected-access
+  phase(f"{k * repeats} timed steps")
   live = {"state": state}
 
   def profiled(n):
@@ -233,7 +288,7 @@ def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int
           "tokens_per_s": tokens / (ms / 1e3), "loss": float(out[0]["loss"]),
           "dropped": int(out[0]["dropped"]), "params": train_gpt.param_count(state),
           "kernels_ms": kinds, "args_temp": stats["argument"] + stats["temp"],
-          "device": jax.devices()[0].device_kind}
+          "device": jax.devices()[0].device_kind, "build_s": seconds}
 
 
 def _fmt_kinds(r) -> str:
@@ -241,6 +296,11 @@ def _fmt_kinds(r) -> str:
   if not k:
     return " | ".join("-" for _ in KINDS)
   return " | ".join(f"{k[kind]:.2f}" for kind in KINDS)
+
+
+def _fmt_build(r) -> str:
+  """The seconds of building a row's step: init / lower / compile."""
+  return " / ".join(f"{r['build_s'][p]:.1f}" for p in ("init", "lower", "compile"))
 
 
 def _against(r, base):
@@ -259,7 +319,10 @@ def format_tables(results, args) -> str:
            f"{env['device']}, jax {env['jax']}, flax {env['flax']}", "", grouped_gemm_note(), "",
            f"Median of {args.repeats} timings of {args.k} steps after 3 warm-ups, FP8 state "
            f"carried; kernel ms per step from a trace of {args.profile_steps} steps, by part "
-           "of the MoE (- : no GPU trace); args+temp: the compiled step's device memory.", ""]
+           "of the MoE (- : no GPU trace); args+temp: the compiled step's device memory; "
+           "init / lower / compile s: building the step (init: the layer's jax.jit(module.init) "
+           "traced, compiled and run; the model's Trainer built and its state initialized).",
+           ""]
   kinds_head = " | ".join(f"{kind} ms" for kind in KINDS)
   layer = [r for r in results if r["part"] == "layer"]
   if layer:
@@ -269,11 +332,12 @@ def format_tables(results, args) -> str:
               f"{sz['experts']} experts of width {sz['mlp']}, {sz['k']} per token, shared "
               f"expert {sz['shared']}; against te_jax's FP8-off MoE (none).", "",
               f"| row | ms / step | vs FP8 off | {kinds_head} | args+temp MiB | mem vs FP8 off "
-              "| max abs dx |", "|---|" + "---:|" * (len(KINDS) + 5)]
+              "| max abs dx | init / lower / compile s |", "|---|" + "---:|" * (len(KINDS) + 6)]
     for r in layer:
       speed, mem = _against(r, base)
       lines.append(f"| {r['row']} | {r['ms']:.2f} | {speed} | {_fmt_kinds(r)} | "
-                   f"{r['args_temp'] / 2**20:.1f} | {mem} | {r['max_abs_dx']:.3g} |")
+                   f"{r['args_temp'] / 2**20:.1f} | {mem} | {r['max_abs_dx']:.3g} | "
+                   f"{_fmt_build(r)} |")
     lines.append("")
   model = [r for r in results if r["part"] == "model"]
   if model:
@@ -282,12 +346,13 @@ def format_tables(results, args) -> str:
               f"({model[0]['params'] / 1e6:.1f}M parameters): tokens/s per recipe against "
               "bf16 (none).", "",
               f"| recipe | ms / step | tokens/s | vs bf16 | {kinds_head} | args+temp GiB "
-              "| mem vs bf16 | loss | dropped |", "|---|" + "---:|" * (len(KINDS) + 7)]
+              "| mem vs bf16 | loss | dropped | init / lower / compile s |",
+              "|---|" + "---:|" * (len(KINDS) + 8)]
     for r in model:
       speed, mem = _against(r, base)
       lines.append(f"| {r['row']} | {r['ms']:.1f} | {r['tokens_per_s']:.0f} | {speed} | "
                    f"{_fmt_kinds(r)} | {r['args_temp'] / 2**30:.2f} | {mem} | "
-                   f"{r['loss']:.3f} | {r['dropped']} |")
+                   f"{r['loss']:.3f} | {r['dropped']} | {_fmt_build(r)} |")
   blind = [r["row"] for r in results if r.get("kernels_ms")
            and not any(r["kernels_ms"][part] for part in PARTS)]
   if blind:
@@ -299,13 +364,16 @@ def format_tables(results, args) -> str:
 
 def _phases():
   """A function that prints, to stderr, each phase's name and its seconds
-  since the previous one: a row that runs out of time says where it was."""
+  since the previous one, and returns those seconds: a row that runs out of
+  time says where it was."""
   last = [time.perf_counter()]
 
   def phase(name):
     now = time.perf_counter()
-    print(f"phase: {name} {now - last[0]:.1f} s", file=sys.stderr, flush=True)
+    seconds = now - last[0]
+    print(f"phase: {name} {seconds:.1f} s", file=sys.stderr, flush=True)
     last[0] = now
+    return seconds
   return phase
 
 
@@ -325,7 +393,7 @@ def _child(part, row, args) -> dict:
     err = e.stderr.decode() if isinstance(e.stderr, bytes) else (e.stderr or "")
     done = [l[len("phase: "):] for l in err.splitlines() if l.startswith("phase: ")]
     raise RuntimeError(f"timed out after {args.timeout} s; phases done: "
-                       f"{'; '.join(done) or 'none (still building or compiling)'}") from None
+                       f"{'; '.join(done) or 'none (still importing, or in the init phase)'}") from None
   line = [l for l in proc.stdout.splitlines() if l.startswith("JSON ")]
   if not line:
     raise RuntimeError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()

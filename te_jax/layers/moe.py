@@ -116,13 +116,20 @@ def expert_kernel_init(init, unbox=None):
   expert on (*shape) with its own key; ``unbox`` as in
   ``te_jax.layers.init.kernel_fan_in_init`` (applied to what ``init``
   returns). Pass an ``init`` of the per-expert kernel (e.g.
-  ``gated_kernel_init`` for wi), so that fan-in scaling sees one expert's GEMM."""
+  ``gated_kernel_init`` for wi), so that fan-in scaling sees one expert's GEMM.
+
+  The per-expert calls are one ``jax.vmap`` over the E keys: a Python loop
+  would trace ``init`` E times, and the init program (and its compile time)
+  would grow with the number of experts. Expert e's kernel is the same as
+  ``init(split(key, E)[e], shape[1:])`` either way."""
+
+  def one(key, shape, dtype):
+    value = init(key, shape, dtype)
+    return value if unbox is None else unbox(value)
 
   def wrapped(key, shape, dtype=jnp.float32):
     keys = jax.random.split(key, shape[0])
-    one = (lambda k: init(k, tuple(shape[1:]), dtype)) if unbox is None else (
-        lambda k: unbox(init(k, tuple(shape[1:]), dtype)))
-    return jnp.stack([one(k) for k in keys])
+    return jax.vmap(lambda k: one(k, tuple(shape[1:]), dtype))(keys)
   return wrapped
 
 
