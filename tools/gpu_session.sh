@@ -23,7 +23,8 @@
 #   model     bench_model.py --preset llama, batch 8, every recipe
 #   kernels   tools/gpu_kernels.sh blockwise grouped
 #   grouped   benchmarks/bench_grouped.py (te_jax grouped GEMM vs ragged_dot)
-#   offload   bench_model.py with --set offload_optimizer=true (bf16, delayed)
+#   offload   bench_model.py with --set offload_optimizer=true (bf16, delayed), then
+#             without it unless the model stage ran (the same-lease baseline)
 #   moe       bench_moe.py layer rows (MOE_RECIPES; MOE_TIMEOUT seconds each)
 #   jax012    the GPU suite on the jax wheels in $JAX_WHEELS (a venv over the
 #             image's packages, te_jax built against that jax's FFI headers)
@@ -144,6 +145,11 @@ if want offload; then
   (cd /tmp && timeout 400 python3 "$REPO/benchmarks/bench_model.py" --preset llama \
      --recipes none,delayed --set offload_optimizer=true --timeout 180 > "$OUT/offload.log" 2>&1)
   grep -E "^\| (none|delayed) " "$OUT/offload.log" >> "$LOG"
+  if ! want model; then   # the same rows without offload: the cost, measured in this lease
+    (cd /tmp && timeout 400 python3 "$REPO/benchmarks/bench_model.py" --preset llama \
+       --recipes none,delayed --timeout 180 > "$OUT/offload_baseline.log" 2>&1)
+    grep -E "^\| (none|delayed) " "$OUT/offload_baseline.log" | sed 's/^/no offload: /' >> "$LOG"
+  fi
 fi
 if want moe; then
   st "moe"
