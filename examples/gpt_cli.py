@@ -167,6 +167,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                       help="keep the optimizer state (AdamW's moments) in host memory between "
                            "steps (te_jax.offload; the same losses, less device memory); "
                            "under FSDP each device's shard goes to its host")
+  parser.add_argument("--keep_fp8_copies", action="store_true",
+                      help="the fused norm and MLP blocks keep their FP8 copies of norm(x) and "
+                           "the kernels for the backward instead of quantizing them again there "
+                           "(te_jax.fp8_autocast(keep_fp8_copies=True): faster, one byte per "
+                           "element more device memory)")
   parser.add_argument("--out_dir", default="runs/train_gpt",
                       help="where loss_curve.png and metrics.json go")
   parser.add_argument("--sample_chars", type=int, default=80,

@@ -51,6 +51,8 @@ class Config:
   num_docs: Optional[int] = None
   remat: bool = False
   offload_optimizer: bool = False  # optimizer state in host memory (te_jax.offload)
+  keep_fp8_copies: bool = False    # fp8_autocast(keep_fp8_copies=): FP8 copies kept for the
+                                   # backward (faster, more memory)
   doc_window: Optional[bool] = None  # attention only over a band as wide as the longest
                                    # document; None: the preset's (on for llama)
   ckpt_dir: Optional[str] = None

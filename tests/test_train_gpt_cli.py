@@ -24,6 +24,7 @@ from te_jax import flax as tfx
 
 # examples/ is on sys.path through pytest's pythonpath (pyproject.toml).
 import compare_recipes  # pylint: disable=import-error
+import gpt_cli  # pylint: disable=import-error
 import train_gpt  # pylint: disable=import-error
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -417,6 +418,20 @@ def test_lr_schedule_note_says_what_the_extra_steps_get():
   within = gpt_runs.lr_schedule_note(train_gpt.Config(preset="tiny", steps=80,
                                                       lr_horizon=100).resolved(), 40)
   assert within.startswith("LR schedule: steps 40-79 continue its decay (horizon 100")
+
+
+def test_keep_fp8_copies_flag_reaches_the_autocast():
+  """``--keep_fp8_copies`` sets the Config field, and the trainer's autocast
+  (what its steps trace under) carries it; off by default. The trainer is
+  not built: its autocast reads only its config, recipe and mesh resource."""
+  for flags, want in (([], False), (["--keep_fp8_copies"], True)):
+    args = gpt_cli.build_parser("x").parse_args(flags)
+    assert args.keep_fp8_copies is want
+    trainer = train_gpt.Trainer.__new__(train_gpt.Trainer)
+    trainer.cfg = train_gpt.Config(preset="tiny", keep_fp8_copies=args.keep_fp8_copies)
+    trainer.recipe, trainer.mesh_resource = train_gpt.make_recipe("delayed"), None
+    with trainer.autocast() as ctx:
+      assert ctx.enabled and ctx.keep_fp8_copies is want
 
 
 def test_short_runs_report_a_final_loss_of_their_last_steps():
