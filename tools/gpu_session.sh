@@ -21,6 +21,7 @@
 #             beside model_memory.py's compile-only Llama table with
 #             --offload_optimizer
 #   model     bench_model.py --preset llama, batch 8, every recipe
+#   keep      the same with --set keep_fp8_copies=true (not in the default list)
 #   kernels   tools/gpu_kernels.sh blockwise grouped
 #   grouped   benchmarks/bench_grouped.py (te_jax grouped GEMM vs ragged_dot)
 #   offload   bench_model.py with --set offload_optimizer=true (bf16, delayed), then
@@ -128,6 +129,13 @@ if want model; then
   (cd /tmp && timeout 560 python3 "$REPO/benchmarks/bench_model.py" --preset llama \
      --recipes none,delayed,blockwise,current --timeout 200 > "$OUT/model.log" 2>&1)
   grep -E "^\| (none|delayed|current|blockwise) " "$OUT/model.log" >> "$LOG"
+fi
+if want keep; then   # the model with the FP8 copies kept (speed against memory)
+  st "keep"
+  (cd /tmp && timeout 560 python3 "$REPO/benchmarks/bench_model.py" --preset llama \
+     --recipes none,delayed,current,blockwise --set keep_fp8_copies=true --timeout 150 \
+     > "$OUT/keep.log" 2>&1)
+  grep -E "^\| (none|delayed|current|blockwise) " "$OUT/keep.log" | sed 's/^/keep: /' >> "$LOG"
 fi
 if want kernels && [[ -n "$tarball" ]]; then
   st "kernels"
