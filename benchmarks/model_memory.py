@@ -268,6 +268,19 @@ def memory_stats(compiled) -> Dict[str, int]:
   return out
 
 
+_REMAT = re.compile(r"^\s*(?:ROOT )?%?([\w\-]+(?:\.[\w\-]+)*\.remat\d*(?:\.[\w\-]+)*) = ",
+                    re.MULTILINE)
+
+
+def remat_instructions(hlo_text: str) -> int:
+  """How many instructions of a compiled HLO module XLA's rematerialization
+  pass made (it names each copy ``<original>.remat<n>``): above zero, the
+  compiler recomputed values to fit the device's memory, so the step's
+  memory figure is what it squeezed the program into, at the cost of the
+  recomputation, not what the program needs."""
+  return len(set(_REMAT.findall(hlo_text)))
+
+
 _PEAK = re.compile(r"^\s*Live ranges at \d+ \(peak\):")
 _LIVE = re.compile(r"^\s+([\w.\-]+)\{[^}]*\}: (\d+) bytes")
 _OP_NAME = re.compile(r'^\s*(?:ROOT )?%?([\w.\-]+) = .*?op_name="([^"]*)"')
@@ -342,7 +355,8 @@ def run_one(args) -> Dict[str, object]:
   recipe, batch = args.one.split(":")
   compiled = compile_step(args.preset, recipe, int(batch), parse_overrides(args.set),
                           args.offload_optimizer)
-  out = {"recipe": recipe, "batch": int(batch), "stats": memory_stats(compiled)}
+  out = {"recipe": recipe, "batch": int(batch), "stats": memory_stats(compiled),
+         "remat": remat_instructions(compiled.as_text())}
   if args.dump:
     out["peak"] = summarize_dump(os.path.join(args.dump, f"{recipe}_b{batch}"), args.top)
   return out
@@ -376,6 +390,7 @@ def format_compiled(results, args) -> str:
   cols = ["arguments", "temp", "output", "alias", "peak", "args+temp", "vs bf16"]
   if host:
     cols += ["host arguments", "host temp"]
+  cols += ["XLA remat copies"]
   lines = [f"### train_gpt.py --preset {args.preset} {args.set or ''}: compiled train step "
            f"memory (GiB){' with --offload_optimizer' if args.offload_optimizer else ''}", "",
            "| batch | recipe | " + " | ".join(cols) + " |",
@@ -393,6 +408,7 @@ def format_compiled(results, args) -> str:
     cells += [f"{total / GIB:.2f}", vs]
     if host:
       cells += [f"{s['host_argument'] / GIB:.2f}", f"{s['host_temp'] / GIB:.2f}"]
+    cells += [str(r.get("remat", "-"))]
     lines.append(f"| {r['batch']} | {r['recipe']} | " + " | ".join(cells) + " |")
   for r in results:
     peak = r.get("peak")

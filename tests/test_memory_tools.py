@@ -46,6 +46,19 @@ def test_dump_parsers_find_the_peak_buffers_and_their_ops():
                                          "custom-call.7": "jit(step)/gemm"}
 
 
+def test_remat_instructions_counts_the_copies_xla_made():
+  hlo = """ENTRY %main (p: f32[16]) -> f32[16] {
+  %fusion.1 = f32[25]{0} fusion(%p), kind=kLoop
+  %fusion.1.remat = f32[25]{0} fusion(%p), kind=kLoop
+  %fusion.1.remat2 = f32[25]{0} fusion(%p), kind=kLoop
+  %convert.7.remat.clone = bf16[16]{0} convert(%p)
+  ROOT %add.3 = f32[16]{0} add(%fusion.1.remat, %p)
+}
+"""
+  assert model_memory.remat_instructions(hlo) == 3
+  assert model_memory.remat_instructions(_HLO) == 0
+
+
 def test_overrides_parse_to_config_values():
   assert model_memory.parse_overrides("layers=2,lr=0.5,doc_window=false,dtype=bfloat16") == {
       "layers": 2, "lr": 0.5, "doc_window": False, "dtype": "bfloat16"}
@@ -71,7 +84,9 @@ def test_compile_mode_tables_memory_and_peak_buffers(tmp_path, capsys):
     assert any("train_step" in op for _, _, op in r["peak"]["buffers"])   # op_names found
   assert "| 4 | delayed |" in text and "largest buffers at the peak" in text
   row = [l for l in text.splitlines() if l.startswith("| 4 | delayed |")][0]
-  assert row.rstrip(" |").endswith("x")                                 # ratio to bf16
+  cells = [c.strip() for c in row.strip(" |").split("|")]
+  assert cells[-2].endswith("x")                                        # ratio to bf16
+  assert cells[-1] == str(results[1]["remat"]) and results[1]["remat"] >= 0
 
 
 def test_bench_model_reports_device_memory_per_recipe():

@@ -18,8 +18,9 @@
 #   ab        tools/gpu_ab.sh bench against every base (AB_CONFIGS), on an
 #             otherwise idle GPU
 #   suite     pytest -m gpu (tools/gpu_check.sh test, the serial files too),
-#             beside model_memory.py's compile-only Llama table with
-#             --offload_optimizer
+#             beside model_memory.py's compile-only Llama tables: with
+#             --offload_optimizer, and without it with the peak's buffers
+#             and XLA's remat copies (batch 4 and 8)
 #   model     bench_model.py --preset llama, batch 8, every recipe
 #   keep      the same with --set keep_fp8_copies=true (not in the default list)
 #   kernels   tools/gpu_kernels.sh blockwise grouped
@@ -121,6 +122,12 @@ if want suite; then
   (cd /tmp && timeout 300 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
      --batches 8 --recipes none,delayed,current,blockwise --jobs 4 --offload_optimizer \
      > "$OUT/memory_offload.log" 2>&1)
+  # Without offload, at batch 4 and 8: the buffers live at the peak, and how
+  # many copies XLA's rematerialization made to fit the device.
+  (cd /tmp && timeout 300 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
+     --batches 4,8 --recipes none,delayed --jobs 4 --dump /tmp/gpu_session_dump --top 15 \
+     > "$OUT/memory_live.log" 2>&1)
+  grep -E "^\| [48] \| (none|delayed) " "$OUT/memory_live.log" >> "$LOG"
   wait $s1
   tail -qn 1 "$OUT"/suite/pytest_gpu*.log >> "$LOG"
 fi
