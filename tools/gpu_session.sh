@@ -70,6 +70,14 @@ venv_over_image() {
   python3 -m venv "$1" && purelib python3 > "$(purelib "$1/bin/python")/zz_image.pth"
 }
 want() { [[ " ${STAGES:-build ab suite kernels grouped offload moe} " == *" $1 "* ]]; }
+# model_rows NAME PREFIX LIMIT ARGS...: bench_model.py --preset llama ARGS
+# (LIMIT seconds in all) into $OUT/NAME.log; its rows join stages.log after PREFIX.
+model_rows() {
+  local name=$1 prefix=$2 limit=$3; shift 3
+  (cd /tmp && timeout "$limit" python3 "$REPO/benchmarks/bench_model.py" --preset llama "$@" \
+     > "$OUT/$name.log" 2>&1)
+  grep -E "^\| (none|delayed|current|blockwise) " "$OUT/$name.log" | sed "s/^/$prefix/" >> "$LOG"
+}
 tarball=$(ls .cutlass/cutlass-*-include.tar.gz 2>/dev/null | head -1)
 if [[ -n "$tarball" ]]; then
   tar -xzf "$tarball" -C .cutlass
@@ -133,16 +141,12 @@ if want suite; then
 fi
 if want model; then
   st "model"
-  (cd /tmp && timeout 560 python3 "$REPO/benchmarks/bench_model.py" --preset llama \
-     --recipes none,delayed,blockwise,current --timeout 200 > "$OUT/model.log" 2>&1)
-  grep -E "^\| (none|delayed|current|blockwise) " "$OUT/model.log" >> "$LOG"
+  model_rows model "" 560 --recipes none,delayed,blockwise,current --timeout 200
 fi
 if want keep; then   # the model with the FP8 copies kept (speed against memory)
   st "keep"
-  (cd /tmp && timeout 560 python3 "$REPO/benchmarks/bench_model.py" --preset llama \
-     --recipes none,delayed,current,blockwise --set keep_fp8_copies=true --timeout 150 \
-     > "$OUT/keep.log" 2>&1)
-  grep -E "^\| (none|delayed|current|blockwise) " "$OUT/keep.log" | sed 's/^/keep: /' >> "$LOG"
+  model_rows keep "keep: " 560 --recipes none,delayed,current,blockwise \
+    --set keep_fp8_copies=true --timeout 150
 fi
 if want kernels && [[ -n "$tarball" ]]; then
   st "kernels"
@@ -157,13 +161,9 @@ if want grouped; then
 fi
 if want offload; then
   st "offload"
-  (cd /tmp && timeout 400 python3 "$REPO/benchmarks/bench_model.py" --preset llama \
-     --recipes none,delayed --set offload_optimizer=true --timeout 180 > "$OUT/offload.log" 2>&1)
-  grep -E "^\| (none|delayed) " "$OUT/offload.log" >> "$LOG"
+  model_rows offload "" 400 --recipes none,delayed --set offload_optimizer=true --timeout 180
   if ! want model; then   # the same rows without offload: the cost, measured in this lease
-    (cd /tmp && timeout 400 python3 "$REPO/benchmarks/bench_model.py" --preset llama \
-       --recipes none,delayed --timeout 180 > "$OUT/offload_baseline.log" 2>&1)
-    grep -E "^\| (none|delayed) " "$OUT/offload_baseline.log" | sed 's/^/no offload: /' >> "$LOG"
+    model_rows offload_baseline "no offload: " 400 --recipes none,delayed --timeout 180
   fi
 fi
 if want moe; then
