@@ -27,6 +27,11 @@
 #   grouped   benchmarks/bench_grouped.py (te_jax grouped GEMM vs ragged_dot)
 #   offload   bench_model.py with --set offload_optimizer=true (bf16, delayed), then
 #             without it unless the model stage ran (the same-lease baseline)
+#   peers     bench_peers.py --libs te_jax,te (MLP block and TransformerLayer):
+#             te_jax beside TE-JAX 2.20.2, whose pieces later calls copy to
+#             /tmp/te/c0..c5 (../shared/peer/README.md: each call
+#             `cp -r .te/cN /tmp/te/.cN && mv /tmp/te/.cN /tmp/te/cN`); its
+#             build starts in the background once all six are there
 #   moe       bench_moe.py layer rows (MOE_RECIPES; MOE_TIMEOUT seconds each)
 #   jax012    the GPU suite on the jax wheels in $JAX_WHEELS (a venv over the
 #             image's packages, te_jax built against that jax's FFI headers)
@@ -84,6 +89,15 @@ if [[ -n "$tarball" ]]; then
   export SKBUILD_CMAKE_DEFINE="TE_JAX_CUTLASS_INCLUDE=$REPO/.cutlass/include"
 fi
 
+if want peers; then   # TE-JAX's build on the CPU while the GPU stages run
+  (for _ in $(seq 1 240); do
+     [[ -f /tmp/te/c5/build.sh && -d /tmp/te/c0 && -d /tmp/te/c1 && -d /tmp/te/c2 \
+        && -d /tmp/te/c3 && -d /tmp/te/c4 ]] && break
+     sleep 5
+   done
+   bash /tmp/te/c5/build.sh /tmp/te > "$OUT/te_build.log" 2>&1 && touch "$OUT/.te_ready"
+   touch "$OUT/.te_done") &
+fi
 if want build; then
   st "build"
   # The A/B bases build beside this tree; the harnesses and the nvcc-free
@@ -164,6 +178,20 @@ if want offload; then
   model_rows offload "" 400 --recipes none,delayed --set offload_optimizer=true --timeout 180
   if ! want model; then   # the same rows without offload: the cost, measured in this lease
     model_rows offload_baseline "no offload: " 400 --recipes none,delayed --timeout 180
+  fi
+fi
+if want peers; then
+  st "peers"
+  for _ in $(seq 1 120); do [[ -f "$OUT/.te_done" ]] && break; sleep 5; done
+  if [[ -f "$OUT/.te_ready" ]]; then
+    CUDNN_PATH=$(python3 -c "import nvidia.cudnn as c; print(list(c.__path__)[0])")
+    (cd /tmp && CUDNN_PATH=$CUDNN_PATH CUDNN_HOME=$CUDNN_PATH \
+       LD_LIBRARY_PATH=$CUDNN_PATH/lib:${LD_LIBRARY_PATH:-} timeout 500 \
+       python3 "$REPO/benchmarks/bench_peers.py" --libs te_jax,te --blocks mlp,layer \
+       > "$OUT/peers.log" 2>&1)
+    grep -E "^\| " "$OUT/peers.log" | tail -n 20 >> "$LOG"
+  else
+    echo "peers: TE-JAX did not build ($(tail -n 2 "$OUT/te_build.log" 2>/dev/null | tr '\n' ' '))" >> "$LOG"
   fi
 fi
 if want moe; then
