@@ -10,7 +10,7 @@
 #                                                             # come back as $OUT/logs.tgz
 #
 # Stages (STAGES, space-separated; default "build ab suite kernels grouped
-# offload moe", run in this order):
+# moe offload"; peers on request), run in this order:
 #   build     this tree (with the CUTLASS sm90 GEMMs when .cutlass/ holds the
 #             headers' tarball) beside the A/B bases (AB_BASES, as
 #             tools/gpu_ab.sh takes them); then in the background: the
@@ -25,14 +25,14 @@
 #   keep      the same with --set keep_fp8_copies=true (not in the default list)
 #   kernels   tools/gpu_kernels.sh blockwise grouped
 #   grouped   benchmarks/bench_grouped.py (te_jax grouped GEMM vs ragged_dot)
-#   offload   bench_model.py with --set offload_optimizer=true (bf16, delayed), then
-#             without it unless the model stage ran (the same-lease baseline)
 #   peers     bench_peers.py --libs te_jax,te (MLP block and TransformerLayer):
 #             te_jax beside TE-JAX 2.20.2, whose pieces later calls copy to
 #             /tmp/te/c0..c5 (../shared/peer/README.md: each call
 #             `cp -r .te/cN /tmp/te/.cN && mv /tmp/te/.cN /tmp/te/cN`); its
 #             build starts in the background once all six are there
 #   moe       bench_moe.py layer rows (MOE_RECIPES; MOE_TIMEOUT seconds each)
+#   offload   bench_model.py with --set offload_optimizer=true (bf16, delayed), then
+#             without it unless the model stage ran (the same-lease baseline)
 #   jax012    the GPU suite on the jax wheels in $JAX_WHEELS (a venv over the
 #             image's packages, te_jax built against that jax's FFI headers)
 # NVCC_FREE: a tar.xz of the pip CUDA compiler packages (nvidia-cuda-nvcc,
@@ -74,7 +74,7 @@ purelib() { "$1" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])";
 venv_over_image() {
   python3 -m venv "$1" && purelib python3 > "$(purelib "$1/bin/python")/zz_image.pth"
 }
-want() { [[ " ${STAGES:-build ab suite kernels grouped offload moe} " == *" $1 "* ]]; }
+want() { [[ " ${STAGES:-build ab suite kernels grouped moe offload} " == *" $1 "* ]]; }
 # model_rows NAME PREFIX LIMIT ARGS...: bench_model.py --preset llama ARGS
 # (LIMIT seconds in all) into $OUT/NAME.log; its rows join stages.log after PREFIX.
 model_rows() {
@@ -173,13 +173,6 @@ if want grouped; then
   (cd /tmp && timeout 300 python3 "$REPO/benchmarks/bench_grouped.py" > "$OUT/grouped.log" 2>&1)
   grep -E "^\| (fprop|dgrad|wgrad) " "$OUT/grouped.log" >> "$LOG"
 fi
-if want offload; then
-  st "offload"
-  model_rows offload "" 400 --recipes none,delayed --set offload_optimizer=true --timeout 180
-  if ! want model; then   # the same rows without offload: the cost, measured in this lease
-    model_rows offload_baseline "no offload: " 400 --recipes none,delayed --timeout 180
-  fi
-fi
 if want peers; then
   st "peers"
   for _ in $(seq 1 120); do [[ -f "$OUT/.te_done" ]] && break; sleep 5; done
@@ -199,6 +192,13 @@ if want moe; then
   (cd /tmp && timeout 600 python3 "$REPO/benchmarks/bench_moe.py" --parts layer \
      --recipes "${MOE_RECIPES:-none,delayed}" --timeout "${MOE_TIMEOUT:-150}" > "$OUT/moe.log" 2>&1)
   grep -E "^layer " "$OUT/moe.log" >> "$LOG"
+fi
+if want offload; then
+  st "offload"
+  model_rows offload "" 560 --recipes none,delayed --set offload_optimizer=true --timeout 270
+  if ! want model; then   # the same rows without offload: the cost, measured in this lease
+    model_rows offload_baseline "no offload: " 400 --recipes none,delayed --timeout 180
+  fi
 fi
 if want jax012 && [[ -d "${JAX_WHEELS:-}" ]]; then
   st "jax012"
