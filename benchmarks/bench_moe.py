@@ -26,11 +26,11 @@ compiled and run, or the model's trainer built and its state initialized;
 the step's ``lower`` and ``compile``), which each row also prints to
 stderr as it finishes them, before its timed steps.
 
-The per-tensor FP8 grouped GEMMs run te_jax's sm_90a kernel where the native
-module was built with it (CUTLASS headers found at build time) on a Hopper
-GPU; blockwise ones (until their GPU checks pass) and anything elsewhere run
-the pure-JAX reference under XLA (FP8 operands dequantized to float32), and
-the tables say which (``grouped_gemm_cuda.auto_reference_reason``).
+The FP8 grouped GEMMs (per tensor and blockwise) run te_jax's sm_90a kernels
+where the native module was built with them (CUTLASS headers found at build
+time) on a Hopper GPU; elsewhere they run the pure-JAX reference under XLA
+(FP8 operands dequantized to float32), and the tables say which
+(``grouped_gemm_cuda.auto_reference_reason``).
 
   python3 benchmarks/bench_moe.py                     # GPU: layer and model, every recipe
   python3 benchmarks/bench_moe.py --small --in-process     # CPU smoke test
