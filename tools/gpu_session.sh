@@ -19,10 +19,13 @@
 #             otherwise idle GPU
 #   suite     pytest -m gpu (tools/gpu_check.sh test, the serial files too),
 #             beside model_memory.py's compile-only Llama tables: with
-#             --offload_optimizer, and without it with the peak's buffers
-#             and XLA's remat copies (batch 4 and 8)
+#             --offload_optimizer, without it with the peak's buffers and
+#             XLA's remat copies (batch 4 and 8), and FP8 at batch 8 with
+#             store_act_input_in_fp8
 #   model     bench_model.py --preset llama, batch 8, every recipe
 #   keep      the same with --set keep_fp8_copies=true (not in the default list)
+#   actfp8    bf16, delayed, blockwise with --set store_act_input_in_fp8=true
+#             (not in the default list)
 #   kernels   tools/gpu_kernels.sh blockwise grouped
 #   grouped   benchmarks/bench_grouped.py (te_jax grouped GEMM vs ragged_dot)
 #   peers     bench_peers.py --libs te_jax,te (MLP block and TransformerLayer):
@@ -150,6 +153,12 @@ if want suite; then
      --batches 4,8 --recipes none,delayed --jobs 4 --dump /tmp/gpu_session_dump --top 15 \
      > "$OUT/memory_live.log" 2>&1)
   grep -E "^\| [48] \| (none|delayed) " "$OUT/memory_live.log" >> "$LOG"
+  # FP8 with the MLP activation's input kept in FP8 (store_act_input_in_fp8).
+  (cd /tmp && timeout 300 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
+     --batches 8 --recipes delayed,current,blockwise --jobs 3 \
+     --set store_act_input_in_fp8=true > "$OUT/memory_act_fp8.log" 2>&1)
+  grep -E "^\| 8 \| (delayed|current|blockwise) " "$OUT/memory_act_fp8.log" \
+    | sed "s/^/act input in FP8: /" >> "$LOG"
   wait $s1
   tail -qn 1 "$OUT"/suite/pytest_gpu*.log >> "$LOG"
 fi
@@ -161,6 +170,11 @@ if want keep; then   # the model with the FP8 copies kept (speed against memory)
   st "keep"
   model_rows keep "keep: " 560 --recipes none,delayed,current,blockwise \
     --set keep_fp8_copies=true --timeout 150
+fi
+if want actfp8; then   # the model with the MLP activation's input kept in FP8
+  st "actfp8"
+  model_rows actfp8 "act input in FP8: " 560 --recipes none,delayed,blockwise \
+    --set store_act_input_in_fp8=true --timeout 180
 fi
 if want kernels && [[ -n "$tarball" ]]; then
   st "kernels"
