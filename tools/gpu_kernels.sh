@@ -4,7 +4,8 @@
 # and timings, write logs to $OUT, print a short table last.
 #
 # Usage (from the repo root): bash tools/gpu_kernels.sh [fetch] [build] [blockwise] [grouped]
-#   (default: build blockwise grouped). Needs the CUTLASS headers in .cutlass/include or as
+#   [ncu] (default: build blockwise grouped; ncu: Nsight Compute's budget of
+#   the blockwise GEMMs, NCU_VARIANTS). Needs the CUTLASS headers in .cutlass/include or as
 #   .cutlass/cutlass-<version>-include.tar.gz (an ignored folder, made by
 #   `bash tools/gpu_kernels.sh fetch` on a machine with PyPI: the
 #   nvidia-cutlass 4.2.0.0 wheel's cutlass_library/source/include); carry
@@ -160,6 +161,28 @@ run_harness() {
 }
 want blockwise && run_harness blockwise_gemm_sm90 240 "${BLOCKWISE_ARGS:-}"
 want grouped && run_harness grouped_gemm_sm90 200 "${GROUPED_ARGS:-}"
+# ncu: Nsight Compute on the blockwise harness's --quick shapes (8192^3, MLP
+# fc1 fprop and wgrad), cuBLASLt's kernels and ours (NCU_VARIANTS), the GEMM
+# launches only: the per-stage budget (SM, memory, tensor pipe) of issue 46.
+# Clocks are left alone (--clock-control none). A second pass asks for the
+# tensor pipe's metric by name, in its own file, so that a name this ncu
+# does not know costs only that column.
+if want ncu; then
+  NCU_ARGS=(--clock-control none --kernel-name-base function
+            --kernel-name "regex:nvjet|xmma|device_kernel|gemm|Gemm" --launch-count 150 --csv
+            --page details)
+  bin="$KBUILD/blockwise_gemm_sm90"
+  hargs=(--timing --quick --rounds 1 --only "${NCU_VARIANTS:-vecblk_coop_128x128_c2x1,vecvec_coop_128x128_c1x2}")
+  timeout 300 ncu "${NCU_ARGS[@]}" --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    --section WarpStateStats --section Occupancy --section LaunchStats "$bin" "${hargs[@]}" \
+    > "$OUT/ncu_blockwise.csv" 2> "$OUT/ncu_blockwise.err" || echo "ncu: exit $? (see $OUT/ncu_blockwise.err)"
+  timeout 200 ncu "${NCU_ARGS[@]}" \
+    --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \
+    "$bin" "${hargs[@]}" > "$OUT/ncu_blockwise_tensor.csv" 2> "$OUT/ncu_blockwise_tensor.err" \
+    || echo "ncu (tensor pipe): exit $? (see $OUT/ncu_blockwise_tensor.err)"
+  python3 tools/ncu_summary.py "$OUT/ncu_blockwise.csv" "$OUT/ncu_blockwise_tensor.csv" \
+    | tee "$OUT/ncu_summary.log"
+fi
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader 2>/dev/null \
   | sed 's/^/after: /'
 for log in blockwise_gemm_sm90 grouped_gemm_sm90; do

@@ -27,6 +27,8 @@
 #   actfp8    bf16, delayed, blockwise with --set store_act_input_in_fp8=true
 #             (not in the default list)
 #   kernels   tools/gpu_kernels.sh blockwise grouped
+#   ncu       tools/gpu_kernels.sh ncu: Nsight Compute on the blockwise GEMMs,
+#             ours and cuBLASLt's (on request)
 #   grouped   benchmarks/bench_grouped.py (te_jax grouped GEMM vs ragged_dot)
 #   peers     bench_peers.py --libs te_jax,te (MLP block and TransformerLayer):
 #             te_jax beside TE-JAX 2.20.2, whose pieces later calls copy to
@@ -111,7 +113,7 @@ if want build; then
   fi
   OUT=$OUT bash tools/gpu_check.sh build > "$OUT/build.log" 2>&1
   grep -E "te_jax: (CUDA|sm90)|^build:|native module" "$OUT/build.log" >> "$LOG"
-  if [[ -n "$tarball" ]] && want kernels; then
+  if [[ -n "$tarball" ]] && { want kernels || want ncu; }; then
     (OUT=$OUT BUILD_ONLY=1 bash tools/gpu_kernels.sh build > "$OUT/build_kernels.log" 2>&1) &
     kernels_built=$!
   fi
@@ -181,6 +183,12 @@ if want kernels && [[ -n "$tarball" ]]; then
   wait "${kernels_built:-}" 2>/dev/null
   OUT=$OUT timeout 200 bash tools/gpu_kernels.sh blockwise grouped > "$OUT/kernels.log" 2>&1
   grep -E "^checks:" "$OUT/kernels.log" >> "$LOG"
+fi
+if want ncu && [[ -n "$tarball" ]]; then   # Nsight Compute's budget of the blockwise GEMMs
+  st "ncu"
+  wait "${kernels_built:-}" 2>/dev/null
+  OUT=$OUT timeout 560 bash tools/gpu_kernels.sh ncu > "$OUT/ncu.log" 2>&1
+  grep -E "^\| " "$OUT/ncu.log" >> "$LOG"
 fi
 if want grouped; then
   st "grouped"

@@ -1,0 +1,52 @@
+"""tools/ncu_summary.py: Nsight Compute's CSV read into the kernel budget table."""
+
+import importlib.util
+import os
+
+import pytest
+
+_PATH = os.path.join(os.path.dirname(__file__), "..", "tools", "ncu_summary.py")
+_spec = importlib.util.spec_from_file_location("ncu_summary", _PATH)
+ncu_summary = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(ncu_summary)
+
+_HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream",'
+           '"Block Size","Grid Size","Device","CC","Section Name","Metric Name","Metric Unit",'
+           '"Metric Value"\n')
+
+
+def _row(launch, kernel, grid, metric, unit, value):
+  return (f'"{launch}","1","h","host","{kernel}","1","7","(384, 1, 1)","{grid}","0","9.0",'
+          f'"GPU Speed Of Light Throughput","{metric}","{unit}","{value}"\n')
+
+
+def _write(tmp_path, rows):
+  path = tmp_path / "ncu.csv"
+  # ncu prints its own lines (==PROF==) before the CSV; they must be skipped.
+  path.write_text("==PROF== Connected to process 1\n" + _HEADER + "".join(rows))
+  return str(path)
+
+
+def test_medians_per_kernel_with_durations_in_ms(tmp_path):
+  rows = [_row(0, "nvjet_a", "(132, 1, 1)", "Duration", "usecond", "1,000.0"),
+          _row(0, "nvjet_a", "(132, 1, 1)", "Compute (SM) Throughput", "%", "80"),
+          _row(1, "nvjet_a", "(132, 1, 1)", "Duration", "msecond", "3.0"),
+          _row(1, "nvjet_a", "(132, 1, 1)", "Compute (SM) Throughput", "%", "90"),
+          _row(2, "nvjet_a", "(132, 1, 1)", "Duration", "nsecond", "2000000"),
+          _row(2, "nvjet_a", "(132, 1, 1)", "Compute (SM) Throughput", "%", "70"),
+          _row(3, "device_kernel", "(66, 2, 1)", "Duration", "usecond", "500"),
+          _row(3, "device_kernel", "(66, 2, 1)", "Memory Throughput", "%", "n/a")]
+  groups = ncu_summary.read([_write(tmp_path, rows)])
+  assert groups[("nvjet_a", "(132, 1, 1)", "(384, 1, 1)")]["Duration"] == pytest.approx(
+      [1.0, 3.0, 2.0])
+  text = ncu_summary.table(groups)
+  lines = {ln.split(" | ")[0].strip("| "): ln for ln in text.splitlines()[2:]}
+  # median of 1, 3, 2 ms and of 80, 90, 70 %; the other kernel's
+  # unparsable memory figure and its uncollected metrics are "-".
+  assert "| 3 | 2 | 80 | - |" in lines["nvjet_a"]
+  assert "| 1 | 0.5 | - | - |" in lines["device_kernel"]
+
+
+def test_no_metric_rows_is_an_error(tmp_path, capsys):
+  assert ncu_summary.main([_write(tmp_path, [])]) == 1
+  assert "no metric rows" in capsys.readouterr().out
