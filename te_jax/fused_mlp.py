@@ -16,9 +16,10 @@ Compared with two ``fp8_dense`` calls and an XLA activation this saves a
 write and a read of ``z`` (forward) and of ``dh`` (backward) -- each
 ``tokens x mlp`` bf16 -- and the backward's peak memory holds no bf16 ``dh``.
 Residuals: ``h`` in bf16 (the activation's backward needs it, as it does
-unfused; in FP8 with ``store_act_input_in_fp8``, see "Memory"), ``x.T`` in FP8 (with a norm: ``x`` itself and its row
-statistics, which the norm's backward reads), the amaxes of ``z`` and
-``norm(x)`` and the kernels as given. The FP8 ``z.T`` and ``norm(x).T``
+unfused; in FP8 with ``store_act_input_in_fp8``, see "Memory"), ``x.T`` in
+FP8 (with a norm: ``x`` itself and its row statistics, which the norm's
+backward reads), the amaxes of ``z`` and ``norm(x)`` and the kernels as
+given. The FP8 ``z.T`` and ``norm(x).T``
 that the wgrad GEMMs read are made in the backward from ``h`` (in the
 activation backward's pass, see above) and from ``x`` and its statistics
 (a columnwise-only quantize pass, ``norm_dense.requantize_normalized``)
@@ -218,10 +219,11 @@ def _mlp_fwd(x, gamma, beta, wi, bi, wo, bo, states, cfg):
   if cfg.return_norm_output:   # elementwise from the statistics: no second reduction
     y = (y, norm_dense.normalized(cfg.norm, *norm_res).astype(cfg.dtype))
   # h is kept for the activation's backward (in FP8 with
-  # store_act_input_in_fp8), and with a norm x for the norm's: with save_input the FP8 copies of act(h).T and norm(x).T are
-  # made from them in the backward instead (with this forward's scales,
-  # ``states``, and amaxes, kept in their place); with save_kernel the
-  # kernels are quantized again.
+  # store_act_input_in_fp8), and with a norm x for the norm's: with
+  # save_input the FP8 copies of act(h).T and norm(x).T are made from them
+  # in the backward instead (with this forward's scales, ``states``, and
+  # amaxes, kept in their place); with save_kernel the kernels are
+  # quantized again.
   x_t = qx.amax if cfg.save_input and norm_res is not None else qx.columnwise()
   z_t = qz.amax if cfg.save_input else qz.columnwise()
   res = (x_t, wi if cfg.save_kernel else qwi.rowwise(), _kept_act_input(h, cfg), z_t,

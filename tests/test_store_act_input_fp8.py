@@ -75,7 +75,8 @@ def _rounded_h_vjp(r, acts, *, norm, bias, chunks, states, cot):
   def step(x, gamma, beta, wi, bi, wo, bo):
     if not norm:
       gamma = beta = None
-    y, res = fused_mlp._mlp_fwd(x, gamma, beta, wi, bi, wo, bo, states, cfg)  # pylint: disable=protected-access
+    y, res = fused_mlp._mlp_fwd(  # pylint: disable=protected-access
+        x, gamma, beta, wi, bi, wo, bo, states, cfg)
     h = res[2]   # the activation's input, (M, n_act * F) in the compute dtype
     assert h.shape == (M, len(acts) * F) and h.dtype == jnp.bfloat16
     data, scale_inv = q.quantize_blockwise(h, (1, 128), jnp.float8_e4m3fn, power_2_scale=True,
