@@ -40,6 +40,8 @@ class FP8Context:
     mesh_resource: a ``te_jax.sharding.MeshResource`` or None.
     keep_fp8_copies: whether the fused norm and MLP blocks keep the FP8
       copies their backward GEMMs read (see ``fp8_autocast``).
+    store_act_input_in_fp8: whether the fused MLP blocks keep their
+      activation's input in FP8 for the backward (see ``fp8_autocast``).
   """
 
   enabled: bool = False
@@ -47,6 +49,7 @@ class FP8Context:
       default_factory=recipe_lib.DelayedScaling)
   mesh_resource: Optional[sharding_lib.MeshResource] = None
   keep_fp8_copies: bool = False
+  store_act_input_in_fp8: bool = False
 
 
 # What holds outside any fp8_autocast: FP8 off, by default rather than by choice.
@@ -66,7 +69,7 @@ def _jit_key(ctx: FP8Context):
   if not ctx.enabled and ctx.mesh_resource is None:
     return None
   return (ctx.enabled, ctx.recipe if ctx.enabled else None, ctx.mesh_resource,
-          ctx.enabled and ctx.keep_fp8_copies)
+          ctx.enabled and ctx.keep_fp8_copies, ctx.enabled and ctx.store_act_input_in_fp8)
 
 
 def _check_mesh_resource(mesh_resource):
@@ -113,7 +116,8 @@ def in_fp8_autocast() -> bool:
 @contextlib.contextmanager
 def fp8_autocast(enabled: bool = True,
                  fp8_recipe: Optional[recipe_lib.Recipe] = None,
-                 mesh_resource=None, keep_fp8_copies: bool = False) -> Iterator[FP8Context]:
+                 mesh_resource=None, keep_fp8_copies: bool = False,
+                 store_act_input_in_fp8: bool = False) -> Iterator[FP8Context]:
   """Runs the te_jax layers traced inside in FP8 with ``fp8_recipe``.
 
   Args:
@@ -133,6 +137,17 @@ def fp8_autocast(enabled: bool = True,
       the kernels are large against the tokens of a step), and holds one byte
       per kernel element and per norm(x) element until then. Same values
       either way (the copies are quantized with the same scales).
+    store_act_input_in_fp8: False (the default): the fused MLP blocks
+      (``LayerNormMLP``, also inside ``TransformerLayer``) keep their
+      activation's input h = norm(x) @ wi (tokens x n_act * mlp) in the
+      compute dtype for the backward. True: they keep it in E4M3 with one
+      float32 scale per 1x128 tile (DeepSeek-V3's low-precision storage;
+      ``te_jax.fused_mlp.fp8_mlp``'s ``store_act_input_in_fp8``): about
+      half of that residual's bytes, for one quantize pass in the forward
+      and one dequantize in the backward; the output is unchanged, the
+      gradients differ by the rounding of h to E4M3. A block that does not
+      run on the fused MLP path under FP8 cannot apply it and warns once
+      why. Ignored while FP8 is off.
 
   Yields:
     The active ``FP8Context``.
@@ -148,8 +163,12 @@ def fp8_autocast(enabled: bool = True,
   _check_mesh_resource(mesh_resource)
   if not isinstance(keep_fp8_copies, bool):
     raise TypeError(f"keep_fp8_copies must be a bool, got {keep_fp8_copies!r}.")
+  if not isinstance(store_act_input_in_fp8, bool):
+    raise TypeError(f"store_act_input_in_fp8 must be a bool (True or False), got "
+                    f"{store_act_input_in_fp8!r}.")
   ctx = FP8Context(enabled=enabled, recipe=fp8_recipe, mesh_resource=mesh_resource,
-                   keep_fp8_copies=keep_fp8_copies)
+                   keep_fp8_copies=keep_fp8_copies,
+                   store_act_input_in_fp8=store_act_input_in_fp8)
   token = _CONTEXT.set(ctx)
   try:
     with _JIT_KEY(_jit_key(ctx)):

@@ -16,9 +16,10 @@ Compared with two ``fp8_dense`` calls and an XLA activation this saves a
 write and a read of ``z`` (forward) and of ``dh`` (backward) -- each
 ``tokens x mlp`` bf16 -- and the backward's peak memory holds no bf16 ``dh``.
 Residuals: ``h`` in bf16 (the activation's backward needs it, as it does
-unfused), ``x.T`` in FP8 (with a norm: ``x`` itself and its row
-statistics, which the norm's backward reads), the amaxes of ``z`` and
-``norm(x)`` and the kernels as given. The FP8 ``z.T`` and ``norm(x).T``
+unfused; in FP8 with ``store_act_input_in_fp8``, see "Memory"), ``x.T`` in
+FP8 (with a norm: ``x`` itself and its row statistics, which the norm's
+backward reads), the amaxes of ``z`` and ``norm(x)`` and the kernels as
+given. The FP8 ``z.T`` and ``norm(x).T``
 that the wgrad GEMMs read are made in the backward from ``h`` (in the
 activation backward's pass, see above) and from ``x`` and its statistics
 (a columnwise-only quantize pass, ``norm_dense.requantize_normalized``)
@@ -29,7 +30,15 @@ alive between the passes (``save_original_input`` /
 
 Numerics: ``z`` and ``dh`` are computed in float32 from the bf16 ``h`` and
 quantized directly (the unfused path rounds them to bf16 first), so results
-differ from the unfused path by that rounding only.
+differ from the unfused path by that rounding only. With
+``store_act_input_in_fp8`` the output is the same bit for bit and the
+gradients differ from the default by the rounding of ``h`` to E4M3 in 1x128
+tiles (at most 2**-4 of an element relative, for elements within E4M3's
+normal range of their tile's max): ``act'(h)`` and, with
+``save_original_input``, the ``act(h)`` the wgrad of ``wo`` reads are
+computed from the rounded ``h``. Under per-tensor scaling that ``act(h)`` is
+quantized with the forward's scale, so a value the rounding lifts above the
+forward's amax saturates at the FP8 max.
 
 With ``norm`` (a ``te_jax.norm_dense.NormParams``) the core is the whole
 pre-norm block ``act(norm(x) @ wi + bi) @ wo + bo``: the norm is fused into
@@ -55,6 +64,14 @@ then as high.
 Results equal the unchunked ones bit for bit in the reference, except float
 sums over the tokens (the bias and norm parameter gradients, in another
 order); on the GPU the chunks' GEMMs may pick other algorithms.
+
+``store_act_input_in_fp8=True`` keeps ``h`` as DeepSeek-V3 keeps its SwiGLU
+inputs: E4M3 with one float32 scale per 1x128 tile along the features
+(whatever the recipe), 1 byte per element of ``h`` plus 4 bytes per 128
+instead of 2, so that residual is about halved. It costs one quantize pass
+over ``h`` in the forward and, in the backward, a dequantize of each row
+chunk of ``h`` into the compute dtype just before the activation backward
+reads it (only a chunk of ``h`` in bf16 is live at once, as of ``g @ wo.T``).
 
 Shapes are not padded here: :func:`supported` says whether a problem can take
 this path (token count a multiple of the recipe's ``token_block``, the other
@@ -87,6 +104,7 @@ from te_jax import remat
 from te_jax import scaling
 from te_jax.ops import act_quantize as act_op
 from te_jax.ops import fp8
+from te_jax.ops import quantize as quantize_op
 from te_jax.ops.fp8 import ScaledTensor
 
 __all__ = ["fp8_mlp", "supported", "check_backward_chunks", "chunk_bounds"]
@@ -104,6 +122,41 @@ class _MlpConfig(NamedTuple):
   backward_chunks: int = 1              # row chunks of the backward's dgrad half
   save_input: bool = True    # no FP8 copy of act(h) (nor of norm(x)) kept: made again
   save_kernel: bool = True   # no FP8 copies of the kernels kept: quantized again
+  store_act_input_in_fp8: bool = False   # h kept as E4M3 in 1x128 tiles, not in dtype
+
+
+# The format h is kept in with store_act_input_in_fp8. A storage format, not
+# a GEMM operand, so the same under every recipe: E4M3 (h is a forward
+# activation) with one float32 scale per 1x128 tile along the features, as
+# DeepSeek-V3 keeps its SwiGLU inputs. The scales are rounded down to powers
+# of two: an E4M3 value times a power of two is exact in bf16, so the
+# dequantized h is the same in float32 and in the compute dtype (no second
+# rounding), and E4M3 keeps 3 mantissa bits in every binade: only where
+# values fall to subnormals (about 2**-15 of the tile's max) moves, by one binade.
+ACT_INPUT_BLOCK = (1, 128)
+ACT_INPUT_DTYPE = jnp.float8_e4m3fn
+ACT_INPUT_POWER_2_SCALE = True
+
+
+def _kept_act_input(h, cfg):
+  """What the forward keeps of h (M, n_act * F) for the activation's
+  backward: h itself, or with ``store_act_input_in_fp8`` its E4M3 copy in
+  1x128 tiles (a ScaledTensor; one quantize pass over h)."""
+  if not cfg.store_act_input_in_fp8:
+    return h
+  q = quantize_op.quantize_blockwise(h, ACT_INPUT_BLOCK, ACT_INPUT_DTYPE,
+                                     power_2_scale=ACT_INPUT_POWER_2_SCALE, impl=cfg.impl)
+  return q.rowwise()
+
+
+def _act_input_rows(h, r0: int, r1: int, dtype) -> jax.Array:
+  """Rows [r0, r1) of the kept h in ``dtype``: a slice of h, or the
+  dequantization of only those rows of its FP8 copy (no whole h in
+  ``dtype`` comes back). A tile holding a NaN or Inf has a NaN scale, so
+  its rows come back NaN: the gradients stay non-finite."""
+  if isinstance(h, ScaledTensor):
+    return h.rows(r0, r1).dequantize(dtype)
+  return h[r0:r1]
 
 
 def check_backward_chunks(chunks, recipe: Optional[recipe_lib.Recipe] = None) -> None:
@@ -165,14 +218,15 @@ def _mlp_fwd(x, gamma, beta, wi, bi, wo, bo, states, cfg):
   protos = tuple(jnp.zeros((0,), a.dtype) for a in (x, wi, wo))
   if cfg.return_norm_output:   # elementwise from the statistics: no second reduction
     y = (y, norm_dense.normalized(cfg.norm, *norm_res).astype(cfg.dtype))
-  # h is kept for the activation's backward, and with a norm x for the
-  # norm's: with save_input the FP8 copies of act(h).T and norm(x).T are
-  # made from them in the backward instead (with this forward's scales,
-  # ``states``, and amaxes, kept in their place); with save_kernel the
-  # kernels are quantized again.
+  # h is kept for the activation's backward (in FP8 with
+  # store_act_input_in_fp8), and with a norm x for the norm's: with
+  # save_input the FP8 copies of act(h).T and norm(x).T are made from them
+  # in the backward instead (with this forward's scales, ``states``, and
+  # amaxes, kept in their place); with save_kernel the kernels are
+  # quantized again.
   x_t = qx.amax if cfg.save_input and norm_res is not None else qx.columnwise()
   z_t = qz.amax if cfg.save_input else qz.columnwise()
-  res = (x_t, wi if cfg.save_kernel else qwi.rowwise(), h, z_t,
+  res = (x_t, wi if cfg.save_kernel else qwi.rowwise(), _kept_act_input(h, cfg), z_t,
          wo if cfg.save_kernel else qwo.rowwise(), states, new, protos, norm_res)
   return y, res
 
@@ -189,7 +243,8 @@ def chunk_bounds(m: int, chunks: int, token_block: int) -> Tuple[Tuple[int, int]
 def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype, act_t):
   """dh = (g @ wo.T) * act'(h), quantized, and its dgrad ``dh @ wi.T``, one
   row chunk at a time (``cfg.backward_chunks``): only a chunk of the bf16
-  ``g @ wo.T`` and of the rowwise FP8 ``dh`` is live at once. With
+  ``g @ wo.T`` and of the rowwise FP8 ``dh`` is live at once (and of h in
+  ``cfg.dtype`` where the forward kept it in FP8: ``_act_input_rows``). With
   ``act_t`` (an ``ActColumnwise``) the same passes write act(h)'s
   columnwise copy. Returns the dgrad (M, K) in ``dx_dtype``, dh's
   columnwise operand for the wgrad, its amax (None for blockwise), the bias
@@ -197,12 +252,13 @@ def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype, act_t):
   mode, impl = cfg.mode, cfg.impl
   dxs, cols, col_scales, amaxes, dbis, zs = [], [], [], [], [], []
   for r0, r1 in chunk_bounds(h.shape[0], cfg.backward_chunks, mode.token_block):
-    dz = mode.gemm("dgrad", qg.rowwise().rows(r0, r1), qwo, out_dtype=h.dtype, impl=impl)
+    h_rows = _act_input_rows(h, r0, r1, cfg.dtype)
+    dz = mode.gemm("dgrad", qg.rowwise().rows(r0, r1), qwo, out_dtype=cfg.dtype, impl=impl)
     # dh = dz * act'(h) quantized in the pass that reads dz and h. Delayed
     # scaling quantizes with the state's scale and blockwise per tile, so a
     # chunk's FP8 values are those of the whole tensor (act(h)'s copy too:
     # the forward's scale, or tiles of 128 tokens).
-    q = mode.quantize_fused(act_op.dact_quantize, "grad", si, impl=impl, dz=dz, h=h[r0:r1],
+    q = mode.quantize_fused(act_op.dact_quantize, "grad", si, impl=impl, dz=dz, h=h_rows,
                             activations=cfg.activations, act_columnwise=act_t)
     if act_t is not None:
       q, z_cols = q
@@ -212,11 +268,11 @@ def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype, act_t):
     col_scales.append(q.scale_inv_t)
     amaxes.append(q.amax)
     if cfg.has_bi:   # one more pass over dz and h, only when wi has a bias
-      dh = act_op.activation_backward(dz, h[r0:r1], cfg.activations)
+      dh = act_op.activation_backward(dz, h_rows, cfg.activations)
       dbis.append(jnp.sum(dh.astype(jnp.float32), axis=0))
   z_t = act_op.join_columnwise(zs, impl) if zs else None
   if len(dxs) == 1:
-    dbi = None if not dbis else dbis[0].astype(h.dtype)
+    dbi = None if not dbis else dbis[0].astype(cfg.dtype)
     return dxs[0], q.columnwise(), q.amax, dbi, z_t
   amax = None if q.amax is None else fp8.amax(jnp.stack(amaxes))   # NaN-propagating
   if q.block_shape is None:   # delayed: one scale for every chunk ...
@@ -225,7 +281,7 @@ def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype, act_t):
   else:   # blockwise: tiles of 128 tokens, never across a chunk boundary
     scale_t = jnp.concatenate(col_scales, axis=1)
   col = ScaledTensor(jnp.concatenate(cols, axis=1), scale_t, q.block_shape)
-  dbi = None if not dbis else sum(dbis[1:], dbis[0]).astype(h.dtype)
+  dbi = None if not dbis else sum(dbis[1:], dbis[0]).astype(cfg.dtype)
   return jnp.concatenate(dxs, axis=0), col, amax, dbi, z_t
 
 
@@ -246,7 +302,9 @@ def _mlp_bwd(cfg, res, g):
     qwo = mode.quantize(qwo, "kernel", so_fwd, impl=impl, columnwise=False).rowwise()
   # With save_input z_t is the amax of the forward's act(h): act(h) is
   # quantized columnwise as the forward quantized it (its options for role
-  # "x" under the forward's state, and that amax) in the dact passes.
+  # "x" under the forward's state, and that amax) in the dact passes. (With
+  # store_act_input_in_fp8 those passes read h rounded to E4M3, so this
+  # act(h) is recomputed from the rounded h, as DeepSeek-V3 does.)
   act_t = None
   if cfg.save_input:
     act_t = mode.quantize_fused(act_op.act_columnwise_like, "x", so_fwd, impl=impl, amax=z_t)
@@ -279,7 +337,8 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
             recipe: recipe_lib.Recipe, wi_state=None, wo_state=None,
             impl: str = "auto", norm: Optional[norm_dense.NormParams] = None,
             dtype=None, return_norm_output: bool = False, backward_chunks: int = 1,
-            save_original_input: bool = True, save_original_kernel: bool = True):
+            save_original_input: bool = True, save_original_kernel: bool = True,
+            store_act_input_in_fp8: bool = False):
   """``act(x @ wi + bi) @ wo + bo`` with FP8 GEMMs and fused activation-quantize.
 
   Args:
@@ -324,6 +383,17 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
       no memory when they are parameters (as the Flax modules pass them),
       what the FP8-off dots keep when they are cast copies. False keeps the
       FP8 copies (1 byte per element).
+    store_act_input_in_fp8: False (default): the backward reads the
+      activation's input h (M, n_act * F) kept in ``dtype``. True: the
+      forward keeps h in E4M3 with one float32 scale per 1x128 tile along
+      the features (whatever the recipe: a storage format), 1 byte per
+      element of h plus 4 bytes per 128 instead of 2 (bf16), and the
+      backward dequantizes it one row chunk at a time (``backward_chunks``)
+      into ``dtype``, from which it computes act'(h) and, with
+      ``save_original_input``, act(h) again for the wgrad of ``wo``. Costs
+      one quantize pass over h in the forward and one dequantize in the
+      backward; the output is unchanged, the gradients differ from the
+      default by the rounding of h to E4M3 in 1x128 tiles. See "Memory".
 
   Returns:
     (M, N) in ``dtype``, or ``(y, norm(x))`` with ``return_norm_output``.
@@ -331,11 +401,14 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
   Raises:
     ValueError: shapes that :func:`supported` rejects, or inconsistent ones;
       ``backward_chunks`` below 1, or above 1 under current scaling.
-    TypeError: ``backward_chunks`` not an int.
+    TypeError: ``backward_chunks`` not an int; ``store_act_input_in_fp8``
+      not a bool.
   """
   acts = tuple(activations)
   mode = dense_lib.scaling_mode_of(recipe)
   check_backward_chunks(backward_chunks, recipe)
+  if not isinstance(store_act_input_in_fp8, bool):
+    raise TypeError(f"store_act_input_in_fp8 must be a bool, got {store_act_input_in_fp8!r}.")
   if x.ndim != 2 or wi.ndim != 2 or wo.ndim != 2:
     raise ValueError(f"x, wi, wo must be 2-D, got {x.shape}, {wi.shape}, {wo.shape}.")
   (m, k), (f, n) = x.shape, wo.shape
@@ -370,7 +443,7 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
   out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
   cfg = _MlpConfig(mode, impl, acts, bi is not None, bo is not None, out_dtype, spec,
                    bool(return_norm_output), int(backward_chunks), bool(save_original_input),
-                   bool(save_original_kernel))
+                   bool(save_original_kernel), store_act_input_in_fp8)
   cast = lambda b: None if b is None else b.astype(out_dtype)
   # The weights are quantized in their own dtype (float32 parameters: one
   # pass, no convert to x.dtype first); their gradients come back in it.

@@ -15,6 +15,11 @@
   in front. When the fused core was asked for but cannot run, the
   ``te_jax`` logger says why (INFO, once per reason: :func:`log_unfused`).
 
+``fp8_autocast(store_act_input_in_fp8=True)`` reaches the fused core with
+its norm (``te_jax.fused_mlp.fp8_mlp`` keeps h in FP8); where the block
+takes another path the option cannot apply, and a warning says so once per
+reason (:func:`warn_act_input_not_in_fp8`).
+
 Both paths use the same parameters and FP8 states (``wi_fp8_meta``,
 ``wo_fp8_meta``). Gated activations (two names, e.g. ("silu", "linear") =
 SwiGLU) use one up-projection (embed, n_act, mlp) computed as one GEMM; the
@@ -39,7 +44,7 @@ from te_jax.layers.state import GemmStates
 from te_jax.ops.act_quantize import ACTIVATIONS
 
 __all__ = ["ACTIVATIONS", "FP8_GEMMS", "layernorm_mlp", "activate", "check_activations",
-           "fused_core_blocker", "fused_norm_mlp", "log_unfused"]
+           "fused_core_blocker", "fused_norm_mlp", "log_unfused", "warn_act_input_not_in_fp8"]
 
 # The state names of the block's two GEMMs.
 FP8_GEMMS = ("wi_fp8_meta", "wo_fp8_meta")
@@ -68,6 +73,17 @@ def log_unfused(owner: str, reason: str, backward_chunks: int = 1):
     logging.getLogger("te_jax").warning(
         "te_jax: %s backward_chunks=%d has no effect: the block runs as two FP8 dense "
         "layers because %s", owner, backward_chunks, reason)
+
+
+@functools.lru_cache(maxsize=None)
+def warn_act_input_not_in_fp8(owner: str, reason: str):
+  """Warns once per (owner, reason) that ``owner`` keeps its activation's
+  input in the compute dtype although the autocast's
+  ``store_act_input_in_fp8`` asked for FP8 (a memory saving the user asked
+  for and does not get)."""
+  logging.getLogger("te_jax").warning(
+      "te_jax: %s keeps its activation's input in the compute dtype, not in FP8 as "
+      "fp8_autocast(store_act_input_in_fp8=True) asks: %s", owner, reason)
 
 
 def fused_core_blocker(m: int, embed: int, f: int, settings: Settings, acts,
@@ -122,7 +138,7 @@ def fused_norm_mlp(x, wi, wo, bi, bo, *, norm: norm_dense.NormParams, settings: 
       None if bi is None else bi.reshape(-1), bo, activations=activations,
       recipe=settings.recipe, wi_state=states[0], wo_state=states[1],
       impl=settings.impl, dtype=dtype, norm=norm, return_norm_output=return_norm_output,
-      backward_chunks=backward_chunks, **settings.residual_plan())
+      backward_chunks=backward_chunks, **settings.mlp_residual_plan())
   if return_norm_output:
     return out[0].reshape(*lead, e), out[1].reshape(x.shape)
   return out.reshape(*lead, e)
@@ -165,11 +181,14 @@ def layernorm_mlp(states: GemmStates, settings: Settings, x: jax.Array, *,
   bi = None if bi is None else bi.astype(dtype)
   bo = None if bo is None else bo.astype(dtype)
   fused = False
+  blocker = "fuse_activation_quantize=False"
   if fuse_activation_quantize and settings.recipe is not None:
     blocker = fused_core_blocker(m, e, f, settings, activations, dropout_active)
     fused = blocker is None
     if not fused:
       log_unfused(owner, blocker, backward_chunks)
+  if settings.store_act_input_in_fp8 and not fused:
+    warn_act_input_not_in_fp8(owner, f"it runs as two FP8 dense layers because {blocker}")
   found = (fused_norm_states(states, settings, x, FP8_GEMMS)
            if fused and fuse_norm_quantize else None)
   if found is not None:
@@ -181,6 +200,9 @@ def layernorm_mlp(states: GemmStates, settings: Settings, x: jax.Array, *,
                           backward_chunks=backward_chunks)
   ln_out = module_norm(owner, settings, x, norm, dtype, kernels=fuse_norm_quantize)
   if fused:   # both GEMMs in one custom VJP, the activation fused into quantization
+    if settings.store_act_input_in_fp8:   # te_jax.layers.gemm.mlp_core does not pass it
+      warn_act_input_not_in_fp8(owner, "its norm runs in front of the fused MLP core, "
+                                "and the core without its norm does not take the option")
     y = mlp_core(states, settings, ln_out.reshape(m, e), wi.reshape(e, -1), None if bi is None
                  else bi.reshape(-1), wo, bo, activations=activations, names=FP8_GEMMS,
                  backward_chunks=backward_chunks).reshape(*lead, e)

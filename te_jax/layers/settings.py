@@ -50,6 +50,9 @@ class Settings(NamedTuple):
     impl: "auto", "cuda" or "reference" (the module's ``impl`` attribute).
     keep_fp8_copies: the autocast's ``keep_fp8_copies`` (False when FP8 is
       off): what the fused blocks keep for their backward.
+    store_act_input_in_fp8: the autocast's ``store_act_input_in_fp8``
+      (False when FP8 is off): whether the fused MLP core keeps its
+      activation's input in FP8.
   """
 
   recipe: Optional[recipe_lib.Recipe]
@@ -59,12 +62,18 @@ class Settings(NamedTuple):
   axis_rules: Tuple[Tuple[str, Any], ...]
   impl: str
   keep_fp8_copies: bool = False
+  store_act_input_in_fp8: bool = False
 
   def residual_plan(self) -> dict:
     """The fused blocks' ``save_original_input`` / ``save_original_kernel``
     arguments (``te_jax.fused_mlp.fp8_mlp``, ``te_jax.norm_dense.fp8_norm_dense``)."""
     save = not self.keep_fp8_copies
     return dict(save_original_input=save, save_original_kernel=save)
+
+  def mlp_residual_plan(self) -> dict:
+    """:meth:`residual_plan` with the MLP core's own choice, its
+    ``store_act_input_in_fp8`` (``te_jax.fused_mlp.fp8_mlp`` alone takes it)."""
+    return dict(self.residual_plan(), store_act_input_in_fp8=self.store_act_input_in_fp8)
 
   def unsharded(self) -> bool:
     """True when no mesh axis named by the mesh resource has size > 1, and
@@ -108,7 +117,8 @@ def read_settings(impl: str = "auto", axis_rules: Sequence = ()) -> Settings:
   return Settings(recipe=recipe, mode=None if recipe is None else recipe.scaling_mode(),
                   mesh_resource=ctx.mesh_resource, mesh=sharding_lib.get_mesh(),
                   axis_rules=rules, impl=impl,
-                  keep_fp8_copies=recipe is not None and ctx.keep_fp8_copies)
+                  keep_fp8_copies=recipe is not None and ctx.keep_fp8_copies,
+                  store_act_input_in_fp8=recipe is not None and ctx.store_act_input_in_fp8)
 
 
 def in_autocast() -> bool:
