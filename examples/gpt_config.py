@@ -53,6 +53,8 @@ class Config:
   offload_optimizer: bool = False  # optimizer state in host memory (te_jax.offload)
   keep_fp8_copies: bool = False    # fp8_autocast(keep_fp8_copies=): FP8 copies kept for the
                                    # backward (faster, more memory)
+  store_act_input_in_fp8: bool = False  # fp8_autocast(store_act_input_in_fp8=): the MLP's
+                                   # activation input kept in E4M3 (less memory)
   doc_window: Optional[bool] = None  # attention only over a band as wide as the longest
                                    # document; None: the preset's (on for llama)
   ckpt_dir: Optional[str] = None

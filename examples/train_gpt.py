@@ -274,7 +274,8 @@ class Trainer:
   def autocast(self):
     return te_jax.fp8_autocast(enabled=self.recipe is not None, fp8_recipe=self.recipe,
                                mesh_resource=self.mesh_resource,
-                               keep_fp8_copies=self.cfg.keep_fp8_copies)
+                               keep_fp8_copies=self.cfg.keep_fp8_copies,
+                               store_act_input_in_fp8=self.cfg.store_act_input_in_fp8)
 
   def batch(self, step: int, docs=None):
     """The global batch of ``step`` as arrays sharded over the mesh's batch axes.

@@ -268,7 +268,10 @@ def test_modules_keep_h_in_fp8_under_the_autocast(rname):
   r = RECIPES[rname]()
   h_elems = X.shape[0] * X.shape[1] * 2 * H
   saved = h_elems * 2 - (h_elems + h_elems // 128 * 4)
-  for name, (loss, params) in (("linen", _linen_loss(r)), ("nnx", _nnx_loss(r))):
+  # fuse_norm_quantize=False: the norm in front, the core without it
+  # (te_jax.layers.gemm.mlp_core) takes the option as well.
+  for name, (loss, params) in (("linen", _linen_loss(r)), ("nnx", _nnx_loss(r)),
+                               ("linen, norm in front", _linen_loss(r, fuse_norm_quantize=False))):
     base = _under(False, r, _residual_bytes, loss, params, X)
     fp8 = _under(True, r, _residual_bytes, loss, params, X)
     assert base - fp8 == saved, (name, base, fp8)
@@ -323,3 +326,17 @@ def test_warns_once_where_the_block_cannot_apply_it(caplog):
   _under(True, r, jax.grad(loss), params, X)
   hits = [m for m in caplog.messages if "store_act_input_in_fp8" in m]
   assert len(hits) == 1 and "fuse_activation_quantize=False" in hits[0], hits
+
+
+def test_train_gpt_config_field_reaches_the_autocast():
+  """``Config.store_act_input_in_fp8`` (``--set store_act_input_in_fp8=true``
+  in bench_model / model_memory) is what the trainer's autocast carries; off
+  by default. The trainer is not built: its autocast reads only its config,
+  recipe and mesh resource."""
+  import train_gpt  # pylint: disable=import-error,import-outside-toplevel  (examples/ on the path)
+  for fields, want in (({}, False), ({"store_act_input_in_fp8": True}, True)):
+    trainer = train_gpt.Trainer.__new__(train_gpt.Trainer)
+    trainer.cfg = train_gpt.Config(preset="tiny", **fields)
+    trainer.recipe, trainer.mesh_resource = train_gpt.make_recipe("blockwise"), None
+    with trainer.autocast() as ctx:
+      assert ctx.enabled and ctx.store_act_input_in_fp8 is want

@@ -197,7 +197,7 @@ def mlp_core(states: GemmStates, settings: Settings, x2d, wi2d, bi, wo, bo, *,
   y = fused_mlp.fp8_mlp(x2d, wi2d, wo, bi, bo, activations=activations,
                         recipe=settings.recipe, wi_state=si, wo_state=so,
                         impl=settings.impl, backward_chunks=backward_chunks,
-                        **settings.residual_plan())
+                        **settings.mlp_residual_plan())
   return y if si is not None else states.keep_unused(y, names)
 
 

@@ -200,9 +200,6 @@ def layernorm_mlp(states: GemmStates, settings: Settings, x: jax.Array, *,
                           backward_chunks=backward_chunks)
   ln_out = module_norm(owner, settings, x, norm, dtype, kernels=fuse_norm_quantize)
   if fused:   # both GEMMs in one custom VJP, the activation fused into quantization
-    if settings.store_act_input_in_fp8:   # te_jax.layers.gemm.mlp_core does not pass it
-      warn_act_input_not_in_fp8(owner, "its norm runs in front of the fused MLP core, "
-                                "and the core without its norm does not take the option")
     y = mlp_core(states, settings, ln_out.reshape(m, e), wi.reshape(e, -1), None if bi is None
                  else bi.reshape(-1), wo, bo, activations=activations, names=FP8_GEMMS,
                  backward_chunks=backward_chunks).reshape(*lead, e)

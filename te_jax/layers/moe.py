@@ -49,6 +49,7 @@ from te_jax import grouped_dense as gd
 from te_jax import moe as moe_lib
 from te_jax import sharding as sharding_lib
 from te_jax.layers.gemm import gemm_kernel
+from te_jax.layers.mlp import warn_act_input_not_in_fp8
 from te_jax.layers.settings import Settings
 from te_jax.layers.state import GemmStates
 
@@ -197,6 +198,9 @@ def moe_layer(states: GemmStates, settings: Settings, x: jax.Array, *, params: d
   Returns:
     ``(y, aux)``: y like x in ``dtype``; aux a ``te_jax.moe.MoEAux``.
   """
+  if settings.store_act_input_in_fp8:
+    warn_act_input_not_in_fp8("MoE", "its experts (and shared experts) run as separate "
+                              "grouped and dense FP8 GEMMs, not the fused MLP core")
   shared = "shared_wi_kernel" in params
   block_states, unused = _gemm_states(states, settings, config, shared)
   if block_states is not None:
