@@ -197,7 +197,10 @@ def model_residuals(recipe: str, overrides: dict) -> List[Residual]:
   shape = (cfg.batch, cfg.seq_len)
   tokens = jnp.zeros(shape, jnp.int32)
   batch = (tokens, tokens + 1, jnp.broadcast_to(jnp.arange(cfg.seq_len, dtype=jnp.int32), shape))
-  with te_jax.fp8_autocast(enabled=rec is not None, fp8_recipe=rec), keep_fp8_copies(keep):
+  # The Config's residual choice reaches this autocast as the trainer's.
+  store = {"store_act_input_in_fp8": True} if cfg.store_act_input_in_fp8 else {}
+  with te_jax.fp8_autocast(enabled=rec is not None, fp8_recipe=rec, **store), \
+       keep_fp8_copies(keep):
     variables = nn.meta.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), *batch)))
     return saved_residuals(lambda v: train_gpt.loss_fn(model, v, batch)[0], variables)
 
