@@ -24,10 +24,14 @@ pads every group to its recipe's token block (``ScalingMode.token_block``:
 columnwise operand straddles two groups; the reference below computes what
 the scales say for any sizes.
 
-The CUDA path (``grouped_gemm_cuda``: te_jax's sm_90a kernel, built on
-CUTLASS, in builds that found its headers) takes FP8 operands with a
+The CUDA path (``grouped_gemm_cuda``: te_jax's sm_90a kernels, built on
+CUTLASS, in builds that found its headers) takes FP8 operands, or bfloat16
+x bfloat16 operands (the FP8-off layers' GEMMs, fp32 accumulation), with a
 bfloat16 output on Hopper; the dispatchers run the reference for every
-other call (``impl="auto"`` logs why once at INFO). The reference (the spec)
+other call (``impl="auto"`` logs why once at INFO). On bfloat16 operands the
+kernel's result equals the reference's (exact products of the bfloat16
+values, float32 sums) within the bfloat16 rounding of the output and the
+order of the float32 sums. The reference (the spec)
 dequantizes to float32 and, per group, multiplies row chunks of a static
 size with a dynamic start: memory stays that of the operands and the
 output (never a dense ``(g, m, ...)`` expansion, as ``jax.lax.ragged_dot``'s
@@ -235,8 +239,10 @@ def _varying_like(init, *operands):
 
 
 def _poison_if_invalid(out, group_sizes, m):
-  """NaN everywhere when ``group_sizes`` cannot describe ``m`` rows."""
-  ok = jnp.all(group_sizes >= 0) & (jnp.sum(group_sizes) <= m)
+  """NaN everywhere when ``group_sizes`` cannot describe ``m`` rows. The sum
+  is a scan saturating at m + 1 (``group_bounds``): an int32 sum of large
+  sizes could wrap to a small one."""
+  ok = jnp.all(group_sizes >= 0) & (grouped_gemm_cuda.group_bounds(group_sizes, m + 1)[-1] <= m)
   return jnp.where(ok, out, jnp.asarray(jnp.nan, out.dtype))
 
 
@@ -340,8 +346,9 @@ def _run(op: str, impl: str, a, b, out_dtype, axis, cuda_fn, reference_fn):
   "reference", and "auto" where ``_native`` resolves to the reference (no
   GPU; or no native module, which ``_native`` warns about): the reference.
   Where the native module and a GPU exist but the kernel does not take the
-  call (a build without the sm90 GEMMs, not a Hopper GPU, float operands, an
-  output other than bfloat16, ...): "auto" logs why once at INFO and runs
+  call (a build without the sm90 GEMMs, not a Hopper GPU, float operands
+  other than bfloat16 x bfloat16, an output other than bfloat16, ...):
+  "auto" logs why once at INFO and runs
   the reference; "cuda" raises a ValueError saying why. Otherwise
   ``_native.dispatch`` (the kernel on the GPU).
   """
@@ -372,11 +379,13 @@ def grouped_gemm(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *,
       their sum come out 0.
     out_dtype: bfloat16, float16 or float32.
     fast_accum: per-tensor FP8 only: reduced-precision accumulation for the
-      kernel (the reference always accumulates in float32).
+      kernel (the reference, and the kernel on bfloat16 operands, always
+      accumulate in float32).
     impl: "auto", "cuda" or "reference". The CUDA kernel
-      (``grouped_gemm_cuda``) takes FP8 operands with a bfloat16 output on a
-      Hopper GPU, in builds with the sm90 GEMMs; "auto" runs the reference
-      elsewhere (logged once at INFO), "cuda" raises there.
+      (``grouped_gemm_cuda``) takes FP8 operands, or bfloat16 x bfloat16,
+      with a bfloat16 output on a Hopper GPU, in builds with the sm90 GEMMs;
+      "auto" runs the reference elsewhere (logged once at INFO), "cuda"
+      raises there.
 
   Returns:
     (m, n) array of ``out_dtype``.
@@ -396,10 +405,11 @@ def grouped_wgrad(lhs_t: Operand, rhs_t: Operand, group_sizes: jax.Array, *,
     lhs_t: (k, m), rows of the grouped dim m sorted by group: a float array,
       or a ``ScaledTensor`` (per tensor, or 1x128 tiles along m).
     rhs_t: (n, m), the same layout and scaling.
-    group_sizes: (g,) int32 on the device; groups may be empty. The CUDA
-      kernel needs every group to be a multiple of 16 (per tensor) or 128
-      (blockwise) -- the recipe's token block, to which the caller pads them;
-      other sizes give an all-NaN result there (device data cannot raise).
+    group_sizes: (g,) int32 on the device; groups may be empty. On FP8
+      operands the CUDA kernel needs every group to be a multiple of 16
+      (per tensor) or 128 (blockwise) -- the recipe's token block, to which
+      the caller pads them; other sizes give an all-NaN result there
+      (device data cannot raise). bfloat16 operands take any sizes.
     out_dtype: bfloat16, float16 or float32.
     fast_accum, impl: as :func:`grouped_gemm`.
 
