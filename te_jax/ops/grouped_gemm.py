@@ -246,6 +246,13 @@ def _poison_if_invalid(out, group_sizes, m):
   return jnp.where(ok, out, jnp.asarray(jnp.nan, out.dtype))
 
 
+def _chunks(group_size, size, m):
+  """Chunks of ``size`` rows that cover a group: its size clamped to m (a
+  larger one is invalid and poisons the output anyway; unclamped, a size
+  near 2**31 would loop 2**31 / size times)."""
+  return -(-jnp.clip(group_size, 0, m) // size)
+
+
 def _chunk_window(start, end, j, size, m):
   """Row window [r0c, r0c + size) of chunk ``j`` of group rows [start, end),
   clamped into [0, m), and the mask of its rows that belong to the chunk."""
@@ -285,7 +292,7 @@ def grouped_gemm_reference(lhs: Operand, rhs: Operand, group_sizes: jax.Array,
       new = jnp.where(mask[:, None], part.astype(out.dtype), old)
       return lax.dynamic_update_slice_in_dim(out, new, r0c, 0)
 
-    return lax.fori_loop(0, -(-group_sizes[e] // size), chunk, out)
+    return lax.fori_loop(0, _chunks(group_sizes[e], size, m), chunk, out)
 
   out = lax.fori_loop(0, g, group,
                       _varying_like(jnp.zeros((m, n), out_dtype), a, b, group_sizes))
@@ -318,7 +325,7 @@ def grouped_wgrad_reference(lhs_t: Operand, rhs_t: Operand, group_sizes: jax.Arr
                                    (((1,), (1,)), ((), ())), precision=_HIGHEST,
                                    preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, -(-group_sizes[e] // size), chunk,
+    acc = lax.fori_loop(0, _chunks(group_sizes[e], size, m), chunk,
                         _varying_like(jnp.zeros((k, n), jnp.float32), a, b, group_sizes))
     return lax.dynamic_update_index_in_dim(out, acc.astype(out_dtype), e, 0)
 
