@@ -228,3 +228,22 @@ def test_fp8_off_grouped_dense_with_a_float32_kernel_runs_the_reference(fake_gpu
   with caplog.at_level(logging.INFO, logger="te_jax"):
     assert not _kernel_calls(_fp8_off_step, x, kernel, gs)
   assert any("bfloat16 x float32 float operands" in r.getMessage() for r in caplog.records)
+
+
+def test_fp8_off_flax_moe_reaches_the_bf16_kernel(fake_gpu):
+  """The Linen MoE layer without fp8_autocast, computing in bfloat16 over
+  float32 parameters (the layer casts its kernels to the compute dtype when
+  FP8 is off): its six expert GEMMs (fprop, dgrad, wgrad of wi and wo) are
+  te_jax_grouped_gemm calls with scaling 2."""
+  del fake_gpu
+  from te_jax import flax as tfx  # pylint: disable=import-outside-toplevel
+  module = tfx.MoE(num_experts=4, num_experts_per_token=2, intermediate_dim=64, dtype=BF16)
+  x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 16, 32)), BF16)
+  params = jax.eval_shape(module.init, jax.random.PRNGKey(0), x)   # traced only: no kernel runs
+
+  def step(params, x):
+    return jax.grad(lambda p, v: jnp.sum(module.apply(p, v).astype(jnp.float32)),
+                    argnums=(0, 1))(params, x)
+
+  calls = _kernel_calls(step, params, x)
+  assert sorted((c[0]["axis"], c[0]["scaling"]) for c in calls) == [(0, 2)] * 4 + [(1, 2)] * 2
