@@ -1,7 +1,8 @@
 // XLA FFI handler of te_jax/ops/grouped_gemm.py (Python side:
 // grouped_gemm_cuda.py): the grouped GEMMs of mixture-of-experts layers (FP8,
-// and bf16 for FP8-off layers) on te_jax's own sm_90a kernels (kernels/gemm_sm90.cuh, built on CUTLASS;
-// compiled only when CMake found the CUTLASS headers: TE_JAX_HAVE_SM90).
+// and bf16 for FP8-off layers) on te_jax's own sm_90a kernels
+// (kernels/gemm_sm90.cuh, built on CUTLASS; compiled only when CMake found
+// the CUTLASS headers: TE_JAX_HAVE_SM90).
 //
 // Operands (CUTLASS's "TN": both operands contiguous along the contraction):
 //   axis 0, rows (fprop, dgrad):  a (m, k), b (G, n, k), out (m, n):
@@ -11,24 +12,28 @@
 //   group_sizes (G,) int32, read on the device only.
 //   a and b: both FP8 (float8_e4m3fn / float8_e5m2) with scaling 0 or 1, or
 //   both bfloat16 with scaling 2 (none: the FP8-off GEMMs, alpha 1).
-//   Scales (float32), scaling 2 none: a_sinv and b_sinv are 1-element (1,)
-//   dummies, checked for that shape and never read. Scaling 0 per tensor: a_sinv (1,), b_sinv (G,) for
-//   rows (one per expert weight) or (1,) for the contraction. Scaling 1
-//   blockwise, arrays of the native layouts' shapes (te_jax/ops/tiling.py): rows:
-//   a 1x128 (ceil(k/128), roundup(m, 4)), b 128x128 per expert (G,
-//   ceil(n/128), roundup(ceil(k/128), 4)); contraction: a and b 1x128 along
-//   the grouped contraction, (ceil(k/128), roundup(m, 4)) and (ceil(k/128),
-//   roundup(n, 4)). Their contents are compact per group, as CUTLASS's grouped
-//   mainloop reads them (grouped_gemm_cuda.py lays them out), zeros after.
+//   Scales (float32). Scaling 2, none: a_sinv and b_sinv are (1,) dummies,
+//   checked for that shape and never read. Scaling 0, per tensor: a_sinv
+//   (1,), b_sinv (G,) for rows (one per expert weight) or (1,) for the
+//   contraction. Scaling 1, blockwise, arrays of the native layouts' shapes
+//   (te_jax/ops/tiling.py): rows: a 1x128 (ceil(k/128), roundup(m, 4)), b
+//   128x128 per expert (G, ceil(n/128), roundup(ceil(k/128), 4));
+//   contraction: a and b 1x128 along the grouped contraction, (ceil(k/128),
+//   roundup(m, 4)) and (ceil(k/128), roundup(n, 4)). Their contents are
+//   compact per group, as CUTLASS's grouped mainloop reads them
+//   (grouped_gemm_cuda.py lays them out), zeros after.
 //   out is bfloat16 (the kernels' one output type).
 //   fast_accum 1: the tensor cores' own accumulation where a variant has it
-//   (per-tensor E4M3 x E4M3); elsewhere split accumulation, the more exact.
+//   (per-tensor E4M3 x E4M3); elsewhere split accumulation, the more exact
+//   (bf16: the tensor cores' fp32 accumulation, its only one).
 //
 // Group sizes that cannot describe the buffer (a negative one, a sum past
 // it, or, along the contraction, a group that does not start and end on a
-// multiple of 16 per tensor / 8 bf16 / 128 blockwise) make the whole output NaN
-// (InvalidFill::kAll), as the reference (grouped_gemm_reference) does for
-// the first two: the device cannot raise.
+// multiple of 16 bytes of the operand (16 FP8, 8 bf16 elements) or, blockwise,
+// of 128) make the whole output NaN (InvalidFill::kAll), as the reference
+// (grouped_gemm_reference) does for the first two: the device cannot raise.
+// (grouped_gemm_cuda.py realigns bf16 wgrad operands so that any sizes meet
+// the multiple.)
 //
 // The workspace is a result sized by the Python wrapper from static things
 // (grouped_gemm_cuda.workspace_bytes: G only, generously); the handler skips
@@ -102,7 +107,7 @@ const char* ChooseVariant(GroupedAxis axis, GroupedScaling scaling, OperandType 
                : "bfloat16 operands take scaling 2 (none); FP8 operands scaling 0 or 1, and "
                  "a and b must both be FP8 or both bfloat16";
   if (bf16) {
-    *v = GroupedVariant::kBf16;  // fast_accum has no meaning here: fp32 accumulation
+    *v = GroupedVariant::kBf16;  // one accumulation, fp32 (fast_accum: see the top of the file)
     return nullptr;
   }
   if (scaling == GroupedScaling::kBlockwise) {

@@ -80,8 +80,8 @@ from te_jax.ops import tiling
 __all__ = ["TARGET", "ROWS", "CONTRACTION", "PER_TENSOR", "BLOCKWISE", "NONE", "MAX_GROUPS",
            "KernelOperands", "workspace_bytes", "build_reason", "device_reason",
            "unsupported_reason", "auto_reference_reason", "group_bounds",
-           "rows_scales_compact", "rows_operands", "contraction_operands", "realign_columns",
-           "bf16_contraction_operands", "grouped_gemm", "grouped_wgrad"]
+           "rows_scales_compact", "rows_operands", "contraction_operands", "realigned_length",
+           "realign_columns", "bf16_contraction_operands", "grouped_gemm", "grouped_wgrad"]
 
 TARGET = "te_jax_grouped_gemm"
 ROWS, CONTRACTION = 0, 1           # the handler's ``axis`` attribute
