@@ -239,10 +239,9 @@ def _varying_like(init, *operands):
 
 
 def _poison_if_invalid(out, group_sizes, m):
-  """NaN everywhere when ``group_sizes`` cannot describe ``m`` rows. The sum
-  is a scan saturating at m + 1 (``group_bounds``): an int32 sum of large
-  sizes could wrap to a small one."""
-  ok = jnp.all(group_sizes >= 0) & (grouped_gemm_cuda.group_bounds(group_sizes, m + 1)[-1] <= m)
+  """NaN everywhere when ``group_sizes`` cannot describe ``m`` rows
+  (``grouped_gemm_cuda.sizes_fit``: also when their int32 sum would wrap)."""
+  ok = grouped_gemm_cuda.sizes_fit(group_sizes, m)
   return jnp.where(ok, out, jnp.asarray(jnp.nan, out.dtype))
 
 

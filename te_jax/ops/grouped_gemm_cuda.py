@@ -79,7 +79,7 @@ from te_jax.ops import tiling
 
 __all__ = ["TARGET", "ROWS", "CONTRACTION", "PER_TENSOR", "BLOCKWISE", "NONE", "MAX_GROUPS",
            "KernelOperands", "workspace_bytes", "build_reason", "device_reason",
-           "unsupported_reason", "auto_reference_reason", "group_bounds",
+           "unsupported_reason", "auto_reference_reason", "group_bounds", "sizes_fit",
            "rows_scales_compact", "rows_operands", "contraction_operands", "realigned_length",
            "realign_columns", "bf16_contraction_operands", "grouped_gemm", "grouped_wgrad"]
 
@@ -246,6 +246,17 @@ def group_bounds(group_sizes: jax.Array, extent: int) -> jax.Array:
   return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
 
 
+def sizes_fit(group_sizes: jax.Array, extent: int) -> jax.Array:
+  """Whether ``group_sizes`` can describe ``extent`` rows: none negative,
+  their sum at most ``extent`` (a bool scalar on the device). The sum runs
+  over sizes clipped to ``extent + 1`` in uint32: no prefix sum overflows
+  before the first one past ``extent``, which decides, so an int32 sum that
+  would wrap to a small number is caught; one cumulative sum, so the program
+  does not grow with the group count."""
+  clipped = jnp.clip(group_sizes, 0, extent + 1).astype(jnp.uint32)
+  return jnp.all(group_sizes >= 0) & jnp.all(jnp.cumsum(clipped) <= extent)
+
+
 def rows_scales_compact(scale_inv: jax.Array, group_sizes: jax.Array) -> jax.Array:
   """The 1x128 scales of the rows-grouped ``a (m, k)`` as the grouped kernel
   reads them: a flat ``(m * kb,)`` float32 buffer (``kb = ceil(k/128)``) in
@@ -346,8 +357,11 @@ def realign_columns(ts, group_sizes: jax.Array, unit: int):
   """
   m, g = ts[0].shape[1], group_sizes.shape[0]
   length = realigned_length(m, g, unit)
-  bounds = group_bounds(group_sizes, m)          # saturating: no int32 overflow
-  sizes = bounds[1:] - bounds[:-1]
+  # Exact for sizes that fit (the only ones whose realignment is used; the
+  # others' sizes come back -1): plain cumulative sums, so the program does
+  # not grow with g.
+  sizes = jnp.clip(group_sizes, 0, m).astype(jnp.int32)
+  bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes)])
   padded = -(-sizes // unit) * unit
   new_bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(padded)])
   cols = jnp.arange(length, dtype=jnp.int32)
@@ -356,9 +370,7 @@ def realign_columns(ts, group_sizes: jax.Array, unit: int):
   inside = (group < g) & (offset < sizes[jnp.minimum(group, g - 1)])
   src = jnp.where(inside, bounds[jnp.minimum(group, g - 1)] + offset, m)   # m: a zero column
   moved = tuple(jnp.take(t, src, axis=1, mode="fill", fill_value=0) for t in ts)
-  # m + 1 as the scan's bound tells a sum of exactly m from one past it.
-  valid = jnp.all(group_sizes >= 0) & (group_bounds(group_sizes, m + 1)[-1] <= m)
-  return moved, jnp.where(valid, padded, -1).astype(jnp.int32)
+  return moved, jnp.where(sizes_fit(group_sizes, m), padded, -1).astype(jnp.int32)
 
 
 def bf16_contraction_operands(lhs_t, rhs_t, group_sizes):
