@@ -6,11 +6,10 @@
 // Cooperative[FP8FastAccum | FP8Blockwise]; the plain one for FP8 split
 // accumulation and for bf16) read every group's problem shape, operand
 // pointers, strides (and scale pointers / layouts, or the per-group alpha)
-// from device arrays and rewrite their TMA descriptors on
-// the device when a CTA moves to another group; the persistent grid is
-// sized from the SM count alone. So nothing here depends on group_sizes on
-// the host: SetupKernel fills those arrays from group_sizes on the stream,
-// right before the GEMM.
+// from device arrays and rewrite their TMA descriptors on the device when a
+// CTA moves to another group; the persistent grid is sized from the SM count
+// alone. So nothing here depends on group_sizes on the host: SetupKernel
+// fills those arrays from group_sizes on the stream, right before the GEMM.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -52,6 +51,8 @@ struct GroupedConfig {
                 "one K step of 128 bytes must hold the same elements of a and b");
   static_assert((kScaling == GroupedScaling::kNone) == (kTypeA == OperandType::kBF16),
                 "bf16 operands take no scales; FP8 operands take scales");
+  static_assert(!kFastAccum || kScaling == GroupedScaling::kTensor,
+                "fast accumulation is the per-tensor FP8 mainloop's");
   using ElementA = OperandElement<kTypeA>;
   using ElementB = OperandElement<kTypeB>;
   using ElementD = cutlass::bfloat16_t;
