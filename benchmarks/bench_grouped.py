@@ -1,4 +1,4 @@
-"""te_jax's grouped FP8 GEMM against bf16 ``jax.lax.ragged_dot``, per pass.
+"""te_jax's grouped FP8 and bf16 GEMMs against bf16 ``jax.lax.ragged_dot``, per pass.
 
 One expert layer's three grouped GEMMs at issue 46's shape (16 groups of
 1024 rows, k = 4096, n = 2048), with balanced and skewed group sizes (one
@@ -16,11 +16,15 @@ weights come in the layout the kernel reads (contiguous along the
 contraction): fprop gets each expert's ``w.T`` quantized and viewed
 transposed, dgrad ``w`` viewed transposed, so the transposes cancel under
 ``jit`` (a MoE layer that quantizes its weights in the other layout pays one
-pass over them on top). ``ragged_dot`` runs in
-bf16 (wgrad: its VJP with respect to the weights, what a bf16 MoE layer
-runs). Each te_jax row also reports its largest error against the pure-JAX
-reference on the same FP8 operands, relative to the reference's largest
-magnitude, so a wrong kernel cannot pass for a fast one. TFLOP/s count the
+pass over them on top). ``ragged_dot`` runs in bf16 (wgrad: its VJP with
+respect to the weights, what a bf16 MoE layer runs). "te_jax bf16" is
+te_jax's own grouped GEMM on the same bf16 operands (what te_jax's FP8-off
+MoE layer runs: the sm90 bf16 kernel), weights in the kernel's layout as
+for FP8; its wgrad includes the realignment of the operands to 8-token
+group starts that the kernel needs. Each te_jax row also reports its
+largest error against the pure-JAX reference on the same operands,
+relative to the reference's largest magnitude, so a wrong kernel cannot
+pass for a fast one. TFLOP/s count the
 useful FLOPs (``2 * sum(group_sizes) * k * n``).
 
     python benchmarks/bench_grouped.py            # GPU with the sm90 GEMMs
@@ -129,6 +133,22 @@ def bf16_calls(x, w, dy):
           "wgrad": (wgrad, (xb, dyb, wb))}
 
 
+def te_jax_bf16_calls(x, w, dy, impl: str):
+  """(pass -> (fn, args, reference fn)) for te_jax's grouped GEMM on bf16 operands."""
+  xb, wb, dyb = x.astype(BF16), w.astype(BF16), dy.astype(BF16)
+  swap = lambda b: jnp.swapaxes(b, 1, 2)  # pylint: disable=unnecessary-lambda-assignment
+  # As fp8_calls: fprop gets w as (g, n, k), dgrad w itself; the swap in the
+  # jitted function cancels the kernel's own transpose of rhs.
+  return {
+      "fprop": (lambda a, b, s: gg.grouped_gemm(a, swap(b), s, impl=impl), (xb, swap(wb)),
+                lambda a, b, s: gg.grouped_gemm_reference(a, swap(b), s)),
+      "dgrad": (lambda a, b, s: gg.grouped_gemm(a, swap(b), s, impl=impl), (dyb, wb),
+                lambda a, b, s: gg.grouped_gemm_reference(a, swap(b), s)),
+      "wgrad": (lambda a, b, s: gg.grouped_wgrad(a, b, s, out_dtype=BF16, impl=impl),
+                (xb.T, dyb.T), lambda a, b, s: gg.grouped_wgrad_reference(a, b, s, BF16)),
+  }
+
+
 def rel_error(out, ref) -> float:
   """max |out - ref| / max |ref|, in float32."""
   out, ref = jnp.asarray(out, F32), jnp.asarray(ref, F32)
@@ -139,7 +159,8 @@ def run(sz, impl: str, k_calls: int, repeats: int):
   """Rows: dict(pass, groups, variant, ms, tflops, err) per timed call."""
   x, w, dy = operands(sz)
   rows = []
-  variants = {"bf16 ragged_dot": bf16_calls(x, w, dy)}
+  variants = {"bf16 ragged_dot": bf16_calls(x, w, dy),
+              "te_jax bf16": te_jax_bf16_calls(x, w, dy, impl)}
   for name, per_tensor, fast in (("fp8 per-tensor fast", True, True),
                                  ("fp8 per-tensor split", True, False),
                                  ("fp8 blockwise", False, False)):

@@ -1,8 +1,8 @@
-// Checks and times te_jax's own sm_90a grouped FP8 GEMM
+// Checks and times te_jax's own sm_90a grouped GEMMs
 // (custom_calls/kernels/gemm_sm90.cuh, built on CUTLASS's pointer-array
 // grouped kernels) for mixture-of-experts layers: group sizes on the device,
-// rows grouped (fprop, dgrad) or the contraction grouped (wgrad), per-tensor
-// or blockwise scaling.
+// rows grouped (fprop, dgrad) or the contraction grouped (wgrad), FP8 with
+// per-tensor or blockwise scaling, and bf16 (the FP8-off layers' GEMMs).
 //
 // 1. Checks against a float64 host reference: odd shapes (k, n not multiples
 //    of 128), empty groups, one group, 1-row groups, rows after the last
@@ -16,12 +16,17 @@
 //    (2048, 4096) over 16384 tokens), balanced and skewed (one expert with
 //    half the tokens): ours against a loop of per-group cuBLASLt FP8 GEMMs
 //    (same scaling; the host knows the sizes, as te_jax's loop would need),
-//    a loop of per-group cuBLASLt bf16 GEMMs, and one bf16 GEMM of the whole
-//    size (the ceiling of any bf16 grouped GEMM).
+//    a loop of per-group cuBLASLt bf16 GEMMs, one bf16 GEMM of the whole
+//    size (the ceiling of any bf16 grouped GEMM), and ours in bf16 (the bf16
+//    variant on the same bf16 operands and sizes, timed once per pass and
+//    grouping beside the first FP8 row of it, checked against the bf16
+//    loop; the column "ours_bf16", and "/ours16" the FP8 row's speed-up
+//    over it: FP8 against the FP8-off layer's own grouped GEMM).
 //
 // Build: see tools/gpu_kernels.sh. Run: grouped_gemm_sm90 [--checks | --timing]
 //   [--only v1,v2] [--rounds N] (default 7)
 #include <cstring>
+#include <map>
 #include <memory>
 
 #include "gemm_sm90_bench.cuh"
@@ -37,20 +42,44 @@ using bench::DeviceAlloc;
 constexpr double kTol = 1e-2;  // bfloat16 output (tests/test_cuda_ops.py)
 int failures = 0;
 
+using Type = sm90::OperandType;
+
 struct VariantInfo {
   sm90::GroupedVariant id;
   const char* name;
   Scaling scaling;
-  bool a_e5m2, b_e5m2;
+  Type a_type, b_type;
 };
 std::vector<VariantInfo> AllVariants() {
   std::vector<VariantInfo> v;
 #define TE_JAX_X(id, name, scaling, a_type, b_type)                                    \
-  v.push_back({sm90::GroupedVariant::id, name, Scaling::scaling,                       \
-               sm90::Fp8::a_type == sm90::Fp8::kE5M2, sm90::Fp8::b_type == sm90::Fp8::kE5M2});
+  v.push_back({sm90::GroupedVariant::id, name, Scaling::scaling, Type::a_type, Type::b_type});
   TE_JAX_SM90_GROUPED_VARIANTS(TE_JAX_X)
 #undef TE_JAX_X
   return v;
+}
+
+// n random operand elements of type t (N(0, 1), rounded to t) on the device.
+void FillOperand(void* p, size_t n, Type t, uint64_t seed) {
+  if (t == Type::kBF16) bench::FillBf16(p, n, seed);
+  else if (t == Type::kE5M2) bench::FillFp8<__nv_fp8_e5m2>(p, n, seed);
+  else bench::FillFp8<__nv_fp8_e4m3>(p, n, seed);
+}
+
+// n operand elements of type t copied to the host as floats.
+std::vector<float> OperandToHost(const void* p, size_t n, Type t) {
+  if (t != Type::kBF16) return bench::Fp8ToFloat(bench::ToHost<uint8_t>(p, n), t == Type::kE5M2);
+  const auto h = bench::ToHost<__nv_bfloat16>(p, n);
+  std::vector<float> f(n);
+  for (size_t i = 0; i < n; ++i) f[i] = __bfloat162float(h[i]);
+  return f;
+}
+
+// Alignment of a group's slice of the grouped axis (gemm_sm90.cuh's rule):
+// any rows; along the contraction 16 bytes of the operand, or 128 blockwise.
+int SliceMultiple(Axis axis, Scaling scaling, Type t) {
+  if (axis == Axis::kRows) return 1;
+  return scaling == Scaling::kBlockwise ? 128 : 16 / sm90::OperandBytes(t);
 }
 
 // A native scale grid (outer x ld floats, the first `valid` of each outer
@@ -76,13 +105,14 @@ std::vector<float> CompactBlocks(const std::vector<float>& native, int outer, in
 // the cuBLASLt loop read); sa_kernel, sb_kernel: what the grouped kernel
 // reads (sa, sb for per-tensor scaling; blockwise, compact per group as
 // te_jax's grouped_gemm_cuda.py lays them out: see grouped_gemm_sm90_impl.cuh
-// above GroupedSetupKernel).
+// above GroupedSetupKernel; bf16: null, the kernel reads no scales, and the
+// host reference takes sa = sb = 1).
 struct Problem {
   Axis axis;
   Scaling scaling;
   int groups;
   long m, n, k;
-  bool a_e5m2, b_e5m2;
+  Type a_type, b_type;
   bench::ScaleGrid ga{}, gb{};  // gb: one expert's grid for rows
   uint8_t *a = nullptr, *b = nullptr;
   float *sa = nullptr, *sb = nullptr, *sa_kernel = nullptr, *sb_kernel = nullptr;
@@ -90,18 +120,17 @@ struct Problem {
   std::vector<int32_t> host_sizes;
 
   Problem(Axis ax, Scaling sc, const std::vector<int32_t>& sz, long m_, long n_, long k_,
-          bool ae, bool be, uint64_t seed)
+          Type ta, Type tb, uint64_t seed)
       : axis(ax), scaling(sc), groups(static_cast<int>(sz.size())), m(m_), n(n_), k(k_),
-        a_e5m2(ae), b_e5m2(be), host_sizes(sz) {
+        a_type(ta), b_type(tb), host_sizes(sz) {
     const bool rows = axis == Axis::kRows;
     const long b_rows = rows ? long(groups) * n : n;
-    a = DeviceAlloc<uint8_t>(m * k);
-    b = DeviceAlloc<uint8_t>(b_rows * k);
-    ae ? bench::FillFp8<__nv_fp8_e5m2>(a, m * k, seed) : bench::FillFp8<__nv_fp8_e4m3>(a, m * k, seed);
-    be ? bench::FillFp8<__nv_fp8_e5m2>(b, b_rows * k, seed + 1)
-       : bench::FillFp8<__nv_fp8_e4m3>(b, b_rows * k, seed + 1);
+    a = DeviceAlloc<uint8_t>(m * k * sm90::OperandBytes(ta));
+    b = DeviceAlloc<uint8_t>(b_rows * k * sm90::OperandBytes(tb));
+    FillOperand(a, m * k, ta, seed);
+    FillOperand(b, b_rows * k, tb, seed + 1);
     const auto vec = sm90::ScaleMode::kVec128, blk = sm90::ScaleMode::kBlk128x128;
-    if (scaling == Scaling::kTensor) {
+    if (scaling != Scaling::kBlockwise) {  // per tensor; bf16: ones, for the host reference
       ga = {1, 1, 1};
       gb = {rows ? groups : 1, 1, 1};
     } else {
@@ -111,10 +140,16 @@ struct Problem {
     const int experts = rows && scaling == Scaling::kBlockwise ? groups : 1;
     sa = DeviceAlloc<float>(ga.count());
     sb = DeviceAlloc<float>(gb.count() * experts);
-    bench::FillScales(sa, ga.outer, ga.ld, ga.valid, seed + 2);
-    bench::FillScales(sb, gb.outer * experts, gb.ld, gb.valid, seed + 3);
-    sa_kernel = sa;
-    sb_kernel = sb;
+    if (scaling == Scaling::kNone) {
+      const std::vector<float> ones(gb.count(), 1.0f);
+      CHECK_CUDA(cudaMemcpy(sa, ones.data(), sizeof(float), cudaMemcpyHostToDevice));
+      CHECK_CUDA(cudaMemcpy(sb, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice));
+    } else {
+      bench::FillScales(sa, ga.outer, ga.ld, ga.valid, seed + 2);
+      bench::FillScales(sb, gb.outer * experts, gb.ld, gb.valid, seed + 3);
+    }
+    sa_kernel = scaling == Scaling::kNone ? nullptr : sa;
+    sb_kernel = scaling == Scaling::kNone ? nullptr : sb;
     if (scaling == Scaling::kBlockwise) {
       sa_kernel = DeviceAlloc<float>(size_t(ga.outer) * ga.valid);
       sb_kernel = DeviceAlloc<float>(size_t(gb.outer) * experts * gb.valid);
@@ -128,8 +163,8 @@ struct Problem {
     SetSizes(sz);
   }
   ~Problem() {
-    if (sa_kernel != sa) cudaFree(sa_kernel);
-    if (sb_kernel != sb) cudaFree(sb_kernel);
+    if (sa_kernel && sa_kernel != sa) cudaFree(sa_kernel);
+    if (sb_kernel && sb_kernel != sb) cudaFree(sb_kernel);
     for (void* p : {static_cast<void*>(a), static_cast<void*>(b), static_cast<void*>(sa),
                     static_cast<void*>(sb), static_cast<void*>(sizes)})
       cudaFree(p);
@@ -170,7 +205,7 @@ struct Problem {
   // group is valid (gemm_sm90.cuh's rules); mirrors the setup kernel.
   void Slices(std::vector<long>* start, std::vector<long>* end, std::vector<bool>* valid) const {
     const long extent = axis == Axis::kRows ? m : k;
-    const int multiple = axis == Axis::kRows ? 1 : scaling == Scaling::kBlockwise ? 128 : 16;
+    const int multiple = SliceMultiple(axis, scaling, a_type);
     long s = 0;
     for (int g = 0; g < groups; ++g) {
       const long size = host_sizes[g], e = s + std::max<long>(size, 0);
@@ -194,8 +229,8 @@ struct Problem {
 std::vector<double> HostReference(const Problem& p) {
   const bool rows = p.axis == Axis::kRows, blockwise = p.scaling == Scaling::kBlockwise;
   const long b_rows = rows ? long(p.groups) * p.n : p.n;
-  const auto a = bench::Fp8ToFloat(bench::ToHost<uint8_t>(p.a, p.m * p.k), p.a_e5m2);
-  const auto b = bench::Fp8ToFloat(bench::ToHost<uint8_t>(p.b, b_rows * p.k), p.b_e5m2);
+  const auto a = OperandToHost(p.a, p.m * p.k, p.a_type);
+  const auto b = OperandToHost(p.b, b_rows * p.k, p.b_type);
   const int experts = rows && blockwise ? p.groups : 1;
   const auto sa = bench::ToHost<float>(p.sa, p.ga.count());
   const auto sb = bench::ToHost<float>(p.sb, p.gb.count() * experts);
@@ -346,6 +381,7 @@ void RunChecks(const std::vector<VariantInfo>& variants, int sms) {
   uint64_t seed = 500;
   for (const VariantInfo& v : variants) {
     const bool blockwise = v.scaling == Scaling::kBlockwise;
+    const Type ta = v.a_type, tb = v.b_type;
     const bool rows_ok = v.id != sm90::GroupedVariant::kBlockwiseContraction;
     const bool contraction_ok = v.id != sm90::GroupedVariant::kBlockwiseRows;
     if (rows_ok) {  // m = 200 rows, n = 272, k = 400: none a multiple of 128
@@ -357,28 +393,25 @@ void RunChecks(const std::vector<VariantInfo>& variants, int sms) {
           {"rows: -5 and overrun -> NaN", {64, -5, 100, 80}},
       };
       for (const Case& c : cases) {
-        Problem p(Axis::kRows, v.scaling, c.sizes, 200, 272, 400, v.a_e5m2, v.b_e5m2, seed += 10);
+        Problem p(Axis::kRows, v.scaling, c.sizes, 200, 272, 400, ta, tb, seed += 10);
         CheckOne(v, p, c.what, sms);
       }
-      Problem p(Axis::kRows, v.scaling, {16, 0, 100, 3}, 200, 272, 400, v.a_e5m2, v.b_e5m2,
-                seed += 10);
+      Problem p(Axis::kRows, v.scaling, {16, 0, 100, 3}, 200, 272, 400, ta, tb, seed += 10);
       CheckGraph(v, p, {50, 50, 0, 90}, "rows: graph replay, new sizes", sms);
     }
     if (contraction_ok) {  // m = 144, n = 264 (not multiples of 128), k = 640 tokens
-      const int32_t u = blockwise ? 128 : 16;
+      const int32_t u = SliceMultiple(Axis::kContraction, v.scaling, ta);  // 128, 16 or 8 (bf16)
       struct Case { const char* what; std::vector<int32_t> sizes; };
       const Case cases[] = {
           {"contraction: 0,u,3u,... (tail)", {0, u, 3 * u, blockwise ? 0 : 9 * u}},
           {"contraction: one group", {640}},
-          {"contraction: misaligned -> NaN", {u, u + 8, u}},
+          {"contraction: misaligned -> NaN", {u, u + u / 2, u}},
       };
       for (const Case& c : cases) {
-        Problem p(Axis::kContraction, v.scaling, c.sizes, 144, 264, 640, v.a_e5m2, v.b_e5m2,
-                  seed += 10);
+        Problem p(Axis::kContraction, v.scaling, c.sizes, 144, 264, 640, ta, tb, seed += 10);
         CheckOne(v, p, c.what, sms);
       }
-      Problem p(Axis::kContraction, v.scaling, {u, 2 * u, 0}, 144, 264, 640, v.a_e5m2, v.b_e5m2,
-                seed += 10);
+      Problem p(Axis::kContraction, v.scaling, {u, 2 * u, 0}, 144, 264, 640, ta, tb, seed += 10);
       CheckGraph(v, p, {0, u, 3 * u}, "contraction: graph replay", sms);
     }
   }
@@ -389,7 +422,8 @@ void RunChecks(const std::vector<VariantInfo>& variants, int sms) {
 // ------------------------------------------------------------------ timing --
 
 // One timed pass: the problem of ours, the per-group cuBLASLt FP8 loop with
-// the same scaling, a per-group bf16 loop and one whole-size bf16 GEMM.
+// the same scaling, a per-group bf16 loop, one whole-size bf16 GEMM and our
+// bf16 variant on the bf16 operands.
 struct Pass {
   const char* name;
   Axis axis;
@@ -398,7 +432,14 @@ struct Pass {
 
 struct TimingRow {
   std::string label;
-  double ours, loop_fp8, loop_bf16, single_bf16;
+  double ours, loop_fp8, loop_bf16, single_bf16, ours_bf16;
+};
+
+// The bf16 variant's figure of one pass and grouping (timed with the first
+// FP8 row of that pass and shown beside each): TFLOP/s and its error
+// against the bf16 loop. NaN when the variant is not kept (--only).
+struct Bf16Figure {
+  double tflops = NAN, rel = NAN;
 };
 
 // Group sizes: balanced (16 x 1024) or skewed (one group holds half the
@@ -413,8 +454,11 @@ std::vector<int32_t> Sizes(int groups, long tokens, bool skewed) {
   return s;
 }
 
+// bf16: the bf16 variant, or null (not kept); bf16_figure: its figure of
+// this pass and grouping, timed here when not yet (NaN tflops).
 TimingRow TimeConfig(const VariantInfo& v, const Pass& pass, bool skewed, int sms,
-                     cublasLtHandle_t lt, void* lt_ws, size_t lt_ws_bytes, int rounds) {
+                     cublasLtHandle_t lt, void* lt_ws, size_t lt_ws_bytes, int rounds,
+                     const VariantInfo* bf16, Bf16Figure* bf16_figure) {
   const int G = 16;
   const bool rows = pass.axis == Axis::kRows, blockwise = v.scaling == Scaling::kBlockwise;
   const long tokens = rows ? pass.m : pass.k;
@@ -422,8 +466,8 @@ TimingRow TimeConfig(const VariantInfo& v, const Pass& pass, bool skewed, int sm
   const int sets = 2;  // each set's operands are > 100 MB, past the L2
   std::vector<std::unique_ptr<Problem>> ps;
   for (int i = 0; i < sets; ++i)
-    ps.emplace_back(new Problem(pass.axis, v.scaling, sizes, pass.m, pass.n, pass.k, v.a_e5m2,
-                                v.b_e5m2, 9000 + 10 * i));
+    ps.emplace_back(new Problem(pass.axis, v.scaling, sizes, pass.m, pass.n, pass.k, v.a_type,
+                                v.b_type, 9000 + 10 * i));
   const Problem& p0 = *ps[0];
   void* out = DeviceAlloc<uint16_t>(p0.out_elems());
   void* ref = DeviceAlloc<uint16_t>(p0.out_elems());
@@ -433,8 +477,8 @@ TimingRow TimeConfig(const VariantInfo& v, const Pass& pass, bool skewed, int sm
 
   // Per-group cuBLASLt FP8 GEMMs on the same buffers. Rows blockwise: each
   // group's 1x128 scales as cuBLASLt's contiguous (ceil(k/128), rows) grid.
-  const auto ta = v.a_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
-  const auto tb = v.b_e5m2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
+  const auto ta = v.a_type == Type::kE5M2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
+  const auto tb = v.b_type == Type::kE5M2 ? CUDA_R_8F_E5M2 : CUDA_R_8F_E4M3;
   const int a_mode = blockwise ? 1 : 0, b_mode = blockwise ? (rows ? 2 : 1) : 0;
   const bool fast = v.id == sm90::GroupedVariant::kTensorE4M3Fast;
   std::vector<std::unique_ptr<bench::LtGemm>> loop;
@@ -513,38 +557,60 @@ TimingRow TimeConfig(const VariantInfo& v, const Pass& pass, bool skewed, int sm
   }
   bench::LtGemm single16(lt, pass.m, pass.n, pass.k, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF, 0, 0,
                          false, lt_ws, lt_ws_bytes);
+  auto run_loop16 = [&](void* o) {
+    bool ok = true;
+    for (int g = 0; g < G && ok; ++g) {
+      const size_t a_off = rows ? start[g] * pass.k : start[g];
+      const size_t b_off = rows ? size_t(g) * pass.n * pass.k : start[g];
+      const size_t d_off = rows ? start[g] * pass.n : size_t(g) * pass.m * pass.n;
+      ok = loop16[g]->Run(a16 + a_off, b16 + b_off, nullptr, nullptr,
+                          static_cast<__nv_bfloat16*>(o) + d_off, 0) == CUBLAS_STATUS_SUCCESS;
+    }
+    return ok;
+  };
+  // Our bf16 variant on the same bf16 operands and sizes (no scales),
+  // checked against the bf16 loop; timed once per pass and grouping.
+  sm90::GroupedGemmArgs q;
+  q.axis = pass.axis;
+  q.scaling = Scaling::kNone;
+  q.groups = G;
+  q.m = pass.m; q.n = pass.n; q.k = pass.k;
+  q.group_sizes = p0.sizes; q.a = a16; q.b = b16; q.out = out;
+  const bool time_bf16 = bf16 && std::isnan(bf16_figure->tflops);
+  bool bf16_ok = true;
+  if (time_bf16) {
+    bench::Poison(ref, p0.out_elems());
+    bench::Poison(out, p0.out_elems());
+    bf16_ok = run_loop16(ref) && Launch(bf16->id, q, sms, 0);
+    CHECK_CUDA(cudaDeviceSynchronize());
+    const auto e16 = bench::DeviceDiff(out, ref, p0.out_elems());
+    bf16_figure->rel = e16.rel;
+    bf16_ok = bf16_ok && e16.bad == 0 && e16.rel < kTol;
+    failures += !bf16_ok;
+  }
   std::vector<bench::Candidate> cands = {
       {"ours", [&](int r) { return Launch(v.id, ps[r % sets]->Args(out), sms, 0); }},
       {"loop_fp8", [&](int r) { return run_loop(r, out); }},
-      {"loop_bf16",
-       [&](int) {
-         bool ok = true;
-         for (int g = 0; g < G && ok; ++g) {
-           const size_t a_off = rows ? start[g] * pass.k : start[g];
-           const size_t b_off = rows ? size_t(g) * pass.n * pass.k : start[g];
-           const size_t d_off = rows ? start[g] * pass.n : size_t(g) * pass.m * pass.n;
-           ok = loop16[g]->Run(a16 + a_off, b16 + b_off, nullptr, nullptr,
-                               static_cast<__nv_bfloat16*>(out) + d_off, 0) ==
-                CUBLAS_STATUS_SUCCESS;
-         }
-         return ok;
-       }},
+      {"loop_bf16", [&](int) { return run_loop16(out); }},
       {"single_bf16",
        [&](int) {
          return single16.Run(a16, b16, nullptr, nullptr, out, 0) == CUBLAS_STATUS_SUCCESS;
        }},
   };
+  if (time_bf16) cands.push_back({"ours_bf16", [&](int) { return Launch(bf16->id, q, sms, 0); }});
   const auto ms = bench::TimeInterleaved(cands, rounds);
   const double useful = 2.0 * (rows ? p0.covered() * pass.n * pass.k
                                     : pass.m * pass.n * p0.covered());
   const double whole = 2.0 * pass.m * pass.n * pass.k;
+  if (time_bf16) bf16_figure->tflops = bf16_ok ? useful / ms[4] * 1e-9 : 0.0;
   TimingRow row{std::string(pass.name) + (skewed ? " skewed" : " balanced") + " " + v.name,
                 useful / ms[0] * 1e-9, useful / ms[1] * 1e-9, useful / ms[2] * 1e-9,
-                whole / ms[3] * 1e-9};
-  std::printf("TIME %-52s ours %6.0f  loop_fp8 %6.0f  loop_bf16 %6.0f  single_bf16 %6.0f TF/s"
-              "  check vs loop rel=%.1e %s\n",
-              row.label.c_str(), row.ours, row.loop_fp8, row.loop_bf16, row.single_bf16, e.rel,
-              pass_ok ? "ok" : "FAIL");
+                whole / ms[3] * 1e-9, bf16 ? bf16_figure->tflops : NAN};
+  std::printf("TIME %-52s ours %6.0f  loop_fp8 %6.0f  loop_bf16 %6.0f  single_bf16 %6.0f"
+              "  ours_bf16 %6.0f TF/s  check vs loop rel=%.1e %s  bf16 vs bf16 loop rel=%.1e %s\n",
+              row.label.c_str(), row.ours, row.loop_fp8, row.loop_bf16, row.single_bf16,
+              row.ours_bf16, e.rel, pass_ok ? "ok" : "FAIL", bf16 ? bf16_figure->rel : NAN,
+              !bf16 ? "-" : bf16_figure->tflops > 0 ? "ok" : "FAIL");
   std::fflush(stdout);
   for (auto& v2 : group_sa)
     for (float* s : v2) CHECK_CUDA(cudaFree(s));
@@ -572,22 +638,31 @@ void RunTiming(const std::vector<VariantInfo>& variants, int sms, int rounds, co
   CHECK_LT(cublasLtCreate(&lt));
   const size_t lt_ws_bytes = size_t(32) << 20;
   void* lt_ws = DeviceAlloc<uint8_t>(lt_ws_bytes);
+  const VariantInfo* bf16 = nullptr;  // timed beside the FP8 rows when kept
+  for (const VariantInfo& v : variants)
+    if (v.id == sm90::GroupedVariant::kBf16) bf16 = &v;
+  std::map<std::string, Bf16Figure> bf16_figures;  // per pass and grouping
   std::vector<TimingRow> rows;
   for (const Job& j : jobs) {
     for (bool skewed : {false, true}) {
       for (const VariantInfo& v : variants) {
         if (v.id != j.v) continue;
-        rows.push_back(TimeConfig(v, *j.pass, skewed, sms, lt, lt_ws, lt_ws_bytes, rounds));
+        Bf16Figure* fig = &bf16_figures[std::string(j.pass->name) + (skewed ? " s" : " b")];
+        rows.push_back(TimeConfig(v, *j.pass, skewed, sms, lt, lt_ws, lt_ws_bytes, rounds, bf16,
+                                  fig));
       }
     }
   }
+  // ours_bf16: the bf16 variant on the bf16 operands (the FP8-off layers'
+  // grouped GEMM); /ours16: the FP8 variant's speed-up over it.
   std::printf("\nSUMMARY grouped (TFLOP/s of the useful FLOPs, median) on %s\n", device);
-  std::printf("%-52s %7s %8s %9s %11s %8s %8s\n", "pass / groups / variant", "ours", "loop_fp8",
-              "loop_bf16", "single_bf16", "/loop8", "/bf16");
+  std::printf("%-52s %7s %8s %9s %11s %9s %8s %8s %8s\n", "pass / groups / variant", "ours",
+              "loop_fp8", "loop_bf16", "single_bf16", "ours_bf16", "/loop8", "/bf16", "/ours16");
   for (size_t i = 0; i < rows.size(); ++i) {
     const TimingRow& r = rows[i];
-    std::printf("%-52s %7.0f %8.0f %9.0f %11.0f %8.3f %8.3f", r.label.c_str(), r.ours, r.loop_fp8,
-                r.loop_bf16, r.single_bf16, r.ours / r.loop_fp8, r.ours / r.loop_bf16);
+    std::printf("%-52s %7.0f %8.0f %9.0f %11.0f %9.0f %8.3f %8.3f %8.3f", r.label.c_str(), r.ours,
+                r.loop_fp8, r.loop_bf16, r.single_bf16, r.ours_bf16, r.ours / r.loop_fp8,
+                r.ours / r.loop_bf16, r.ours / r.ours_bf16);
     if (i % 2 == 1) std::printf("  skewed/balanced %.3f", r.ours / rows[i - 1].ours);
     std::printf("\n");
   }

@@ -21,7 +21,13 @@ Needs a Hopper GPU and a native module built with the CUTLASS headers
 3. Sizes that cannot describe the buffer make the whole output NaN (the
    reference's rule; for the contraction also sizes off the 16 / 128
    multiple, which the kernel needs and the reference does not).
-4. The dense sm90 variants in the GEMM autotuner (TE_JAX_GEMM_SM90, read once
+4. The bf16 variant (the FP8-off GEMMs: scaling "none") on bfloat16
+   operands, fprop / dgrad / wgrad on the same odd shapes, empty groups,
+   tail rows, any wgrad group sizes (realigned to 8 columns by the
+   wrapper), new sizes without recompiling, invalid sizes -> NaN: every
+   element within one bfloat16 ulp of the float32 reference plus the
+   float32 summation-order bound.
+5. The dense sm90 variants in the GEMM autotuner (TE_JAX_GEMM_SM90, read once
    per process: subprocesses): with "only" the selection log names an sm90
    winner for the blockwise pairs and results match the reference and
    cuBLASLt's; with "1" the sm90 variants are timed beside cuBLASLt's answers.
@@ -226,7 +232,123 @@ def test_auto_takes_the_kernel():
   assert ggc.TARGET in hlo
 
 
-# ------------------------------------------- 4. dense sm90 variants ---
+# --------------------------------------------- 4. bf16 (FP8 off) ---
+
+BF16 = jnp.bfloat16
+
+
+def _bf16(rng, shape):
+  """bfloat16 values spread as _spread's, per matrix of a stack."""
+  x = _spread(rng, shape) if len(shape) == 2 else np.stack([_spread(rng, shape[1:])
+                                                            for _ in range(shape[0])])
+  return jnp.asarray(x, BF16)
+
+
+def _compare_bf16(got, ref_fn, a, b, gs):
+  """Every element within the kernel's documented distance of the float32
+  reference on the same bf16 values: one bfloat16 ulp of the result (2**-8
+  relative: the output's rounding, which a float32 sum one ulp away can tip
+  to the next bf16) plus the float32 recursive-summation bound, k * 2**-24
+  of sum |a_i b_i| (the kernel adds in another order). ``ref_fn(a, b, s)``
+  is the reference; run on |a|, |b| it gives sum |a_i b_i|."""
+  got = np.asarray(got, np.float64)
+  want = _on_cpu(ref_fn, a, b, gs)
+  magnitude = _on_cpu(ref_fn, jnp.abs(a), jnp.abs(b), gs)
+  k = a.shape[1]
+  bound = 2.0 ** -8 * np.abs(want) + k * 2.0 ** -24 * magnitude
+  assert np.isfinite(got).all(), "non-finite values in the kernel's output"
+  worst = np.max(np.abs(got - want) - bound)
+  assert worst <= 0, f"an element is {worst:.3g} past its bound"
+  return got
+
+
+def _rows_ref(a, b, s):
+  return gg.grouped_gemm_reference(a, b, s, jnp.float32)
+
+
+def _wgrad_ref(a, b, s):
+  return gg.grouped_wgrad_reference(a, b, s, jnp.float32)
+
+
+@pytest.mark.parametrize("case", list(ROWS_CASES))
+def test_bf16_grouped_gemm_rows(case):
+  m, k, n, sizes = ROWS_CASES[case]
+  rng = np.random.default_rng(len(case) * 11)
+  lhs, rhs, gs = _bf16(rng, (m, k)), _bf16(rng, (len(sizes), k, n)), jnp.asarray(sizes, jnp.int32)
+  f = jax.jit(lambda l, r, s: gg.grouped_gemm(l, r, s, out_dtype=BF16, impl="cuda"))
+  got = _compare_bf16(f(lhs, rhs, gs), _rows_ref, lhs, rhs, gs)
+  np.testing.assert_array_equal(got, np.asarray(f(lhs, rhs, gs), np.float64))
+  assert (got[sum(sizes):] == 0).all(), "rows past the groups must be 0"
+
+
+def test_bf16_grouped_gemm_dgrad_operand():
+  """grad (m, n) against kernel.T: the transposes cancel, no copy of it."""
+  rng = np.random.default_rng(13)
+  m, k, n, sizes = 200, 400, 272, [64, 0, 100, 36]
+  grad, w, gs = _bf16(rng, (m, n)), _bf16(rng, (4, k, n)), jnp.asarray(sizes, jnp.int32)
+  got = jax.jit(lambda a, b, s: gg.grouped_gemm(a, jnp.swapaxes(b, 1, 2), s, impl="cuda"))(
+      grad, w, gs)
+  _compare_bf16(got, lambda a, b, s: _rows_ref(a, jnp.swapaxes(b, 1, 2), s), grad, w, gs)
+
+
+BF16_WGRAD_CASES = {   # name: (k, m, n, sizes): any sizes (FP8-off layers pad none)
+    "aligned": (144, 640, 264, [0, 16, 48, 144]),
+    "odd_sizes_and_tail": (130, 300, 96, [3, 0, 120, 1, 0, 77]),
+    "one_group": (200, 256, 136, [256]),
+    "64_groups": (64, 700, 128, [10] * 64),
+}
+
+
+@pytest.mark.parametrize("case", list(BF16_WGRAD_CASES))
+def test_bf16_grouped_wgrad(case):
+  k, m, n, sizes = BF16_WGRAD_CASES[case]
+  rng = np.random.default_rng(len(case) * 17)
+  lhs_t, rhs_t, gs = _bf16(rng, (k, m)), _bf16(rng, (n, m)), jnp.asarray(sizes, jnp.int32)
+  f = jax.jit(lambda a, b, s: gg.grouped_wgrad(a, b, s, out_dtype=BF16, impl="cuda"))
+  got = _compare_bf16(f(lhs_t, rhs_t, gs), _wgrad_ref, lhs_t, rhs_t, gs)
+  np.testing.assert_array_equal(got, np.asarray(f(lhs_t, rhs_t, gs), np.float64))
+  assert (got[[e for e, s in enumerate(sizes) if s == 0]] == 0).all()
+
+
+def test_bf16_new_group_sizes_without_recompiling():
+  rng = np.random.default_rng(19)
+  x, w, dy = _bf16(rng, (512, 256)), _bf16(rng, (4, 256, 128)), _bf16(rng, (512, 128))
+  traces = []
+
+  @jax.jit
+  def step(x, w, dy, s):
+    traces.append(1)
+    return (gg.grouped_gemm(x, w, s, impl="cuda"),
+            gg.grouped_wgrad(x.T, dy.T, s, out_dtype=BF16, impl="cuda"))
+
+  for sizes in ([128, 128, 128, 128], [512, 0, 0, 0], [0, 1, 300, 11], [0, 0, 0, 0]):
+    gs = jnp.asarray(sizes, jnp.int32)
+    fprop, wgrad = step(x, w, dy, gs)
+    _compare_bf16(fprop, _rows_ref, x, w, gs)
+    _compare_bf16(wgrad, _wgrad_ref, x.T, dy.T, gs)
+  assert len(traces) == 1
+
+
+@pytest.mark.parametrize("sizes", [[-5, 10, 20], [100, 0, 200], [2 ** 31 - 1, 2 ** 31 - 1, 4]])
+def test_bf16_sizes_that_cannot_describe_the_buffer_give_nan(sizes):
+  rng = np.random.default_rng(23)
+  gs = jnp.asarray(sizes, jnp.int32)
+  rows = gg.grouped_gemm(_bf16(rng, (200, 128)), _bf16(rng, (3, 128, 32)), gs, impl="cuda")
+  wgrad = gg.grouped_wgrad(_bf16(rng, (64, 200)), _bf16(rng, (32, 200)), gs, out_dtype=BF16,
+                           impl="cuda")
+  assert np.isnan(np.asarray(rows, np.float32)).all()
+  assert np.isnan(np.asarray(wgrad, np.float32)).all()
+
+
+def test_auto_takes_the_bf16_kernel():
+  """impl="auto" on this GPU stages te_jax_grouped_gemm for bf16 x bf16 -> bf16."""
+  rng = np.random.default_rng(29)
+  x, w, gs = _bf16(rng, (64, 128)), _bf16(rng, (2, 128, 32)), jnp.asarray([30, 34], jnp.int32)
+  hlo = jax.jit(lambda l, r, s: gg.grouped_gemm(l, r, s)).lower(x, w, gs).as_text()
+  assert ggc.TARGET in hlo
+
+
+# ------------------------------------------- 5. dense sm90 variants ---
 
 # Blockwise GEMMs (argv[1]: output .npz) at odd shapes, each run twice; prints
 # one JSON line per GEMM: relative error against the reference, repeat equality.

@@ -161,14 +161,16 @@ def test_fp8_wgrad_operands():
            loop_wgrad(_dequantized(a), _dequantized(b), sizes))
 
 
-@pytest.mark.parametrize("sizes", [[-1, 5], [6, 5]])
+@pytest.mark.parametrize("sizes", [[-1, 5], [6, 5], [2 ** 31 - 1, 2 ** 31 - 1, 4]])
 def test_group_sizes_that_cannot_describe_lhs_give_nan(sizes):
-  """A negative size or a sum above m is device data: it surfaces as NaN."""
-  a, b = jnp.ones((10, 4)), jnp.ones((2, 4, 3))
+  """A negative size or a sum above m (also one whose int32 sum wraps to
+  within m) is device data: it surfaces as NaN."""
+  a, b = jnp.ones((10, 4)), jnp.ones((len(sizes), 4, 3))
   gs = jnp.asarray(sizes, jnp.int32)
   assert np.isnan(np.asarray(gg.grouped_gemm(a, b, gs, out_dtype=jnp.float32))).all()
   assert np.isnan(np.asarray(gg.grouped_wgrad(a.T, a.T, gs))).all()
-  ok = gg.grouped_gemm(a, b, jnp.asarray([5, 5], jnp.int32), out_dtype=jnp.float32)
+  ok = gg.grouped_gemm(a, b, jnp.asarray([5, 5] + [0] * (len(sizes) - 2), jnp.int32),
+                       out_dtype=jnp.float32)
   assert np.isfinite(np.asarray(ok)).all()
 
 
@@ -327,7 +329,8 @@ def kernel_model(axis, ops, sizes):
   1x128 (row i, k-block j) at ``ptr + i + j * rows`` (``rows`` the group's
   M, or N), 128x128 (row block q, k-block j) at ``ptr + q * kb + j``.
   Pointers: rows, a ``start * kb``, b ``group * nb * kb``; contraction,
-  ``(start / 128) * rows``. Valid sizes only."""
+  ``(start / 128) * rows``. ``NONE`` (bfloat16): no scales. Valid sizes
+  only."""
   a = np.asarray(ops.a.astype(jnp.float32), np.float64)
   b = np.asarray(ops.b.astype(jnp.float32), np.float64)
   sa = np.ravel(np.asarray(ops.a_sinv, np.float64))
@@ -341,8 +344,8 @@ def kernel_model(axis, ops, sizes):
     for e in range(g):
       start, rows = bounds[e], sizes[e]
       r = slice(start, start + rows)
-      if ops.scaling == ggc.PER_TENSOR:
-        out[r] = a[r] @ b[e].T * sa[0] * sb[e]
+      if ops.scaling != ggc.BLOCKWISE:
+        out[r] = a[r] @ b[e].T * (1.0 if ops.scaling == ggc.NONE else sa[0] * sb[e])
         continue
       sfa = sa[start * kb + np.arange(rows)[:, None] + np.arange(kb)[None, :] * rows]
       sfb = sb[e * nb * kb + np.arange(nb)[:, None] * kb + np.arange(kb)[None, :]]
@@ -352,8 +355,8 @@ def kernel_model(axis, ops, sizes):
   out = np.zeros((len(sizes), m, n))
   for e, rows in enumerate(sizes):
     t = slice(bounds[e], bounds[e + 1])
-    if ops.scaling == ggc.PER_TENSOR:
-      out[e] = a[:, t] @ b[:, t].T * sa[0] * sb[0]
+    if ops.scaling != ggc.BLOCKWISE:
+      out[e] = a[:, t] @ b[:, t].T * (1.0 if ops.scaling == ggc.NONE else sa[0] * sb[0])
       continue
     kcol = np.arange(rows) // 128      # the group's own k-blocks
     ptr = bounds[e] // 128
@@ -618,7 +621,8 @@ def test_auto_reference_reason_says_what_auto_runs(fake_gpu, monkeypatch):
 
 @pytest.mark.parametrize("case, says", [
     ("left out", "built without the sm90 GEMMs (no CUTLASS headers"),
-    ("float operands", "float (FP8-off) operands"),
+    ("float32 operands", "float32 x float32 float operands: the FP8-off grouped kernel takes "
+                         "bfloat16 x bfloat16 only"),
     ("float32 out", "out_dtype=float32: the sm90 grouped kernels write bfloat16 only"),
     ("blockwise e5m2", "blockwise float8_e5m2 x float8_e4m3fn"),
     ("k not a multiple of 16", "k (lhs.shape[1])=24 is not a multiple of 16"),
@@ -631,8 +635,8 @@ def test_dispatcher_runs_the_reference_where_the_kernel_cannot(fake_gpu, caplog,
   lhs, rhs = _rows_operands("tensor", (E4M3, E4M3), rng, m=64, k=128, n=32, g=2)
   if case == "left out":
     fake_gpu["text"] = _LEFT_OUT_NOTE
-  elif case == "float operands":
-    lhs, rhs = jnp.ones((64, 128), jnp.bfloat16), jnp.ones((2, 128, 32), jnp.bfloat16)
+  elif case == "float32 operands":   # bfloat16 ones take the bf16 kernel (test_grouped_gemm_bf16)
+    lhs, rhs = jnp.ones((64, 128), jnp.float32), jnp.ones((2, 128, 32), jnp.float32)
   elif case == "float32 out":
     out_dtype = jnp.float32
   elif case == "blockwise e5m2":

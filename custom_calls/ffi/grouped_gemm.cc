@@ -1,7 +1,8 @@
 // XLA FFI handler of te_jax/ops/grouped_gemm.py (Python side:
-// grouped_gemm_cuda.py): the grouped FP8 GEMM of mixture-of-experts layers
-// on te_jax's own sm_90a kernels (kernels/gemm_sm90.cuh, built on CUTLASS;
-// compiled only when CMake found the CUTLASS headers: TE_JAX_HAVE_SM90).
+// grouped_gemm_cuda.py): the grouped GEMMs of mixture-of-experts layers (FP8,
+// and bf16 for FP8-off layers) on te_jax's own sm_90a kernels
+// (kernels/gemm_sm90.cuh, built on CUTLASS; compiled only when CMake found
+// the CUTLASS headers: TE_JAX_HAVE_SM90).
 //
 // Operands (CUTLASS's "TN": both operands contiguous along the contraction):
 //   axis 0, rows (fprop, dgrad):  a (m, k), b (G, n, k), out (m, n):
@@ -9,23 +10,30 @@
 //   axis 1, contraction (wgrad):  a (m, k), b (n, k), out (G, m, n):
 //     out[g] = a[:, cols_g] @ b[:, cols_g]^T, an empty group's block 0.
 //   group_sizes (G,) int32, read on the device only.
-//   Scales (float32), scaling 0 per tensor: a_sinv (1,), b_sinv (G,) for
-//   rows (one per expert weight) or (1,) for the contraction. Scaling 1
-//   blockwise, arrays of the native layouts' shapes (te_jax/ops/tiling.py): rows:
-//   a 1x128 (ceil(k/128), roundup(m, 4)), b 128x128 per expert (G,
-//   ceil(n/128), roundup(ceil(k/128), 4)); contraction: a and b 1x128 along
-//   the grouped contraction, (ceil(k/128), roundup(m, 4)) and (ceil(k/128),
-//   roundup(n, 4)). Their contents are compact per group, as CUTLASS's grouped
-//   mainloop reads them (grouped_gemm_cuda.py lays them out), zeros after.
+//   a and b: both FP8 (float8_e4m3fn / float8_e5m2) with scaling 0 or 1, or
+//   both bfloat16 with scaling 2 (none: the FP8-off GEMMs, alpha 1).
+//   Scales (float32). Scaling 2, none: a_sinv and b_sinv are (1,) dummies,
+//   checked for that shape and never read. Scaling 0, per tensor: a_sinv
+//   (1,), b_sinv (G,) for rows (one per expert weight) or (1,) for the
+//   contraction. Scaling 1, blockwise, arrays of the native layouts' shapes
+//   (te_jax/ops/tiling.py): rows: a 1x128 (ceil(k/128), roundup(m, 4)), b
+//   128x128 per expert (G, ceil(n/128), roundup(ceil(k/128), 4));
+//   contraction: a and b 1x128 along the grouped contraction, (ceil(k/128),
+//   roundup(m, 4)) and (ceil(k/128), roundup(n, 4)). Their contents are
+//   compact per group, as CUTLASS's grouped mainloop reads them
+//   (grouped_gemm_cuda.py lays them out), zeros after.
 //   out is bfloat16 (the kernels' one output type).
 //   fast_accum 1: the tensor cores' own accumulation where a variant has it
-//   (per-tensor E4M3 x E4M3); elsewhere split accumulation, the more exact.
+//   (per-tensor E4M3 x E4M3); elsewhere split accumulation, the more exact
+//   (bf16: the tensor cores' fp32 accumulation, its only one).
 //
 // Group sizes that cannot describe the buffer (a negative one, a sum past
 // it, or, along the contraction, a group that does not start and end on a
-// multiple of 16 per tensor / 128 blockwise) make the whole output NaN
-// (InvalidFill::kAll), as the reference (grouped_gemm_reference) does for
-// the first two: the device cannot raise.
+// multiple of 16 bytes of the operand (16 FP8, 8 bf16 elements) or, blockwise,
+// of 128) make the whole output NaN (InvalidFill::kAll), as the reference
+// (grouped_gemm_reference) does for the first two: the device cannot raise.
+// (grouped_gemm_cuda.py realigns bf16 wgrad operands so that any sizes meet
+// the multiple.)
 //
 // The workspace is a result sized by the Python wrapper from static things
 // (grouped_gemm_cuda.workspace_bytes: G only, generously); the handler skips
@@ -49,8 +57,8 @@ namespace te_jax {
 namespace {
 
 namespace ffi = xla::ffi;
-using sm90::Fp8;
 using sm90::GroupedAxis;
+using sm90::OperandType;
 using sm90::GroupedScaling;
 using sm90::GroupedVariant;
 
@@ -82,27 +90,38 @@ ffi::Error CheckDims(const char* name, const ffi::AnyBuffer& b,
                  ", got " + ShapeText(b));
 }
 
-bool AsFp8(ffi::DataType t, Fp8* out) {
-  if (t == ffi::F8E4M3FN) { *out = Fp8::kE4M3; return true; }
-  if (t == ffi::F8E5M2) { *out = Fp8::kE5M2; return true; }
+bool AsOperandType(ffi::DataType t, OperandType* out) {
+  if (t == ffi::F8E4M3FN) { *out = OperandType::kE4M3; return true; }
+  if (t == ffi::F8E5M2) { *out = OperandType::kE5M2; return true; }
+  if (t == ffi::BF16) { *out = OperandType::kBF16; return true; }
   return false;
 }
 
 // The compiled variant for these operands, or why none is.
-const char* ChooseVariant(GroupedAxis axis, GroupedScaling scaling, Fp8 ta, Fp8 tb, bool fast,
-                          GroupedVariant* v) {
+const char* ChooseVariant(GroupedAxis axis, GroupedScaling scaling, OperandType ta,
+                          OperandType tb, bool fast, GroupedVariant* v) {
+  const bool bf16 = ta == OperandType::kBF16 && tb == OperandType::kBF16;
+  if ((scaling == GroupedScaling::kNone) != bf16)
+    return scaling == GroupedScaling::kNone
+               ? "scaling 2 (none) takes bfloat16 x bfloat16 operands only"
+               : "bfloat16 operands take scaling 2 (none); FP8 operands scaling 0 or 1, and "
+                 "a and b must both be FP8 or both bfloat16";
+  if (bf16) {
+    *v = GroupedVariant::kBf16;  // one accumulation, fp32 (fast_accum: see the top of the file)
+    return nullptr;
+  }
   if (scaling == GroupedScaling::kBlockwise) {
-    if (ta != Fp8::kE4M3 || tb != Fp8::kE4M3)
+    if (ta != OperandType::kE4M3 || tb != OperandType::kE4M3)
       return "blockwise grouped GEMMs are compiled for float8_e4m3fn x float8_e4m3fn only";
     *v = axis == GroupedAxis::kRows ? GroupedVariant::kBlockwiseRows
                                     : GroupedVariant::kBlockwiseContraction;
     return nullptr;
   }
-  if (ta == Fp8::kE4M3 && tb == Fp8::kE4M3) {
+  if (ta == OperandType::kE4M3 && tb == OperandType::kE4M3) {
     *v = fast ? GroupedVariant::kTensorE4M3Fast : GroupedVariant::kTensorE4M3Split;
     return nullptr;
   }
-  if (ta == Fp8::kE5M2 && tb == Fp8::kE4M3) {
+  if (ta == OperandType::kE5M2 && tb == OperandType::kE4M3) {
     *v = GroupedVariant::kTensorE5M2E4M3Split;
     return nullptr;
   }
@@ -143,17 +162,18 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
                            ffi::Result<ffi::AnyBuffer> workspace, int64_t axis_attr,
                            int64_t scaling_attr, int64_t fast_accum) {
   // ---- attributes and operands ----
-  if ((axis_attr != 0 && axis_attr != 1) || (scaling_attr != 0 && scaling_attr != 1) ||
+  if ((axis_attr != 0 && axis_attr != 1) || scaling_attr < 0 || scaling_attr > 2 ||
       (fast_accum != 0 && fast_accum != 1))
-    return Invalid("axis (0 rows, 1 contraction), scaling (0 per tensor, 1 blockwise) and "
-                   "fast_accum must be 0 or 1, got " + std::to_string(axis_attr) + ", " +
-                   std::to_string(scaling_attr) + ", " + std::to_string(fast_accum));
+    return Invalid("axis (0 rows, 1 contraction) and fast_accum must be 0 or 1, scaling 0 (per "
+                   "tensor), 1 (blockwise) or 2 (none, bfloat16), got " +
+                   std::to_string(axis_attr) + ", " + std::to_string(scaling_attr) + ", " +
+                   std::to_string(fast_accum));
   const auto axis = static_cast<GroupedAxis>(axis_attr);
   const auto scaling = static_cast<GroupedScaling>(scaling_attr);
   const bool rows = axis == GroupedAxis::kRows;
-  Fp8 ta, tb;
-  if (!AsFp8(a.element_type(), &ta) || !AsFp8(b.element_type(), &tb))
-    return Invalid("a and b must be float8_e4m3fn or float8_e5m2");
+  OperandType ta, tb;
+  if (!AsOperandType(a.element_type(), &ta) || !AsOperandType(b.element_type(), &tb))
+    return Invalid("a and b must be float8_e4m3fn, float8_e5m2 or bfloat16");
   if (group_sizes.element_type() != ffi::S32 || group_sizes.dimensions().size() != 1)
     return Invalid("group_sizes must be a 1-D int32 array (G,), got shape " +
                    ShapeText(group_sizes));
@@ -176,7 +196,10 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
   if (a_sinv.element_type() != ffi::F32 || b_sinv.element_type() != ffi::F32)
     return Invalid("a_sinv and b_sinv must be float32");
   const int64_t kb = (k + 127) / 128, m4 = (m + 3) / 4 * 4;
-  if (scaling == GroupedScaling::kTensor) {
+  if (scaling == GroupedScaling::kNone) {  // dummies, never read
+    if (auto e = CheckDims("a_sinv", a_sinv, {1}); e.failure()) return e;
+    if (auto e = CheckDims("b_sinv", b_sinv, {1}); e.failure()) return e;
+  } else if (scaling == GroupedScaling::kTensor) {
     if (auto e = CheckDims("a_sinv", a_sinv, {1}); e.failure()) return e;
     if (auto e = CheckDims("b_sinv", b_sinv, {rows ? groups : 1}); e.failure()) return e;
   } else {
@@ -199,8 +222,10 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
   args.group_sizes = static_cast<const int32_t*>(group_sizes.untyped_data());
   args.a = a.untyped_data();
   args.b = b.untyped_data();
-  args.a_sinv = static_cast<const float*>(a_sinv.untyped_data());
-  args.b_sinv = static_cast<const float*>(b_sinv.untyped_data());
+  if (scaling != GroupedScaling::kNone) {  // bf16: no scales (null: nothing may read them)
+    args.a_sinv = static_cast<const float*>(a_sinv.untyped_data());
+    args.b_sinv = static_cast<const float*>(b_sinv.untyped_data());
+  }
   args.out = out->untyped_data();
   args.invalid_fill = sm90::InvalidFill::kAll;
   if (const char* why = sm90::CheckGroupedGemm(variant, args))
@@ -233,15 +258,15 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxGroupedGemm, GroupedGemmImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()        // a (m, k) fp8
-                                  .Arg<ffi::AnyBuffer>()        // b (G, n, k) or (n, k) fp8
-                                  .Arg<ffi::AnyBuffer>()        // a_sinv f32
-                                  .Arg<ffi::AnyBuffer>()        // b_sinv f32
+                                  .Arg<ffi::AnyBuffer>()        // a (m, k) fp8 / bf16
+                                  .Arg<ffi::AnyBuffer>()        // b (G, n, k) or (n, k)
+                                  .Arg<ffi::AnyBuffer>()        // a_sinv f32 ((1,) dummy: bf16)
+                                  .Arg<ffi::AnyBuffer>()        // b_sinv f32 ((1,) dummy: bf16)
                                   .Arg<ffi::AnyBuffer>()        // group_sizes (G,) int32
                                   .Ret<ffi::AnyBuffer>()        // out bf16
                                   .Ret<ffi::AnyBuffer>()        // workspace uint8 scratch
                                   .Attr<int64_t>("axis")        // 0 rows, 1 contraction
-                                  .Attr<int64_t>("scaling")     // 0 per tensor, 1 blockwise
+                                  .Attr<int64_t>("scaling")     // 0 tensor, 1 blockwise, 2 none
                                   .Attr<int64_t>("fast_accum"),  // 0/1
                               {ffi::Traits::kCmdBufferCompatible});
 

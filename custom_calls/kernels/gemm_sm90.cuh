@@ -1,4 +1,5 @@
-// Hopper (sm_90a) FP8 GEMMs built on CUTLASS: the plain interface.
+// Hopper (sm_90a) FP8 GEMMs (and the bf16 grouped GEMM) built on CUTLASS: the
+// plain interface.
 //
 // This header includes no CUTLASS: the kernels live in
 // blockwise_gemm_sm90_*.cu and grouped_gemm_sm90_*.cu (one translation unit
@@ -27,8 +28,10 @@ namespace sm90 {
 // The numbers of custom_calls/ffi/gemm.cc's a_mode / b_mode attributes.
 enum class ScaleMode : int { kTensor = 0, kVec128 = 1, kBlk128x128 = 2 };
 
-// FP8 element type of an operand.
-enum class Fp8 : int { kE4M3 = 0, kE5M2 = 1 };
+// Element type of a grouped GEMM operand: FP8 (E4M3, E5M2) or, for the
+// FP8-off grouped GEMM, bfloat16.
+enum class OperandType : int { kE4M3 = 0, kE5M2 = 1, kBF16 = 2 };
+constexpr int OperandBytes(OperandType t) { return t == OperandType::kBF16 ? 2 : 1; }
 
 // Scheduler knobs read at run time (no recompilation): the order in which a
 // persistent CTA walks output tiles and the width of the swizzled band.
@@ -88,9 +91,10 @@ cudaError_t LaunchBlockwiseGemm(BlockwiseVariant v, const BlockwiseGemmArgs& arg
 
 // -------------------------------------------------------------- grouped ----
 
-// Grouped FP8 GEMM over consecutive groups (mixture of experts), with the
-// group sizes read from the device (jax.lax.ragged_dot's `group_sizes`), so
-// the launch has no data-dependent shapes and no host synchronization: a
+// Grouped GEMM over consecutive groups (mixture of experts), FP8 or bf16
+// operands (fp32 accumulation, bfloat16 output), with the group sizes read
+// from the device (jax.lax.ragged_dot's `group_sizes`), so the launch has
+// no data-dependent shapes and no host synchronization: a
 // setup kernel turns group_sizes into the per-group problem shapes and
 // pointers CUTLASS's grouped GEMM reads from device memory, and a fill
 // kernel writes what no group covers.
@@ -103,6 +107,8 @@ cudaError_t LaunchBlockwiseGemm(BlockwiseVariant v, const BlockwiseGemmArgs& arg
 //   empty group's (m, n) block is written as 0.
 //
 // Scales:
+//   kNone (bf16 x bf16, the FP8-off GEMMs): none; a_sinv and b_sinv are
+//     ignored (may be null); alpha 1.
 //   kTensor: a_sinv (1,); b_sinv (G,) one per expert weight for kRows, (1,)
 //     for kContraction (both operands are activations / gradients).
 //   kBlockwise, kRows: a VEC128, group g's (rows, k-blocks) compact from
@@ -112,44 +118,50 @@ cudaError_t LaunchBlockwiseGemm(BlockwiseVariant v, const BlockwiseGemmArgs& arg
 //     compact (ceil(k/128), m) and (ceil(k/128), n).
 //   (In buffers of the native layouts' sizes; grouped_gemm_cuda.py lays them
 //   out: CUTLASS's grouped mainloop reads each group's scales compact.)
-// Group sizes: any size >= 0 for kRows; multiples of 16 (per-tensor) or 128
-// (blockwise, so no scale block straddles two groups) for kContraction; the
-// caller pads each group to the recipe's token block. A group that breaks
-// this (by its size, or by its start after such a group), a negative size,
-// or sizes summing past the buffer make that group's output NaN (the kernel
+// Group sizes: any size >= 0 for kRows; for kContraction multiples of 16
+// bytes of the operand (16 FP8 or 8 bf16 elements: each group's slice of a
+// row must start on a 16-byte boundary for TMA) and, blockwise, of 128 (so
+// no scale block straddles two groups); the caller pads each group to the
+// recipe's token block (grouped_gemm_cuda.py realigns bf16 operands, whose
+// FP8-off groups have any size). A group that breaks this (by its size, or
+// by its start after such a group), a negative size, or sizes summing past
+// the buffer make that group's output NaN (the kernel
 // cannot raise from the device; NaN surfaces); with InvalidFill::kAll the
 // whole output is NaN then, as te_jax's reference has it (a negative size
 // owns no rows, so only kAll makes it visible along the rows).
 enum class GroupedAxis : int { kRows = 0, kContraction = 1 };
-enum class GroupedScaling : int { kTensor = 0, kBlockwise = 1 };
+enum class GroupedScaling : int { kTensor = 0, kBlockwise = 1, kNone = 2 };
 enum class InvalidFill : int { kGroup = 0, kAll = 1 };
 
 struct GroupedGemmArgs {
   GroupedAxis axis = GroupedAxis::kRows;
   GroupedScaling scaling = GroupedScaling::kTensor;
   int64_t groups = 0;                   // G >= 1
-  int64_t m = 0, n = 0, k = 0;          // see above; k % 16 == 0, n % 8 == 0
+  int64_t m = 0, n = 0, k = 0;          // see above; k * element bytes % 16 == 0, n % 8 == 0
   const int32_t* group_sizes = nullptr;  // (G,) on the device
   const void* a = nullptr;
   const void* b = nullptr;
-  const float* a_sinv = nullptr;
+  const float* a_sinv = nullptr;       // unused (may be null) for kNone
   const float* b_sinv = nullptr;
   void* out = nullptr;                  // bfloat16
   TileOrder order;
   InvalidFill invalid_fill = InvalidFill::kGroup;  // what an invalid group poisons
 };
 
-// Each: FP8 types of a and b, scaling, accumulation. "split": partial sums
-// promoted to fp32 every 128 of K (per-tensor: CUTLASS's promotion interval
-// of 4 wgmma k-steps); "fast": the tensor cores' own accumulation (per-tensor
-// fprop only, as te_jax's fast_accum). HYBRID gradients are E5M2 (a = the
-// gradient in dgrad and wgrad).
+// Each: element types of a and b, scaling, accumulation. "split": partial
+// sums promoted to fp32 every 128 of K (per-tensor: CUTLASS's promotion
+// interval of 4 wgmma k-steps); "fast": the tensor cores' own accumulation
+// (per-tensor fprop only, as te_jax's fast_accum). HYBRID gradients are E5M2
+// (a = the gradient in dgrad and wgrad). "bf16": bf16 x bf16, no scales, the
+// tensor cores' fp32 accumulation (the reduced-precision accumulation that
+// split promotion corrects is FP8 wgmma's), both axes.
 #define TE_JAX_SM90_GROUPED_VARIANTS(X)                                                     \
   X(kTensorE4M3Split, "tensor_e4m3_split", kTensor, kE4M3, kE4M3)                           \
   X(kTensorE4M3Fast, "tensor_e4m3_fast", kTensor, kE4M3, kE4M3)                             \
   X(kTensorE5M2E4M3Split, "tensor_e5m2xe4m3_split", kTensor, kE5M2, kE4M3)                  \
   X(kBlockwiseRows, "blockwise_rows_vecblk", kBlockwise, kE4M3, kE4M3)                      \
-  X(kBlockwiseContraction, "blockwise_contraction_vecvec", kBlockwise, kE4M3, kE4M3)
+  X(kBlockwiseContraction, "blockwise_contraction_vecvec", kBlockwise, kE4M3, kE4M3)        \
+  X(kBf16, "bf16", kNone, kBF16, kBF16)
 
 enum class GroupedVariant : int {
 #define TE_JAX_X(id, name, scaling, a_type, b_type) id,

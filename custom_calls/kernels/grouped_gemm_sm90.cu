@@ -25,6 +25,7 @@ namespace {
 struct Entry {
   const char* name;
   GroupedScaling scaling;
+  int operand_bytes;       // of one element of a and b
   bool rows, contraction;  // the axes its kernel serves
   const char* (*check)(const GroupedGemmArgs&);
   size_t (*workspace)(const GroupedGemmArgs&, int);
@@ -36,9 +37,9 @@ constexpr bool ServesContraction(GroupedVariant v) { return v != GroupedVariant:
 
 const Entry kEntries[] = {
 #define TE_JAX_X(id, name, scaling, a_type, b_type)                                         \
-  {name, GroupedScaling::scaling, ServesRows(GroupedVariant::id),                           \
-   ServesContraction(GroupedVariant::id), variants::id##Check, variants::id##Workspace,     \
-   variants::id##Launch},
+  {name, GroupedScaling::scaling, OperandBytes(OperandType::a_type),                        \
+   ServesRows(GroupedVariant::id), ServesContraction(GroupedVariant::id),                   \
+   variants::id##Check, variants::id##Workspace, variants::id##Launch},
     TE_JAX_SM90_GROUPED_VARIANTS(TE_JAX_X)
 #undef TE_JAX_X
 };
@@ -48,12 +49,12 @@ const Entry* Find(GroupedVariant v) {
   return i >= 0 && i < static_cast<int>(GroupedVariant::kCount) ? &kEntries[i] : nullptr;
 }
 
-// Alignment of a group's slice of the grouped axis: rows take any size; a
-// contraction slice must start on a 16-byte boundary (TMA) and, blockwise,
-// on a scale block.
-int Multiple(const GroupedGemmArgs& p) {
+// Alignment of a group's slice of the grouped axis, in elements: rows take
+// any size; a contraction slice must start on a 16-byte boundary (TMA: 16
+// FP8 or 8 bf16 elements) and, blockwise, on a scale block.
+int Multiple(const Entry& e, const GroupedGemmArgs& p) {
   if (p.axis == GroupedAxis::kRows) return 1;
-  return p.scaling == GroupedScaling::kBlockwise ? 128 : 16;
+  return p.scaling == GroupedScaling::kBlockwise ? 128 : 16 / e.operand_bytes;
 }
 
 constexpr int kFillRows = 16;  // output rows per block of the rows fill
@@ -123,10 +124,13 @@ const char* CheckGroupedGemm(GroupedVariant v, const GroupedGemmArgs& p) {
     return "the variant does not serve this grouped axis";
   if (p.groups < 1 || p.groups > 6144) return "groups must be in [1, 6144]";
   if (p.m < 1 || p.n < 1 || p.k < 1) return "m, n and k must be >= 1";
-  if (p.k % 16) return "k must be a multiple of 16 (16-byte rows for TMA)";
+  if ((p.k * e->operand_bytes) % 16)
+    return e->operand_bytes == 1 ? "k must be a multiple of 16 (16-byte rows for TMA)"
+                                 : "k must be a multiple of 8 (16-byte bf16 rows for TMA)";
   if (p.n % 8) return "n must be a multiple of 8 (16-byte output rows)";
   if (p.m > INT32_MAX || p.n > INT32_MAX || p.k > INT32_MAX) return "dimensions exceed int32";
-  if (!p.group_sizes || !p.a || !p.b || !p.a_sinv || !p.b_sinv || !p.out) return "null pointer";
+  if (!p.group_sizes || !p.a || !p.b || !p.out) return "null pointer";
+  if (p.scaling != GroupedScaling::kNone && (!p.a_sinv || !p.b_sinv)) return "null scale pointer";
   return e->check(p);
 }
 
@@ -139,7 +143,9 @@ cudaError_t LaunchGroupedGemm(GroupedVariant v, const GroupedGemmArgs& p, void* 
                               size_t workspace_bytes, int sm_count, cudaStream_t stream) {
   if (CheckGroupedGemm(v, p) != nullptr) return cudaErrorInvalidValue;
   if (reinterpret_cast<uintptr_t>(workspace) % kWorkspaceAlign) return cudaErrorInvalidValue;
-  cudaError_t e = Find(v)->launch(p, workspace, workspace_bytes, sm_count, Multiple(p), stream);
+  const Entry* entry = Find(v);
+  cudaError_t e = entry->launch(p, workspace, workspace_bytes, sm_count, Multiple(*entry, p),
+                                stream);
   if (e != cudaSuccess) return e;
   const GroupTable table = CarveGroupTable(workspace, p.groups);
   auto* out = static_cast<__nv_bfloat16*>(p.out);

@@ -2,4 +2,5 @@
 // (wgrad): both operands 1x128 along tokens.
 #include "kernels/grouped_gemm_sm90_impl.cuh"
 
-TE_JAX_SM90_DEFINE_GROUPED(kBlockwiseContraction, Fp8::kE4M3, Fp8::kE4M3, true, false, 1, 1, 2)
+TE_JAX_SM90_DEFINE_GROUPED(kBlockwiseContraction, GroupedScaling::kBlockwise, OperandType::kE4M3,
+                           OperandType::kE4M3, false, 1, 1, 2)

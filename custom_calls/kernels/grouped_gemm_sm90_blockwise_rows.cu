@@ -2,4 +2,5 @@
 // dgrad): 1x128 activation / gradient x 128x128 expert weight blocks.
 #include "kernels/grouped_gemm_sm90_impl.cuh"
 
-TE_JAX_SM90_DEFINE_GROUPED(kBlockwiseRows, Fp8::kE4M3, Fp8::kE4M3, true, false, 1, 128, 2)
+TE_JAX_SM90_DEFINE_GROUPED(kBlockwiseRows, GroupedScaling::kBlockwise, OperandType::kE4M3,
+                           OperandType::kE4M3, false, 1, 128, 2)

@@ -1,15 +1,15 @@
-// CUTLASS 4.x instantiation of te_jax's grouped FP8 GEMM (sm_90a) and its
-// setup kernel. Included only by grouped_gemm_sm90_<variant>.cu; callers use
-// gemm_sm90.cuh.
+// CUTLASS 4.x instantiation of te_jax's grouped GEMM (sm_90a: FP8, and bf16
+// for the FP8-off layers) and its setup kernel. Included only by
+// grouped_gemm_sm90_<variant>.cu; callers use gemm_sm90.cuh.
 //
 // CUTLASS's pointer-array grouped kernels (KernelPtrArrayTmaWarpSpecialized
-// Cooperative[FP8FastAccum | FP8Blockwise]) read every group's problem
-// shape, operand pointers, strides (and scale pointers / layouts, or the
-// per-group alpha) from device arrays and rewrite their TMA descriptors on
-// the device when a CTA moves to another group; the persistent grid is
-// sized from the SM count alone. So nothing here depends on group_sizes on
-// the host: SetupKernel fills those arrays from group_sizes on the stream,
-// right before the GEMM.
+// Cooperative[FP8FastAccum | FP8Blockwise]; the plain one for FP8 split
+// accumulation and for bf16) read every group's problem shape, operand
+// pointers, strides (and scale pointers / layouts, or the per-group alpha)
+// from device arrays and rewrite their TMA descriptors on the device when a
+// CTA moves to another group; the persistent grid is sized from the SM count
+// alone. So nothing here depends on group_sizes on the host: SetupKernel
+// fills those arrays from group_sizes on the stream, right before the GEMM.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -29,26 +29,39 @@
 namespace te_jax {
 namespace sm90 {
 
-template <Fp8 kType>
-using Fp8Element = cute::conditional_t<kType == Fp8::kE4M3, cutlass::float_e4m3_t,
-                                       cutlass::float_e5m2_t>;
+template <OperandType kType>
+using OperandElement = cute::conditional_t<
+    kType == OperandType::kE4M3, cutlass::float_e4m3_t,
+    cute::conditional_t<kType == OperandType::kE5M2, cutlass::float_e5m2_t, cutlass::bfloat16_t>>;
 
-// One grouped kernel configuration: 128x128x128 CTA tiles, cooperative
-// schedule, clusters of kClusterN CTAs along N. kBlockwise: CUTLASS's
-// blockwise mainloop with kGranA / kGranB rows per scale (as
-// BlockwiseConfig); otherwise per-tensor FP8 with one alpha per group.
-template <Fp8 kTypeA, Fp8 kTypeB, bool kBlockwise, bool kFastAccum, int kGranA, int kGranB,
-          int kClusterN>
+// One grouped kernel configuration: 128x128 CTA tiles whose K step is 128
+// bytes of the operands (128 FP8, 64 bf16 elements: one 128-byte swizzled
+// row of shared memory per step), cooperative schedule, clusters of
+// kClusterN CTAs along N. kScaling: kBlockwise, CUTLASS's blockwise mainloop
+// with kGranA / kGranB rows per scale (as BlockwiseConfig); kTensor, FP8
+// with one alpha per group; kNone, bf16 with alpha 1 (kGranA / kGranB
+// unused).
+template <GroupedScaling kScaling, OperandType kTypeA, OperandType kTypeB, bool kFastAccum,
+          int kGranA, int kGranB, int kClusterN>
 struct GroupedConfig {
-  static constexpr bool kIsBlockwise = kBlockwise;
+  static constexpr bool kIsBlockwise = kScaling == GroupedScaling::kBlockwise;
+  static constexpr bool kAlphaPerGroup = kScaling == GroupedScaling::kTensor;
   static constexpr int kScaleGranB = kGranB;  // 128: rows-grouped blockwise; 1: contraction
-  using ElementA = Fp8Element<kTypeA>;
-  using ElementB = Fp8Element<kTypeB>;
+  static_assert(OperandBytes(kTypeA) == OperandBytes(kTypeB),
+                "one K step of 128 bytes must hold the same elements of a and b");
+  static_assert((kScaling == GroupedScaling::kNone) == (kTypeA == OperandType::kBF16),
+                "bf16 operands take no scales; FP8 operands take scales");
+  static_assert(!kFastAccum || kScaling == GroupedScaling::kTensor,
+                "fast accumulation is the per-tensor FP8 mainloop's");
+  using ElementA = OperandElement<kTypeA>;
+  using ElementB = OperandElement<kTypeB>;
   using ElementD = cutlass::bfloat16_t;
   using LayoutA = cutlass::layout::RowMajor;
   using LayoutB = cutlass::layout::ColumnMajor;
   using LayoutD = cutlass::layout::RowMajor;
-  using TileShape = cute::Shape<cute::_128, cute::_128, cute::_128>;
+  static constexpr int kTileK = 128 / OperandBytes(kTypeA);
+  static constexpr int kAlignAB = 16 / OperandBytes(kTypeA);  // 16-byte TMA rows, in elements
+  using TileShape = cute::Shape<cute::_128, cute::_128, cute::Int<kTileK>>;
   using ClusterShape = cute::Shape<cute::_1, cute::Int<kClusterN>, cute::_1>;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
   using ScaleConfig = cutlass::detail::Sm90BlockwiseScaleConfig<
@@ -57,12 +70,12 @@ struct GroupedConfig {
   using LayoutSFA = decltype(ScaleConfig::deduce_layoutSFA());
   using LayoutSFB = decltype(ScaleConfig::deduce_layoutSFB());
   using MainloopSchedule = cute::conditional_t<
-      kBlockwise, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
+      kIsBlockwise, cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8Blockwise,
       cute::conditional_t<kFastAccum,
                           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperativeFP8FastAccum,
                           cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>>;
-  using OperandA = cute::conditional_t<kBlockwise, cute::tuple<LayoutA*, LayoutSFA*>, LayoutA*>;
-  using OperandB = cute::conditional_t<kBlockwise, cute::tuple<LayoutB*, LayoutSFB*>, LayoutB*>;
+  using OperandA = cute::conditional_t<kIsBlockwise, cute::tuple<LayoutA*, LayoutSFA*>, LayoutA*>;
+  using OperandB = cute::conditional_t<kIsBlockwise, cute::tuple<LayoutB*, LayoutSFB*>, LayoutB*>;
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
@@ -70,8 +83,8 @@ struct GroupedConfig {
       ElementD, LayoutD*, 8, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, OperandA, 16, ElementB,
-      OperandB, 16, float, TileShape, ClusterShape,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, OperandA, kAlignAB,
+      ElementB, OperandB, kAlignAB, float, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<
           static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
       MainloopSchedule>::CollectiveOp;
@@ -134,7 +147,7 @@ struct GroupedConfig {
     Arguments args;
     args.mode = cutlass::gemm::GemmUniversalMode::kGrouped;
     args.problem_shape = {static_cast<int>(p.groups), t.shapes, nullptr};  // shapes on device only
-    if constexpr (kBlockwise) {
+    if constexpr (kIsBlockwise) {
       args.mainloop = {t.ptr_a, t.stride_a, t.ptr_b, t.stride_b, t.ptr_sfa, t.layout_sfa,
                        t.ptr_sfb, t.layout_sfb};
     } else {
@@ -143,11 +156,11 @@ struct GroupedConfig {
     args.epilogue = {{}, nullptr, nullptr, t.ptr_d, t.stride_d};
     auto& fusion = args.epilogue.thread;
     fusion.beta = 0.0f;
-    if constexpr (kBlockwise) {
-      fusion.alpha = 1.0f;
-    } else {
+    if constexpr (kAlphaPerGroup) {
       fusion.alpha_ptr_array = t.alpha_ptr;  // a_sinv * b_sinv of the group
       fusion.dAlpha = {cute::_0{}, cute::_0{}, 1};
+    } else {
+      fusion.alpha = 1.0f;  // blockwise: scaled in the mainloop; bf16: no scales
     }
     args.hw_info = hw;
     args.scheduler.raster_order = RasterOrder(p.order.raster);
@@ -222,7 +235,7 @@ __global__ void GroupedSetupKernel(GroupedGemmArgs p, GroupTable table,
       t.stride_a[g] = make_stride(int64_t(k), _1{}, _0{});
       t.stride_b[g] = make_stride(int64_t(k), _1{}, _0{});
       t.stride_d[g] = make_stride(int64_t(n), _1{}, _0{});
-      if constexpr (!Cfg::kIsBlockwise) t.alpha[g] = p.a_sinv[0] * p.b_sinv[g];
+      if constexpr (Cfg::kAlphaPerGroup) t.alpha[g] = p.a_sinv[0] * p.b_sinv[g];
       if constexpr (Cfg::kIsBlockwise && Cfg::kScaleGranB == 128) {
         // Compact per group (see the note above the kernel): a's block of
         // this group's rows at start * kb, k-block stride = its rows; b's
@@ -241,7 +254,7 @@ __global__ void GroupedSetupKernel(GroupedGemmArgs p, GroupTable table,
       t.stride_a[g] = make_stride(int64_t(k), _1{}, _0{});
       t.stride_b[g] = make_stride(int64_t(k), _1{}, _0{});
       t.stride_d[g] = make_stride(int64_t(n), _1{}, _0{});
-      if constexpr (!Cfg::kIsBlockwise) t.alpha[g] = p.a_sinv[0] * p.b_sinv[0];
+      if constexpr (Cfg::kAlphaPerGroup) t.alpha[g] = p.a_sinv[0] * p.b_sinv[0];
       if constexpr (Cfg::kIsBlockwise && Cfg::kScaleGranB == 1) {
         // Compact (ceil(k/128), m) and (ceil(k/128), n) grids: k-block
         // stride exactly m (n), the group's first k-block at start / 128.

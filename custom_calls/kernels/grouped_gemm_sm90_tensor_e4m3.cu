@@ -2,4 +2,5 @@
 // fp32 promotion every 128 of K.
 #include "kernels/grouped_gemm_sm90_impl.cuh"
 
-TE_JAX_SM90_DEFINE_GROUPED(kTensorE4M3Split, Fp8::kE4M3, Fp8::kE4M3, false, false, 1, 1, 2)
+TE_JAX_SM90_DEFINE_GROUPED(kTensorE4M3Split, GroupedScaling::kTensor, OperandType::kE4M3,
+                           OperandType::kE4M3, false, 1, 1, 2)

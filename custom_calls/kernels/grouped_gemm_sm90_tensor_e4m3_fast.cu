@@ -2,4 +2,5 @@
 // the tensor cores' own accumulation (te_jax's fast_accum, fprop).
 #include "kernels/grouped_gemm_sm90_impl.cuh"
 
-TE_JAX_SM90_DEFINE_GROUPED(kTensorE4M3Fast, Fp8::kE4M3, Fp8::kE4M3, false, true, 1, 1, 2)
+TE_JAX_SM90_DEFINE_GROUPED(kTensorE4M3Fast, GroupedScaling::kTensor, OperandType::kE4M3,
+                           OperandType::kE4M3, true, 1, 1, 2)

@@ -24,10 +24,14 @@ pads every group to its recipe's token block (``ScalingMode.token_block``:
 columnwise operand straddles two groups; the reference below computes what
 the scales say for any sizes.
 
-The CUDA path (``grouped_gemm_cuda``: te_jax's sm_90a kernel, built on
-CUTLASS, in builds that found its headers) takes FP8 operands with a
+The CUDA path (``grouped_gemm_cuda``: te_jax's sm_90a kernels, built on
+CUTLASS, in builds that found its headers) takes FP8 operands, or bfloat16
+x bfloat16 operands (the FP8-off layers' GEMMs, fp32 accumulation), with a
 bfloat16 output on Hopper; the dispatchers run the reference for every
-other call (``impl="auto"`` logs why once at INFO). The reference (the spec)
+other call (``impl="auto"`` logs why once at INFO). On bfloat16 operands the
+kernel's result equals the reference's (exact products of the bfloat16
+values, float32 sums) within the bfloat16 rounding of the output and the
+order of the float32 sums. The reference (the spec)
 dequantizes to float32 and, per group, multiplies row chunks of a static
 size with a dynamic start: memory stays that of the operands and the
 output (never a dense ``(g, m, ...)`` expansion, as ``jax.lax.ragged_dot``'s
@@ -235,9 +239,17 @@ def _varying_like(init, *operands):
 
 
 def _poison_if_invalid(out, group_sizes, m):
-  """NaN everywhere when ``group_sizes`` cannot describe ``m`` rows."""
-  ok = jnp.all(group_sizes >= 0) & (jnp.sum(group_sizes) <= m)
+  """NaN everywhere when ``group_sizes`` cannot describe ``m`` rows
+  (``grouped_gemm_cuda.sizes_fit``: also when their int32 sum would wrap)."""
+  ok = grouped_gemm_cuda.sizes_fit(group_sizes, m)
   return jnp.where(ok, out, jnp.asarray(jnp.nan, out.dtype))
+
+
+def _chunks(group_size, size, m):
+  """Chunks of ``size`` rows that cover a group: its size clamped to m (a
+  larger one is invalid and poisons the output anyway; unclamped, a size
+  near 2**31 would loop 2**31 / size times)."""
+  return -(-jnp.clip(group_size, 0, m) // size)
 
 
 def _chunk_window(start, end, j, size, m):
@@ -279,7 +291,7 @@ def grouped_gemm_reference(lhs: Operand, rhs: Operand, group_sizes: jax.Array,
       new = jnp.where(mask[:, None], part.astype(out.dtype), old)
       return lax.dynamic_update_slice_in_dim(out, new, r0c, 0)
 
-    return lax.fori_loop(0, -(-group_sizes[e] // size), chunk, out)
+    return lax.fori_loop(0, _chunks(group_sizes[e], size, m), chunk, out)
 
   out = lax.fori_loop(0, g, group,
                       _varying_like(jnp.zeros((m, n), out_dtype), a, b, group_sizes))
@@ -312,7 +324,7 @@ def grouped_wgrad_reference(lhs_t: Operand, rhs_t: Operand, group_sizes: jax.Arr
                                    (((1,), (1,)), ((), ())), precision=_HIGHEST,
                                    preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, -(-group_sizes[e] // size), chunk,
+    acc = lax.fori_loop(0, _chunks(group_sizes[e], size, m), chunk,
                         _varying_like(jnp.zeros((k, n), jnp.float32), a, b, group_sizes))
     return lax.dynamic_update_index_in_dim(out, acc.astype(out_dtype), e, 0)
 
@@ -340,8 +352,9 @@ def _run(op: str, impl: str, a, b, out_dtype, axis, cuda_fn, reference_fn):
   "reference", and "auto" where ``_native`` resolves to the reference (no
   GPU; or no native module, which ``_native`` warns about): the reference.
   Where the native module and a GPU exist but the kernel does not take the
-  call (a build without the sm90 GEMMs, not a Hopper GPU, float operands, an
-  output other than bfloat16, ...): "auto" logs why once at INFO and runs
+  call (a build without the sm90 GEMMs, not a Hopper GPU, float operands
+  other than bfloat16 x bfloat16, an output other than bfloat16, ...):
+  "auto" logs why once at INFO and runs
   the reference; "cuda" raises a ValueError saying why. Otherwise
   ``_native.dispatch`` (the kernel on the GPU).
   """
@@ -372,11 +385,13 @@ def grouped_gemm(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *,
       their sum come out 0.
     out_dtype: bfloat16, float16 or float32.
     fast_accum: per-tensor FP8 only: reduced-precision accumulation for the
-      kernel (the reference always accumulates in float32).
+      kernel (the reference, and the kernel on bfloat16 operands, always
+      accumulate in float32).
     impl: "auto", "cuda" or "reference". The CUDA kernel
-      (``grouped_gemm_cuda``) takes FP8 operands with a bfloat16 output on a
-      Hopper GPU, in builds with the sm90 GEMMs; "auto" runs the reference
-      elsewhere (logged once at INFO), "cuda" raises there.
+      (``grouped_gemm_cuda``) takes FP8 operands, or bfloat16 x bfloat16,
+      with a bfloat16 output on a Hopper GPU, in builds with the sm90 GEMMs;
+      "auto" runs the reference elsewhere (logged once at INFO), "cuda"
+      raises there.
 
   Returns:
     (m, n) array of ``out_dtype``.
@@ -396,10 +411,11 @@ def grouped_wgrad(lhs_t: Operand, rhs_t: Operand, group_sizes: jax.Array, *,
     lhs_t: (k, m), rows of the grouped dim m sorted by group: a float array,
       or a ``ScaledTensor`` (per tensor, or 1x128 tiles along m).
     rhs_t: (n, m), the same layout and scaling.
-    group_sizes: (g,) int32 on the device; groups may be empty. The CUDA
-      kernel needs every group to be a multiple of 16 (per tensor) or 128
-      (blockwise) -- the recipe's token block, to which the caller pads them;
-      other sizes give an all-NaN result there (device data cannot raise).
+    group_sizes: (g,) int32 on the device; groups may be empty. On FP8
+      operands the CUDA kernel needs every group to be a multiple of 16
+      (per tensor) or 128 (blockwise) -- the recipe's token block, to which
+      the caller pads them; other sizes give an all-NaN result there
+      (device data cannot raise). bfloat16 operands take any sizes.
     out_dtype: bfloat16, float16 or float32.
     fast_accum, impl: as :func:`grouped_gemm`.
 

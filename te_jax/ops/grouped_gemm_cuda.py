@@ -1,4 +1,4 @@
-"""CUDA custom-call path of ``ops/grouped_gemm.py``: te_jax's sm_90a grouped FP8 GEMM.
+"""CUDA custom-call path of ``ops/grouped_gemm.py``: te_jax's sm_90a grouped GEMMs (FP8 and bf16).
 
 FFI handler ``custom_calls/ffi/grouped_gemm.cc`` (target
 ``te_jax_grouped_gemm``), kernels ``custom_calls/kernels/grouped_gemm_sm90*``
@@ -6,7 +6,9 @@ FFI handler ``custom_calls/ffi/grouped_gemm.cc`` (target
 CUTLASS headers, which the build note records: :func:`build_reason`).
 
 The kernel computes, with both operands contiguous along the contraction
-("TN", as Hopper's FP8 tensor cores read them) and a bfloat16 output:
+("TN", as Hopper's FP8 tensor cores read them) and a bfloat16 output, on
+FP8 operands with their scales or on bfloat16 operands without (the FP8-off
+layers' GEMMs; ``scaling`` attribute ``NONE``):
 
 * ``axis=0`` (rows): ``a (m, k)``, ``b (g, n, k)`` -> ``(m, n)``,
   ``out[rows_e] = a[rows_e] @ b[e].T``;
@@ -30,6 +32,18 @@ Layout conversions from te_jax's operands (XLA ops here; per call):
   ``lhs_t`` with E5M2 ``rhs_t`` (HYBRID's ``x.T`` and ``grad.T``) is
   computed as ``out[e].T = rhs_t @ lhs_t.T`` and the ``(g, n, k)`` bfloat16
   result transposed: one pass over the output.
+
+bfloat16 operands (``rows_operands`` / :func:`bf16_contraction_operands`):
+no scales (the handler takes 1-element float32 dummies, :func:`_no_scales`,
+and reads nothing from them), the same transposes as FP8. The contraction
+kernel needs each group's slice of a row to start on a 16-byte boundary (8
+bf16 tokens); FP8-off layers pad no groups, so the wgrad operands are
+realigned: each group's tokens are gathered to a start that is a multiple
+of 8, zeros between (:func:`realign_columns`; one gather pass over
+``lhs_t`` and ``rhs_t``, ``8 * g`` columns longer at most). The kernel's
+result equals ``grouped_*_reference`` on the same bf16 values (the spec:
+exact products, float32 sums) within the bfloat16 rounding of the output
+and the order of the float32 sums.
 
 Why compact scales: CUTLASS's grouped blockwise mainloop
 (``sm90_mma_array_tma_gmma_ss_warpspecialized_fp8_blockwise_scaling.hpp``,
@@ -63,18 +77,20 @@ import numpy as np
 from te_jax.ops import _native
 from te_jax.ops import tiling
 
-__all__ = ["TARGET", "ROWS", "CONTRACTION", "MAX_GROUPS", "KernelOperands", "workspace_bytes",
-           "build_reason", "device_reason", "unsupported_reason",
-           "auto_reference_reason", "group_bounds",
-           "rows_scales_compact", "rows_operands", "contraction_operands", "grouped_gemm",
-           "grouped_wgrad"]
+__all__ = ["TARGET", "ROWS", "CONTRACTION", "PER_TENSOR", "BLOCKWISE", "NONE", "MAX_GROUPS",
+           "KernelOperands", "workspace_bytes", "build_reason", "device_reason",
+           "unsupported_reason", "auto_reference_reason", "group_bounds", "sizes_fit",
+           "rows_scales_compact", "rows_operands", "contraction_operands", "realigned_length",
+           "realign_columns", "bf16_contraction_operands", "grouped_gemm", "grouped_wgrad"]
 
 TARGET = "te_jax_grouped_gemm"
 ROWS, CONTRACTION = 0, 1           # the handler's ``axis`` attribute
-PER_TENSOR, BLOCKWISE = 0, 1       # its ``scaling`` attribute
+PER_TENSOR, BLOCKWISE, NONE = 0, 1, 2   # its ``scaling`` attribute (NONE: bf16 operands)
 MAX_GROUPS = 6144                  # the setup kernel keeps the sizes in 48 KiB of shared memory
 _INT32_MAX = 2 ** 31 - 1
 _E4M3, _E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
+_BF16 = jnp.dtype(jnp.bfloat16)
+_TMA_BYTES = 16                    # a TMA row (and each group's slice of one) starts 16-byte aligned
 _BUILT = "sm90 GEMMs: built"
 _LEFT_OUT = "sm90 GEMMs: left out ("
 
@@ -124,24 +140,40 @@ def _is_fp8(t) -> bool:
   return hasattr(t, "scale_inv")
 
 
+def _operand_kind(a, b) -> str:
+  """"" when the operand pair is one the kernel is compiled for (FP8 and
+  FP8, or bfloat16 and bfloat16), else why not."""
+  if _is_fp8(a) and _is_fp8(b):
+    return ""
+  ta, tb = jnp.dtype(a.dtype), jnp.dtype(b.dtype)
+  if (ta, tb) == (_BF16, _BF16):
+    return ""
+  return (f"{ta.name} x {tb.name} float operands: the FP8-off grouped kernel takes bfloat16 x "
+          "bfloat16 only (cast both operands to bfloat16 to use it)")
+
+
 def unsupported_reason(a, b, out_dtype, axis: int) -> str:
   """"" when the kernel takes this call, else why not (one short clause).
 
   Args:
     a, b: the op's operands: ``lhs`` / ``rhs`` (``axis`` 0) or ``lhs_t`` /
-      ``rhs_t`` (``axis`` 1), already checked by ``grouped_gemm.py``.
+      ``rhs_t`` (``axis`` 1), already checked by ``grouped_gemm.py``: both
+      FP8 scaled tensors, or both float arrays.
     out_dtype: the requested output dtype.
     axis: 0 rows (``grouped_gemm``), 1 contraction (``grouped_wgrad``).
   """
-  if not (_is_fp8(a) and _is_fp8(b)):
-    return "float (FP8-off) operands: the grouped kernel is FP8 only"
+  why = _operand_kind(a, b)
+  if why:
+    return why
   if jnp.dtype(out_dtype) != jnp.dtype(jnp.bfloat16):
     return f"out_dtype={jnp.dtype(out_dtype).name}: the sm90 grouped kernels write bfloat16 only"
   ta, tb = jnp.dtype(a.dtype), jnp.dtype(b.dtype)
-  if a.block_shape is not None and (ta, tb) != (_E4M3, _E4M3):
+  bf16 = ta == _BF16
+  if not bf16 and a.block_shape is not None and (ta, tb) != (_E4M3, _E4M3):
     return f"blockwise {ta.name} x {tb.name}: the blockwise kernels are compiled for E4M3 only"
   if axis == ROWS and (ta, tb) == (_E4M3, _E5M2):
     return "e4m3 lhs x e5m2 rhs: the per-tensor kernels take E5M2 as lhs only"
+  unit = _TMA_BYTES // ta.itemsize          # elements in 16 bytes: 16 FP8, 8 bf16
   if axis == ROWS:
     (m, k), (g, _, n) = a.shape, b.shape
     contraction, what = k, "k (lhs.shape[1])"
@@ -150,8 +182,11 @@ def unsupported_reason(a, b, out_dtype, axis: int) -> str:
     contraction, what = m, "the grouped m (lhs_t.shape[1])"
     if (ta, tb) == (_E4M3, _E5M2):   # computed transposed: the kernel's n is k
       n = k
-  if contraction % 16:
-    return f"{what}={contraction} is not a multiple of 16 (16-byte rows for TMA)"
+    if bf16:   # realign_columns takes any m and any sizes, into a longer buffer
+      contraction, m = None, realigned_length(m, MAX_GROUPS, unit)
+  if contraction is not None and contraction % unit:
+    return (f"{what}={contraction} is not a multiple of {unit} (16-byte {ta.name} rows for "
+            "TMA)")
   if n % 8:
     return f"the output's last dim {n} is not a multiple of 8 (16-byte rows)"
   if max(m, n, k) > _INT32_MAX:
@@ -172,16 +207,23 @@ def auto_reference_reason() -> str:
 
 
 class KernelOperands(NamedTuple):
-  """What the handler reads: ``a``, ``b`` (FP8), their float32 scales and
-  the ``scaling`` attribute (0 per tensor, 1 blockwise). Blockwise scales
-  are laid out as the grouped kernel reads them (compact per group: see the
-  module doc), inside arrays of the native layouts' shapes, which the
-  handler checks."""
+  """What the handler reads: ``a``, ``b`` (FP8 or bfloat16), their float32
+  scales and the ``scaling`` attribute (``PER_TENSOR``, ``BLOCKWISE``, or
+  ``NONE`` for bfloat16 operands, whose scales are (1,) dummies). Blockwise
+  scales are laid out as the grouped kernel reads them (compact per group:
+  see the module doc), inside arrays of the native layouts' shapes, which
+  the handler checks."""
   a: jax.Array
   b: jax.Array
   a_sinv: jax.Array
   b_sinv: jax.Array
   scaling: int
+
+
+def _no_scales():
+  """The (1,) float32 dummy the handler takes for each scale of bfloat16
+  operands (it checks the shape and reads nothing)."""
+  return jnp.ones((1,), jnp.float32)
 
 
 def _in_native_shape(compact: jax.Array, shape) -> jax.Array:
@@ -202,6 +244,17 @@ def group_bounds(group_sizes: jax.Array, extent: int) -> jax.Array:
   # within int32; associative on that range, so a parallel scan may use it.
   ends = jax.lax.associative_scan(lambda a, b: jnp.minimum(a, extent - b) + b, sizes)
   return jnp.concatenate([jnp.zeros((1,), jnp.int32), ends])
+
+
+def sizes_fit(group_sizes: jax.Array, extent: int) -> jax.Array:
+  """Whether ``group_sizes`` can describe ``extent`` rows: none negative,
+  their sum at most ``extent`` (a bool scalar on the device). The sum runs
+  over sizes clipped to ``extent + 1`` in uint32: no prefix sum overflows
+  before the first one past ``extent``, which decides, so an int32 sum that
+  would wrap to a small number is caught; one cumulative sum, so the program
+  does not grow with the group count."""
+  clipped = jnp.clip(group_sizes, 0, extent + 1).astype(jnp.uint32)
+  return jnp.all(group_sizes >= 0) & jnp.all(jnp.cumsum(clipped) <= extent)
 
 
 def rows_scales_compact(scale_inv: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -238,7 +291,10 @@ def rows_operands(lhs, rhs, group_sizes) -> KernelOperands:
   (group g's at ``start_g * kb``), in a ``(kb, roundup(m, 4))`` array, and
   ``b``'s 128x128 scales compact ``(g, nb, kb)`` (group g's at
   ``g * nb * kb``; (row block r, k-block j) at ``r * kb + j``), in a
-  ``(g, nb, roundup(kb, 4))`` array."""
+  ``(g, nb, roundup(kb, 4))`` array. bfloat16 arrays: ``a = lhs``, ``b =
+  rhs`` transposed, no scales."""
+  if not _is_fp8(lhs):
+    return KernelOperands(lhs, jnp.swapaxes(rhs, 1, 2), _no_scales(), _no_scales(), NONE)
   b = jnp.swapaxes(rhs.data, 1, 2)
   if lhs.block_shape is None:
     return KernelOperands(lhs.data, b, jnp.reshape(lhs.scale_inv, (1,)), rhs.scale_inv,
@@ -277,6 +333,55 @@ def contraction_operands(lhs_t, rhs_t):
   return ops, swapped
 
 
+def realigned_length(m: int, groups: int, unit: int) -> int:
+  """Columns of :func:`realign_columns`'s buffer: room for every group
+  rounded up to ``unit``, a multiple of ``unit``."""
+  return -(-(m + groups * (unit - 1)) // unit) * unit
+
+
+def realign_columns(ts, group_sizes: jax.Array, unit: int):
+  """Operands grouped along their columns, each group moved to a start that
+  is a multiple of ``unit``, zeros in the gaps, and the sizes that describe
+  them; for the contraction kernel, whose groups must start 16-byte aligned.
+
+  Args:
+    ts: arrays (rows_i, m), the grouped dim m last (``lhs_t``, ``rhs_t``).
+    group_sizes: (g,) int32 on the device (no host synchronization).
+    unit: the alignment in columns.
+
+  Returns:
+    (realigned arrays (rows_i, realigned_length(m, g, unit)), (g,) int32
+    sizes: each group's rounded up to ``unit``). Sizes that cannot describe
+    m columns (a negative one, or a sum above m) come back all -1, which the
+    kernel turns into an all-NaN output, the reference's answer.
+  """
+  m, g = ts[0].shape[1], group_sizes.shape[0]
+  length = realigned_length(m, g, unit)
+  # Exact for sizes that fit (the only ones whose realignment is used; the
+  # others' sizes come back -1): plain cumulative sums, so the program does
+  # not grow with g.
+  sizes = jnp.clip(group_sizes, 0, m).astype(jnp.int32)
+  bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes)])
+  padded = -(-sizes // unit) * unit
+  new_bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(padded)])
+  cols = jnp.arange(length, dtype=jnp.int32)
+  group = jnp.searchsorted(new_bounds[1:], cols, side="right")    # g past the last group
+  offset = cols - new_bounds[jnp.minimum(group, g - 1)]
+  inside = (group < g) & (offset < sizes[jnp.minimum(group, g - 1)])
+  src = jnp.where(inside, bounds[jnp.minimum(group, g - 1)] + offset, m)   # m: a zero column
+  moved = tuple(jnp.take(t, src, axis=1, mode="fill", fill_value=0) for t in ts)
+  return moved, jnp.where(sizes_fit(group_sizes, m), padded, -1).astype(jnp.int32)
+
+
+def bf16_contraction_operands(lhs_t, rhs_t, group_sizes):
+  """Kernel operands of :func:`grouped_wgrad` for bfloat16 ``lhs_t (k, m)``
+  and ``rhs_t (n, m)``: both realigned to groups starting on 8 columns (16
+  bytes; :func:`realign_columns`), no scales; and the kernel's group sizes."""
+  unit = _TMA_BYTES // _BF16.itemsize
+  (a, b), sizes = realign_columns((lhs_t, rhs_t), group_sizes, unit)
+  return KernelOperands(a, b, _no_scales(), _no_scales(), NONE), sizes
+
+
 def _check(a, b, out_dtype, axis):
   why = unsupported_reason(a, b, out_dtype, axis)
   if why:
@@ -300,10 +405,12 @@ def grouped_gemm(lhs, rhs, group_sizes, fast_accum: bool = False) -> jax.Array:
   """``out[rows_e] = lhs[rows_e] @ rhs[e]`` on the kernel.
 
   Args:
-    lhs: (m, k) ``ScaledTensor`` (per tensor or 1x128).
-    rhs: (g, k, n) ``GroupedScaledTensor`` (one scale per group, or 128x128).
+    lhs: (m, k) ``ScaledTensor`` (per tensor or 1x128), or bfloat16 array.
+    rhs: (g, k, n) ``GroupedScaledTensor`` (one scale per group, or
+      128x128), or bfloat16 array (with a bfloat16 ``lhs``).
     group_sizes: (g,) int32 on the device.
-    fast_accum: per-tensor E4M3 x E4M3 only: the tensor cores' accumulation.
+    fast_accum: per-tensor E4M3 x E4M3 only: the tensor cores' accumulation
+      (bfloat16 operands always accumulate in float32).
 
   Returns:
     (m, n) bfloat16; rows past ``sum(group_sizes)`` are 0; all NaN when the
@@ -311,26 +418,30 @@ def grouped_gemm(lhs, rhs, group_sizes, fast_accum: bool = False) -> jax.Array:
   """
   _check(lhs, rhs, jnp.bfloat16, ROWS)
   return _call(rows_operands(lhs, rhs, group_sizes), group_sizes,
-               (lhs.shape[0], rhs.shape[2]), ROWS, fast_accum)
+               (lhs.shape[0], rhs.shape[2]), ROWS, fast_accum and _is_fp8(lhs))
 
 
 def grouped_wgrad(lhs_t, rhs_t, group_sizes, fast_accum: bool = False) -> jax.Array:
   """``out[e] = lhs_t[:, rows_e] @ rhs_t[:, rows_e].T`` on the kernel.
 
   Args:
-    lhs_t: (k, m) ``ScaledTensor`` (per tensor or 1x128 along m).
-    rhs_t: (n, m) ``ScaledTensor``, the same scaling.
-    group_sizes: (g,) int32 on the device; each group (and so each start)
-      a multiple of 16 (per tensor) or 128 (blockwise), as the recipe's
-      token block pads them.
+    lhs_t: (k, m) ``ScaledTensor`` (per tensor or 1x128 along m), or
+      bfloat16 array.
+    rhs_t: (n, m) ``ScaledTensor``, the same scaling, or bfloat16 array.
+    group_sizes: (g,) int32 on the device. FP8: each group (and so each
+      start) a multiple of 16 (per tensor) or 128 (blockwise), as the
+      recipe's token block pads them. bfloat16: any sizes (realigned here).
     fast_accum: as :func:`grouped_gemm`.
 
   Returns:
     (g, k, n) bfloat16; an empty group's matrix is 0; all NaN when a size
-    is negative, overruns m or breaks the multiple above.
+    is negative, overruns m or (FP8) breaks the multiple above.
   """
   _check(lhs_t, rhs_t, jnp.bfloat16, CONTRACTION)
-  ops, swapped = contraction_operands(lhs_t, rhs_t)
   k, n, g = lhs_t.shape[0], rhs_t.shape[0], group_sizes.shape[0]
+  if not _is_fp8(lhs_t):
+    ops, sizes = bf16_contraction_operands(lhs_t, rhs_t, group_sizes)
+    return _call(ops, sizes, (g, k, n), CONTRACTION, False)
+  ops, swapped = contraction_operands(lhs_t, rhs_t)
   out = _call(ops, group_sizes, (g, n, k) if swapped else (g, k, n), CONTRACTION, fast_accum)
   return jnp.swapaxes(out, 1, 2) if swapped else out
