@@ -6,8 +6,8 @@ Two parts, each recipe in a fresh process (``--in-process``: one process):
   ``te_jax.flax.MoE`` as one layer of ``train_gpt.py --preset moe`` holds it
   (8 x 2048 tokens of width 1024, 64 experts of width 512, 8 per token, a
   shared expert of width 1024, bf16 compute). Rows: each recipe, against
-  te_jax's FP8-off MoE (``none``: the same block, its grouped GEMMs the
-  unquantized grouped reference) and ``ragged_dot`` (FP8 off, the grouped
+  te_jax's FP8-off MoE (``none``: the same block, its grouped GEMMs te_jax's
+  bf16 kernel) and ``ragged_dot`` (FP8 off, the grouped
   GEMMs by XLA's ``jax.lax.ragged_dot``).
 * ``model``: ``examples/train_gpt.py --preset moe`` (``--small``: moe_tiny)
   training steps per recipe: tokens/s against bf16 (``none``).
@@ -26,10 +26,10 @@ compiled and run, or the model's trainer built and its state initialized;
 the step's ``lower`` and ``compile``), which each row also prints to
 stderr as it finishes them, before its timed steps.
 
-The FP8 grouped GEMMs (per tensor and blockwise) run te_jax's sm_90a kernels
-where the native module was built with them (CUTLASS headers found at build
-time) on a Hopper GPU; elsewhere they run the pure-JAX reference under XLA
-(FP8 operands dequantized to float32), and the tables say which
+The grouped GEMMs (FP8 per tensor and blockwise, and bf16 in the FP8-off
+row) run te_jax's sm_90a kernels where the native module was built with them
+(CUTLASS headers found at build time) on a Hopper GPU; elsewhere they run the
+pure-JAX reference under XLA (operands in float32), and the tables say which
 (``grouped_gemm_cuda.auto_reference_reason``).
 
   python3 benchmarks/bench_moe.py                     # GPU: layer and model, every recipe
@@ -60,13 +60,14 @@ LAYER_SIZES = {"full": dict(batch=8, seq=2048, hidden=1024, experts=64, k=8, mlp
 
 
 def grouped_gemm_note() -> str:
-  """Which implementation the FP8 rows' grouped GEMMs ran, and why."""
+  """Which implementation the rows' grouped GEMMs ran, and why."""
   from te_jax.ops import grouped_gemm_cuda  # pylint: disable=import-outside-toplevel
   why = grouped_gemm_cuda.auto_reference_reason()
   if why:
-    return (f"FP8 grouped GEMMs: the pure-JAX reference under XLA ({why}: the FP8 rows "
-            "time that reference, not FP8 tensor cores).")
-  return "FP8 grouped GEMMs: te_jax's sm_90a kernels (per tensor and blockwise)."
+    return (f"Grouped GEMMs: the pure-JAX reference under XLA ({why}: the rows time that "
+            "reference, not tensor cores).")
+  return ("Grouped GEMMs: te_jax's sm_90a kernels (FP8 per tensor and blockwise; bf16 in "
+          "the FP8-off row).")
 
 
 def part_of(op_name: str) -> str:

@@ -404,7 +404,7 @@ def test_default_module_sources_and_cutlass_order():
   (module,) = cmake_calls(code, "nanobind_add_module")
   assert "sm90" not in module and "grouped_gemm" not in module
   (extra,) = cmake_calls(code, "target_sources")
-  assert "ffi/grouped_gemm.cc" in extra and extra.count("_sm90") == 12
+  assert "ffi/grouped_gemm.cc" in extra and extra.count("_sm90") == 13
   at = code.index("target_sources(")
   opened = code.rindex("if(", 0, at)
   assert code.startswith("if(TE_JAX_CUTLASS_DIR)", opened) and "endif(" not in code[opened:at]
@@ -423,7 +423,7 @@ def _nvcc():
 def test_configure_with_and_without_cutlass(tmp_path, with_cutlass):
   """The whole configure (a real nvcc, a made-up cuBLASLt): the build note's
   last clause says whether the sm90 GEMMs are in, and the generated build
-  compiles their 12 units and the grouped handler only with the headers."""
+  compiles their 13 units and the grouped handler only with the headers."""
   import nanobind  # pylint: disable=import-outside-toplevel
   site = tmp_path / "site"
   site.mkdir()

@@ -18,7 +18,8 @@ def test_group_sizes_sum_and_blocks(groups, rows):
 def test_every_row_runs_and_checks_its_error(capsys):
   sz = dict(groups=2, rows=128, k=128, n=128)
   rows = bg.run(sz, impl="reference", k_calls=1, repeats=1)
-  variants = {"bf16 ragged_dot", "fp8 per-tensor fast", "fp8 per-tensor split", "fp8 blockwise"}
+  variants = {"bf16 ragged_dot", "te_jax bf16", "fp8 per-tensor fast", "fp8 per-tensor split",
+              "fp8 blockwise"}
   assert {(r["pass_"], r["groups"], r["variant"]) for r in rows} == {
       (p, g, v) for p in ("fprop", "dgrad", "wgrad") for g in ("balanced", "skewed")
       for v in variants}

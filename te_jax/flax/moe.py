@@ -90,11 +90,11 @@ class MoE(nn.Module):
       axis names of the kernels.
     return_aux: return ``(y, aux)`` instead of y (the aux values are sown
       either way).
-    impl: "auto" (default), "cuda" or "reference": the FP8 ops'
-      implementation (the per-tensor FP8 grouped GEMMs run te_jax's sm_90a
-      kernel where the native module has it, on Hopper; blockwise ones and
-      everything elsewhere the reference, logged once:
-      ``te_jax.ops.grouped_gemm_cuda.auto_reference_reason`` says which).
+    impl: "auto" (default), "cuda" or "reference": the ops'
+      implementation (the experts' grouped GEMMs, FP8 under every recipe and
+      bf16 with FP8 off, run te_jax's sm_90a kernels where the native module
+      has them, on Hopper; everywhere else the reference, logged once:
+      ``te_jax.ops.grouped_gemm_cuda.auto_reference_reason`` says why).
   """
 
   num_experts: int
