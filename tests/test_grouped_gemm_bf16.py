@@ -247,3 +247,20 @@ def test_fp8_off_flax_moe_reaches_the_bf16_kernel(fake_gpu):
 
   calls = _kernel_calls(step, params, x)
   assert sorted((c[0]["axis"], c[0]["scaling"]) for c in calls) == [(0, 2)] * 4 + [(1, 2)] * 2
+
+
+@pytest.mark.parametrize("op", ["grouped_gemm", "grouped_wgrad"])
+def test_more_groups_than_the_kernel_holds_are_refused_at_trace_time(fake_gpu, op):
+  """The setup kernel keeps at most MAX_GROUPS sizes: more is a ValueError
+  under impl="cuda" at trace time, for the wgrad (whose operands do not
+  show the group count) as for the rows GEMM; MAX_GROUPS itself stages."""
+  del fake_gpu
+  def args(g):
+    if op == "grouped_gemm":
+      return jnp.ones((16, 16), BF16), jnp.ones((g, 16, 8), BF16), jnp.zeros((g,), jnp.int32)
+    return jnp.ones((16, 16), BF16), jnp.ones((8, 16), BF16), jnp.zeros((g,), jnp.int32)
+  fn = lambda a, b, s: getattr(gg, op)(a, b, s, out_dtype=BF16, impl="cuda")
+  over = ggc.MAX_GROUPS + 1
+  with pytest.raises(ValueError, match=f"{over} groups: the kernel takes at most"):
+    jax.eval_shape(fn, *args(over))
+  assert len(_kernel_calls(fn, *args(ggc.MAX_GROUPS))) == 1

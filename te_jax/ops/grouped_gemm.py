@@ -340,13 +340,13 @@ def _log_reference(op: str, reason: str):
   _log.info("te_jax: %s runs its pure-JAX reference (impl='auto'): %s.", op, reason)
 
 
-def _kernel_reason(a, b, out_dtype, axis) -> str:
+def _kernel_reason(a, b, out_dtype, axis, groups) -> str:
   """Why the CUDA kernel does not take this call ("" when it does)."""
   return (grouped_gemm_cuda.build_reason() or grouped_gemm_cuda.device_reason()
-          or grouped_gemm_cuda.unsupported_reason(a, b, out_dtype, axis))
+          or grouped_gemm_cuda.unsupported_reason(a, b, out_dtype, axis, groups))
 
 
-def _run(op: str, impl: str, a, b, out_dtype, axis, cuda_fn, reference_fn):
+def _run(op: str, impl: str, a, b, groups, out_dtype, axis, cuda_fn, reference_fn):
   """The reference or the CUDA kernel, as ``impl`` and the call allow.
 
   "reference", and "auto" where ``_native`` resolves to the reference (no
@@ -360,7 +360,7 @@ def _run(op: str, impl: str, a, b, out_dtype, axis, cuda_fn, reference_fn):
   """
   if _native.resolve_impl(impl) == "reference":
     return reference_fn()
-  reason = _kernel_reason(a, b, out_dtype, axis)
+  reason = _kernel_reason(a, b, out_dtype, axis, groups)
   if reason:
     if impl == "cuda":
       raise ValueError(f"impl='cuda': te_jax's grouped-GEMM CUDA kernel cannot run {op} here: "
@@ -397,7 +397,8 @@ def grouped_gemm(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *,
     (m, n) array of ``out_dtype``.
   """
   _check_gemm(lhs, rhs, group_sizes, out_dtype)
-  return _run("grouped_gemm", impl, lhs, rhs, out_dtype, grouped_gemm_cuda.ROWS,
+  return _run("grouped_gemm", impl, lhs, rhs, group_sizes.shape[0], out_dtype,
+              grouped_gemm_cuda.ROWS,
               lambda: grouped_gemm_cuda.grouped_gemm(lhs, rhs, group_sizes, fast_accum),
               lambda: grouped_gemm_reference(lhs, rhs, group_sizes, out_dtype))
 
@@ -423,6 +424,7 @@ def grouped_wgrad(lhs_t: Operand, rhs_t: Operand, group_sizes: jax.Array, *,
     (g, k, n) array of ``out_dtype``.
   """
   _check_wgrad(lhs_t, rhs_t, group_sizes, out_dtype)
-  return _run("grouped_wgrad", impl, lhs_t, rhs_t, out_dtype, grouped_gemm_cuda.CONTRACTION,
+  return _run("grouped_wgrad", impl, lhs_t, rhs_t, group_sizes.shape[0], out_dtype,
+              grouped_gemm_cuda.CONTRACTION,
               lambda: grouped_gemm_cuda.grouped_wgrad(lhs_t, rhs_t, group_sizes, fast_accum),
               lambda: grouped_wgrad_reference(lhs_t, rhs_t, group_sizes, out_dtype))

@@ -152,7 +152,7 @@ def _operand_kind(a, b) -> str:
           "bfloat16 only (cast both operands to bfloat16 to use it)")
 
 
-def unsupported_reason(a, b, out_dtype, axis: int) -> str:
+def unsupported_reason(a, b, out_dtype, axis: int, groups: int) -> str:
   """"" when the kernel takes this call, else why not (one short clause).
 
   Args:
@@ -161,6 +161,7 @@ def unsupported_reason(a, b, out_dtype, axis: int) -> str:
       FP8 scaled tensors, or both float arrays.
     out_dtype: the requested output dtype.
     axis: 0 rows (``grouped_gemm``), 1 contraction (``grouped_wgrad``).
+    groups: ``group_sizes.shape[0]`` (at most :data:`MAX_GROUPS`).
   """
   why = _operand_kind(a, b)
   if why:
@@ -175,10 +176,10 @@ def unsupported_reason(a, b, out_dtype, axis: int) -> str:
     return "e4m3 lhs x e5m2 rhs: the per-tensor kernels take E5M2 as lhs only"
   unit = _TMA_BYTES // ta.itemsize          # elements in 16 bytes: 16 FP8, 8 bf16
   if axis == ROWS:
-    (m, k), (g, _, n) = a.shape, b.shape
+    (m, k), n = a.shape, b.shape[2]
     contraction, what = k, "k (lhs.shape[1])"
   else:
-    (k, m), n, g = a.shape, b.shape[0], None
+    (k, m), n = a.shape, b.shape[0]
     contraction, what = m, "the grouped m (lhs_t.shape[1])"
     if (ta, tb) == (_E4M3, _E5M2):   # computed transposed: the kernel's n is k
       n = k
@@ -191,8 +192,8 @@ def unsupported_reason(a, b, out_dtype, axis: int) -> str:
     return f"the output's last dim {n} is not a multiple of 8 (16-byte rows)"
   if max(m, n, k) > _INT32_MAX:
     return "a dimension exceeds int32"
-  if g is not None and g > MAX_GROUPS:
-    return f"{g} groups: the kernel takes at most {MAX_GROUPS}"
+  if groups > MAX_GROUPS:
+    return f"{groups} groups: the kernel takes at most {MAX_GROUPS}"
   return ""
 
 
@@ -382,8 +383,8 @@ def bf16_contraction_operands(lhs_t, rhs_t, group_sizes):
   return KernelOperands(a, b, _no_scales(), _no_scales(), NONE), sizes
 
 
-def _check(a, b, out_dtype, axis):
-  why = unsupported_reason(a, b, out_dtype, axis)
+def _check(a, b, out_dtype, axis, groups):
+  why = unsupported_reason(a, b, out_dtype, axis, groups)
   if why:
     raise ValueError(f"te_jax grouped GEMM (CUDA): {why}; use impl='auto' or "
                      "impl='reference' for the pure-JAX reference.")
@@ -416,7 +417,7 @@ def grouped_gemm(lhs, rhs, group_sizes, fast_accum: bool = False) -> jax.Array:
     (m, n) bfloat16; rows past ``sum(group_sizes)`` are 0; all NaN when the
     sizes cannot describe m rows (a negative one, or a sum above m).
   """
-  _check(lhs, rhs, jnp.bfloat16, ROWS)
+  _check(lhs, rhs, jnp.bfloat16, ROWS, group_sizes.shape[0])
   return _call(rows_operands(lhs, rhs, group_sizes), group_sizes,
                (lhs.shape[0], rhs.shape[2]), ROWS, fast_accum and _is_fp8(lhs))
 
@@ -437,7 +438,7 @@ def grouped_wgrad(lhs_t, rhs_t, group_sizes, fast_accum: bool = False) -> jax.Ar
     (g, k, n) bfloat16; an empty group's matrix is 0; all NaN when a size
     is negative, overruns m or (FP8) breaks the multiple above.
   """
-  _check(lhs_t, rhs_t, jnp.bfloat16, CONTRACTION)
+  _check(lhs_t, rhs_t, jnp.bfloat16, CONTRACTION, group_sizes.shape[0])
   k, n, g = lhs_t.shape[0], rhs_t.shape[0], group_sizes.shape[0]
   if not _is_fp8(lhs_t):
     ops, sizes = bf16_contraction_operands(lhs_t, rhs_t, group_sizes)
