@@ -11,7 +11,7 @@ accumulation, HIGHEST asks for split accumulation).
 Bytes for quantize are the minimal traffic (read x once, write every output),
 so a kernel that reads x twice (current scaling) is charged once.
 
-Usage: python3 benchmarks/bench_ops.py [--quick] [--only quantize|norm|gemm|accuracy]
+Usage: python3 benchmarks/bench_ops.py [--quick] [--only quantize|act|norm|gemm|accuracy]
 Prints a table and, last, a markdown section for BENCHMARKS.md.
 """
 
@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from te_jax.ops import act_quantize as act_ops
 from te_jax.ops import cuda_available
 from te_jax.ops import gemm as gemm_ops
 from te_jax.ops import normalization as norm_ops
@@ -93,6 +94,49 @@ def quantize_rows(m=8192, k=8192):
                      unit="TB/s"))
     print(f"  {rows[-1]['name']}: ours {rows[-1]['ours']:.2f} TB/s, XLA {rows[-1]['ref']:.2f} TB/s",
           flush=True)
+  return rows
+
+
+# ------------------------------------------------ activation quantize ---
+
+def act_rows(m=32768, f=5632, acts=("silu", "linear"), impls=("reference", "cuda")):
+  """The fused MLP's activation passes at the Llama preset's shape (batch 8
+  x 4096 tokens, SwiGLU mlp 5632) as its step runs them: the forward's
+  act(h) quantized rowwise, and the backward's dh = dz * act'(h) quantized
+  both ways with act(h)'s columnwise copy (``save_original_input``), per
+  tensor (delayed scaling: a given scale) and blockwise. Bytes: h and dz
+  read once, every output written once. ``impls``: (baseline, ours)."""
+  keys = jax.random.split(jax.random.PRNGKey(1), SETS)
+  n_act = len(acts)
+  sets = [(_rand(jax.random.fold_in(kk, 0), (m, n_act * f), BF16),
+           _rand(jax.random.fold_in(kk, 1), (m, f), BF16)) for kk in keys]
+  scale = jnp.float32(2.0)
+  h_bytes, z_elems, dh_elems = 2 * m * n_act * f, m * f, m * n_act * f
+  modes = (("tensorwise", dict(scale=scale), 0),
+           ("blockwise", dict(power_2_scale=True), 4 / 128))   # float32 scale per 128
+  cases = []
+  for mode, kw, per in modes:
+    cases.append((f"act fwd, {mode}, rowwise z", lambda impl, mode=mode, kw=kw: jax.jit(
+        lambda h, dz: act_ops.act_quantize(h, acts, mode=mode, dtype=E4M3, impl=impl,
+                                           columnwise=False, **kw)),
+                  h_bytes + z_elems * (1 + per)))
+    # z's columnwise copy as the forward quantized it (its amax: any finite one)
+    cols = act_ops.act_columnwise_like(
+        amax=jnp.float32(4.0) if mode == "tensorwise" else None, mode=mode, dtype=E4M3, **kw)
+    cases.append((f"dact bwd, {mode}, dh both ways + z.T", lambda impl, mode=mode, kw=kw,
+                  cols=cols: jax.jit(
+        lambda h, dz: act_ops.dact_quantize(dz, h, acts, mode=mode, dtype=E5M2, impl=impl,
+                                            act_columnwise=cols, **kw)),
+                  h_bytes + 2 * m * f + (2 * dh_elems + z_elems) * (1 + per)))
+  rows = []
+  for name, make, nbytes in cases:
+    t_ref = bench(make(impls[0]), sets)
+    t_cuda = bench(make(impls[1]), sets)
+    rows.append(dict(kind="act", name=f"{name} {m}x{n_act}x{f} bf16", ours_us=t_cuda * 1e6,
+                     ref_us=t_ref * 1e6, ours=nbytes / t_cuda / 1e12, ref=nbytes / t_ref / 1e12,
+                     unit="TB/s"))
+    print(f"  {rows[-1]['name']}: ours {rows[-1]['ours']:.2f} TB/s ({t_cuda * 1e3:.3f} ms), "
+          f"XLA {rows[-1]['ref']:.2f} TB/s", flush=True)
   return rows
 
 
@@ -222,7 +266,7 @@ def report(rows):
   print("\n" + "=" * 100)
   print(f"{'benchmark':<58} {'ours':>12} {'baseline':>12} {'ratio':>8}")
   for r in rows:
-    if r["kind"] == "quantize":
+    if r["kind"] in ("quantize", "act"):
       print(f"{r['name']:<58} {r['ours']:>8.2f} TB/s {r['ref']:>7.2f} TB/s "
             f"{r['ours'] / r['ref']:>7.2f}x")
     elif r["kind"] == "norm":
@@ -240,6 +284,12 @@ def report(rows):
   for r in rows:
     if r["kind"] == "quantize":
       md.append(f"| {r['name']} | {r['ours']:.2f} | {r['ref']:.2f} | {r['ours'] / r['ref']:.2f}x |")
+  acts = [r for r in rows if r["kind"] == "act"]
+  if acts:
+    md += ["", "| activation quantize (Llama MLP shape) | te_jax TB/s (ms) | XLA reference TB/s |",
+           "|---|---|---|"]
+    md += [f"| {r['name']} | {r['ours']:.2f} ({r['ours_us'] / 1e3:.3f}) | {r['ref']:.2f} |"
+           for r in acts]
   norms = [r for r in rows if r["kind"] == "norm"]
   if norms:
     md += ["", "| norm backward (RMSNorm, bf16) | te_jax TB/s | 264 blocks TB/s | XLA TB/s |",
@@ -260,13 +310,16 @@ def report(rows):
 def main():
   p = argparse.ArgumentParser()
   p.add_argument("--quick", action="store_true", help="small GEMM shapes only")
-  p.add_argument("--only", choices=["quantize", "norm", "gemm", "accuracy"], default=None)
+  p.add_argument("--only", choices=["quantize", "act", "norm", "gemm", "accuracy"],
+                 default=None)
   args = p.parse_args()
   shapes = [(4096, 4096, 4096)] if args.quick else [
       (4096, 4096, 4096), (8192, 8192, 8192), (16384, 8192, 8192), (4096, 7168, 16384)]
   rows = []
   if args.only in (None, "quantize"):
     rows += quantize_rows()
+  if args.only in (None, "act"):
+    rows += act_rows()
   if args.only in (None, "norm"):
     rows += norm_backward_rows()
   if args.only in (None, "gemm"):
