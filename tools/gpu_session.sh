@@ -26,7 +26,7 @@
 #   keep      the same with --set keep_fp8_copies=true (not in the default list)
 #   actfp8    bf16, delayed, blockwise with --set store_act_input_in_fp8=true
 #             (not in the default list)
-#   kernels   tools/gpu_kernels.sh blockwise grouped
+#   kernels   tools/gpu_kernels.sh blockwise grouped; bench_ops.py --only act
 #   ncu       tools/gpu_kernels.sh ncu: Nsight Compute on the blockwise GEMMs,
 #             ours and cuBLASLt's (on request)
 #   grouped   benchmarks/bench_grouped.py (te_jax grouped GEMM vs ragged_dot)
@@ -183,6 +183,11 @@ if want kernels && [[ -n "$tarball" ]]; then
   wait "${kernels_built:-}" 2>/dev/null
   OUT=$OUT timeout 200 bash tools/gpu_kernels.sh blockwise grouped > "$OUT/kernels.log" 2>&1
   grep -E "^checks:" "$OUT/kernels.log" >> "$LOG"
+fi
+if want kernels; then   # the activation-quantize passes of the Llama MLP (issue 43's budget)
+  (cd /tmp && timeout 150 python3 "$REPO/benchmarks/bench_ops.py" --only act \
+     > "$OUT/ops_act.log" 2>&1)
+  grep -E "^  (act fwd|dact bwd)" "$OUT/ops_act.log" >> "$LOG"
 fi
 if want ncu && [[ -n "$tarball" ]]; then   # Nsight Compute's budget of the blockwise GEMMs
   st "ncu"
