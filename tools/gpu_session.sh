@@ -24,8 +24,6 @@
 #             store_act_input_in_fp8
 #   model     bench_model.py --preset llama, batch 8, every recipe
 #   keep      the same with --set keep_fp8_copies=true (not in the default list)
-#   actfp8    bf16, delayed, blockwise with --set store_act_input_in_fp8=true
-#             (not in the default list)
 #   kernels   tools/gpu_kernels.sh blockwise grouped; bench_ops.py --only act
 #   ncu       tools/gpu_kernels.sh ncu: Nsight Compute on the blockwise GEMMs,
 #             ours and cuBLASLt's (on request)
@@ -36,6 +34,8 @@
 #             `cp -r .te/cN /tmp/te/.cN && mv /tmp/te/.cN /tmp/te/cN`); its
 #             build starts in the background once all six are there
 #   moe       bench_moe.py layer rows (MOE_RECIPES; MOE_TIMEOUT seconds each)
+#   actfp8    bf16, delayed, blockwise with --set store_act_input_in_fp8=true
+#             (not in the default list)
 #   offload   bench_model.py with --set offload_optimizer=true (bf16, delayed), then
 #             without it unless the model stage ran (the same-lease baseline)
 #   jax012    the GPU suite on the jax wheels in $JAX_WHEELS (a venv over the
@@ -173,11 +173,6 @@ if want keep; then   # the model with the FP8 copies kept (speed against memory)
   model_rows keep "keep: " 560 --recipes none,delayed,current,blockwise \
     --set keep_fp8_copies=true --timeout 150
 fi
-if want actfp8; then   # the model with the MLP activation's input kept in FP8
-  st "actfp8"
-  model_rows actfp8 "act input in FP8: " 560 --recipes none,delayed,blockwise \
-    --set store_act_input_in_fp8=true --timeout 180
-fi
 if want kernels && [[ -n "$tarball" ]]; then
   st "kernels"
   wait "${kernels_built:-}" 2>/dev/null
@@ -219,6 +214,11 @@ if want moe; then
   (cd /tmp && timeout 600 python3 "$REPO/benchmarks/bench_moe.py" --parts layer \
      --recipes "${MOE_RECIPES:-none,delayed}" --timeout "${MOE_TIMEOUT:-150}" > "$OUT/moe.log" 2>&1)
   grep -E "^layer " "$OUT/moe.log" >> "$LOG"
+fi
+if want actfp8; then   # the model with the MLP activation's input kept in FP8
+  st "actfp8"
+  model_rows actfp8 "act input in FP8: " 560 --recipes none,delayed,blockwise \
+    --set store_act_input_in_fp8=true --timeout 180
 fi
 if want offload; then
   st "offload"
