@@ -15,10 +15,10 @@
   in front. When the fused core was asked for but cannot run, the
   ``te_jax`` logger says why (INFO, once per reason: :func:`log_unfused`).
 
-``fp8_autocast(store_act_input_in_fp8=True)`` reaches the fused core with
-its norm (``te_jax.fused_mlp.fp8_mlp`` keeps h in FP8); where the block
-takes another path the option cannot apply, and a warning says so once per
-reason (:func:`warn_act_input_not_in_fp8`).
+``fp8_autocast(store_act_input_in_fp8=True)`` reaches the fused core, with
+its norm or behind it (``te_jax.fused_mlp.fp8_mlp`` keeps h in FP8); where
+the block runs as two FP8 dense layers the option cannot apply, and a
+warning says so once per reason (:func:`warn_act_input_not_in_fp8`).
 
 Both paths use the same parameters and FP8 states (``wi_fp8_meta``,
 ``wo_fp8_meta``). Gated activations (two names, e.g. ("silu", "linear") =
