@@ -69,9 +69,11 @@ order); on the GPU the chunks' GEMMs may pick other algorithms.
 inputs: E4M3 with one float32 scale per 1x128 tile along the features
 (whatever the recipe), 1 byte per element of ``h`` plus 4 bytes per 128
 instead of 2, so that residual is about halved. It costs one quantize pass
-over ``h`` in the forward and, in the backward, a dequantize of each row
-chunk of ``h`` into the compute dtype just before the activation backward
-reads it (only a chunk of ``h`` in bf16 is live at once, as of ``g @ wo.T``).
+over ``h`` in the forward; the backward's activation pass reads each row
+chunk of the E4M3 ``h`` and its scales directly (``act_quantize.dact_quantize``
+takes the ``ScaledTensor``), so no copy of ``h`` in the compute dtype is
+written (only with a bias on ``wi``, whose gradient pass dequantizes the
+chunk).
 
 Shapes are not padded here: :func:`supported` says whether a problem can take
 this path (token count a multiple of the recipe's ``token_block``, the other
@@ -243,8 +245,8 @@ def chunk_bounds(m: int, chunks: int, token_block: int) -> Tuple[Tuple[int, int]
 def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype, act_t):
   """dh = (g @ wo.T) * act'(h), quantized, and its dgrad ``dh @ wi.T``, one
   row chunk at a time (``cfg.backward_chunks``): only a chunk of the bf16
-  ``g @ wo.T`` and of the rowwise FP8 ``dh`` is live at once (and of h in
-  ``cfg.dtype`` where the forward kept it in FP8: ``_act_input_rows``). With
+  ``g @ wo.T`` and of the rowwise FP8 ``dh`` is live at once (an FP8 h is
+  read as it is; only the bias gradient dequantizes its rows). With
   ``act_t`` (an ``ActColumnwise``) the same passes write act(h)'s
   columnwise copy. Returns the dgrad (M, K) in ``dx_dtype``, dh's
   columnwise operand for the wgrad, its amax (None for blockwise), the bias
@@ -252,7 +254,8 @@ def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype, act_t):
   mode, impl = cfg.mode, cfg.impl
   dxs, cols, col_scales, amaxes, dbis, zs = [], [], [], [], [], []
   for r0, r1 in chunk_bounds(h.shape[0], cfg.backward_chunks, mode.token_block):
-    h_rows = _act_input_rows(h, r0, r1, cfg.dtype)
+    # The FP8 h goes to the kernel as it is (it dequantizes as it reads).
+    h_rows = h.rows(r0, r1) if isinstance(h, ScaledTensor) else h[r0:r1]
     dz = mode.gemm("dgrad", qg.rowwise().rows(r0, r1), qwo, out_dtype=cfg.dtype, impl=impl)
     # dh = dz * act'(h) quantized in the pass that reads dz and h. Delayed
     # scaling quantizes with the state's scale and blockwise per tile, so a
@@ -268,7 +271,8 @@ def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype, act_t):
     col_scales.append(q.scale_inv_t)
     amaxes.append(q.amax)
     if cfg.has_bi:   # one more pass over dz and h, only when wi has a bias
-      dh = act_op.activation_backward(dz, h_rows, cfg.activations)
+      dh = act_op.activation_backward(dz, _act_input_rows(h, r0, r1, cfg.dtype),
+                                      cfg.activations)
       dbis.append(jnp.sum(dh.astype(jnp.float32), axis=0))
   z_t = act_op.join_columnwise(zs, impl) if zs else None
   if len(dxs) == 1:
@@ -388,11 +392,11 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
       forward keeps h in E4M3 with one float32 scale per 1x128 tile along
       the features (whatever the recipe: a storage format), 1 byte per
       element of h plus 4 bytes per 128 instead of 2 (bf16), and the
-      backward dequantizes it one row chunk at a time (``backward_chunks``)
-      into ``dtype``, from which it computes act'(h) and, with
-      ``save_original_input``, act(h) again for the wgrad of ``wo``. Costs
-      one quantize pass over h in the forward and one dequantize in the
-      backward; the output is unchanged, the gradients differ from the
+      backward's activation pass reads it one row chunk at a time
+      (``backward_chunks``) as E4M3 bytes and scales, dequantized to
+      ``dtype`` as it computes act'(h) and, with ``save_original_input``,
+      act(h) again for the wgrad of ``wo``. Costs one quantize pass over h
+      in the forward; the output is unchanged, the gradients differ from the
       default by the rounding of h to E4M3 in 1x128 tiles. See "Memory".
 
   Returns:

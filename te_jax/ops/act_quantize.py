@@ -205,6 +205,33 @@ def _check_h(h, n_act: int) -> int:
   return h.shape[1] // n_act
 
 
+# The FP8 form of h that dact_quantize also takes: store_act_input_in_fp8's
+# copy (te_jax/fused_mlp.py), E4M3 in 1x128 tiles with float32 scales.
+FP8_H_BLOCK = (1, 128)
+FP8_H_DTYPE = jnp.float8_e4m3fn
+
+
+def _check_fp8_h(h) -> bool:
+  """Whether ``h`` is an FP8 ``ScaledTensor`` (checked: E4M3 (M, W), 1x128
+  tiles, float32 scales (M, ceil(W/128))); False for anything else."""
+  if not isinstance(h, ScaledTensor):
+    return False
+  fix = ("pass h as quantize_blockwise(h, (1, 128), jnp.float8_e4m3fn).rowwise(), or as "
+         "a float array")
+  if h.block_shape != FP8_H_BLOCK:
+    raise ValueError(f"h as a ScaledTensor must have block_shape {FP8_H_BLOCK}, got "
+                     f"{h.block_shape}: {fix}.")
+  if h.data.ndim != 2 or h.data.dtype != FP8_H_DTYPE:
+    raise TypeError(f"h.data must be a 2-D float8_e4m3fn array, got {h.data.dtype} of shape "
+                    f"{h.data.shape}: {fix}.")
+  want = (h.data.shape[0], -(-h.data.shape[1] // FP8_H_BLOCK[1]))
+  if h.scale_inv.dtype != _F32 or tuple(h.scale_inv.shape) != want:
+    raise ValueError(f"h.scale_inv must be float32 of shape {want} (one scale per 1x128 "
+                     f"tile of h {h.data.shape}), got {h.scale_inv.dtype} "
+                     f"{tuple(h.scale_inv.shape)}: {fix}.")
+  return True
+
+
 def _check_dz(dz, h, n_act: int):
   quantize_op.check_input(dz, "dz", 2)
   if h.shape[0] != dz.shape[0] or h.shape[1] != n_act * dz.shape[1]:
@@ -342,10 +369,14 @@ def dact_quantize_reference(dz: jax.Array, h: jax.Array, activations: Sequence[s
                             ) -> Union[QuantizedTensor, Tuple[QuantizedTensor, ScaledTensor]]:
   """Pure-JAX ``dact_quantize``: quantizes ``activation_backward(dz, h,
   activations)``, and with ``act_columnwise`` ``activation_forward(h,
-  activations)`` as it says, columnwise."""
+  activations)`` as it says, columnwise. An FP8 ``h`` (a ``ScaledTensor``,
+  see ``dact_quantize``) is first dequantized to dz's dtype: that is the spec."""
   acts = _check_activations(activations)
+  fp8_h = _check_fp8_h(h)
   _check_dz(dz, h, len(acts))
   dtype, scale = quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
+  if fp8_h:
+    h = h.dequantize(dz.dtype)
   q = quantize_op.quantize_by_mode_reference(
       activation_backward(dz, h, acts), mode, dtype, scale, power_2_scale)
   if act_columnwise is None:
@@ -467,7 +498,13 @@ def dact_quantize(dz: jax.Array, h: jax.Array, activations: Sequence[str], *, mo
 
   Args:
     dz: (M, F) float32/bfloat16/float16 gradient of the activation output.
-    h: (M, n_act*F) the activation input saved from the forward pass.
+    h: (M, n_act*F) the activation input saved from the forward pass: a
+      float array, or its E4M3 copy in 1x128 tiles (a ``ScaledTensor``, data
+      (M, n_act*F) float8_e4m3fn, scale_inv float32 (M, ceil(n_act*F/128)),
+      block_shape (1, 128); ``store_act_input_in_fp8``), read as
+      ``h.dequantize(dz.dtype)``. The CUDA kernel reads its bytes and scales
+      directly (no 16-bit copy of h is written); with power-of-two scales the
+      result is bit for bit that of the dequantized h.
     activations, mode, dtype, scale, power_2_scale, impl: as ``act_quantize``.
     act_columnwise: None, or an :class:`ActColumnwise` (same ``mode``): the
       pass also writes the columnwise copy of ``z = activation_forward(h,
@@ -483,6 +520,7 @@ def dact_quantize(dz: jax.Array, h: jax.Array, activations: Sequence[str], *, mo
     ``act_quantize(h, ...).columnwise()`` was.
   """
   acts = _check_activations(activations)
+  _check_fp8_h(h)
   _check_dz(dz, h, len(acts))
   dtype, scale = quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
   spec = None if act_columnwise is None else _check_act_columnwise(act_columnwise, mode)

@@ -81,7 +81,13 @@ def act_quantize(h, dz, kernel_ids, mode: str, dtype, scale, power_2_scale: bool
   m = h.shape[0]
   f = h.shape[1] // n_act
   w = n_act * f if backward else f
-  if backward and dz.dtype != h.dtype:
+  # An FP8 h (dact only, checked by act_quantize.py): its E4M3 bytes and
+  # 1x128 tile scales go to the kernel, which dequantizes as it reads, in
+  # dz's element type. Otherwise h_scale is a (0, 0) placeholder.
+  h_scale = jnp.zeros(_NONE_2D, _F32)
+  if isinstance(h, ScaledTensor):
+    h, h_scale = h.data, h.scale_inv
+  elif backward and dz.dtype != h.dtype:
     # The kernels read both inputs with one element type. Widening to the
     # common type is exact, so the float32 values (and the result) are those
     # of the reference; it costs one XLA convert pass.
@@ -110,7 +116,7 @@ def act_quantize(h, dz, kernel_ids, mode: str, dtype, scale, power_2_scale: bool
     grids = scale_grid_outputs(m, w, tiling.mode_layout(mode), rowwise, columnwise)
     data, s, data_t, st, act_t, act_st = jax.ffi.ffi_call(
         "te_jax_act_quantize_blockwise", (fp8[0], grids[0], fp8[1], grids[1]) + act_outs)(
-            h, dz_arg, power_2_scale=np.int64(bool(power_2_scale)),
+            h, dz_arg, h_scale, power_2_scale=np.int64(bool(power_2_scale)),
             act_power_2_scale=np.int64(spec is not None and spec.power_2_scale), **attrs)
     q = selected_result(mode, m, w, data, s, data_t, st, None, rowwise, columnwise)
     if spec is None:
@@ -122,11 +128,11 @@ def act_quantize(h, dz, kernel_ids, mode: str, dtype, scale, power_2_scale: bool
   if mode == "tensorwise":
     data, data_t, scale_inv, amax, act_t, act_s = jax.ffi.ffi_call(
         "te_jax_act_quantize_tensorwise", fp8 + scalars + act_outs)(
-            h, dz_arg, jnp.asarray(scale, _F32), act_operand, **attrs)
+            h, dz_arg, h_scale, jnp.asarray(scale, _F32), act_operand, **attrs)
   else:   # current
     data, data_t, scale_inv, amax, act_t, act_s = jax.ffi.ffi_call(
         "te_jax_act_quantize_current", fp8 + scalars + act_outs)(
-            h, dz_arg, act_operand, power_2_scale=np.int64(bool(power_2_scale)), **attrs)
+            h, dz_arg, h_scale, act_operand, power_2_scale=np.int64(bool(power_2_scale)), **attrs)
   q = selected_result(mode, m, w, data, scale_inv, data_t, scale_inv, amax, rowwise, columnwise)
   if spec is None:
     return q
