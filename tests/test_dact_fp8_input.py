@@ -100,8 +100,8 @@ def _bad_h_cases():
   per_tensor = ScaledTensor(h.data, jnp.float32(1.0))
   return [("block_shape", blocks, ValueError, "block_shape"),
           ("e5m2", e5m2, TypeError, "float8_e4m3fn"),
-          ("scale shape", short, ValueError, r"h.scale_inv must be float32 of shape \(128, 2\)"),
-          ("scale dtype", f16_scales, ValueError, "h.scale_inv must be float32"),
+          ("scale shape", short, ValueError, r"float32 scale_inv of shape \(128, 2\)"),
+          ("scale dtype", f16_scales, ValueError, "float32 scale_inv of shape"),
           ("per tensor", per_tensor, ValueError, "block_shape")]
 
 
@@ -149,3 +149,18 @@ def test_cuda_fp8_h_edge_tiles_and_nonfinite():
     kw = dict(_mode_kw(mode), impl="cuda")
     run = jax.jit(lambda dz, h, kw=kw: aq.dact_quantize(dz, h, acts, **kw))
     _leaves_equal(run(dz, h_fp8), run(dz, h_fp8.dequantize(BF16)), f"edge {mode}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _native.cuda_available(),
+                    reason="needs a GPU and the te_jax CUDA custom calls")
+def test_cuda_writes_no_16_bit_copy_of_h():
+  """The compiled CUDA path hands the E4M3 bytes to the custom call: no XLA
+  op produces h (256, 768) in bf16 (the dequantize this path replaces)."""
+  acts = ("silu", "linear")
+  dz, h = _inputs(acts)
+  f = jax.jit(lambda dz, h: aq.dact_quantize(dz, h, acts, mode="blockwise", dtype=E5M2,
+                                             impl="cuda"))
+  hlo = f.lower(dz, h).compile().as_text()
+  assert "te_jax_act_quantize_blockwise" in hlo
+  assert "= bf16[256,768]" not in hlo, "h dequantized to bf16 in the compiled HLO"

@@ -18,6 +18,11 @@
 // with h0 = h[:, :F], h1 = h[:, F:]. act0/act1 are ActId values
 // (kernels/quantize.h), act1 = -1 when not gated.
 //
+// h_scale: a (0, 0) placeholder, or, with backward == 1 and h float8_e4m3fn
+// (store_act_input_in_fp8's copy of h), h's float32 1x128 tile scales
+// (M, ceil(n_act*F / 128)): the kernels read h as float(h) * scale rounded
+// to dz's dtype (kernels/act_quantize.h Fp8HInput), never a 16-bit copy.
+//
 // Optional results: a copy that is not wanted comes as a (0, 0) placeholder
 // (its scales too), the other one is written (data (M, W) rowwise, data_t
 // (W, M) columnwise, at least one). With backward == 1, act_t (F, M) asks
@@ -45,10 +50,31 @@ ffi::Error Bad(const std::string& msg) {
   return ffi::Error::InvalidArgument("te_jax act_quantize: " + msg);
 }
 
+// h_scale with an E4M3 h (see the top): sets *hs and *fp8_h.
+ffi::Error SetupFp8H(const ffi::AnyBuffer& h, const ffi::Buffer<ffi::F32>& h_scale,
+                     int64_t backward, Fp8HInput* hs, bool* fp8_h) {
+  auto sd = h_scale.dimensions();
+  if (sd.size() != 2) return Bad("h_scale must be 2-D");
+  *fp8_h = h.element_type() == ffi::F8E4M3FN;
+  if (!*fp8_h) {
+    if (sd[0] != 0 || sd[1] != 0) return Bad("h_scale must be (0, 0) unless h is float8_e4m3fn");
+    return ffi::Error::Success();
+  }
+  if (!backward) return Bad("an FP8 h (float8_e4m3fn) is an input of the backward only");
+  auto hd = h.dimensions();
+  if (hd.size() != 2 || sd[0] != hd[0] || sd[1] != (hd[1] + 127) / 128)
+    return Bad("h_scale must be (M, ceil(h.shape[1] / 128)) with a float8_e4m3fn h");
+  hs->scale = h_scale.typed_data();
+  hs->scale_ld = sd[1];
+  return ffi::Error::Success();
+}
+
 // Checks the operands and attributes; fills everything but the scale fields.
-ffi::Error Setup(const ffi::AnyBuffer& h, const ffi::AnyBuffer& dz, const ffi::AnyBuffer& data,
+// An E4M3 h (with h_scale: *hs, *fp8_h) takes dz's element type as a->in.
+ffi::Error Setup(const ffi::AnyBuffer& h, const ffi::AnyBuffer& dz,
+                 const ffi::Buffer<ffi::F32>& h_scale, const ffi::AnyBuffer& data,
                  const ffi::AnyBuffer& data_t, int64_t backward, int64_t act0, int64_t act1,
-                 QuantizeArgs* a, PrologueArgs* q) {
+                 QuantizeArgs* a, PrologueArgs* q, Fp8HInput* hs, bool* fp8_h) {
   auto hd = h.dimensions();
   if (hd.size() != 2) return Bad("h must be 2-D");
   if (act0 < 0 || act0 >= kNumAct) return Bad("act0 must be an activation id in [0, 8)");
@@ -59,7 +85,8 @@ ffi::Error Setup(const ffi::AnyBuffer& h, const ffi::AnyBuffer& dz, const ffi::A
   const int64_t F = hd[1] / n_act;
   // A thread's 8 output columns must not straddle h0 and h1 (prologue.h).
   if (n_act == 2 && F % 8 != 0) return Bad("gated activations need F % 8 == 0");
-  if (auto e = GetInType(h, &a->in, "h"); e.failure()) return e;
+  if (auto e = SetupFp8H(h, h_scale, backward, hs, fp8_h); e.failure()) return e;
+  if (auto e = GetInType(*fp8_h ? dz : h, &a->in, *fp8_h ? "dz" : "h"); e.failure()) return e;
   q->kind = backward ? Prologue::kDAct : Prologue::kAct;
   q->h = h.untyped_data();
   q->F = F;
@@ -67,7 +94,8 @@ ffi::Error Setup(const ffi::AnyBuffer& h, const ffi::AnyBuffer& dz, const ffi::A
   q->act1 = static_cast<int>(act1);
   if (backward) {
     if (!HasDims(dz, M, F)) return Bad("dz must be (M, F) with h (M, n_act * F)");
-    if (dz.element_type() != h.element_type()) return Bad("dz and h must have one dtype");
+    if (!*fp8_h && dz.element_type() != h.element_type())
+      return Bad("dz and h must have one dtype (or h float8_e4m3fn with h_scale)");
     q->dz = dz.untyped_data();
   }
   a->M = M;
@@ -117,7 +145,8 @@ ffi::Error SetupActScalars(bool wanted, ffi::Buffer<ffi::F32>& operand,
 }
 
 ffi::Error TensorwiseImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer dz,
-                          ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::F32> act_scale,
+                          ffi::Buffer<ffi::F32> h_scale, ffi::Buffer<ffi::F32> scale,
+                          ffi::Buffer<ffi::F32> act_scale,
                           ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::AnyBuffer> data_t,
                           ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
                           ffi::Result<ffi::Buffer<ffi::F32>> amax,
@@ -126,8 +155,11 @@ ffi::Error TensorwiseImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer 
                           int64_t act0, int64_t act1) {
   QuantizeArgs a, z;
   PrologueArgs q;
-  bool with_act = false;
-  if (auto e = Setup(h, dz, *data, *data_t, backward, act0, act1, &a, &q); e.failure()) return e;
+  Fp8HInput hs;
+  bool with_act = false, fp8_h = false;
+  if (auto e = Setup(h, dz, h_scale, *data, *data_t, backward, act0, act1, &a, &q, &hs, &fp8_h);
+      e.failure())
+    return e;
   a.mode = ScaleMode::kTensor;
   if (auto e = SetupAct(*act_t, a, q, &z, &with_act); e.failure()) return e;
   if (auto e = SetupActScalars(with_act, act_scale, *act_scale_inv, &z.scale, &z, "act_scale");
@@ -139,12 +171,14 @@ ffi::Error TensorwiseImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer 
   a.amax_out = OptionalF32(*amax, 1, &bad);  // (0,): the caller has the amax already
   if (bad) return Bad("amax must be () or (0,)");
   a.scale_inv = scale_inv->typed_data();
-  return CudaError(LaunchPrologueQuantize(a, q, with_act ? &z : nullptr, stream),
+  return CudaError(LaunchPrologueQuantize(a, q, with_act ? &z : nullptr, stream,
+                                          fp8_h ? &hs : nullptr),
                    "act_quantize_tensorwise");
 }
 
 ffi::Error CurrentImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer dz,
-                       ffi::Buffer<ffi::F32> act_amax, ffi::Result<ffi::AnyBuffer> data,
+                       ffi::Buffer<ffi::F32> h_scale, ffi::Buffer<ffi::F32> act_amax,
+                       ffi::Result<ffi::AnyBuffer> data,
                        ffi::Result<ffi::AnyBuffer> data_t,
                        ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
                        ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::AnyBuffer> act_t,
@@ -152,8 +186,11 @@ ffi::Error CurrentImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer dz,
                        int64_t act0, int64_t act1, int64_t power_2_scale) {
   QuantizeArgs a, z;
   PrologueArgs q;
-  bool with_act = false;
-  if (auto e = Setup(h, dz, *data, *data_t, backward, act0, act1, &a, &q); e.failure()) return e;
+  Fp8HInput hs;
+  bool with_act = false, fp8_h = false;
+  if (auto e = Setup(h, dz, h_scale, *data, *data_t, backward, act0, act1, &a, &q, &hs, &fp8_h);
+      e.failure())
+    return e;
   a.mode = ScaleMode::kTensor;
   if (auto e = SetupAct(*act_t, a, q, &z, &with_act); e.failure()) return e;
   if (auto e = SetupActScalars(with_act, act_amax, *act_scale_inv, &z.amax_in, &z, "act_amax");
@@ -163,18 +200,21 @@ ffi::Error CurrentImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer dz,
   if (amax->element_count() != 1) return Bad("amax must be a float32 scalar");
   // Pass 1: max|v| with the same prologue; pass 2 derives the scale from it
   // on the device and casts (no host round trip, no XLA op in between).
-  if (auto e = CudaError(LaunchPrologueAmax(a, q, amax->typed_data(), stream),
-                         "act_quantize_current (amax)");
+  cudaError_t amax_err = fp8_h ? LaunchPrologueAmax(a, q, hs, amax->typed_data(), stream)
+                               : LaunchPrologueAmax(a, q, amax->typed_data(), stream);
+  if (auto e = CudaError(amax_err, "act_quantize_current (amax)");
       e.failure())
     return e;
   a.amax_in = amax->typed_data();
   a.scale_inv = scale_inv->typed_data();
-  return CudaError(LaunchPrologueQuantize(a, q, with_act ? &z : nullptr, stream),
+  return CudaError(LaunchPrologueQuantize(a, q, with_act ? &z : nullptr, stream,
+                                          fp8_h ? &hs : nullptr),
                    "act_quantize_current (cast)");
 }
 
 ffi::Error BlockwiseImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer dz,
-                         ffi::Result<ffi::AnyBuffer> data, ffi::Result<ffi::Buffer<ffi::F32>> sinv,
+                         ffi::Buffer<ffi::F32> h_scale, ffi::Result<ffi::AnyBuffer> data,
+                         ffi::Result<ffi::Buffer<ffi::F32>> sinv,
                          ffi::Result<ffi::AnyBuffer> data_t,
                          ffi::Result<ffi::Buffer<ffi::F32>> sinv_t,
                          ffi::Result<ffi::AnyBuffer> act_t,
@@ -183,8 +223,11 @@ ffi::Error BlockwiseImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer d
                          int64_t act_power_2_scale) {
   QuantizeArgs a, z;
   PrologueArgs q;
-  bool with_act = false;
-  if (auto e = Setup(h, dz, *data, *data_t, backward, act0, act1, &a, &q); e.failure()) return e;
+  Fp8HInput hs;
+  bool with_act = false, fp8_h = false;
+  if (auto e = Setup(h, dz, h_scale, *data, *data_t, backward, act0, act1, &a, &q, &hs, &fp8_h);
+      e.failure())
+    return e;
   a.mode = ScaleMode::kVec128;
   a.pow2 = power_2_scale != 0;
   if (auto e = SetOptionalVec128Scales(*sinv, *sinv_t, &a, "te_jax act_quantize"); e.failure())
@@ -195,7 +238,8 @@ ffi::Error BlockwiseImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer d
                          &z.sinv_t, &z.sinv_t_ld))
     return Bad("act_sinv_t must be (ceil(M/128), roundup(F, 4)) with act_t, else (0, 0)");
   z.pow2 = act_power_2_scale != 0;
-  return CudaError(LaunchPrologueQuantize(a, q, with_act ? &z : nullptr, stream),
+  return CudaError(LaunchPrologueQuantize(a, q, with_act ? &z : nullptr, stream,
+                                          fp8_h ? &hs : nullptr),
                    "act_quantize_blockwise");
 }
 
@@ -204,8 +248,9 @@ ffi::Error BlockwiseImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer d
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxActQuantizeTensorwise, TensorwiseImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()             // h (M, n_act*F)
+                                  .Arg<ffi::AnyBuffer>()             // h (M, n_act*F), E4M3 too
                                   .Arg<ffi::AnyBuffer>()             // dz (M, F) or (0, 0)
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // h_scale or (0, 0)
                                   .Arg<ffi::Buffer<ffi::F32>>()      // scale ()
                                   .Arg<ffi::Buffer<ffi::F32>>()      // act_scale () or (0,)
                                   .Ret<ffi::AnyBuffer>()             // data (M, W) or (0, 0)
@@ -222,8 +267,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxActQuantizeTensorwise, TensorwiseImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxActQuantizeCurrent, CurrentImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()             // h (M, n_act*F)
+                                  .Arg<ffi::AnyBuffer>()             // h (M, n_act*F), E4M3 too
                                   .Arg<ffi::AnyBuffer>()             // dz (M, F) or (0, 0)
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // h_scale or (0, 0)
                                   .Arg<ffi::Buffer<ffi::F32>>()      // act_amax () or (0,)
                                   .Ret<ffi::AnyBuffer>()             // data (M, W) or (0, 0)
                                   .Ret<ffi::AnyBuffer>()             // data_t (W, M) or (0, 0)
@@ -240,8 +286,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxActQuantizeCurrent, CurrentImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxActQuantizeBlockwise, BlockwiseImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()             // h (M, n_act*F)
+                                  .Arg<ffi::AnyBuffer>()             // h (M, n_act*F), E4M3 too
                                   .Arg<ffi::AnyBuffer>()             // dz (M, F) or (0, 0)
+                                  .Arg<ffi::Buffer<ffi::F32>>()      // h_scale or (0, 0)
                                   .Ret<ffi::AnyBuffer>()             // data (M, W) or (0, 0)
                                   .Ret<ffi::Buffer<ffi::F32>>()      // sinv, native, or (0, 0)
                                   .Ret<ffi::AnyBuffer>()             // data_t (W, M) or (0, 0)

@@ -15,6 +15,10 @@
 // set): the rowwise copy, the columnwise copy, or both; and for dact(dz, h)
 // also the columnwise copy of act(h) (kernels/act_quantize.h), which the
 // backward's wgrad GEMM reads and the forward then need not keep.
+//
+// dact(dz, h) also reads h as E4M3 bytes with 1x128 tile scales (template
+// parameter kFp8H; Fp8HInput in kernels/act_quantize.h), the copy of h that
+// store_act_input_in_fp8 keeps, instead of a 16-bit h dequantized first.
 #include "kernels/act_quantize.h"
 
 #include <cuda_bf16.h>
@@ -71,15 +75,17 @@ struct ColumnBytes {
 };
 
 // Runs the prologue's row loop with body(i, y, z): z = act(h) beside
-// y = dact(dz, h) with kWithAct, else y again (unused).
-template <typename InT, Prologue kPro, prologue::ActLoop kLoop, bool kWithAct, typename Body>
-__device__ __forceinline__ void ForRows(const PrologueArgs& q, int64_t M, int64_t row,
-                                        int64_t col, Body&& body) {
+// y = dact(dz, h) with kWithAct, else y again (unused). kFp8H: h is E4M3
+// with the tile scales `hs` (Fp8HInput).
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop, bool kWithAct, bool kFp8H,
+          typename Body>
+__device__ __forceinline__ void ForRows(const PrologueArgs& q, const Fp8HInput& hs, int64_t M,
+                                        int64_t row, int64_t col, Body&& body) {
   if constexpr (kWithAct) {
-    prologue::ComputeRows<InT, kPro, kLoop, true>(q, M, row, col, body);
+    prologue::ComputeRows<InT, kPro, kLoop, true, kFp8H>(q, M, row, col, body, hs);
   } else {
-    prologue::ComputeRows<InT, kPro, kLoop>(
-        q, M, row, col, [&](int i, const float (&y)[kSub]) { body(i, y, y); });
+    prologue::ComputeRows<InT, kPro, kLoop, false, kFp8H>(
+        q, M, row, col, [&](int i, const float (&y)[kSub]) { body(i, y, y); }, hs);
   }
 }
 
@@ -115,9 +121,9 @@ constexpr int ActMinBlocks() {
 // collected the same way from the act(h) values of the same loop, with
 // act(h)'s own scale, in the tiles of act(h)'s F columns (all tiles when not
 // gated, the left half of a gated dh).
-template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut>
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut, bool kFp8H>
 __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>())
-    ActQuantizeTensorKernel(QuantizeArgs p, PrologueArgs q, QuantizeArgs z) {
+    ActQuantizeTensorKernel(QuantizeArgs p, PrologueArgs q, QuantizeArgs z, Fp8HInput hs) {
   constexpr bool kRows = kOut & kOutRows, kCols = kOut & kOutCols, kAct = kOut & kOutActCols;
   __shared__ unsigned warp_red[kThreads / 32];
   __shared__ __align__(16) uint8_t tbuf[kCols || kAct ? kTile * kTile : 16];  // transposed bytes
@@ -141,8 +147,8 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
   uint8_t* out_row = kRows ? p.data + first_row * K + st.gc : nullptr;  // a row per emit
   unsigned amax = 0;  // bits: two elements per 3-input integer max (MaxAbs took more here)
   ColumnBytes cols, zcols;
-  ForRows<InT, kPro, kLoop, kAct>(
-      q, M, first_row, st.gc, [&](int i, const float (&y)[kSub], const float (&zv)[kSub]) {
+  ForRows<InT, kPro, kLoop, kAct, kFp8H>(
+      q, hs, M, first_row, st.gc, [&](int i, const float (&y)[kSub], const float (&zv)[kSub]) {
         unsigned pair[kSub / 2];  // columns 2k (bits 0-7) and 2k + 1 (bits 8-15)
 #pragma unroll
         for (int k = 0; k < kSub / 2; ++k) {
@@ -201,9 +207,9 @@ constexpr int kScratchBytes = kThreads * kScratchF4 * 16;
 static_assert(kScratchBytes >= kTile * kTile, "the transposed bytes reuse the scratch");
 extern __shared__ float4 act_scratch[];
 
-template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut>
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut, bool kFp8H>
 __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>())
-    ActQuantizeVec128Kernel(QuantizeArgs p, PrologueArgs q, QuantizeArgs z) {
+    ActQuantizeVec128Kernel(QuantizeArgs p, PrologueArgs q, QuantizeArgs z, Fp8HInput hs) {
   constexpr bool kRows = kOut & kOutRows, kCols = kOut & kOutCols, kAct = kOut & kOutActCols;
   static_assert(!kAct || kCols, "act(h)'s transposed bytes reuse the scratch of v's");
   __shared__ unsigned col_part[kThreads / 16][kTile];  // per-row-group column amax
@@ -223,8 +229,8 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
   for (int j = 0; j < kSub; ++j) cmax[j] = zmax[j] = 0.f;
   // ComputeRows runs its row loop warp-uniformly (prologue.h), so the
   // 16-lane shuffle below is reached by all 32 lanes together.
-  ForRows<InT, kPro, kLoop, kAct>(
-      q, M, first_row, st.gc, [&](int i, const float (&y)[kSub], const float (&zv)[kSub]) {
+  ForRows<InT, kPro, kLoop, kAct, kFp8H>(
+      q, hs, M, first_row, st.gc, [&](int i, const float (&y)[kSub], const float (&zv)[kSub]) {
         if constexpr (kRows) {
           float rmax = 0.f;
 #pragma unroll
@@ -303,14 +309,16 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
 #pragma unroll
       for (int j = 0; j < kSub; ++j) zs[j] = col_scale[st.c0 + j];
       ColumnBytes zcols;
-      prologue::ComputeRows<InT, Prologue::kAct, kLoop>(
-          q, M, first_row, st.gc, [&](int, const float (&a)[kSub]) {
+      prologue::ComputeRows<InT, Prologue::kAct, kLoop, false, kFp8H>(
+          q, M, first_row, st.gc,
+          [&](int, const float (&a)[kSub]) {
             unsigned pair[kSub / 2];
 #pragma unroll
             for (int k = 0; k < kSub / 2; ++k)
               pair[k] = Cast2(a[2 * k] * zs[2 * k], a[2 * k + 1] * zs[2 * k + 1], zfmt.interp);
             zcols.Push(pair);
-          });
+          },
+          hs);
       zcols.ToTile(tbuf, st);
       __syncthreads();
       StoreTransposedTile(z, tbuf, st.m0, st.k0, st.t);
@@ -321,37 +329,46 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
 // max|v| of a prologue's output, computed by the same prologue::ComputeRows
 // (so the same values bit for bit) on the same tiles, without the scratch;
 // one atomicMax per 128x128 tile.
-template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
-__global__ void __launch_bounds__(kThreads) TileAmaxKernel(QuantizeArgs p, PrologueArgs q) {
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop, bool kFp8H>
+__global__ void __launch_bounds__(kThreads)
+    TileAmaxKernel(QuantizeArgs p, PrologueArgs q, Fp8HInput hs) {
   __shared__ unsigned warp_red[kThreads / 32];
   const int t = threadIdx.x;
   float amax = 0.f;
-  prologue::ComputeRows<InT, kPro, kLoop>(
+  prologue::ComputeRows<InT, kPro, kLoop, false, kFp8H>(
       q, p.M, static_cast<int64_t>(blockIdx.y) * kTile + (t / 16) * kSub,
       static_cast<int64_t>(blockIdx.x) * kTile + (t % 16) * kSub,
       [&](int, const float (&y)[kSub]) {
 #pragma unroll
         for (int j = 0; j < kSub; ++j) amax = MaxAbs(amax, y[j]);
-      });
+      },
+      hs);
   const unsigned block_amax = BlockMaxU(__float_as_uint(amax), warp_red);
   if (t == 0) atomicMax(reinterpret_cast<unsigned*>(p.amax_out), block_amax);
 }
 
 // Calls launch(std::integral_constant<ActLoop, L>) for the loop L that
 // prologue::ChooseLoop picks for q; only kAny is instantiated for fp32
-// inputs, only kNone for kConcat and kNorm.
-template <typename InT, Prologue kPro, typename Launch>
+// inputs, only kNone for kConcat and kNorm. An FP8 h (kFp8H, the fused MLP's
+// backward with store_act_input_in_fp8) has the MLP's loops, SwiGLU and
+// gelu, with bf16 dz, and kAny for everything else.
+template <typename InT, Prologue kPro, bool kFp8H, typename Launch>
 cudaError_t WithLoop(const PrologueArgs& q, Launch&& launch) {
   using prologue::ActLoop;
+  constexpr bool kAll = !kFp8H;  // every specialized loop
   if constexpr (kPro == Prologue::kConcat || kPro == Prologue::kNorm) {
     return launch(std::integral_constant<ActLoop, ActLoop::kNone>{});
-  } else if constexpr (sizeof(InT) == 4) {
+  } else if constexpr (sizeof(InT) == 4 || (kFp8H && !std::is_same_v<InT, __nv_bfloat16>)) {
     return launch(std::integral_constant<ActLoop, ActLoop::kAny>{});
   } else {
     switch (prologue::ChooseLoop(q, true)) {
       case ActLoop::kGelu: return launch(std::integral_constant<ActLoop, ActLoop::kGelu>{});
-      case ActLoop::kSilu: return launch(std::integral_constant<ActLoop, ActLoop::kSilu>{});
-      case ActLoop::kRelu: return launch(std::integral_constant<ActLoop, ActLoop::kRelu>{});
+      case ActLoop::kSilu:
+        if constexpr (kAll) return launch(std::integral_constant<ActLoop, ActLoop::kSilu>{});
+        break;
+      case ActLoop::kRelu:
+        if constexpr (kAll) return launch(std::integral_constant<ActLoop, ActLoop::kRelu>{});
+        break;
       case ActLoop::kSwiGlu: return launch(std::integral_constant<ActLoop, ActLoop::kSwiGlu>{});
       case ActLoop::kAny:
       case ActLoop::kNone: break;
@@ -360,13 +377,15 @@ cudaError_t WithLoop(const PrologueArgs& q, Launch&& launch) {
   }
 }
 
-template <typename InT, ScaleMode kMode, Prologue kPro, prologue::ActLoop kLoop, int kOut>
+template <typename InT, ScaleMode kMode, Prologue kPro, prologue::ActLoop kLoop, int kOut,
+          bool kFp8H>
 cudaError_t LaunchVariant(const QuantizeArgs& a, const PrologueArgs& q, const QuantizeArgs& z,
-                          cudaStream_t stream) {
+                          const Fp8HInput& hs, cudaStream_t stream) {
   if constexpr (kMode == ScaleMode::kTensor) {
-    ActQuantizeTensorKernel<InT, kPro, kLoop, kOut><<<TileGrid(a), kThreads, 0, stream>>>(a, q, z);
+    ActQuantizeTensorKernel<InT, kPro, kLoop, kOut, kFp8H>
+        <<<TileGrid(a), kThreads, 0, stream>>>(a, q, z, hs);
   } else {
-    auto* kernel = ActQuantizeVec128Kernel<InT, kPro, kLoop, kOut>;
+    auto* kernel = ActQuantizeVec128Kernel<InT, kPro, kLoop, kOut, kFp8H>;
     // Only the columnwise copy parks values in the scratch.
     constexpr int kDynamic = (kOut & kOutCols) ? kScratchBytes : 0;
     if constexpr (kDynamic > 0) {
@@ -381,7 +400,7 @@ cudaError_t LaunchVariant(const QuantizeArgs& a, const PrologueArgs& q, const Qu
                                  cudaSharedmemCarveoutMaxShared);
       if (e != cudaSuccess) return e;
     }
-    kernel<<<TileGrid(a), kThreads, kDynamic, stream>>>(a, q, z);
+    kernel<<<TileGrid(a), kThreads, kDynamic, stream>>>(a, q, z, hs);
   }
   return cudaGetLastError();
 }
@@ -411,13 +430,13 @@ cudaError_t WithOutputs(int out, Fn&& fn) {
   return cudaErrorInvalidValue;
 }
 
-template <typename InT, ScaleMode kMode, Prologue kPro>
+template <typename InT, ScaleMode kMode, Prologue kPro, bool kFp8H>
 cudaError_t LaunchWithPrologue(const QuantizeArgs& a, const PrologueArgs& q, const QuantizeArgs& z,
-                               int out, cudaStream_t stream) {
+                               const Fp8HInput& hs, int out, cudaStream_t stream) {
   return WithOutputs<kPro>(out, [&](auto outs) {
-    return WithLoop<InT, kPro>(q, [&](auto loop) {
-      return LaunchVariant<InT, kMode, kPro, decltype(loop)::value, decltype(outs)::value>(
-          a, q, z, stream);
+    return WithLoop<InT, kPro, kFp8H>(q, [&](auto loop) {
+      return LaunchVariant<InT, kMode, kPro, decltype(loop)::value, decltype(outs)::value, kFp8H>(
+          a, q, z, hs, stream);
     });
   });
 }
@@ -457,21 +476,29 @@ bool PrologueValid(const QuantizeArgs& a, const PrologueArgs& q) {
   return q.dz != nullptr && a.K == (gated ? 2 : 1) * q.F;
 }
 
-template <typename InT>
-cudaError_t LaunchTileAmax(const QuantizeArgs& b, const PrologueArgs& q, cudaStream_t stream) {
+// With kFp8H only kDAct (FP8 h) is built; `hs` is ignored otherwise.
+template <typename InT, bool kFp8H>
+cudaError_t LaunchTileAmax(const QuantizeArgs& b, const PrologueArgs& q, const Fp8HInput& hs,
+                           cudaStream_t stream) {
   return WithPrologue(q.kind, [&](auto pro) {
     constexpr Prologue kPro = decltype(pro)::value;
     // The norm's amax comes from its statistics pass (kernels/normalization.cu).
-    if constexpr (kPro == Prologue::kNorm) {
+    if constexpr (kPro == Prologue::kNorm || (kFp8H && kPro != Prologue::kDAct)) {
       return cudaErrorInvalidValue;
     } else {
-      return WithLoop<InT, kPro>(q, [&](auto loop) {
+      return WithLoop<InT, kPro, kFp8H>(q, [&](auto loop) {
         constexpr prologue::ActLoop kLoop = decltype(loop)::value;
-        TileAmaxKernel<InT, kPro, kLoop><<<TileGrid(b), kThreads, 0, stream>>>(b, q);
+        TileAmaxKernel<InT, kPro, kLoop, kFp8H><<<TileGrid(b), kThreads, 0, stream>>>(b, q, hs);
         return cudaGetLastError();
       });
     }
   });
+}
+
+// The FP8 h of a kDAct prologue (Fp8HInput): a scale row per row of h.
+bool Fp8HValid(const PrologueArgs& q, const Fp8HInput& hs) {
+  const int64_t width = (q.act1 >= 0 ? 2 : 1) * q.F;
+  return q.kind == Prologue::kDAct && hs.scale != nullptr && hs.scale_ld >= (width + 127) / 128;
 }
 
 // The act(h) output of LaunchPrologueQuantize (kernels/act_quantize.h).
@@ -484,10 +511,11 @@ bool ActColumnsValid(const QuantizeArgs& a, const PrologueArgs& q, const Quantiz
 }
 
 // The kernels for `a` (checked grid, amax_out zeroed) with the outputs its
-// pointers (and `act`) select.
+// pointers (and `act`) select; h E4M3 with `h_fp8` (kDAct).
 cudaError_t LaunchSelected(const QuantizeArgs& a, const PrologueArgs& q, const QuantizeArgs* act,
-                           cudaStream_t stream) {
+                           const Fp8HInput* h_fp8, cudaStream_t stream) {
   if (q.kind == Prologue::kNone || !PrologueValid(a, q)) return cudaErrorInvalidValue;
+  if (h_fp8 != nullptr && !Fp8HValid(q, *h_fp8)) return cudaErrorInvalidValue;
   if (a.data == nullptr && a.data_t == nullptr) return cudaErrorInvalidValue;
   if (act != nullptr && !ActColumnsValid(a, q, *act)) return cudaErrorInvalidValue;
   if (a.mode == ScaleMode::kTensor) {
@@ -502,13 +530,23 @@ cudaError_t LaunchSelected(const QuantizeArgs& a, const PrologueArgs& q, const Q
                   (act != nullptr ? kOutActCols : 0);
   const QuantizeArgs none;
   const QuantizeArgs& z = act != nullptr ? *act : none;
+  const Fp8HInput hs = h_fp8 != nullptr ? *h_fp8 : Fp8HInput();
   auto typed = [&](auto in) {
     using InT = decltype(in);
     return WithPrologue(q.kind, [&](auto pro) {
       constexpr Prologue kPro = decltype(pro)::value;
-      return a.mode == ScaleMode::kTensor
-                 ? LaunchWithPrologue<InT, ScaleMode::kTensor, kPro>(a, q, z, out, stream)
-                 : LaunchWithPrologue<InT, ScaleMode::kVec128, kPro>(a, q, z, out, stream);
+      auto launch = [&](auto fp8_h) {
+        constexpr bool kFp8H = decltype(fp8_h)::value;
+        return a.mode == ScaleMode::kTensor
+                   ? LaunchWithPrologue<InT, ScaleMode::kTensor, kPro, kFp8H>(a, q, z, hs, out,
+                                                                              stream)
+                   : LaunchWithPrologue<InT, ScaleMode::kVec128, kPro, kFp8H>(a, q, z, hs, out,
+                                                                              stream);
+      };
+      if constexpr (kPro == Prologue::kDAct) {  // the only prologue built for an FP8 h
+        if (h_fp8 != nullptr) return launch(std::true_type{});
+      }
+      return launch(std::false_type{});
     });
   };
   switch (a.in) {
@@ -524,35 +562,57 @@ cudaError_t LaunchSelected(const QuantizeArgs& a, const PrologueArgs& q, const Q
 cudaError_t LaunchActQuantize(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
   // LaunchQuantize's contract (quantize.h): both copies.
   if (a.data == nullptr || a.data_t == nullptr) return cudaErrorInvalidValue;
-  return LaunchSelected(a, q, nullptr, stream);
+  return LaunchSelected(a, q, nullptr, nullptr, stream);
 }
 
 cudaError_t LaunchPrologueQuantize(const QuantizeArgs& a, const PrologueArgs& q,
-                                   const QuantizeArgs* act, cudaStream_t stream) {
+                                   const QuantizeArgs* act, cudaStream_t stream,
+                                   const Fp8HInput* h_fp8) {
   if (a.M <= 0 || a.K <= 0) return cudaSuccess;
   if (!GridValid(a)) return cudaErrorInvalidConfiguration;
   if (a.mode == ScaleMode::kTensor && a.amax_out != nullptr) {
     cudaError_t e = cudaMemsetAsync(a.amax_out, 0, sizeof(float), stream);
     if (e != cudaSuccess) return e;
   }
-  return LaunchSelected(a, q, act, stream);
+  return LaunchSelected(a, q, act, h_fp8, stream);
 }
 
-cudaError_t LaunchPrologueAmax(const QuantizeArgs& a, const PrologueArgs& q, float* amax_out,
-                               cudaStream_t stream) {
+namespace {
+
+// LaunchPrologueAmax, with h E4M3 when h_fp8 is set.
+cudaError_t PrologueAmax(const QuantizeArgs& a, const PrologueArgs& q, const Fp8HInput* h_fp8,
+                         float* amax_out, cudaStream_t stream) {
   if (q.kind == Prologue::kNone) return cudaErrorInvalidValue;  // flat x: LaunchAmax
   cudaError_t e = cudaMemsetAsync(amax_out, 0, sizeof(float), stream);
   if (e != cudaSuccess || a.M <= 0 || a.K <= 0) return e;
   if (!GridValid(a)) return cudaErrorInvalidConfiguration;
   if (!PrologueValid(a, q)) return cudaErrorInvalidValue;
+  if (h_fp8 != nullptr && !Fp8HValid(q, *h_fp8)) return cudaErrorInvalidValue;
   QuantizeArgs b = a;
   b.amax_out = amax_out;
+  auto typed = [&](auto in) {
+    using InT = decltype(in);
+    return h_fp8 != nullptr ? LaunchTileAmax<InT, true>(b, q, *h_fp8, stream)
+                            : LaunchTileAmax<InT, false>(b, q, Fp8HInput(), stream);
+  };
   switch (a.in) {
-    case InType::kF32: return LaunchTileAmax<float>(b, q, stream);
-    case InType::kBF16: return LaunchTileAmax<__nv_bfloat16>(b, q, stream);
-    case InType::kF16: return LaunchTileAmax<__half>(b, q, stream);
+    case InType::kF32: return typed(float{});
+    case InType::kBF16: return typed(__nv_bfloat16{});
+    case InType::kF16: return typed(__half{});
   }
   return cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t LaunchPrologueAmax(const QuantizeArgs& a, const PrologueArgs& q, float* amax_out,
+                               cudaStream_t stream) {
+  return PrologueAmax(a, q, nullptr, amax_out, stream);
+}
+
+cudaError_t LaunchPrologueAmax(const QuantizeArgs& a, const PrologueArgs& q,
+                               const Fp8HInput& h_fp8, float* amax_out, cudaStream_t stream) {
+  return PrologueAmax(a, q, &h_fp8, amax_out, stream);
 }
 
 }  // namespace te_jax

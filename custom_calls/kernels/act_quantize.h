@@ -10,6 +10,16 @@
 
 namespace te_jax {
 
+// h given as E4M3 bytes (kDAct only; store_act_input_in_fp8's copy, see
+// te_jax/ops/act_quantize.py): PrologueArgs::h points at the (M, n_act*F)
+// bytes and h's value at (r, c) is float(h[r, c]) * scale[r * scale_ld +
+// c / 128], rounded to the element type of dz (QuantizeArgs::in): the values
+// of h dequantized to dz's dtype, which the reference reads.
+struct Fp8HInput {
+  const float* scale = nullptr;  // (M, ceil(n_act*F / 128)) float32, row-major
+  int64_t scale_ld = 0;          // >= ceil(n_act*F / 128)
+};
+
 // Quantizes v, the (a.M, a.K) output of the prologue `q` (q.kind != kNone),
 // as LaunchQuantize(a, stream, q) does, writing only the copies asked for:
 // the rowwise one when a.data is set (with a.sinv for ScaleMode::kVec128),
@@ -30,8 +40,17 @@ namespace te_jax {
 //     act->sinv_t_ld, act->pow2; its 128x1 tile scales come from the same
 //     values as the forward's.
 // The bytes equal those the forward's kAct kernel writes for the same scale.
+// `h_fp8`, when not null, needs q.kind == Prologue::kDAct: q.h is E4M3
+// (Fp8HInput) and a.in is dz's element type.
 // Returns cudaErrorInvalidValue for anything else.
 cudaError_t LaunchPrologueQuantize(const QuantizeArgs& a, const PrologueArgs& q,
-                                   const QuantizeArgs* act, cudaStream_t stream);
+                                   const QuantizeArgs* act, cudaStream_t stream,
+                                   const Fp8HInput* h_fp8 = nullptr);
+
+// LaunchPrologueAmax (kernels/quantize.h) of a kDAct prologue whose h is E4M3
+// (Fp8HInput): the first pass of current scaling with the values that
+// LaunchPrologueQuantize(a, q, act, stream, &h_fp8) quantizes.
+cudaError_t LaunchPrologueAmax(const QuantizeArgs& a, const PrologueArgs& q,
+                               const Fp8HInput& h_fp8, float* amax_out, cudaStream_t stream);
 
 }  // namespace te_jax

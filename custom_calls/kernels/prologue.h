@@ -9,11 +9,13 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
 
+#include "kernels/act_quantize.h"
 #include "kernels/activation.h"
 #include "kernels/quantize.h"
 
@@ -68,10 +70,62 @@ struct RawRow {
   }
 };
 
-// One row of a thread's inputs: h0 (a), h1 (b, gated only), dz (d, kDAct).
+// 8 consecutive E4M3 elements of one row of h (Fp8HInput) and their tile's
+// scale: operator[] gives float(byte) * scale rounded to InT, the value of
+// h dequantized to dz's element type InT. The 8 columns lie in one 1x128
+// tile (col % 8 == 0).
 template <typename InT>
+struct Fp8Row {
+  uint2 w;
+  float s;
+
+  // As RawRow::Load, with the scale of the row's tile from `hs`.
+  __device__ __forceinline__ void Load(const uint8_t* __restrict__ base, int64_t ld, int64_t rows,
+                                       int64_t row, int64_t col, int64_t col_end,
+                                       const Fp8HInput& hs) {
+    const uint8_t* p = base + row * ld + col;
+    if (row >= rows) {
+      w = make_uint2(0, 0);
+      s = 0.f;
+      return;
+    }
+    s = __ldg(hs.scale + row * hs.scale_ld + col / 128);
+    if (ld % 8 == 0 && col + kSub <= col_end) {
+      w = __ldg(reinterpret_cast<const uint2*>(p));
+    } else {
+      uint8_t tmp[kSub];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) tmp[j] = col + j < col_end ? p[j] : 0;
+      memcpy(&w, tmp, sizeof(tmp));
+    }
+  }
+  // Without checks: `p` 8-byte aligned and in bounds, `scale` its tile's scale.
+  __device__ __forceinline__ void LoadVec(const uint8_t* __restrict__ p,
+                                          const float* __restrict__ scale) {
+    w = __ldg(reinterpret_cast<const uint2*>(p));
+    s = __ldg(scale);
+  }
+  __device__ __forceinline__ float operator[](int j) const {
+    const unsigned word = j < 4 ? w.x : w.y;
+    const auto byte = static_cast<__nv_fp8_storage_t>((word >> (8 * (j % 4))) & 0xFFu);
+    // E4M3 -> half is exact; the product is exact in float32 (a power-of-two
+    // scale) and rounds to InT as the reference's dequantize does.
+    const float v = __half2float(__half(__nv_cvt_fp8_to_halfraw(byte, __NV_E4M3))) * s;
+    if constexpr (std::is_same_v<InT, float>) {
+      return v;
+    } else {
+      return ToFloat(InT(v));
+    }
+  }
+};
+
+// One row of a thread's inputs: h0 (a), h1 (b, gated only), dz (d, kDAct);
+// with kFp8H h0 and h1 are E4M3 (Fp8Row).
+template <typename InT, bool kFp8H = false>
 struct RowInputs {
-  RawRow<InT> a, b, d;
+  using HRow = std::conditional_t<kFp8H, Fp8Row<InT>, RawRow<InT>>;
+  HRow a, b;
+  RawRow<InT> d;
 };
 
 // Which activation loop a prologue kernel is compiled for. Kernels take it as
@@ -136,11 +190,15 @@ inline ActLoop ChooseLoop(const PrologueArgs& q, bool sixteen_bit) {
 // from the same activation values: the same bits. For the act1' half of a
 // gated backward (columns >= F) that is act(h) of column col - F, which the
 // caller does not use (its act(h) tile holds columns < F only).
-template <typename InT, Prologue kPro, ActLoop kLoop, bool kWithAct, typename Emit>
-__device__ __forceinline__ void ActRows(const PrologueArgs& q, int64_t M, int64_t row,
-                                        int64_t col, Emit&& emit) {
+//
+// kFp8H: h is E4M3 with per-tile scales `hs` (Fp8HInput), dz of type InT.
+template <typename InT, Prologue kPro, ActLoop kLoop, bool kWithAct, bool kFp8H, typename Emit>
+__device__ __forceinline__ void ActRows(const PrologueArgs& q, const Fp8HInput& hs, int64_t M,
+                                        int64_t row, int64_t col, Emit&& emit) {
   static_assert(kPro != Prologue::kNone && kPro != Prologue::kNorm, "an activation prologue");
   static_assert(!kWithAct || kPro == Prologue::kDAct, "act(h) beside dact(dz, h) only");
+  static_assert(!kFp8H || kPro != Prologue::kConcat, "an FP8 h is an activation input");
+  using HT = std::conditional_t<kFp8H, uint8_t, InT>;
   constexpr bool kCat = kPro == Prologue::kConcat;
   static_assert(kCat == (kLoop == ActLoop::kNone), "kConcat runs the kNone loop, and only it");
   using Spec = LoopSpec<kLoop>;
@@ -158,7 +216,7 @@ __device__ __forceinline__ void ActRows(const PrologueArgs& q, int64_t M, int64_
                     : part == 1 ? q.parts[1]
                     : part == 2 ? q.parts[2]
                                 : q.parts[3];
-  const InT* h = static_cast<const InT*>(src);
+  const HT* h = static_cast<const HT*>(src);
   const InT* dz = static_cast<const InT*>(q.dz);
   const bool gated = !kCat && (Spec::kGated < 0 ? q.act1 >= 0 : Spec::kGated == 1);
   const int act0 = Spec::kAct0 == kActAny ? q.act0 : Spec::kAct0;
@@ -172,7 +230,8 @@ __device__ __forceinline__ void ActRows(const PrologueArgs& q, int64_t M, int64_
 
   // The values of one row from its inputs (and with kWithAct act(h) in z);
   // `in(j)`: column j exists.
-  auto compute = [&](const RowInputs<InT>& r, auto&& in, float (&y)[kSub], float (&z)[kSub]) {
+  auto compute = [&](const RowInputs<InT, kFp8H>& r, auto&& in, float (&y)[kSub],
+                     float (&z)[kSub]) {
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
       if constexpr (kCat) {
@@ -199,16 +258,30 @@ __device__ __forceinline__ void ActRows(const PrologueArgs& q, int64_t M, int64_
     constexpr bool kChecked = decltype(checked)::value;
     // Unchecked loads walk pointers down the rows (one add per row and
     // input instead of a 64-bit row * ld + col each time).
-    const InT* pa = h + row * ldh + sc;
+    const HT* pa = h + row * ldh + sc;
     const InT* pd = kPro == Prologue::kDAct ? dz + row * F + sc : nullptr;
-    auto load = [&](int i, RowInputs<InT>& r) {
+    // kFp8H: the scales of h0's and h1's tiles in this row (walked likewise).
+    [[maybe_unused]] const float* ps = kFp8H ? hs.scale + row * hs.scale_ld : nullptr;
+    [[maybe_unused]] const int64_t tile_a = sc / 128, tile_b = (F + sc) / 128;
+    auto load = [&](int i, RowInputs<InT, kFp8H>& r) {
       if constexpr (kChecked) {
-        r.a.Load(h, ldh, M, row + i, sc, F);
-        if (gated) r.b.Load(h, ldh, M, row + i, F + sc, 2 * F);
+        if constexpr (kFp8H) {
+          r.a.Load(h, ldh, M, row + i, sc, F, hs);
+          if (gated) r.b.Load(h, ldh, M, row + i, F + sc, 2 * F, hs);
+        } else {
+          r.a.Load(h, ldh, M, row + i, sc, F);
+          if (gated) r.b.Load(h, ldh, M, row + i, F + sc, 2 * F);
+        }
         if (kPro == Prologue::kDAct) r.d.Load(dz, F, M, row + i, sc, F);
       } else {  // rows are loaded in order 0, 1, ..., 7
-        r.a.LoadVec(pa);
-        if (gated) r.b.LoadVec(pa + F);
+        if constexpr (kFp8H) {
+          r.a.LoadVec(pa, ps + tile_a);
+          if (gated) r.b.LoadVec(pa + F, ps + tile_b);
+          ps += hs.scale_ld;
+        } else {
+          r.a.LoadVec(pa);
+          if (gated) r.b.LoadVec(pa + F);
+        }
         pa += ldh;
         if (kPro == Prologue::kDAct) {
           r.d.LoadVec(pd);
@@ -216,12 +289,12 @@ __device__ __forceinline__ void ActRows(const PrologueArgs& q, int64_t M, int64_
         }
       }
     };
-    RowInputs<InT> cur, nxt;
+    RowInputs<InT, kFp8H> cur, nxt;
     load(0, cur);
     load(1, nxt);
 #pragma unroll 1
     for (int i = 0; i < kSub; ++i) {
-      RowInputs<InT> next2;
+      RowInputs<InT, kFp8H> next2;
       if (i + 2 < kSub) load(i + 2, next2);
       const bool row_in = row + i < M;
       float y[kSub], z[kSub];
@@ -239,8 +312,10 @@ __device__ __forceinline__ void ActRows(const PrologueArgs& q, int64_t M, int64_
   // Decided per warp, so that every lane runs the same loop and emit may use
   // warp shuffles (ActQuantizeVec128Kernel): a warp with any edge sub-tile
   // takes the checked loop. All 32 lanes of a warp must call ComputeRows.
+  // (F % 8 == 0 also aligns the 8-byte loads of an FP8 h.)
   const bool interior = __all_sync(0xffffffffu, row + kSub <= M && sc + kSub <= F &&
-                                                    F % RawRow<InT>::kVec == 0);
+                                                    F % RawRow<InT>::kVec == 0 &&
+                                                    (!kFp8H || F % kSub == 0));
   if (interior) {
     prefetch_loop(std::false_type{});
   } else {
@@ -368,15 +443,18 @@ __device__ __forceinline__ void NormRows(const PrologueArgs& q, int64_t M, int64
 // kLoop (ChooseLoop). All 32 lanes of a warp must call it: the row loop runs
 // warp-uniformly, so emit may use warp shuffles. With kWithAct (kDAct only)
 // it calls emit(i, y, z) with z[j] = act(h)[row + i][col + j] for the
-// columns col + j < F (see ActRows).
-template <typename InT, Prologue kPro, ActLoop kLoop, bool kWithAct = false, typename Emit>
+// columns col + j < F (see ActRows). With kFp8H (kAct, kDAct) h is E4M3
+// with the tile scales `hs` (Fp8HInput) and InT is dz's element type.
+template <typename InT, Prologue kPro, ActLoop kLoop, bool kWithAct = false,
+          bool kFp8H = false, typename Emit>
 __device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, int64_t row,
-                                            int64_t col, Emit&& emit) {
+                                            int64_t col, Emit&& emit,
+                                            const Fp8HInput& hs = Fp8HInput()) {
   if constexpr (kPro == Prologue::kNorm) {
-    static_assert(kLoop == ActLoop::kNone && !kWithAct, "kNorm runs the kNone loop");
+    static_assert(kLoop == ActLoop::kNone && !kWithAct && !kFp8H, "kNorm runs the kNone loop");
     NormRows<InT>(q, M, row, col, emit);
   } else {
-    ActRows<InT, kPro, kLoop, kWithAct>(q, M, row, col, emit);
+    ActRows<InT, kPro, kLoop, kWithAct, kFp8H>(q, hs, M, row, col, emit);
   }
 }
 

@@ -205,30 +205,21 @@ def _check_h(h, n_act: int) -> int:
   return h.shape[1] // n_act
 
 
-# The FP8 form of h that dact_quantize also takes: store_act_input_in_fp8's
-# copy (te_jax/fused_mlp.py), E4M3 in 1x128 tiles with float32 scales.
-FP8_H_BLOCK = (1, 128)
-FP8_H_DTYPE = jnp.float8_e4m3fn
-
-
 def _check_fp8_h(h) -> bool:
-  """Whether ``h`` is an FP8 ``ScaledTensor`` (checked: E4M3 (M, W), 1x128
-  tiles, float32 scales (M, ceil(W/128))); False for anything else."""
+  """Whether ``h`` is an FP8 ``ScaledTensor`` (store_act_input_in_fp8's copy),
+  checked: E4M3 (M, W) in 1x128 tiles, float32 scales (M, ceil(W/128))."""
   if not isinstance(h, ScaledTensor):
     return False
-  fix = ("pass h as quantize_blockwise(h, (1, 128), jnp.float8_e4m3fn).rowwise(), or as "
-         "a float array")
-  if h.block_shape != FP8_H_BLOCK:
-    raise ValueError(f"h as a ScaledTensor must have block_shape {FP8_H_BLOCK}, got "
-                     f"{h.block_shape}: {fix}.")
-  if h.data.ndim != 2 or h.data.dtype != FP8_H_DTYPE:
-    raise TypeError(f"h.data must be a 2-D float8_e4m3fn array, got {h.data.dtype} of shape "
-                    f"{h.data.shape}: {fix}.")
-  want = (h.data.shape[0], -(-h.data.shape[1] // FP8_H_BLOCK[1]))
-  if h.scale_inv.dtype != _F32 or tuple(h.scale_inv.shape) != want:
-    raise ValueError(f"h.scale_inv must be float32 of shape {want} (one scale per 1x128 "
-                     f"tile of h {h.data.shape}), got {h.scale_inv.dtype} "
-                     f"{tuple(h.scale_inv.shape)}: {fix}.")
+  want = (h.data.shape[0], -(-h.data.shape[-1] // 128))
+  for bad, error, need in (
+      (h.block_shape != (1, 128), ValueError, f"block_shape (1, 128), got {h.block_shape}"),
+      (h.data.ndim != 2 or h.data.dtype != jnp.float8_e4m3fn, TypeError,
+       f"2-D float8_e4m3fn data, got {h.data.dtype} {h.data.shape}"),
+      (h.scale_inv.dtype != _F32 or tuple(h.scale_inv.shape) != want, ValueError,
+       f"float32 scale_inv of shape {want}, got {h.scale_inv.dtype} {h.scale_inv.shape}")):
+    if bad:
+      raise error(f"h as a ScaledTensor needs {need}: pass quantize_blockwise(h, (1, 128), "
+                  "jnp.float8_e4m3fn).rowwise(), or h as a float array.")
   return True
 
 
@@ -369,14 +360,12 @@ def dact_quantize_reference(dz: jax.Array, h: jax.Array, activations: Sequence[s
                             ) -> Union[QuantizedTensor, Tuple[QuantizedTensor, ScaledTensor]]:
   """Pure-JAX ``dact_quantize``: quantizes ``activation_backward(dz, h,
   activations)``, and with ``act_columnwise`` ``activation_forward(h,
-  activations)`` as it says, columnwise. An FP8 ``h`` (a ``ScaledTensor``,
-  see ``dact_quantize``) is first dequantized to dz's dtype: that is the spec."""
+  activations)`` as it says, columnwise; an FP8 ``h`` dequantized to dz's dtype."""
   acts = _check_activations(activations)
   fp8_h = _check_fp8_h(h)
   _check_dz(dz, h, len(acts))
   dtype, scale = quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
-  if fp8_h:
-    h = h.dequantize(dz.dtype)
+  h = h.dequantize(dz.dtype) if fp8_h else h
   q = quantize_op.quantize_by_mode_reference(
       activation_backward(dz, h, acts), mode, dtype, scale, power_2_scale)
   if act_columnwise is None:
@@ -419,31 +408,11 @@ def join_columnwise(parts: Sequence[ScaledTensor], impl: str = "auto") -> Scaled
   return ScaledTensor(_native.dispatch(impl, cuda, reference), scale, first.block_shape)
 
 
-def act_quantize_supported(m: int, f: int, n_act: int) -> bool:
-  """Whether the CUDA path takes h (m, n_act*f) (and dz (m, f)).
-
-  Any m up to ``tiling.CUDA_MAX_ROWS`` (65535*128) and any f for one
-  activation; gated units (n_act=2) need f % 8 == 0 (a thread's 8 output
-  columns must not straddle h0 and h1).
-  This checks shapes only, not whether a GPU or the native module is present
-  (``impl="auto"`` falls back to the reference there by itself).
-  """
-  ints = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-             for v in (m, f, n_act))
-  return (ints and n_act in (1, 2) and 1 <= m <= tiling.CUDA_MAX_ROWS and f >= 1 and
-          (n_act == 1 or f % 8 == 0))
+act_quantize_supported = act_quantize_cuda.supported   # the CUDA kernels' shapes
 
 
 def _kernel_ids(acts):
   return tuple(ACTIVATIONS[a].kernel_id for a in acts)
-
-
-def _check_cuda_shape(m: int, f: int, n_act: int):
-  if not act_quantize_supported(m, f, n_act):
-    raise ValueError(
-        f"the CUDA act_quantize kernels do not take M={m}, F={f}, n_act={n_act}: they "
-        f"need M <= {tiling.CUDA_MAX_ROWS} and, for a gated unit, F % 8 == 0. Check "
-        f"act_quantize_supported(m, f, n_act) first, or pass impl='reference'.")
 
 
 def act_quantize(h: jax.Array, activations: Sequence[str], *, mode: str, dtype,
@@ -482,7 +451,7 @@ def act_quantize(h: jax.Array, activations: Sequence[str], *, mode: str, dtype,
   copies.check_outputs(rowwise, columnwise)
 
   def cuda():
-    _check_cuda_shape(h.shape[0], f, len(acts))
+    act_quantize_cuda.check_shape(h.shape[0], f, len(acts))
     return act_quantize_cuda.act_quantize(h, None, _kernel_ids(acts), mode, dtype, scale,
                                           power_2_scale, rowwise=rowwise, columnwise=columnwise)
   return _native.dispatch(impl, cuda, lambda: act_quantize_reference(
@@ -499,12 +468,9 @@ def dact_quantize(dz: jax.Array, h: jax.Array, activations: Sequence[str], *, mo
   Args:
     dz: (M, F) float32/bfloat16/float16 gradient of the activation output.
     h: (M, n_act*F) the activation input saved from the forward pass: a
-      float array, or its E4M3 copy in 1x128 tiles (a ``ScaledTensor``, data
-      (M, n_act*F) float8_e4m3fn, scale_inv float32 (M, ceil(n_act*F/128)),
-      block_shape (1, 128); ``store_act_input_in_fp8``), read as
-      ``h.dequantize(dz.dtype)``. The CUDA kernel reads its bytes and scales
-      directly (no 16-bit copy of h is written); with power-of-two scales the
-      result is bit for bit that of the dequantized h.
+      float array, or its E4M3 copy: a ``ScaledTensor``, data (M, n_act*F),
+      1x128 tiles, scale_inv float32 (M, ceil(n_act*F/128)), read as
+      ``h.dequantize(dz.dtype)`` (the CUDA kernel reads the bytes and scales).
     activations, mode, dtype, scale, power_2_scale, impl: as ``act_quantize``.
     act_columnwise: None, or an :class:`ActColumnwise` (same ``mode``): the
       pass also writes the columnwise copy of ``z = activation_forward(h,
@@ -526,7 +492,7 @@ def dact_quantize(dz: jax.Array, h: jax.Array, activations: Sequence[str], *, mo
   spec = None if act_columnwise is None else _check_act_columnwise(act_columnwise, mode)
 
   def cuda():
-    _check_cuda_shape(dz.shape[0], dz.shape[1], len(acts))
+    act_quantize_cuda.check_shape(dz.shape[0], dz.shape[1], len(acts))
     return act_quantize_cuda.act_quantize(h, dz, _kernel_ids(acts), mode, dtype, scale,
                                           power_2_scale, act_columnwise=spec)
   return _native.dispatch(impl, cuda, lambda: dact_quantize_reference(

@@ -3,7 +3,8 @@
 
 One call reads h (and dz) and writes the FP8 copies asked for of v = act(h)
 or dact(dz, h) plus the scales (and, for dact with ``act_columnwise``, the
-columnwise copy of act(h)): v itself never reaches memory. A copy not asked
+columnwise copy of act(h)): v itself never reaches memory. dact also takes h
+as its E4M3 ``ScaledTensor`` (1x128 tiles): bytes and scales go to the kernel. A copy not asked
 for is a (0, 0) placeholder result that the handler leaves alone. The
 blockwise scales come back in the LOGICAL layout of ``quantize_blockwise``
 through the layout's ``from_native`` (``tiling.py``), which ``gemm_cuda.py``
@@ -24,7 +25,8 @@ from te_jax.ops import quantize_cuda
 from te_jax.ops import tiling
 from te_jax.ops.fp8 import QuantizedTensor, ScaledTensor, nan_scale_inv_if_non_finite
 
-__all__ = ["act_quantize", "fp8_outputs", "scale_grid_outputs", "selected_result"]
+__all__ = ["act_quantize", "check_shape", "fp8_outputs", "scale_grid_outputs",
+           "selected_result", "supported"]
 
 _F32 = jnp.float32
 _NONE_2D = (0, 0)
@@ -32,6 +34,30 @@ _NONE_2D = (0, 0)
 
 def _sds(shape, dtype):
   return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+def supported(m: int, f: int, n_act: int) -> bool:
+  """Whether the CUDA path takes h (m, n_act*f) (and dz (m, f)).
+
+  Any m up to ``tiling.CUDA_MAX_ROWS`` (65535*128) and any f for one
+  activation; gated units (n_act=2) need f % 8 == 0 (a thread's 8 output
+  columns must not straddle h0 and h1).
+  This checks shapes only, not whether a GPU or the native module is present
+  (``impl="auto"`` falls back to the reference there by itself).
+  """
+  ints = all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+             for v in (m, f, n_act))
+  return (ints and n_act in (1, 2) and 1 <= m <= tiling.CUDA_MAX_ROWS and f >= 1 and
+          (n_act == 1 or f % 8 == 0))
+
+
+def check_shape(m: int, f: int, n_act: int):
+  """ValueError unless ``supported(m, f, n_act)``."""
+  if not supported(m, f, n_act):
+    raise ValueError(
+        f"the CUDA act_quantize kernels do not take M={m}, F={f}, n_act={n_act}: they "
+        f"need M <= {tiling.CUDA_MAX_ROWS} and, for a gated unit, F % 8 == 0. Check "
+        f"act_quantize_supported(m, f, n_act) first, or pass impl='reference'.")
 
 
 def fp8_outputs(m: int, k: int, dtype, rowwise: bool, columnwise: bool):
@@ -132,7 +158,8 @@ def act_quantize(h, dz, kernel_ids, mode: str, dtype, scale, power_2_scale: bool
   else:   # current
     data, data_t, scale_inv, amax, act_t, act_s = jax.ffi.ffi_call(
         "te_jax_act_quantize_current", fp8 + scalars + act_outs)(
-            h, dz_arg, h_scale, act_operand, power_2_scale=np.int64(bool(power_2_scale)), **attrs)
+            h, dz_arg, h_scale, act_operand, power_2_scale=np.int64(bool(power_2_scale)),
+            **attrs)
   q = selected_result(mode, m, w, data, scale_inv, data_t, scale_inv, amax, rowwise, columnwise)
   if spec is None:
     return q
