@@ -164,3 +164,19 @@ def test_cuda_writes_no_16_bit_copy_of_h():
   hlo = f.lower(dz, h).compile().as_text()
   assert "te_jax_act_quantize_blockwise" in hlo
   assert "= bf16[256,768]" not in hlo, "h dequantized to bf16 in the compiled HLO"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _native.cuda_available(),
+                    reason="needs a GPU and the te_jax CUDA custom calls")
+@pytest.mark.parametrize("dz_dtype", [jnp.float16, jnp.float32])
+def test_cuda_fp8_h_with_other_dz_dtypes(dz_dtype):
+  """h is read in dz's element type: float16 and float32 dz (the kernels'
+  generic loop) give the bytes of h dequantized to that type."""
+  acts = ("silu", "linear")
+  dz, h = _inputs(acts)
+  dz = dz.astype(dz_dtype)
+  for mode in aq.MODES:
+    kw = dict(_mode_kw(mode), impl="cuda")
+    run = jax.jit(lambda dz, h, kw=kw: aq.dact_quantize(dz, h, acts, **kw))
+    _leaves_equal(run(dz, h), run(dz, h.dequantize(dz_dtype)), f"{dz_dtype} {mode}")
