@@ -144,7 +144,8 @@ def fp8_autocast(enabled: bool = True,
       float32 scale per 1x128 tile (DeepSeek-V3's low-precision storage;
       ``te_jax.fused_mlp.fp8_mlp``'s ``store_act_input_in_fp8``): about
       half of that residual's bytes, for one quantize pass in the forward
-      and one dequantize in the backward; the output is unchanged, the
+      (the backward's activation kernel reads the FP8 bytes, 1 byte an
+      element instead of 2); the output is unchanged, the
       gradients differ by the rounding of h to E4M3. A block that does not
       run on the fused MLP path under FP8 cannot apply it and warns once
       why. Ignored while FP8 is off.
