@@ -151,14 +151,17 @@ def _kept_act_input(h, cfg):
   return q.rowwise()
 
 
-def _act_input_rows(h, r0: int, r1: int, dtype) -> jax.Array:
-  """Rows [r0, r1) of the kept h in ``dtype``: a slice of h, or the
-  dequantization of only those rows of its FP8 copy (no whole h in
-  ``dtype`` comes back). A tile holding a NaN or Inf has a NaN scale, so
-  its rows come back NaN: the gradients stay non-finite."""
-  if isinstance(h, ScaledTensor):
-    return h.rows(r0, r1).dequantize(dtype)
-  return h[r0:r1]
+def _act_input_rows(h, r0: int, r1: int):
+  """Rows [r0, r1) of the kept h: a slice of h, or of its FP8 copy (data
+  and tile scales), which the dact kernel reads as it is."""
+  return h.rows(r0, r1) if isinstance(h, ScaledTensor) else h[r0:r1]
+
+
+def _in_dtype(h_rows, dtype) -> jax.Array:
+  """Rows of the kept h as a ``dtype`` array: an FP8 copy dequantized (a
+  tile holding a NaN or Inf has a NaN scale, so its rows come back NaN: the
+  gradients stay non-finite)."""
+  return h_rows.dequantize(dtype) if isinstance(h_rows, ScaledTensor) else h_rows
 
 
 def check_backward_chunks(chunks, recipe: Optional[recipe_lib.Recipe] = None) -> None:
@@ -254,8 +257,7 @@ def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype, act_t):
   mode, impl = cfg.mode, cfg.impl
   dxs, cols, col_scales, amaxes, dbis, zs = [], [], [], [], [], []
   for r0, r1 in chunk_bounds(h.shape[0], cfg.backward_chunks, mode.token_block):
-    # The FP8 h goes to the kernel as it is (it dequantizes as it reads).
-    h_rows = h.rows(r0, r1) if isinstance(h, ScaledTensor) else h[r0:r1]
+    h_rows = _act_input_rows(h, r0, r1)   # an FP8 h: the kernel dequantizes as it reads
     dz = mode.gemm("dgrad", qg.rowwise().rows(r0, r1), qwo, out_dtype=cfg.dtype, impl=impl)
     # dh = dz * act'(h) quantized in the pass that reads dz and h. Delayed
     # scaling quantizes with the state's scale and blockwise per tile, so a
@@ -271,8 +273,7 @@ def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype, act_t):
     col_scales.append(q.scale_inv_t)
     amaxes.append(q.amax)
     if cfg.has_bi:   # one more pass over dz and h, only when wi has a bias
-      dh = act_op.activation_backward(dz, _act_input_rows(h, r0, r1, cfg.dtype),
-                                      cfg.activations)
+      dh = act_op.activation_backward(dz, _in_dtype(h_rows, cfg.dtype), cfg.activations)
       dbis.append(jnp.sum(dh.astype(jnp.float32), axis=0))
   z_t = act_op.join_columnwise(zs, impl) if zs else None
   if len(dxs) == 1:
