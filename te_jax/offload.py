@@ -126,6 +126,7 @@ def _tie_to_gradients(updates, state):
     return not isinstance(node, jax.Array) and jax.tree.structure(node) == g_def
   parts, s_def = jax.tree.flatten(state, is_leaf=like_params)
   per_leaf = [i for i, p in enumerate(parts) if like_params(p)]
+  rest = [i for i, p in enumerate(parts) if not like_params(p)]
   if not per_leaf:
     return jax.lax.optimization_barrier((updates, state))
   moments = [jax.tree.leaves(parts[i]) for i in per_leaf]
@@ -134,7 +135,6 @@ def _tie_to_gradients(updates, state):
   for k, i in enumerate(per_leaf):
     parts[i] = jax.tree.unflatten(g_def, [t[1][k] for t in tied])
   g_leaves = [t[0] for t in tied]
-  rest = [i for i in range(len(parts)) if i not in set(per_leaf)]
   g_leaves, rest_parts = jax.lax.optimization_barrier((g_leaves, [parts[i] for i in rest]))
   for i, p in zip(rest, rest_parts):
     parts[i] = p
