@@ -205,10 +205,7 @@ def run_layer(row: str, small: bool, k: int, repeats: int, profile_steps: int) -
     variables = nn.meta.unbox(jax.jit(module.init)(jax.random.key(0), xs[0]))
     jax.block_until_ready(variables)
     seconds = {"init": phase("init (trace + compile + run)")}
-    lowered = case["grad_step"].lower(variables, xs[0], g)
-    seconds["lower"] = phase("step lower")
-    compiled = lowered.compile()
-    seconds["compile"] = phase("step compile")
+    compiled = _lower_and_compile(case["grad_step"], (variables, xs[0], g), phase, seconds)
 
     def step(v, x):   # the compiled program: the timed steps compile nothing again
       return compiled(v, x, g)
@@ -261,10 +258,8 @@ def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int
   seconds = {"init": phase("init (Trainer built + state initialized)")}
   batches = [trainer.batch(i) for i in range(2)]
   with trainer._ctx():  # pylint: disable=protected-access
-    lowered = trainer._step.lower(state, batches[0])  # pylint: disable=protected-access
-    seconds["lower"] = phase("step lower")
-    compiled = lowered.compile()
-    seconds["compile"] = phase("step compile")
+    step_fn = trainer._step  # pylint: disable=protected-access
+    compiled = _lower_and_compile(step_fn, (state, batches[0]), phase, seconds)
 
   def step(st, batch):        # time_steps' layout: (output, (next state,))
     with trainer._ctx():  # pylint: disable=protected-access
@@ -376,6 +371,17 @@ def _phases():
     last[0] = now
     return seconds
   return phase
+
+
+def _lower_and_compile(jitted, args, phase, seconds: dict):
+  """``jitted`` lowered for ``args`` and compiled, each timed as its own
+  phase (``_phases``) into ``seconds["lower"]`` and ``seconds["compile"]``;
+  returns the compiled step."""
+  lowered = jitted.lower(*args)
+  seconds["lower"] = phase("step lower")
+  compiled = lowered.compile()
+  seconds["compile"] = phase("step compile")
+  return compiled
 
 
 def _one(part, row, args) -> dict:
