@@ -103,17 +103,27 @@ def fp8_calls(x, w, dy, per_tensor: bool, fast: bool, impl: str):
   wq, wtq = _grouped(w, per_tensor, E4M3), _grouped(jnp.swapaxes(w, 1, 2), per_tensor, E4M3)
   g8 = E5M2 if per_tensor else E4M3   # the gradient's format: each recipe's default
   xq, dyq, xtq, dytq = act(x, E4M3), act(dy, g8), act(x.T, E4M3), act(dy.T, g8)
-  # rhs.T inside the jitted function: the (g, k, n) view of wtq for fprop,
-  # the (g, n, k) view of wq for dgrad, each cancelling the kernel's own
-  # transpose to (g, n, k) / (g, k, n).
+  return _te_jax_calls((xq, wtq), (dyq, wq), (xtq, dytq), **kw)
+
+
+def _te_jax_calls(fprop, dgrad, wgrad, **kw):
+  """(pass -> (fn, args, reference fn)) for te_jax's grouped GEMM with ``kw``
+  on the operands of each pass: ``fprop`` (x, the weights as (g, n, k)),
+  ``dgrad`` (dy, the weights as (g, k, n)), ``wgrad`` (x.T, dy.T).
+
+  The weights' transpose inside the jitted function (their (g, k, n) view
+  for fprop, (g, n, k) for dgrad) cancels the kernel's own transpose of
+  rhs: the kernel reads them as given."""
+  def t(b):
+    return b.T if isinstance(b, gg.GroupedScaledTensor) else jnp.swapaxes(b, 1, 2)
   return {
-      "fprop": (lambda a, b, s: gg.grouped_gemm(a, b.T, s, **kw), (xq, wtq),
-                lambda a, b, s: gg.grouped_gemm_reference(a, b.T, s)),
-      "dgrad": (lambda a, b, s: gg.grouped_gemm(a, b.T, s, **kw), (dyq, wq),
-                lambda a, b, s: gg.grouped_gemm_reference(a, b.T, s)),
+      "fprop": (lambda a, b, s: gg.grouped_gemm(a, t(b), s, **kw), fprop,
+                lambda a, b, s: gg.grouped_gemm_reference(a, t(b), s)),
+      "dgrad": (lambda a, b, s: gg.grouped_gemm(a, t(b), s, **kw), dgrad,
+                lambda a, b, s: gg.grouped_gemm_reference(a, t(b), s)),
       # bfloat16 weight gradients: what the sm90 kernels write (a float32
       # output would run the reference under "auto" and fail under "cuda").
-      "wgrad": (lambda a, b, s: gg.grouped_wgrad(a, b, s, out_dtype=BF16, **kw), (xtq, dytq),
+      "wgrad": (lambda a, b, s: gg.grouped_wgrad(a, b, s, out_dtype=BF16, **kw), wgrad,
                 lambda a, b, s: gg.grouped_wgrad_reference(a, b, s, BF16)),
   }
 
@@ -136,17 +146,7 @@ def bf16_calls(x, w, dy):
 def te_jax_bf16_calls(x, w, dy, impl: str):
   """(pass -> (fn, args, reference fn)) for te_jax's grouped GEMM on bf16 operands."""
   xb, wb, dyb = x.astype(BF16), w.astype(BF16), dy.astype(BF16)
-  swap = lambda b: jnp.swapaxes(b, 1, 2)  # pylint: disable=unnecessary-lambda-assignment
-  # As fp8_calls: fprop gets w as (g, n, k), dgrad w itself; the swap in the
-  # jitted function cancels the kernel's own transpose of rhs.
-  return {
-      "fprop": (lambda a, b, s: gg.grouped_gemm(a, swap(b), s, impl=impl), (xb, swap(wb)),
-                lambda a, b, s: gg.grouped_gemm_reference(a, swap(b), s)),
-      "dgrad": (lambda a, b, s: gg.grouped_gemm(a, swap(b), s, impl=impl), (dyb, wb),
-                lambda a, b, s: gg.grouped_gemm_reference(a, swap(b), s)),
-      "wgrad": (lambda a, b, s: gg.grouped_wgrad(a, b, s, out_dtype=BF16, impl=impl),
-                (xb.T, dyb.T), lambda a, b, s: gg.grouped_wgrad_reference(a, b, s, BF16)),
-  }
+  return _te_jax_calls((xb, jnp.swapaxes(wb, 1, 2)), (dyb, wb), (xb.T, dyb.T), impl=impl)
 
 
 def rel_error(out, ref) -> float:
