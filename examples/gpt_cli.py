@@ -238,4 +238,14 @@ def init_distributed(args, parser) -> bool:
   import jax  # pylint: disable=import-outside-toplevel
   jax.distributed.initialize(coordinator_address=args.coordinator_address,
                              num_processes=args.num_processes, process_id=args.process_id)
+  if jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache:
+    # jax writes only process 0's executables to the persistent cache (each
+    # process has its own key): a second run would pair process 0's cached step
+    # with the others' fresh compiles, and on jax 0.12.1 those do not meet in
+    # their collectives (the first step hangs).
+    jax.config.update("jax_enable_compilation_cache", False)
+    if jax.process_index() == 0:
+      print(f"note: the persistent compilation cache ({jax.config.jax_compilation_cache_dir}) "
+            "is off for this run of several processes: only process 0 would reuse its "
+            "executables, and mixed cached and fresh ones can hang the first step")
   return True

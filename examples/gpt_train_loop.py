@@ -53,9 +53,12 @@ def train(cfg, trainer=None, *, make_trainer: Callable) -> dict:
   every batch and writes its shards of the checkpoints; only process 0 prints
   and writes ``metrics.json`` and the plot, so the run has one log.
   """
-  if jax.process_index() == 0:
-    return _train(cfg, trainer, make_trainer)
-  with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(devnull):
+  with contextlib.ExitStack() as quiet:
+    if jax.process_index() != 0:
+      quiet.enter_context(contextlib.redirect_stdout(quiet.enter_context(open(os.devnull, "w"))))
+    # One call site for every process: jax records the caller's source line
+    # in the compiled program's metadata, and processes whose programs differ
+    # there (jax 0.12.1) do not meet in their collectives (the step hangs).
     return _train(cfg, trainer, make_trainer)
 
 
