@@ -49,7 +49,8 @@
 # alongside the suite. The nvcc-free lines join stages.log when it ends.
 # Env: RUN_DIR (the logs; default /tmp/gpu_session: not the device call's $OUT,
 # which a later call empties), STAGES, AB_BASES, AB_CONFIGS, MOE_TIMEOUT,
-# MOE_RECIPES, JAX_WHEELS, NVCC_FREE, NVCC_FREE_TESTS.
+# MOE_RECIPES, JAX_WHEELS, NVCC_FREE, NVCC_FREE_TESTS, MEMORY_TABLES (the suite
+# stage's compile-only tables, default "offload live actfp8").
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RUN_DIR="${RUN_DIR:-/tmp/gpu_session}"; mkdir -p "$RUN_DIR"
@@ -146,20 +147,24 @@ if want suite; then
   (mkdir -p "$OUT/suite" && OUT=$OUT/suite timeout 600 bash tools/gpu_check.sh test \
      > "$OUT/suite.log" 2>&1) &
   s1=$!
+  tables=" ${MEMORY_TABLES:-offload live actfp8} "
+  [[ "$tables" == *" offload "* ]] && \
   (cd /tmp && timeout 300 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
      --batches 8 --recipes none,delayed,current,blockwise --jobs 4 --offload_optimizer \
      > "$OUT/memory_offload.log" 2>&1)
   # Without offload, at batch 4 and 8: the buffers live at the peak, and how
   # many copies XLA's rematerialization made to fit the device.
+  [[ "$tables" == *" live "* ]] && \
   (cd /tmp && timeout 300 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
      --batches 4,8 --recipes none,delayed --jobs 4 --dump /tmp/gpu_session_dump --top 15 \
      > "$OUT/memory_live.log" 2>&1)
   grep -E "^\| [48] \| (none|delayed) " "$OUT/memory_live.log" >> "$LOG"
   # FP8 with the MLP activation's input kept in FP8 (store_act_input_in_fp8).
+  [[ "$tables" == *" actfp8 "* ]] && \
   (cd /tmp && timeout 300 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
-     --batches 8 --recipes delayed,current,blockwise --jobs 3 \
+     --batches 8 --recipes none,delayed,current,blockwise --jobs 4 \
      --set store_act_input_in_fp8=true > "$OUT/memory_act_fp8.log" 2>&1)
-  grep -E "^\| 8 \| (delayed|current|blockwise) " "$OUT/memory_act_fp8.log" \
+  grep -E "^\| 8 \| (none|delayed|current|blockwise) " "$OUT/memory_act_fp8.log" \
     | sed "s/^/act input in FP8: /" >> "$LOG"
   wait $s1
   tail -qn 1 "$OUT"/suite/pytest_gpu*.log >> "$LOG"
