@@ -39,10 +39,12 @@ pure-JAX reference under XLA (operands in float32), and the tables say which
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -82,11 +84,52 @@ def part_of(op_name: str) -> str:
   return best
 
 
+_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+
+
+def hlo_op_names(hlo_text: str) -> dict:
+  """{HLO instruction name: op_name} of a compiled module. An instruction
+  without op_name metadata of its own (a fusion often has none) takes the
+  most frequent op_name of the computation it calls; every name is also
+  listed with its dots as underscores, as the GPU trace spells kernels."""
+  from model_memory import op_names  # pylint: disable=import-error,import-outside-toplevel
+  own = op_names(hlo_text)
+  members, calls, comp = collections.defaultdict(list), {}, None
+  for line in hlo_text.splitlines():
+    m = _COMPUTATION.match(line)
+    if m:
+      comp = m.group(1)
+      continue
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    name = m.group(1)
+    members[comp].append(name)
+    c = _CALLS.search(line)
+    if c:
+      calls[name] = c.group(1)
+  out = dict(own)
+  for name, callee in calls.items():
+    if name not in own:
+      found = collections.Counter(own[i] for i in members.get(callee, ()) if i in own)
+      if found:
+        out[name] = found.most_common(1)[0][0]
+  out.update({k.replace(".", "_"): v for k, v in list(out.items())})
+  return out
+
+
 def hlo_parts(hlo_text: str) -> dict:
   """{HLO instruction name: MoE part} of a compiled module (from the op_name
-  metadata: ``model_memory.op_names``)."""
-  from model_memory import op_names  # pylint: disable=import-error,import-outside-toplevel
-  return {name: part_of(op) for name, op in op_names(hlo_text).items()}
+  metadata: :func:`hlo_op_names`)."""
+  return {name: part_of(op) for name, op in hlo_op_names(hlo_text).items()}
+
+
+def _event_op(event) -> str:
+  """The HLO instruction a GPU kernel event of a trace ran for ('' if none)."""
+  args = event.get("args", {}) or {}
+  return str(args.get("hlo_op") or args.get("name") or "")
 
 
 def _event_part(event, parts: dict) -> str:
@@ -97,18 +140,31 @@ def _event_part(event, parts: dict) -> str:
   part = part_of(text)
   if part != "other":
     return part
-  op = args.get("hlo_op") or args.get("name")
-  return parts.get(str(op), "other") if op else "other"
+  op = _event_op(event)
+  return parts.get(op, "other") if op else "other"
 
 
-def kernel_time_by_part(run_steps, steps: int, parts: dict):
+def kernel_time_by_part(run_steps, steps: int, hlo_text: str, top: int = 0):
   """GPU kernel ms per step by MoE part from a ``jax.profiler`` trace of
-  ``run_steps(steps)``; None where the trace has no GPU kernels (a CPU)."""
+  ``run_steps(steps)`` (``hlo_text``: the compiled module's); None where the
+  trace has no GPU kernels (a CPU). With ``top``, also the ``top`` kernels by
+  time as ``(ms per step, part, "kernel name <- HLO op: op_name")`` under the
+  key ``"top"``: what each part's time is made of, and where it comes from."""
   from bench_layer import gpu_kernel_events  # pylint: disable=import-error,import-outside-toplevel
+  names = hlo_op_names(hlo_text)
+  parts = {name: part_of(op) for name, op in names.items()}
   ms = {kind: 0.0 for kind in KINDS}
+  by_kernel = collections.Counter()
   for e in gpu_kernel_events(run_steps, steps):
-    ms[_event_part(e, parts)] += e.get("dur", 0) / 1e3 / steps
-  return ms if any(ms.values()) else None
+    part, op = _event_part(e, parts), _event_op(e)
+    ms[part] += e.get("dur", 0) / 1e3 / steps
+    what = f"{str(e.get('name', '?'))[:60]} <- {op}: {names.get(op, '?')[-110:]}"
+    by_kernel[(part, what)] += e.get("dur", 0) / 1e3 / steps
+  if not any(ms.values()):
+    return None
+  if top:
+    ms["top"] = [(round(t, 4), part, what) for (part, what), t in by_kernel.most_common(top)]
+  return ms
 
 
 @contextlib.contextmanager
@@ -185,7 +241,8 @@ def layer_case(row: str, small: bool) -> dict:
           "grad_step": jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))}
 
 
-def run_layer(row: str, small: bool, k: int, repeats: int, profile_steps: int) -> dict:
+def run_layer(row: str, small: bool, k: int, repeats: int, profile_steps: int,
+              top_kernels: int = 0) -> dict:
   """Times one layer row (``LAYER_ROWS``); returns a JSON-ready dict.
 
   Before the timed steps, each phase of building the step is timed on its
@@ -216,7 +273,7 @@ def run_layer(row: str, small: bool, k: int, repeats: int, profile_steps: int) -
     def profiled(n):
       live["v"], last = run_steps(step, live["v"], xs, n)
       return last
-    kinds = kernel_time_by_part(profiled, profile_steps, hlo_parts(compiled.as_text()))
+    kinds = kernel_time_by_part(profiled, profile_steps, compiled.as_text(), top=top_kernels)
     phase(f"{profile_steps} profiled steps + trace")
   stats = memory_stats(compiled)
   tokens = sz["batch"] * sz["seq"]
@@ -276,7 +333,7 @@ def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int
   def profiled(n):
     live["state"], last = run_steps(step, live["state"], batches, n, carry)
     return last
-  kinds = kernel_time_by_part(profiled, profile_steps, hlo_parts(compiled.as_text()))
+  kinds = kernel_time_by_part(profiled, profile_steps, compiled.as_text())
   stats = memory_stats(compiled)
   ms = statistics.median(times)
   tokens = trainer.cfg.batch * trainer.cfg.seq_len
@@ -385,14 +442,17 @@ def _lower_and_compile(jitted, args, phase, seconds: dict):
 
 
 def _one(part, row, args) -> dict:
-  fn = run_layer if part == "layer" else run_model
-  return fn(row, args.small, args.k, args.repeats, args.profile_steps)
+  if part == "layer":
+    return run_layer(row, args.small, args.k, args.repeats, args.profile_steps,
+                     args.top_kernels)
+  return run_model(row, args.small, args.k, args.repeats, args.profile_steps)
 
 
 def _child(part, row, args) -> dict:
   cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{part}:{row}", "--k",
          str(args.k), "--repeats", str(args.repeats), "--profile-steps",
-         str(args.profile_steps)] + (["--small"] if args.small else [])
+         str(args.profile_steps), "--top-kernels", str(args.top_kernels)] + (
+             ["--small"] if args.small else [])
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=HERE,
                           check=False)
@@ -418,6 +478,8 @@ def main(argv=None) -> int:
   p.add_argument("--repeats", type=int, default=5, help="timings; the median is kept")
   p.add_argument("--profile-steps", type=int, default=2, help="steps in the kernel trace")
   p.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke test)")
+  p.add_argument("--top-kernels", type=int, default=0,
+                 help="print each layer row's N GPU kernels with the most time, and their part")
   p.add_argument("--in-process", action="store_true",
                  help="every row in this process (default: a fresh process each)")
   p.add_argument("--timeout", type=int, default=900, help="seconds per row")
@@ -444,8 +506,12 @@ def main(argv=None) -> int:
     try:
       r = _one(part, row, args) if args.in_process else _child(part, row, args)
       results.append(r)
-      print(f"{part} {row}: {r['ms']:.2f} ms/step, kernels {r['kernels_ms']}", file=sys.stderr,
+      kinds = dict(r["kernels_ms"] or {})
+      top = kinds.pop("top", [])
+      print(f"{part} {row}: {r['ms']:.2f} ms/step, kernels {kinds}", file=sys.stderr,
             flush=True)
+      for ms, kind, name in top:
+        print(f"  {ms:8.3f} ms  {kind:9s} {name}", file=sys.stderr, flush=True)
       if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as fh:
           json.dump(results, fh, indent=1)

@@ -24,6 +24,30 @@ def test_gpu_events_are_sorted_by_their_annotation_or_their_hlo_op():
   assert bench_moe._event_part({"args": {"hlo_op": "fusion.9"}}, parts) == "other"  # pylint: disable=protected-access
 
 
+HLO = """HloModule jit_loss
+
+%fused_select.1 (p0: f32[4]) -> f32[4] {
+  %p0 = f32[4]{0} parameter(0)
+  %c = f32[4]{0} constant({0, 0, 0, 0})
+  ROOT %select = f32[4]{0} select(%p, %p0, %c), metadata={op_name="jit(loss)/transpose(jvp(MoE))/moe_dispatch/select_n"}
+}
+
+ENTRY %main (x: f32[4]) -> f32[4] {
+  %x = f32[4]{0} parameter(0)
+  ROOT %loop_select_fusion.1 = f32[4]{0} fusion(%x), kind=kLoop, calls=%fused_select.1
+}
+"""
+
+
+def test_a_fusion_without_op_name_takes_its_computations():
+  names = bench_moe.hlo_op_names(HLO)
+  assert names["loop_select_fusion.1"].endswith("moe_dispatch/select_n")
+  # the trace names kernels with underscores
+  assert bench_moe.hlo_parts(HLO)["loop_select_fusion_1"] == "dispatch"
+  assert bench_moe._event_op({"args": {"hlo_op": "loop_select_fusion_1"}}) == (  # pylint: disable=protected-access
+      "loop_select_fusion_1")
+
+
 def test_kernel_events_keep_the_gpu_stream_kernels_only():
   import bench_layer  # pylint: disable=import-error,import-outside-toplevel
   meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
