@@ -166,6 +166,20 @@ def _update_state(mode, state, amaxes, kernel_amax=None):
   return new
 
 
+def _wgrad_dtype(mode, k_proto):
+  """The dtype the wgrad GEMM writes: bfloat16 under FP8, else the kernel's.
+
+  te_jax's grouped kernels write bfloat16 only; asked for a float32 weight
+  gradient (an unsharded layer quantizes its float32 weights directly,
+  ``te_jax.layers.gemm.gemm_kernel``) the dispatcher would run the
+  reference instead: a float32 GEMM in a loop whose trip count, read from
+  the group sizes, the GPU sends to the host every iteration. The kernel
+  sums in float32 and rounds once to bfloat16 (as the FP8-off layer's
+  bfloat16 weights give their gradient), which costs far less precision
+  than the FP8 operands did; the caller casts to the kernel's dtype."""
+  return k_proto.dtype if mode is None else jnp.dtype(jnp.bfloat16)
+
+
 # -------------------------------------------------------------- custom vjp --
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
@@ -210,9 +224,9 @@ def _grouped_bwd(cfg, res, g):
   kernel = _gather(k_local, axes)
   dx = grouped_op.grouped_gemm(g_rows, _transpose(kernel), group_sizes,
                                out_dtype=x_proto.dtype, fast_accum=accum[0], impl=impl)
-  dk = grouped_op.grouped_wgrad(a_t, g_t, group_sizes, out_dtype=k_proto.dtype,
+  dk = grouped_op.grouped_wgrad(a_t, g_t, group_sizes, out_dtype=_wgrad_dtype(mode, k_proto),
                                 fast_accum=accum[1], impl=impl)
-  dk = _scatter_wgrad(dk, axes)
+  dk = _scatter_wgrad(dk.astype(k_proto.dtype), axes)
   return _sum_to_type_of(dx, x_proto), _sum_to_type_of(dk, k_proto), None, new_state
 
 
@@ -284,7 +298,7 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *,
       rows padded to the recipe's ``token_block`` (128 blockwise) by the
       caller (``te_jax.moe.dispatch`` does) so no scale tile spans two experts.
     kernel: (E, K, N) expert weights (any float dtype; their gradient comes
-      back in it).
+      back in it, written in bfloat16 by the FP8 wgrad GEMM and cast).
     group_sizes: (E,) int32 on the device; sum at most M (rows past it give 0).
     recipe: a ``te_jax.recipe`` recipe, or None for the unquantized GEMMs.
     fp8_state: ``DelayedScaling`` only: :func:`init_grouped_state`; its update
