@@ -28,7 +28,7 @@ The CUDA path (``grouped_gemm_cuda``: te_jax's sm_90a kernels, built on
 CUTLASS, in builds that found its headers) takes FP8 operands, or bfloat16
 x bfloat16 operands (the FP8-off layers' GEMMs, fp32 accumulation), with a
 bfloat16 output on Hopper; the dispatchers run the reference for every
-other call (``impl="auto"`` logs why once at INFO). On bfloat16 operands the
+other call (``impl="auto"`` warns why once). On bfloat16 operands the
 kernel's result equals the reference's (exact products of the bfloat16
 values, float32 sums) within the bfloat16 rounding of the output and the
 order of the float32 sums. The reference (the spec)
@@ -337,7 +337,10 @@ def grouped_wgrad_reference(lhs_t: Operand, rhs_t: Operand, group_sizes: jax.Arr
 
 @functools.lru_cache(maxsize=None)
 def _log_reference(op: str, reason: str):
-  _log.info("te_jax: %s runs its pure-JAX reference (impl='auto'): %s.", op, reason)
+  # A warning, not INFO: on a GPU the reference is a loop of float32 GEMMs
+  # on the CUDA cores, an order of magnitude slower than the kernel.
+  _log.warning("te_jax: %s runs its pure-JAX reference on the GPU (impl='auto'), far "
+               "slower than the kernel: %s. impl='cuda' makes this an error.", op, reason)
 
 
 def _kernel_reason(a, b, out_dtype, axis, groups) -> str:
@@ -354,7 +357,7 @@ def _run(op: str, impl: str, a, b, groups, out_dtype, axis, cuda_fn, reference_f
   Where the native module and a GPU exist but the kernel does not take the
   call (a build without the sm90 GEMMs, not a Hopper GPU, float operands
   other than bfloat16 x bfloat16, an output other than bfloat16, ...):
-  "auto" logs why once at INFO and runs
+  "auto" warns why once and runs
   the reference; "cuda" raises a ValueError saying why. Otherwise
   ``_native.dispatch`` (the kernel on the GPU).
   """
@@ -390,7 +393,7 @@ def grouped_gemm(lhs: Operand, rhs: Operand, group_sizes: jax.Array, *,
     impl: "auto", "cuda" or "reference". The CUDA kernel
       (``grouped_gemm_cuda``) takes FP8 operands, or bfloat16 x bfloat16,
       with a bfloat16 output on a Hopper GPU, in builds with the sm90 GEMMs;
-      "auto" runs the reference elsewhere (logged once at INFO), "cuda"
+      "auto" runs the reference elsewhere (a warning once per reason), "cuda"
       raises there.
 
   Returns:
