@@ -370,11 +370,7 @@ def realign_columns(ts, group_sizes: jax.Array, unit: int):
   offset = cols - new_bounds[jnp.minimum(group, g - 1)]
   inside = (group < g) & (offset < sizes[jnp.minimum(group, g - 1)])
   src = jnp.where(inside, bounds[jnp.minimum(group, g - 1)] + offset, m)   # m: a zero column
-  # Rows of t.T gathered, then transposed back: a gather along the last
-  # (contiguous) dim reads a scattered 2-byte element per output element,
-  # while under jit t.T is most often a transpose of the caller's (m, rows)
-  # array, which the two cancel to a gather of whole rows.
-  moved = tuple(jnp.take(t.T, src, axis=0, mode="fill", fill_value=0).T for t in ts)
+  moved = tuple(jnp.take(t, src, axis=1, mode="fill", fill_value=0) for t in ts)
   return moved, jnp.where(sizes_fit(group_sizes, m), padded, -1).astype(jnp.int32)
 
 
