@@ -126,10 +126,17 @@ def hlo_parts(hlo_text: str) -> dict:
   return {name: part_of(op) for name, op in hlo_op_names(hlo_text).items()}
 
 
-def _event_op(event) -> str:
-  """The HLO instruction a GPU kernel event of a trace ran for ('' if none)."""
+def _event_op(event, known=()) -> str:
+  """The HLO instruction a GPU kernel event of a trace ran for ('' if none):
+  its ``hlo_op`` argument, or -- where that names a command buffer, which
+  runs many instructions, or nothing in ``known`` -- the kernel's own name
+  when ``known`` has it (XLA names a fusion's kernel after the fusion)."""
   args = event.get("args", {}) or {}
-  return str(args.get("hlo_op") or args.get("name") or "")
+  op = str(args.get("hlo_op") or args.get("name") or "")
+  kernel = str(event.get("name", ""))
+  if (not op or op not in known) and kernel in known:
+    return kernel
+  return op
 
 
 def _event_part(event, parts: dict) -> str:
@@ -140,7 +147,7 @@ def _event_part(event, parts: dict) -> str:
   part = part_of(text)
   if part != "other":
     return part
-  op = _event_op(event)
+  op = _event_op(event, parts)
   return parts.get(op, "other") if op else "other"
 
 
@@ -156,7 +163,7 @@ def kernel_time_by_part(run_steps, steps: int, hlo_text: str, top: int = 0):
   ms = {kind: 0.0 for kind in KINDS}
   by_kernel = collections.Counter()
   for e in gpu_kernel_events(run_steps, steps):
-    part, op = _event_part(e, parts), _event_op(e)
+    part, op = _event_part(e, parts), _event_op(e, names)
     ms[part] += e.get("dur", 0) / 1e3 / steps
     what = f"{str(e.get('name', '?'))[:60]} <- {op}: {names.get(op, '?')[-110:]}"
     by_kernel[(part, what)] += e.get("dur", 0) / 1e3 / steps

@@ -46,6 +46,9 @@ def test_a_fusion_without_op_name_takes_its_computations():
   assert bench_moe.hlo_parts(HLO)["loop_select_fusion_1"] == "dispatch"
   assert bench_moe._event_op({"args": {"hlo_op": "loop_select_fusion_1"}}) == (  # pylint: disable=protected-access
       "loop_select_fusion_1")
+  # Under a command buffer the event names the buffer; the kernel is the fusion.
+  event = {"name": "loop_select_fusion_1", "args": {"hlo_op": "command_buffer_32"}}
+  assert bench_moe._event_part(event, bench_moe.hlo_parts(HLO)) == "dispatch"  # pylint: disable=protected-access
 
 
 def test_kernel_events_keep_the_gpu_stream_kernels_only():
