@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["FP8_DTYPES", "fp8_max", "amax", "pmax_amax", "FP8Payload", "ScaledTensor", "QuantizedTensor",
-           "dequantize_blockwise_reference", "nan_scale_inv_if_non_finite"]
+__all__ = ["FP8_DTYPES", "fp8_max", "amax", "pmax_amax", "FP8Payload", "fp8_payload", "ScaledTensor",
+           "QuantizedTensor", "dequantize_blockwise_reference", "nan_scale_inv_if_non_finite"]
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _FP8_MAX = {FP8_DTYPES[0]: 448.0, FP8_DTYPES[1]: 57344.0}
@@ -129,11 +129,15 @@ class FP8Payload:
                        f"the same shape; {fix}")
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["data", "scale_inv"],
-    meta_fields=["block_shape"])
-@dataclasses.dataclass(frozen=True)
+def fp8_payload(cls):
+  """Makes an :class:`FP8Payload` subclass a frozen dataclass and a pytree
+  whose leaves are ``data`` and ``scale_inv``; ``block_shape`` is static."""
+  return jax.tree_util.register_dataclass(
+      dataclasses.dataclass(frozen=True)(cls),
+      data_fields=["data", "scale_inv"], meta_fields=["block_shape"])
+
+
+@fp8_payload
 class ScaledTensor(FP8Payload):
   """An FP8 matrix ``data`` with ``data * scale_inv ~= x``.
 

@@ -43,7 +43,6 @@ data, so this is how a bad routing surfaces without a host sync.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 from typing import Optional, Tuple, Union
@@ -54,7 +53,8 @@ from jax import lax
 
 from te_jax.ops import _native
 from te_jax.ops import grouped_gemm_cuda
-from te_jax.ops.fp8 import FP8_DTYPES, FP8Payload, ScaledTensor, dequantize_blockwise_reference
+from te_jax.ops.fp8 import (FP8_DTYPES, FP8Payload, ScaledTensor, dequantize_blockwise_reference,
+                            fp8_payload)
 
 __all__ = ["GroupedScaledTensor", "grouped_gemm_reference", "grouped_wgrad_reference",
            "grouped_gemm", "grouped_wgrad", "chunk_rows", "varying_axes"]
@@ -68,11 +68,7 @@ _HIGHEST = lax.Precision.HIGHEST
 _log = logging.getLogger("te_jax")
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=["data", "scale_inv"],
-    meta_fields=["block_shape"])
-@dataclasses.dataclass(frozen=True)
+@fp8_payload
 class GroupedScaledTensor(FP8Payload):
   """A stack of FP8 matrices, one per group, with the scales that dequantize them.
 
