@@ -183,6 +183,63 @@ def test_gradients_of_the_k_copies_add_up():
   np.testing.assert_allclose(g, np.repeat(want[:, None], 2, 1), rtol=1e-6)
 
 
+def _autodiff_dispatch_combine(x, d, rows, w):
+  """dispatch_rows then combine_rows written as plain gathers: what autodiff
+  of them gives (scatter-adds) is the reference of their custom VJPs."""
+  t, k = w.shape
+  a = d.dest.shape[0]
+  buf = dispatch.place_rows(x, jnp.arange(a, dtype=jnp.int32) % t, d.dest, rows)
+  picked = dispatch.pick_rows(buf * 2.0, d.dest).reshape(k, t, x.shape[1])
+  return jnp.sum(picked.astype(jnp.float32) * w.astype(jnp.float32).T[:, :, None], axis=0)
+
+
+def _dispatch_combine(x, d, rows, w):
+  return dispatch.combine_rows(dispatch.dispatch_rows(x, d, rows) * 2.0, d, w).astype(
+      jnp.float32)
+
+
+def test_gradients_equal_autodiff_of_the_gathers():
+  """float32, with a drop (capacity) and an unrouted assignment: the custom
+  VJPs give autodiff's gradients, for x and the weights."""
+  rng = np.random.default_rng(5)
+  e, t, k, h = 3, 6, 2, 8
+  ids = jnp.asarray(rng.integers(0, e, (t, k)), jnp.int32).at[0, 1].set(e)   # routed nowhere
+  d = dispatch.plan(dispatch.flat_assignments(ids), num_experts=e, block=2,
+                    rows_per_segment=6, capacity=2)
+  x = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+  w = jnp.asarray(rng.random((t, k)), jnp.float32)
+  g = jnp.asarray(rng.standard_normal((t, h)), jnp.float32)
+  got = jax.vjp(lambda x, w: _dispatch_combine(x, d, 6, w), x, w)[1](g)
+  want = jax.vjp(lambda x, w: _autodiff_dispatch_combine(x, d, 6, w), x, w)[1](g)
+  assert int(d.dropped) > 0
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_token_gradient_sums_its_copies_in_float32():
+  """bfloat16 tokens: each token's gradient is the float32 sum of its k
+  rows' gradients, rounded once (a bfloat16 scatter-add rounds k times, in
+  whatever order its atomics land on a GPU)."""
+  rng = np.random.default_rng(6)
+  e, t, k, h = 4, 64, 8, 16
+  ids = jnp.asarray(np.stack([rng.permutation(e * 2)[:k] % e for _ in range(t)]), jnp.int32)
+  d = dispatch.plan(dispatch.flat_assignments(ids), num_experts=e, block=1,
+                    rows_per_segment=t * k)
+  x = jnp.zeros((t, h), jnp.bfloat16)
+  g_buf = jnp.asarray(rng.standard_normal((t * k, h)) * 100, jnp.bfloat16)
+  dx = jax.vjp(lambda x: dispatch.dispatch_rows(x, d, t * k), x)[1](g_buf)[0]
+  per_copy = np.asarray(g_buf, np.float32)[np.asarray(d.dest)].reshape(k, t, h)
+  want = per_copy.sum(0).astype(jnp.bfloat16)
+  assert dx.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(dx, np.float32), np.asarray(want, np.float32))
+
+
+def test_dispatch_rows_needs_k_rows_per_token():
+  d = dispatch.plan(jnp.zeros(6, jnp.int32), num_experts=2, block=1, rows_per_segment=6)
+  with pytest.raises(ValueError, match="multiple of 4"):
+    dispatch.dispatch_rows(jnp.ones((4, 2)), d, 6)
+
+
 def test_plan_argument_checks():
   with pytest.raises(ValueError, match="multiple of segments"):
     dispatch.plan(jnp.zeros(4, jnp.int32), num_experts=3, block=1, rows_per_segment=4,

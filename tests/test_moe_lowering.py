@@ -39,6 +39,8 @@ _LOC_REF = re.compile(r"loc\((#loc\d+)\)\s*$")
 _DOT = re.compile(r"stablehlo\.dot_general .*?: \(tensor<([^>]*)>, tensor<([^>]*)>\)")
 _TARGET = re.compile(r"custom_call @(\w+)\(|call_target_name = \"(\w+)\"")
 _COND = re.compile(r"cond \{\n(.*?)\n\s*\} do \{", re.S)
+_SCATTER = re.compile(r'"stablehlo\.scatter"\(.*?\}\) : \([^)]*\) -> tensor<([^>]*)> loc\((#loc\d+)\)',
+                      re.S)
 
 
 @pytest.fixture
@@ -62,7 +64,7 @@ def _step_text(fp8_recipe) -> str:
     y, st = module.apply(variables, x, mutable=["intermediates"])
     return jnp.sum(y.astype(jnp.float32) * g) + moe.aux_totals(st)["aux_loss"]
 
-  with te_jax.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe):
+  with te_jax.fp8_autocast(enabled=fp8_recipe is not None, fp8_recipe=fp8_recipe):
     variables = jax.eval_shape(module.init, jax.random.key(0), x)
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
     return step.trace(variables, x, g).lower(lowering_platforms=("cuda",)).as_text(
@@ -102,6 +104,14 @@ def data_dependent_loops(text: str):
   return loops
 
 
+def float_row_scatters(text: str):
+  """[(op name, result type)] of the scatters into float arrays of rank 2 or
+  more: on a GPU, atomic adds (bfloat16 ones in the MoE's activations)."""
+  names = dict(_LOC_DEF.findall(text))
+  return [(names.get(loc, "?"), ty) for ty, loc in _SCATTER.findall(text)
+          if "x" in ty and ty.split("x")[-1].startswith(("f", "bf"))]
+
+
 def test_the_finders_find_what_they_look_for():
   """On a made-up program: so that finding nothing in the step means absent."""
   text = "\n".join([
@@ -133,3 +143,18 @@ def test_fp8_moe_step_runs_the_grouped_kernels_only(sm90_build, name):  # pylint
   stray = [(op, types) for op, types in float32_dots(text) if f"/{SCOPES['router']}/" not in op]
   assert not stray, stray
   assert not data_dependent_loops(text), data_dependent_loops(text)[0]
+
+
+@pytest.mark.parametrize("name", ["none", "delayed"])
+def test_dispatch_and_combine_gradients_are_gathers(sm90_build, name):  # pylint: disable=redefined-outer-name,unused-argument
+  """The tokens' rows move between the token order and the experts' buffer
+  by gathers in the backward too (te_jax.moe.dispatch): no scatter into an
+  array of rows of the hidden width, where autodiff of the forward gathers
+  would scatter-add (bfloat16 atomics, order-dependent sums on a GPU; their
+  op names carry no scope, hence the shape). The router's (T, E) top-k
+  gradient may scatter."""
+  text = _step_text(RECIPES.get(name))
+  moved = [(op, ty) for op, ty in float_row_scatters(text)
+           if ty.split("x")[-2] == str(HIDDEN)]
+  assert not moved, moved
+  assert float_row_scatters(text), "the router's top-k gradient is a float scatter: none found"

@@ -25,12 +25,17 @@ axis, ``te_jax.moe.parallel``): segment s holds experts
 so the buffer is ``segments`` equal chunks, one per device, for
 ``jax.lax.all_to_all``.
 
-Row movement is written as gathers (``jnp.take``), whose gradients are
-scatter-adds: the k copies of a token sum their gradients.
+Row movement is written as gathers (``jnp.take``) both ways: the gradient
+of placing tokens in the buffer gathers each token's k rows back and sums
+them in float32, and the gradient of picking the buffer's rows places them
+back (the kept ``dest`` entries are distinct). Autodiff of a gather would
+give scatter-adds instead: bfloat16 atomic adds on a GPU, whose sums
+depend on the order the k copies arrive in.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -159,17 +164,62 @@ def pick_rows(buffer: jax.Array, dest: jax.Array) -> jax.Array:
   return jnp.take(buffer, dest, axis=0, mode="fill", fill_value=0)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _place_tokens(x, dest, rows):
+  a = dest.shape[0]
+  return place_rows(x, jnp.arange(a, dtype=jnp.int32) % x.shape[0], dest, rows)
+
+
+def _place_tokens_fwd(x, dest, rows):
+  # x[:, :0]: x's row count and dtype, no bytes.
+  return _place_tokens(x, dest, rows), (dest, x[:, :0])
+
+
+def _place_tokens_bwd(rows, res, g):
+  del rows
+  dest, x_proto = res
+  per_copy = pick_rows(g, dest).reshape(-1, x_proto.shape[0], g.shape[1])   # (k, T, H)
+  return jnp.sum(per_copy.astype(jnp.float32), axis=0).astype(x_proto.dtype), None
+
+
+_place_tokens.defvjp(_place_tokens_fwd, _place_tokens_bwd)
+
+
 def dispatch_rows(x: jax.Array, dispatch: Dispatch, rows: int) -> jax.Array:
-  """The buffer (rows, H): each kept assignment's token row at its ``dest``."""
-  t = x.shape[0]
-  a = dispatch.dest.shape[0]
-  return place_rows(x, jnp.arange(a, dtype=jnp.int32) % t, dispatch.dest, rows)
+  """The buffer (rows, H): each kept assignment's token row at its ``dest``.
+
+  ``x``: (T, H); ``dispatch.dest``: (k*T,) choice-major. The gradient of
+  ``x`` sums each token's k rows of the buffer's gradient in float32."""
+  t, a = x.shape[0], dispatch.dest.shape[0]
+  if a % t:
+    raise ValueError(f"dispatch.dest ({a} assignments) must hold k choices for each of the "
+                     f"{t} rows of x (a multiple of {t}).")
+  return _place_tokens(x, dispatch.dest, rows)
+
+
+@jax.custom_vjp
+def _pick_distinct(buffer, dest):
+  return pick_rows(buffer, dest)
+
+
+def _pick_distinct_fwd(buffer, dest):
+  return pick_rows(buffer, dest), (dest, buffer[:, :0])
+
+
+def _pick_distinct_bwd(res, g):
+  dest, buffer_proto = res
+  back = place_rows(g, jnp.arange(dest.shape[0], dtype=jnp.int32), dest,
+                    buffer_proto.shape[0])
+  return back.astype(buffer_proto.dtype), None
+
+
+_pick_distinct.defvjp(_pick_distinct_fwd, _pick_distinct_bwd)
 
 
 def combine_rows(buffer: jax.Array, dispatch: Dispatch, weights: jax.Array) -> jax.Array:
   """``y[t] = sum_j weights[t, j] * buffer[dest of (t, j)]`` in float32: (T, H)
   in ``buffer.dtype``; dropped and unrouted assignments add 0."""
   t, k = weights.shape
-  rows = pick_rows(buffer, dispatch.dest).reshape(k, t, buffer.shape[1])
+  rows = _pick_distinct(buffer, dispatch.dest).reshape(k, t, buffer.shape[1])
   w = weights.astype(jnp.float32).T[:, :, None]
   return jnp.sum(rows.astype(jnp.float32) * w, axis=0).astype(buffer.dtype)
