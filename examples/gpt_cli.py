@@ -172,6 +172,11 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                            "the kernels for the backward instead of quantizing them again there "
                            "(te_jax.fp8_autocast(keep_fp8_copies=True): faster, one byte per "
                            "element more device memory)")
+  parser.add_argument("--store_act_input_in_fp8", action="store_true",
+                      help="the fused MLP blocks keep their activation's input h for the "
+                           "backward in E4M3 (1x128 tiles) instead of the compute dtype "
+                           "(te_jax.fp8_autocast(store_act_input_in_fp8=True): less device "
+                           "memory, one more quantize pass; see BENCHMARKS.md)")
   parser.add_argument("--out_dir", default="runs/train_gpt",
                       help="where loss_curve.png and metrics.json go")
   parser.add_argument("--sample_chars", type=int, default=80,

@@ -420,18 +420,20 @@ def test_lr_schedule_note_says_what_the_extra_steps_get():
   assert within.startswith("LR schedule: steps 40-79 continue its decay (horizon 100")
 
 
-def test_keep_fp8_copies_flag_reaches_the_autocast():
-  """``--keep_fp8_copies`` sets the Config field, and the trainer's autocast
-  (what its steps trace under) carries it; off by default. The trainer is
-  not built: its autocast reads only its config, recipe and mesh resource."""
-  for flags, want in (([], False), (["--keep_fp8_copies"], True)):
+@pytest.mark.parametrize("field", ["keep_fp8_copies", "store_act_input_in_fp8"])
+def test_memory_plan_flags_reach_the_autocast(field):
+  """``--keep_fp8_copies`` and ``--store_act_input_in_fp8`` set their Config
+  fields, and the trainer's autocast (what its steps trace under) carries
+  them; off by default. The trainer is not built: its autocast reads only
+  its config, recipe and mesh resource."""
+  for flags, want in (([], False), ([f"--{field}"], True)):
     args = gpt_cli.build_parser("x").parse_args(flags)
-    assert args.keep_fp8_copies is want
+    assert getattr(args, field) is want
     trainer = train_gpt.Trainer.__new__(train_gpt.Trainer)
-    trainer.cfg = train_gpt.Config(preset="tiny", keep_fp8_copies=args.keep_fp8_copies)
+    trainer.cfg = train_gpt.Config(preset="tiny", **{field: getattr(args, field)})
     trainer.recipe, trainer.mesh_resource = train_gpt.make_recipe("delayed"), None
     with trainer.autocast() as ctx:
-      assert ctx.enabled and ctx.keep_fp8_copies is want
+      assert ctx.enabled and getattr(ctx, field) is want
 
 
 def test_short_runs_report_a_final_loss_of_their_last_steps():
