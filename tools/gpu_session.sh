@@ -58,6 +58,10 @@ RUN_DIR="${RUN_DIR:-/tmp/gpu_session}"; mkdir -p "$RUN_DIR"
 LOG="$RUN_DIR/stages.log"
 
 if [[ "${1:-}" == wait ]]; then       # a foreground call: wait, report, hand back logs
+  if [[ ! -f "$LOG" ]]; then          # a fresh machine: the lease that ran the session is gone
+    echo "no $LOG here: this machine did not start a session (the last one was given back?)"
+    exit 3
+  fi
   deadline=$(( $(date +%s) + ${2:-540} ))
   while (( $(date +%s) < deadline )) && ! grep -q " END$" "$LOG" 2>/dev/null; do sleep 5; done
   cat "$LOG"
