@@ -178,7 +178,8 @@ def _place_tokens_fwd(x, dest, rows):
 def _place_tokens_bwd(rows, res, g):
   del rows
   dest, x_proto = res
-  per_copy = pick_rows(g, dest).reshape(-1, x_proto.shape[0], g.shape[1])   # (k, T, H)
+  t = x_proto.shape[0]
+  per_copy = pick_rows(g, dest).reshape(dest.shape[0] // max(t, 1), t, g.shape[1])   # (k, T, H)
   return jnp.sum(per_copy.astype(jnp.float32), axis=0).astype(x_proto.dtype), None
 
 
@@ -191,7 +192,7 @@ def dispatch_rows(x: jax.Array, dispatch: Dispatch, rows: int) -> jax.Array:
   ``x``: (T, H); ``dispatch.dest``: (k*T,) choice-major. The gradient of
   ``x`` sums each token's k rows of the buffer's gradient in float32."""
   t, a = x.shape[0], dispatch.dest.shape[0]
-  if a % t:
+  if t and a % t:
     raise ValueError(f"dispatch.dest ({a} assignments) must hold k choices for each of the "
                      f"{t} rows of x (a multiple of {t}).")
   return _place_tokens(x, dispatch.dest, rows)
