@@ -5,7 +5,9 @@ Two parts, each recipe in a fresh process (``--in-process``: one process):
 * ``layer``: a training step (forward + backward, FP8 state carried) of
   ``te_jax.flax.MoE`` as one layer of ``train_gpt.py --preset moe`` holds it
   (8 x 2048 tokens of width 1024, 64 experts of width 512, 8 per token, a
-  shared expert of width 1024, bf16 compute). Rows: each recipe, against
+  shared expert of width 1024, bf16 compute; ``--layer-sizes wide``: 4 x 2048
+  tokens of width 4096, 64 experts of width 2048, GEMM-bound, where FP8's
+  GEMMs are most of the step). Rows: each recipe, against
   te_jax's FP8-off MoE (``none``: the same block, its grouped GEMMs te_jax's
   bf16 kernel) and ``ragged_dot`` (FP8 off, the grouped
   GEMMs by XLA's ``jax.lax.ragged_dot``).
@@ -33,6 +35,7 @@ pure-JAX reference under XLA (operands in float32), and the tables say which
 (``grouped_gemm_cuda.auto_reference_reason``).
 
   python3 benchmarks/bench_moe.py                     # GPU: layer and model, every recipe
+  python3 benchmarks/bench_moe.py --parts layer --layer-sizes wide --top-kernels 12
   python3 benchmarks/bench_moe.py --small --in-process     # CPU smoke test
 """
 
@@ -56,8 +59,12 @@ LAYER_ROWS = RECIPES + ("ragged_dot",)
 PARTS = ("router", "dispatch", "experts", "combine", "shared")
 KINDS = PARTS + ("other",)
 # (tokens as batch x seq, hidden, experts, per token, expert width, shared width)
+# "full": the moe preset's layer; "wide": GEMM-bound experts (DeepSeek-V3's
+# are 7168 x 2048), where FP8's GEMM time is most of the step; "small": CPU.
 LAYER_SIZES = {"full": dict(batch=8, seq=2048, hidden=1024, experts=64, k=8, mlp=512,
                             shared=1024),
+               "wide": dict(batch=4, seq=2048, hidden=4096, experts=64, k=8, mlp=2048,
+                            shared=4096),
                "small": dict(batch=2, seq=64, hidden=128, experts=8, k=2, mlp=128, shared=128)}
 
 
@@ -200,7 +207,7 @@ def _ragged_dot_gemms():
     op.grouped_gemm, op.grouped_wgrad = saved
 
 
-def layer_case(row: str, small: bool) -> dict:
+def layer_case(row: str, small: bool, sizes: str = "full") -> dict:
   """What one layer row (``LAYER_ROWS``) runs, built but not traced.
 
   Returns a dict: ``module`` (the ``te_jax.flax.MoE``), ``xs`` (two
@@ -208,7 +215,8 @@ def layer_case(row: str, small: bool) -> dict:
   cotangent), ``grad_step`` (jitted ``(variables, x, g) -> (loss,
   (variable grads, input grad))``), ``context`` (a function returning the
   context to trace in: the recipe's autocast, and for ``ragged_dot`` the
-  swapped grouped GEMMs) and ``sizes``.
+  swapped grouped GEMMs) and ``sizes`` (``LAYER_SIZES[sizes]``, or the
+  small ones with ``small``).
 
   ``g`` is an argument of the step, not a value its loss closes over: a
   closed-over array is a constant of the program (64 MiB at the full size),
@@ -223,7 +231,7 @@ def layer_case(row: str, small: bool) -> dict:
   sys.path.insert(0, os.path.join(HERE, "..", "examples"))
   import train_gpt  # pylint: disable=import-error,import-outside-toplevel
 
-  sz = LAYER_SIZES["small" if small else "full"]
+  sz = LAYER_SIZES["small" if small else sizes]
   recipe = None if row in ("none", "ragged_dot") else train_gpt.make_recipe(row)
   cfg = train_gpt.moe_config(train_gpt.Config(preset="moe_tiny" if small else "moe",
                                               experts=sz["experts"],
@@ -249,7 +257,7 @@ def layer_case(row: str, small: bool) -> dict:
 
 
 def run_layer(row: str, small: bool, k: int, repeats: int, profile_steps: int,
-              top_kernels: int = 0) -> dict:
+              top_kernels: int = 0, sizes: str = "full") -> dict:
   """Times one layer row (``LAYER_ROWS``); returns a JSON-ready dict.
 
   Before the timed steps, each phase of building the step is timed on its
@@ -262,7 +270,7 @@ def run_layer(row: str, small: bool, k: int, repeats: int, profile_steps: int,
   from _fp8_carry import run_steps, time_steps  # pylint: disable=import-error,import-outside-toplevel
   from model_memory import memory_stats  # pylint: disable=import-error,import-outside-toplevel
 
-  case = layer_case(row, small)
+  case = layer_case(row, small, sizes)
   module, xs, g, sz = case["module"], case["xs"], case["g"], case["sizes"]
   phase = _phases()
   with case["context"]():
@@ -451,14 +459,15 @@ def _lower_and_compile(jitted, args, phase, seconds: dict):
 def _one(part, row, args) -> dict:
   if part == "layer":
     return run_layer(row, args.small, args.k, args.repeats, args.profile_steps,
-                     args.top_kernels)
+                     args.top_kernels, args.layer_sizes)
   return run_model(row, args.small, args.k, args.repeats, args.profile_steps)
 
 
 def _child(part, row, args) -> dict:
   cmd = [sys.executable, os.path.abspath(__file__), "--one", f"{part}:{row}", "--k",
          str(args.k), "--repeats", str(args.repeats), "--profile-steps",
-         str(args.profile_steps), "--top-kernels", str(args.top_kernels)] + (
+         str(args.profile_steps), "--top-kernels", str(args.top_kernels),
+         "--layer-sizes", args.layer_sizes] + (
              ["--small"] if args.small else [])
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=HERE,
@@ -485,6 +494,9 @@ def main(argv=None) -> int:
   p.add_argument("--repeats", type=int, default=5, help="timings; the median is kept")
   p.add_argument("--profile-steps", type=int, default=2, help="steps in the kernel trace")
   p.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke test)")
+  p.add_argument("--layer-sizes", default="full", choices=[n for n in LAYER_SIZES if n != "small"],
+                 help="the layer rows' sizes (LAYER_SIZES): full, the moe preset's layer; wide, "
+                      "GEMM-bound experts")
   p.add_argument("--top-kernels", type=int, default=0,
                  help="print each layer row's N GPU kernels with the most time, and their part")
   p.add_argument("--in-process", action="store_true",

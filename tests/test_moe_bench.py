@@ -92,3 +92,23 @@ def test_small_run_on_cpu_times_every_row_and_sorts_the_ops(tmp_path, capsys):
 def test_unknown_recipe_is_a_usage_error():
   with pytest.raises(SystemExit):
     bench_moe.main(["--small", "--recipes", "fp4"])
+
+
+def test_layer_sizes_reach_the_layer_and_the_child_process(monkeypatch):
+  """--layer-sizes wide builds the GEMM-bound layer, and a row run in a
+  fresh process gets the same sizes."""
+  case = bench_moe.layer_case("none", small=False, sizes="wide")
+  assert case["sizes"] == bench_moe.LAYER_SIZES["wide"]
+  assert case["module"].intermediate_dim == 2048 and case["xs"][0].shape == (4, 2048, 4096)
+  seen = {}
+
+  def fake_run(cmd, **_):
+    seen["cmd"] = cmd
+    return type("P", (), {"stdout": 'JSON {"ms": 1.0}', "stderr": "", "returncode": 0})()
+  monkeypatch.setattr(bench_moe.subprocess, "run", fake_run)
+  args = bench_moe.argparse.Namespace(k=1, repeats=1, profile_steps=1, top_kernels=0,
+                                      layer_sizes="wide", small=False, timeout=5)
+  assert bench_moe._child("layer", "none", args) == {"ms": 1.0}  # pylint: disable=protected-access
+  assert seen["cmd"][seen["cmd"].index("--layer-sizes") + 1] == "wide"
+  with pytest.raises(SystemExit):
+    bench_moe.main(["--layer-sizes", "huge"])

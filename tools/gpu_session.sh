@@ -33,8 +33,9 @@
 #             /tmp/te/c0..c5 (../shared/peer/README.md: each call
 #             `cp -r .te/cN /tmp/te/.cN && mv /tmp/te/.cN /tmp/te/cN`); its
 #             build starts in the background once all six are there
-#   moe       bench_moe.py rows (MOE_PARTS, default layer,model; MOE_RECIPES;
-#             MOE_TIMEOUT seconds each), each with its 12 largest kernels
+#   moe       bench_moe.py rows (MOE_PARTS, default layer,model; the layer at
+#             each of MOE_LAYER_SIZES, default "full wide"; MOE_RECIPES;
+#             MOE_TIMEOUT seconds each), each layer row with its 12 largest kernels
 #   actfp8    bf16, delayed, blockwise with --set store_act_input_in_fp8=true
 #             (not in the default list)
 #   offload   bench_model.py with --set offload_optimizer=true (bf16, delayed), then
@@ -50,7 +51,7 @@
 # alongside the suite. The nvcc-free lines join stages.log when it ends.
 # Env: RUN_DIR (the logs; default /tmp/gpu_session: not the device call's $OUT,
 # which a later call empties), STAGES, AB_BASES, AB_CONFIGS, MOE_TIMEOUT,
-# MOE_PARTS, MOE_RECIPES, JAX_WHEELS, NVCC_FREE, NVCC_FREE_TESTS, MEMORY_TABLES (the suite
+# MOE_PARTS, MOE_LAYER_SIZES, MOE_RECIPES, JAX_WHEELS, NVCC_FREE, NVCC_FREE_TESTS, MEMORY_TABLES (the suite
 # stage's compile-only tables, default "offload live actfp8").
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -221,10 +222,21 @@ if want peers; then
 fi
 if want moe; then
   st "moe"
-  (cd /tmp && timeout 600 python3 "$REPO/benchmarks/bench_moe.py" --parts "${MOE_PARTS:-layer,model}" \
-     --recipes "${MOE_RECIPES:-none,delayed}" --timeout "${MOE_TIMEOUT:-150}" --top-kernels 12 \
-     > "$OUT/moe.log" 2>&1)
-  grep -E "^(layer|model) " "$OUT/moe.log" >> "$LOG"
+  parts=" ${MOE_PARTS:-layer,model} "; parts=${parts//,/ }
+  if [[ "$parts" == *" layer "* ]]; then
+    for size in ${MOE_LAYER_SIZES:-full wide}; do   # the preset's layer; GEMM-bound experts
+      (cd /tmp && timeout 600 python3 "$REPO/benchmarks/bench_moe.py" --parts layer \
+         --layer-sizes "$size" --recipes "${MOE_RECIPES:-none,delayed}" \
+         --timeout "${MOE_TIMEOUT:-150}" --top-kernels 12 > "$OUT/moe_layer_$size.log" 2>&1)
+      grep -E "^layer " "$OUT/moe_layer_$size.log" | sed "s/^/$size: /" >> "$LOG"
+    done
+  fi
+  if [[ "$parts" == *" model "* ]]; then
+    (cd /tmp && timeout 600 python3 "$REPO/benchmarks/bench_moe.py" --parts model \
+       --recipes "${MOE_RECIPES:-none,delayed}" --timeout "${MOE_TIMEOUT:-150}" \
+       > "$OUT/moe_model.log" 2>&1)
+    grep -E "^model " "$OUT/moe_model.log" >> "$LOG"
+  fi
 fi
 if want actfp8; then   # the model with the MLP activation's input kept in FP8
   st "actfp8"
