@@ -42,22 +42,20 @@ pure-JAX reference under XLA (operands in float32), and the tables say which
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import dataclasses
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
 import time
 
+from moe_trace import KINDS, PARTS, count_parts, kernel_time_by_part  # pylint: disable=import-error
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECIPES = ("none", "delayed", "current", "blockwise")
 LAYER_ROWS = RECIPES + ("ragged_dot",)
-PARTS = ("router", "dispatch", "experts", "combine", "shared")
-KINDS = PARTS + ("other",)
 # (tokens as batch x seq, hidden, experts, per token, expert width, shared width)
 # "full": the moe preset's layer; "wide": GEMM-bound experts (DeepSeek-V3's
 # are 7168 x 2048), where FP8's GEMM time is most of the step; "small": CPU.
@@ -77,108 +75,6 @@ def grouped_gemm_note() -> str:
             "reference, not tensor cores).")
   return ("Grouped GEMMs: te_jax's sm_90a kernels (FP8 per tensor and blockwise; bf16 in "
           "the FP8-off row).")
-
-
-def part_of(op_name: str) -> str:
-  """The MoE part (``KINDS``) of an op from its name stack: the innermost
-  ``te_jax.moe.SCOPES`` scope it names, else "other"."""
-  from te_jax.moe import SCOPES  # pylint: disable=import-outside-toplevel
-  best, where = "other", -1
-  for part, scope in SCOPES.items():
-    i = op_name.rfind(scope)
-    if i > where:
-      best, where = part, i
-  return best
-
-
-_COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
-_INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = ")
-_CALLS = re.compile(r"calls=%?([\w.\-]+)")
-
-
-def hlo_op_names(hlo_text: str) -> dict:
-  """{HLO instruction name: op_name} of a compiled module. An instruction
-  without op_name metadata of its own (a fusion often has none) takes the
-  most frequent op_name of the computation it calls; every name is also
-  listed with its dots as underscores, as the GPU trace spells kernels."""
-  from model_memory import op_names  # pylint: disable=import-error,import-outside-toplevel
-  own = op_names(hlo_text)
-  members, calls, comp = collections.defaultdict(list), {}, None
-  for line in hlo_text.splitlines():
-    m = _COMPUTATION.match(line)
-    if m:
-      comp = m.group(1)
-      continue
-    m = _INSTRUCTION.match(line)
-    if not m:
-      continue
-    name = m.group(1)
-    members[comp].append(name)
-    c = _CALLS.search(line)
-    if c:
-      calls[name] = c.group(1)
-  out = dict(own)
-  for name, callee in calls.items():
-    if name not in own:
-      found = collections.Counter(own[i] for i in members.get(callee, ()) if i in own)
-      if found:
-        out[name] = found.most_common(1)[0][0]
-  out.update({k.replace(".", "_"): v for k, v in list(out.items())})
-  return out
-
-
-def hlo_parts(hlo_text: str) -> dict:
-  """{HLO instruction name: MoE part} of a compiled module (from the op_name
-  metadata: :func:`hlo_op_names`)."""
-  return {name: part_of(op) for name, op in hlo_op_names(hlo_text).items()}
-
-
-def _event_op(event, known=()) -> str:
-  """The HLO instruction a GPU kernel event of a trace ran for ('' if none):
-  its ``hlo_op`` argument, or -- where that names a command buffer, which
-  runs many instructions, or nothing in ``known`` -- the kernel's own name
-  when ``known`` has it (XLA names a fusion's kernel after the fusion)."""
-  args = event.get("args", {}) or {}
-  op = str(args.get("hlo_op") or args.get("name") or "")
-  kernel = str(event.get("name", ""))
-  if (not op or op not in known) and kernel in known:
-    return kernel
-  return op
-
-
-def _event_part(event, parts: dict) -> str:
-  """The part of one GPU kernel event of a trace: a scope named in its
-  arguments (XLA's annotation of the op), else its HLO op's in ``parts``."""
-  args = event.get("args", {}) or {}
-  text = " ".join(str(v) for v in args.values())
-  part = part_of(text)
-  if part != "other":
-    return part
-  op = _event_op(event, parts)
-  return parts.get(op, "other") if op else "other"
-
-
-def kernel_time_by_part(run_steps, steps: int, hlo_text: str, top: int = 0):
-  """GPU kernel ms per step by MoE part from a ``jax.profiler`` trace of
-  ``run_steps(steps)`` (``hlo_text``: the compiled module's); None where the
-  trace has no GPU kernels (a CPU). With ``top``, also the ``top`` kernels by
-  time as ``(ms per step, part, "kernel name <- HLO op: op_name")`` under the
-  key ``"top"``: what each part's time is made of, and where it comes from."""
-  from bench_layer import gpu_kernel_events  # pylint: disable=import-error,import-outside-toplevel
-  names = hlo_op_names(hlo_text)
-  parts = {name: part_of(op) for name, op in names.items()}
-  ms = {kind: 0.0 for kind in KINDS}
-  by_kernel = collections.Counter()
-  for e in gpu_kernel_events(run_steps, steps):
-    part, op = _event_part(e, parts), _event_op(e, names)
-    ms[part] += e.get("dur", 0) / 1e3 / steps
-    what = f"{str(e.get('name', '?'))[:60]} <- {op}: {names.get(op, '?')[-110:]}"
-    by_kernel[(part, what)] += e.get("dur", 0) / 1e3 / steps
-  if not any(ms.values()):
-    return None
-  if top:
-    ms["top"] = [(round(t, 4), part, what) for (part, what), t in by_kernel.most_common(top)]
-  return ms
 
 
 @contextlib.contextmanager
@@ -296,16 +192,8 @@ def run_layer(row: str, small: bool, k: int, repeats: int, profile_steps: int,
   return {"part": "layer", "row": row, "ms": ms, "times": times,
           "tokens_per_s": tokens / (ms / 1e3),
           "max_abs_dx": float(jnp.max(jnp.abs(out[1][1].astype(jnp.float32)))),
-          "kernels_ms": kinds, "hlo_ops": _count_parts(compiled.as_text()),
+          "kernels_ms": kinds, "hlo_ops": count_parts(compiled.as_text()),
           "args_temp": stats["argument"] + stats["temp"], "sizes": sz, "build_s": seconds}
-
-
-def _count_parts(hlo_text: str) -> dict:
-  """How many instructions of the compiled module each part has."""
-  counts = {kind: 0 for kind in KINDS}
-  for part in hlo_parts(hlo_text).values():
-    counts[part] += 1
-  return counts
 
 
 def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int) -> dict:

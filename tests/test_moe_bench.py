@@ -7,21 +7,22 @@ import json
 import pytest
 
 import bench_moe  # pylint: disable=import-error  (benchmarks/ is on pytest's pythonpath)
+import moe_trace  # pylint: disable=import-error
 
 
 def test_part_of_takes_the_innermost_moe_scope():
-  assert bench_moe.part_of("jit(step)/jvp(moe_experts)/dot_general") == "experts"
+  assert moe_trace.part_of("jit(step)/jvp(moe_experts)/dot_general") == "experts"
   # the backward of the combine inside the experts' custom VJP names both
-  assert bench_moe.part_of("transpose(jvp(moe_experts))/moe_combine/mul") == "combine"
-  assert bench_moe.part_of("jit(step)/self_attention/dot") == "other"
+  assert moe_trace.part_of("transpose(jvp(moe_experts))/moe_combine/mul") == "combine"
+  assert moe_trace.part_of("jit(step)/self_attention/dot") == "other"
 
 
 def test_gpu_events_are_sorted_by_their_annotation_or_their_hlo_op():
   parts = {"fusion.3": "dispatch"}
-  assert bench_moe._event_part(  # pylint: disable=protected-access
+  assert moe_trace._event_part(  # pylint: disable=protected-access
       {"args": {"tf_op": "jit(step)/moe_router/top_k"}}, parts) == "router"
-  assert bench_moe._event_part({"args": {"hlo_op": "fusion.3"}}, parts) == "dispatch"  # pylint: disable=protected-access
-  assert bench_moe._event_part({"args": {"hlo_op": "fusion.9"}}, parts) == "other"  # pylint: disable=protected-access
+  assert moe_trace._event_part({"args": {"hlo_op": "fusion.3"}}, parts) == "dispatch"  # pylint: disable=protected-access
+  assert moe_trace._event_part({"args": {"hlo_op": "fusion.9"}}, parts) == "other"  # pylint: disable=protected-access
 
 
 HLO = """HloModule jit_loss
@@ -40,15 +41,15 @@ ENTRY %main (x: f32[4]) -> f32[4] {
 
 
 def test_a_fusion_without_op_name_takes_its_computations():
-  names = bench_moe.hlo_op_names(HLO)
+  names = moe_trace.hlo_op_names(HLO)
   assert names["loop_select_fusion.1"].endswith("moe_dispatch/select_n")
   # the trace names kernels with underscores
-  assert bench_moe.hlo_parts(HLO)["loop_select_fusion_1"] == "dispatch"
-  assert bench_moe._event_op({"args": {"hlo_op": "loop_select_fusion_1"}}) == (  # pylint: disable=protected-access
+  assert moe_trace.hlo_parts(HLO)["loop_select_fusion_1"] == "dispatch"
+  assert moe_trace._event_op({"args": {"hlo_op": "loop_select_fusion_1"}}) == (  # pylint: disable=protected-access
       "loop_select_fusion_1")
   # Under a command buffer the event names the buffer; the kernel is the fusion.
   event = {"name": "loop_select_fusion_1", "args": {"hlo_op": "command_buffer_32"}}
-  assert bench_moe._event_part(event, bench_moe.hlo_parts(HLO)) == "dispatch"  # pylint: disable=protected-access
+  assert moe_trace._event_part(event, moe_trace.hlo_parts(HLO)) == "dispatch"  # pylint: disable=protected-access
 
 
 def test_kernel_events_keep_the_gpu_stream_kernels_only():
