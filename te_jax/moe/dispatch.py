@@ -179,8 +179,13 @@ def _place_tokens_bwd(rows, res, g):
   del rows
   dest, x_proto = res
   t = x_proto.shape[0]
-  per_copy = pick_rows(g, dest).reshape(dest.shape[0] // max(t, 1), t, g.shape[1])   # (k, T, H)
-  return jnp.sum(per_copy.astype(jnp.float32), axis=0).astype(x_proto.dtype), None
+  choices = dest.reshape(dest.shape[0] // max(t, 1), t)   # (k, T): choice-major
+  # One gather per choice, summed as they come: the k gathered (T, H) rows
+  # are never all materialized (a (k*T, H) gather would be, beside g).
+  total = jnp.zeros(x_proto.shape[:1] + g.shape[1:], jnp.float32)
+  for j in range(choices.shape[0]):
+    total = total + pick_rows(g, choices[j]).astype(jnp.float32)
+  return total.astype(x_proto.dtype), None
 
 
 _place_tokens.defvjp(_place_tokens_fwd, _place_tokens_bwd)
