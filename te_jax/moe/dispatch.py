@@ -180,8 +180,9 @@ def _place_tokens_bwd(rows, res, g):
   dest, x_proto = res
   t = x_proto.shape[0]
   choices = dest.reshape(dest.shape[0] // max(t, 1), t)   # (k, T): choice-major
-  # One gather per choice, summed as they come: the k gathered (T, H) rows
-  # are never all materialized (a (k*T, H) gather would be, beside g).
+  # One gather per choice, summed as they come: of the forms compiled for an
+  # H100 (docs/benchmarks-log-2026-12.md, MoE layer memory), the one that
+  # held less than autodiff's scatter-adds in every case measured.
   total = jnp.zeros(x_proto.shape[:1] + g.shape[1:], jnp.float32)
   for j in range(choices.shape[0]):
     total = total + pick_rows(g, choices[j]).astype(jnp.float32)
