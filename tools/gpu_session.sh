@@ -160,18 +160,22 @@ if want suite; then
      > "$OUT/memory_offload.log" 2>&1)
   # Without offload, at batch 4 and 8: the buffers live at the peak, and how
   # many copies XLA's rematerialization made to fit the device.
-  [[ "$tables" == *" live "* ]] && \
-  (cd /tmp && timeout 300 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
-     --batches 4,8 --recipes none,delayed --jobs 4 --dump /tmp/gpu_session_dump --top 15 \
-     > "$OUT/memory_live.log" 2>&1)
-  grep -E "^\| [48] \| (none|delayed) " "$OUT/memory_live.log" >> "$LOG"
+  # (Each table's rows join stages.log only when it ran: a log left by an
+  # earlier session in $RUN_DIR would otherwise be reported again.)
+  if [[ "$tables" == *" live "* ]]; then
+    (cd /tmp && timeout 300 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
+       --batches 4,8 --recipes none,delayed --jobs 4 --dump /tmp/gpu_session_dump --top 15 \
+       > "$OUT/memory_live.log" 2>&1)
+    grep -E "^\| [48] \| (none|delayed) " "$OUT/memory_live.log" >> "$LOG"
+  fi
   # FP8 with the MLP activation's input kept in FP8 (store_act_input_in_fp8).
-  [[ "$tables" == *" actfp8 "* ]] && \
-  (cd /tmp && timeout 300 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
-     --batches 8 --recipes none,delayed,current,blockwise --jobs 4 \
-     --set store_act_input_in_fp8=true > "$OUT/memory_act_fp8.log" 2>&1)
-  grep -E "^\| 8 \| (none|delayed|current|blockwise) " "$OUT/memory_act_fp8.log" \
-    | sed "s/^/act input in FP8: /" >> "$LOG"
+  if [[ "$tables" == *" actfp8 "* ]]; then
+    (cd /tmp && timeout 300 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
+       --batches 8 --recipes none,delayed,current,blockwise --jobs 4 \
+       --set store_act_input_in_fp8=true > "$OUT/memory_act_fp8.log" 2>&1)
+    grep -E "^\| 8 \| (none|delayed|current|blockwise) " "$OUT/memory_act_fp8.log" \
+      | sed "s/^/act input in FP8: /" >> "$LOG"
+  fi
   wait $s1
   tail -qn 1 "$OUT"/suite/pytest_gpu*.log >> "$LOG"
 fi
