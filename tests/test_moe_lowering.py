@@ -25,7 +25,7 @@ from te_jax.moe.scopes import SCOPES
 from te_jax.ops import grouped_gemm as gg
 from te_jax.ops import grouped_gemm_cuda as ggc
 
-from cuda_lowering import cuda_text, gpu_host  # pylint: disable=unused-import
+from cuda_lowering import gpu_host  # pylint: disable=unused-import  (a fixture)
 
 RECIPES = {"delayed": recipe.DelayedScaling(amax_history_len=4),
            "current": recipe.Float8CurrentScaling(),
