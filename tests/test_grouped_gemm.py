@@ -115,7 +115,7 @@ def test_grouped_wgrad_rows_sizes_that_cannot_describe_x_give_nan(sizes):
     (ScaledTensor(jnp.ones((8, 4), E4M3), jnp.ones((), jnp.float32)), jnp.ones((8, 3)),
      TypeError, "grouped_wgrad_rows takes float arrays, got an FP8 ScaledTensor x"),
     (jnp.ones((8, 4)), jnp.ones((7, 3)), ValueError,
-     "x (m, k) and grad (m, n) must share the grouped rows m"),
+     "x (m, k) and grad (m, n) must share the grouped dim m, got x (8, 4) and grad (7, 3)"),
     (jnp.ones((8, 4)), jnp.ones((8, 3), jnp.int32), TypeError, "grad must be a float32"),
     (jnp.ones((8,)), jnp.ones((8, 3)), ValueError, "x must be 2-D"),
 ])

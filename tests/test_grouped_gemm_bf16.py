@@ -164,6 +164,9 @@ def test_bf16_rows_need_16_byte_rows(fake_gpu):
     ggc.grouped_wgrad(jnp.ones((16, 4), BF16), jnp.ones((12, 4), BF16), gs)
   with pytest.raises(ValueError, match="last dim 12 is not a multiple of 8"):
     ggc.grouped_wgrad_rows(jnp.ones((4, 16), BF16), jnp.ones((4, 12), BF16), gs)
+  # the wgrad's k is its operands' contiguous dim now (read MN-major)
+  with pytest.raises(ValueError, match=re.escape("k (lhs_t.shape[0])=12 is not a multiple of 8")):
+    ggc.grouped_wgrad(jnp.ones((12, 4), BF16), jnp.ones((16, 4), BF16), gs)
 
 
 @pytest.mark.parametrize("k, n, says", [

@@ -185,16 +185,24 @@ def _check_gemm(lhs, rhs, group_sizes, out_dtype):
     _check_scales(lhs, rhs, _GEMM_BLOCKS, ("lhs", "rhs"))
 
 
-def _check_wgrad(lhs_t, rhs_t, group_sizes, out_dtype):
-  _check_operand(lhs_t, "lhs_t", 2, ScaledTensor)
-  _check_operand(rhs_t, "rhs_t", 2, ScaledTensor)
-  if lhs_t.shape[1] != rhs_t.shape[1]:
-    raise ValueError(f"lhs_t (k, m) and rhs_t (n, m) must share the grouped dim m, got "
-                     f"lhs_t {tuple(lhs_t.shape)} and rhs_t {tuple(rhs_t.shape)}.")
+def _check_wgrad_pair(a, b, names, layouts, grouped_dim, group_sizes, out_dtype):
+  """Two 2-D wgrad operands called ``names``, of ``layouts`` (e.g. "(k, m)"),
+  sharing the grouped dim m at ``grouped_dim``; and the group sizes."""
+  _check_operand(a, names[0], 2, ScaledTensor)
+  _check_operand(b, names[1], 2, ScaledTensor)
+  if a.shape[grouped_dim] != b.shape[grouped_dim]:
+    raise ValueError(f"{names[0]} {layouts[0]} and {names[1]} {layouts[1]} must share the "
+                     f"grouped dim m, got {names[0]} {tuple(a.shape)} and {names[1]} "
+                     f"{tuple(b.shape)}.")
   if getattr(group_sizes, "ndim", None) != 1:
     raise ValueError(f"group_sizes must be 1-D (g,), got shape "
                      f"{getattr(group_sizes, 'shape', None)}.")
-  _check_common(lhs_t, rhs_t, group_sizes, out_dtype, group_sizes.shape[0])
+  _check_common(a, b, group_sizes, out_dtype, group_sizes.shape[0])
+
+
+def _check_wgrad(lhs_t, rhs_t, group_sizes, out_dtype):
+  _check_wgrad_pair(lhs_t, rhs_t, ("lhs_t", "rhs_t"), ("(k, m)", "(n, m)"), 1, group_sizes,
+                    out_dtype)
   if _is_fp8(lhs_t):
     _check_scales(lhs_t, rhs_t, _WGRAD_BLOCKS, ("lhs_t", "rhs_t"))
 
@@ -206,15 +214,7 @@ def _check_wgrad_rows(x, grad, group_sizes, out_dtype):
                       f"{name}: FP8 tensor cores read the wgrad's operands contiguous along "
                       "the grouped m; pass the quantize's columnwise (k, m) and (n, m) copies "
                       "to grouped_wgrad.")
-  _check_operand(x, "x", 2, ScaledTensor)
-  _check_operand(grad, "grad", 2, ScaledTensor)
-  if x.shape[0] != grad.shape[0]:
-    raise ValueError(f"x (m, k) and grad (m, n) must share the grouped rows m, got x "
-                     f"{tuple(x.shape)} and grad {tuple(grad.shape)}.")
-  if getattr(group_sizes, "ndim", None) != 1:
-    raise ValueError(f"group_sizes must be 1-D (g,), got shape "
-                     f"{getattr(group_sizes, 'shape', None)}.")
-  _check_common(x, grad, group_sizes, out_dtype, group_sizes.shape[0])
+  _check_wgrad_pair(x, grad, ("x", "grad"), ("(m, k)", "(m, n)"), 0, group_sizes, out_dtype)
 
 
 # ------------------------------------------------------------- reference ---
