@@ -188,22 +188,23 @@ def unsupported_reason(a, b, out_dtype, axis: int, groups: int) -> str:
   if axis == ROWS and (ta, tb) == (_E4M3, _E5M2):
     return "e4m3 lhs x e5m2 rhs: the per-tensor kernels take E5M2 as lhs only"
   unit = _TMA_BYTES // ta.itemsize          # elements in 16 bytes: 16 FP8, 8 bf16
+  # row: the length of a's rows as the kernel reads them, 16-byte TMA rows
   if axis == ROWS:
     (m, k), n = a.shape, b.shape[2]
-    contraction, what = k, "k (lhs.shape[1])"
+    row, what = k, "k (lhs.shape[1])"
   elif axis == CONTRACTION_ROW_MAJOR:   # any group sizes; k and n are the 16-byte rows
     (m, k), n = a.shape, b.shape[1]
-    contraction, what = k, "k (x.shape[1])"
+    row, what = k, "k (x.shape[1])"
   elif bf16:   # run on axis 2 with the transposes
     (k, m), n = a.shape, b.shape[0]
-    contraction, what = k, "k (lhs_t.shape[0])"
+    row, what = k, "k (lhs_t.shape[0])"
   else:
     (k, m), n = a.shape, b.shape[0]
-    contraction, what = m, "the grouped m (lhs_t.shape[1])"
+    row, what = m, "the grouped m (lhs_t.shape[1])"
     if (ta, tb) == (_E4M3, _E5M2):   # computed transposed: the kernel's n is k
       n = k
-  if contraction % unit:
-    return (f"{what}={contraction} is not a multiple of {unit} (16-byte {ta.name} rows for "
+  if row % unit:
+    return (f"{what}={row} is not a multiple of {unit} (16-byte {ta.name} rows for "
             "TMA)")
   if n % 8:
     return f"the output's last dim {n} is not a multiple of 8 (16-byte rows)"
