@@ -2,12 +2,14 @@
 // (custom_calls/kernels/gemm_sm90.cuh, built on CUTLASS's pointer-array
 // grouped kernels) for mixture-of-experts layers: group sizes on the device,
 // rows grouped (fprop, dgrad) or the contraction grouped (wgrad), FP8 with
-// per-tensor or blockwise scaling, and bf16 (the FP8-off layers' GEMMs).
+// per-tensor or blockwise scaling, and bf16 (the FP8-off layers' GEMMs; their
+// wgrad on the row-major x (m, k) and grad (m, n) as stored: bf16_mn_major).
 //
 // 1. Checks against a float64 host reference: odd shapes (k, n not multiples
 //    of 128), empty groups, one group, 1-row groups, rows after the last
 //    group (must be 0), invalid sizes (negative, overrunning, misaligned:
-//    that group must be NaN); outputs poisoned first; every run repeated and
+//    that group must be NaN; bf16_mn_major: any sizes, odd ones included,
+//    negative or overrunning ones NaN); outputs poisoned first; every run repeated and
 //    compared bit for bit; and one CUDA-graph check: the launch captured
 //    once, group_sizes changed on the device, the replay must compute the
 //    new grouping (no host synchronization, no shapes baked in).
@@ -22,6 +24,12 @@
 //    grouping beside the first FP8 row of it, checked against the bf16
 //    loop; the column "ours_bf16", and "/ours16" the FP8 row's speed-up
 //    over it: FP8 against the FP8-off layer's own grouped GEMM).
+//    bf16_mn_major rows: its wgrad on row-major x and grad (that pass's
+//    shape, and the MoE layer's: 64 experts, 131072 rows, hidden 1024,
+//    width 512), balanced and ragged (sizes off multiples of 8) groups,
+//    against the per-group cuBLASLt bf16 loop and one whole GEMM on the
+//    transposed copies, and "ours_bf16" the TN bf16 variant on those copies
+//    (balanced only: it needs 8-aligned groups); checked against the loop.
 //
 // Build: see tools/gpu_kernels.sh. Run: grouped_gemm_sm90 [--checks | --timing]
 //   [--only v1,v2] [--rounds N] (default 7)
@@ -76,9 +84,10 @@ std::vector<float> OperandToHost(const void* p, size_t n, Type t) {
 }
 
 // Alignment of a group's slice of the grouped axis (gemm_sm90.cuh's rule):
-// any rows; along the contraction 16 bytes of the operand, or 128 blockwise.
+// any rows (kRows, kContractionRowMajor); along kContraction's columns 16
+// bytes of the operand, or 128 blockwise.
 int SliceMultiple(Axis axis, Scaling scaling, Type t) {
-  if (axis == Axis::kRows) return 1;
+  if (axis != Axis::kContraction) return 1;
   return scaling == Scaling::kBlockwise ? 128 : 16 / sm90::OperandBytes(t);
 }
 
@@ -101,6 +110,7 @@ std::vector<float> CompactBlocks(const std::vector<float>& native, int outer, in
 
 // One grouped problem's device operands (one input set). Rows: a (m, k),
 // b (G, n, k), out (m, n). Contraction: a (m, k), b (n, k), out (G, m, n).
+// ContractionRowMajor (bf16): a (m, k), b (m, n), out (G, k, n).
 // sa, sb: the scales in te_jax's native grids (what the host reference and
 // the cuBLASLt loop read); sa_kernel, sb_kernel: what the grouped kernel
 // reads (sa, sb for per-tensor scaling; blockwise, compact per group as
@@ -124,11 +134,10 @@ struct Problem {
       : axis(ax), scaling(sc), groups(static_cast<int>(sz.size())), m(m_), n(n_), k(k_),
         a_type(ta), b_type(tb), host_sizes(sz) {
     const bool rows = axis == Axis::kRows;
-    const long b_rows = rows ? long(groups) * n : n;
     a = DeviceAlloc<uint8_t>(m * k * sm90::OperandBytes(ta));
-    b = DeviceAlloc<uint8_t>(b_rows * k * sm90::OperandBytes(tb));
+    b = DeviceAlloc<uint8_t>(b_elems() * sm90::OperandBytes(tb));
     FillOperand(a, m * k, ta, seed);
-    FillOperand(b, b_rows * k, tb, seed + 1);
+    FillOperand(b, b_elems(), tb, seed + 1);
     const auto vec = sm90::ScaleMode::kVec128, blk = sm90::ScaleMode::kBlk128x128;
     if (scaling != Scaling::kBlockwise) {  // per tensor; bf16: ones, for the host reference
       ga = {1, 1, 1};
@@ -192,7 +201,14 @@ struct Problem {
     CHECK_CUDA(cudaMemcpy(sa_kernel, a_compact.data(), a_compact.size() * sizeof(float),
                           cudaMemcpyHostToDevice));
   }
-  size_t out_elems() const { return axis == Axis::kRows ? size_t(m) * n : size_t(groups) * m * n; }
+  size_t b_elems() const {
+    return axis == Axis::kRows ? size_t(groups) * n * k
+           : axis == Axis::kContraction ? size_t(n) * k : size_t(m) * n;
+  }
+  size_t out_elems() const {
+    return axis == Axis::kRows ? size_t(m) * n
+           : size_t(groups) * (axis == Axis::kContraction ? m : k) * n;
+  }
   sm90::GroupedGemmArgs Args(void* out) const {
     sm90::GroupedGemmArgs p;
     p.axis = axis; p.scaling = scaling; p.groups = groups;
@@ -204,7 +220,7 @@ struct Problem {
   // Slice [start, end) of the grouped axis per group, and whether the
   // group is valid (gemm_sm90.cuh's rules); mirrors the setup kernel.
   void Slices(std::vector<long>* start, std::vector<long>* end, std::vector<bool>* valid) const {
-    const long extent = axis == Axis::kRows ? m : k;
+    const long extent = axis == Axis::kContraction ? k : m;
     const int multiple = SliceMultiple(axis, scaling, a_type);
     long s = 0;
     for (int g = 0; g < groups; ++g) {
@@ -228,9 +244,8 @@ struct Problem {
 // float64 reference; NaN where the kernel must write NaN (invalid groups).
 std::vector<double> HostReference(const Problem& p) {
   const bool rows = p.axis == Axis::kRows, blockwise = p.scaling == Scaling::kBlockwise;
-  const long b_rows = rows ? long(p.groups) * p.n : p.n;
   const auto a = OperandToHost(p.a, p.m * p.k, p.a_type);
-  const auto b = OperandToHost(p.b, b_rows * p.k, p.b_type);
+  const auto b = OperandToHost(p.b, p.b_elems(), p.b_type);
   const int experts = rows && blockwise ? p.groups : 1;
   const auto sa = bench::ToHost<float>(p.sa, p.ga.count());
   const auto sb = bench::ToHost<float>(p.sb, p.gb.count() * experts);
@@ -239,16 +254,22 @@ std::vector<double> HostReference(const Problem& p) {
   p.Slices(&start, &end, &valid);
   std::vector<double> out(p.out_elems(), 0.0);
   const auto vec = sm90::ScaleMode::kVec128, blk = sm90::ScaleMode::kBlk128x128;
+  const size_t block = rows ? 0 : p.out_elems() / p.groups;  // one group's (m, n) or (k, n)
   for (int g = 0; g < p.groups; ++g) {
     if (!valid[g]) {
       if (rows) {
         std::fill(out.begin() + start[g] * p.n, out.begin() + end[g] * p.n, NAN);
       } else {
-        std::fill(out.begin() + size_t(g) * p.m * p.n, out.begin() + size_t(g + 1) * p.m * p.n, NAN);
+        std::fill(out.begin() + g * block, out.begin() + (g + 1) * block, NAN);
       }
       continue;
     }
-    if (rows) {
+    if (p.axis == Axis::kContractionRowMajor) {  // out[g] = a[rows]^T @ b[rows], no scales
+      double* og = out.data() + g * block;
+      for (long t = start[g]; t < end[g]; ++t)
+        for (long i = 0; i < p.k; ++i)
+          for (long j = 0; j < p.n; ++j) og[size_t(i) * p.n + j] += double(a[t * p.k + i]) * b[t * p.n + j];
+    } else if (rows) {
       const float* bg = b.data() + size_t(g) * p.n * p.k;
       const std::vector<float> sbg(sb.begin() + size_t(g) * (blockwise ? p.gb.count() : 1),
                                    sb.begin() + size_t(g + 1) * (blockwise ? p.gb.count() : 1));
@@ -382,8 +403,27 @@ void RunChecks(const std::vector<VariantInfo>& variants, int sms) {
   for (const VariantInfo& v : variants) {
     const bool blockwise = v.scaling == Scaling::kBlockwise;
     const Type ta = v.a_type, tb = v.b_type;
-    const bool rows_ok = v.id != sm90::GroupedVariant::kBlockwiseContraction;
-    const bool contraction_ok = v.id != sm90::GroupedVariant::kBlockwiseRows;
+    const bool rows_ok = sm90::GroupedVariantServes(v.id, Axis::kRows);
+    const bool contraction_ok = sm90::GroupedVariantServes(v.id, Axis::kContraction);
+    if (sm90::GroupedVariantServes(v.id, Axis::kContractionRowMajor)) {
+      // x (300, 200), grad (300, 264): k, n multiples of 8, not of 64 or 128
+      struct Case { const char* what; std::vector<int32_t> sizes; };
+      const Case cases[] = {
+          {"row-major: 3,0,120,1,0,77 (+99 tail)", {3, 0, 120, 1, 0, 77}},
+          {"row-major: one group", {300}},
+          {"row-major: one row", {0, 1, 0}},
+          {"row-major: all empty", {0, 0, 0}},
+          {"row-major: -5 and overrun -> NaN", {64, -5, 100, 200}},
+      };
+      for (const Case& c : cases) {
+        Problem p(Axis::kContractionRowMajor, v.scaling, c.sizes, 300, 264, 200, ta, tb,
+                  seed += 10);
+        CheckOne(v, p, c.what, sms);
+      }
+      Problem p(Axis::kContractionRowMajor, v.scaling, {16, 0, 100, 3}, 300, 264, 200, ta, tb,
+                seed += 10);
+      CheckGraph(v, p, {50, 51, 0, 97}, "row-major: graph replay", sms);
+    }
     if (rows_ok) {  // m = 200 rows, n = 272, k = 400: none a multiple of 128
       struct Case { const char* what; std::vector<int32_t> sizes; };
       const Case cases[] = {
@@ -619,6 +659,107 @@ TimingRow TimeConfig(const VariantInfo& v, const Pass& pass, bool skewed, int sm
   return row;
 }
 
+// out (cols, rows) = in (rows, cols) transposed: the TN copies of the
+// row-major wgrad operands (setup only; not timed).
+__global__ void TransposeBf16(const __nv_bfloat16* in, __nv_bfloat16* out, long rows, long cols) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < size_t(rows) * cols;
+       i += size_t(gridDim.x) * blockDim.x)
+    out[(i % cols) * rows + i / cols] = in[i];
+}
+
+__nv_bfloat16* Transposed(const __nv_bfloat16* in, long rows, long cols) {
+  auto* out = DeviceAlloc<__nv_bfloat16>(size_t(rows) * cols);
+  TransposeBf16<<<1024, 256>>>(in, out, rows, cols);
+  CHECK_CUDA(cudaGetLastError());
+  return out;
+}
+
+// A wgrad of the FP8-off layers: out (G, k, n) = per group x[rows]^T @
+// grad[rows] over `tokens` rows of x (tokens, k) and grad (tokens, n).
+struct RowMajorPass {
+  const char* name;
+  int groups;
+  long tokens, k, n;
+};
+
+// The row-major bf16 wgrad variant `v` on x and grad as stored, balanced
+// (Sizes) or ragged (the same sizes +-5 in turn: none a multiple of 8),
+// against the per-group cuBLASLt bf16 loop and one whole bf16 GEMM on the
+// transposed copies (x^T (k, tokens), grad^T (n, tokens)), and our TN bf16
+// variant `tn` (null: not kept) on those copies where its 8-aligned groups
+// allow (balanced). Checked against the loop.
+TimingRow TimeRowMajorWgrad(const VariantInfo& v, const RowMajorPass& pass, bool ragged, int sms,
+                            cublasLtHandle_t lt, void* lt_ws, size_t lt_ws_bytes, int rounds,
+                            const VariantInfo* tn) {
+  const int G = pass.groups;
+  const long tokens = pass.tokens, k = pass.k, n = pass.n;
+  auto sizes = Sizes(G, tokens, false);
+  for (int g = 0; g + 1 < G && ragged; g += 2) sizes[g] -= 5, sizes[g + 1] += 5;
+  // x and grad as stored, and their transposes for cuBLASLt and the TN variant.
+  Problem p(Axis::kContractionRowMajor, Scaling::kNone, sizes, tokens, n, k, Type::kBF16,
+            Type::kBF16, 4242);
+  const auto* x = reinterpret_cast<const __nv_bfloat16*>(p.a);
+  const auto* grad = reinterpret_cast<const __nv_bfloat16*>(p.b);
+  __nv_bfloat16* x_t = Transposed(x, tokens, k);
+  __nv_bfloat16* grad_t = Transposed(grad, tokens, n);
+  void* out = DeviceAlloc<uint16_t>(p.out_elems());
+  void* ref = DeviceAlloc<uint16_t>(p.out_elems());
+  std::vector<long> start, end;
+  std::vector<bool> valid;
+  p.Slices(&start, &end, &valid);
+  std::vector<std::unique_ptr<bench::LtGemm>> loop16;
+  for (int g = 0; g < G; ++g)
+    loop16.emplace_back(new bench::LtGemm(lt, k, n, end[g] - start[g], CUDA_R_16BF, CUDA_R_16BF,
+                                          CUDA_R_16BF, 0, 0, false, lt_ws, lt_ws_bytes, tokens,
+                                          tokens));
+  bench::LtGemm single16(lt, k, n, tokens, CUDA_R_16BF, CUDA_R_16BF, CUDA_R_16BF, 0, 0, false,
+                         lt_ws, lt_ws_bytes);
+  auto run_loop16 = [&](void* o) {
+    bool ok = true;
+    for (int g = 0; g < G && ok; ++g)
+      ok = loop16[g]->Run(x_t + start[g], grad_t + start[g], nullptr, nullptr,
+                          static_cast<__nv_bfloat16*>(o) + size_t(g) * k * n, 0) ==
+           CUBLAS_STATUS_SUCCESS;
+    return ok;
+  };
+  sm90::GroupedGemmArgs q;  // the TN variant: a = x^T (k, tokens), b = grad^T (n, tokens)
+  q.axis = Axis::kContraction;
+  q.scaling = Scaling::kNone;
+  q.groups = G;
+  q.m = k; q.n = n; q.k = tokens;
+  q.group_sizes = p.sizes; q.a = x_t; q.b = grad_t; q.out = out;
+  const bool time_tn = tn && !ragged;
+  bench::Poison(ref, p.out_elems());
+  bench::Poison(out, p.out_elems());
+  bool ok = run_loop16(ref) && Launch(v.id, p.Args(out), sms, 0);
+  CHECK_CUDA(cudaDeviceSynchronize());
+  const auto e = bench::DeviceDiff(out, ref, p.out_elems());
+  ok = ok && e.bad == 0 && e.rel < kTol;
+  failures += !ok;
+  std::vector<bench::Candidate> cands = {
+      {"ours", [&](int) { return Launch(v.id, p.Args(out), sms, 0); }},
+      {"loop_bf16", [&](int) { return run_loop16(out); }},
+      {"single_bf16",
+       [&](int) {
+         return single16.Run(x_t, grad_t, nullptr, nullptr, out, 0) == CUBLAS_STATUS_SUCCESS;
+       }},
+  };
+  if (time_tn) cands.push_back({"ours_bf16", [&](int) { return Launch(tn->id, q, sms, 0); }});
+  const auto ms = bench::TimeInterleaved(cands, rounds);
+  const double useful = 2.0 * k * n * p.covered(), whole = 2.0 * k * n * tokens;
+  TimingRow row{std::string(pass.name) + (ragged ? " ragged" : " balanced") + " " + v.name,
+                useful / ms[0] * 1e-9, NAN, useful / ms[1] * 1e-9, whole / ms[2] * 1e-9,
+                time_tn ? useful / ms[3] * 1e-9 : NAN};
+  std::printf("TIME %-52s ours %6.0f  loop_bf16 %6.0f  single_bf16 %6.0f  ours_bf16 (TN) %6.0f"
+              " TF/s  check vs loop rel=%.1e %s\n",
+              row.label.c_str(), row.ours, row.loop_bf16, row.single_bf16, row.ours_bf16, e.rel,
+              ok ? "ok" : "FAIL");
+  std::fflush(stdout);
+  for (void* d : {out, ref, static_cast<void*>(x_t), static_cast<void*>(grad_t)})
+    CHECK_CUDA(cudaFree(d));
+  return row;
+}
+
 void RunTiming(const std::vector<VariantInfo>& variants, int sms, int rounds, const char* device) {
   // 16 experts x 1024 tokens, hidden 4096, expert width 2048.
   const Pass fprop{"fprop", Axis::kRows, 16384, 2048, 4096};
@@ -639,8 +780,11 @@ void RunTiming(const std::vector<VariantInfo>& variants, int sms, int rounds, co
   const size_t lt_ws_bytes = size_t(32) << 20;
   void* lt_ws = DeviceAlloc<uint8_t>(lt_ws_bytes);
   const VariantInfo* bf16 = nullptr;  // timed beside the FP8 rows when kept
-  for (const VariantInfo& v : variants)
+  const VariantInfo* bf16_mn = nullptr;
+  for (const VariantInfo& v : variants) {
     if (v.id == sm90::GroupedVariant::kBf16) bf16 = &v;
+    if (v.id == sm90::GroupedVariant::kBf16MnMajor) bf16_mn = &v;
+  }
   std::map<std::string, Bf16Figure> bf16_figures;  // per pass and grouping
   std::vector<TimingRow> rows;
   for (const Job& j : jobs) {
@@ -653,8 +797,18 @@ void RunTiming(const std::vector<VariantInfo>& variants, int sms, int rounds, co
       }
     }
   }
+  // The FP8-off wgrad on row-major operands: the wgrad pass's shape
+  // (x (16384, 2048), grad (16384, 4096)) and the MoE layer's (64 experts).
+  const RowMajorPass row_major[] = {{"wgrad row-major", 16, 16384, 2048, 4096},
+                                    {"moe wgrad row-major", 64, 131072, 1024, 512}};
+  for (const RowMajorPass& pass : row_major)
+    for (bool ragged : {false, true})
+      if (bf16_mn)
+        rows.push_back(TimeRowMajorWgrad(*bf16_mn, pass, ragged, sms, lt, lt_ws, lt_ws_bytes,
+                                         rounds, bf16));
   // ours_bf16: the bf16 variant on the bf16 operands (the FP8-off layers'
-  // grouped GEMM); /ours16: the FP8 variant's speed-up over it.
+  // grouped GEMM; row-major rows: the TN variant on the transposes);
+  // /ours16: the row's speed-up over it.
   std::printf("\nSUMMARY grouped (TFLOP/s of the useful FLOPs, median) on %s\n", device);
   std::printf("%-52s %7s %8s %9s %11s %9s %8s %8s %8s\n", "pass / groups / variant", "ours",
               "loop_fp8", "loop_bf16", "single_bf16", "ours_bf16", "/loop8", "/bf16", "/ours16");
@@ -663,7 +817,10 @@ void RunTiming(const std::vector<VariantInfo>& variants, int sms, int rounds, co
     std::printf("%-52s %7.0f %8.0f %9.0f %11.0f %9.0f %8.3f %8.3f %8.3f", r.label.c_str(), r.ours,
                 r.loop_fp8, r.loop_bf16, r.single_bf16, r.ours_bf16, r.ours / r.loop_fp8,
                 r.ours / r.loop_bf16, r.ours / r.ours_bf16);
-    if (i % 2 == 1) std::printf("  skewed/balanced %.3f", r.ours / rows[i - 1].ours);
+    if (i % 2 == 1)
+      std::printf("  %s/balanced %.3f", r.label.find(" ragged ") != std::string::npos ? "ragged"
+                                                                                      : "skewed",
+                  r.ours / rows[i - 1].ours);
     std::printf("\n");
   }
 }

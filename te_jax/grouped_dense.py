@@ -10,7 +10,7 @@ GEMM       operands                          grouped over
 =========  ================================  ===============================
 fprop      x (M, K), kernel (E, K, N)        rows: ``y[rows_e] = x @ k[e]``
 dgrad      grad (M, N), kernel.T (E, N, K)   rows
-wgrad      x.T (K, M), grad.T (N, M)         K: one (K, N) result per expert
+wgrad      x.T (K, M), grad.T (N, M)         M: one (K, N) result per expert
 =========  ================================  ===============================
 
 Each operand is quantized by the recipe's ``te_jax.scaling.ScalingMode`` as
@@ -24,7 +24,8 @@ every history (the rule of every te_jax GEMM: one entry per step, max over
 the uses a microbatch merge sees, ``fp8_state.accumulate_gradients``).
 
 With ``recipe=None`` the same three grouped GEMMs run on the unquantized
-operands (the FP8-off path).
+operands (the FP8-off path); its wgrad reads ``x`` and ``grad`` as stored
+(``grouped_wgrad_rows``), where FP8's reads the quantize's columnwise copies.
 
 Inside ``shard_map`` (expert parallelism, ``te_jax.moe.parallel``),
 :class:`GroupedAxes` names the mesh axes: amaxes are max-reduced so every
@@ -214,18 +215,19 @@ def _grouped_fwd(x, kernel, group_sizes, state, cfg):
 def _grouped_bwd(cfg, res, g):
   mode, impl, axes = cfg.mode, cfg.impl, cfg.axes
   a_t, k_local, group_sizes, new_state, (x_proto, k_proto) = res
-  if mode is None:
-    g_rows, g_t, a_t, accum = g, g.T, a_t.T, (False, False)
+  if mode is None:   # the residual a_t is x (M, K): the wgrad reads it and g as stored
+    g_rows, dgrad_accum = g, False
+    wgrad = functools.partial(grouped_op.grouped_wgrad_rows, a_t, g)
   else:
     qg = mode.quantize(g, "grad", new_state, impl=impl, amax_axes=axes.token_axes)
-    g_rows, g_t = qg.rowwise(), qg.columnwise()
-    accum = (mode.fast_accum("dgrad"), mode.fast_accum("wgrad"))
+    g_rows, dgrad_accum = qg.rowwise(), mode.fast_accum("dgrad")
+    wgrad = functools.partial(grouped_op.grouped_wgrad, a_t, qg.columnwise(),
+                              fast_accum=mode.fast_accum("wgrad"))
     new_state = _update_state(mode, new_state, {"grad": qg.amax})
   kernel = _gather(k_local, axes)
   dx = grouped_op.grouped_gemm(g_rows, _transpose(kernel), group_sizes,
-                               out_dtype=x_proto.dtype, fast_accum=accum[0], impl=impl)
-  dk = grouped_op.grouped_wgrad(a_t, g_t, group_sizes, out_dtype=_wgrad_dtype(mode, k_proto),
-                                fast_accum=accum[1], impl=impl)
+                               out_dtype=x_proto.dtype, fast_accum=dgrad_accum, impl=impl)
+  dk = wgrad(group_sizes, out_dtype=_wgrad_dtype(mode, k_proto), impl=impl)
   dk = _scatter_wgrad(dk.astype(k_proto.dtype), axes)
   return _sum_to_type_of(dx, x_proto), _sum_to_type_of(dk, k_proto), None, new_state
 

@@ -21,10 +21,12 @@ Needs a Hopper GPU and a native module built with the CUTLASS headers
 3. Sizes that cannot describe the buffer make the whole output NaN (the
    reference's rule; for the contraction also sizes off the 16 / 128
    multiple, which the kernel needs and the reference does not).
-4. The bf16 variant (the FP8-off GEMMs: scaling "none") on bfloat16
+4. The bf16 variants (the FP8-off GEMMs: scaling "none") on bfloat16
    operands, fprop / dgrad / wgrad on the same odd shapes, empty groups,
-   tail rows, any wgrad group sizes (realigned to 8 columns by the
-   wrapper), new sizes without recompiling, invalid sizes -> NaN: every
+   tail rows, any wgrad group sizes (the wgrad reads row-major x (m, k)
+   and grad (m, n) as stored: grouped_wgrad_rows, and grouped_wgrad on
+   their transposes), one row, new sizes without recompiling, invalid
+   sizes -> NaN, and the FP8-off grouped_dense's weight gradient: every
    element within one bfloat16 ulp of the float32 reference plus the
    float32 summation-order bound.
 5. The dense sm90 variants in the GEMM autotuner (TE_JAX_GEMM_SM90, read once
@@ -293,7 +295,7 @@ def test_bf16_grouped_gemm_dgrad_operand():
 
 BF16_WGRAD_CASES = {   # name: (k, m, n, sizes): any sizes (FP8-off layers pad none)
     "aligned": (144, 640, 264, [0, 16, 48, 144]),
-    "odd_sizes_and_tail": (130, 300, 96, [3, 0, 120, 1, 0, 77]),
+    "odd_sizes_and_tail": (136, 300, 96, [3, 0, 120, 1, 0, 77]),
     "one_group": (200, 256, 136, [256]),
     "64_groups": (64, 700, 128, [10] * 64),
 }
@@ -310,6 +312,50 @@ def test_bf16_grouped_wgrad(case):
   assert (got[[e for e, s in enumerate(sizes) if s == 0]] == 0).all()
 
 
+BF16_WGRAD_ROWS_CASES = {   # name: (m, k, n, sizes): x (m, k), grad (m, n); any sizes
+    "odd_sizes_and_tail": (300, 136, 96, [3, 0, 120, 1, 0, 77]),
+    "one_row": (1, 64, 32, [0, 1, 0]),
+    "one_group": (256, 200, 136, [256]),
+    "64_ragged_groups": (700, 64, 128, [9, 11] * 32),
+    "all_empty": (40, 64, 64, [0, 0]),
+}
+
+
+@pytest.mark.parametrize("case", list(BF16_WGRAD_ROWS_CASES))
+def test_bf16_grouped_wgrad_rows(case):
+  """The row-major wgrad (axis 2) on x and grad as stored, group sizes off
+  multiples of 8 included: within the bound of the float32 reference,
+  repeatable bit for bit, empty groups' matrices exactly 0."""
+  m, k, n, sizes = BF16_WGRAD_ROWS_CASES[case]
+  rng = np.random.default_rng(len(case) * 31)
+  x, grad, gs = _bf16(rng, (m, k)), _bf16(rng, (m, n)), jnp.asarray(sizes, jnp.int32)
+  f = jax.jit(lambda a, b, s: gg.grouped_wgrad_rows(a, b, s, out_dtype=BF16, impl="cuda"))
+  got = _compare_bf16(f(x, grad, gs), _wgrad_ref, x.T, grad.T, gs)
+  np.testing.assert_array_equal(got, np.asarray(f(x, grad, gs), np.float64))
+  assert (got[[e for e, s in enumerate(sizes) if s == 0]] == 0).all()
+
+
+@pytest.mark.parametrize("sizes", [[-5, 10, 20], [100, 0, 201], [2 ** 31 - 1, 2 ** 31 - 1, 4]])
+def test_bf16_grouped_wgrad_rows_invalid_sizes_give_nan(sizes):
+  rng = np.random.default_rng(37)
+  out = gg.grouped_wgrad_rows(_bf16(rng, (200, 64)), _bf16(rng, (200, 32)),
+                              jnp.asarray(sizes, jnp.int32), out_dtype=BF16, impl="cuda")
+  assert np.isnan(np.asarray(out, np.float32)).all()
+
+
+def test_fp8_off_grouped_dense_weight_gradient():
+  """recipe None on the GPU: the kernel gradient (the row-major wgrad on x
+  and the output gradient) against the reference, ragged group sizes."""
+  from te_jax import grouped_dense as gd  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(41)
+  m, k, n, sizes = 520, 256, 128, [0, 37, 200, 1, 250]
+  x, w, gs = _bf16(rng, (m, k)), _bf16(rng, (5, k, n)), jnp.asarray(sizes, jnp.int32)
+  cot = _bf16(rng, (m, n))
+  dw = jax.jit(jax.grad(lambda w: jnp.sum(
+      gd.grouped_dense(x, w, gs).astype(jnp.float32) * cot.astype(jnp.float32))))(w)
+  _compare_bf16(dw, _wgrad_ref, x.T, cot.T, gs)
+
+
 def test_bf16_new_group_sizes_without_recompiling():
   rng = np.random.default_rng(19)
   x, w, dy = _bf16(rng, (512, 256)), _bf16(rng, (4, 256, 128)), _bf16(rng, (512, 128))
@@ -319,7 +365,7 @@ def test_bf16_new_group_sizes_without_recompiling():
   def step(x, w, dy, s):
     traces.append(1)
     return (gg.grouped_gemm(x, w, s, impl="cuda"),
-            gg.grouped_wgrad(x.T, dy.T, s, out_dtype=BF16, impl="cuda"))
+            gg.grouped_wgrad_rows(x, dy, s, out_dtype=BF16, impl="cuda"))
 
   for sizes in ([128, 128, 128, 128], [512, 0, 0, 0], [0, 1, 300, 11], [0, 0, 0, 0]):
     gs = jnp.asarray(sizes, jnp.int32)

@@ -89,6 +89,41 @@ def test_grouped_wgrad_matches_float64_loop(case):
   _close(out, loop_wgrad(a_t, b_t, sizes))
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_grouped_wgrad_rows_matches_float64_loop(case):
+  """The row-major wgrad on x (m, k) and grad (m, n) as stored: per group
+  x[rows_e].T @ grad[rows_e] (odd shapes, empty groups, one row, rows past
+  the groups)."""
+  m, k, n, sizes = CASES[case]
+  rng = _rng(4)
+  x = rng.standard_normal((m, k)).astype(np.float32)
+  grad = rng.standard_normal((m, n)).astype(np.float32)
+  out = jax.jit(gg.grouped_wgrad_rows)(jnp.asarray(x), jnp.asarray(grad),
+                                       jnp.asarray(sizes, jnp.int32))
+  assert out.shape == (len(sizes), k, n) and out.dtype == jnp.float32
+  _close(out, loop_wgrad(x.T, grad.T, sizes))
+
+
+@pytest.mark.parametrize("sizes", [[-1, 5], [6, 5], [2 ** 31 - 1, 2 ** 31 - 1, 4]])
+def test_grouped_wgrad_rows_sizes_that_cannot_describe_x_give_nan(sizes):
+  x = jnp.ones((10, 4))
+  gs = jnp.asarray(sizes, jnp.int32)
+  assert np.isnan(np.asarray(gg.grouped_wgrad_rows(x, x[:, :3], gs))).all()
+
+
+@pytest.mark.parametrize("x, grad, error, says", [
+    (ScaledTensor(jnp.ones((8, 4), E4M3), jnp.ones((), jnp.float32)), jnp.ones((8, 3)),
+     TypeError, "grouped_wgrad_rows takes float arrays, got an FP8 ScaledTensor x"),
+    (jnp.ones((8, 4)), jnp.ones((7, 3)), ValueError,
+     "x (m, k) and grad (m, n) must share the grouped dim m, got x (8, 4) and grad (7, 3)"),
+    (jnp.ones((8, 4)), jnp.ones((8, 3), jnp.int32), TypeError, "grad must be a float32"),
+    (jnp.ones((8,)), jnp.ones((8, 3)), ValueError, "x must be 2-D"),
+])
+def test_grouped_wgrad_rows_refuses_bad_operands(x, grad, error, says):
+  with pytest.raises(error, match=re.escape(says)):
+    gg.grouped_wgrad_rows(x, grad, jnp.asarray([4, 4], jnp.int32))
+
+
 def test_bfloat16_operands_accumulate_in_float32():
   rng = _rng(2)
   a = jnp.asarray(rng.standard_normal((64, 256)), jnp.bfloat16)
@@ -329,13 +364,18 @@ def kernel_model(axis, ops, sizes):
   1x128 (row i, k-block j) at ``ptr + i + j * rows`` (``rows`` the group's
   M, or N), 128x128 (row block q, k-block j) at ``ptr + q * kb + j``.
   Pointers: rows, a ``start * kb``, b ``group * nb * kb``; contraction,
-  ``(start / 128) * rows``. ``NONE`` (bfloat16): no scales. Valid sizes
-  only."""
+  ``(start / 128) * rows``. ``NONE`` (bfloat16): no scales.
+  ``CONTRACTION_ROW_MAJOR`` (bfloat16): row-major ``a (m, k)`` and ``b (m,
+  n)``, group e's rows of both, ``a[rows].T @ b[rows]``. Valid sizes only."""
   a = np.asarray(ops.a.astype(jnp.float32), np.float64)
   b = np.asarray(ops.b.astype(jnp.float32), np.float64)
   sa = np.ravel(np.asarray(ops.a_sinv, np.float64))
   sb = np.ravel(np.asarray(ops.b_sinv, np.float64))
   bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(int)
+  if axis == ggc.CONTRACTION_ROW_MAJOR:
+    assert ops.scaling == ggc.NONE and a.shape[0] == b.shape[0]
+    return np.stack([a[bounds[e]:bounds[e + 1]].T @ b[bounds[e]:bounds[e + 1]]
+                     for e in range(len(sizes))])
   if axis == ggc.ROWS:
     (m, k), (g, n, _) = a.shape, b.shape
     kb, nb = _cdiv(k, 128), _cdiv(n, 128)

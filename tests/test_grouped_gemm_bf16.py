@@ -3,11 +3,12 @@
 What runs here without a GPU (the kernel itself: tests/test_gpu_grouped_gemm.py
 and benchmarks/grouped_gemm_sm90.cu): the operands the wrapper hands the
 kernel, fed to the numpy model of its contract (``kernel_model``), against
-the reference; the realignment of the wgrad operands to 16-byte group
-starts; the ``te_jax_grouped_gemm`` call the dispatcher stages for bfloat16
-operands (jaxpr, and the StableHLO lowered for CUDA); the clear refusal of
-float32 and mixed operands; and the FP8-off ``grouped_dense`` (recipe None)
-reaching the same calls.
+the reference; the ``te_jax_grouped_gemm`` call the dispatcher stages for
+bfloat16 operands (jaxpr, and the StableHLO lowered for CUDA): the wgrad on
+the row-major operands as they are (axis 2), with any group sizes; the
+clear refusal of float32 and mixed operands and of rows that are not 16
+bytes; and the FP8-off ``grouped_dense`` (recipe None) reaching the same
+calls, its wgrad with no transpose or gather of the activations.
 """
 
 import logging
@@ -27,7 +28,6 @@ from cuda_lowering import cuda_text
 from test_grouped_gemm import CASES, _close, _ffi_calls, _staged, fake_gpu, kernel_model
 
 BF16 = jnp.bfloat16
-UNIT = 8                     # bf16 elements in 16 bytes: a contraction group's start alignment
 
 
 def _bf16(rng, shape):
@@ -59,59 +59,29 @@ def test_rows_operands_meet_the_kernel_contract(case):
 WGRAD_SIZES = {               # (m, sizes): any sizes, as FP8-off layers pad none
     "odd_with_empty_groups": (37, [3, 0, 20, 1, 0, 9]),
     "one_group": (16, [16]),
-    "one_column": (1, [0, 1, 0]),
-    "columns_past_the_groups": (40, [5, 0, 7]),
+    "one_row": (1, [0, 1, 0]),
+    "rows_past_the_groups": (40, [5, 0, 7]),
     "all_empty": (9, [0, 0]),
-    "aligned_already": (64, [8, 16, 40]),
+    "multiples_of_8": (64, [8, 16, 40]),
 }
 
 
 @pytest.mark.parametrize("case", list(WGRAD_SIZES))
-def test_wgrad_operands_are_realigned_to_16_byte_group_starts(case):
-  """wgrad on bfloat16: every group moved to a start that is a multiple of
-  8 columns, zeros between; the kernel's sizes describe those slices
-  (valid by the kernel's rule: each a multiple of 8, summing within the
-  buffer); read as the kernel reads them they give the reference's
-  product."""
+def test_wgrad_reads_the_row_major_operands_as_they_are(case):
+  """wgrad on bfloat16 x (m, k) and grad (m, n): the kernel (axis 2) reads
+  them unchanged, no scales, with the caller's sizes (none a multiple of 8
+  needed: each group's rows start 16-byte aligned as k and n are multiples
+  of 8); read as the kernel reads them they give the reference's product,
+  which is grouped_wgrad_reference of the transposes."""
   m, sizes = WGRAD_SIZES[case]
   rng = np.random.default_rng(1)
-  k, n = 19, 24
-  lhs_t, rhs_t, gs = _bf16(rng, (k, m)), _bf16(rng, (n, m)), _sizes(sizes)
-  ops, kernel_sizes = jax.jit(ggc.bf16_contraction_operands)(lhs_t, rhs_t, gs)
-  kernel_sizes = np.asarray(kernel_sizes).tolist()
-  length = ggc.realigned_length(m, len(sizes), UNIT)
-  assert ops.scaling == ggc.NONE and ops.a.shape == (k, length) and ops.b.shape == (n, length)
-  assert length % UNIT == 0 and length >= m
-  assert all(s % UNIT == 0 and s >= 0 for s in kernel_sizes) and sum(kernel_sizes) <= length
-  assert kernel_sizes == [-(-s // UNIT) * UNIT for s in sizes]
-  # the columns no group owns are zero (else they would add to a product)
-  owned = np.zeros(length, bool)
-  start = 0
-  for s, ks in zip(sizes, kernel_sizes):
-    owned[start:start + s] = True
-    start += ks
-  assert not np.asarray(ops.a, np.float32)[:, ~owned].any()
-  want = gg.grouped_wgrad_reference(lhs_t, rhs_t, gs, jnp.float32)
-  _close(kernel_model(ggc.CONTRACTION, ops, kernel_sizes), want)
-
-
-@pytest.mark.parametrize("sizes", [[4, -2, 3], [20, 30], [2 ** 31 - 1, 2 ** 31 - 1, 7]])
-def test_wgrad_sizes_that_cannot_describe_the_columns_become_invalid(sizes):
-  """A negative size, a sum past m (also one that wraps int32) give the
-  kernel sizes it rejects (-1: the whole output NaN, the reference's
-  answer), never a realignment that looks valid."""
-  m = 40
-  (a,), kernel_sizes = jax.jit(ggc.realign_columns, static_argnums=2)(
-      (jnp.ones((3, m), BF16),), _sizes(sizes), UNIT)
-  assert np.asarray(kernel_sizes).tolist() == [-1] * len(sizes)
-  assert a.shape == (3, ggc.realigned_length(m, len(sizes), UNIT))
-  ref = gg.grouped_wgrad_reference(jnp.ones((3, m)), jnp.ones((2, m)), _sizes(sizes))
-  assert np.isnan(np.asarray(ref)).all()
-
-
-def test_sizes_summing_to_exactly_m_stay_valid():
-  (_,), kernel_sizes = ggc.realign_columns((jnp.ones((2, 24), BF16),), _sizes([9, 15]), UNIT)
-  assert np.asarray(kernel_sizes).tolist() == [16, 16]
+  k, n = 24, 40
+  x, grad = _bf16(rng, (m, k)), _bf16(rng, (m, n))
+  ops = ggc.row_major_wgrad_operands(x, grad)
+  assert ops.scaling == ggc.NONE and ops.a is x and ops.b is grad
+  assert ops.a_sinv.shape == ops.b_sinv.shape == (1,)
+  want = gg.grouped_wgrad_rows(x, grad, _sizes(sizes), impl="reference")
+  _close(kernel_model(ggc.CONTRACTION_ROW_MAJOR, ops, sizes), want)
 
 
 # ------------------------------------------------- what the dispatcher stages ---
@@ -136,15 +106,20 @@ def test_dispatcher_stages_the_bf16_kernel(fake_gpu):
   assert call[1] == [((m, k), BF16), ((g, n, k), BF16), ((1,), jnp.float32),
                      ((1,), jnp.float32), ((g,), jnp.int32)]
   assert call[2] == [((m, n), BF16), ((ggc.workspace_bytes(g),), jnp.uint8)]
-  # wgrad: lhs_t (k, m), rhs_t (n, m) realigned along m; out (g, k, n)
-  x_t, dy_t = _bf16(rng, (k, m)), _bf16(rng, (n, m))
+  # wgrad, row major: x (m, k) and dy (m, n) as they are, the caller's
+  # sizes (one of 101 rows: not a multiple of 8); out (g, k, n)
+  x, dy = _bf16(rng, (m, k)), _bf16(rng, (m, n))
+  row_major = ([((m, k), BF16), ((m, n), BF16), ((1,), jnp.float32), ((1,), jnp.float32),
+                ((g,), jnp.int32)], [((g, k, n), BF16), ((ggc.workspace_bytes(g),), jnp.uint8)])
+  (call,) = _kernel_calls(lambda a, b, s: gg.grouped_wgrad_rows(a, b, s, out_dtype=BF16),
+                          x, dy, gs)
+  assert call[0] == {"axis": 2, "scaling": 2, "fast_accum": 0}
+  assert (call[1], call[2]) == row_major
+  # wgrad on lhs_t (k, m), rhs_t (n, m): the same kernel on their transposes
   (call,) = _kernel_calls(lambda a, b, s: gg.grouped_wgrad(a, b, s, out_dtype=BF16),
-                          x_t, dy_t, gs)
-  length = ggc.realigned_length(m, g, UNIT)
-  assert call[0] == {"axis": 1, "scaling": 2, "fast_accum": 0}
-  assert call[1] == [((k, length), BF16), ((n, length), BF16), ((1,), jnp.float32),
-                     ((1,), jnp.float32), ((g,), jnp.int32)]
-  assert call[2][0] == ((g, k, n), BF16)
+                          x.T, dy.T, gs)
+  assert call[0] == {"axis": 2, "scaling": 2, "fast_accum": 0}
+  assert (call[1], call[2]) == row_major
 
 
 @pytest.mark.parametrize("lhs_dtype, rhs_dtype, out_dtype, says", [
@@ -155,7 +130,7 @@ def test_dispatcher_stages_the_bf16_kernel(fake_gpu):
     (jnp.float16, jnp.float16, BF16, "float16 x float16 float operands"),
     (BF16, BF16, jnp.float32, "out_dtype=float32: the sm90 grouped kernels write bfloat16 only"),
 ])
-@pytest.mark.parametrize("op", ["grouped_gemm", "grouped_wgrad"])
+@pytest.mark.parametrize("op", ["grouped_gemm", "grouped_wgrad", "grouped_wgrad_rows"])
 def test_what_the_bf16_kernel_cannot_run_is_refused_clearly(fake_gpu, caplog, op, lhs_dtype,
                                                             rhs_dtype, out_dtype, says):
   """impl="cuda" raises a ValueError that names the dtypes and the fix;
@@ -164,8 +139,10 @@ def test_what_the_bf16_kernel_cannot_run_is_refused_clearly(fake_gpu, caplog, op
   gs = _sizes([30, 10])
   if op == "grouped_gemm":
     args = (jnp.ones((64, 128), lhs_dtype), jnp.ones((2, 128, 32), rhs_dtype), gs)
-  else:
+  elif op == "grouped_wgrad":
     args = (jnp.ones((128, 40), lhs_dtype), jnp.ones((32, 40), rhs_dtype), gs)
+  else:
+    args = (jnp.ones((40, 128), lhs_dtype), jnp.ones((40, 32), rhs_dtype), gs)
   fn = getattr(gg, op)
   with pytest.raises(ValueError, match="impl='cuda'.*" + re.escape(says)):
     fn(*args, out_dtype=out_dtype, impl="cuda")
@@ -185,6 +162,33 @@ def test_bf16_rows_need_16_byte_rows(fake_gpu):
     ggc.grouped_gemm(jnp.ones((4, 16), BF16), jnp.ones((2, 16, 12), BF16), gs)
   with pytest.raises(ValueError, match="last dim 12 is not a multiple of 8"):
     ggc.grouped_wgrad(jnp.ones((16, 4), BF16), jnp.ones((12, 4), BF16), gs)
+  with pytest.raises(ValueError, match="last dim 12 is not a multiple of 8"):
+    ggc.grouped_wgrad_rows(jnp.ones((4, 16), BF16), jnp.ones((4, 12), BF16), gs)
+  # the wgrad's k is its operands' contiguous dim now (read MN-major)
+  with pytest.raises(ValueError, match=re.escape("k (lhs_t.shape[0])=12 is not a multiple of 8")):
+    ggc.grouped_wgrad(jnp.ones((12, 4), BF16), jnp.ones((16, 4), BF16), gs)
+
+
+@pytest.mark.parametrize("k, n, says", [
+    (12, 16, "k (x.shape[1])=12 is not a multiple of 8 (16-byte bfloat16 rows for TMA)"),
+    (16, 20, "the output's last dim 20 is not a multiple of 8"),
+])
+def test_row_major_wgrad_needs_16_byte_rows(fake_gpu, caplog, k, n, says):
+  """The row-major wgrad takes any group sizes but needs k and n multiples
+  of 8 (each group's rows of x and grad start 16-byte aligned only then):
+  impl="cuda" raises naming the dim, "auto" warns why once and runs the
+  reference, whose value it returns."""
+  del fake_gpu
+  rng = np.random.default_rng(6)
+  x, grad, gs = _bf16(rng, (10, k)), _bf16(rng, (10, n)), _sizes([3, 7])
+  with pytest.raises(ValueError, match="impl='cuda'.*" + re.escape(says)):
+    gg.grouped_wgrad_rows(x, grad, gs, out_dtype=BF16, impl="cuda")
+  with caplog.at_level(logging.INFO, logger="te_jax"):
+    assert not _staged(lambda: gg.grouped_wgrad_rows(x, grad, gs, out_dtype=BF16))
+    got = gg.grouped_wgrad_rows(x, grad, gs, out_dtype=BF16)
+  assert [r.levelno for r in caplog.records if says in r.getMessage()] == [logging.WARNING]
+  want = gg.grouped_wgrad_reference(x.T, grad.T, gs, BF16)
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
   # k = 24: not 16-byte rows for FP8 (16 elements), but for bf16 (8 elements) it is
   assert len(_staged(lambda: gg.grouped_gemm(jnp.ones((4, 24), BF16),
                                              jnp.ones((2, 24, 8), BF16), gs))) == 1
@@ -208,13 +212,32 @@ def test_fp8_off_grouped_dense_reaches_the_bf16_kernel(fake_gpu):
   m, k, n, g = 96, 64, 48, 3
   x, kernel, gs = _bf16(rng, (m, k)), _bf16(rng, (g, k, n)), _sizes([40, 0, 50])
   calls = _kernel_calls(_fp8_off_step, x, kernel, gs)
-  assert [(c[0]["axis"], c[0]["scaling"]) for c in calls] == [(0, 2), (0, 2), (1, 2)]
+  assert [(c[0]["axis"], c[0]["scaling"]) for c in calls] == [(0, 2), (0, 2), (2, 2)]
   assert [c[2][0] for c in calls] == [((m, n), BF16), ((m, k), BF16), ((g, k, n), BF16)]
   text = cuda_text(_fp8_off_step, x, kernel, gs)
   targets = re.findall(r'custom_call @(\w+)\(', text) + re.findall(
       r'call_target_name = "(\w+)"', text)
   assert targets.count(ggc.TARGET) == 3, targets
   assert len(re.findall(r"scaling = 2 : i64", text)) == 3
+
+
+def test_fp8_off_wgrad_reads_x_and_grad_as_stored(fake_gpu):
+  """The FP8-off backward's wgrad takes x (m, k) and the output gradient
+  (m, n) as they are (axis 2, the caller's group sizes, none a multiple of
+  8 here): the StableHLO lowered for CUDA transposes no (m, k) or (m, n)
+  array and gathers nothing (the realignment of lhs_t and rhs_t it replaces
+  gathered both, from their transposes)."""
+  del fake_gpu
+  rng = np.random.default_rng(7)
+  m, k, n, g = 96, 64, 48, 3
+  x, kernel, gs = _bf16(rng, (m, k)), _bf16(rng, (g, k, n)), _sizes([37, 0, 50])
+  (wgrad,) = [c for c in _kernel_calls(_fp8_off_step, x, kernel, gs) if c[0]["axis"] == 2]
+  assert wgrad[1][:2] == [((m, k), BF16), ((m, n), BF16)]
+  assert wgrad[2][0] == ((g, k, n), BF16)
+  text = cuda_text(_fp8_off_step, x, kernel, gs)
+  assert "gather" not in text
+  for rows in (f"{k}x{m}", f"{n}x{m}"):     # the transposes of x and of the gradient
+    assert not re.search(rf"transpose.*-> tensor<{rows}xbf16>", text), rows
 
 
 def test_fp8_off_grouped_dense_with_a_float32_kernel_runs_the_reference(fake_gpu, caplog):
@@ -246,7 +269,7 @@ def test_fp8_off_flax_moe_reaches_the_bf16_kernel(fake_gpu):
                     argnums=(0, 1))(params, x)
 
   calls = _kernel_calls(step, params, x)
-  assert sorted((c[0]["axis"], c[0]["scaling"]) for c in calls) == [(0, 2)] * 4 + [(1, 2)] * 2
+  assert sorted((c[0]["axis"], c[0]["scaling"]) for c in calls) == [(0, 2)] * 4 + [(2, 2)] * 2
 
 
 @pytest.mark.parametrize("op", ["grouped_gemm", "grouped_wgrad"])

@@ -4,11 +4,16 @@
 // (kernels/gemm_sm90.cuh, built on CUTLASS; compiled only when CMake found
 // the CUTLASS headers: TE_JAX_HAVE_SM90).
 //
-// Operands (CUTLASS's "TN": both operands contiguous along the contraction):
+// Operands (axes 0 and 1 CUTLASS's "TN": both operands contiguous along the
+// contraction):
 //   axis 0, rows (fprop, dgrad):  a (m, k), b (G, n, k), out (m, n):
 //     out[rows_g] = a[rows_g] @ b[g]^T, rows after the last group 0.
 //   axis 1, contraction (wgrad):  a (m, k), b (n, k), out (G, m, n):
 //     out[g] = a[:, cols_g] @ b[:, cols_g]^T, an empty group's block 0.
+//   axis 2, contraction over row-major operands (the FP8-off wgrad, bfloat16
+//   only): a (m, k), b (m, n), out (G, k, n): out[g] = a[rows_g]^T @
+//   b[rows_g], an empty group's block 0; any group sizes (each group's rows
+//   start 16-byte aligned as k and n are multiples of 8).
 //   group_sizes (G,) int32, read on the device only.
 //   a and b: both FP8 (float8_e4m3fn / float8_e5m2) with scaling 0 or 1, or
 //   both bfloat16 with scaling 2 (none: the FP8-off GEMMs, alpha 1).
@@ -28,12 +33,10 @@
 //   (bf16: the tensor cores' fp32 accumulation, its only one).
 //
 // Group sizes that cannot describe the buffer (a negative one, a sum past
-// it, or, along the contraction, a group that does not start and end on a
+// it, or, along axis 1, a group that does not start and end on a
 // multiple of 16 bytes of the operand (16 FP8, 8 bf16 elements) or, blockwise,
 // of 128) make the whole output NaN (InvalidFill::kAll), as the reference
 // (grouped_gemm_reference) does for the first two: the device cannot raise.
-// (grouped_gemm_cuda.py realigns bf16 wgrad operands so that any sizes meet
-// the multiple.)
 //
 // The workspace is a result sized by the Python wrapper from static things
 // (grouped_gemm_cuda.workspace_bytes: G only, generously); the handler skips
@@ -106,8 +109,13 @@ const char* ChooseVariant(GroupedAxis axis, GroupedScaling scaling, OperandType 
                ? "scaling 2 (none) takes bfloat16 x bfloat16 operands only"
                : "bfloat16 operands take scaling 2 (none); FP8 operands scaling 0 or 1, and "
                  "a and b must both be FP8 or both bfloat16";
-  if (bf16) {
-    *v = GroupedVariant::kBf16;  // one accumulation, fp32 (fast_accum: see the top of the file)
+  if (axis == GroupedAxis::kContractionRowMajor && !bf16)
+    return "axis 2 (row-major wgrad operands) takes bfloat16 operands only (Hopper's FP8 "
+           "tensor cores read operands contiguous along the contraction: pass the FP8 wgrad's "
+           "(k, m) and (n, m) copies with axis 1)";
+  if (bf16) {  // one accumulation, fp32 (fast_accum: see the top of the file)
+    *v = axis == GroupedAxis::kContractionRowMajor ? GroupedVariant::kBf16MnMajor
+                                                   : GroupedVariant::kBf16;
     return nullptr;
   }
   if (scaling == GroupedScaling::kBlockwise) {
@@ -162,15 +170,17 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
                            ffi::Result<ffi::AnyBuffer> workspace, int64_t axis_attr,
                            int64_t scaling_attr, int64_t fast_accum) {
   // ---- attributes and operands ----
-  if ((axis_attr != 0 && axis_attr != 1) || scaling_attr < 0 || scaling_attr > 2 ||
+  if (axis_attr < 0 || axis_attr > 2 || scaling_attr < 0 || scaling_attr > 2 ||
       (fast_accum != 0 && fast_accum != 1))
-    return Invalid("axis (0 rows, 1 contraction) and fast_accum must be 0 or 1, scaling 0 (per "
+    return Invalid("axis must be 0 (rows), 1 (contraction) or 2 (contraction over row-major "
+                   "operands), fast_accum 0 or 1, scaling 0 (per "
                    "tensor), 1 (blockwise) or 2 (none, bfloat16), got " +
                    std::to_string(axis_attr) + ", " + std::to_string(scaling_attr) + ", " +
                    std::to_string(fast_accum));
   const auto axis = static_cast<GroupedAxis>(axis_attr);
   const auto scaling = static_cast<GroupedScaling>(scaling_attr);
   const bool rows = axis == GroupedAxis::kRows;
+  const bool row_major_wgrad = axis == GroupedAxis::kContractionRowMajor;
   OperandType ta, tb;
   if (!AsOperandType(a.element_type(), &ta) || !AsOperandType(b.element_type(), &tb))
     return Invalid("a and b must be float8_e4m3fn, float8_e5m2 or bfloat16");
@@ -182,12 +192,16 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
     return Invalid("a must be 2-D (m, k), got shape " + ShapeText(a));
   const int64_t m = a.dimensions()[0], k = a.dimensions()[1];
   if (b.dimensions().size() != (rows ? 3u : 2u))
-    return Invalid(std::string("b must be ") + (rows ? "3-D (G, n, k)" : "2-D (n, k)") +
+    return Invalid(std::string("b must be ") +
+                   (rows ? "3-D (G, n, k)" : row_major_wgrad ? "2-D (m, n)" : "2-D (n, k)") +
                    ", got shape " + ShapeText(b));
-  const int64_t n = b.dimensions()[rows ? 1 : 0];
+  const int64_t n = b.dimensions()[rows || row_major_wgrad ? 1 : 0];
   if (rows) {
     if (auto e = CheckDims("b", b, {groups, n, k}); e.failure()) return e;
     if (auto e = CheckDims("out", *out, {m, n}); e.failure()) return e;
+  } else if (row_major_wgrad) {  // a (m, k) and b (m, n) share their grouped rows
+    if (auto e = CheckDims("b", b, {m, n}); e.failure()) return e;
+    if (auto e = CheckDims("out", *out, {groups, k, n}); e.failure()) return e;
   } else {
     if (auto e = CheckDims("b", b, {n, k}); e.failure()) return e;
     if (auto e = CheckDims("out", *out, {groups, m, n}); e.failure()) return e;
@@ -195,6 +209,9 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
   if (out->element_type() != ffi::BF16) return Invalid("out must be bfloat16");
   if (a_sinv.element_type() != ffi::F32 || b_sinv.element_type() != ffi::F32)
     return Invalid("a_sinv and b_sinv must be float32");
+  GroupedVariant variant;
+  if (const char* why = ChooseVariant(axis, scaling, ta, tb, fast_accum != 0, &variant))
+    return Invalid(why);
   const int64_t kb = (k + 127) / 128, m4 = (m + 3) / 4 * 4;
   if (scaling == GroupedScaling::kNone) {  // dummies, never read
     if (auto e = CheckDims("a_sinv", a_sinv, {1}); e.failure()) return e;
@@ -208,9 +225,6 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
                                : CheckDims("b_sinv", b_sinv, {kb, (n + 3) / 4 * 4});
     if (eb.failure()) return eb;
   }
-  GroupedVariant variant;
-  if (const char* why = ChooseVariant(axis, scaling, ta, tb, fast_accum != 0, &variant))
-    return Invalid(why);
 
   sm90::GroupedGemmArgs args;
   args.axis = axis;
@@ -259,13 +273,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxGroupedGemm, GroupedGemmImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()        // a (m, k) fp8 / bf16
-                                  .Arg<ffi::AnyBuffer>()        // b (G, n, k) or (n, k)
+                                  .Arg<ffi::AnyBuffer>()        // b (G, n, k), (n, k), (m, n)
                                   .Arg<ffi::AnyBuffer>()        // a_sinv f32 ((1,) dummy: bf16)
                                   .Arg<ffi::AnyBuffer>()        // b_sinv f32 ((1,) dummy: bf16)
                                   .Arg<ffi::AnyBuffer>()        // group_sizes (G,) int32
                                   .Ret<ffi::AnyBuffer>()        // out bf16
                                   .Ret<ffi::AnyBuffer>()        // workspace uint8 scratch
-                                  .Attr<int64_t>("axis")        // 0 rows, 1 contraction
+                                  .Attr<int64_t>("axis")        // 0 rows, 1 / 2 contraction
                                   .Attr<int64_t>("scaling")     // 0 tensor, 1 blockwise, 2 none
                                   .Attr<int64_t>("fast_accum"),  // 0/1
                               {ffi::Traits::kCmdBufferCompatible});

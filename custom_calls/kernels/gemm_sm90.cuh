@@ -105,6 +105,11 @@ cudaError_t LaunchBlockwiseGemm(BlockwiseVariant v, const BlockwiseGemmArgs& arg
 // kContraction (wgrad): out (G, m, n) = for each group g, a[:, cols_g] @
 //   b[:, cols_g]^T over its columns (tokens) of a (m, k) and b (n, k); an
 //   empty group's (m, n) block is written as 0.
+// kContractionRowMajor (wgrad, bf16 only): out (G, k, n) = for each group
+//   g, a[rows_g]^T @ b[rows_g] over its rows (tokens) of the row-major a
+//   (m, k) and b (m, n): the activations and gradients as stored, read
+//   contiguous along k and n (MN-major, which wgmma takes for 16-bit
+//   operands only); an empty group's (k, n) block is written as 0.
 //
 // Scales:
 //   kNone (bf16 x bf16, the FP8-off GEMMs): none; a_sinv and b_sinv are
@@ -118,18 +123,20 @@ cudaError_t LaunchBlockwiseGemm(BlockwiseVariant v, const BlockwiseGemmArgs& arg
 //     compact (ceil(k/128), m) and (ceil(k/128), n).
 //   (In buffers of the native layouts' sizes; grouped_gemm_cuda.py lays them
 //   out: CUTLASS's grouped mainloop reads each group's scales compact.)
-// Group sizes: any size >= 0 for kRows; for kContraction multiples of 16
+// Group sizes: any size >= 0 for kRows and kContractionRowMajor (a group's
+// rows start at start * k and start * n elements: 16-byte aligned whenever
+// k and n are multiples of 8); for kContraction multiples of 16
 // bytes of the operand (16 FP8 or 8 bf16 elements: each group's slice of a
 // row must start on a 16-byte boundary for TMA) and, blockwise, of 128 (so
 // no scale block straddles two groups); the caller pads each group to the
-// recipe's token block (grouped_gemm_cuda.py realigns bf16 operands, whose
-// FP8-off groups have any size). A group that breaks this (by its size, or
+// recipe's token block (FP8-off layers pad none: their wgrad takes
+// kContractionRowMajor). A group that breaks this (by its size, or
 // by its start after such a group), a negative size, or sizes summing past
 // the buffer make that group's output NaN (the kernel
 // cannot raise from the device; NaN surfaces); with InvalidFill::kAll the
 // whole output is NaN then, as te_jax's reference has it (a negative size
 // owns no rows, so only kAll makes it visible along the rows).
-enum class GroupedAxis : int { kRows = 0, kContraction = 1 };
+enum class GroupedAxis : int { kRows = 0, kContraction = 1, kContractionRowMajor = 2 };
 enum class GroupedScaling : int { kTensor = 0, kBlockwise = 1, kNone = 2 };
 enum class InvalidFill : int { kGroup = 0, kAll = 1 };
 
@@ -138,6 +145,7 @@ struct GroupedGemmArgs {
   GroupedScaling scaling = GroupedScaling::kTensor;
   int64_t groups = 0;                   // G >= 1
   int64_t m = 0, n = 0, k = 0;          // see above; k * element bytes % 16 == 0, n % 8 == 0
+                                        // (kContractionRowMajor: m the grouped rows)
   const int32_t* group_sizes = nullptr;  // (G,) on the device
   const void* a = nullptr;
   const void* b = nullptr;
@@ -154,14 +162,16 @@ struct GroupedGemmArgs {
 // (per-tensor fprop only, as te_jax's fast_accum). HYBRID gradients are E5M2
 // (a = the gradient in dgrad and wgrad). "bf16": bf16 x bf16, no scales, the
 // tensor cores' fp32 accumulation (the reduced-precision accumulation that
-// split promotion corrects is FP8 wgmma's), both axes.
+// split promotion corrects is FP8 wgmma's), kRows and kContraction;
+// "bf16_mn_major": the same arithmetic, kContractionRowMajor only.
 #define TE_JAX_SM90_GROUPED_VARIANTS(X)                                                     \
   X(kTensorE4M3Split, "tensor_e4m3_split", kTensor, kE4M3, kE4M3)                           \
   X(kTensorE4M3Fast, "tensor_e4m3_fast", kTensor, kE4M3, kE4M3)                             \
   X(kTensorE5M2E4M3Split, "tensor_e5m2xe4m3_split", kTensor, kE5M2, kE4M3)                  \
   X(kBlockwiseRows, "blockwise_rows_vecblk", kBlockwise, kE4M3, kE4M3)                      \
   X(kBlockwiseContraction, "blockwise_contraction_vecvec", kBlockwise, kE4M3, kE4M3)        \
-  X(kBf16, "bf16", kNone, kBF16, kBF16)
+  X(kBf16, "bf16", kNone, kBF16, kBF16)                                                     \
+  X(kBf16MnMajor, "bf16_mn_major", kNone, kBF16, kBF16)
 
 enum class GroupedVariant : int {
 #define TE_JAX_X(id, name, scaling, a_type, b_type) id,
@@ -171,6 +181,9 @@ enum class GroupedVariant : int {
 };
 
 const char* GroupedVariantName(GroupedVariant v);
+
+// Whether variant v's kernel serves grouped axis a.
+bool GroupedVariantServes(GroupedVariant v, GroupedAxis a);
 
 // nullptr when variant v can run args (host-visible checks only: shapes,
 // pointers, the variant's scaling and axis), else why not.

@@ -22,24 +22,34 @@ TE_JAX_SM90_GROUPED_VARIANTS(TE_JAX_X)
 
 namespace {
 
+constexpr unsigned Bit(GroupedAxis a) { return 1u << static_cast<int>(a); }
+
+// The grouped axes a variant's kernel serves (a bit per GroupedAxis): the
+// blockwise kernels one each (their scale layouts differ), the MN-major bf16
+// kernel the row-major wgrad only, the others rows and contraction.
+constexpr unsigned ServedAxes(GroupedVariant v) {
+  return v == GroupedVariant::kBlockwiseRows           ? Bit(GroupedAxis::kRows)
+         : v == GroupedVariant::kBlockwiseContraction  ? Bit(GroupedAxis::kContraction)
+         : v == GroupedVariant::kBf16MnMajor           ? Bit(GroupedAxis::kContractionRowMajor)
+                                                       : Bit(GroupedAxis::kRows) |
+                                                             Bit(GroupedAxis::kContraction);
+}
+
 struct Entry {
   const char* name;
   GroupedScaling scaling;
-  int operand_bytes;       // of one element of a and b
-  bool rows, contraction;  // the axes its kernel serves
+  int operand_bytes;  // of one element of a and b
+  unsigned axes;      // ServedAxes
   const char* (*check)(const GroupedGemmArgs&);
   size_t (*workspace)(const GroupedGemmArgs&, int);
   cudaError_t (*launch)(const GroupedGemmArgs&, void*, size_t, int, int, cudaStream_t);
 };
 
-constexpr bool ServesRows(GroupedVariant v) { return v != GroupedVariant::kBlockwiseContraction; }
-constexpr bool ServesContraction(GroupedVariant v) { return v != GroupedVariant::kBlockwiseRows; }
-
 const Entry kEntries[] = {
 #define TE_JAX_X(id, name, scaling, a_type, b_type)                                         \
   {name, GroupedScaling::scaling, OperandBytes(OperandType::a_type),                        \
-   ServesRows(GroupedVariant::id), ServesContraction(GroupedVariant::id),                   \
-   variants::id##Check, variants::id##Workspace, variants::id##Launch},
+   ServedAxes(GroupedVariant::id), variants::id##Check, variants::id##Workspace,            \
+   variants::id##Launch},
     TE_JAX_SM90_GROUPED_VARIANTS(TE_JAX_X)
 #undef TE_JAX_X
 };
@@ -50,10 +60,12 @@ const Entry* Find(GroupedVariant v) {
 }
 
 // Alignment of a group's slice of the grouped axis, in elements: rows take
-// any size; a contraction slice must start on a 16-byte boundary (TMA: 16
-// FP8 or 8 bf16 elements) and, blockwise, on a scale block.
+// any size (kRows, kContractionRowMajor: a group's rows of 16-byte rows
+// start 16-byte aligned); a slice of kContraction's columns must start on
+// a 16-byte boundary (TMA: 16 FP8 or 8 bf16 elements) and, blockwise, on a
+// scale block.
 int Multiple(const Entry& e, const GroupedGemmArgs& p) {
-  if (p.axis == GroupedAxis::kRows) return 1;
+  if (p.axis != GroupedAxis::kContraction) return 1;
   return p.scaling == GroupedScaling::kBlockwise ? 128 : 16 / e.operand_bytes;
 }
 
@@ -94,7 +106,8 @@ __global__ void FillRowsKernel(__nv_bfloat16* out, int64_t m, int64_t n, int gro
   }
 }
 
-// kContraction: an empty group's (m, n) block gets 0, an invalid one's NaN
+// kContraction (kContractionRowMajor): an empty group's (m, n) ((k, n))
+// block gets 0, an invalid one's NaN
 // (every block when poison_all and some group is invalid).
 __global__ void FillBlocksKernel(__nv_bfloat16* out, int64_t block_elems, GroupTable table,
                                  bool poison_all) {
@@ -116,12 +129,16 @@ const char* GroupedVariantName(GroupedVariant v) {
   return e ? e->name : "?";
 }
 
+bool GroupedVariantServes(GroupedVariant v, GroupedAxis a) {
+  const Entry* e = Find(v);
+  return e && (e->axes & Bit(a));
+}
+
 const char* CheckGroupedGemm(GroupedVariant v, const GroupedGemmArgs& p) {
   const Entry* e = Find(v);
   if (!e) return "unknown variant";
   if (p.scaling != e->scaling) return "the variant is compiled for the other scaling";
-  if (p.axis == GroupedAxis::kRows ? !e->rows : !e->contraction)
-    return "the variant does not serve this grouped axis";
+  if (!GroupedVariantServes(v, p.axis)) return "the variant does not serve this grouped axis";
   if (p.groups < 1 || p.groups > 6144) return "groups must be in [1, 6144]";
   if (p.m < 1 || p.n < 1 || p.k < 1) return "m, n and k must be >= 1";
   if ((p.k * e->operand_bytes) % 16)
@@ -155,7 +172,7 @@ cudaError_t LaunchGroupedGemm(GroupedVariant v, const GroupedGemmArgs& p, void* 
     FillRowsKernel<<<blocks, 128, 0, stream>>>(out, p.m, p.n, static_cast<int>(p.groups), table,
                                                poison_all);
   } else {
-    const int64_t elems = p.m * p.n;
+    const int64_t elems = (p.axis == GroupedAxis::kContraction ? p.m : p.k) * p.n;
     const unsigned chunks = static_cast<unsigned>(std::min<int64_t>((elems / 8 + 255) / 256, 64));
     FillBlocksKernel<<<dim3(chunks, static_cast<unsigned>(p.groups)), 256, 0, stream>>>(
         out, elems, table, poison_all);

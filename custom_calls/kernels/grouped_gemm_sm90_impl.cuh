@@ -40,10 +40,16 @@ using OperandElement = cute::conditional_t<
 // kClusterN CTAs along N. kScaling: kBlockwise, CUTLASS's blockwise mainloop
 // with kGranA / kGranB rows per scale (as BlockwiseConfig); kTensor, FP8
 // with one alpha per group; kNone, bf16 with alpha 1 (kGranA / kGranB
-// unused).
+// unused). kMnMajor: A contiguous along M and B along N (CUTLASS's
+// ColumnMajor A, RowMajor B), the layout of the row-major wgrad operands
+// a (m, k) and b (m, n) seen as A = a^T (k x tokens) and B = b (tokens x
+// n): GroupedAxis::kContractionRowMajor only; else both contiguous along K
+// ("TN", the rows and contraction axes). wgmma reads MN-major operands
+// of 16-bit types only, so kMnMajor is bf16's.
 template <GroupedScaling kScaling, OperandType kTypeA, OperandType kTypeB, bool kFastAccum,
-          int kGranA, int kGranB, int kClusterN>
+          int kGranA, int kGranB, int kClusterN, bool kMnMajorOperands = false>
 struct GroupedConfig {
+  static constexpr bool kMnMajor = kMnMajorOperands;
   static constexpr bool kIsBlockwise = kScaling == GroupedScaling::kBlockwise;
   static constexpr bool kAlphaPerGroup = kScaling == GroupedScaling::kTensor;
   static constexpr int kScaleGranB = kGranB;  // 128: rows-grouped blockwise; 1: contraction
@@ -53,14 +59,21 @@ struct GroupedConfig {
                 "bf16 operands take no scales; FP8 operands take scales");
   static_assert(!kFastAccum || kScaling == GroupedScaling::kTensor,
                 "fast accumulation is the per-tensor FP8 mainloop's");
+  static_assert(!kMnMajor || kTypeA == OperandType::kBF16,
+                "wgmma reads 8-bit operands K-major only");
   using ElementA = OperandElement<kTypeA>;
   using ElementB = OperandElement<kTypeB>;
   using ElementD = cutlass::bfloat16_t;
-  using LayoutA = cutlass::layout::RowMajor;
-  using LayoutB = cutlass::layout::ColumnMajor;
+  // CUTLASS's A is (M, K), its B (N, K): RowMajor A and ColumnMajor B are
+  // contiguous along K, ColumnMajor A along M, RowMajor B along N.
+  using LayoutA = cute::conditional_t<kMnMajor, cutlass::layout::ColumnMajor,
+                                      cutlass::layout::RowMajor>;
+  using LayoutB = cute::conditional_t<kMnMajor, cutlass::layout::RowMajor,
+                                      cutlass::layout::ColumnMajor>;
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kTileK = 128 / OperandBytes(kTypeA);
-  static constexpr int kAlignAB = 16 / OperandBytes(kTypeA);  // 16-byte TMA rows, in elements
+  // 16-byte TMA rows, in elements (of the contiguous dim: K, or M and N)
+  static constexpr int kAlignAB = 16 / OperandBytes(kTypeA);
   using TileShape = cute::Shape<cute::_128, cute::_128, cute::Int<kTileK>>;
   using ClusterShape = cute::Shape<cute::_1, cute::Int<kClusterN>, cute::_1>;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
@@ -177,7 +190,8 @@ struct GroupedConfig {
 
 // Fills the GroupTable and the per-group arrays from group_sizes: one block;
 // the sizes go to shared memory, thread 0 scans them, then one thread per
-// group writes its entries. Group g's slice of the grouped axis is
+// group writes its entries. The grouped axis: the rows m of a (kRows and
+// kContractionRowMajor) or its columns k (kContraction). Group g's slice of it is
 // [start, start + size), start = sum of the previous sizes (negative ones
 // count as 0), clamped to the buffer; a group that is negative, overruns the
 // buffer, or whose size or start breaks the alignment `multiple` is
@@ -199,7 +213,7 @@ __global__ void GroupedSetupKernel(GroupedGemmArgs p, GroupTable table,
   extern __shared__ int64_t smem_sizes[];
   const int groups = static_cast<int>(p.groups);
   const bool rows = p.axis == GroupedAxis::kRows;
-  const int64_t extent = rows ? p.m : p.k;
+  const int64_t extent = p.axis == GroupedAxis::kContraction ? p.k : p.m;
   for (int g = threadIdx.x; g < groups; g += blockDim.x) smem_sizes[g] = p.group_sizes[g];
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -227,7 +241,20 @@ __global__ void GroupedSetupKernel(GroupedGemmArgs p, GroupTable table,
     const auto* a = static_cast<const typename Cfg::ElementA*>(p.a);
     const auto* b = static_cast<const typename Cfg::ElementB*>(p.b);
     auto* d = static_cast<typename Cfg::ElementD*>(p.out);
-    if (rows) {  // rows [start, start + size) of a and out; expert g's b
+    if constexpr (Cfg::kMnMajor) {  // rows [start, start + size) of a (m, k) and b (m, n)
+      // Group g: A = a[rows]^T (k x size, M contiguous), B = b[rows]
+      // (size x n, N contiguous), block g of out (G, k, n). Its rows start at
+      // start * k and start * n elements: 16-byte aligned for any sizes when
+      // k and n are multiples of 8 (CheckGroupedGemm); TMA fills the K
+      // tail of a group (size rows) with zeros, so no tile reads the next.
+      t.shapes[g] = make_shape(size ? k : 0, n, size);  // no tiles for an empty group
+      t.ptr_a[g] = a + start * k;
+      t.ptr_b[g] = b + start * n;
+      t.ptr_d[g] = d + int64_t(g) * k * n;
+      t.stride_a[g] = make_stride(_1{}, int64_t(k), _0{});
+      t.stride_b[g] = make_stride(_1{}, int64_t(n), _0{});
+      t.stride_d[g] = make_stride(int64_t(n), _1{}, _0{});
+    } else if (rows) {  // rows [start, start + size) of a and out; expert g's b
       t.shapes[g] = make_shape(size, n, k);
       t.ptr_a[g] = a + start * k;
       t.ptr_b[g] = b + int64_t(g) * n * k;

@@ -14,6 +14,12 @@ static shapes, safe in CUDA graphs):
   of the weight-gradient operands that the quantize ops write as their
   columnwise copy) give ``(g, k, n)``, one ``lhs_t[:, rows_e] @
   rhs_t[:, rows_e].T`` per group. The weight-gradient (wgrad) GEMM.
+* :func:`grouped_wgrad_rows` -- the same product on float operands as they
+  are stored: ``x (m, k)``, ``grad (m, n)`` give ``(g, k, n)``, one
+  ``x[rows_e].T @ grad[rows_e]`` per group (``grouped_wgrad`` of ``x.T``
+  and ``grad.T``, its reference). The FP8-off layers' wgrad: the bfloat16
+  kernel reads the row-major operands directly, with any group sizes, where
+  ``grouped_wgrad`` needs ``(k, m)`` and ``(n, m)`` arrays.
 
 Operands are either both float arrays (the FP8-off path) or both FP8: the
 ``lhs`` a :class:`~te_jax.ops.fp8.ScaledTensor`, the ``rhs`` of
@@ -57,7 +63,7 @@ from te_jax.ops.fp8 import (FP8_DTYPES, FP8Payload, ScaledTensor, dequantize_blo
                             fp8_payload)
 
 __all__ = ["GroupedScaledTensor", "grouped_gemm_reference", "grouped_wgrad_reference",
-           "grouped_gemm", "grouped_wgrad", "chunk_rows", "varying_axes"]
+           "grouped_gemm", "grouped_wgrad", "grouped_wgrad_rows", "chunk_rows", "varying_axes"]
 
 _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16))
 _FLOAT_DTYPES = _OUT_DTYPES
@@ -179,18 +185,36 @@ def _check_gemm(lhs, rhs, group_sizes, out_dtype):
     _check_scales(lhs, rhs, _GEMM_BLOCKS, ("lhs", "rhs"))
 
 
-def _check_wgrad(lhs_t, rhs_t, group_sizes, out_dtype):
-  _check_operand(lhs_t, "lhs_t", 2, ScaledTensor)
-  _check_operand(rhs_t, "rhs_t", 2, ScaledTensor)
-  if lhs_t.shape[1] != rhs_t.shape[1]:
-    raise ValueError(f"lhs_t (k, m) and rhs_t (n, m) must share the grouped dim m, got "
-                     f"lhs_t {tuple(lhs_t.shape)} and rhs_t {tuple(rhs_t.shape)}.")
+def _check_wgrad_pair(a, b, names, layouts, grouped_dim, group_sizes, out_dtype):
+  """Two 2-D wgrad operands called ``names``, of ``layouts`` (e.g. "(k, m)"),
+  sharing the grouped dim m at ``grouped_dim``; and the group sizes."""
+  _check_operand(a, names[0], 2, ScaledTensor)
+  _check_operand(b, names[1], 2, ScaledTensor)
+  if a.shape[grouped_dim] != b.shape[grouped_dim]:
+    raise ValueError(f"{names[0]} {layouts[0]} and {names[1]} {layouts[1]} must share the "
+                     f"grouped dim m, got {names[0]} {tuple(a.shape)} and {names[1]} "
+                     f"{tuple(b.shape)}.")
   if getattr(group_sizes, "ndim", None) != 1:
     raise ValueError(f"group_sizes must be 1-D (g,), got shape "
                      f"{getattr(group_sizes, 'shape', None)}.")
-  _check_common(lhs_t, rhs_t, group_sizes, out_dtype, group_sizes.shape[0])
+  _check_common(a, b, group_sizes, out_dtype, group_sizes.shape[0])
+
+
+def _check_wgrad(lhs_t, rhs_t, group_sizes, out_dtype):
+  _check_wgrad_pair(lhs_t, rhs_t, ("lhs_t", "rhs_t"), ("(k, m)", "(n, m)"), 1, group_sizes,
+                    out_dtype)
   if _is_fp8(lhs_t):
     _check_scales(lhs_t, rhs_t, _WGRAD_BLOCKS, ("lhs_t", "rhs_t"))
+
+
+def _check_wgrad_rows(x, grad, group_sizes, out_dtype):
+  for t, name in ((x, "x"), (grad, "grad")):
+    if _is_fp8(t):
+      raise TypeError(f"grouped_wgrad_rows takes float arrays, got an FP8 {type(t).__name__} "
+                      f"{name}: FP8 tensor cores read the wgrad's operands contiguous along "
+                      "the grouped m; pass the quantize's columnwise (k, m) and (n, m) copies "
+                      "to grouped_wgrad.")
+  _check_wgrad_pair(x, grad, ("x", "grad"), ("(m, k)", "(m, n)"), 0, group_sizes, out_dtype)
 
 
 # ------------------------------------------------------------- reference ---
@@ -415,7 +439,8 @@ def grouped_wgrad(lhs_t: Operand, rhs_t: Operand, group_sizes: jax.Array, *,
       operands the CUDA kernel needs every group to be a multiple of 16
       (per tensor) or 128 (blockwise) -- the recipe's token block, to which
       the caller pads them; other sizes give an all-NaN result there
-      (device data cannot raise). bfloat16 operands take any sizes.
+      (device data cannot raise). bfloat16 operands take any sizes (the
+      kernel of :func:`grouped_wgrad_rows` on the transposes).
     out_dtype: bfloat16, float16 or float32.
     fast_accum, impl: as :func:`grouped_gemm`.
 
@@ -427,3 +452,37 @@ def grouped_wgrad(lhs_t: Operand, rhs_t: Operand, group_sizes: jax.Array, *,
               grouped_gemm_cuda.CONTRACTION,
               lambda: grouped_gemm_cuda.grouped_wgrad(lhs_t, rhs_t, group_sizes, fast_accum),
               lambda: grouped_wgrad_reference(lhs_t, rhs_t, group_sizes, out_dtype))
+
+
+def grouped_wgrad_rows(x: jax.Array, grad: jax.Array, group_sizes: jax.Array, *,
+                       out_dtype=jnp.float32, impl: str = "auto") -> jax.Array:
+  """Grouped wgrad on row-major operands: ``out[e] = x[rows_e].T @ grad[rows_e]``.
+
+  ``grouped_wgrad(x.T, grad.T, ...)`` for operands as they are stored (its
+  reference, ``grouped_wgrad_reference`` on the transposes, is this op's):
+  the CUDA kernel reads ``x`` and ``grad`` in place, no transposes, any
+  group sizes.
+
+  Args:
+    x: (m, k) float array, rows sorted by group (the layer's input).
+    grad: (m, n) float array (the output gradient), the same rows.
+    group_sizes: (g,) int32 on the device; groups may be empty.
+    out_dtype: bfloat16, float16 or float32.
+    impl: "auto", "cuda" or "reference". The CUDA kernel takes bfloat16 x
+      bfloat16 with a bfloat16 output, k and n multiples of 8 (16-byte
+      rows), on a Hopper GPU in builds with the sm90 GEMMs; "auto" runs the
+      reference elsewhere (a warning once per reason), "cuda" raises there.
+
+  Returns:
+    (g, k, n) array of ``out_dtype``; an empty group's matrix is 0; all NaN
+    when the sizes cannot describe m rows (a negative one, or a sum above m).
+
+  Raises:
+    TypeError for FP8 operands (they take :func:`grouped_wgrad` on their
+    columnwise copies), ValueError/TypeError for bad shapes and dtypes.
+  """
+  _check_wgrad_rows(x, grad, group_sizes, out_dtype)
+  return _run("grouped_wgrad_rows", impl, x, grad, group_sizes.shape[0], out_dtype,
+              grouped_gemm_cuda.CONTRACTION_ROW_MAJOR,
+              lambda: grouped_gemm_cuda.grouped_wgrad_rows(x, grad, group_sizes),
+              lambda: grouped_wgrad_reference(x.T, grad.T, group_sizes, out_dtype))

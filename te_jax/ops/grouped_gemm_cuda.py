@@ -5,15 +5,22 @@ FFI handler ``custom_calls/ffi/grouped_gemm.cc`` (target
 (built on CUTLASS; in the native module only when its build found the
 CUTLASS headers, which the build note records: :func:`build_reason`).
 
-The kernel computes, with both operands contiguous along the contraction
-("TN", as Hopper's FP8 tensor cores read them) and a bfloat16 output, on
-FP8 operands with their scales or on bfloat16 operands without (the FP8-off
-layers' GEMMs; ``scaling`` attribute ``NONE``):
+The kernel computes, with a bfloat16 output, on FP8 operands with their
+scales or on bfloat16 operands without (the FP8-off layers' GEMMs;
+``scaling`` attribute ``NONE``), with both operands contiguous along the
+contraction ("TN", as Hopper's FP8 tensor cores read them):
 
 * ``axis=0`` (rows): ``a (m, k)``, ``b (g, n, k)`` -> ``(m, n)``,
   ``out[rows_e] = a[rows_e] @ b[e].T``;
 * ``axis=1`` (contraction): ``a (m, k)``, ``b (n, k)`` -> ``(g, m, n)``,
-  ``out[e] = a[:, cols_e] @ b[:, cols_e].T``.
+  ``out[e] = a[:, cols_e] @ b[:, cols_e].T``;
+
+and, bfloat16 only, on row-major operands read contiguous along their
+columns (wgmma takes 16-bit operands in either order):
+
+* ``axis=2`` (contraction over row-major operands): ``a (m, k)``, ``b (m,
+  n)`` -> ``(g, k, n)``, ``out[e] = a[rows_e].T @ b[rows_e]``: the FP8-off
+  wgrad on the activations and gradients as stored (:func:`grouped_wgrad_rows`).
 
 Layout conversions from te_jax's operands (XLA ops here; per call):
 
@@ -33,17 +40,18 @@ Layout conversions from te_jax's operands (XLA ops here; per call):
   computed as ``out[e].T = rhs_t @ lhs_t.T`` and the ``(g, n, k)`` bfloat16
   result transposed: one pass over the output.
 
-bfloat16 operands (``rows_operands`` / :func:`bf16_contraction_operands`):
-no scales (the handler takes 1-element float32 dummies, :func:`_no_scales`,
-and reads nothing from them), the same transposes as FP8. The contraction
-kernel needs each group's slice of a row to start on a 16-byte boundary (8
-bf16 tokens); FP8-off layers pad no groups, so the wgrad operands are
-realigned: each group's tokens are gathered to a start that is a multiple
-of 8, zeros between (:func:`realign_columns`; one gather pass over
-``lhs_t`` and ``rhs_t``, ``8 * g`` columns longer at most). The kernel's
-result equals ``grouped_*_reference`` on the same bf16 values (the spec:
-exact products, float32 sums) within the bfloat16 rounding of the output
-and the order of the float32 sums.
+bfloat16 operands: no scales (the handler takes 1-element float32 dummies,
+:func:`_no_scales`, and reads nothing from them). The rows GEMM transposes
+``rhs`` as FP8 does. The wgrad runs on ``axis=2``, which takes any group
+sizes: each group's rows of ``a`` and ``b`` start at ``start * k`` and
+``start * n`` elements, 16-byte aligned whenever ``k`` and ``n`` are
+multiples of 8 (``axis=1`` needs every group's slice of a ``(k, m)`` row to
+start 16-byte aligned, which FP8-off layers, padding no groups, do not
+give). :func:`grouped_wgrad` on bfloat16 ``(k, m)`` and ``(n, m)`` operands
+passes their transposes (free under ``jit`` when they are transposes
+themselves). The kernel's result equals ``grouped_*_reference`` on the
+same bf16 values (the spec: exact products, float32 sums) within the
+bfloat16 rounding of the output and the order of the float32 sums.
 
 Why compact scales: CUTLASS's grouped blockwise mainloop
 (``sm90_mma_array_tma_gmma_ss_warpspecialized_fp8_blockwise_scaling.hpp``,
@@ -77,14 +85,14 @@ import numpy as np
 from te_jax.ops import _native
 from te_jax.ops import tiling
 
-__all__ = ["TARGET", "ROWS", "CONTRACTION", "PER_TENSOR", "BLOCKWISE", "NONE", "MAX_GROUPS",
-           "KernelOperands", "workspace_bytes", "build_reason", "device_reason",
-           "unsupported_reason", "auto_reference_reason", "group_bounds", "sizes_fit",
-           "rows_scales_compact", "rows_operands", "contraction_operands", "realigned_length",
-           "realign_columns", "bf16_contraction_operands", "grouped_gemm", "grouped_wgrad"]
+__all__ = ["TARGET", "ROWS", "CONTRACTION", "CONTRACTION_ROW_MAJOR", "PER_TENSOR", "BLOCKWISE",
+           "NONE", "MAX_GROUPS", "KernelOperands", "workspace_bytes", "build_reason",
+           "device_reason", "unsupported_reason", "auto_reference_reason", "group_bounds",
+           "sizes_fit", "rows_scales_compact", "rows_operands", "contraction_operands",
+           "row_major_wgrad_operands", "grouped_gemm", "grouped_wgrad", "grouped_wgrad_rows"]
 
 TARGET = "te_jax_grouped_gemm"
-ROWS, CONTRACTION = 0, 1           # the handler's ``axis`` attribute
+ROWS, CONTRACTION, CONTRACTION_ROW_MAJOR = 0, 1, 2   # the handler's ``axis`` attribute
 PER_TENSOR, BLOCKWISE, NONE = 0, 1, 2   # its ``scaling`` attribute (NONE: bf16 operands)
 MAX_GROUPS = 6144                  # the setup kernel keeps the sizes in 48 KiB of shared memory
 _INT32_MAX = 2 ** 31 - 1
@@ -156,11 +164,13 @@ def unsupported_reason(a, b, out_dtype, axis: int, groups: int) -> str:
   """"" when the kernel takes this call, else why not (one short clause).
 
   Args:
-    a, b: the op's operands: ``lhs`` / ``rhs`` (``axis`` 0) or ``lhs_t`` /
-      ``rhs_t`` (``axis`` 1), already checked by ``grouped_gemm.py``: both
-      FP8 scaled tensors, or both float arrays.
+    a, b: the op's operands: ``lhs`` / ``rhs`` (``axis`` 0), ``lhs_t`` /
+      ``rhs_t`` (``axis`` 1) or ``x`` / ``grad`` (``axis`` 2), already
+      checked by ``grouped_gemm.py``: both FP8 scaled tensors, or both float
+      arrays (``axis`` 2: float arrays).
     out_dtype: the requested output dtype.
-    axis: 0 rows (``grouped_gemm``), 1 contraction (``grouped_wgrad``).
+    axis: 0 rows (``grouped_gemm``), 1 contraction (``grouped_wgrad``), 2
+      contraction over row-major operands (``grouped_wgrad_rows``).
     groups: ``group_sizes.shape[0]`` (at most :data:`MAX_GROUPS`).
   """
   why = _operand_kind(a, b)
@@ -170,23 +180,31 @@ def unsupported_reason(a, b, out_dtype, axis: int, groups: int) -> str:
     return f"out_dtype={jnp.dtype(out_dtype).name}: the sm90 grouped kernels write bfloat16 only"
   ta, tb = jnp.dtype(a.dtype), jnp.dtype(b.dtype)
   bf16 = ta == _BF16
+  if axis == CONTRACTION_ROW_MAJOR and not bf16:
+    return ("FP8 operands: the row-major wgrad kernel takes bfloat16 only (FP8 wgrads read "
+            "the (k, m) and (n, m) columnwise copies: grouped_wgrad)")
   if not bf16 and a.block_shape is not None and (ta, tb) != (_E4M3, _E4M3):
     return f"blockwise {ta.name} x {tb.name}: the blockwise kernels are compiled for E4M3 only"
   if axis == ROWS and (ta, tb) == (_E4M3, _E5M2):
     return "e4m3 lhs x e5m2 rhs: the per-tensor kernels take E5M2 as lhs only"
   unit = _TMA_BYTES // ta.itemsize          # elements in 16 bytes: 16 FP8, 8 bf16
+  # row: the length of a's rows as the kernel reads them, 16-byte TMA rows
   if axis == ROWS:
     (m, k), n = a.shape, b.shape[2]
-    contraction, what = k, "k (lhs.shape[1])"
+    row, what = k, "k (lhs.shape[1])"
+  elif axis == CONTRACTION_ROW_MAJOR:   # any group sizes; k and n are the 16-byte rows
+    (m, k), n = a.shape, b.shape[1]
+    row, what = k, "k (x.shape[1])"
+  elif bf16:   # run on axis 2 with the transposes
+    (k, m), n = a.shape, b.shape[0]
+    row, what = k, "k (lhs_t.shape[0])"
   else:
     (k, m), n = a.shape, b.shape[0]
-    contraction, what = m, "the grouped m (lhs_t.shape[1])"
+    row, what = m, "the grouped m (lhs_t.shape[1])"
     if (ta, tb) == (_E4M3, _E5M2):   # computed transposed: the kernel's n is k
       n = k
-    if bf16:   # realign_columns takes any m and any sizes, into a longer buffer
-      contraction, m = None, realigned_length(m, MAX_GROUPS, unit)
-  if contraction is not None and contraction % unit:
-    return (f"{what}={contraction} is not a multiple of {unit} (16-byte {ta.name} rows for "
+  if row % unit:
+    return (f"{what}={row} is not a multiple of {unit} (16-byte {ta.name} rows for "
             "TMA)")
   if n % 8:
     return f"the output's last dim {n} is not a multiple of 8 (16-byte rows)"
@@ -334,53 +352,10 @@ def contraction_operands(lhs_t, rhs_t):
   return ops, swapped
 
 
-def realigned_length(m: int, groups: int, unit: int) -> int:
-  """Columns of :func:`realign_columns`'s buffer: room for every group
-  rounded up to ``unit``, a multiple of ``unit``."""
-  return -(-(m + groups * (unit - 1)) // unit) * unit
-
-
-def realign_columns(ts, group_sizes: jax.Array, unit: int):
-  """Operands grouped along their columns, each group moved to a start that
-  is a multiple of ``unit``, zeros in the gaps, and the sizes that describe
-  them; for the contraction kernel, whose groups must start 16-byte aligned.
-
-  Args:
-    ts: arrays (rows_i, m), the grouped dim m last (``lhs_t``, ``rhs_t``).
-    group_sizes: (g,) int32 on the device (no host synchronization).
-    unit: the alignment in columns.
-
-  Returns:
-    (realigned arrays (rows_i, realigned_length(m, g, unit)), (g,) int32
-    sizes: each group's rounded up to ``unit``). Sizes that cannot describe
-    m columns (a negative one, or a sum above m) come back all -1, which the
-    kernel turns into an all-NaN output, the reference's answer.
-  """
-  m, g = ts[0].shape[1], group_sizes.shape[0]
-  length = realigned_length(m, g, unit)
-  # Exact for sizes that fit (the only ones whose realignment is used; the
-  # others' sizes come back -1): plain cumulative sums, so the program does
-  # not grow with g.
-  sizes = jnp.clip(group_sizes, 0, m).astype(jnp.int32)
-  bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(sizes)])
-  padded = -(-sizes // unit) * unit
-  new_bounds = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(padded)])
-  cols = jnp.arange(length, dtype=jnp.int32)
-  group = jnp.searchsorted(new_bounds[1:], cols, side="right")    # g past the last group
-  offset = cols - new_bounds[jnp.minimum(group, g - 1)]
-  inside = (group < g) & (offset < sizes[jnp.minimum(group, g - 1)])
-  src = jnp.where(inside, bounds[jnp.minimum(group, g - 1)] + offset, m)   # m: a zero column
-  moved = tuple(jnp.take(t, src, axis=1, mode="fill", fill_value=0) for t in ts)
-  return moved, jnp.where(sizes_fit(group_sizes, m), padded, -1).astype(jnp.int32)
-
-
-def bf16_contraction_operands(lhs_t, rhs_t, group_sizes):
-  """Kernel operands of :func:`grouped_wgrad` for bfloat16 ``lhs_t (k, m)``
-  and ``rhs_t (n, m)``: both realigned to groups starting on 8 columns (16
-  bytes; :func:`realign_columns`), no scales; and the kernel's group sizes."""
-  unit = _TMA_BYTES // _BF16.itemsize
-  (a, b), sizes = realign_columns((lhs_t, rhs_t), group_sizes, unit)
-  return KernelOperands(a, b, _no_scales(), _no_scales(), NONE), sizes
+def row_major_wgrad_operands(x, grad) -> KernelOperands:
+  """Kernel operands of :func:`grouped_wgrad_rows` (``axis=2``): ``a = x (m,
+  k)``, ``b = grad (m, n)`` as they are, bfloat16, no scales."""
+  return KernelOperands(x, grad, _no_scales(), _no_scales(), NONE)
 
 
 def _check(a, b, out_dtype, axis, groups):
@@ -431,7 +406,8 @@ def grouped_wgrad(lhs_t, rhs_t, group_sizes, fast_accum: bool = False) -> jax.Ar
     rhs_t: (n, m) ``ScaledTensor``, the same scaling, or bfloat16 array.
     group_sizes: (g,) int32 on the device. FP8: each group (and so each
       start) a multiple of 16 (per tensor) or 128 (blockwise), as the
-      recipe's token block pads them. bfloat16: any sizes (realigned here).
+      recipe's token block pads them. bfloat16: any sizes (computed by
+      :func:`grouped_wgrad_rows` on ``lhs_t.T`` and ``rhs_t.T``).
     fast_accum: as :func:`grouped_gemm`.
 
   Returns:
@@ -439,10 +415,27 @@ def grouped_wgrad(lhs_t, rhs_t, group_sizes, fast_accum: bool = False) -> jax.Ar
     is negative, overruns m or (FP8) breaks the multiple above.
   """
   _check(lhs_t, rhs_t, jnp.bfloat16, CONTRACTION, group_sizes.shape[0])
-  k, n, g = lhs_t.shape[0], rhs_t.shape[0], group_sizes.shape[0]
   if not _is_fp8(lhs_t):
-    ops, sizes = bf16_contraction_operands(lhs_t, rhs_t, group_sizes)
-    return _call(ops, sizes, (g, k, n), CONTRACTION, False)
+    return grouped_wgrad_rows(lhs_t.T, rhs_t.T, group_sizes)
+  k, n, g = lhs_t.shape[0], rhs_t.shape[0], group_sizes.shape[0]
   ops, swapped = contraction_operands(lhs_t, rhs_t)
   out = _call(ops, group_sizes, (g, n, k) if swapped else (g, k, n), CONTRACTION, fast_accum)
   return jnp.swapaxes(out, 1, 2) if swapped else out
+
+
+def grouped_wgrad_rows(x, grad, group_sizes) -> jax.Array:
+  """``out[e] = x[rows_e].T @ grad[rows_e]`` on the kernel (``axis=2``).
+
+  Args:
+    x: (m, k) bfloat16, rows sorted by group (the activations as stored).
+    grad: (m, n) bfloat16 (the output gradient as stored).
+    group_sizes: (g,) int32 on the device; any sizes.
+
+  Returns:
+    (g, k, n) bfloat16; an empty group's matrix is 0; all NaN when a size
+    is negative or the sizes overrun m.
+  """
+  _check(x, grad, jnp.bfloat16, CONTRACTION_ROW_MAJOR, group_sizes.shape[0])
+  g = group_sizes.shape[0]
+  return _call(row_major_wgrad_operands(x, grad), group_sizes, (g, x.shape[1], grad.shape[1]),
+               CONTRACTION_ROW_MAJOR, False)
