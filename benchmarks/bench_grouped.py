@@ -20,11 +20,10 @@ pass over them on top). ``ragged_dot`` runs in bf16 (wgrad: its VJP with
 respect to the weights, what a bf16 MoE layer runs). "te_jax bf16" is
 te_jax's own grouped GEMM on the same bf16 operands (what te_jax's FP8-off
 MoE layer runs: the sm90 bf16 kernel), weights in the kernel's layout as
-for FP8; its wgrad includes the realignment of the operands to 8-token
-group starts that the kernel needs. Each te_jax row also reports its
-largest error against the pure-JAX reference on the same operands,
-relative to the reference's largest magnitude, so a wrong kernel cannot
-pass for a fast one. TFLOP/s count the
+for FP8; its wgrad reads x and dy as stored (``grouped_wgrad_rows``).
+Each te_jax row also reports its largest error against the pure-JAX
+reference on the same operands, relative to the reference's largest
+magnitude, so a wrong kernel cannot pass for a fast one. TFLOP/s count the
 useful FLOPs (``2 * sum(group_sizes) * k * n``).
 
     python benchmarks/bench_grouped.py            # GPU with the sm90 GEMMs
@@ -146,7 +145,11 @@ def bf16_calls(x, w, dy):
 def te_jax_bf16_calls(x, w, dy, impl: str):
   """(pass -> (fn, args, reference fn)) for te_jax's grouped GEMM on bf16 operands."""
   xb, wb, dyb = x.astype(BF16), w.astype(BF16), dy.astype(BF16)
-  return _te_jax_calls((xb, jnp.swapaxes(wb, 1, 2)), (dyb, wb), (xb.T, dyb.T), impl=impl)
+  calls = _te_jax_calls((xb, jnp.swapaxes(wb, 1, 2)), (dyb, wb), (xb.T, dyb.T), impl=impl)
+  # The FP8-off layer's wgrad reads x and dy as stored (grouped_wgrad_rows).
+  calls["wgrad"] = (lambda a, d, s: gg.grouped_wgrad_rows(a, d, s, out_dtype=BF16, impl=impl),
+                    (xb, dyb), lambda a, d, s: gg.grouped_wgrad_reference(a.T, d.T, s, BF16))
+  return calls
 
 
 def rel_error(out, ref) -> float:

@@ -95,12 +95,20 @@ def _ragged_dot_gemms():
         rhs_group_dimensions=[])
     return lax.ragged_dot_general(lhs_t, rhs_t, group_sizes, dims,
                                   preferred_element_type=jnp.float32).astype(out_dtype)
-  saved = op.grouped_gemm, op.grouped_wgrad
-  op.grouped_gemm, op.grouped_wgrad = gemm, wgrad
+
+  def wgrad_rows(x, grad, group_sizes, *, out_dtype=jnp.float32, **_):
+    # The FP8-off layer's wgrad (x and grad as stored, rows grouped).
+    dims = lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[])
+    return lax.ragged_dot_general(x, grad, group_sizes, dims,
+                                  preferred_element_type=jnp.float32).astype(out_dtype)
+  saved = op.grouped_gemm, op.grouped_wgrad, op.grouped_wgrad_rows
+  op.grouped_gemm, op.grouped_wgrad, op.grouped_wgrad_rows = gemm, wgrad, wgrad_rows
   try:
     yield
   finally:
-    op.grouped_gemm, op.grouped_wgrad = saved
+    op.grouped_gemm, op.grouped_wgrad, op.grouped_wgrad_rows = saved
 
 
 def layer_case(row: str, small: bool, sizes: str = "full") -> dict:

@@ -113,3 +113,28 @@ def test_layer_sizes_reach_the_layer_and_the_child_process(monkeypatch):
   assert seen["cmd"][seen["cmd"].index("--layer-sizes") + 1] == "wide"
   with pytest.raises(SystemExit):
     bench_moe.main(["--layer-sizes", "huge"])
+
+
+def test_ragged_dot_row_computes_what_the_fp8_off_row_does():
+  """The ragged_dot row swaps every grouped GEMM of the FP8-off layer
+  (fprop, dgrad and the row-major wgrad) for jax.lax.ragged_dot: same loss
+  and gradients, so its timing compares kernels, not different work."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from te_jax.ops import grouped_gemm as op  # pylint: disable=import-outside-toplevel
+
+  original = op.grouped_wgrad_rows
+  results = {}
+  for row in ("none", "ragged_dot"):
+    case = bench_moe.layer_case(row, small=True)
+    with case["context"]():
+      variables = jax.jit(case["module"].init)(jax.random.PRNGKey(0), case["xs"][0])
+      if row == "ragged_dot":
+        assert op.grouped_wgrad_rows is not original
+      results[row] = case["grad_step"](variables, case["xs"][0], case["g"])
+  assert op.grouped_wgrad_rows is original  # restored
+  flat_none, flat_ragged = (jax.tree_util.tree_leaves(results[r]) for r in ("none", "ragged_dot"))
+  assert len(flat_none) == len(flat_ragged)
+  for a, b in zip(flat_none, flat_ragged):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=2e-2, atol=2e-3)
