@@ -27,6 +27,9 @@
 #   kernels   tools/gpu_kernels.sh blockwise grouped; bench_ops.py --only act
 #   ncu       tools/gpu_kernels.sh ncu: Nsight Compute on the blockwise GEMMs,
 #             ours and cuBLASLt's (on request)
+#   actncu    Nsight Compute on bench_ops.py --only act's te_jax kernels (on request)
+#   accuracy  benchmarks/act_input_accuracy.py: store_act_input_in_fp8's
+#             gradient error beside the default's (on request)
 #   grouped   benchmarks/bench_grouped.py (te_jax grouped GEMM vs ragged_dot)
 #   peers     bench_peers.py --libs te_jax,te (MLP block and TransformerLayer):
 #             te_jax beside TE-JAX 2.20.2, whose pieces later calls copy to
@@ -51,7 +54,8 @@
 # alongside the suite. The nvcc-free lines join stages.log when it ends.
 # Env: RUN_DIR (the logs; default /tmp/gpu_session: not the device call's $OUT,
 # which a later call empties), STAGES, AB_BASES, AB_CONFIGS, MOE_TIMEOUT,
-# MOE_PARTS, MOE_LAYER_SIZES, MOE_RECIPES, JAX_WHEELS, NVCC_FREE, NVCC_FREE_TESTS, MEMORY_TABLES (the suite
+# MOE_PARTS, MOE_LAYER_SIZES, MOE_RECIPES, MOE_MODEL_RECIPES (the model rows' recipes,
+# default MOE_RECIPES), JAX_WHEELS, NVCC_FREE, NVCC_FREE_TESTS, MEMORY_TABLES (the suite
 # stage's compile-only tables, default "offload live actfp8").
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -205,6 +209,26 @@ if want ncu && [[ -n "$tarball" ]]; then   # Nsight Compute's budget of the bloc
   OUT=$OUT timeout 560 bash tools/gpu_kernels.sh ncu > "$OUT/ncu.log" 2>&1
   grep -E "^\| " "$OUT/ncu.log" >> "$LOG"
 fi
+if want actncu; then   # Nsight Compute's budget of the activation-quantize kernels
+  st "actncu"
+  # bench_ops' act rows, te_jax's prologue kernels only (XLA's reference
+  # kernels and the timing loop's other launches are not profiled).
+  (cd /tmp && timeout 240 ncu --clock-control none --kernel-name-base function \
+     --kernel-name "regex:ActQuantize|TileAmax|QuantizeTile|QuantizeVec" --launch-count 16 \
+     --csv --page details --section SpeedOfLight --section MemoryWorkloadAnalysis \
+     --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy \
+     --section LaunchStats --section InstructionStats \
+     python3 "$REPO/benchmarks/bench_ops.py" --only act > "$OUT/ncu_act.csv" 2> "$OUT/ncu_act.err") \
+    || echo "actncu: exit $? (see ncu_act.err)" >> "$LOG"
+  python3 tools/ncu_summary.py "$OUT/ncu_act.csv" > "$OUT/ncu_act.log" 2>&1
+  grep -E "^\| " "$OUT/ncu_act.log" >> "$LOG"
+fi
+if want accuracy; then   # store_act_input_in_fp8's gradients against FP8's own error
+  st "accuracy"
+  (cd /tmp && timeout 200 python3 "$REPO/benchmarks/act_input_accuracy.py" \
+     > "$OUT/accuracy.log" 2>&1) || echo "accuracy: exit $?" >> "$LOG"
+  grep -E "^\| " "$OUT/accuracy.log" >> "$LOG"
+fi
 if want grouped; then
   st "grouped"
   (cd /tmp && timeout 300 python3 "$REPO/benchmarks/bench_grouped.py" > "$OUT/grouped.log" 2>&1)
@@ -237,8 +261,8 @@ if want moe; then
   fi
   if [[ "$parts" == *" model "* ]]; then
     (cd /tmp && timeout 600 python3 "$REPO/benchmarks/bench_moe.py" --parts model \
-       --recipes "${MOE_RECIPES:-none,delayed}" --timeout "${MOE_TIMEOUT:-150}" \
-       > "$OUT/moe_model.log" 2>&1)
+       --recipes "${MOE_MODEL_RECIPES:-${MOE_RECIPES:-none,delayed}}" \
+       --timeout "${MOE_TIMEOUT:-150}" > "$OUT/moe_model.log" 2>&1)
     grep -E "^model " "$OUT/moe_model.log" >> "$LOG"
   fi
 fi
