@@ -14,7 +14,6 @@ and the reference's (NaN for NaN), z is the call's without the copy, and
 the fused MLP keeps the bytes it kept before.
 """
 
-import re
 import zlib
 
 import jax
@@ -32,6 +31,7 @@ from te_jax.ops.fp8 import ScaledTensor
 
 from cuda_lowering import cuda_text, gpu_host  # pylint: disable=unused-import
 from flax_cases import RECIPES, mlp_states, rand
+from test_act_quantize import _custom_calls  # (target, operand types, result types)
 
 E4M3, E5M2, BF16, F16, F32 = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16, jnp.float16,
                               jnp.float32)
@@ -164,19 +164,6 @@ def test_cuda_path_refuses_what_its_kernels_do_not_write(gpu_host):  # pylint: d
 
 # ---------------------------------------------- the CUDA program, lowered ---
 
-def _custom_calls(text, prefix="te_jax_"):
-  """(target, operand types, result types) of the custom calls whose target
-  starts with ``prefix``; types as "256x384xf8E4M3FN"."""
-  calls = []
-  for line in text.splitlines():
-    m = re.search(r"custom_call @(\w+)\(", line)
-    if m and m.group(1).startswith(prefix):
-      operands, results = line.rsplit(" : (", 1)[1].split(") -> (")
-      calls.append((m.group(1), re.findall(r"tensor<([^>]*)>", operands),
-                    re.findall(r"tensor<([^>]*)>", results)))
-  return calls
-
-
 @pytest.mark.parametrize("mode", aq.MODES)
 def test_cuda_call_returns_the_copy_as_its_last_two_results(gpu_host, mode):  # pylint: disable=unused-argument
   m, f = 256, 384
@@ -206,7 +193,7 @@ def test_fused_mlp_reads_the_16_bit_h_once(gpu_host, rname):  # pylint: disable=
     return jax.value_and_grad(lambda *a: jnp.sum(fused_mlp.fp8_mlp(
         *a, activations=GATED, recipe=r, wi_state=si, wo_state=so,
         store_act_input_in_fp8=True).astype(jnp.float32)), argnums=(0, 1, 2))(x, wi, wo)
-  calls = _custom_calls(cuda_text(step, x, wi, wo))
+  calls = _custom_calls(cuda_text(step, x, wi, wo), "te_jax_")
   h16, h8, h_scales = f"{m}x{2 * f}xbf16", f"{m}x{2 * f}xf8E4M3FN", f"{m}x{2 * f // 128}xf32"
   readers = [(t, res) for t, ops, res in calls if h16 in ops]
   assert [t for t, _ in readers] == [f"te_jax_act_quantize_{_call_mode(rname)}"], readers

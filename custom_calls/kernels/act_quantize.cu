@@ -177,7 +177,8 @@ __device__ __forceinline__ bool Gated(const PrologueArgs& q) {
 // backward that also writes act(h)'s columnwise copy (its column bytes or
 // maxima and the act(h) values of the row spilled 16-220 bytes at 80), and
 // the forward that writes both copies of z and h's E4M3 copy (SwiGLU and
-// the fp16 gelu spilled 12-72 bytes at 80; z's rowwise copy and h's fit).
+// the fp16 gelu spilled 12-44 bytes at 80; z's rowwise copy and h's fit in
+// 58-80 registers with every 16-bit specialized loop).
 template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut>
 constexpr int ActMinBlocks() {
   if (sizeof(InT) != 2 || kLoop == prologue::ActLoop::kAny || (kOut & kOutActCols)) return 2;
