@@ -102,36 +102,53 @@ def quantize_rows(m=8192, k=8192):
 def act_rows(m=32768, f=5632, acts=("silu", "linear"), impls=("reference", "cuda")):
   """The fused MLP's activation passes at the Llama preset's shape (batch 8
   x 4096 tokens, SwiGLU mlp 5632) as its step runs them: the forward's
-  act(h) quantized rowwise, and the backward's dh = dz * act'(h) quantized
-  both ways with act(h)'s columnwise copy (``save_original_input``), per
-  tensor (delayed scaling: a given scale) and blockwise. Bytes: h and dz
-  read once, every output written once. ``impls``: (baseline, ours)."""
+  act(h) quantized rowwise, alone and with h's E4M3 copy
+  (``store_act_input_in_fp8``: written by the same pass, ``h_copy=True``,
+  beside the two calls it replaces, act_quantize then quantize_blockwise of
+  h), and the backward's dh = dz * act'(h) quantized both ways with act(h)'s
+  columnwise copy (``save_original_input``); per tensor (delayed scaling: a
+  given scale; current scaling: an amax pass over the inputs first) and
+  blockwise. Bytes: what each case reads and writes (h and dz once, twice
+  under current scaling; h once more for the separate quantize_blockwise;
+  every output once). ``impls``: (baseline, ours)."""
   keys = jax.random.split(jax.random.PRNGKey(1), SETS)
   n_act = len(acts)
   sets = [(_rand(jax.random.fold_in(kk, 0), (m, n_act * f), BF16),
            _rand(jax.random.fold_in(kk, 1), (m, f), BF16)) for kk in keys]
   scale = jnp.float32(2.0)
   h_bytes, z_elems, dh_elems = 2 * m * n_act * f, m * f, m * n_act * f
-  modes = (("tensorwise", dict(scale=scale), 0),
-           ("blockwise", dict(power_2_scale=True), 4 / 128))   # float32 scale per 128
+  h_copy_bytes = dh_elems * (1 + 4 / 128)   # h's E4M3 copy and a float32 scale per 128
+  # (mode, options, scale bytes per element, passes over the inputs)
+  modes = (("tensorwise", dict(scale=scale), 0, 1), ("current", {}, 0, 2),
+           ("blockwise", dict(power_2_scale=True), 4 / 128, 1))
   cases = []
-  for mode, kw, per in modes:
-    cases.append((f"act fwd, {mode}, rowwise z", lambda impl, mode=mode, kw=kw: jax.jit(
-        lambda h, dz: act_ops.act_quantize(h, acts, mode=mode, dtype=E4M3, impl=impl,
-                                           columnwise=False, **kw)),
-                  h_bytes + z_elems * (1 + per)))
+  for mode, kw, per, reads in modes:
+    def fwd(impl, mode=mode, kw=kw, **extra):   # (h, dz) -> ..., dz unused
+      return lambda h, dz: act_ops.act_quantize(h, acts, mode=mode, dtype=E4M3, impl=impl,
+                                                columnwise=False, **kw, **extra)
+
+    def two_calls(impl, fwd=fwd):   # store_act_input_in_fp8's forward without h_copy
+      return lambda h, dz: (fwd(impl)(h, dz), q.quantize_blockwise(
+          h, act_ops.H_COPY_BLOCK, act_ops.H_COPY_DTYPE,
+          power_2_scale=act_ops.H_COPY_POWER_2_SCALE, impl=impl).rowwise())
+    z_bytes = reads * h_bytes + z_elems * (1 + per)
+    cases += [
+        (f"act fwd, {mode}, rowwise z", lambda impl, fwd=fwd: fwd(impl), z_bytes),
+        (f"act fwd, {mode}, rowwise z + h E4M3", lambda impl, fwd=fwd: fwd(impl, h_copy=True),
+         z_bytes + h_copy_bytes),
+        (f"act fwd, {mode}, rowwise z + h E4M3, 2 calls", two_calls,
+         z_bytes + h_bytes + h_copy_bytes)]
     # z's columnwise copy as the forward quantized it (its amax: any finite one)
     cols = act_ops.act_columnwise_like(
-        amax=jnp.float32(4.0) if mode == "tensorwise" else None, mode=mode, dtype=E4M3, **kw)
+        amax=None if mode == "blockwise" else jnp.float32(4.0), mode=mode, dtype=E4M3, **kw)
     cases.append((f"dact bwd, {mode}, dh both ways + z.T", lambda impl, mode=mode, kw=kw,
-                  cols=cols: jax.jit(
-        lambda h, dz: act_ops.dact_quantize(dz, h, acts, mode=mode, dtype=E5M2, impl=impl,
-                                            act_columnwise=cols, **kw)),
-                  h_bytes + 2 * m * f + (2 * dh_elems + z_elems) * (1 + per)))
+                  cols=cols: lambda h, dz: act_ops.dact_quantize(
+                      dz, h, acts, mode=mode, dtype=E5M2, impl=impl, act_columnwise=cols, **kw),
+                  reads * (h_bytes + 2 * m * f) + (2 * dh_elems + z_elems) * (1 + per)))
   rows = []
   for name, make, nbytes in cases:
-    t_ref = bench(make(impls[0]), sets)
-    t_cuda = bench(make(impls[1]), sets)
+    t_ref = bench(jax.jit(make(impls[0])), sets)
+    t_cuda = bench(jax.jit(make(impls[1])), sets)
     rows.append(dict(kind="act", name=f"{name} {m}x{n_act}x{f} bf16", ours_us=t_cuda * 1e6,
                      ref_us=t_ref * 1e6, ours=nbytes / t_cuda / 1e12, ref=nbytes / t_ref / 1e12,
                      unit="TB/s"))

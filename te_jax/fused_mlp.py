@@ -68,12 +68,14 @@ order); on the GPU the chunks' GEMMs may pick other algorithms.
 ``store_act_input_in_fp8=True`` keeps ``h`` as DeepSeek-V3 keeps its SwiGLU
 inputs: E4M3 with one float32 scale per 1x128 tile along the features
 (whatever the recipe), 1 byte per element of ``h`` plus 4 bytes per 128
-instead of 2, so that residual is about halved. It costs one quantize pass
-over ``h`` in the forward; the backward's activation pass reads each row
-chunk of the E4M3 ``h`` and its scales directly (``act_quantize.dact_quantize``
-takes the ``ScaledTensor``), so no copy of ``h`` in the compute dtype is
-written (only with a bias on ``wi``, whose gradient pass dequantizes the
-chunk).
+instead of 2, so that residual is about halved. The forward's activation
+pass writes that copy from the ``h`` it reads for ``z``
+(``act_quantize(..., h_copy=True)``: the bytes of ``quantize_blockwise``
+without a pass of its own over ``h``); the backward's activation pass reads
+each row chunk of the E4M3 ``h`` and its scales directly
+(``act_quantize.dact_quantize`` takes the ``ScaledTensor``), so no copy of
+``h`` in the compute dtype is written (only with a bias on ``wi``, whose
+gradient pass dequantizes the chunk).
 
 Shapes are not padded here: :func:`supported` says whether a problem can take
 this path (token count a multiple of the recipe's ``token_block``, the other
@@ -106,7 +108,6 @@ from te_jax import remat
 from te_jax import scaling
 from te_jax.ops import act_quantize as act_op
 from te_jax.ops import fp8
-from te_jax.ops import quantize as quantize_op
 from te_jax.ops.fp8 import ScaledTensor
 
 __all__ = ["fp8_mlp", "supported", "check_backward_chunks", "chunk_bounds"]
@@ -127,28 +128,15 @@ class _MlpConfig(NamedTuple):
   store_act_input_in_fp8: bool = False   # h kept as E4M3 in 1x128 tiles, not in dtype
 
 
-# The format h is kept in with store_act_input_in_fp8. A storage format, not
-# a GEMM operand, so the same under every recipe: E4M3 (h is a forward
+# The format h is kept in with store_act_input_in_fp8 (act_op.H_COPY_*, the
+# copy that the forward's act_quantize(..., h_copy=True) writes). A storage
+# format, not a GEMM operand, so the same under every recipe: E4M3 (h is a forward
 # activation) with one float32 scale per 1x128 tile along the features, as
 # DeepSeek-V3 keeps its SwiGLU inputs. The scales are rounded down to powers
 # of two: an E4M3 value times a power of two is exact in bf16, so the
 # dequantized h is the same in float32 and in the compute dtype (no second
 # rounding), and E4M3 keeps 3 mantissa bits in every binade: only where
 # values fall to subnormals (about 2**-15 of the tile's max) moves, by one binade.
-ACT_INPUT_BLOCK = (1, 128)
-ACT_INPUT_DTYPE = jnp.float8_e4m3fn
-ACT_INPUT_POWER_2_SCALE = True
-
-
-def _kept_act_input(h, cfg):
-  """What the forward keeps of h (M, n_act * F) for the activation's
-  backward: h itself, or with ``store_act_input_in_fp8`` its E4M3 copy in
-  1x128 tiles (a ScaledTensor; one quantize pass over h)."""
-  if not cfg.store_act_input_in_fp8:
-    return h
-  q = quantize_op.quantize_blockwise(h, ACT_INPUT_BLOCK, ACT_INPUT_DTYPE,
-                                     power_2_scale=ACT_INPUT_POWER_2_SCALE, impl=cfg.impl)
-  return q.rowwise()
 
 
 def _act_input_rows(h, r0: int, r1: int):
@@ -213,8 +201,14 @@ def _mlp_fwd(x, gamma, beta, wi, bi, wo, bo, states, cfg):
   h = mode.gemm("fprop", qx.rowwise(), qwi.columnwise(), out_dtype=cfg.dtype, bias=bi,
                 impl=impl)
   # z = act(h) quantized in the pass that reads h: the input of the second GEMM.
+  # With store_act_input_in_fp8 the same pass writes h's E4M3 copy, which is
+  # what the forward keeps of h for the activation's backward.
   qz = mode.quantize_fused(act_op.act_quantize, "x", so, impl=impl, h=h,
-                           activations=cfg.activations, columnwise=cols)
+                           activations=cfg.activations, columnwise=cols,
+                           h_copy=cfg.store_act_input_in_fp8)
+  kept_h = h
+  if cfg.store_act_input_in_fp8:
+    qz, kept_h = qz
   qwo = mode.quantize(wo, "kernel", so, impl=impl)
   y = mode.gemm("fprop", qz.rowwise(), qwo.columnwise(), out_dtype=cfg.dtype, bias=bo,
                 impl=impl)
@@ -231,7 +225,7 @@ def _mlp_fwd(x, gamma, beta, wi, bi, wo, bo, states, cfg):
   # quantized again.
   x_t = qx.amax if cfg.save_input and norm_res is not None else qx.columnwise()
   z_t = qz.amax if cfg.save_input else qz.columnwise()
-  res = (x_t, wi if cfg.save_kernel else qwi.rowwise(), _kept_act_input(h, cfg), z_t,
+  res = (x_t, wi if cfg.save_kernel else qwi.rowwise(), kept_h, z_t,
          wo if cfg.save_kernel else qwo.rowwise(), states, new, protos, norm_res)
   return y, res
 
@@ -396,8 +390,8 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
       backward's activation pass reads it one row chunk at a time
       (``backward_chunks``) as E4M3 bytes and scales, dequantized to
       ``dtype`` as it computes act'(h) and, with ``save_original_input``,
-      act(h) again for the wgrad of ``wo``. Costs one quantize pass over h
-      in the forward; the output is unchanged, the gradients differ from the
+      act(h) again for the wgrad of ``wo``. The forward's activation pass
+      writes that copy; the output is unchanged, the gradients differ from the
       default by the rounding of h to E4M3 in 1x128 tiles. See "Memory".
 
   Returns:

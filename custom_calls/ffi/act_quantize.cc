@@ -3,12 +3,12 @@
 // quantize of its result v, which is never written in 16 or 32 bits.
 //
 //   te_jax_act_quantize_tensorwise: given scale -> data, data_t, scale_inv,
-//                                   amax, act_t, act_scale_inv
+//                                   amax, act_t, act_scale_inv, h_fp8, h_sinv
 //   te_jax_act_quantize_current:    scale from max|v| (a first pass over the
 //                                   inputs) -> the same
 //   te_jax_act_quantize_blockwise:  1x128 + 128x1 tiles -> data, sinv, data_t,
 //                                   sinv_t, act_t, act_sinv_t (scales in
-//                                   cuBLASLt layouts)
+//                                   cuBLASLt layouts), h_fp8, h_sinv
 //
 // Operands: h (M, n_act*F) and dz (M, F) when backward == 1, else a
 // 0-element placeholder (one handler per mode keeps the target table short).
@@ -33,6 +33,17 @@
 // FP8 format of v is read off data (or data_t), that of z off act_t.
 // Without it act_t, act_scale_inv / act_sinv_t and act_scale / act_amax are
 // 0-element placeholders.
+//
+// With backward == 0, h_fp8 (M, n_act*F) float8_e4m3fn and h_sinv (M,
+// n_act*F / 128) float32 ask for h's own E4M3 copy as well (store_act_input_
+// in_fp8's copy, which the backward then reads through h_scale): 1x128
+// tiles, power-of-two scales, h_sinv = 1 / scale in the logical row-major
+// layout, bit for bit quantize_blockwise(h, (1, 128), float8_e4m3fn,
+// power_2_scale=True).rowwise() (kernels/act_quantize.h Fp8HOutput), from
+// the h values the pass loads for z; it needs F % 128 == 0 and the rowwise
+// copy (data). Under current scaling the cast pass writes it, not the amax
+// pass. Without it both are (0, 0) placeholders (h_fp8 of any dtype: the
+// Python side sends uint8, which no FP8 result of the call shares).
 //
 // Every handler here is declared command-buffer compatible (XLA may record it
 // in a CUDA graph by stream capture and replay it): it allocates nothing,
@@ -131,6 +142,25 @@ ffi::Error SetupAct(const ffi::AnyBuffer& act_t, const QuantizeArgs& a, const Pr
   return ffi::Error::Success();
 }
 
+// h_fp8 and h_sinv (see the top): h's E4M3 copy of the forward, or (0, 0)
+// placeholders. Sets *ho (its pointers null when not asked for).
+ffi::Error SetupHCopy(const ffi::AnyBuffer& h_fp8, ffi::Buffer<ffi::F32>& h_sinv,
+                      const QuantizeArgs& a, const PrologueArgs& q, Fp8HOutput* ho) {
+  const int64_t width = (q.act1 >= 0 ? 2 : 1) * q.F;
+  const bool wanted = !HasDims(h_fp8, 0, 0);
+  if (wanted) {
+    if (q.kind != Prologue::kAct) return Bad("h_fp8 (h's E4M3 copy) is a result of the forward only");
+    if (q.F % 128 != 0) return Bad("h_fp8 (h's E4M3 copy) needs F % 128 == 0");
+    if (!HasDims(h_fp8, a.M, width) || h_fp8.element_type() != ffi::F8E4M3FN)
+      return Bad("h_fp8 must be (M, n_act * F) float8_e4m3fn, or (0, 0)");
+    if (a.data == nullptr) return Bad("h_fp8 needs the rowwise copy (data) as well");
+  }
+  if (!OptionalScaleGrid(h_sinv, wanted, a.M, width / 128, &ho->scale_inv, &ho->scale_ld))
+    return Bad("h_sinv must be (M, n_act * F / 128) with h_fp8, else (0, 0)");
+  ho->data = wanted ? static_cast<uint8_t*>(h_fp8.untyped_data()) : nullptr;
+  return ffi::Error::Success();
+}
+
 // The per-tensor act(h) copy: its scalar operand (act_scale or act_amax) and
 // act_scale_inv, both () with act_t, both (0,) without.
 ffi::Error SetupActScalars(bool wanted, ffi::Buffer<ffi::F32>& operand,
@@ -151,11 +181,14 @@ ffi::Error TensorwiseImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer 
                           ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
                           ffi::Result<ffi::Buffer<ffi::F32>> amax,
                           ffi::Result<ffi::AnyBuffer> act_t,
-                          ffi::Result<ffi::Buffer<ffi::F32>> act_scale_inv, int64_t backward,
+                          ffi::Result<ffi::Buffer<ffi::F32>> act_scale_inv,
+                          ffi::Result<ffi::AnyBuffer> h_fp8,
+                          ffi::Result<ffi::Buffer<ffi::F32>> h_sinv, int64_t backward,
                           int64_t act0, int64_t act1) {
   QuantizeArgs a, z;
   PrologueArgs q;
   Fp8HInput hs;
+  Fp8HOutput ho;
   bool with_act = false, fp8_h = false;
   if (auto e = Setup(h, dz, h_scale, *data, *data_t, backward, act0, act1, &a, &q, &hs, &fp8_h);
       e.failure())
@@ -171,8 +204,9 @@ ffi::Error TensorwiseImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer 
   a.amax_out = OptionalF32(*amax, 1, &bad);  // (0,): the caller has the amax already
   if (bad) return Bad("amax must be () or (0,)");
   a.scale_inv = scale_inv->typed_data();
+  if (auto e = SetupHCopy(*h_fp8, *h_sinv, a, q, &ho); e.failure()) return e;
   return CudaError(LaunchPrologueQuantize(a, q, with_act ? &z : nullptr, stream,
-                                          fp8_h ? &hs : nullptr),
+                                          fp8_h ? &hs : nullptr, ho.data ? &ho : nullptr),
                    "act_quantize_tensorwise");
 }
 
@@ -182,11 +216,14 @@ ffi::Error CurrentImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer dz,
                        ffi::Result<ffi::AnyBuffer> data_t,
                        ffi::Result<ffi::Buffer<ffi::F32>> scale_inv,
                        ffi::Result<ffi::Buffer<ffi::F32>> amax, ffi::Result<ffi::AnyBuffer> act_t,
-                       ffi::Result<ffi::Buffer<ffi::F32>> act_scale_inv, int64_t backward,
+                       ffi::Result<ffi::Buffer<ffi::F32>> act_scale_inv,
+                       ffi::Result<ffi::AnyBuffer> h_fp8,
+                       ffi::Result<ffi::Buffer<ffi::F32>> h_sinv, int64_t backward,
                        int64_t act0, int64_t act1, int64_t power_2_scale) {
   QuantizeArgs a, z;
   PrologueArgs q;
   Fp8HInput hs;
+  Fp8HOutput ho;
   bool with_act = false, fp8_h = false;
   if (auto e = Setup(h, dz, h_scale, *data, *data_t, backward, act0, act1, &a, &q, &hs, &fp8_h);
       e.failure())
@@ -198,8 +235,10 @@ ffi::Error CurrentImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer dz,
     return e;
   z.pow2 = a.pow2 = power_2_scale != 0;
   if (amax->element_count() != 1) return Bad("amax must be a float32 scalar");
+  if (auto e = SetupHCopy(*h_fp8, *h_sinv, a, q, &ho); e.failure()) return e;
   // Pass 1: max|v| with the same prologue; pass 2 derives the scale from it
-  // on the device and casts (no host round trip, no XLA op in between).
+  // on the device and casts (no host round trip, no XLA op in between), and
+  // writes h's copy when asked (pass 1 only reads).
   cudaError_t amax_err = fp8_h ? LaunchPrologueAmax(a, q, hs, amax->typed_data(), stream)
                                : LaunchPrologueAmax(a, q, amax->typed_data(), stream);
   if (auto e = CudaError(amax_err, "act_quantize_current (amax)");
@@ -208,7 +247,7 @@ ffi::Error CurrentImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer dz,
   a.amax_in = amax->typed_data();
   a.scale_inv = scale_inv->typed_data();
   return CudaError(LaunchPrologueQuantize(a, q, with_act ? &z : nullptr, stream,
-                                          fp8_h ? &hs : nullptr),
+                                          fp8_h ? &hs : nullptr, ho.data ? &ho : nullptr),
                    "act_quantize_current (cast)");
 }
 
@@ -218,12 +257,15 @@ ffi::Error BlockwiseImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer d
                          ffi::Result<ffi::AnyBuffer> data_t,
                          ffi::Result<ffi::Buffer<ffi::F32>> sinv_t,
                          ffi::Result<ffi::AnyBuffer> act_t,
-                         ffi::Result<ffi::Buffer<ffi::F32>> act_sinv_t, int64_t backward,
+                         ffi::Result<ffi::Buffer<ffi::F32>> act_sinv_t,
+                         ffi::Result<ffi::AnyBuffer> h_fp8,
+                         ffi::Result<ffi::Buffer<ffi::F32>> h_sinv, int64_t backward,
                          int64_t act0, int64_t act1, int64_t power_2_scale,
                          int64_t act_power_2_scale) {
   QuantizeArgs a, z;
   PrologueArgs q;
   Fp8HInput hs;
+  Fp8HOutput ho;
   bool with_act = false, fp8_h = false;
   if (auto e = Setup(h, dz, h_scale, *data, *data_t, backward, act0, act1, &a, &q, &hs, &fp8_h);
       e.failure())
@@ -238,8 +280,9 @@ ffi::Error BlockwiseImpl(cudaStream_t stream, ffi::AnyBuffer h, ffi::AnyBuffer d
                          &z.sinv_t, &z.sinv_t_ld))
     return Bad("act_sinv_t must be (ceil(M/128), roundup(F, 4)) with act_t, else (0, 0)");
   z.pow2 = act_power_2_scale != 0;
+  if (auto e = SetupHCopy(*h_fp8, *h_sinv, a, q, &ho); e.failure()) return e;
   return CudaError(LaunchPrologueQuantize(a, q, with_act ? &z : nullptr, stream,
-                                          fp8_h ? &hs : nullptr),
+                                          fp8_h ? &hs : nullptr, ho.data ? &ho : nullptr),
                    "act_quantize_blockwise");
 }
 
@@ -259,6 +302,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxActQuantizeTensorwise, TensorwiseImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()      // amax () = max|v|, or (0,)
                                   .Ret<ffi::AnyBuffer>()             // act_t (F, M) or (0, 0)
                                   .Ret<ffi::Buffer<ffi::F32>>()      // act_scale_inv () or (0,)
+                                  .Ret<ffi::AnyBuffer>()             // h_fp8 (M, nF) or (0, 0)
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // h_sinv (M, nF/128) or (0, 0)
                                   .Attr<int64_t>("backward")         // 0: act, 1: dact
                                   .Attr<int64_t>("act0")             // ActId
                                   .Attr<int64_t>("act1"),            // ActId or -1
@@ -277,6 +322,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxActQuantizeCurrent, CurrentImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()      // amax () = max|v|
                                   .Ret<ffi::AnyBuffer>()             // act_t (F, M) or (0, 0)
                                   .Ret<ffi::Buffer<ffi::F32>>()      // act_scale_inv () or (0,)
+                                  .Ret<ffi::AnyBuffer>()             // h_fp8 (M, nF) or (0, 0)
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // h_sinv (M, nF/128) or (0, 0)
                                   .Attr<int64_t>("backward")         // 0: act, 1: dact
                                   .Attr<int64_t>("act0")             // ActId
                                   .Attr<int64_t>("act1")             // ActId or -1
@@ -295,6 +342,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxActQuantizeBlockwise, BlockwiseImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()      // sinv_t, native, or (0, 0)
                                   .Ret<ffi::AnyBuffer>()             // act_t (F, M) or (0, 0)
                                   .Ret<ffi::Buffer<ffi::F32>>()      // act_sinv_t, native, or (0, 0)
+                                  .Ret<ffi::AnyBuffer>()             // h_fp8 (M, nF) or (0, 0)
+                                  .Ret<ffi::Buffer<ffi::F32>>()      // h_sinv (M, nF/128) or (0, 0)
                                   .Attr<int64_t>("backward")         // 0: act, 1: dact
                                   .Attr<int64_t>("act0")             // ActId
                                   .Attr<int64_t>("act1")             // ActId or -1

@@ -18,7 +18,9 @@
 //
 // dact(dz, h) also reads h as E4M3 bytes with 1x128 tile scales (template
 // parameter kFp8H; Fp8HInput in kernels/act_quantize.h), the copy of h that
-// store_act_input_in_fp8 keeps, instead of a 16-bit h dequantized first.
+// store_act_input_in_fp8 keeps, instead of a 16-bit h dequantized first;
+// act(h) also writes that copy (kOut bit kOutH; Fp8HOutput) from the h
+// values it loads, instead of a quantize pass of its own over h.
 #include "kernels/act_quantize.h"
 
 #include <cuda_bf16.h>
@@ -37,6 +39,7 @@ namespace {
 constexpr int kOutRows = 1;     // the rowwise copy (data; sinv for kVec128)
 constexpr int kOutCols = 2;     // the columnwise copy (data_t; sinv_t)
 constexpr int kOutActCols = 4;  // kDAct: also act(h)'s columnwise copy (act_quantize.h)
+constexpr int kOutH = 8;        // kAct: also h's E4M3 copy (Fp8HOutput, act_quantize.h)
 constexpr int kOutBoth = kOutRows | kOutCols;
 
 // The one scale of a kTensor quantization: given, or derived from the amax
@@ -74,19 +77,87 @@ struct ColumnBytes {
   }
 };
 
-// Runs the prologue's row loop with body(i, y, z): z = act(h) beside
-// y = dact(dz, h) with kWithAct, else y again (unused). kFp8H: h is E4M3
-// with the tile scales `hs` (Fp8HInput).
+// Stands for the row inputs that body (ForRows) gets without kWithH.
+struct NoRow {};
+
+// Runs the prologue's row loop with body(i, y, z, r): z = act(h) beside
+// y = dact(dz, h) with kWithAct, else y again (unused); r the row's h as
+// loaded (prologue::RowInputs) with kWithH, else a NoRow (unused). kFp8H: h
+// is E4M3 with the tile scales `hs` (Fp8HInput).
 template <typename InT, Prologue kPro, prologue::ActLoop kLoop, bool kWithAct, bool kFp8H,
-          typename Body>
+          bool kWithH, typename Body>
 __device__ __forceinline__ void ForRows(const PrologueArgs& q, const Fp8HInput& hs, int64_t M,
                                         int64_t row, int64_t col, Body&& body) {
   if constexpr (kWithAct) {
-    prologue::ComputeRows<InT, kPro, kLoop, true, kFp8H>(q, M, row, col, body, hs);
+    prologue::ComputeRows<InT, kPro, kLoop, true, kFp8H>(
+        q, M, row, col,
+        [&](int i, const float (&y)[kSub], const float (&z)[kSub]) { body(i, y, z, NoRow{}); },
+        hs);
+  } else if constexpr (kWithH) {
+    prologue::ComputeRows<InT, kPro, kLoop, false, kFp8H, true>(
+        q, M, row, col, [&](int i, const float (&y)[kSub], const auto& r) { body(i, y, y, r); },
+        hs);
   } else {
     prologue::ComputeRows<InT, kPro, kLoop, false, kFp8H>(
-        q, M, row, col, [&](int i, const float (&y)[kSub]) { body(i, y, y); }, hs);
+        q, M, row, col, [&](int i, const float (&y)[kSub]) { body(i, y, y, NoRow{}); }, hs);
   }
+}
+
+// h's E4M3 copy (kOutH, Fp8HOutput), one row at a time from the row loop:
+// where it goes, walked down the rows as the rowwise copy's pointer is.
+struct HCopyRow {
+  uint8_t* data;     // h0's 8 bytes of this thread's columns; h1's are F further
+  float* scale_inv;  // h0's tile scale of this row; h1's is F / 128 further
+  int64_t width;     // n_act * F: the row pitch of data
+
+  HCopyRow() = default;
+  __device__ __forceinline__ HCopyRow(const Fp8HOutput& ho, const PrologueArgs& q, bool gated,
+                                      int64_t first_row, const SubTile& st)
+      : width((gated ? 2 : 1) * q.F) {
+    data = ho.data + first_row * width + st.gc;
+    scale_inv = ho.scale_inv + first_row * ho.scale_ld + st.k0 / kTile;
+  }
+};
+
+// One row of one 1x128 tile of h's E4M3 copy: this thread's 8 values `h`
+// (RawRow) and, in the 15 other lanes of its half-warp, the other 120 (the
+// 16 lanes of a row group share a row and a 128-column tile: F % 128 == 0).
+// As QuantizeTileKernel's 1x128 rowwise copy (kernels/quantize.cu): the
+// tile's max by a 16-lane shuffle, its power-of-two ComputeScale, Cast2
+// pairs, one 8-byte store; the lane of column group 0 writes 1 / scale. All
+// 32 lanes of the warp call it (the shuffle); rows at or past M store nothing.
+template <typename HRow>
+__device__ __forceinline__ void StoreHTileRow(const HRow& h, uint8_t* data, float* scale_inv,
+                                              bool row_in, bool scale_lane) {
+  unsigned amax = 0;
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) amax = max(amax, AbsBits(h[j]));
+  const float s = ComputeScale(__uint_as_float(WarpMaxU(amax, 16)), 448.f, true);
+  if (!row_in) return;
+  if (scale_lane) *scale_inv = 1.f / s;
+  unsigned pair[kSub / 2];
+#pragma unroll
+  for (int k = 0; k < kSub / 2; ++k) pair[k] = Cast2(h[2 * k] * s, h[2 * k + 1] * s, __NV_E4M3);
+  *reinterpret_cast<uint2*>(data) = PackPairs(pair);
+}
+
+// Row i of h's copy from the row's inputs r (h0 in r.a, h1 in r.b when
+// gated), then `at` moves to the next row.
+template <typename Row>
+__device__ __forceinline__ void StoreHRow(const Row& r, HCopyRow& at, const PrologueArgs& q,
+                                          bool gated, bool row_in, const SubTile& st,
+                                          int64_t scale_ld) {
+  StoreHTileRow(r.a, at.data, at.scale_inv, row_in, st.cg == 0);
+  if (gated) StoreHTileRow(r.b, at.data + q.F, at.scale_inv + q.F / kTile, row_in, st.cg == 0);
+  at.data += at.width;
+  at.scale_inv += scale_ld;
+}
+
+// Whether the activation of loop kLoop is gated (the runtime ids for kAny).
+template <prologue::ActLoop kLoop>
+__device__ __forceinline__ bool Gated(const PrologueArgs& q) {
+  constexpr int kGated = prologue::LoopSpec<kLoop>::kGated;
+  return kGated < 0 ? q.act1 >= 0 : kGated == 1;
 }
 
 // The prologue kernels. Both compute v = act(h) or dact(dz, h) one row of
@@ -104,10 +175,14 @@ __device__ __forceinline__ void ForRows(const PrologueArgs& q, const Fp8HInput& 
 // registers) and the fp16 SwiGLU backward (36-40 bytes of spills at 80).
 // 2 blocks (up to 128 registers) for those, for fp32 inputs, and for the
 // backward that also writes act(h)'s columnwise copy (its column bytes or
-// maxima and the act(h) values of the row spilled 16-220 bytes at 80).
+// maxima and the act(h) values of the row spilled 16-220 bytes at 80), and
+// the forward that writes both copies of z and h's E4M3 copy (SwiGLU and
+// the fp16 gelu spilled 12-44 bytes at 80; z's rowwise copy and h's fit in
+// 58-80 registers with every 16-bit specialized loop).
 template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut>
 constexpr int ActMinBlocks() {
   if (sizeof(InT) != 2 || kLoop == prologue::ActLoop::kAny || (kOut & kOutActCols)) return 2;
+  if ((kOut & kOutH) && (kOut & kOutCols)) return 2;
   if (std::is_same_v<InT, __half> && kPro == Prologue::kDAct &&
       kLoop == prologue::ActLoop::kSwiGlu)
     return 2;
@@ -123,8 +198,10 @@ constexpr int ActMinBlocks() {
 // gated, the left half of a gated dh).
 template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut, bool kFp8H>
 __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>())
-    ActQuantizeTensorKernel(QuantizeArgs p, PrologueArgs q, QuantizeArgs z, Fp8HInput hs) {
+    ActQuantizeTensorKernel(QuantizeArgs p, PrologueArgs q, QuantizeArgs z, Fp8HInput hs,
+                            Fp8HOutput ho) {
   constexpr bool kRows = kOut & kOutRows, kCols = kOut & kOutCols, kAct = kOut & kOutActCols;
+  constexpr bool kH = kOut & kOutH;
   __shared__ unsigned warp_red[kThreads / 32];
   __shared__ __align__(16) uint8_t tbuf[kCols || kAct ? kTile * kTile : 16];  // transposed bytes
 
@@ -145,10 +222,13 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
   const bool vec_out = (K % 8 == 0) && (st.gc + kSub <= K);
   const int64_t first_row = st.m0 + st.r0;
   uint8_t* out_row = kRows ? p.data + first_row * K + st.gc : nullptr;  // a row per emit
+  [[maybe_unused]] const bool gated = Gated<kLoop>(q);
+  [[maybe_unused]] HCopyRow h_at = kH ? HCopyRow(ho, q, gated, first_row, st) : HCopyRow{};
   unsigned amax = 0;  // bits: two elements per 3-input integer max (MaxAbs took more here)
   ColumnBytes cols, zcols;
-  ForRows<InT, kPro, kLoop, kAct, kFp8H>(
-      q, hs, M, first_row, st.gc, [&](int i, const float (&y)[kSub], const float (&zv)[kSub]) {
+  ForRows<InT, kPro, kLoop, kAct, kFp8H, kH>(
+      q, hs, M, first_row, st.gc,
+      [&](int i, const float (&y)[kSub], const float (&zv)[kSub], const auto& hr) {
         unsigned pair[kSub / 2];  // columns 2k (bits 0-7) and 2k + 1 (bits 8-15)
 #pragma unroll
         for (int k = 0; k < kSub / 2; ++k) {
@@ -169,6 +249,7 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
             zcols.Push(zpair);
           }
         }
+        if constexpr (kH) StoreHRow(hr, h_at, q, gated, first_row + i < M, st, ho.scale_ld);
       });
   if (p.amax_out != nullptr) {
     amax = BlockMaxU(amax, warp_red);
@@ -209,8 +290,10 @@ extern __shared__ float4 act_scratch[];
 
 template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut, bool kFp8H>
 __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>())
-    ActQuantizeVec128Kernel(QuantizeArgs p, PrologueArgs q, QuantizeArgs z, Fp8HInput hs) {
+    ActQuantizeVec128Kernel(QuantizeArgs p, PrologueArgs q, QuantizeArgs z, Fp8HInput hs,
+                            Fp8HOutput ho) {
   constexpr bool kRows = kOut & kOutRows, kCols = kOut & kOutCols, kAct = kOut & kOutActCols;
+  constexpr bool kH = kOut & kOutH;
   static_assert(!kAct || kCols, "act(h)'s transposed bytes reuse the scratch of v's");
   __shared__ unsigned col_part[kThreads / 16][kTile];  // per-row-group column amax
   __shared__ float col_scale[kTile];
@@ -224,13 +307,16 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
   const bool vec_out = (K % 8 == 0) && (st.gc + kSub <= K);
   const int64_t first_row = st.m0 + st.r0;
   uint8_t* out_row = kRows ? p.data + first_row * K + st.gc : nullptr;  // a row per emit
+  [[maybe_unused]] const bool gated = Gated<kLoop>(q);
+  [[maybe_unused]] HCopyRow h_at = kH ? HCopyRow(ho, q, gated, first_row, st) : HCopyRow{};
   float cmax[kSub], zmax[kSub];  // column maxima of v and (kAct) of act(h)
 #pragma unroll
   for (int j = 0; j < kSub; ++j) cmax[j] = zmax[j] = 0.f;
   // ComputeRows runs its row loop warp-uniformly (prologue.h), so the
-  // 16-lane shuffle below is reached by all 32 lanes together.
-  ForRows<InT, kPro, kLoop, kAct, kFp8H>(
-      q, hs, M, first_row, st.gc, [&](int i, const float (&y)[kSub], const float (&zv)[kSub]) {
+  // 16-lane shuffles below are reached by all 32 lanes together.
+  ForRows<InT, kPro, kLoop, kAct, kFp8H, kH>(
+      q, hs, M, first_row, st.gc,
+      [&](int i, const float (&y)[kSub], const float (&zv)[kSub], const auto& hr) {
         if constexpr (kRows) {
           float rmax = 0.f;
 #pragma unroll
@@ -259,6 +345,7 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
 #pragma unroll
           for (int j = 0; j < kSub; ++j) zmax[j] = MaxAbs(zmax[j], zv[j]);
         }
+        if constexpr (kH) StoreHRow(hr, h_at, q, gated, first_row + i < M, st, ho.scale_ld);
       });
   if constexpr (kCols) {  // the rest writes the columnwise copies
     unsigned cmax_bits[kSub];
@@ -380,10 +467,10 @@ cudaError_t WithLoop(const PrologueArgs& q, Launch&& launch) {
 template <typename InT, ScaleMode kMode, Prologue kPro, prologue::ActLoop kLoop, int kOut,
           bool kFp8H>
 cudaError_t LaunchVariant(const QuantizeArgs& a, const PrologueArgs& q, const QuantizeArgs& z,
-                          const Fp8HInput& hs, cudaStream_t stream) {
+                          const Fp8HInput& hs, const Fp8HOutput& ho, cudaStream_t stream) {
   if constexpr (kMode == ScaleMode::kTensor) {
     ActQuantizeTensorKernel<InT, kPro, kLoop, kOut, kFp8H>
-        <<<TileGrid(a), kThreads, 0, stream>>>(a, q, z, hs);
+        <<<TileGrid(a), kThreads, 0, stream>>>(a, q, z, hs, ho);
   } else {
     auto* kernel = ActQuantizeVec128Kernel<InT, kPro, kLoop, kOut, kFp8H>;
     // Only the columnwise copy parks values in the scratch.
@@ -400,16 +487,18 @@ cudaError_t LaunchVariant(const QuantizeArgs& a, const PrologueArgs& q, const Qu
                                  cudaSharedmemCarveoutMaxShared);
       if (e != cudaSuccess) return e;
     }
-    kernel<<<TileGrid(a), kThreads, kDynamic, stream>>>(a, q, z, hs);
+    kernel<<<TileGrid(a), kThreads, kDynamic, stream>>>(a, q, z, hs, ho);
   }
   return cudaGetLastError();
 }
 
 // Calls fn(std::integral_constant<int, kOut>) for the output set `out`
 // (kOut bits) among those built for prologue kPro: both copies for every
-// prologue, the rowwise or the columnwise copy alone for kAct and kNorm, and
-// both plus act(h)'s columnwise copy for kDAct. cudaErrorInvalidValue for
-// the others.
+// prologue, the rowwise or the columnwise copy alone for kAct and kNorm,
+// both plus act(h)'s columnwise copy for kDAct, and for kAct the rowwise
+// copy alone or both copies plus h's E4M3 copy (the forward of the fused
+// MLP always writes z rowwise; the columnwise z alone would be 22 more
+// kernels to compile for no caller). cudaErrorInvalidValue for the others.
 template <Prologue kPro, typename Fn>
 cudaError_t WithOutputs(int out, Fn&& fn) {
   constexpr bool kSingle = kPro == Prologue::kAct || kPro == Prologue::kNorm;
@@ -425,6 +514,12 @@ cudaError_t WithOutputs(int out, Fn&& fn) {
       if constexpr (kPro == Prologue::kDAct)
         return fn(std::integral_constant<int, kOutBoth | kOutActCols>{});
       break;
+    case kOutRows | kOutH:
+      if constexpr (kPro == Prologue::kAct) return fn(std::integral_constant<int, kOutRows | kOutH>{});
+      break;
+    case kOutBoth | kOutH:
+      if constexpr (kPro == Prologue::kAct) return fn(std::integral_constant<int, kOutBoth | kOutH>{});
+      break;
     default: break;
   }
   return cudaErrorInvalidValue;
@@ -432,11 +527,12 @@ cudaError_t WithOutputs(int out, Fn&& fn) {
 
 template <typename InT, ScaleMode kMode, Prologue kPro, bool kFp8H>
 cudaError_t LaunchWithPrologue(const QuantizeArgs& a, const PrologueArgs& q, const QuantizeArgs& z,
-                               const Fp8HInput& hs, int out, cudaStream_t stream) {
+                               const Fp8HInput& hs, const Fp8HOutput& ho, int out,
+                               cudaStream_t stream) {
   return WithOutputs<kPro>(out, [&](auto outs) {
     return WithLoop<InT, kPro, kFp8H>(q, [&](auto loop) {
       return LaunchVariant<InT, kMode, kPro, decltype(loop)::value, decltype(outs)::value, kFp8H>(
-          a, q, z, hs, stream);
+          a, q, z, hs, ho, stream);
     });
   });
 }
@@ -510,12 +606,22 @@ bool ActColumnsValid(const QuantizeArgs& a, const PrologueArgs& q, const Quantiz
   return z.sinv_t != nullptr && z.sinv_t_ld >= (z.K + 3) / 4 * 4;
 }
 
+// h's E4M3 copy of a kAct prologue (Fp8HOutput): whole 1x128 tiles in h0
+// and h1, a scale row per row of h.
+bool HCopyValid(const QuantizeArgs& a, const PrologueArgs& q, const Fp8HOutput& ho) {
+  const int64_t width = (q.act1 >= 0 ? 2 : 1) * q.F;
+  return q.kind == Prologue::kAct && q.F % 128 == 0 && a.data != nullptr && ho.data != nullptr &&
+         ho.scale_inv != nullptr && ho.scale_ld >= width / 128;
+}
+
 // The kernels for `a` (checked grid, amax_out zeroed) with the outputs its
-// pointers (and `act`) select; h E4M3 with `h_fp8` (kDAct).
+// pointers (and `act`, `h_out`) select; h E4M3 with `h_fp8` (kDAct).
 cudaError_t LaunchSelected(const QuantizeArgs& a, const PrologueArgs& q, const QuantizeArgs* act,
-                           const Fp8HInput* h_fp8, cudaStream_t stream) {
+                           const Fp8HInput* h_fp8, const Fp8HOutput* h_out,
+                           cudaStream_t stream) {
   if (q.kind == Prologue::kNone || !PrologueValid(a, q)) return cudaErrorInvalidValue;
   if (h_fp8 != nullptr && !Fp8HValid(q, *h_fp8)) return cudaErrorInvalidValue;
+  if (h_out != nullptr && !HCopyValid(a, q, *h_out)) return cudaErrorInvalidValue;
   if (a.data == nullptr && a.data_t == nullptr) return cudaErrorInvalidValue;
   if (act != nullptr && !ActColumnsValid(a, q, *act)) return cudaErrorInvalidValue;
   if (a.mode == ScaleMode::kTensor) {
@@ -527,10 +633,11 @@ cudaError_t LaunchSelected(const QuantizeArgs& a, const PrologueArgs& q, const Q
     return cudaErrorInvalidValue;
   }
   const int out = (a.data != nullptr ? kOutRows : 0) | (a.data_t != nullptr ? kOutCols : 0) |
-                  (act != nullptr ? kOutActCols : 0);
+                  (act != nullptr ? kOutActCols : 0) | (h_out != nullptr ? kOutH : 0);
   const QuantizeArgs none;
   const QuantizeArgs& z = act != nullptr ? *act : none;
   const Fp8HInput hs = h_fp8 != nullptr ? *h_fp8 : Fp8HInput();
+  const Fp8HOutput ho = h_out != nullptr ? *h_out : Fp8HOutput();
   auto typed = [&](auto in) {
     using InT = decltype(in);
     return WithPrologue(q.kind, [&](auto pro) {
@@ -538,10 +645,10 @@ cudaError_t LaunchSelected(const QuantizeArgs& a, const PrologueArgs& q, const Q
       auto launch = [&](auto fp8_h) {
         constexpr bool kFp8H = decltype(fp8_h)::value;
         return a.mode == ScaleMode::kTensor
-                   ? LaunchWithPrologue<InT, ScaleMode::kTensor, kPro, kFp8H>(a, q, z, hs, out,
-                                                                              stream)
-                   : LaunchWithPrologue<InT, ScaleMode::kVec128, kPro, kFp8H>(a, q, z, hs, out,
-                                                                              stream);
+                   ? LaunchWithPrologue<InT, ScaleMode::kTensor, kPro, kFp8H>(a, q, z, hs, ho,
+                                                                              out, stream)
+                   : LaunchWithPrologue<InT, ScaleMode::kVec128, kPro, kFp8H>(a, q, z, hs, ho,
+                                                                              out, stream);
       };
       if constexpr (kPro == Prologue::kDAct) {  // the only prologue built for an FP8 h
         if (h_fp8 != nullptr) return launch(std::true_type{});
@@ -562,19 +669,19 @@ cudaError_t LaunchSelected(const QuantizeArgs& a, const PrologueArgs& q, const Q
 cudaError_t LaunchActQuantize(const QuantizeArgs& a, const PrologueArgs& q, cudaStream_t stream) {
   // LaunchQuantize's contract (quantize.h): both copies.
   if (a.data == nullptr || a.data_t == nullptr) return cudaErrorInvalidValue;
-  return LaunchSelected(a, q, nullptr, nullptr, stream);
+  return LaunchSelected(a, q, nullptr, nullptr, nullptr, stream);
 }
 
 cudaError_t LaunchPrologueQuantize(const QuantizeArgs& a, const PrologueArgs& q,
                                    const QuantizeArgs* act, cudaStream_t stream,
-                                   const Fp8HInput* h_fp8) {
+                                   const Fp8HInput* h_fp8, const Fp8HOutput* h_out) {
   if (a.M <= 0 || a.K <= 0) return cudaSuccess;
   if (!GridValid(a)) return cudaErrorInvalidConfiguration;
   if (a.mode == ScaleMode::kTensor && a.amax_out != nullptr) {
     cudaError_t e = cudaMemsetAsync(a.amax_out, 0, sizeof(float), stream);
     if (e != cudaSuccess) return e;
   }
-  return LaunchSelected(a, q, act, h_fp8, stream);
+  return LaunchSelected(a, q, act, h_fp8, h_out, stream);
 }
 
 namespace {

@@ -192,12 +192,19 @@ inline ActLoop ChooseLoop(const PrologueArgs& q, bool sixteen_bit) {
 // caller does not use (its act(h) tile holds columns < F only).
 //
 // kFp8H: h is E4M3 with per-tile scales `hs` (Fp8HInput), dz of type InT.
-template <typename InT, Prologue kPro, ActLoop kLoop, bool kWithAct, bool kFp8H, typename Emit>
+//
+// kWithH (kAct only): emit also gets the row's inputs as loaded (RowInputs:
+// r.a[j] = h0, r.b[j] = h1 when gated, at the row and column col + j; 0 past
+// M), so that the caller can write h's own FP8 copy from the values it has
+// loaded anyway (Fp8HOutput in act_quantize.h).
+template <typename InT, Prologue kPro, ActLoop kLoop, bool kWithAct, bool kFp8H, bool kWithH,
+          typename Emit>
 __device__ __forceinline__ void ActRows(const PrologueArgs& q, const Fp8HInput& hs, int64_t M,
                                         int64_t row, int64_t col, Emit&& emit) {
   static_assert(kPro != Prologue::kNone && kPro != Prologue::kNorm, "an activation prologue");
   static_assert(!kWithAct || kPro == Prologue::kDAct, "act(h) beside dact(dz, h) only");
   static_assert(!kFp8H || kPro != Prologue::kConcat, "an FP8 h is an activation input");
+  static_assert(!kWithH || (kPro == Prologue::kAct && !kFp8H), "h's rows: a 16/32-bit kAct h");
   using HT = std::conditional_t<kFp8H, uint8_t, InT>;
   constexpr bool kCat = kPro == Prologue::kConcat;
   static_assert(kCat == (kLoop == ActLoop::kNone), "kConcat runs the kNone loop, and only it");
@@ -301,6 +308,8 @@ __device__ __forceinline__ void ActRows(const PrologueArgs& q, const Fp8HInput& 
       compute(cur, [&](int j) { return !kChecked || (row_in && sc + j < F); }, y, z);
       if constexpr (kWithAct) {
         emit(i, y, z);
+      } else if constexpr (kWithH) {
+        emit(i, y, cur);
       } else {
         emit(i, y);
       }
@@ -444,17 +453,19 @@ __device__ __forceinline__ void NormRows(const PrologueArgs& q, int64_t M, int64
 // warp-uniformly, so emit may use warp shuffles. With kWithAct (kDAct only)
 // it calls emit(i, y, z) with z[j] = act(h)[row + i][col + j] for the
 // columns col + j < F (see ActRows). With kFp8H (kAct, kDAct) h is E4M3
-// with the tile scales `hs` (Fp8HInput) and InT is dz's element type.
+// with the tile scales `hs` (Fp8HInput) and InT is dz's element type. With
+// kWithH (kAct only) it calls emit(i, y, r), r the row's RowInputs<InT>.
 template <typename InT, Prologue kPro, ActLoop kLoop, bool kWithAct = false,
-          bool kFp8H = false, typename Emit>
+          bool kFp8H = false, bool kWithH = false, typename Emit>
 __device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, int64_t row,
                                             int64_t col, Emit&& emit,
                                             const Fp8HInput& hs = Fp8HInput()) {
   if constexpr (kPro == Prologue::kNorm) {
-    static_assert(kLoop == ActLoop::kNone && !kWithAct && !kFp8H, "kNorm runs the kNone loop");
+    static_assert(kLoop == ActLoop::kNone && !kWithAct && !kFp8H && !kWithH,
+                  "kNorm runs the kNone loop");
     NormRows<InT>(q, M, row, col, emit);
   } else {
-    ActRows<InT, kPro, kLoop, kWithAct, kFp8H>(q, hs, M, row, col, emit);
+    ActRows<InT, kPro, kLoop, kWithAct, kFp8H, kWithH>(q, hs, M, row, col, emit);
   }
 }
 

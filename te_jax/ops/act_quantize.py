@@ -21,12 +21,14 @@ most one step on rare elements. Quantization is exactly
 between).
 
 Outputs: both FP8 copies by default; ``rowwise=False`` / ``columnwise=False``
-leaves one out (the forward of the FP8 MLP writes only the rowwise ``z`` its
-second GEMM reads). ``dact_quantize(..., act_columnwise=...)`` also writes
-the columnwise copy of ``z = act(h)`` for the wgrad GEMM of the second
-layer, quantized as the forward quantized ``z`` (:class:`ActColumnwise`),
-from the activation values its pass over ``h`` computes anyway: the
-forward need not keep that copy, and no second pass over ``h`` makes it.
+leaves one out (the FP8 MLP's forward writes only the rowwise ``z``).
+``dact_quantize(..., act_columnwise=...)`` also writes the columnwise copy
+of ``z = act(h)`` for the second layer's wgrad, quantized as the forward
+quantized ``z`` (:class:`ActColumnwise`), from the activation values its
+pass over ``h`` computes anyway: the forward keeps no such copy, and no
+second pass over ``h`` makes it. ``act_quantize(..., h_copy=True)`` also
+writes the E4M3 copy of ``h`` that ``dact_quantize`` reads, from the ``h``
+it loads: no quantize pass of its own.
 """
 
 from __future__ import annotations
@@ -42,27 +44,19 @@ from te_jax.ops import _native
 from te_jax.ops import act_quantize_cuda
 from te_jax.ops import quantize as quantize_op
 from te_jax.ops import quantize_copies as copies
-from te_jax.ops import tiling
 from te_jax.ops.fp8 import QuantizedTensor, ScaledTensor
 
-__all__ = [
-    "ACTIVATIONS",
-    "ACTIVATION_NAMES",
-    "Activation",
-    "MODES",
-    "activation_forward",
-    "activation_backward",
-    "ActColumnwise",
-    "act_columnwise_like",
-    "join_columnwise",
-    "act_quantize_reference",
-    "dact_quantize_reference",
-    "act_quantize",
-    "dact_quantize",
-    "act_quantize_supported",
-]
+__all__ = ["ACTIVATIONS", "H_COPY_BLOCK", "H_COPY_DTYPE", "H_COPY_POWER_2_SCALE",
+           "ACTIVATION_NAMES", "Activation", "MODES", "activation_forward", "activation_backward",
+           "ActColumnwise", "act_columnwise_like", "join_columnwise", "act_quantize_reference",
+           "dact_quantize_reference", "act_quantize", "dact_quantize", "act_quantize_supported"]
 
 MODES = quantize_op.MODES
+
+# h's copy (h_copy=True), the FP8 h dact_quantize reads, whatever z's mode.
+H_COPY_BLOCK = (1, 128)
+H_COPY_DTYPE = jnp.float8_e4m3fn
+H_COPY_POWER_2_SCALE = True
 
 _F32 = jnp.float32
 _ONE, _HALF = np.float32(1.0), np.float32(0.5)
@@ -79,13 +73,10 @@ _QUICK = np.float32(1.702)
 # ------------------------------------------------------------ activations ---
 
 def _sigmoid_pair(x):
-  """``(sigmoid(x), 1 - sigmoid(x))``, both to a few float32 ulps.
-
-  From ``e = exp(-|x|)`` (never overflows): ``1 / (1 + e)`` and ``e / (1 + e)``
-  are the two halves. Computing ``1 - s`` by subtraction instead loses all
-  relative accuracy where ``s`` is near 1, and the derivatives below are
-  products with that complement.
-  """
+  """``(sigmoid(x), 1 - sigmoid(x))``, both to a few float32 ulps: from
+  ``e = exp(-|x|)`` (never overflows), ``1 / (1 + e)`` and ``e / (1 + e)``.
+  ``1 - s`` by subtraction would lose all relative accuracy where ``s`` is
+  near 1, and the derivatives below are products with that complement."""
   e = jnp.exp(-jnp.abs(x))
   r = _ONE / (_ONE + e)
   er = e * r
@@ -150,15 +141,12 @@ class Activation(NamedTuple):
   Attributes:
     kernel_id: its ``ActId`` in ``custom_calls/kernels/quantize.h``.
     fwd_bwd: float32 ``x -> (act(x), act'(x))``, the spec the fused kernels
-      mirror operation for operation (``kernels/activation.h``). Formulas go
-      through ``exp``/``expm1`` only, never ``1 - tanh`` or ``1 - sigmoid`` by
-      subtraction: two float32 implementations of tanh (CUDA's ``tanhf``,
-      XLA's) differ by ulps near +-1, which ``1 - t^2`` turns into relative
-      errors of 100% and more, enough to move the FP8 values of a gelu
-      backward by many steps; with the ``exp`` forms the two paths differ
-      by at most one FP8 step on rare elements (module doc).
-    jax_fn: the function the unfused MLP path applies in the compute dtype
-      (differentiated by JAX).
+      mirror operation for operation (``kernels/activation.h``), through
+      ``exp``/``expm1`` only, never ``1 - tanh`` or ``1 - sigmoid``: CUDA's
+      and XLA's tanh differ by ulps near +-1, which ``1 - t^2`` turns into
+      relative errors of 100% and more (many FP8 steps of a gelu backward);
+      the ``exp`` forms differ by one FP8 step on rare elements at most.
+    jax_fn: the function the unfused MLP path applies in the compute dtype.
   """
 
   kernel_id: int
@@ -223,6 +211,12 @@ def _check_fp8_h(h) -> bool:
   return True
 
 
+def _check_h_copy(h_copy) -> bool:
+  if not isinstance(h_copy, (bool, np.bool_)):
+    raise TypeError(f"h_copy must be a Python bool (it is static), got {h_copy!r}.")
+  return bool(h_copy)
+
+
 def _check_dz(dz, h, n_act: int):
   quantize_op.check_input(dz, "dz", 2)
   if h.shape[0] != dz.shape[0] or h.shape[1] != n_act * dz.shape[1]:
@@ -234,9 +228,8 @@ class ActColumnwise(NamedTuple):
   """The columnwise FP8 copy of ``z = act(h)`` that ``dact_quantize`` can also
   write, for the wgrad GEMM of the layer after the activation: quantized
   exactly as the forward's ``act_quantize`` call quantized ``z`` (the same
-  bytes), so that the forward need not keep it.
-
-  Build it with :func:`act_columnwise_like`, which checks it.
+  bytes), so that the forward need not keep it. Build it with
+  :func:`act_columnwise_like`, which checks it.
 
   Attributes:
     mode: that call's mode; the same as the ``dact_quantize`` call's (one
@@ -260,13 +253,11 @@ class ActColumnwise(NamedTuple):
 def act_columnwise_like(*, amax, mode: str, dtype, scale=None, power_2_scale: bool = False,
                         impl: str = "auto") -> ActColumnwise:
   """The :class:`ActColumnwise` of an ``act_quantize`` call with these options
-  that returned ``amax`` (its ``QuantizedTensor.amax``).
-
-  It takes the options as ``act_quantize`` does, so that
-  ``ScalingMode.quantize_fused(act_columnwise_like, "x", state, amax=...)``
-  names the quantization a recipe gave the forward's ``z``; ``impl`` comes
-  with that call and is not used (this says how ``z`` is quantized, not where).
-  """
+  that returned ``amax`` (its ``QuantizedTensor.amax``). It takes the options
+  as ``act_quantize`` does, so that ``ScalingMode.quantize_fused(
+  act_columnwise_like, "x", state, amax=...)`` names the quantization a
+  recipe gave the forward's ``z``; ``impl`` comes with that call and is not
+  used (this says how ``z`` is quantized, not where)."""
   del impl
   return _check_act_columnwise(ActColumnwise(mode, dtype, scale, amax, power_2_scale), mode)
 
@@ -338,20 +329,20 @@ def activation_backward(dz: jax.Array, h: jax.Array,
 
 def act_quantize_reference(h: jax.Array, activations: Sequence[str], *, mode: str,
                            dtype, scale=None, power_2_scale: bool = False,
-                           rowwise: bool = True, columnwise: bool = True) -> QuantizedTensor:
-  """Pure-JAX ``act_quantize``: quantizes ``activation_forward(h, activations)``."""
+                           rowwise: bool = True, columnwise: bool = True, h_copy: bool = False
+                           ) -> Union[QuantizedTensor, Tuple[QuantizedTensor, ScaledTensor]]:
+  """Pure-JAX ``act_quantize``: quantizes ``activation_forward(h, activations)``
+  (and with ``h_copy`` h itself, in the H_COPY_* format)."""
   acts = _check_activations(activations)
   _check_h(h, len(acts))
   dtype, scale = quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
   copies.check_outputs(rowwise, columnwise)
-  return copies.quantize_selected_reference(activation_forward(h, acts), mode, dtype, scale,
-                                     power_2_scale, rowwise=rowwise, columnwise=columnwise)
-
-
-def _act_columnwise_reference(h, acts, spec: ActColumnwise) -> ScaledTensor:
-  return copies.quantize_selected_reference(activation_forward(h, acts), spec.mode, spec.dtype,
-                                     spec.scale, spec.power_2_scale, amax=spec.amax,
-                                     rowwise=False).columnwise()
+  q = copies.quantize_selected_reference(activation_forward(h, acts), mode, dtype, scale,
+                                         power_2_scale, rowwise=rowwise, columnwise=columnwise)
+  if not _check_h_copy(h_copy):
+    return q
+  return q, quantize_op.quantize_blockwise_reference(h, H_COPY_BLOCK, H_COPY_DTYPE,
+                                                     H_COPY_POWER_2_SCALE).rowwise()
 
 
 def dact_quantize_reference(dz: jax.Array, h: jax.Array, activations: Sequence[str], *,
@@ -370,7 +361,10 @@ def dact_quantize_reference(dz: jax.Array, h: jax.Array, activations: Sequence[s
       activation_backward(dz, h, acts), mode, dtype, scale, power_2_scale)
   if act_columnwise is None:
     return q
-  return q, _act_columnwise_reference(h, acts, _check_act_columnwise(act_columnwise, mode))
+  spec = _check_act_columnwise(act_columnwise, mode)
+  return q, copies.quantize_selected_reference(
+      activation_forward(h, acts), spec.mode, spec.dtype, spec.scale, spec.power_2_scale,
+      amax=spec.amax, rowwise=False).columnwise()
 
 
 # ------------------------------------------------------------ dispatchers ---
@@ -388,11 +382,10 @@ def join_columnwise(parts: Sequence[ScaledTensor], impl: str = "auto") -> Scaled
     impl: "auto", "cuda" or "reference".
 
   Returns:
-    A ``ScaledTensor`` (F, sum rows_i). The CUDA path concatenates the
-    kernels' buffers; the reference joins the chunks as rows, (M, F), and
-    transposes, the form of the whole tensor's reference copy (``data.T``),
-    so that XLA:CPU lays the wgrad GEMM's operand out as it does for the
-    whole tensor and sums in the same order: the same gradients bit for bit.
+    A ``ScaledTensor`` (F, sum rows_i). CUDA concatenates the kernels'
+    buffers; the reference joins the chunks as rows (M, F) and transposes,
+    the form of the whole tensor's ``data.T``, so that XLA:CPU lays out the
+    wgrad operand and sums as for the whole tensor: the same bits.
   """
   first = parts[0]
   if len(parts) == 1:
@@ -417,7 +410,8 @@ def _kernel_ids(acts):
 
 def act_quantize(h: jax.Array, activations: Sequence[str], *, mode: str, dtype,
                  scale=None, power_2_scale: bool = False, impl: str = "auto",
-                 rowwise: bool = True, columnwise: bool = True) -> QuantizedTensor:
+                 rowwise: bool = True, columnwise: bool = True, h_copy: bool = False
+                 ) -> Union[QuantizedTensor, Tuple[QuantizedTensor, ScaledTensor]]:
   """FP8 quantization of ``z = activation_forward(h, activations)`` in one pass.
 
   Args:
@@ -432,6 +426,9 @@ def act_quantize(h: jax.Array, activations: Sequence[str], *, mode: str, dtype,
     impl: "auto", "cuda" or "reference" (see ``ops/_native.py``).
     rowwise, columnwise: which FP8 copies to write (at least one; a copy
       not asked for is never computed).
+    h_copy: also write h's E4M3 copy (``store_act_input_in_fp8``) from the
+      h this pass loads, instead of a ``quantize_blockwise`` pass over h.
+      The CUDA path needs F % 128 == 0 and ``rowwise`` for it.
 
   Returns:
     A ``QuantizedTensor``: data (M, F) FP8 and data_t (F, M) the
@@ -440,6 +437,8 @@ def act_quantize(h: jax.Array, activations: Sequence[str], *, mode: str, dtype,
     "blockwise": scale_inv (M, ceil(F/128)), scale_inv_t (F, ceil(M/128))
     (the logical layout of ``quantize_blockwise``), amax None. A copy not
     asked for is None, with its scales (the per-tensor scale_inv stays).
+    With ``h_copy`` the pair ``(that, quantize_blockwise(h, (1, 128),
+    float8_e4m3fn, power_2_scale=True).rowwise())``: (M, n_act*F) E4M3.
 
   Raises:
     ValueError/TypeError for bad arguments; ValueError when the CUDA path is
@@ -449,14 +448,16 @@ def act_quantize(h: jax.Array, activations: Sequence[str], *, mode: str, dtype,
   f = _check_h(h, len(acts))
   dtype, scale = quantize_op.check_mode_args(mode, dtype, scale, power_2_scale)
   copies.check_outputs(rowwise, columnwise)
+  h_copy = _check_h_copy(h_copy)
 
   def cuda():
-    act_quantize_cuda.check_shape(h.shape[0], f, len(acts))
+    act_quantize_cuda.check_shape(h.shape[0], f, len(acts), h_copy=h_copy, rowwise=rowwise)
     return act_quantize_cuda.act_quantize(h, None, _kernel_ids(acts), mode, dtype, scale,
-                                          power_2_scale, rowwise=rowwise, columnwise=columnwise)
+                                          power_2_scale, rowwise=rowwise, columnwise=columnwise,
+                                          h_copy=h_copy)
   return _native.dispatch(impl, cuda, lambda: act_quantize_reference(
       h, acts, mode=mode, dtype=dtype, scale=scale, power_2_scale=power_2_scale,
-      rowwise=rowwise, columnwise=columnwise))
+      rowwise=rowwise, columnwise=columnwise, h_copy=h_copy))
 
 
 def dact_quantize(dz: jax.Array, h: jax.Array, activations: Sequence[str], *, mode: str,
@@ -478,12 +479,11 @@ def dact_quantize(dz: jax.Array, h: jax.Array, activations: Sequence[str], *, mo
       call; the same bytes), from the activation values it computes anyway.
 
   Returns:
-    A ``QuantizedTensor`` as ``act_quantize`` with
-    W = n_act*F columns: data (M, W), data_t (W, M); blockwise scale_inv
-    (M, ceil(W/128)), scale_inv_t (W, ceil(M/128)). With ``act_columnwise``
-    the pair ``(that, z_t)``, ``z_t`` a ``ScaledTensor`` (F, M) (blockwise:
-    scales (F, ceil(M/128)), the 128x1 tiles of z), the operand
-    ``act_quantize(h, ...).columnwise()`` was.
+    As ``act_quantize`` with W = n_act*F columns: data (M, W), data_t (W,
+    M); blockwise scale_inv (M, ceil(W/128)), scale_inv_t (W, ceil(M/128)).
+    With ``act_columnwise`` the pair ``(that, z_t)``, ``z_t`` a
+    ``ScaledTensor`` (F, M) (blockwise: scales (F, ceil(M/128)), the 128x1
+    tiles of z), the operand ``act_quantize(h, ...).columnwise()`` was.
   """
   acts = _check_activations(activations)
   _check_fp8_h(h)

@@ -4,7 +4,8 @@
 One call reads h (and dz) and writes the FP8 copies asked for of v = act(h)
 or dact(dz, h) plus the scales (and, for dact with ``act_columnwise``, the
 columnwise copy of act(h)): v itself never reaches memory. dact also takes h
-as its E4M3 ``ScaledTensor`` (1x128 tiles): bytes and scales go to the kernel. A copy not asked
+as its E4M3 ``ScaledTensor`` (1x128 tiles): bytes and scales go to the kernel; act with
+``h_copy`` also writes that copy of h, from the h values it loads. A copy not asked
 for is a (0, 0) placeholder result that the handler leaves alone. The
 blockwise scales come back in the LOGICAL layout of ``quantize_blockwise``
 through the layout's ``from_native`` (``tiling.py``), which ``gemm_cuda.py``
@@ -51,13 +52,21 @@ def supported(m: int, f: int, n_act: int) -> bool:
           (n_act == 1 or f % 8 == 0))
 
 
-def check_shape(m: int, f: int, n_act: int):
-  """ValueError unless ``supported(m, f, n_act)``."""
+def check_shape(m: int, f: int, n_act: int, *, h_copy: bool = False, rowwise: bool = True):
+  """ValueError unless ``supported(m, f, n_act)`` and, with ``h_copy`` (h's
+  E4M3 copy from the forward kernel), F % 128 == 0 and ``rowwise``."""
   if not supported(m, f, n_act):
     raise ValueError(
         f"the CUDA act_quantize kernels do not take M={m}, F={f}, n_act={n_act}: they "
         f"need M <= {tiling.CUDA_MAX_ROWS} and, for a gated unit, F % 8 == 0. Check "
         f"act_quantize_supported(m, f, n_act) first, or pass impl='reference'.")
+  if h_copy and (f % 128 or not rowwise):
+    # The 16 lanes of a kernel's row group hold one whole 1x128 tile of h0
+    # (and of h1); the forward kernels that write h's copy also write z rowwise.
+    raise ValueError(
+        f"h_copy=True on the CUDA path needs F % 128 == 0 and rowwise=True, got F={f}, "
+        f"rowwise={rowwise}: quantize h with quantize_blockwise instead, or pass "
+        f"impl='reference'.")
 
 
 def fp8_outputs(m: int, k: int, dtype, rowwise: bool, columnwise: bool):
@@ -94,10 +103,32 @@ def selected_result(mode: str, m: int, k: int, data, scale_inv, data_t, scale_in
   return nan_scale_inv_if_non_finite(q) if mode == "tensorwise" else q
 
 
+def _h_copy_outputs(m: int, width: int, h_copy: bool):
+  """h's E4M3 copy (m, width) and its 1x128 scale_inv (m, width / 128) in the
+  logical layout, or (0, 0) placeholders. The data placeholder is uint8, not
+  FP8: it is no FP8 copy of anything (and the FP8 results of a call are the
+  copies of z it may write)."""
+  if not h_copy:
+    return _sds(_NONE_2D, jnp.uint8), _sds(_NONE_2D, _F32)
+  return _sds((m, width), jnp.float8_e4m3fn), _sds((m, width // 128), _F32)
+
+
+def _with_extra(q, z_t, h_fp8, h_sinv):
+  """q alone, or with the extra result asked for: act(h)'s columnwise copy
+  ``z_t`` (dact), or h's E4M3 copy from ``h_fp8`` and its tile scales (act)."""
+  if z_t is not None:
+    return q, z_t
+  if h_fp8 is not None:
+    return q, ScaledTensor(h_fp8, h_sinv, (1, 128))
+  return q
+
+
 def act_quantize(h, dz, kernel_ids, mode: str, dtype, scale, power_2_scale: bool, *,
-                 rowwise: bool = True, columnwise: bool = True, act_columnwise=None):
+                 rowwise: bool = True, columnwise: bool = True, act_columnwise=None,
+                 h_copy: bool = False):
   """The ``QuantizedTensor`` of act(h) (``dz`` None) or of dact(dz, h), and
-  with ``act_columnwise`` (dact only) also act(h)'s columnwise ``ScaledTensor``.
+  with ``act_columnwise`` (dact only) also act(h)'s columnwise ``ScaledTensor``,
+  with ``h_copy`` (act only) h's E4M3 ``ScaledTensor`` in 1x128 tiles.
 
   ``kernel_ids``: one or two ``ActId``s (``Activation.kernel_id``); see
   ``act_quantize.act_quantize`` / ``dact_quantize`` for the shapes.
@@ -137,33 +168,33 @@ def act_quantize(h, dz, kernel_ids, mode: str, dtype, scale, power_2_scale: bool
   else:
     act_outs = (_sds((f, m), spec.dtype), _sds((), _F32))
     act_operand = jnp.asarray(spec.scale if mode == "tensorwise" else spec.amax, _F32)
+  act_outs = act_outs + _h_copy_outputs(m, n_act * f, h_copy)
 
   if mode == "blockwise":
     grids = scale_grid_outputs(m, w, tiling.mode_layout(mode), rowwise, columnwise)
-    data, s, data_t, st, act_t, act_st = jax.ffi.ffi_call(
+    data, s, data_t, st, act_t, act_st, h_fp8, h_sinv = jax.ffi.ffi_call(
         "te_jax_act_quantize_blockwise", (fp8[0], grids[0], fp8[1], grids[1]) + act_outs)(
             h, dz_arg, h_scale, power_2_scale=np.int64(bool(power_2_scale)),
             act_power_2_scale=np.int64(spec is not None and spec.power_2_scale), **attrs)
     q = selected_result(mode, m, w, data, s, data_t, st, None, rowwise, columnwise)
-    if spec is None:
-      return q
     layout = tiling.mode_layout(mode)
-    return q, ScaledTensor(act_t, layout.from_native(act_st, f, m), layout.block_shape)
+    z_t = None if spec is None else ScaledTensor(act_t, layout.from_native(act_st, f, m),
+                                                 layout.block_shape)
+    return _with_extra(q, z_t, h_fp8 if h_copy else None, h_sinv)
 
   scalars = (_sds((), _F32), _sds((), _F32))   # scale_inv, amax
   if mode == "tensorwise":
-    data, data_t, scale_inv, amax, act_t, act_s = jax.ffi.ffi_call(
+    data, data_t, scale_inv, amax, act_t, act_s, h_fp8, h_sinv = jax.ffi.ffi_call(
         "te_jax_act_quantize_tensorwise", fp8 + scalars + act_outs)(
             h, dz_arg, h_scale, jnp.asarray(scale, _F32), act_operand, **attrs)
   else:   # current
-    data, data_t, scale_inv, amax, act_t, act_s = jax.ffi.ffi_call(
+    data, data_t, scale_inv, amax, act_t, act_s, h_fp8, h_sinv = jax.ffi.ffi_call(
         "te_jax_act_quantize_current", fp8 + scalars + act_outs)(
             h, dz_arg, h_scale, act_operand, power_2_scale=np.int64(bool(power_2_scale)),
             **attrs)
   q = selected_result(mode, m, w, data, scale_inv, data_t, scale_inv, amax, rowwise, columnwise)
-  if spec is None:
-    return q
   # The act(h) copy's scale_inv, NaN where the forward's amax is not finite
   # (for "current" the kernel's NaN scale already made it NaN).
-  act_s = jnp.where(jnp.isfinite(spec.amax), act_s, jnp.float32(jnp.nan))
-  return q, ScaledTensor(act_t, act_s)
+  z_t = None if spec is None else ScaledTensor(
+      act_t, jnp.where(jnp.isfinite(spec.amax), act_s, jnp.float32(jnp.nan)))
+  return _with_extra(q, z_t, h_fp8 if h_copy else None, h_sinv)
