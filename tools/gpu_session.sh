@@ -24,7 +24,8 @@
 #             store_act_input_in_fp8
 #   model     bench_model.py --preset llama, batch 8, every recipe
 #   keep      the same with --set keep_fp8_copies=true (not in the default list)
-#   kernels   tools/gpu_kernels.sh blockwise grouped; bench_ops.py --only act
+#   kernels   tools/gpu_kernels.sh blockwise grouped (not with KERNEL_HARNESS=0);
+#             bench_ops.py --only act
 #   ncu       tools/gpu_kernels.sh ncu: Nsight Compute on the blockwise GEMMs,
 #             ours and cuBLASLt's (on request)
 #   actncu    Nsight Compute on bench_ops.py --only act's te_jax kernels (on request)
@@ -36,11 +37,11 @@
 #             /tmp/te/c0..c5 (../shared/peer/README.md: each call
 #             `cp -r .te/cN /tmp/te/.cN && mv /tmp/te/.cN /tmp/te/cN`); its
 #             build starts in the background once all six are there
+#   actfp8    bf16, delayed, blockwise with --set store_act_input_in_fp8=true
+#             (not in the default list)
 #   moe       bench_moe.py rows (MOE_PARTS, default layer,model; the layer at
 #             each of MOE_LAYER_SIZES, default "full wide"; MOE_RECIPES;
 #             MOE_TIMEOUT seconds each), each layer row with its 12 largest kernels
-#   actfp8    bf16, delayed, blockwise with --set store_act_input_in_fp8=true
-#             (not in the default list)
 #   offload   bench_model.py with --set offload_optimizer=true (bf16, delayed), then
 #             without it unless the model stage ran (the same-lease baseline)
 #   jax012    the GPU suite on the jax wheels in $JAX_WHEELS (a venv over the
@@ -192,14 +193,15 @@ if want keep; then   # the model with the FP8 copies kept (speed against memory)
   model_rows keep "keep: " 560 --recipes none,delayed,current,blockwise \
     --set keep_fp8_copies=true --timeout 150
 fi
-if want kernels && [[ -n "$tarball" ]]; then
+if want kernels && [[ -n "$tarball" && "${KERNEL_HARNESS:-1}" == 1 ]]; then
   st "kernels"
   wait "${kernels_built:-}" 2>/dev/null
   OUT=$OUT timeout 200 bash tools/gpu_kernels.sh blockwise grouped > "$OUT/kernels.log" 2>&1
   grep -E "^checks:" "$OUT/kernels.log" >> "$LOG"
 fi
 if want kernels; then   # the activation-quantize passes of the Llama MLP (issue 43's budget)
-  (cd /tmp && timeout 150 python3 "$REPO/benchmarks/bench_ops.py" --only act \
+  st "kernels: bench_ops act"
+  (cd /tmp && timeout 300 python3 "$REPO/benchmarks/bench_ops.py" --only act \
      > "$OUT/ops_act.log" 2>&1)
   grep -E "^  (act fwd|dact bwd)" "$OUT/ops_act.log" >> "$LOG"
 fi
@@ -248,6 +250,11 @@ if want peers; then
     echo "peers: TE-JAX did not build ($(tail -n 2 "$OUT/te_build.log" 2>/dev/null | tr '\n' ' '))" >> "$LOG"
   fi
 fi
+if want actfp8; then   # the model with the MLP activation's input kept in FP8
+  st "actfp8"
+  model_rows actfp8 "act input in FP8: " 560 --recipes none,delayed,blockwise \
+    --set store_act_input_in_fp8=true --timeout 180
+fi
 if want moe; then
   st "moe"
   parts=" ${MOE_PARTS:-layer,model} "; parts=${parts//,/ }
@@ -265,11 +272,6 @@ if want moe; then
        --timeout "${MOE_TIMEOUT:-150}" > "$OUT/moe_model.log" 2>&1)
     grep -E "^model " "$OUT/moe_model.log" >> "$LOG"
   fi
-fi
-if want actfp8; then   # the model with the MLP activation's input kept in FP8
-  st "actfp8"
-  model_rows actfp8 "act input in FP8: " 560 --recipes none,delayed,blockwise \
-    --set store_act_input_in_fp8=true --timeout 180
 fi
 if want offload; then
   st "offload"
