@@ -12,11 +12,12 @@ Memory: :func:`activate` is a custom VJP whose only residual is its input
 derivative needs inside its own fusion. Differentiated directly, the
 float32 chain kept more: XLA's forward wrote a full-size mask of the
 activation (1 byte per (M, F) element) next to ``z`` and the backward read
-it back. With ``act_input_in_fp8`` (``fp8_autocast(store_act_input_in_fp8=True)``)
-``h`` is kept as ``te_jax.fused_mlp`` keeps it: E4M3 in 1x128 tiles along
-the n_act * F features with power-of-two scales (``ACT_INPUT_*``), 1 byte
-an element plus 4 per 128 instead of 2; the output is unchanged and the
-gradient is that of the activation at ``h`` rounded so.
+it back. With ``store_act_input_in_fp8``
+(``fp8_autocast(store_act_input_in_fp8=True)``) ``h`` is kept as
+``te_jax.fused_mlp`` keeps it: E4M3 in 1x128 tiles along the n_act * F
+features with power-of-two scales (its ``ACT_INPUT_*``), 1 byte an element
+plus 4 per 128 instead of 2; the output is unchanged and the gradient is
+that of the activation at ``h`` so rounded.
 
 Weights: ``wi`` (E, H, n_act, F) -- the layout of ``LayerNormMLP``'s
 ``wi_kernel`` with an expert dim in front, so F can be split over tensor
@@ -67,7 +68,7 @@ def _activation(h: jax.Array, activations: Tuple[str, ...]) -> jax.Array:
 
 class _ActConfig(NamedTuple):
   activations: Tuple[str, ...]
-  act_input_in_fp8: bool
+  store_act_input_in_fp8: bool
   impl: str
 
 
@@ -80,7 +81,7 @@ def _activate_fwd(h, cfg: _ActConfig):
   """The output and what the backward keeps: ``h`` (M, n_act, F), or its
   E4M3 copy as (M, n_act * F) in 1x128 tiles (a ``ScaledTensor``)."""
   z = _activation(h, cfg.activations)
-  if not cfg.act_input_in_fp8:
+  if not cfg.store_act_input_in_fp8:
     return z, h
   q = quantize_op.quantize_blockwise(h.reshape(h.shape[0], -1), ACT_INPUT_BLOCK,
                                      ACT_INPUT_DTYPE, power_2_scale=ACT_INPUT_POWER_2_SCALE,
@@ -107,24 +108,25 @@ def _activate_bwd(cfg: _ActConfig, kept, dz):
 _activate.defvjp(_activate_fwd, _activate_bwd)
 
 
-def activate(h: jax.Array, activations: Sequence[str], *, act_input_in_fp8: bool = False,
-             impl: str = "auto") -> jax.Array:
+def activate(h: jax.Array, activations: Sequence[str], *,
+             store_act_input_in_fp8: bool = False, impl: str = "auto") -> jax.Array:
   """(M, n_act, F) -> (M, F): ``act0(h0)`` or ``act0(h0) * act1(h1)``, in
   float32, returned in ``h.dtype``.
 
   Differentiable; its backward keeps only ``h`` (see the module doc), or
-  with ``act_input_in_fp8`` its E4M3 copy in 1x128 tiles with power-of-two
-  scales (one quantize pass over ``h``, ``impl`` "auto" or "reference").
+  with ``store_act_input_in_fp8`` its E4M3 copy in 1x128 tiles with
+  power-of-two scales (one quantize pass over ``h``, ``impl`` "auto" or "reference").
   """
-  if not isinstance(act_input_in_fp8, bool):
-    raise TypeError(f"act_input_in_fp8 must be a bool, got {act_input_in_fp8!r}.")
+  if not isinstance(store_act_input_in_fp8, bool):
+    raise TypeError(f"store_act_input_in_fp8 must be a bool, got "
+                    f"{store_act_input_in_fp8!r}.")
   if h.ndim != 3:
     raise ValueError(f"h must be (M, n_act, F), got shape {h.shape}.")
   acts = check_activations(activations)
   if h.shape[1] != len(acts):
     raise ValueError(f"h (M, n_act, F) has n_act = {h.shape[1]}, but {len(acts)} "
                      f"activation(s) {acts} were given.")
-  return _activate(h, _ActConfig(acts, act_input_in_fp8, impl))
+  return _activate(h, _ActConfig(acts, store_act_input_in_fp8, impl))
 
 
 def token_block(recipe) -> int:
@@ -144,7 +146,8 @@ def init_expert_states(recipe, num_experts: int):
 def expert_mlp(x: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: jax.Array, *,
                activations: Sequence[str], recipe=None, fp8_state=None,
                impl: str = "auto", wi_axes: gd.GroupedAxes = gd.GroupedAxes(),
-               wo_axes: gd.GroupedAxes = gd.GroupedAxes()) -> jax.Array:
+               wo_axes: gd.GroupedAxes = gd.GroupedAxes(),
+               store_act_input_in_fp8: bool = False) -> jax.Array:
   """Each expert's MLP on its rows of the sorted buffer ``x``.
 
   Args:
@@ -158,6 +161,8 @@ def expert_mlp(x: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: jax.Arra
     impl: "auto" or "reference".
     wi_axes, wo_axes: mesh axes of the two grouped GEMMs inside
       ``shard_map`` (``te_jax.grouped_dense.GroupedAxes``).
+    store_act_input_in_fp8: keep the activation's input for the backward
+      in E4M3 1x128 tiles instead of ``x.dtype`` (:func:`activate`).
 
   Returns:
     (M, H) in ``x.dtype``; rows outside every group are 0.
@@ -173,6 +178,7 @@ def expert_mlp(x: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: jax.Arra
   states: Optional[dict] = fp8_state or {}
   hid = gd.grouped_dense(x, wi.reshape(e, h, n_act * f), group_sizes, recipe=recipe,
                          fp8_state=states.get("wi"), impl=impl, axes=wi_axes)
-  z = activate(hid.reshape(x.shape[0], n_act, f), acts)
+  z = activate(hid.reshape(x.shape[0], n_act, f), acts,
+               store_act_input_in_fp8=store_act_input_in_fp8, impl=impl)
   return gd.grouped_dense(z, wo, group_sizes, recipe=recipe, fp8_state=states.get("wo"),
                           impl=impl, axes=wo_axes)
