@@ -27,6 +27,7 @@ from te_jax import flax as tfx
 from te_jax import moe, recipe
 from te_jax import nnx as tnx
 from te_jax import quantize as q
+from te_jax.layers import mlp as mlp_lib
 from te_jax.moe import dispatch as dispatch_lib
 from te_jax.moe import experts as experts_lib
 from te_jax.ops.act_quantize import ACTIVATIONS
@@ -251,7 +252,8 @@ def test_expert_mlp_residuals_drop_by_h():
 
 def test_the_unsharded_module_does_not_warn_about_the_option(caplog):
   """It applies the option (test above), so it no longer warns that it
-  cannot."""
+  cannot (te_jax.layers.mlp's warning, once per reason: its cache cleared)."""
+  mlp_lib.warn_act_input_not_in_fp8.cache_clear()
   caplog.set_level(logging.WARNING, logger="te_jax")
   config = moe.MoEConfig(num_experts=E, num_experts_per_token=K, activations=GATED)
   r = RECIPES["blockwise"]
