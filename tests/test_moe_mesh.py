@@ -12,6 +12,8 @@ Needs ``XLA_FLAGS=--xla_force_host_platform_device_count=8``;
 ``tests/test_moe_sharding.py`` runs this file in such a subprocess.
 """
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ import pytest
 from jax.sharding import Mesh
 
 from te_jax import hlo_inspect, moe, recipe, sharding
+from te_jax.moe import block as block_lib
 
 from test_moe_block import host_transfers, rel
 
@@ -171,3 +174,44 @@ def test_ep_axis_checks():
       p = moe.init_params(jax.random.PRNGKey(0), CFG, 200, F)
       moe.moe_block(x[..., :200], p, config=CFG, recipe=RECIPES["blockwise"],
                     mesh_resource=mr, ep_axis="ep")
+
+
+def test_fp8_act_input_reaches_the_experts_on_each_device():
+  """store_act_input_in_fp8 on EP=8, blockwise: the experts in the
+  shard_map keep h in E4M3 as one device does (1x128 tiles along the
+  features: a row's tiles do not depend on where the row is), so the
+  sharded gradients equal the one-device ones with the option within the
+  bound above, and differ from the sharded ones without it."""
+  r = RECIPES["blockwise"]
+  mesh, mr, _ = _mesh("ep8")
+  x, params, g = _inputs(False)
+  want = jax.jit(_step(r, store_act_input_in_fp8=True))(x, params, None, g)
+  with jax.set_mesh(mesh):
+    got = jax.jit(_step(r, mesh_resource=mr, ep_axis="ep", store_act_input_in_fp8=True))(
+        x, params, None, g)
+    base = jax.jit(_step(r, mesh_resource=mr, ep_axis="ep"))(x, params, None, g)
+  np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(base[0]))   # forward unchanged
+  assert rel(got[2][0], want[2][0]) < FP8_TOL
+  for name in want[2][1]:
+    assert rel(got[2][1][name], want[2][1][name]) < FP8_TOL, name
+  assert not np.array_equal(np.asarray(got[2][0]), np.asarray(base[2][0]))
+
+
+def test_sharded_shared_experts_say_once_they_keep_h_in_the_compute_dtype(caplog):
+  """The shared experts run sharded by XLA's partitioner, where the quantize
+  that would keep h in FP8 has no sharding rule: under the option they keep
+  h in the compute dtype and a warning says so, once."""
+  block_lib._warn_shared_act_input_in_dtype.cache_clear()  # pylint: disable=protected-access
+  caplog.set_level(logging.WARNING, logger="te_jax")
+  r = RECIPES["blockwise"]
+  mesh, mr, shared = _mesh("ep4_tp2_sp")
+  assert shared
+  x, params, g = _inputs(shared)
+  with jax.set_mesh(mesh):
+    jax.jit(_step(r, mesh_resource=mr, ep_axis="ep"))(x, params, None, g)
+    assert not [m for m in caplog.messages if "store_act_input_in_fp8" in m]
+    for _ in range(2):
+      jax.jit(_step(r, mesh_resource=mr, ep_axis="ep", store_act_input_in_fp8=True))(
+          x, params, None, g)
+  hits = [m for m in caplog.messages if "store_act_input_in_fp8" in m]
+  assert len(hits) == 1 and "shared experts" in hits[0], hits

@@ -8,6 +8,10 @@ on the path the settings give: unsharded, or sharded over the autocast's
 mesh resource (experts over its ``ep_resource``, FSDP, tensor and sequence
 parallelism; ``te_jax.moe.parallel``).
 
+``fp8_autocast(store_act_input_in_fp8=True)`` reaches the experts: they keep
+their activation's input in E4M3 1x128 tiles for the backward (the shared
+experts only where nothing is sharded; ``te_jax.moe.moe_block``).
+
 Parameters (module names; H hidden, E experts, F ``intermediate_dim``, Fs
 ``shared_intermediate_dim``, n_act the activations, 2 for SwiGLU):
 
@@ -49,7 +53,6 @@ from te_jax import grouped_dense as gd
 from te_jax import moe as moe_lib
 from te_jax import sharding as sharding_lib
 from te_jax.layers.gemm import gemm_kernel
-from te_jax.layers.mlp import warn_act_input_not_in_fp8
 from te_jax.layers.settings import Settings
 from te_jax.layers.state import GemmStates
 
@@ -198,9 +201,6 @@ def moe_layer(states: GemmStates, settings: Settings, x: jax.Array, *, params: d
   Returns:
     ``(y, aux)``: y like x in ``dtype``; aux a ``te_jax.moe.MoEAux``.
   """
-  if settings.store_act_input_in_fp8:
-    warn_act_input_not_in_fp8("MoE", "its experts (and shared experts) run as separate "
-                              "grouped and dense FP8 GEMMs, not the fused MLP core")
   shared = "shared_wi_kernel" in params
   block_states, unused = _gemm_states(states, settings, config, shared)
   if block_states is not None:
@@ -215,5 +215,6 @@ def moe_layer(states: GemmStates, settings: Settings, x: jax.Array, *, params: d
     y, aux = moe_lib.moe_block(
         x.astype(dtype), block_params, config=config, recipe=settings.recipe,
         fp8_state=block_states, router_bias=router_bias, token_mask=token_mask,
-        impl=settings.impl, mesh_resource=settings.mesh_resource, mesh=settings.mesh)
+        impl=settings.impl, mesh_resource=settings.mesh_resource, mesh=settings.mesh,
+        store_act_input_in_fp8=settings.store_act_input_in_fp8)
   return (states.keep_unused(y, unused) if unused else y), aux

@@ -37,6 +37,8 @@ experts. As for every te_jax GEMM, its update comes back as its gradient.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -204,7 +206,18 @@ def _check_params(params, config, x):
                      f"(H, n_act, {fs}) and shared_wo ({fs}, H), got {got}.")
 
 
-def _shared_mlp(x, params, config, recipe, fp8_state, impl, mesh_resource, mesh):
+@functools.lru_cache(maxsize=None)
+def _warn_shared_act_input_in_dtype():
+  """Warns once that the shared experts of a sharded block keep their
+  activation's input in the compute dtype although FP8 storage was asked for."""
+  logging.getLogger("te_jax").warning(
+      "te_jax: MoE store_act_input_in_fp8: the routed experts keep their activation's "
+      "input in FP8, the shared experts in the compute dtype: they run sharded by XLA's "
+      "partitioner, and the quantize that would keep it has no sharding rule.")
+
+
+def _shared_mlp(x, params, config, recipe, fp8_state, impl, mesh_resource, mesh,
+                store_act_input_in_fp8):
   """The shared experts: one MLP every token goes through, sharded like
   ``LayerNormMLP`` (FSDP on embed, tensor parallelism on mlp)."""
   states = fp8_state or {}
@@ -213,14 +226,16 @@ def _shared_mlp(x, params, config, recipe, fp8_state, impl, mesh_resource, mesh)
                                 fp8_state=states.get("shared_wi"), impl=impl,
                                 kernel_axes=("embed", "act", "mlp"), **sharded)
   n_act = params["shared_wi"].shape[1]
-  z = experts_lib.activate(hid.reshape(-1, n_act, hid.shape[-1]), config.activations)
+  z = experts_lib.activate(hid.reshape(-1, n_act, hid.shape[-1]), config.activations,
+                           store_act_input_in_fp8=store_act_input_in_fp8, impl=impl)
   z = z.reshape(hid.shape[:-2] + z.shape[-1:])
   return dense_lib.dense_general(z, params["shared_wo"], recipe=recipe,
                                  fp8_state=states.get("shared_wo"), impl=impl,
                                  kernel_axes=("mlp", "embed"), **sharded)
 
 
-def _local_experts(x2, routing, params, config, recipe, fp8_state, impl):
+def _local_experts(x2, routing, params, config, recipe, fp8_state, impl,
+                   store_act_input_in_fp8):
   """Steps 2-4 on one device: (T, H) -> (T, H) and the dropped count."""
   t, k = routing.expert_ids.shape
   e, block = config.num_experts, experts_lib.token_block(recipe)
@@ -235,7 +250,8 @@ def _local_experts(x2, routing, params, config, recipe, fp8_state, impl):
   with jax.named_scope(SCOPES["experts"]):
     out = experts_lib.expert_mlp(buf, d.group_sizes, params["wi"], params["wo"],
                                  activations=config.activations, recipe=recipe,
-                                 fp8_state=fp8_state, impl=impl)
+                                 fp8_state=fp8_state, impl=impl,
+                                 store_act_input_in_fp8=store_act_input_in_fp8)
   with jax.named_scope(SCOPES["combine"]):
     return dispatch_lib.combine_rows(out, d, routing.weights), d.dropped
 
@@ -244,7 +260,8 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
               fp8_state=None, router_bias: Optional[jax.Array] = None,
               token_mask: Optional[jax.Array] = None, impl: str = "auto",
               mesh_resource: Optional[sharding_lib.MeshResource] = None,
-              ep_axis: Optional[str] = None, mesh=None) -> Tuple[jax.Array, MoEAux]:
+              ep_axis: Optional[str] = None, mesh=None,
+              store_act_input_in_fp8: bool = False) -> Tuple[jax.Array, MoEAux]:
   """The mixture-of-experts layer ``y = sum_j w_j * expert_j(x) + shared(x)``.
 
   Args:
@@ -267,6 +284,11 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
     ep_axis: the expert axis by name, for a mesh resource without an
       ``ep_resource`` (the same as setting it there).
     mesh: the mesh; default the active one.
+    store_act_input_in_fp8: keep the experts' activation inputs (h, rows x
+      n_act * F) for the backward in E4M3 1x128 tiles with power-of-two
+      scales instead of x's dtype (``te_jax.moe.experts.activate``): the
+      routed experts always, the shared experts when nothing is sharded
+      (else they keep h in x's dtype and a warning says so once).
 
   Returns:
     ``(y, aux)``: y like x, aux a :class:`MoEAux`.
@@ -283,7 +305,11 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
     raise ValueError("config.router_bias_update_rate is set (bias-based balancing): pass the "
                      "router_bias (E,) (zeros at first) and update it after each step with "
                      "te_jax.moe.update_balance_bias.")
-  plan = parallel.make_plan(x.shape, config, recipe, mesh_resource, ep_axis, mesh)
+  if not isinstance(store_act_input_in_fp8, bool):
+    raise TypeError(f"store_act_input_in_fp8 must be a bool, got "
+                    f"{store_act_input_in_fp8!r}.")
+  plan = parallel.make_plan(x.shape, config, recipe, mesh_resource, ep_axis, mesh,
+                            store_act_input_in_fp8)
   with jax.named_scope(SCOPES["router"]):
     routing = router_lib.route(
         x.reshape(-1, h), params["router"], num_experts_per_token=config.num_experts_per_token,
@@ -297,7 +323,7 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
   expert_states = None if fp8_state is None else {r: fp8_state[r] for r in ("wi", "wo")}
   if plan is None:
     y2, dropped = _local_experts(x.reshape(-1, h), routing, params, config, recipe,
-                                 expert_states, impl)
+                                 expert_states, impl, store_act_input_in_fp8)
     y = y2.reshape(x.shape)
   else:
     y, dropped = parallel.sharded_experts(x, routing, params["wi"], params["wo"],
@@ -305,9 +331,14 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
   if "shared_wi" in params:
     # the expert axis is a data axis for the shared experts
     shared_mr = parallel.dense_mesh_resource(mesh_resource, ep_axis)
+    # XLA partitions the shared experts: their h stays in x's dtype unless
+    # nothing is sharded (the quantize keeping it has no sharding rule)
+    shared_fp8 = store_act_input_in_fp8 and plan is None and not sharding_lib.explicit_axes()
+    if store_act_input_in_fp8 and not shared_fp8:
+      _warn_shared_act_input_in_dtype()
     with jax.named_scope(SCOPES["shared"]):
       y = y + _shared_mlp(x, params, config, recipe, fp8_state, impl, shared_mr,
-                          mesh).astype(y.dtype)
+                          mesh, shared_fp8).astype(y.dtype)
   with jax.named_scope(SCOPES["router"]):
     lb = router_lib.load_balancing_loss(routing)
     z = router_lib.router_z_loss(routing)

@@ -79,6 +79,7 @@ class ExpertPlan(NamedTuple):
   capacity_factor: Optional[float]
   activations: Tuple[str, ...]
   recipe: object
+  store_act_input_in_fp8: bool = False   # the experts keep h in E4M3 (experts.activate)
 
 
 def _names(axes) -> Tuple[str, ...]:
@@ -141,8 +142,10 @@ def dense_mesh_resource(mesh_resource: Optional[sharding_lib.MeshResource],
   return with_ep_axis(mesh_resource, ep_axis)
 
 
-def make_plan(x_shape, config, recipe, mesh_resource, ep_axis, mesh) -> Optional[ExpertPlan]:
-  """The sharding of the expert block, or None when nothing is sharded."""
+def make_plan(x_shape, config, recipe, mesh_resource, ep_axis, mesh,
+              store_act_input_in_fp8: bool = False) -> Optional[ExpertPlan]:
+  """The sharding of the expert block, or None when nothing is sharded;
+  ``store_act_input_in_fp8`` is carried to the experts (``experts.expert_mlp``)."""
   if mesh_resource is None and ep_axis is None:
     return None
   mr = with_ep_axis(mesh_resource, ep_axis)
@@ -180,7 +183,7 @@ def make_plan(x_shape, config, recipe, mesh_resource, ep_axis, mesh) -> Optional
   return ExpertPlan(mesh, ep[0] if ep else None, sharding_lib.mesh_axis_size(mesh, ep),
                     tp, sp, fsdp, batch, x_spec, e, config.num_experts_per_token,
                     experts_lib.token_block(recipe), config.capacity_factor,
-                    config.activations, recipe)
+                    config.activations, recipe, store_act_input_in_fp8)
 
 
 def regroup(recv_sizes: jax.Array, rows_per_chunk: int) -> Tuple[jax.Array, jax.Array]:
@@ -248,7 +251,8 @@ def _body(plan: ExpertPlan, impl, x, ids, weights, wi, wo, states):
   with jax.named_scope(SCOPES["experts"]):
     out = experts_lib.expert_mlp(buf, sizes, wi, wo, activations=plan.activations,
                                  recipe=plan.recipe, fp8_state=states, impl=impl,
-                                 wi_axes=wi_axes, wo_axes=wo_axes)
+                                 wi_axes=wi_axes, wo_axes=wo_axes,
+                                 store_act_input_in_fp8=plan.store_act_input_in_fp8)
   with jax.named_scope(SCOPES["combine"]):
     if plan.ep_axis:
       out = exchange(dispatch_lib.pick_rows(out, dest))
