@@ -143,12 +143,14 @@ def fp8_autocast(enabled: bool = True,
       compute dtype for the backward. True: they keep it in E4M3 with one
       float32 scale per 1x128 tile (DeepSeek-V3's low-precision storage;
       ``te_jax.fused_mlp.fp8_mlp``'s ``store_act_input_in_fp8``): about
-      half of that residual's bytes, for one quantize pass in the forward
-      (the backward's activation kernel reads the FP8 bytes, 1 byte an
-      element instead of 2); the output is unchanged, the
-      gradients differ by the rounding of h to E4M3. A block that does not
-      run on the fused MLP path under FP8 cannot apply it and warns once
-      why. Ignored while FP8 is off.
+      half of that residual's bytes; the forward's activation kernel writes
+      the E4M3 copy from the h it reads anyway, and the backward's reads the
+      FP8 bytes, 1 byte an element instead of 2. The MoE experts keep
+      theirs the same way (``te_jax.moe``; shared experts of a sharded
+      block keep theirs in the compute dtype and warn once). The output is
+      unchanged, the gradients differ by the rounding of h to E4M3. A
+      block that does not run on the fused MLP path under FP8 cannot apply
+      it and warns once why. Ignored while FP8 is off.
 
   Yields:
     The active ``FP8Context``.

@@ -7,7 +7,6 @@ sow its aux values, update its router bias only where a training loop lets
 it, and the TransformerLayer option must wire norm -> MoE -> residual.
 """
 
-import logging
 
 import jax
 import jax.numpy as jnp
@@ -288,24 +287,3 @@ def test_transformer_layer_moe_options_are_checked(kw, exc, msg):
   x, _ = inputs()
   with pytest.raises(exc, match=msg):
     tfx.TransformerLayer(**LAYER, **kw).init(jax.random.key(0), x)
-
-
-def test_store_act_input_in_fp8_is_not_silently_ignored(caplog):
-  """The experts run grouped GEMMs, not the fused MLP core that keeps h in
-  FP8: under fp8_autocast(store_act_input_in_fp8=True) the MoE warns once
-  that it cannot, and nothing without the option."""
-  from te_jax.layers import mlp as mlp_lib   # pylint: disable=import-outside-toplevel
-  mlp_lib.warn_act_input_not_in_fp8.cache_clear()
-  caplog.set_level(logging.WARNING, logger="te_jax")
-  r = RECIPES["blockwise"]
-  module = tfx.MoE(**KW)
-  x, _ = inputs()
-  with autocast(r):
-    variables = module.init(jax.random.key(0), x)
-    module.apply(variables, x)
-  assert not [m for m in caplog.messages if "store_act_input_in_fp8" in m], caplog.messages
-  for _ in range(2):
-    with te_jax.fp8_autocast(True, r, store_act_input_in_fp8=True):
-      module.apply(variables, x)
-  hits = [m for m in caplog.messages if "store_act_input_in_fp8" in m]
-  assert len(hits) == 1 and "MoE" in hits[0] and "grouped" in hits[0], hits
