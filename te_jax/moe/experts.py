@@ -15,7 +15,7 @@ activation (1 byte per (M, F) element) next to ``z`` and the backward read
 it back. With ``store_act_input_in_fp8``
 (``fp8_autocast(store_act_input_in_fp8=True)``) ``h`` is kept as
 ``te_jax.fused_mlp`` keeps it: E4M3 in 1x128 tiles along the n_act * F
-features with power-of-two scales (its ``ACT_INPUT_*``), 1 byte an element
+features with power-of-two scales (``te_jax.ops.act_quantize.H_COPY_*``), 1 byte an element
 plus 4 per 128 instead of 2; the output is unchanged and the gradient is
 that of the activation at ``h`` so rounded.
 
@@ -36,9 +36,9 @@ import jax.numpy as jnp
 
 from te_jax import dense as dense_lib
 from te_jax import grouped_dense as gd
-from te_jax.fused_mlp import ACT_INPUT_BLOCK, ACT_INPUT_DTYPE, ACT_INPUT_POWER_2_SCALE
 from te_jax.ops import quantize as quantize_op
-from te_jax.ops.act_quantize import ACTIVATIONS
+from te_jax.ops.act_quantize import (ACTIVATIONS, H_COPY_BLOCK, H_COPY_DTYPE,
+                                     H_COPY_POWER_2_SCALE)
 from te_jax.ops.fp8 import ScaledTensor
 
 __all__ = ["check_activations", "activate", "token_block", "init_expert_states",
@@ -83,8 +83,8 @@ def _activate_fwd(h, cfg: _ActConfig):
   z = _activation(h, cfg.activations)
   if not cfg.store_act_input_in_fp8:
     return z, h
-  q = quantize_op.quantize_blockwise(h.reshape(h.shape[0], -1), ACT_INPUT_BLOCK,
-                                     ACT_INPUT_DTYPE, power_2_scale=ACT_INPUT_POWER_2_SCALE,
+  q = quantize_op.quantize_blockwise(h.reshape(h.shape[0], -1), H_COPY_BLOCK,
+                                     H_COPY_DTYPE, power_2_scale=H_COPY_POWER_2_SCALE,
                                      impl=cfg.impl)
   return z, q.rowwise()
 
