@@ -9,6 +9,7 @@
 #                             (tools/nvcc_free.sh), then the test step in that
 #                             same hidden view
 #   env:   PYTEST_ARGS  extra pytest arguments (e.g. "-k gemm -x")
+#          GPU_TEST_FILES  only these test files (names under tests/, space-separated)
 #          BENCH_ARGS   extra bench_ops.py arguments (e.g. "--quick")
 #          BENCHES      more benchmark scripts (paths relative to the repo) to run
 #                       after bench_ops.py, space-separated
@@ -60,7 +61,12 @@ if want test; then
   # time 231 s on 2026-12-02); the two files that time kernels or check
   # command buffers run alone afterwards.
   serial=("$REPO/tests/test_gpu_gemm_autotune.py" "$REPO/tests/test_gpu_command_buffers.py")
-  if python3 -c "import xdist" 2>/dev/null && [[ -z "${PYTEST_ARGS:-}" ]]; then
+  if [[ -n "${GPU_TEST_FILES:-}" ]]; then   # a subset: these files, 4 processes, no serial files
+    files=(); for f in $GPU_TEST_FILES; do files+=("$REPO/tests/$f"); done
+    (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -m gpu -n 4 \
+      --dist loadfile "${files[@]}" -p no:cacheprovider > "$OUT/pytest_gpu.log" 2>&1; \
+      tail -3 "$OUT/pytest_gpu.log") || echo "pytest failed (see $OUT/pytest_gpu.log)"
+  elif python3 -c "import xdist" 2>/dev/null && [[ -z "${PYTEST_ARGS:-}" ]]; then
     (cd /tmp && XLA_PYTHON_CLIENT_PREALLOCATE=false python3 -m pytest -v -m gpu -n 4 \
       --dist loadfile "$REPO/tests" -p no:cacheprovider --ignore="${serial[0]}" \
       --ignore="${serial[1]}" > "$OUT/pytest_gpu.log" 2>&1; tail -3 "$OUT/pytest_gpu.log") \
