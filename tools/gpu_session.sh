@@ -37,8 +37,8 @@
 #             /tmp/te/c0..c5 (../shared/peer/README.md: each call
 #             `cp -r .te/cN /tmp/te/.cN && mv /tmp/te/.cN /tmp/te/cN`); its
 #             build starts in the background once all six are there
-#   actfp8    bf16, delayed, blockwise with --set store_act_input_in_fp8=true
-#             (not in the default list)
+#   actfp8    ACTFP8_RECIPES (default bf16 and the three FP8 recipes) with
+#             --set store_act_input_in_fp8=true (not in the default list)
 #   moe       bench_moe.py rows (MOE_PARTS, default layer,model; the layer at
 #             each of MOE_LAYER_SIZES, default "full wide"; MOE_RECIPES;
 #             MOE_TIMEOUT seconds each), each layer row with its 12 largest kernels
@@ -252,7 +252,7 @@ if want peers; then
 fi
 if want actfp8; then   # the model with the MLP activation's input kept in FP8
   st "actfp8"
-  model_rows actfp8 "act input in FP8: " 560 --recipes none,delayed,blockwise \
+  model_rows actfp8 "act input in FP8: " 560 --recipes "${ACTFP8_RECIPES:-none,delayed,current,blockwise}" \
     --set store_act_input_in_fp8=true --timeout 180
 fi
 if want moe; then
