@@ -95,6 +95,7 @@ otherwise.
 from __future__ import annotations
 
 import functools
+import logging
 import numbers
 from typing import NamedTuple, Optional, Sequence, Tuple
 
@@ -110,7 +111,8 @@ from te_jax.ops import act_quantize as act_op
 from te_jax.ops import fp8
 from te_jax.ops.fp8 import ScaledTensor
 
-__all__ = ["fp8_mlp", "supported", "check_backward_chunks", "chunk_bounds"]
+__all__ = ["fp8_mlp", "supported", "check_backward_chunks", "chunk_bounds",
+           "warn_act_input_not_in_fp8"]
 
 
 class _MlpConfig(NamedTuple):
@@ -126,6 +128,17 @@ class _MlpConfig(NamedTuple):
   save_input: bool = True    # no FP8 copy of act(h) (nor of norm(x)) kept: made again
   save_kernel: bool = True   # no FP8 copies of the kernels kept: quantized again
   store_act_input_in_fp8: bool = False   # h kept as E4M3 in 1x128 tiles, not in dtype
+
+
+@functools.lru_cache(maxsize=None)
+def warn_act_input_not_in_fp8(owner: str, reason: str):
+  """Warns once per (owner, reason) that ``owner`` keeps its activation's
+  input in the compute dtype although the autocast's
+  ``store_act_input_in_fp8`` asked for FP8 (a memory saving the user asked
+  for and does not get): the MLP layers and the MoE's shared experts."""
+  logging.getLogger("te_jax").warning(
+      "te_jax: %s keeps its activation's input in the compute dtype, not in FP8 as "
+      "fp8_autocast(store_act_input_in_fp8=True) asks: %s", owner, reason)
 
 
 # The format h is kept in with store_act_input_in_fp8 (act_op.H_COPY_*, the

@@ -20,8 +20,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from te_jax import hlo_inspect, moe, recipe, sharding
-from te_jax.moe import block as block_lib
+from te_jax import fused_mlp, hlo_inspect, moe, recipe, sharding
 
 from test_moe_block import host_transfers, rel
 
@@ -201,7 +200,7 @@ def test_sharded_shared_experts_say_once_they_keep_h_in_the_compute_dtype(caplog
   """The shared experts run sharded by XLA's partitioner, where the quantize
   that would keep h in FP8 has no sharding rule: under the option they keep
   h in the compute dtype and a warning says so, once."""
-  block_lib._warn_shared_act_input_in_dtype.cache_clear()  # pylint: disable=protected-access
+  fused_mlp.warn_act_input_not_in_fp8.cache_clear()
   caplog.set_level(logging.WARNING, logger="te_jax")
   r = RECIPES["blockwise"]
   mesh, mr, shared = _mesh("ep4_tp2_sp")

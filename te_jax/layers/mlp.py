@@ -37,6 +37,7 @@ import jax
 
 from te_jax import fused_mlp
 from te_jax import norm_dense
+from te_jax.fused_mlp import warn_act_input_not_in_fp8
 from te_jax.layers.gemm import gemm, mlp_core
 from te_jax.layers.norm import fused_norm_states, module_norm
 from te_jax.layers.settings import Settings
@@ -73,17 +74,6 @@ def log_unfused(owner: str, reason: str, backward_chunks: int = 1):
     logging.getLogger("te_jax").warning(
         "te_jax: %s backward_chunks=%d has no effect: the block runs as two FP8 dense "
         "layers because %s", owner, backward_chunks, reason)
-
-
-@functools.lru_cache(maxsize=None)
-def warn_act_input_not_in_fp8(owner: str, reason: str):
-  """Warns once per (owner, reason) that ``owner`` keeps its activation's
-  input in the compute dtype although the autocast's
-  ``store_act_input_in_fp8`` asked for FP8 (a memory saving the user asked
-  for and does not get)."""
-  logging.getLogger("te_jax").warning(
-      "te_jax: %s keeps its activation's input in the compute dtype, not in FP8 as "
-      "fp8_autocast(store_act_input_in_fp8=True) asks: %s", owner, reason)
 
 
 def fused_core_blocker(m: int, embed: int, f: int, settings: Settings, acts,

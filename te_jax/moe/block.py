@@ -37,8 +37,6 @@ experts. As for every te_jax GEMM, its update comes back as its gradient.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -46,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax import dense as dense_lib
+from te_jax import fused_mlp
 from te_jax import sharding as sharding_lib
 from te_jax.moe import dispatch as dispatch_lib
 from te_jax.moe import experts as experts_lib
@@ -206,16 +205,6 @@ def _check_params(params, config, x):
                      f"(H, n_act, {fs}) and shared_wo ({fs}, H), got {got}.")
 
 
-@functools.lru_cache(maxsize=None)
-def _warn_shared_act_input_in_dtype():
-  """Warns once that the shared experts of a sharded block keep their
-  activation's input in the compute dtype although FP8 storage was asked for."""
-  logging.getLogger("te_jax").warning(
-      "te_jax: MoE store_act_input_in_fp8: the routed experts keep their activation's "
-      "input in FP8, the shared experts in the compute dtype: they run sharded by XLA's "
-      "partitioner, and the quantize that would keep it has no sharding rule.")
-
-
 def _shared_mlp(x, params, config, recipe, fp8_state, impl, mesh_resource, mesh,
                 store_act_input_in_fp8):
   """The shared experts: one MLP every token goes through, sharded like
@@ -335,7 +324,10 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
     # nothing is sharded (the quantize keeping it has no sharding rule)
     shared_fp8 = store_act_input_in_fp8 and plan is None and not sharding_lib.explicit_axes()
     if store_act_input_in_fp8 and not shared_fp8:
-      _warn_shared_act_input_in_dtype()
+      fused_mlp.warn_act_input_not_in_fp8(
+          "the MoE's shared experts", "they run sharded by XLA's partitioner, and the "
+          "quantize that would keep it has no sharding rule (the routed experts keep "
+          "theirs in FP8)")
     with jax.named_scope(SCOPES["shared"]):
       y = y + _shared_mlp(x, params, config, recipe, fp8_state, impl, shared_mr,
                           mesh, shared_fp8).astype(y.dtype)
