@@ -145,10 +145,11 @@ def bf16_calls(x, w, dy):
 def te_jax_bf16_calls(x, w, dy, impl: str):
   """(pass -> (fn, args, reference fn)) for te_jax's grouped GEMM on bf16 operands."""
   xb, wb, dyb = x.astype(BF16), w.astype(BF16), dy.astype(BF16)
-  calls = _te_jax_calls((xb, jnp.swapaxes(wb, 1, 2)), (dyb, wb), (xb.T, dyb.T), impl=impl)
+  calls = _te_jax_calls((xb, jnp.swapaxes(wb, 1, 2)), (dyb, wb), (xb, dyb), impl=impl)
   # The FP8-off layer's wgrad reads x and dy as stored (grouped_wgrad_rows).
   calls["wgrad"] = (lambda a, d, s: gg.grouped_wgrad_rows(a, d, s, out_dtype=BF16, impl=impl),
-                    (xb, dyb), lambda a, d, s: gg.grouped_wgrad_reference(a.T, d.T, s, BF16))
+                    calls["wgrad"][1],
+                    lambda a, d, s: gg.grouped_wgrad_reference(a.T, d.T, s, BF16))
   return calls
 
 

@@ -89,20 +89,19 @@ def _ragged_dot_gemms():
     return lax.ragged_dot(lhs, rhs, group_sizes,
                           preferred_element_type=jnp.float32).astype(out_dtype)
 
-  def wgrad(lhs_t, rhs_t, group_sizes, *, out_dtype=jnp.float32, **_):
+  def contraction_over(dim):
+    """A grouped wgrad contracting both operands' ``dim``, the grouped one:
+    1 for ``grouped_wgrad``'s (k, m) and (n, m), 0 for the FP8-off layer's
+    ``grouped_wgrad_rows`` on x (m, k) and grad (m, n) as stored."""
     dims = lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[1],
+        dot_dimension_numbers=(([dim], [dim]), ([], [])), lhs_ragged_dimensions=[dim],
         rhs_group_dimensions=[])
-    return lax.ragged_dot_general(lhs_t, rhs_t, group_sizes, dims,
-                                  preferred_element_type=jnp.float32).astype(out_dtype)
 
-  def wgrad_rows(x, grad, group_sizes, *, out_dtype=jnp.float32, **_):
-    # The FP8-off layer's wgrad (x and grad as stored, rows grouped).
-    dims = lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
-        rhs_group_dimensions=[])
-    return lax.ragged_dot_general(x, grad, group_sizes, dims,
-                                  preferred_element_type=jnp.float32).astype(out_dtype)
+    def wgrad(a, b, group_sizes, *, out_dtype=jnp.float32, **_):
+      return lax.ragged_dot_general(a, b, group_sizes, dims,
+                                    preferred_element_type=jnp.float32).astype(out_dtype)
+    return wgrad
+  wgrad, wgrad_rows = contraction_over(1), contraction_over(0)
   saved = op.grouped_gemm, op.grouped_wgrad, op.grouped_wgrad_rows
   op.grouped_gemm, op.grouped_wgrad, op.grouped_wgrad_rows = gemm, wgrad, wgrad_rows
   try:
