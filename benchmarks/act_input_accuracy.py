@@ -25,24 +25,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-import te_jax
 from te_jax import fp8_state, fused_mlp
 from te_jax.ops import act_quantize as act_op
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from train_gpt import make_recipe  # pylint: disable=import-error,wrong-import-position
+
 ACTS = ("silu", "linear")
 RECIPES = ("delayed", "current", "blockwise")
-
-
-def make_recipe(name: str):
-  return {"delayed": te_jax.recipe.DelayedScaling,
-          "current": te_jax.recipe.Float8CurrentScaling,
-          "blockwise": te_jax.recipe.Float8BlockScaling}[name]()
 
 
 def operands(m: int, k: int, f: int, seed: int = 0):
