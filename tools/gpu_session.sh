@@ -29,6 +29,8 @@
 #   ncu       tools/gpu_kernels.sh ncu: Nsight Compute on the blockwise GEMMs,
 #             ours and cuBLASLt's (on request)
 #   actncu    Nsight Compute on bench_ops.py --only act's te_jax kernels (on request)
+#   presets   bench_model.py's other rows of issue 43: --preset llama at batch 4,
+#             and --preset h200, every recipe (on request)
 #   accuracy  benchmarks/act_input_accuracy.py: store_act_input_in_fp8's
 #             gradient error beside the default's (on request)
 #   grouped   benchmarks/bench_grouped.py (te_jax grouped GEMM vs ragged_dot)
@@ -224,6 +226,13 @@ if want actncu; then   # Nsight Compute's budget of the activation-quantize kern
     || echo "actncu: exit $? (see ncu_act.err)" >> "$LOG"
   python3 tools/ncu_summary.py "$OUT/ncu_act.csv" > "$OUT/ncu_act.log" 2>&1
   grep -E "^\| " "$OUT/ncu_act.log" >> "$LOG"
+fi
+if want presets; then   # issue 43's batch-4 and h200-preset rows
+  st "presets"
+  model_rows batch4 "batch 4: " 480 --recipes none,delayed,current,blockwise \
+    --set batch=4 --timeout 120
+  model_rows h200 "h200 preset: " 480 --recipes none,delayed,current,blockwise \
+    --preset h200 --timeout 120
 fi
 if want accuracy; then   # store_act_input_in_fp8's gradients against FP8's own error
   st "accuracy"
