@@ -26,6 +26,10 @@
 #   keep      the same with --set keep_fp8_copies=true (not in the default list)
 #   kernels   tools/gpu_kernels.sh blockwise grouped (not with KERNEL_HARNESS=0);
 #             bench_ops.py --only act
+#   memory    model_memory.py's compile-only Llama tables at batch 8 (default plan;
+#             store_act_input_in_fp8; --offload_optimizer with and without it), in
+#             the background beside the stages after it (on request; best beside
+#             ncu, whose timings a busy CPU does not move)
 #   ncu       tools/gpu_kernels.sh ncu: Nsight Compute on the blockwise GEMMs,
 #             ours and cuBLASLt's (on request)
 #   actncu    Nsight Compute on bench_ops.py --only act's te_jax kernels (on request)
@@ -207,6 +211,23 @@ if want kernels; then   # the activation-quantize passes of the Llama MLP (issue
      > "$OUT/ops_act.log" 2>&1)
   grep -E "^  (act fwd|dact bwd)" "$OUT/ops_act.log" >> "$LOG"
 fi
+if want memory; then   # compile-only: the CPU's work, beside the GPU stages that follow
+  st "memory (background)"
+  # memory_table NAME PREFIX ARGS...: model_memory.py --preset llama at batch 8, every recipe.
+  memory_table() {
+    local name=$1 prefix=$2; shift 2
+    (cd /tmp && timeout 400 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
+       --batches 8 --recipes none,delayed,current,blockwise --jobs 4 "$@" > "$OUT/$name.log" 2>&1)
+    grep -E "^\| 8 \| (none|delayed|current|blockwise) " "$OUT/$name.log" \
+      | sed "s/^/$prefix/" >> "$LOG"
+  }
+  (memory_table memory_default "memory: "
+   memory_table memory_act_fp8 "memory, act input in FP8: " --set store_act_input_in_fp8=true
+   memory_table memory_offload "memory, offload: " --offload_optimizer
+   memory_table memory_offload_act_fp8 "memory, offload + act input in FP8: " --offload_optimizer \
+     --set store_act_input_in_fp8=true) &
+  memory_tables=$!
+fi
 if want ncu && [[ -n "$tarball" ]]; then   # Nsight Compute's budget of the blockwise GEMMs
   st "ncu"
   wait "${kernels_built:-}" 2>/dev/null
@@ -228,6 +249,7 @@ if want actncu; then   # Nsight Compute's budget of the activation-quantize kern
   grep -E "^\| " "$OUT/ncu_act.log" >> "$LOG"
 fi
 if want presets; then   # issue 43's batch-4 and h200-preset rows
+  wait "${memory_tables:-}" 2>/dev/null   # timings on an idle CPU
   st "presets"
   model_rows batch4 "batch 4: " 480 --recipes none,delayed,current,blockwise \
     --set batch=4 --timeout 120
