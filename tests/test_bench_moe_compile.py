@@ -11,7 +11,7 @@ import pytest
 import bench_moe  # pylint: disable=import-error  (benchmarks/ is on pytest's pythonpath)
 
 # The largest constant a layer step may hold, in bytes. Its own constants are
-# scalars, iotas and small index tables; the output cotangent g alone is
+# scalars, iotas and small index tables; the loss's output offset g alone is
 # 64 KiB at the --small sizes (64 MiB at the full ones), so it fails this
 # bound when the loss closes over it instead of taking it as an argument.
 MAX_CONSTANT_BYTES = 4096
@@ -24,7 +24,7 @@ def largest_constant_bytes(stablehlo: str) -> int:
 
 
 @pytest.mark.parametrize("row", ["none", "delayed"])
-def test_layer_step_takes_the_cotangent_as_an_argument(row):
+def test_layer_step_takes_the_output_offset_as_an_argument(row):
   case = bench_moe.layer_case(row, small=True)
   with case["context"]():
     variables = jax.eval_shape(case["module"].init, jax.random.key(0), case["xs"][0])
