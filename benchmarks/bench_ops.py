@@ -85,11 +85,23 @@ def quantize_rows(m=8192, k=8192):
           lambda x: q.quantize_blockwise(x, (128, 128), E4M3, True, columnwise=True, impl=impl)),
        2 * n + 2 * n),
   ]
+  # float32 master weights, quantized once a step with both copies: each
+  # input byte counts twice as much as a bf16 activation's.
+  xs32 = [(x.astype(F32),) for (x,) in xs]
+  weight_cases = [
+      ("tensorwise+T (weights)", lambda impl: jax.jit(
+          lambda x: q.quantize_tensorwise(x, scale, E4M3, columnwise=True, impl=impl)),
+       4 * n + 2 * n + 4),
+      ("blockwise 128x128 row+col (weights)", lambda impl: jax.jit(
+          lambda x: q.quantize_blockwise(x, (128, 128), E4M3, True, columnwise=True, impl=impl)),
+       4 * n + 2 * n),
+  ]
   rows = []
-  for name, make, nbytes in cases:
-    t_ref = bench(make("reference"), xs)
-    t_cuda = bench(make("cuda"), xs)
-    rows.append(dict(kind="quantize", name=f"{name} {m}x{k} bf16", ours_us=t_cuda * 1e6,
+  for name, make, nbytes, inputs, dtype in ([c + (xs, "bf16") for c in cases]
+                                            + [c + (xs32, "float32") for c in weight_cases]):
+    t_ref = bench(make("reference"), inputs)
+    t_cuda = bench(make("cuda"), inputs)
+    rows.append(dict(kind="quantize", name=f"{name} {m}x{k} {dtype}", ours_us=t_cuda * 1e6,
                      ref_us=t_ref * 1e6, ours=nbytes / t_cuda / 1e12, ref=nbytes / t_ref / 1e12,
                      unit="TB/s"))
     print(f"  {rows[-1]['name']}: ours {rows[-1]['ours']:.2f} TB/s, XLA {rows[-1]['ref']:.2f} TB/s",

@@ -25,14 +25,14 @@
 #   model     bench_model.py --preset llama, batch 8, every recipe
 #   keep      the same with --set keep_fp8_copies=true (not in the default list)
 #   kernels   tools/gpu_kernels.sh blockwise grouped (not with KERNEL_HARNESS=0);
-#             bench_ops.py --only act
+#             bench_ops.py --only act, then --only quantize
 #   memory    model_memory.py's compile-only Llama tables at batch 8 (default plan;
 #             store_act_input_in_fp8; --offload_optimizer with and without it), in
 #             the background beside the stages after it (on request; best beside
 #             ncu, whose timings a busy CPU does not move)
+#   actncu    Nsight Compute on bench_ops.py --only act's te_jax kernels (on request)
 #   ncu       tools/gpu_kernels.sh ncu: Nsight Compute on the blockwise GEMMs,
 #             ours and cuBLASLt's (on request)
-#   actncu    Nsight Compute on bench_ops.py --only act's te_jax kernels (on request)
 #   presets   bench_model.py's other rows of issue 43: --preset llama at batch 4,
 #             and --preset h200, every recipe (on request)
 #   accuracy  benchmarks/act_input_accuracy.py: store_act_input_in_fp8's
@@ -210,6 +210,10 @@ if want kernels; then   # the activation-quantize passes of the Llama MLP (issue
   (cd /tmp && timeout 300 python3 "$REPO/benchmarks/bench_ops.py" --only act \
      > "$OUT/ops_act.log" 2>&1)
   grep -E "^  (act fwd|dact bwd)" "$OUT/ops_act.log" >> "$LOG"
+  # ... and the plain quantize kernels, the float32 weights' among them.
+  (cd /tmp && timeout 200 python3 "$REPO/benchmarks/bench_ops.py" --only quantize \
+     > "$OUT/ops_quantize.log" 2>&1)
+  grep -E "^  .*: ours " "$OUT/ops_quantize.log" >> "$LOG"
 fi
 if want memory; then   # compile-only: the CPU's work, beside the GPU stages that follow
   st "memory (background)"
@@ -228,12 +232,6 @@ if want memory; then   # compile-only: the CPU's work, beside the GPU stages tha
      --set store_act_input_in_fp8=true) &
   memory_tables=$!
 fi
-if want ncu && [[ -n "$tarball" ]]; then   # Nsight Compute's budget of the blockwise GEMMs
-  st "ncu"
-  wait "${kernels_built:-}" 2>/dev/null
-  OUT=$OUT timeout 560 bash tools/gpu_kernels.sh ncu > "$OUT/ncu.log" 2>&1
-  grep -E "^\| " "$OUT/ncu.log" >> "$LOG"
-fi
 if want actncu; then   # Nsight Compute's budget of the activation-quantize kernels
   st "actncu"
   # bench_ops' act rows, te_jax's prologue kernels only (XLA's reference
@@ -247,6 +245,12 @@ if want actncu; then   # Nsight Compute's budget of the activation-quantize kern
     || echo "actncu: exit $? (see ncu_act.err)" >> "$LOG"
   python3 tools/ncu_summary.py "$OUT/ncu_act.csv" > "$OUT/ncu_act.log" 2>&1
   grep -E "^\| " "$OUT/ncu_act.log" >> "$LOG"
+fi
+if want ncu && [[ -n "$tarball" ]]; then   # Nsight Compute's budget of the blockwise GEMMs
+  st "ncu"
+  wait "${kernels_built:-}" 2>/dev/null
+  OUT=$OUT timeout 560 bash tools/gpu_kernels.sh ncu > "$OUT/ncu.log" 2>&1
+  grep -E "^\| " "$OUT/ncu.log" >> "$LOG"
 fi
 if want presets; then   # issue 43's batch-4 and h200-preset rows
   wait "${memory_tables:-}" 2>/dev/null   # timings on an idle CPU
