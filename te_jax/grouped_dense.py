@@ -15,8 +15,9 @@ wgrad      x.T (K, M), grad.T (N, M)         M: one (K, N) result per expert
 
 Each operand is quantized by the recipe's ``te_jax.scaling.ScalingMode`` as
 in ``te_jax.dense``: ``x`` and ``grad`` are one tensor each (one per-tensor
-scale, or 1x128 tiles), the kernel is quantized expert by expert: one scale
-per expert weight (per tensor) or its own 128x128 blocks. Under
+scale, or 1x128 tiles), each expert weight is quantized on its own: one
+scale per expert weight (per tensor) or its own 128x128 blocks, all experts
+in one launch (the mode's ``quantize_stack``). Under
 ``DelayedScaling`` the state is one GEMM state whose ``"kernel"`` entry holds
 one amax history per expert (:func:`init_grouped_state`), so each expert
 weight's scale follows its own amaxes, and each step pushes one entry into
@@ -137,22 +138,15 @@ def _quantize_experts(mode, kernel, state, impl, amax_axes, transposed: bool = F
   ``cols`` is the layout the fprop's grouped GEMM reads (each expert's
   matrix contiguous along K): from the quantize it costs one more byte per
   weight written, where transposing ``rows`` before the GEMM would read and
-  write one each. ``lax.map`` calls the protocol's 2-D quantize once per
-  expert (one traced body; the CUDA quantize kernels have no batching rule
-  for ``vmap``)."""
-  kstate = None if state is None else state["kernel"]
-  block = []
-
-  def one(args):
-    w, st = args
-    q = mode.quantize(w, "kernel", None if st is None else {"kernel": st}, impl=impl,
-                      columnwise=transposed, amax_axes=amax_axes)
-    block.append(q.block_shape)
-    return q.data, q.scale_inv, q.amax, (q.data_t, q.scale_inv_t) if transposed else None
-
-  data, scale_inv, amax, cols = lax.map(one, (kernel, kstate))
-  rows = GroupedScaledTensor(data, scale_inv, block[0])
-  return rows, None if cols is None else GroupedScaledTensor(*cols, block[0]), amax
+  write one each. The protocol's ``quantize_stack`` quantizes every expert
+  as its 2-D ``quantize`` would, with that expert's state and each expert's
+  amax max-reduced over ``amax_axes``, in one launch over the stack (a
+  ``lax.map`` of E small launches left the GPU mostly idle: issue 47)."""
+  q = mode.quantize_stack(kernel, "kernel", state, impl=impl, columnwise=transposed,
+                          amax_axes=amax_axes)
+  rows = GroupedScaledTensor(q.data, q.scale_inv, q.block_shape)
+  cols = GroupedScaledTensor(q.data_t, q.scale_inv_t, q.block_shape) if transposed else None
+  return rows, cols, q.amax
 
 
 def _update_state(mode, state, amaxes, kernel_amax=None):

@@ -29,6 +29,9 @@ What a ``ScalingMode`` owns:
   kernel, ``recipe.bwd_dtype`` for the gradient);
 * ``quantize(x, role, state, ...)``: both copies of a tensor, and with
   ``amax_axes`` a scale shared by the devices of a mesh;
+* ``quantize_stack(x, role, state, ...)``: the same for each entry of a
+  stack (E, K, N) with per-entry state (the expert weights of a grouped
+  dense), in one launch where the mode has a batched op;
 * ``quantize_fused(op, role, state, ...)``: the same through an op that
   computes the tensor in its prologue (``act_quantize``, ``dact_quantize``,
   ``concat_quantize``), i.e. which ops ``mode`` the recipe maps to;
@@ -50,13 +53,17 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
+import warnings
 from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Sequence, Tuple, Union
 
 import jax
+from jax import lax
 
 from te_jax import fp8_state as state_lib
 from te_jax.ops import gemm as gemm_op
 from te_jax.ops import quantize as quantize_op
+from te_jax.ops import quantize_stack as stack_op
 from te_jax.ops import tiling
 from te_jax.ops.fp8 import (QuantizedTensor, ScaledTensor, amax as amax_of,
                             nan_scale_inv_if_non_finite, pmax_amax)
@@ -76,6 +83,17 @@ _FUSED_MODE = "blockwise"
 def _check_role(role):
   if role not in ROLES:
     raise ValueError(f"role must be one of {ROLES}, got {role!r}.")
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_stack_by_entry(mode_name: str):
+  """Once per mode class: its stacks are quantized entry by entry."""
+  warnings.warn(
+      f"te_jax: {mode_name} has no batched quantize_stack; each entry of a stack (the "
+      "expert weights of a grouped dense) is quantized on its own in a lax.map (one "
+      "quantize launch per entry, in an XLA loop). Override quantize_stack with a "
+      "te_jax.ops.quantize_stack op to quantize the stack in one launch.",
+      UserWarning, stacklevel=3)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,6 +198,47 @@ class ScalingMode(abc.ABC):
     """Runs a fused-prologue quantize ``op`` (``act_quantize``, ``dact_quantize``,
     ``concat_quantize``) on ``operands`` with this mode's options for ``role``."""
 
+  def quantize_stack(self, x: jax.Array, role: str, state=None, *, impl: str = "auto",
+                     columnwise: bool = True, amax_axes: Sequence[str] = ()
+                     ) -> QuantizedTensor:
+    """Quantizes each entry ``x[e]`` (K, N) of a stack ``x`` (E, K, N) as
+    :meth:`quantize` quantizes it alone with entry e's state.
+
+    Args:
+      x: (E, K, N) float32/bfloat16/float16.
+      role: "x", "kernel" or "grad".
+      state: this GEMM's state whose ``state[role]`` leaves carry a leading E
+        axis (one state per entry, ``te_jax.grouped_dense.init_grouped_state``),
+        or None for stateless modes.
+      impl, columnwise, amax_axes: as for :meth:`quantize`, per entry (each
+        entry's amax is max-reduced over ``amax_axes`` on its own).
+
+    Returns:
+      A ``QuantizedTensor`` whose fields carry a leading E axis: data (E, K,
+      N), scale_inv (E,) or (E, ceil(K/bm), ceil(N/bk)), data_t (E, N, K)
+      and scale_inv_t with ``columnwise``, amax (E,) (per-tensor modes).
+
+    This default runs :meth:`quantize` per entry in a ``lax.map`` (E
+    launches in an XLA loop) and warns once per mode class; the built-in
+    modes override it with one launch over the stack (``ops/quantize_stack``).
+    """
+    _warn_stack_by_entry(type(self).__name__)
+
+    def one(args):
+      w, st = args
+      return self.quantize(w, role, None if st is None else {role: st}, impl=impl,
+                           columnwise=columnwise, amax_axes=amax_axes)
+    return lax.map(one, (x, None if state is None else state[role]))
+
+
+def _reduce_amax(q: QuantizedTensor, amax_axes) -> QuantizedTensor:
+  """Delayed scaling on a mesh: the amax (scalar, or (E,) per entry) max-reduced
+  over ``amax_axes``, so one amax everywhere, and a non-finite one poisons
+  every shard's scale_inv. (The scale came from replicated state: it agrees.)"""
+  if not amax_axes:
+    return q
+  return nan_scale_inv_if_non_finite(q.replace(amax=pmax_amax(q.amax, tuple(amax_axes))))
+
 
 class _PerTensorMode(ScalingMode):
   """Shared by the per-tensor modes: one scale per tensor, per-GEMM accumulation."""
@@ -226,9 +285,14 @@ class DelayedScalingMode(_PerTensorMode):
   def quantize(self, x, role, state=None, *, impl="auto", columnwise=True, amax_axes=()):
     q = quantize_op.quantize_tensorwise(x, self._scale(state, role), self.dtype(role),
                                         columnwise=columnwise, impl=impl)
-    if amax_axes:  # one amax everywhere, and a non-finite one poisons every shard
-      q = nan_scale_inv_if_non_finite(q.replace(amax=pmax_amax(q.amax, tuple(amax_axes))))
-    return q
+    return _reduce_amax(q, amax_axes)
+
+  def quantize_stack(self, x, role, state=None, *, impl="auto", columnwise=True,
+                     amax_axes=()):
+    # state[role]["scale"] is (E,) here: scale_from_state is elementwise.
+    q = stack_op.quantize_stack_tensorwise(x, self._scale(state, role), self.dtype(role),
+                                           columnwise=columnwise, impl=impl)
+    return _reduce_amax(q, amax_axes)
 
   def quantize_fused(self, op, role, state=None, *, impl="auto", **operands):
     return op(**operands, mode="tensorwise", dtype=self.dtype(role),
@@ -252,6 +316,14 @@ class CurrentScalingMode(_PerTensorMode):
       return quantize_op.quantize_current(x, dtype, columnwise=columnwise, impl=impl)
     amax = pmax_amax(amax_of(x), tuple(amax_axes))
     return quantize_op.quantize_from_amax(x, amax, dtype, columnwise=columnwise, impl=impl)
+
+  def quantize_stack(self, x, role, state=None, *, impl="auto", columnwise=True,
+                     amax_axes=()):
+    dtype = self.dtype(role)
+    if not amax_axes:
+      return stack_op.quantize_stack_current(x, dtype, columnwise=columnwise, impl=impl)
+    amax = pmax_amax(amax_of(x, axis=(1, 2)), tuple(amax_axes))   # (E,), as quantize per entry
+    return stack_op.quantize_stack_from_amax(x, amax, dtype, columnwise=columnwise, impl=impl)
 
   def quantize_fused(self, op, role, state=None, *, impl="auto", **operands):
     return op(**operands, mode="current", dtype=self.dtype(role), impl=impl)
@@ -284,6 +356,12 @@ class BlockScalingMode(ScalingMode):
     return quantize_op.quantize_blockwise(x, self.block_shape(role), self.dtype(role),
                                           self.recipe.power_2_scale,
                                           columnwise=columnwise, impl=impl)
+
+  def quantize_stack(self, x, role, state=None, *, impl="auto", columnwise=True,
+                     amax_axes=()):
+    return stack_op.quantize_stack_blockwise(x, self.block_shape(role), self.dtype(role),
+                                             self.recipe.power_2_scale,
+                                             columnwise=columnwise, impl=impl)
 
   def quantize_fused(self, op, role, state=None, *, impl="auto", **operands):
     return op(**operands, mode=_FUSED_MODE, dtype=self.dtype(role),

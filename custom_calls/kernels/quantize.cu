@@ -36,8 +36,12 @@ constexpr int MinBlocks() {
   return sizeof(InT) == 4 ? 1 : 3;
 }
 
+// The work of one block: the 128x128 tile (blockIdx.x, blockIdx.y) of the
+// (p.M, p.K) tensor p describes. A device function so that the 2-D kernel
+// and the stack kernel (one entry per blockIdx.z) share it; force-inlined,
+// so QuantizeTileKernel compiles to what it was as a kernel body.
 template <typename InT, ScaleMode kMode, bool kCols>
-__global__ void __launch_bounds__(kThreads, MinBlocks<InT>()) QuantizeTileKernel(QuantizeArgs p) {
+__device__ __forceinline__ void QuantizeTile(const QuantizeArgs& p) {
   __shared__ unsigned col_part[kThreads / 16][kTile];  // per-row-group column amax
   __shared__ float col_scale[kTile];
   __shared__ unsigned warp_red[kThreads / 32];
@@ -175,13 +179,71 @@ __global__ void __launch_bounds__(kThreads, MinBlocks<InT>()) QuantizeTileKernel
   }
 }
 
-// max(|x|) over a flat array: 16-byte loads, 4 in flight per thread.
+template <typename InT, ScaleMode kMode, bool kCols>
+__global__ void __launch_bounds__(kThreads, MinBlocks<InT>()) QuantizeTileKernel(QuantizeArgs p) {
+  QuantizeTile<InT, kMode, kCols>(p);
+}
+
+// `ptr` advanced by `n` elements; null (an output not asked for) stays null.
+template <typename T>
+__device__ __forceinline__ T* EntryPtr(T* ptr, int64_t n) {
+  return ptr == nullptr ? ptr : ptr + n;
+}
+
+// Entry e of the stack `s` (quantize.h: StackArgs) as a 2-D problem: p with
+// every pointer moved to that entry's part of its (E, ...) array. (Moving x
+// and data without the null check, or only the pointers an instance uses,
+// made ptxas spill more in the 16-bit instances, nvcc 13.0.)
 template <typename InT>
+__device__ __forceinline__ QuantizeArgs AtEntry(QuantizeArgs p, const StackArgs& s, int64_t e) {
+  const int64_t mk = p.M * p.K;  // elements of x, bytes of data and data_t
+  p.x = EntryPtr(static_cast<const InT*>(p.x), e * mk);
+  p.data = EntryPtr(p.data, e * mk);
+  p.data_t = EntryPtr(p.data_t, e * mk);
+  p.scale = EntryPtr(p.scale, e);
+  p.amax_in = EntryPtr(p.amax_in, e);
+  p.amax_out = EntryPtr(p.amax_out, e);
+  p.scale_inv = EntryPtr(p.scale_inv, e);
+  p.sinv = EntryPtr(p.sinv, e * s.sinv_stride);
+  p.sinv_t = EntryPtr(p.sinv_t, e * s.sinv_t_stride);
+  return p;
+}
+
+// One launch over a stack of E tensors (blockIdx.z = entry), each tile
+// quantized exactly as QuantizeTileKernel quantizes it in its own tensor:
+// entry strides are M*K elements, so every 16- and 8-byte access that is
+// aligned in entry 0 is aligned in every entry. Its own instances: the 2-D
+// kernels above keep their code and registers.
+template <typename InT, ScaleMode kMode, bool kCols>
+__global__ void __launch_bounds__(kThreads, MinBlocks<InT>())
+    QuantizeStackKernel(QuantizeArgs p, StackArgs s) {
+  QuantizeTile<InT, kMode, kCols>(AtEntry<InT>(p, s, blockIdx.z));
+}
+
+// max(|x|) over a flat array: 16-byte loads, 4 in flight per thread.
+// kStack: x is (gridDim.y, n) and block row blockIdx.y reduces entry
+// blockIdx.y into out[blockIdx.y] (LaunchAmaxStack).
+template <typename InT, bool kStack = false>
 __global__ void __launch_bounds__(512) AmaxKernel(const InT* __restrict__ x, int64_t n,
                                                   unsigned* __restrict__ out) {
   constexpr int kVec = 16 / sizeof(InT);
   constexpr int kUnroll = 4;
   unsigned m = 0;
+  if constexpr (kStack) {
+    x += static_cast<int64_t>(blockIdx.y) * n;
+    out += blockIdx.y;
+    // An entry starts 16-byte aligned only when n * sizeof(InT) is a
+    // multiple of 16: its elements before the first 16-byte boundary are
+    // read one by one, the vector loop below starts at that boundary.
+    const int64_t skew = static_cast<int64_t>(
+        (16 - reinterpret_cast<uintptr_t>(x) % 16) % 16 / sizeof(InT));
+    const int64_t head = skew < n ? skew : n;
+    for (int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; j < head;
+         j += static_cast<int64_t>(gridDim.x) * blockDim.x)
+      m = max(m, AbsBits(ToFloat(x[j])));
+    x += head;
+    n -= head;
+  }
   const int64_t nvec = n / kVec;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   const uint4* xv = reinterpret_cast<const uint4*>(x);
@@ -239,6 +301,40 @@ cudaError_t LaunchMode(const QuantizeArgs& a, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
+template <typename InT, ScaleMode kMode>
+cudaError_t LaunchStackTyped(const QuantizeArgs& a, const StackArgs& s, cudaStream_t stream) {
+  dim3 grid = TileGrid(a);
+  grid.z = static_cast<unsigned>(s.E);
+  if (a.data_t != nullptr) {
+    QuantizeStackKernel<InT, kMode, true><<<grid, kThreads, 0, stream>>>(a, s);
+  } else {
+    QuantizeStackKernel<InT, kMode, false><<<grid, kThreads, 0, stream>>>(a, s);
+  }
+  return cudaGetLastError();
+}
+
+template <typename InT>
+cudaError_t LaunchStackMode(const QuantizeArgs& a, const StackArgs& s, cudaStream_t stream) {
+  switch (a.mode) {
+    case ScaleMode::kTensor: return LaunchStackTyped<InT, ScaleMode::kTensor>(a, s, stream);
+    case ScaleMode::kVec128: return LaunchStackTyped<InT, ScaleMode::kVec128>(a, s, stream);
+    case ScaleMode::kBlock128: return LaunchStackTyped<InT, ScaleMode::kBlock128>(a, s, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+// Blocks of 512 threads for an amax pass over `entries` tensors of n
+// elements each: enough to fill the GPU (4 per SM) together, no more (each
+// block ends with one atomic), and none idle on a small tensor.
+unsigned AmaxBlocks(int64_t n, int64_t entries) {
+  int dev = 0, sms = 132;
+  cudaGetDevice(&dev);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
+  const int64_t want = (n / 8 + 511) / 512 + 1;
+  const int64_t fill = (4 * static_cast<int64_t>(sms) + entries - 1) / entries;
+  return static_cast<unsigned>(want < fill ? want : fill);
+}
+
 }  // namespace
 
 cudaError_t LaunchQuantize(const QuantizeArgs& a, cudaStream_t stream, const PrologueArgs& q) {
@@ -273,6 +369,38 @@ cudaError_t LaunchAmax(const void* x, int64_t n, InType in, float* amax_out,
     case InType::kF32: AmaxKernel<float><<<blocks, 512, 0, stream>>>(static_cast<const float*>(x), n, out); break;
     case InType::kBF16: AmaxKernel<__nv_bfloat16><<<blocks, 512, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), n, out); break;
     case InType::kF16: AmaxKernel<__half><<<blocks, 512, 0, stream>>>(static_cast<const __half*>(x), n, out); break;
+  }
+  return cudaGetLastError();
+}
+
+cudaError_t LaunchQuantizeStack(const QuantizeArgs& a, const StackArgs& s, cudaStream_t stream) {
+  if (s.E <= 0) return cudaSuccess;
+  if (s.E > kMaxStackEntries || !GridValid(a)) return cudaErrorInvalidConfiguration;
+  if (a.mode == ScaleMode::kTensor && a.amax_out != nullptr) {
+    cudaError_t e = cudaMemsetAsync(a.amax_out, 0, s.E * sizeof(float), stream);
+    if (e != cudaSuccess) return e;
+  }
+  if (a.M <= 0 || a.K <= 0) return cudaSuccess;
+  switch (a.in) {
+    case InType::kF32: return LaunchStackMode<float>(a, s, stream);
+    case InType::kBF16: return LaunchStackMode<__nv_bfloat16>(a, s, stream);
+    case InType::kF16: return LaunchStackMode<__half>(a, s, stream);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t LaunchAmaxStack(const void* x, int64_t n, int64_t E, InType in, float* amax_out,
+                            cudaStream_t stream) {
+  if (E <= 0) return cudaSuccess;
+  if (E > kMaxStackEntries) return cudaErrorInvalidConfiguration;
+  cudaError_t e = cudaMemsetAsync(amax_out, 0, E * sizeof(float), stream);
+  if (e != cudaSuccess || n <= 0) return e;
+  const dim3 grid(AmaxBlocks(n, E), static_cast<unsigned>(E));
+  unsigned* out = reinterpret_cast<unsigned*>(amax_out);
+  switch (in) {
+    case InType::kF32: AmaxKernel<float, true><<<grid, 512, 0, stream>>>(static_cast<const float*>(x), n, out); break;
+    case InType::kBF16: AmaxKernel<__nv_bfloat16, true><<<grid, 512, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), n, out); break;
+    case InType::kF16: AmaxKernel<__half, true><<<grid, 512, 0, stream>>>(static_cast<const __half*>(x), n, out); break;
   }
   return cudaGetLastError();
 }

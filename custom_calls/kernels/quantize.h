@@ -100,6 +100,19 @@ struct PrologueArgs {
   int zero_centered = 0;
 };
 
+// A stack of E independent (M, K) problems stored back to back, as a batch
+// of expert weights is: x and data (E, M, K), data_t (E, K, M), the
+// per-tensor scale / amax_in / amax_out / scale_inv one float per entry (E,),
+// the blockwise native scale grids (E, rows, ld) (one entry's native grid
+// each, the layout LaunchQuantize writes for one (M, K) tensor). A separate
+// kernel parameter, not QuantizeArgs fields, for the reason PrologueArgs is.
+struct StackArgs {
+  int64_t E = 0;              // entries (grid.z; at most kMaxStackEntries)
+  int64_t sinv_stride = 0;    // floats from one entry's sinv to the next's
+  int64_t sinv_t_stride = 0;  // the same for sinv_t
+};
+constexpr int64_t kMaxStackEntries = 65535;  // CUDA's grid.z limit
+
 // Launches the tiled quantize (+ transpose) kernel on `stream`. With a
 // prologue only ScaleMode kTensor and kVec128 exist, with the columnwise copy
 // (data_t set), and gated units and kConcat need F % 8 == 0; anything else
@@ -121,5 +134,20 @@ cudaError_t LaunchPrologueAmax(const QuantizeArgs& args, const PrologueArgs& pro
 // amax_out = max(|x|) over n elements (NaN-propagating); zeroes it first.
 cudaError_t LaunchAmax(const void* x, int64_t n, InType in, float* amax_out,
                        cudaStream_t stream);
+
+// Quantizes every entry of the stack `s` exactly as LaunchQuantize(a) would
+// quantize that entry alone (no prologue), in one launch of the tile kernel
+// (grid.z = entry). `a` describes entry 0: its pointers address the start of
+// the (E, ...) arrays, M and K are one entry's shape. kTensor: one scale
+// (`scale`, or from `amax_in`) per entry, `amax_out` (E,) zeroed first by
+// one memset, `scale_inv` (E,) optional. E, M or K of 0 launches nothing
+// (amax_out is still zeroed when E > 0).
+cudaError_t LaunchQuantizeStack(const QuantizeArgs& a, const StackArgs& s, cudaStream_t stream);
+
+// amax_out[e] = max(|x[e]|) over the n elements of each of the E entries of
+// x (E, n) (NaN-propagating), in one launch (grid.y = entry); zeroes
+// amax_out (E,) first. The first pass of current scaling over a stack.
+cudaError_t LaunchAmaxStack(const void* x, int64_t n, int64_t E, InType in, float* amax_out,
+                            cudaStream_t stream);
 
 }  // namespace te_jax

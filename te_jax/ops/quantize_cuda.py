@@ -20,12 +20,19 @@ from te_jax.ops import tiling
 from te_jax.ops.fp8 import QuantizedTensor, nan_scale_inv_if_non_finite
 
 __all__ = ["quantize_tensorwise", "quantize_current", "quantize_from_amax",
-           "quantize_blockwise", "native_scale_shapes", "BLOCKWISE_LAYOUTS"]
+           "quantize_blockwise", "native_scale_shapes", "BLOCKWISE_LAYOUTS",
+           "quantize_stack_tensorwise", "quantize_stack_current", "quantize_stack_from_amax",
+           "quantize_stack_blockwise", "CUDA_MAX_ENTRIES"]
 
 _F32 = jnp.float32
 # The layouts te_jax_quantize_blockwise has kernels for; its block_rows
 # attribute is the layout's block_shape[0].
 BLOCKWISE_LAYOUTS = (tiling.TILE_1X128, tiling.BLOCK_128X128)
+
+
+# The stack kernels put the entries on grid.z, which CUDA caps at 65535
+# (custom_calls/kernels/quantize.h: kMaxStackEntries).
+CUDA_MAX_ENTRIES = 65535
 
 
 def _check_rows(m: int, name="x"):
@@ -106,17 +113,24 @@ def blockwise_result(data, s, data_t, st, m: int, k: int, layout: tiling.TileLay
                          layout.block_shape)
 
 
+def _kernel_layout(block_shape) -> tiling.TileLayout:
+  """The :data:`BLOCKWISE_LAYOUTS` row of ``block_shape``; ValueError for a
+  tile no kernel writes."""
+  layout = tiling.layout_of(block_shape)
+  if layout not in BLOCKWISE_LAYOUTS:
+    names = " or ".join(str(l.block_shape) for l in BLOCKWISE_LAYOUTS)
+    raise ValueError(f"block_shape must be {names} for the CUDA path, "
+                     f"got {block_shape!r}; use impl='reference' for other tiles.")
+  return layout
+
+
 def quantize_blockwise(x, block_shape, dtype, power_2_scale: bool, columnwise: bool):
   """Blockwise quantize (amax None: every tile has its own).
 
   Only the :data:`BLOCKWISE_LAYOUTS` have kernels: (1, 128) (with 128x1
   tiles for the columnwise copy) and (128, 128).
   """
-  layout = tiling.layout_of(block_shape)
-  if layout not in BLOCKWISE_LAYOUTS:
-    names = " or ".join(str(l.block_shape) for l in BLOCKWISE_LAYOUTS)
-    raise ValueError(f"block_shape must be {names} for the CUDA path, "
-                     f"got {block_shape!r}; use impl='reference' for other tiles.")
+  layout = _kernel_layout(block_shape)
   m, k = x.shape
   _check_rows(m)
   s_out, st_out = blockwise_scale_outputs(m, k, layout, columnwise)
@@ -125,3 +139,74 @@ def quantize_blockwise(x, block_shape, dtype, power_2_scale: bool, columnwise: b
       x, block_rows=np.int64(layout.block_shape[0]),
       power_2_scale=np.int64(bool(power_2_scale)), columnwise=np.int64(bool(columnwise)))
   return blockwise_result(data, s, data_t if columnwise else None, st, m, k, layout)
+
+
+# ------------------------------------------------------------------ stacks --
+# x (E, M, K): every entry quantized as the 2-D function above quantizes it
+# alone, in one launch (te_jax_quantize_stack_*); each field of the result
+# has a leading E axis.
+
+def _stack_shape(x):
+  e, m, k = x.shape
+  _check_rows(m)
+  if e > CUDA_MAX_ENTRIES:
+    raise ValueError(f"x has {e} entries; the CUDA stack quantize takes at most "
+                     f"{CUDA_MAX_ENTRIES}: split the stack or use impl='reference'.")
+  return e, m, k
+
+
+def _stack_data(e, m, k, dtype, columnwise):
+  """The data (E, M, K) and data_t (E, K, M) results ((0, 0, 0) without
+  ``columnwise``)."""
+  return _sds((e, m, k), dtype), _sds((e, k, m) if columnwise else (0, 0, 0), dtype)
+
+
+def quantize_stack_tensorwise(x, scale, dtype, columnwise: bool):
+  """Per-tensor quantize of each entry with its given scale (E,)."""
+  e, m, k = _stack_shape(x)
+  scale = jnp.asarray(scale, _F32)
+  data, data_t, amax = jax.ffi.ffi_call(
+      "te_jax_quantize_stack_tensorwise", (*_stack_data(e, m, k, dtype, columnwise),
+                                           _sds((e,), _F32)))(
+      x, scale, columnwise=np.int64(bool(columnwise)))
+  return nan_scale_inv_if_non_finite(_per_tensor(data, 1.0 / scale, data_t, amax, columnwise))
+
+
+def quantize_stack_current(x, dtype, columnwise: bool):
+  """Current scaling of each entry: one amax launch over the stack, one cast."""
+  e, m, k = _stack_shape(x)
+  data, data_t, scale_inv, amax = jax.ffi.ffi_call(
+      "te_jax_quantize_stack_current", (*_stack_data(e, m, k, dtype, columnwise),
+                                        _sds((e,), _F32), _sds((e,), _F32)))(
+      x, columnwise=np.int64(bool(columnwise)))
+  return _per_tensor(data, scale_inv, data_t, amax, columnwise)
+
+
+def quantize_stack_from_amax(x, amax, dtype, columnwise: bool):
+  """Current scaling of each entry from its given amax (E,)."""
+  e, m, k = _stack_shape(x)
+  amax = jnp.asarray(amax, _F32)
+  data, data_t, scale_inv = jax.ffi.ffi_call(
+      "te_jax_quantize_stack_from_amax", (*_stack_data(e, m, k, dtype, columnwise),
+                                          _sds((e,), _F32)))(
+      x, amax, columnwise=np.int64(bool(columnwise)))
+  return _per_tensor(data, scale_inv, data_t, amax, columnwise)
+
+
+def quantize_stack_blockwise(x, block_shape, dtype, power_2_scale: bool, columnwise: bool):
+  """Blockwise quantize of each entry; scale grids (E, ...) in the logical
+  layout of each entry (``TileLayout.from_native`` per entry)."""
+  layout = _kernel_layout(block_shape)
+  e, m, k = _stack_shape(x)
+  s_shape, st_shape = native_scale_shapes(m, k, layout)
+  data_out, data_t_out = _stack_data(e, m, k, dtype, columnwise)
+  outs = (data_out, _sds((e, *s_shape), layout.scale_dtype), data_t_out,
+          _sds((e, *st_shape) if columnwise else (0, 0, 0), layout.scale_dtype))
+  data, s, data_t, st = jax.ffi.ffi_call("te_jax_quantize_stack_blockwise", outs)(
+      x, block_rows=np.int64(layout.block_shape[0]),
+      power_2_scale=np.int64(bool(power_2_scale)), columnwise=np.int64(bool(columnwise)))
+  scale_inv = jax.vmap(lambda t: layout.from_native(t, m, k))(s)
+  if not columnwise:
+    return QuantizedTensor(data, scale_inv, block_shape=layout.block_shape)
+  scale_inv_t = jax.vmap(lambda t: layout.from_native(t, k, m))(st)
+  return QuantizedTensor(data, scale_inv, data_t, scale_inv_t, None, layout.block_shape)
