@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import subprocess
 import time
@@ -37,13 +38,20 @@ from te_jax.ops import quantize as q
 
 E4M3, E5M2, BF16, F32 = jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16, jnp.float32
 K_CALLS, REPEATS, SETS = 20, 5, 4
+# Under a profiler (tools/gpu_session.sh's actncu stage) each case's kernels
+# should launch a few times, not 105: BENCH_OPS_CALLS="k,repeats" (e.g. "1,1")
+# also skips the warm-up round over the rotating input sets.
+_CALLS = os.environ.get("BENCH_OPS_CALLS")
+if _CALLS:
+  K_CALLS, REPEATS = (int(v) for v in _CALLS.split(","))
 TN = (((1,), (1,)), ((), ()))
 
 
 def bench(fn, arg_sets, k=K_CALLS, reps=REPEATS):
   """Median seconds per call of jitted `fn` over rotating `arg_sets`."""
   jax.block_until_ready(fn(*arg_sets[0]))  # compile + warm up
-  jax.block_until_ready([fn(*a) for a in arg_sets])
+  if not _CALLS:
+    jax.block_until_ready([fn(*a) for a in arg_sets])
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()

@@ -175,7 +175,8 @@ if want ncu; then
   hargs=(--timing --quick --rounds 1 --only "${NCU_VARIANTS:-vecblk_coop_128x128_c2x1,vecvec_coop_128x128_c1x2}")
   timeout 300 ncu "${NCU_ARGS[@]}" --section SpeedOfLight --section ComputeWorkloadAnalysis \
     --section WarpStateStats --section Occupancy --section LaunchStats "$bin" "${hargs[@]}" \
-    > "$OUT/ncu_blockwise.csv" 2> "$OUT/ncu_blockwise.err" || echo "ncu: exit $? (see $OUT/ncu_blockwise.err)"
+    > "$OUT/ncu_blockwise.csv" 2> "$OUT/ncu_blockwise.err" \
+    || { echo "ncu: exit $? (see $OUT/ncu_blockwise.err):"; tail -n 3 "$OUT/ncu_blockwise.err"; }
   timeout 200 ncu "${NCU_ARGS[@]}" \
     --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \
     "$bin" "${hargs[@]}" > "$OUT/ncu_blockwise_tensor.csv" 2> "$OUT/ncu_blockwise_tensor.err" \

@@ -80,7 +80,7 @@ if [[ "${1:-}" == wait ]]; then       # a foreground call: wait, report, hand ba
   if [[ -n "${OUT:-}" ]]; then        # the device call's folder: the files come back
     # One archive: a call hands back only a few files.
     cp "$LOG" "$OUT/" 2>/dev/null
-    (cd "$RUN_DIR" && find . -name '*.log' -size -4M -print0 | tar -czf "$OUT/logs.tgz" --null -T -)
+    (cd "$RUN_DIR" && find . \( -name '*.log' -o -name '*.err' \) -size -4M -print0 | tar -czf "$OUT/logs.tgz" --null -T -)
   fi
   exit 0
 fi
@@ -234,17 +234,23 @@ if want memory; then   # compile-only: the CPU's work, beside the GPU stages tha
 fi
 if want actncu; then   # Nsight Compute's budget of the activation-quantize kernels
   st "actncu"
-  # bench_ops' act rows, te_jax's prologue kernels only (XLA's reference
-  # kernels and the timing loop's other launches are not profiled).
-  (cd /tmp && timeout 240 ncu --clock-control none --kernel-name-base function \
-     --kernel-name "regex:ActQuantize|TileAmax|QuantizeTile|QuantizeVec" --launch-count 16 \
-     --csv --page details --section SpeedOfLight --section MemoryWorkloadAnalysis \
-     --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy \
-     --section LaunchStats --section InstructionStats \
-     python3 "$REPO/benchmarks/bench_ops.py" --only act > "$OUT/ncu_act.csv" 2> "$OUT/ncu_act.err") \
-    || echo "actncu: exit $? (see ncu_act.err)" >> "$LOG"
-  python3 tools/ncu_summary.py "$OUT/ncu_act.csv" > "$OUT/ncu_act.log" 2>&1
-  grep -E "^\| " "$OUT/ncu_act.log" >> "$LOG"
+  # bench_ops' act and quantize rows with each case's kernels launched a few
+  # times (BENCH_OPS_CALLS=1,1), te_jax's prologue and tile kernels only (XLA's
+  # reference kernels are not profiled): every case gets its rows, where a
+  # launch count over the normal timing loop spent itself on the first case.
+  for only in act quantize; do
+    (cd /tmp && BENCH_OPS_CALLS=1,1 timeout 200 ncu --clock-control none \
+       --kernel-name-base function \
+       --kernel-name "regex:ActQuantize|TileAmax|QuantizeTile|QuantizeVec|AmaxKernel" \
+       --launch-count 120 --csv --page details --section SpeedOfLight \
+       --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
+       --section WarpStateStats --section Occupancy --section LaunchStats \
+       --section InstructionStats python3 "$REPO/benchmarks/bench_ops.py" --only "$only" \
+       > "$OUT/ncu_$only.csv" 2> "$OUT/ncu_$only.err") \
+      || echo "actncu ($only): exit $? (see ncu_$only.err)" >> "$LOG"
+    python3 tools/ncu_summary.py "$OUT/ncu_$only.csv" > "$OUT/ncu_$only.log" 2>&1
+    grep -E "^\| " "$OUT/ncu_$only.log" >> "$LOG"
+  done
 fi
 if want ncu && [[ -n "$tarball" ]]; then   # Nsight Compute's budget of the blockwise GEMMs
   st "ncu"
