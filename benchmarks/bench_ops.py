@@ -117,6 +117,38 @@ def quantize_rows(m=8192, k=8192):
   return rows
 
 
+def stack_rows(e=64, m=1024, k=1024, impls=("cuda", "cuda")):
+  """A stack of E float32 expert weights (E, M, K), both copies: one launch
+  over the stack (ops/quantize_stack) against the path it replaced, a
+  ``lax.map`` of the 2-D op (E launches in an XLA loop). ``impls``: the
+  (stack, loop) implementations (tests pass the references)."""
+  from te_jax.ops import quantize_stack as qs  # pylint: disable=import-outside-toplevel
+  keys = jax.random.split(jax.random.PRNGKey(1), SETS)
+  xs = [(_rand(kk, (e, m, k), BF16).astype(F32),) for kk in keys]
+  scale = jnp.full((e,), 2.0, F32)
+  nbytes = e * m * k * (4 + 2)
+  cases = [
+      ("per tensor", lambda impl: jax.jit(lambda x: qs.quantize_stack_tensorwise(
+          x, scale, E4M3, columnwise=True, impl=impl)),
+       lambda impl: jax.jit(lambda x: lax.map(lambda a: q.quantize_tensorwise(
+           a[0], a[1], E4M3, columnwise=True, impl=impl), (x, scale)))),
+      ("128x128", lambda impl: jax.jit(lambda x: qs.quantize_stack_blockwise(
+          x, (128, 128), E4M3, True, columnwise=True, impl=impl)),
+       lambda impl: jax.jit(lambda x: lax.map(lambda a: q.quantize_blockwise(
+           a, (128, 128), E4M3, True, columnwise=True, impl=impl), x))),
+  ]
+  rows = []
+  for name, stack, loop in cases:
+    t_stack, t_loop = bench(stack(impls[0]), xs), bench(loop(impls[1]), xs)
+    rows.append(dict(kind="stack", name=f"{name}, {e} x {m}x{k} float32", ours_us=t_stack * 1e6,
+                     ours=nbytes / t_stack / 1e12, loop=nbytes / t_loop / 1e12,
+                     unit="TB/s"))
+    print(f"  stack {rows[-1]['name']}: one launch {rows[-1]['ours']:.2f} TB/s "
+          f"({t_stack * 1e3:.3f} ms), lax.map {rows[-1]['loop']:.2f} TB/s "
+          f"({t_loop * 1e3:.3f} ms)", flush=True)
+  return rows
+
+
 # ------------------------------------------------ activation quantize ---
 
 def act_rows(m=32768, f=5632, acts=("silu", "linear"), impls=("reference", "cuda")):
@@ -327,6 +359,12 @@ def report(rows):
            "|---|---|---|"]
     md += [f"| {r['name']} | {r['ours']:.2f} ({r['ours_us'] / 1e3:.3f}) | {r['ref']:.2f} |"
            for r in acts]
+  stacks = [r for r in rows if r["kind"] == "stack"]
+  if stacks:
+    md += ["", "| quantize a stack of expert weights, both copies | one launch TB/s | "
+           "lax.map of 2-D launches TB/s | ratio |", "|---|---|---|---|"]
+    md += [f"| {r['name']} | {r['ours']:.2f} | {r['loop']:.2f} | {r['ours'] / r['loop']:.2f}x |"
+           for r in stacks]
   norms = [r for r in rows if r["kind"] == "norm"]
   if norms:
     md += ["", "| norm backward (RMSNorm, bf16) | te_jax TB/s | 264 blocks TB/s | XLA TB/s |",
@@ -355,6 +393,7 @@ def main():
   rows = []
   if args.only in (None, "quantize"):
     rows += quantize_rows()
+    rows += stack_rows()
   if args.only in (None, "act"):
     rows += act_rows()
   if args.only in (None, "norm"):

@@ -1,7 +1,9 @@
-"""benchmarks/bench_ops.py's activation rows: every case traces and runs (the
-reference standing in for the kernel on the CPU) and counts its bytes; the
-h_copy row and the two calls it replaces return the same bits."""
+"""benchmarks/bench_ops.py's activation and stack-quantize rows: every case
+traces and runs (the reference standing in for the kernel on the CPU) and
+counts its bytes; the h_copy row and the two calls it replaces, and the
+stack quantize and the loop it replaces, return the same bits."""
 
+import jax
 import numpy as np
 
 import bench_ops  # pylint: disable=import-error  (benchmarks/ is on pytest's path)
@@ -55,3 +57,22 @@ def test_act_rows_run_every_case(monkeypatch, capsys):
       _same_bits(getattr(h1, name), getattr(h2, name), f"{names[mode_case]} h {name}")
   bench_ops.report(rows)
   assert "activation quantize (Llama MLP shape)" in capsys.readouterr().out
+
+
+def test_stack_rows_time_the_stack_beside_the_loop_it_replaced(monkeypatch):
+  """bench_ops' stack rows (issue 47): each case traces and runs both the
+  one-launch stack op and the lax.map of the 2-D op, on the references here,
+  and the two give the same FP8 bytes (so the row compares equal work)."""
+  outs = []
+
+  def once(fn, arg_sets, **_):
+    outs.append(jax.block_until_ready(fn(*arg_sets[0])))
+    return 1e-3
+
+  monkeypatch.setattr(bench_ops, "bench", once)
+  rows = bench_ops.stack_rows(e=3, m=128, k=256, impls=("reference", "reference"))
+  assert [r["kind"] for r in rows] == ["stack", "stack"]
+  assert all(r["ours"] > 0 and r["loop"] > 0 for r in rows)
+  for stack, loop in zip(outs[0::2], outs[1::2]):
+    _same_bits(stack.data, loop.data, "data")
+    _same_bits(stack.data_t, loop.data_t, "data_t")
