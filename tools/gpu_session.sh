@@ -242,7 +242,7 @@ if want actncu; then   # Nsight Compute's budget of the activation-quantize kern
   for only in act quantize; do
     (cd /tmp && BENCH_OPS_CALLS=1,1 timeout 200 ncu --clock-control none \
        --kernel-name-base function \
-       --kernel-name "regex:ActQuantize|TileAmax|QuantizeTile|QuantizeVec|AmaxKernel" \
+       --kernel-name "regex:ActQuantize|TileAmax|QuantizeTile|QuantizeStack|QuantizeVec|AmaxKernel" \
        --launch-count 120 --csv --page details --section SpeedOfLight \
        --section MemoryWorkloadAnalysis --section ComputeWorkloadAnalysis \
        --section WarpStateStats --section Occupancy --section LaunchStats \
