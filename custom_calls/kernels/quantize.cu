@@ -54,6 +54,12 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeArgs& p) {
   const bool e5m2 = p.out == Fp8Type::kE5M2;
   const __nv_fp8_interpretation_t interp = e5m2 ? __NV_E5M2 : __NV_E4M3;
   const float fp8_max = e5m2 ? 57344.f : 448.f;
+  // kTensor: the one scale is known before the tile is read (given, or from
+  // the amax an earlier launch wrote), so its load goes out with the tile's
+  // instead of after the block's amax barrier, where every block waited on it.
+  float tensor_s = 1.f;
+  if constexpr (kMode == ScaleMode::kTensor)
+    tensor_s = p.amax_in != nullptr ? ComputeScale(*p.amax_in, fp8_max, p.pow2) : *p.scale;
 
   // ---- load the 8x8 sub-tile (16-byte loads when the row allows it) ----
   // Kept as the raw input bits (32 registers for 16-bit inputs) and widened
@@ -140,7 +146,7 @@ __device__ __forceinline__ void QuantizeTile(const QuantizeArgs& p) {
     } else {
       if (p.amax_out != nullptr && t == 0)
         atomicMax(reinterpret_cast<unsigned*>(p.amax_out), amax);
-      s = p.amax_in != nullptr ? ComputeScale(*p.amax_in, fp8_max, p.pow2) : *p.scale;
+      s = tensor_s;
       // IEEE 1/s on the device (XLA:GPU's division is not correctly rounded).
       if (p.scale_inv != nullptr && t == 0 && blockIdx.x == 0 && blockIdx.y == 0)
         *p.scale_inv = 1.f / s;
