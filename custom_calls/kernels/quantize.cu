@@ -363,13 +363,7 @@ cudaError_t LaunchAmax(const void* x, int64_t n, InType in, float* amax_out,
                        cudaStream_t stream) {
   cudaError_t e = cudaMemsetAsync(amax_out, 0, sizeof(float), stream);
   if (e != cudaSuccess || n <= 0) return e;
-  int dev = 0, sms = 132;
-  cudaGetDevice(&dev);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
-  // Enough blocks to fill the GPU (4 x 512 threads per SM), no more: each
-  // block ends with one atomic.
-  const int64_t want = (n / 8 + 511) / 512 + 1;
-  const unsigned blocks = static_cast<unsigned>(want < 4 * sms ? want : 4 * sms);
+  const unsigned blocks = AmaxBlocks(n, 1);
   unsigned* out = reinterpret_cast<unsigned*>(amax_out);
   switch (in) {
     case InType::kF32: AmaxKernel<float><<<blocks, 512, 0, stream>>>(static_cast<const float*>(x), n, out); break;

@@ -205,8 +205,8 @@ def quantize_stack_blockwise(x, block_shape, dtype, power_2_scale: bool, columnw
   data, s, data_t, st = jax.ffi.ffi_call("te_jax_quantize_stack_blockwise", outs)(
       x, block_rows=np.int64(layout.block_shape[0]),
       power_2_scale=np.int64(bool(power_2_scale)), columnwise=np.int64(bool(columnwise)))
-  scale_inv = jax.vmap(lambda t: layout.from_native(t, m, k))(s)
+  # Each entry's results as the 2-D op assembles them (blockwise_result).
   if not columnwise:
-    return QuantizedTensor(data, scale_inv, block_shape=layout.block_shape)
-  scale_inv_t = jax.vmap(lambda t: layout.from_native(t, k, m))(st)
-  return QuantizedTensor(data, scale_inv, data_t, scale_inv_t, None, layout.block_shape)
+    data_t = st = None
+  return jax.vmap(lambda d, si, dt, sti: blockwise_result(d, si, dt, sti, m, k, layout))(
+      data, s, data_t, st)
