@@ -106,6 +106,16 @@ model_rows() {
      > "$OUT/$name.log" 2>&1)
   grep -E "^\| (none|delayed|current|blockwise) " "$OUT/$name.log" | sed "s/^/$prefix/" >> "$LOG"
 }
+# memory_table NAME PREFIX LIMIT ARGS...: model_memory.py --preset llama ARGS at
+# batch 8, every recipe (LIMIT seconds) into $OUT/NAME.log; its rows join
+# stages.log after PREFIX.
+memory_table() {
+  local name=$1 prefix=$2 limit=$3; shift 3
+  (cd /tmp && timeout "$limit" python3 "$REPO/benchmarks/model_memory.py" --preset llama \
+     --batches 8 --recipes none,delayed,current,blockwise --jobs 4 "$@" > "$OUT/$name.log" 2>&1)
+  grep -E "^\| 8 \| (none|delayed|current|blockwise) " "$OUT/$name.log" \
+    | sed "s/^/$prefix/" >> "$LOG"
+}
 tarball=$(ls .cutlass/cutlass-*-include.tar.gz 2>/dev/null | head -1)
 if [[ -n "$tarball" ]]; then
   tar -xzf "$tarball" -C .cutlass
@@ -166,9 +176,7 @@ if want suite; then
   s1=$!
   tables=" ${MEMORY_TABLES:-offload live actfp8} "
   [[ "$tables" == *" offload "* ]] && \
-  (cd /tmp && timeout 300 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
-     --batches 8 --recipes none,delayed,current,blockwise --jobs 4 --offload_optimizer \
-     > "$OUT/memory_offload.log" 2>&1)
+    memory_table memory_offload "offload: " 300 --offload_optimizer
   # Without offload, at batch 4 and 8: the buffers live at the peak, and how
   # many copies XLA's rematerialization made to fit the device.
   # (Each table's rows join stages.log only when it ran: a log left by an
@@ -181,11 +189,7 @@ if want suite; then
   fi
   # FP8 with the MLP activation's input kept in FP8 (store_act_input_in_fp8).
   if [[ "$tables" == *" actfp8 "* ]]; then
-    (cd /tmp && timeout 300 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
-       --batches 8 --recipes none,delayed,current,blockwise --jobs 4 \
-       --set store_act_input_in_fp8=true > "$OUT/memory_act_fp8.log" 2>&1)
-    grep -E "^\| 8 \| (none|delayed|current|blockwise) " "$OUT/memory_act_fp8.log" \
-      | sed "s/^/act input in FP8: /" >> "$LOG"
+    memory_table memory_act_fp8 "act input in FP8: " 300 --set store_act_input_in_fp8=true
   fi
   wait $s1
   tail -qn 1 "$OUT"/suite/pytest_gpu*.log >> "$LOG"
@@ -218,19 +222,11 @@ if want kernels; then   # the activation-quantize passes of the Llama MLP (issue
 fi
 if want memory; then   # compile-only: the CPU's work, beside the GPU stages that follow
   st "memory (background)"
-  # memory_table NAME PREFIX ARGS...: model_memory.py --preset llama at batch 8, every recipe.
-  memory_table() {
-    local name=$1 prefix=$2; shift 2
-    (cd /tmp && timeout 400 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
-       --batches 8 --recipes none,delayed,current,blockwise --jobs 4 "$@" > "$OUT/$name.log" 2>&1)
-    grep -E "^\| 8 \| (none|delayed|current|blockwise) " "$OUT/$name.log" \
-      | sed "s/^/$prefix/" >> "$LOG"
-  }
-  (memory_table memory_default "memory: "
-   memory_table memory_act_fp8 "memory, act input in FP8: " --set store_act_input_in_fp8=true
-   memory_table memory_offload "memory, offload: " --offload_optimizer
-   memory_table memory_offload_act_fp8 "memory, offload + act input in FP8: " --offload_optimizer \
-     --set store_act_input_in_fp8=true) &
+  (memory_table memory_default "memory: " 400
+   memory_table memory_act_fp8 "memory, act input in FP8: " 400 --set store_act_input_in_fp8=true
+   memory_table memory_offload "memory, offload: " 400 --offload_optimizer
+   memory_table memory_offload_act_fp8 "memory, offload + act input in FP8: " 400 \
+     --offload_optimizer --set store_act_input_in_fp8=true) &
   memory_tables=$!
 fi
 if want actncu; then   # Nsight Compute's budget of the activation-quantize kernels
