@@ -343,6 +343,9 @@ def report(rows):
             f"{r['ours'] / r['old']:>7.2f}x (XLA {r['ref']:.2f} TB/s)")
     elif r["kind"] == "gemm":
       print(f"{r['name']:<58} {r['ours']:>6.0f} TFLOP/s {'(bf16=1)':>12} {r['ratio']:>7.2f}x")
+    elif r["kind"] == "stack":
+      print(f"{'stack ' + r['name']:<58} {r['ours']:>8.2f} TB/s {r['loop']:>7.2f} TB/s "
+            f"{r['ours'] / r['loop']:>7.2f}x (lax.map)")
     else:
       print(f"{r['name']:<58} rel.err {r['err']:.2e}")
   md = [f"## te_jax ops ({datetime.date.today().isoformat()})", "",

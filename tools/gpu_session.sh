@@ -89,6 +89,18 @@ OUT="$RUN_DIR"
 cd "$REPO" || exit 1
 export PYTHONUNBUFFERED=1
 st() { echo "$(date -u +%T) $*" >> "$LOG"; }
+# gpu_idle: ends what a timed-out stage left on the GPU (ncu's timeout does
+# not reach the application it profiles: in run AK the act profile's python
+# held the GPU and the quantize profile and batch 4's bf16 row then found no
+# device), then waits up to 60 s for no compute process to remain.
+gpu_idle() {
+  pkill -9 -f "$REPO/benchmarks/" 2>/dev/null
+  for _ in $(seq 1 12); do
+    [[ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ]] && return 0
+    sleep 5
+  done
+  st "gpu_idle: compute processes still on the GPU after 60 s"
+}
 purelib() { "$1" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])"; }
 # venv_over_image DIR: a venv that also sees the image's packages. The
 # image's python is itself a venv: a --system-site-packages venv would see
@@ -236,7 +248,7 @@ if want actncu; then   # Nsight Compute's budget of the activation-quantize kern
   # reference kernels are not profiled): every case gets its rows, where a
   # launch count over the normal timing loop spent itself on the first case.
   for only in act quantize; do
-    (cd /tmp && BENCH_OPS_CALLS=1,1 timeout 200 ncu --clock-control none \
+    (cd /tmp && BENCH_OPS_CALLS=1,1 timeout -k 10 240 ncu --clock-control none \
        --kernel-name-base function \
        --kernel-name "regex:ActQuantize|TileAmax|QuantizeTile|QuantizeStack|QuantizeVec|AmaxKernel" \
        --launch-count 120 --csv --page details --section SpeedOfLight \
@@ -245,6 +257,7 @@ if want actncu; then   # Nsight Compute's budget of the activation-quantize kern
        --section InstructionStats python3 "$REPO/benchmarks/bench_ops.py" --only "$only" \
        > "$OUT/ncu_$only.csv" 2> "$OUT/ncu_$only.err") \
       || echo "actncu ($only): exit $? (see ncu_$only.err)" >> "$LOG"
+    gpu_idle
     python3 tools/ncu_summary.py "$OUT/ncu_$only.csv" > "$OUT/ncu_$only.log" 2>&1
     grep -E "^\| " "$OUT/ncu_$only.log" >> "$LOG"
   done
@@ -253,6 +266,7 @@ if want ncu && [[ -n "$tarball" ]]; then   # Nsight Compute's budget of the bloc
   st "ncu"
   wait "${kernels_built:-}" 2>/dev/null
   OUT=$OUT timeout 560 bash tools/gpu_kernels.sh ncu > "$OUT/ncu.log" 2>&1
+  gpu_idle
   grep -E "^\| " "$OUT/ncu.log" >> "$LOG"
 fi
 if want presets; then   # issue 43's batch-4 and h200-preset rows
