@@ -89,12 +89,13 @@ OUT="$RUN_DIR"
 cd "$REPO" || exit 1
 export PYTHONUNBUFFERED=1
 st() { echo "$(date -u +%T) $*" >> "$LOG"; }
-# gpu_idle: ends what a timed-out stage left on the GPU (ncu's timeout does
-# not reach the application it profiles: in run AK the act profile's python
-# held the GPU and the quantize profile and batch 4's bf16 row then found no
-# device), then waits up to 60 s for no compute process to remain.
+# gpu_idle PATTERN: ends the processes matching PATTERN that a timed-out
+# profile left on the GPU (ncu's timeout does not reach the application it
+# profiles: in run AK the act profile's python held the GPU, and the quantize
+# profile and batch 4's bf16 row found no device), then waits up to 60 s for
+# no compute process to remain.
 gpu_idle() {
-  pkill -9 -f "$REPO/benchmarks/" 2>/dev/null
+  pkill -9 -f "$1" 2>/dev/null
   for _ in $(seq 1 12); do
     [[ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader 2>/dev/null)" ]] && return 0
     sleep 5
@@ -257,7 +258,7 @@ if want actncu; then   # Nsight Compute's budget of the activation-quantize kern
        --section InstructionStats python3 "$REPO/benchmarks/bench_ops.py" --only "$only" \
        > "$OUT/ncu_$only.csv" 2> "$OUT/ncu_$only.err") \
       || echo "actncu ($only): exit $? (see ncu_$only.err)" >> "$LOG"
-    gpu_idle
+    gpu_idle "$REPO/benchmarks/bench_ops.py"
     python3 tools/ncu_summary.py "$OUT/ncu_$only.csv" > "$OUT/ncu_$only.log" 2>&1
     grep -E "^\| " "$OUT/ncu_$only.log" >> "$LOG"
   done
@@ -266,7 +267,7 @@ if want ncu && [[ -n "$tarball" ]]; then   # Nsight Compute's budget of the bloc
   st "ncu"
   wait "${kernels_built:-}" 2>/dev/null
   OUT=$OUT timeout 560 bash tools/gpu_kernels.sh ncu > "$OUT/ncu.log" 2>&1
-  gpu_idle
+  gpu_idle "blockwise_gemm_sm90"
   grep -E "^\| " "$OUT/ncu.log" >> "$LOG"
 fi
 if want presets; then   # issue 43's batch-4 and h200-preset rows
