@@ -16,6 +16,11 @@
 // also the columnwise copy of act(h) (kernels/act_quantize.h), which the
 // backward's wgrad GEMM reads and the forward then need not keep.
 //
+// The per-tensor backward of a gated activation with F % 128 == 0 runs one
+// block per column tile of h that writes both halves of dh (template
+// parameter kPaired), reading dz, h0 and h1 and evaluating the activations
+// once for both.
+//
 // dact(dz, h) also reads h as E4M3 bytes with 1x128 tile scales (template
 // parameter kFp8H; Fp8HInput in kernels/act_quantize.h), the copy of h that
 // store_act_input_in_fp8 keeps, instead of a 16-bit h dequantized first;
@@ -80,15 +85,24 @@ struct ColumnBytes {
 // Stands for the row inputs that body (ForRows) gets without kWithH.
 struct NoRow {};
 
-// Runs the prologue's row loop with body(i, y, z, r): z = act(h) beside
-// y = dact(dz, h) with kWithAct, else y again (unused); r the row's h as
-// loaded (prologue::RowInputs) with kWithH, else a NoRow (unused). kFp8H: h
-// is E4M3 with the tile scales `hs` (Fp8HInput).
+// Runs the prologue's row loop with body(i, y, z, extra): z = act(h) beside
+// y = dact(dz, h) with kWithAct or kPaired, else y again (unused); extra
+// the row's h as loaded (prologue::RowInputs) with kWithH, the act1' half
+// of a gated dact with kPaired (y then the act0' half; col < F: see
+// prologue::ActRows), else a NoRow (unused). kFp8H: h is E4M3 with the tile
+// scales `hs` (Fp8HInput).
 template <typename InT, Prologue kPro, prologue::ActLoop kLoop, bool kWithAct, bool kFp8H,
-          bool kWithH, typename Body>
+          bool kWithH, bool kPaired, typename Body>
 __device__ __forceinline__ void ForRows(const PrologueArgs& q, const Fp8HInput& hs, int64_t M,
                                         int64_t row, int64_t col, Body&& body) {
-  if constexpr (kWithAct) {
+  if constexpr (kPaired) {
+    prologue::ComputeRows<InT, kPro, kLoop, false, kFp8H, false, true>(
+        q, M, row, col,
+        [&](int i, const float (&y0)[kSub], const float (&y1)[kSub], const float (&z)[kSub]) {
+          body(i, y0, z, y1);
+        },
+        hs);
+  } else if constexpr (kWithAct) {
     prologue::ComputeRows<InT, kPro, kLoop, true, kFp8H>(
         q, M, row, col,
         [&](int i, const float (&y)[kSub], const float (&z)[kSub]) { body(i, y, z, NoRow{}); },
@@ -179,9 +193,12 @@ __device__ __forceinline__ bool Gated(const PrologueArgs& q) {
 // the forward that writes both copies of z and h's E4M3 copy (SwiGLU and
 // the fp16 gelu spilled 12-44 bytes at 80; z's rowwise copy and h's fit in
 // 58-80 registers with every 16-bit specialized loop).
-template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut>
+// The paired backward (both halves of a gated dh, three column byte sets)
+// takes 2 as well.
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut, bool kPaired = false>
 constexpr int ActMinBlocks() {
-  if (sizeof(InT) != 2 || kLoop == prologue::ActLoop::kAny || (kOut & kOutActCols)) return 2;
+  if (sizeof(InT) != 2 || kLoop == prologue::ActLoop::kAny || (kOut & kOutActCols) || kPaired)
+    return 2;
   if ((kOut & kOutH) && (kOut & kOutCols)) return 2;
   if (std::is_same_v<InT, __half> && kPro == Prologue::kDAct &&
       kLoop == prologue::ActLoop::kSwiGlu)
@@ -196,8 +213,15 @@ constexpr int ActMinBlocks() {
 // collected the same way from the act(h) values of the same loop, with
 // act(h)'s own scale, in the tiles of act(h)'s F columns (all tiles when not
 // gated, the left half of a gated dh).
-template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut, bool kFp8H>
-__global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>())
+//
+// kPaired (a gated backward with F % 128 == 0; the grid spans h's F columns,
+// not dh's 2F): the block writes the tile of dh at its columns and the tile
+// F columns to the right, from one load of dz, h0 and h1 and one evaluation
+// of the activations. Split, the two tiles are two blocks that each load
+// all three inputs and evaluate both activations and their derivatives.
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut, bool kFp8H,
+          bool kPaired>
+__global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut, kPaired>())
     ActQuantizeTensorKernel(QuantizeArgs p, PrologueArgs q, QuantizeArgs z, Fp8HInput hs,
                             Fp8HOutput ho) {
   constexpr bool kRows = kOut & kOutRows, kCols = kOut & kOutCols, kAct = kOut & kOutActCols;
@@ -219,6 +243,7 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
     if (z.scale_inv != nullptr && block0) *z.scale_inv = 1.f / zs;
   }
 
+  // Paired, the right tile's rows are whole 8-byte words as well: F % 128 == 0.
   const bool vec_out = (K % 8 == 0) && (st.gc + kSub <= K);
   const int64_t first_row = st.m0 + st.r0;
   uint8_t* out_row = kRows ? p.data + first_row * K + st.gc : nullptr;  // a row per emit
@@ -226,20 +251,28 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
   [[maybe_unused]] HCopyRow h_at = kH ? HCopyRow(ho, q, gated, first_row, st) : HCopyRow{};
   unsigned amax = 0;  // bits: two elements per 3-input integer max (MaxAbs took more here)
   ColumnBytes cols, zcols;
-  ForRows<InT, kPro, kLoop, kAct, kFp8H, kH>(
-      q, hs, M, first_row, st.gc,
-      [&](int i, const float (&y)[kSub], const float (&zv)[kSub], const auto& hr) {
-        unsigned pair[kSub / 2];  // columns 2k (bits 0-7) and 2k + 1 (bits 8-15)
+  [[maybe_unused]] ColumnBytes cols_right;  // kPaired: the right tile's
+  // Row i of one output tile: its amax and casts, the rowwise store at `at`
+  // (output column gc), the bytes for the columnwise copy into `c`.
+  auto quantize_row = [&](int i, const float (&y)[kSub], uint8_t* at, int64_t gc,
+                          ColumnBytes& c) {
+    unsigned pair[kSub / 2];  // columns 2k (bits 0-7) and 2k + 1 (bits 8-15)
 #pragma unroll
-        for (int k = 0; k < kSub / 2; ++k) {
-          amax = max(amax, max(AbsBits(y[2 * k]), AbsBits(y[2 * k + 1])));
-          pair[k] = Cast2(y[2 * k] * s, y[2 * k + 1] * s, fmt.interp);
-        }
-        if constexpr (kRows) {
-          if (first_row + i < M) StoreRowWords(out_row, PackPairs(pair), vec_out, K - st.gc);
-          out_row += K;
-        }
-        if constexpr (kCols) cols.Push(pair);
+    for (int k = 0; k < kSub / 2; ++k) {
+      amax = max(amax, max(AbsBits(y[2 * k]), AbsBits(y[2 * k + 1])));
+      pair[k] = Cast2(y[2 * k] * s, y[2 * k + 1] * s, fmt.interp);
+    }
+    if constexpr (kRows) {
+      if (first_row + i < M) StoreRowWords(at, PackPairs(pair), vec_out, K - gc);
+    }
+    if constexpr (kCols) c.Push(pair);
+  };
+  ForRows<InT, kPro, kLoop, kAct, kFp8H, kH, kPaired>(
+      q, hs, M, first_row, st.gc,
+      [&](int i, const float (&y)[kSub], const float (&zv)[kSub], const auto& extra) {
+        quantize_row(i, y, out_row, st.gc, cols);
+        if constexpr (kPaired) quantize_row(i, extra, out_row + q.F, st.gc + q.F, cols_right);
+        if constexpr (kRows) out_row += K;
         if constexpr (kAct) {
           if (z_tile) {
             unsigned zpair[kSub / 2];
@@ -249,7 +282,7 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
             zcols.Push(zpair);
           }
         }
-        if constexpr (kH) StoreHRow(hr, h_at, q, gated, first_row + i < M, st, ho.scale_ld);
+        if constexpr (kH) StoreHRow(extra, h_at, q, gated, first_row + i < M, st, ho.scale_ld);
       });
   if (p.amax_out != nullptr) {
     amax = BlockMaxU(amax, warp_red);
@@ -260,6 +293,12 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
     cols.ToTile(tbuf, st);
     __syncthreads();
     StoreTransposedTile(p, tbuf, st.m0, st.k0, st.t);
+    if constexpr (kPaired) {
+      __syncthreads();  // the store above has read tbuf
+      cols_right.ToTile(tbuf, st);
+      __syncthreads();
+      StoreTransposedTile(p, tbuf, st.m0, st.k0 + q.F, st.t);
+    }
   }
   if constexpr (kAct) {
     if (z_tile) {
@@ -314,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
   for (int j = 0; j < kSub; ++j) cmax[j] = zmax[j] = 0.f;
   // ComputeRows runs its row loop warp-uniformly (prologue.h), so the
   // 16-lane shuffles below are reached by all 32 lanes together.
-  ForRows<InT, kPro, kLoop, kAct, kFp8H, kH>(
+  ForRows<InT, kPro, kLoop, kAct, kFp8H, kH, false>(
       q, hs, M, first_row, st.gc,
       [&](int i, const float (&y)[kSub], const float (&zv)[kSub], const auto& hr) {
         if constexpr (kRows) {
@@ -415,21 +454,33 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
 
 // max|v| of a prologue's output, computed by the same prologue::ComputeRows
 // (so the same values bit for bit) on the same tiles, without the scratch;
-// one atomicMax per 128x128 tile.
-template <typename InT, Prologue kPro, prologue::ActLoop kLoop, bool kFp8H>
+// one atomicMax per 128x128 tile (kPaired: per pair of tiles F columns
+// apart, as ActQuantizeTensorKernel's).
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop, bool kFp8H, bool kPaired>
 __global__ void __launch_bounds__(kThreads)
     TileAmaxKernel(QuantizeArgs p, PrologueArgs q, Fp8HInput hs) {
   __shared__ unsigned warp_red[kThreads / 32];
   const int t = threadIdx.x;
+  const int64_t row = static_cast<int64_t>(blockIdx.y) * kTile + (t / 16) * kSub;
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kTile + (t % 16) * kSub;
   float amax = 0.f;
-  prologue::ComputeRows<InT, kPro, kLoop, false, kFp8H>(
-      q, p.M, static_cast<int64_t>(blockIdx.y) * kTile + (t / 16) * kSub,
-      static_cast<int64_t>(blockIdx.x) * kTile + (t % 16) * kSub,
-      [&](int, const float (&y)[kSub]) {
+  if constexpr (kPaired) {
+    prologue::ComputeRows<InT, kPro, kLoop, false, kFp8H, false, true>(
+        q, p.M, row, col,
+        [&](int, const float (&y0)[kSub], const float (&y1)[kSub], const float (&)[kSub]) {
 #pragma unroll
-        for (int j = 0; j < kSub; ++j) amax = MaxAbs(amax, y[j]);
-      },
-      hs);
+          for (int j = 0; j < kSub; ++j) amax = MaxAbs(MaxAbs(amax, y0[j]), y1[j]);
+        },
+        hs);
+  } else {
+    prologue::ComputeRows<InT, kPro, kLoop, false, kFp8H>(
+        q, p.M, row, col,
+        [&](int, const float (&y)[kSub]) {
+#pragma unroll
+          for (int j = 0; j < kSub; ++j) amax = MaxAbs(amax, y[j]);
+        },
+        hs);
+  }
   const unsigned block_amax = BlockMaxU(__float_as_uint(amax), warp_red);
   if (t == 0) atomicMax(reinterpret_cast<unsigned*>(p.amax_out), block_amax);
 }
@@ -464,14 +515,45 @@ cudaError_t WithLoop(const PrologueArgs& q, Launch&& launch) {
   }
 }
 
+// Whether loop kLoop of prologue kPro can be a gated backward: the loops
+// built with the paired kernels (kPaired). 16-bit dz only: with float32
+// inputs the paired quantize kernel spilled 44-140 bytes (ptxas -v, nvcc
+// 13.0), where the 16-bit ones fit 128 registers without.
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop>
+constexpr bool CanPair() {
+  return sizeof(InT) == 2 && kPro == Prologue::kDAct && prologue::LoopSpec<kLoop>::kGated != 0;
+}
+
+// A gated backward whose right half starts on a tile boundary: one block per
+// column tile of h writes both halves (kPaired). Other widths (F % 128 != 0,
+// a tile of dh straddling h0's and h1's columns) keep one block per tile of
+// dh. The grid for `a` (M, 2F) that spans h's F columns instead.
+bool Paired(const PrologueArgs& q) {
+  return q.kind == Prologue::kDAct && q.act1 >= 0 && q.F % kTile == 0;
+}
+dim3 PairedGrid(const QuantizeArgs& a, const PrologueArgs& q) {
+  dim3 grid = TileGrid(a);
+  grid.x = static_cast<unsigned>(q.F / kTile);
+  return grid;
+}
+
 template <typename InT, ScaleMode kMode, Prologue kPro, prologue::ActLoop kLoop, int kOut,
           bool kFp8H>
 cudaError_t LaunchVariant(const QuantizeArgs& a, const PrologueArgs& q, const QuantizeArgs& z,
                           const Fp8HInput& hs, const Fp8HOutput& ho, cudaStream_t stream) {
   if constexpr (kMode == ScaleMode::kTensor) {
-    ActQuantizeTensorKernel<InT, kPro, kLoop, kOut, kFp8H>
+    if constexpr (CanPair<InT, kPro, kLoop>()) {
+      if (Paired(q)) {
+        ActQuantizeTensorKernel<InT, kPro, kLoop, kOut, kFp8H, true>
+            <<<PairedGrid(a, q), kThreads, 0, stream>>>(a, q, z, hs, ho);
+        return cudaGetLastError();
+      }
+    }
+    ActQuantizeTensorKernel<InT, kPro, kLoop, kOut, kFp8H, false>
         <<<TileGrid(a), kThreads, 0, stream>>>(a, q, z, hs, ho);
   } else {
+    // Never paired: the columnwise copy parks a tile's float values in 64 KB
+    // of shared memory, and both halves' 128 KB would leave one block per SM.
     auto* kernel = ActQuantizeVec128Kernel<InT, kPro, kLoop, kOut, kFp8H>;
     // Only the columnwise copy parks values in the scratch.
     constexpr int kDynamic = (kOut & kOutCols) ? kScratchBytes : 0;
@@ -584,7 +666,14 @@ cudaError_t LaunchTileAmax(const QuantizeArgs& b, const PrologueArgs& q, const F
     } else {
       return WithLoop<InT, kPro, kFp8H>(q, [&](auto loop) {
         constexpr prologue::ActLoop kLoop = decltype(loop)::value;
-        TileAmaxKernel<InT, kPro, kLoop, kFp8H><<<TileGrid(b), kThreads, 0, stream>>>(b, q, hs);
+        if constexpr (CanPair<InT, kPro, kLoop>()) {
+          if (Paired(q)) {
+            TileAmaxKernel<InT, kPro, kLoop, kFp8H, true>
+                <<<PairedGrid(b, q), kThreads, 0, stream>>>(b, q, hs);
+            return cudaGetLastError();
+          }
+        }
+        TileAmaxKernel<InT, kPro, kLoop, kFp8H, false><<<TileGrid(b), kThreads, 0, stream>>>(b, q, hs);
         return cudaGetLastError();
       });
     }

@@ -197,14 +197,24 @@ inline ActLoop ChooseLoop(const PrologueArgs& q, bool sixteen_bit) {
 // r.a[j] = h0, r.b[j] = h1 when gated, at the row and column col + j; 0 past
 // M), so that the caller can write h's own FP8 copy from the values it has
 // loaded anyway (Fp8HOutput in act_quantize.h).
+//
+// kPaired (kDAct of a gated activation only; col < F): emit(i, y0, y1, z)
+// gets both output halves of h's columns col + j, y0 the act0' half (output
+// column col + j) and y1 the act1' half (column F + col + j), beside z =
+// act(h): one load of dz, h0 and h1 and one evaluation of both activations
+// serve both halves, where a caller asking for one output column at a time
+// gets each half from its own loads and evaluations. The same operations as
+// the unpaired loop, so the same bits.
 template <typename InT, Prologue kPro, ActLoop kLoop, bool kWithAct, bool kFp8H, bool kWithH,
-          typename Emit>
+          bool kPaired, typename Emit>
 __device__ __forceinline__ void ActRows(const PrologueArgs& q, const Fp8HInput& hs, int64_t M,
                                         int64_t row, int64_t col, Emit&& emit) {
   static_assert(kPro != Prologue::kNone && kPro != Prologue::kNorm, "an activation prologue");
   static_assert(!kWithAct || kPro == Prologue::kDAct, "act(h) beside dact(dz, h) only");
   static_assert(!kFp8H || kPro != Prologue::kConcat, "an FP8 h is an activation input");
   static_assert(!kWithH || (kPro == Prologue::kAct && !kFp8H), "h's rows: a 16/32-bit kAct h");
+  static_assert(!kPaired || (kPro == Prologue::kDAct && LoopSpec<kLoop>::kGated != 0 && !kWithH),
+                "both halves: the backward of a gated activation");
   using HT = std::conditional_t<kFp8H, uint8_t, InT>;
   constexpr bool kCat = kPro == Prologue::kConcat;
   static_assert(kCat == (kLoop == ActLoop::kNone), "kConcat runs the kNone loop, and only it");
@@ -225,20 +235,20 @@ __device__ __forceinline__ void ActRows(const PrologueArgs& q, const Fp8HInput& 
                                 : q.parts[3];
   const HT* h = static_cast<const HT*>(src);
   const InT* dz = static_cast<const InT*>(q.dz);
-  const bool gated = !kCat && (Spec::kGated < 0 ? q.act1 >= 0 : Spec::kGated == 1);
+  const bool gated = kPaired || (!kCat && (Spec::kGated < 0 ? q.act1 >= 0 : Spec::kGated == 1));
   const int act0 = Spec::kAct0 == kActAny ? q.act0 : Spec::kAct0;
   const int act1 = Spec::kAct1 == kActAny ? q.act1 : Spec::kAct1;
   const int64_t ldh = gated ? 2 * F : F;
   // Output columns [F, 2F) of the gated backward are the act1' branch and
   // read dz, h0, h1 at column col - F. The host guarantees F % 8 == 0 when
   // gated, so a thread's 8 columns never straddle the two halves.
-  const bool right = kPro == Prologue::kDAct && gated && col >= F;
+  const bool right = !kPaired && kPro == Prologue::kDAct && gated && col >= F;
   const int64_t sc = kCat ? col - part * F : right ? col - F : col;
 
-  // The values of one row from its inputs (and with kWithAct act(h) in z);
-  // `in(j)`: column j exists.
+  // The values of one row from its inputs (and with kWithAct or kPaired
+  // act(h) in z, with kPaired the act1' half in y1); `in(j)`: column j exists.
   auto compute = [&](const RowInputs<InT, kFp8H>& r, auto&& in, float (&y)[kSub],
-                     float (&z)[kSub]) {
+                     float (&z)[kSub], float (&y1)[kSub]) {
 #pragma unroll
     for (int j = 0; j < kSub; ++j) {
       if constexpr (kCat) {
@@ -257,7 +267,8 @@ __device__ __forceinline__ void ActRows(const PrologueArgs& q, const Fp8HInput& 
         val = gated ? __fmul_rn(g, right ? d1 : f1) : g;
       }
       y[j] = in(j) ? val : 0.f;
-      if constexpr (kWithAct) z[j] = in(j) ? act : 0.f;
+      if constexpr (kWithAct || kPaired) z[j] = in(j) ? act : 0.f;
+      if constexpr (kPaired) y1[j] = in(j) ? __fmul_rn(__fmul_rn(r.d[j], f0), d1) : 0.f;
     }
   };
   // kChecked: bounds-checked loads and values (edge sub-tiles).
@@ -304,9 +315,11 @@ __device__ __forceinline__ void ActRows(const PrologueArgs& q, const Fp8HInput& 
       RowInputs<InT, kFp8H> next2;
       if (i + 2 < kSub) load(i + 2, next2);
       const bool row_in = row + i < M;
-      float y[kSub], z[kSub];
-      compute(cur, [&](int j) { return !kChecked || (row_in && sc + j < F); }, y, z);
-      if constexpr (kWithAct) {
+      float y[kSub], z[kSub], y1[kSub];
+      compute(cur, [&](int j) { return !kChecked || (row_in && sc + j < F); }, y, z, y1);
+      if constexpr (kPaired) {
+        emit(i, y, y1, z);
+      } else if constexpr (kWithAct) {
         emit(i, y, z);
       } else if constexpr (kWithH) {
         emit(i, y, cur);
@@ -455,17 +468,19 @@ __device__ __forceinline__ void NormRows(const PrologueArgs& q, int64_t M, int64
 // columns col + j < F (see ActRows). With kFp8H (kAct, kDAct) h is E4M3
 // with the tile scales `hs` (Fp8HInput) and InT is dz's element type. With
 // kWithH (kAct only) it calls emit(i, y, r), r the row's RowInputs<InT>.
+// With kPaired (kDAct, gated, col < F) it calls emit(i, y0, y1, z) with
+// both output halves of h's columns and act(h) (see ActRows).
 template <typename InT, Prologue kPro, ActLoop kLoop, bool kWithAct = false,
-          bool kFp8H = false, bool kWithH = false, typename Emit>
+          bool kFp8H = false, bool kWithH = false, bool kPaired = false, typename Emit>
 __device__ __forceinline__ void ComputeRows(const PrologueArgs& q, int64_t M, int64_t row,
                                             int64_t col, Emit&& emit,
                                             const Fp8HInput& hs = Fp8HInput()) {
   if constexpr (kPro == Prologue::kNorm) {
-    static_assert(kLoop == ActLoop::kNone && !kWithAct && !kFp8H && !kWithH,
+    static_assert(kLoop == ActLoop::kNone && !kWithAct && !kFp8H && !kWithH && !kPaired,
                   "kNorm runs the kNone loop");
     NormRows<InT>(q, M, row, col, emit);
   } else {
-    ActRows<InT, kPro, kLoop, kWithAct, kFp8H, kWithH>(q, hs, M, row, col, emit);
+    ActRows<InT, kPro, kLoop, kWithAct, kFp8H, kWithH, kPaired>(q, hs, M, row, col, emit);
   }
 }
 
