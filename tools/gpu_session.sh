@@ -248,8 +248,13 @@ if want actncu; then   # Nsight Compute's budget of the activation-quantize kern
   # times (BENCH_OPS_CALLS=1,1), te_jax's prologue and tile kernels only (XLA's
   # reference kernels are not profiled): every case gets its rows, where a
   # launch count over the normal timing loop spent itself on the first case.
+  # Without jax's preallocation: run AJ profiled 16 launches in 240 s and run
+  # AK none in 200, and a kernel replay that saves and restores the memory a
+  # kernel may write would copy XLA's whole preallocated pool (60 GB) on
+  # every pass (the likely cause; not confirmed).
   for only in act quantize; do
-    (cd /tmp && BENCH_OPS_CALLS=1,1 timeout -k 10 240 ncu --clock-control none \
+    (cd /tmp && BENCH_OPS_CALLS=1,1 XLA_PYTHON_CLIENT_PREALLOCATE=false \
+       timeout -k 10 240 ncu --clock-control none \
        --kernel-name-base function \
        --kernel-name "regex:ActQuantize|TileAmax|QuantizeTile|QuantizeStack|QuantizeVec|AmaxKernel" \
        --launch-count 120 --csv --page details --section SpeedOfLight \
