@@ -1,5 +1,5 @@
 // What bounds the fused activation kernels, on a 16384 x 16384 bf16 h (and
-// dz): first the shipped kernels of kernels/act_quantize.cu (included below)
+// dz): first the shipped kernels of kernels/act_quantize*.cu (included below)
 // for gelu (amax pass, per-tensor and 1x128 quantize, forward and backward);
 // then an amax-only pass over gelu(h) (the first pass of current scaling)
 // in variants that change one thing at a time:
@@ -26,6 +26,8 @@
 // The kernels themselves (one translation unit: they live in an anonymous
 // namespace there).
 #include "kernels/act_quantize.cu"
+#include "kernels/act_quantize_blockwise.cu"
+#include "kernels/act_quantize_tensor.cu"
 #include "check_cuda.h"
 
 namespace {

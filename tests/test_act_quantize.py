@@ -752,8 +752,8 @@ def test_cuda_odd_shapes(shape):
 @pytest.mark.parametrize("shape", [(200, 256), (130, 128), (1, 384)])
 def test_cuda_paired_gated_backward(shape, mode):
   """A gated backward with F % 128 == 0 runs one block per column tile of h
-  that writes both halves of dh (kernels/act_quantize.cu: kPaired in the
-  per-tensor kernel and its amax pass, ActQuantizeVec128PairedKernel's two
+  that writes both halves of dh (kernels/act_quantize_*.cu: kPaired in the
+  per-tensor kernel and its amax pass, ActQuantizeVec128PairedKernel's three
   passes for blockwise): against the reference with edge rows (M % 128 !=
   0), one tile of h, one row, and every activation in each position, 16-bit
   inputs (the paired kernels' only ones) of both kinds."""

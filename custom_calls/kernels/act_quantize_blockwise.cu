@@ -1,0 +1,313 @@
+// The 1x128 kernels (blockwise scaling) of the activation quantize
+// (kernels/act_quantize.cu says what they compute) and their launch.
+#include "kernels/act_quantize_common.cuh"
+
+namespace te_jax {
+namespace {
+
+// ScaleMode::kVec128 (blockwise): a row's 1x128 scale is a max over the 16
+// lanes that share the row, available in the row loop; a column's 128x1
+// scale needs all 128 rows of the tile. So the rowwise copy is stored from
+// the row loop, and the values are parked in the thread's 256-byte slice of
+// dynamic shared memory (16 float4 slots, 64 KB per block) until the column
+// scales are known; the slot index is XOR-swizzled by the lane's low 3 bits
+// so that the 8 lanes of each 16-byte access phase hit distinct banks (the
+// 256-byte stride alone would put all 8 on the same ones). Once every thread
+// has read its values back, the transposed bytes reuse that memory: 64 KB +
+// 8.5 KB static fit 3 blocks per SM (ActMinBlocks), where a byte tile of its
+// own would fit 2 and run slower (benchmarks/act_math.cu; the timings of
+// this layout against the others are in docs/benchmarks-log-2026-11.md).
+constexpr int kScratchF4 = kSub * kSub / 4;
+constexpr int kScratchBytes = kThreads * kScratchF4 * 16;
+static_assert(kScratchBytes >= kTile * kTile, "the transposed bytes reuse the scratch");
+extern __shared__ float4 act_scratch[];
+
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut, bool kFp8H>
+__global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>())
+    ActQuantizeVec128Kernel(QuantizeArgs p, PrologueArgs q, QuantizeArgs z, Fp8HInput hs,
+                            Fp8HOutput ho) {
+  constexpr bool kRows = kOut & kOutRows, kCols = kOut & kOutCols, kAct = kOut & kOutActCols;
+  constexpr bool kH = kOut & kOutH;
+  static_assert(!kAct || kCols, "act(h)'s transposed bytes reuse the scratch of v's");
+  __shared__ unsigned col_part[kThreads / 16][kTile];  // per-row-group column amax
+  __shared__ float col_scale[kTile];
+
+  const int64_t M = p.M, K = p.K;
+  const SubTile st = ThisSubTile();
+  const Fp8Out fmt = OutFormat(p);
+  float4* mine = act_scratch + st.t * kScratchF4;  // kCols only: dynamic shared memory
+  const int swz = st.t & 7;  // slot k of this thread is mine[k ^ swz]
+
+  const bool vec_out = (K % 8 == 0) && (st.gc + kSub <= K);
+  const int64_t first_row = st.m0 + st.r0;
+  uint8_t* out_row = kRows ? p.data + first_row * K + st.gc : nullptr;  // a row per emit
+  [[maybe_unused]] const bool gated = Gated<kLoop>(q);
+  [[maybe_unused]] HCopyRow h_at = kH ? HCopyRow(ho, q, gated, first_row, st) : HCopyRow{};
+  float cmax[kSub], zmax[kSub];  // column maxima of v and (kAct) of act(h)
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) cmax[j] = zmax[j] = 0.f;
+  // ComputeRows runs its row loop warp-uniformly (prologue.h), so the
+  // 16-lane shuffles below are reached by all 32 lanes together.
+  ForRows<InT, kPro, kLoop, kAct, kFp8H, kH, false>(
+      q, hs, M, first_row, st.gc,
+      [&](int i, const float (&y)[kSub], const float (&zv)[kSub], const auto& hr) {
+        if constexpr (kRows) {
+          float rmax = 0.f;
+#pragma unroll
+          for (int j = 0; j < kSub; ++j) rmax = MaxAbs(rmax, y[j]);
+          const float s = ComputeScale(__uint_as_float(WarpMaxU(__float_as_uint(rmax), 16)),
+                                       fmt.max, p.pow2);
+          const int64_t gr = first_row + i;
+          if (gr < M) {
+            // sinv native layout: (ceil(K/128), roundup(M, 4)), M contiguous.
+            if (st.cg == 0) p.sinv[(st.k0 / kTile) * p.sinv_ld + gr] = 1.f / s;
+            unsigned pair[kSub / 2];
+#pragma unroll
+            for (int k = 0; k < kSub / 2; ++k)
+              pair[k] = Cast2(y[2 * k] * s, y[2 * k + 1] * s, fmt.interp);
+            StoreRowWords(out_row, PackPairs(pair), vec_out, K - st.gc);
+          }
+          out_row += K;
+        }
+        if constexpr (kCols) {
+#pragma unroll
+          for (int j = 0; j < kSub; ++j) cmax[j] = MaxAbs(cmax[j], y[j]);
+          mine[(2 * i) ^ swz] = make_float4(y[0], y[1], y[2], y[3]);
+          mine[(2 * i + 1) ^ swz] = make_float4(y[4], y[5], y[6], y[7]);
+        }
+        if constexpr (kAct) {
+#pragma unroll
+          for (int j = 0; j < kSub; ++j) zmax[j] = MaxAbs(zmax[j], zv[j]);
+        }
+        if constexpr (kH) StoreHRow(hr, h_at, q, gated, first_row + i < M, st, ho.scale_ld);
+      });
+  if constexpr (kCols) {  // the rest writes the columnwise copies
+    unsigned cmax_bits[kSub];
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) cmax_bits[j] = __float_as_uint(cmax[j]);
+    ColumnScales(p, st, cmax_bits, fmt.max, col_part, col_scale);
+
+    // The columnwise copy from the parked values, through tbuf as in
+    // QuantizeTileKernel; tbuf is the scratch, free once all threads have
+    // read their values.
+    float v[kSub][kSub];
+#pragma unroll
+    for (int i = 0; i < kSub; ++i) {
+      const float4 lo = mine[(2 * i) ^ swz], hi = mine[(2 * i + 1) ^ swz];
+      v[i][0] = lo.x; v[i][1] = lo.y; v[i][2] = lo.z; v[i][3] = lo.w;
+      v[i][4] = hi.x; v[i][5] = hi.y; v[i][6] = hi.z; v[i][7] = hi.w;
+    }
+    __syncthreads();
+    uint8_t* tbuf = reinterpret_cast<uint8_t*>(act_scratch);
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      const float cs = col_scale[st.c0 + j];
+      unsigned pair[kSub / 2];  // rows 2k and 2k + 1 of column j
+#pragma unroll
+      for (int k = 0; k < kSub / 2; ++k)
+        pair[k] = Cast2(v[2 * k][j] * cs, v[2 * k + 1][j] * cs, fmt.interp);
+      const int c = st.c0 + j;
+      TileChunk(tbuf, c, st.rg) = PackPairs(pair);
+    }
+    __syncthreads();
+    StoreTransposedTile(p, tbuf, st.m0, st.k0, st.t);
+
+    // act(h)'s columnwise copy (kAct, the tiles of its F columns): its 128x1
+    // scales from the column maxima gathered above, then the values again
+    // from h (the forward's kAct loop, the same bits; h was just read, so
+    // mostly from L2) cast with them. Parking them as well would take a
+    // second 64 KB of shared memory and one block per SM.
+    if constexpr (kAct) {
+      if (st.k0 >= z.K) return;  // block-uniform: a tile of the act1' half of a gated dh
+      const Fp8Out zfmt = OutFormat(z);
+      unsigned zmax_bits[kSub];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) zmax_bits[j] = __float_as_uint(zmax[j]);
+      // Its barriers also order the store above (reads of tbuf) before the
+      // writes below.
+      ColumnScales(z, st, zmax_bits, zfmt.max, col_part, col_scale);
+      float zs[kSub];
+#pragma unroll
+      for (int j = 0; j < kSub; ++j) zs[j] = col_scale[st.c0 + j];
+      ColumnBytes zcols;
+      prologue::ComputeRows<InT, Prologue::kAct, kLoop, false, kFp8H>(
+          q, M, first_row, st.gc,
+          [&](int, const float (&a)[kSub]) {
+            unsigned pair[kSub / 2];
+#pragma unroll
+            for (int k = 0; k < kSub / 2; ++k)
+              pair[k] = Cast2(a[2 * k] * zs[2 * k], a[2 * k + 1] * zs[2 * k + 1], zfmt.interp);
+            zcols.Push(pair);
+          },
+          hs);
+      zcols.ToTile(tbuf, st);
+      __syncthreads();
+      StoreTransposedTile(z, tbuf, st.m0, st.k0, st.t);
+    }
+  }
+}
+
+// ScaleMode::kVec128 for a paired gated backward (F % 128 == 0, 16-bit
+// inputs; the grid spans h's F columns): the tile of dh at the block's
+// columns, the tile F columns to the right and act(h)'s tile, in passes over
+// the same inputs instead of ActQuantizeVec128Kernel's parked values. Pass 1
+// stores both halves' rowwise copies from the row loop and gathers the three
+// tiles' column maxima; pass 2 evaluates dh again (the inputs now mostly in
+// L2) and casts it with the column scales into ColumnBytes, as the
+// per-tensor kernel does; pass 3 act(h) likewise, as ActQuantizeVec128Kernel
+// does. Split, the two halves' blocks each load all three inputs and
+// evaluate both activations (the left one act(h) again): the same reads and
+// evaluations, here without the 64 KB scratch that each tile's values pass
+// through there. Same values (prologue::ActRows) and casts, so the same bytes.
+template <typename InT, prologue::ActLoop kLoop, int kOut, bool kFp8H>
+__global__ void __launch_bounds__(kThreads, 2)
+    ActQuantizeVec128PairedKernel(QuantizeArgs p, PrologueArgs q, QuantizeArgs z,
+                                  Fp8HInput hs) {
+  static_assert((kOut & kOutBoth) == kOutBoth && !(kOut & kOutH), "dh both ways");
+  constexpr bool kAct = kOut & kOutActCols;
+  constexpr Prologue kPro = Prologue::kDAct;
+  __shared__ unsigned col_part[kThreads / 16][kTile];  // per-row-group column amax
+  __shared__ float col_scale[3][kTile];  // left, right, act(h)
+  __shared__ __align__(16) uint8_t tbuf[kTile * kTile];
+
+  const int64_t M = p.M, K = p.K, F = q.F;
+  const SubTile st = ThisSubTile();
+  SubTile right = st;  // the same sub-tile F columns to the right
+  right.k0 += F;
+  right.gc += F;
+  const Fp8Out fmt = OutFormat(p);
+  const int64_t first_row = st.m0 + st.r0;
+
+  // Row i of one half: its 1x128 scale (a max over the 16 lanes of the row),
+  // the scale's inverse and the rowwise bytes.
+  auto store_row = [&](int i, const float (&y)[kSub], uint8_t* at, const SubTile& t) {
+    float rmax = 0.f;
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) rmax = MaxAbs(rmax, y[j]);
+    const float s = ComputeScale(__uint_as_float(WarpMaxU(__float_as_uint(rmax), 16)), fmt.max,
+                                 p.pow2);
+    const int64_t gr = first_row + i;
+    if (gr >= M) return;
+    if (t.cg == 0) p.sinv[(t.k0 / kTile) * p.sinv_ld + gr] = 1.f / s;  // (K/128, M) layout
+    unsigned pair[kSub / 2];
+#pragma unroll
+    for (int k = 0; k < kSub / 2; ++k) pair[k] = Cast2(y[2 * k] * s, y[2 * k + 1] * s, fmt.interp);
+    StoreRowWords(at, PackPairs(pair), true, K - t.gc);  // F % 128 == 0: whole words
+  };
+  float cmax[kSub], cmax_right[kSub], zmax[kSub];
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) cmax[j] = cmax_right[j] = zmax[j] = 0.f;
+  uint8_t* out_row = p.data + first_row * K + st.gc;
+  prologue::ComputeRows<InT, kPro, kLoop, false, kFp8H, false, true>(
+      q, M, first_row, st.gc,
+      [&](int i, const float (&y)[kSub], const float (&y_right)[kSub], const float (&zv)[kSub]) {
+        store_row(i, y, out_row, st);
+        store_row(i, y_right, out_row + F, right);
+        out_row += K;
+#pragma unroll
+        for (int j = 0; j < kSub; ++j) {
+          cmax[j] = MaxAbs(cmax[j], y[j]);
+          cmax_right[j] = MaxAbs(cmax_right[j], y_right[j]);
+          if constexpr (kAct) zmax[j] = MaxAbs(zmax[j], zv[j]);
+        }
+      },
+      hs);
+
+  // The 128x1 scales (each call's barriers also order its reads of col_part
+  // before the next call's writes).
+  unsigned bits[kSub];
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) bits[j] = __float_as_uint(cmax[j]);
+  ColumnScales(p, st, bits, fmt.max, col_part, col_scale[0]);
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) bits[j] = __float_as_uint(cmax_right[j]);
+  ColumnScales(p, right, bits, fmt.max, col_part, col_scale[1]);
+  const Fp8Out zfmt = OutFormat(z);
+  if constexpr (kAct) {
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) bits[j] = __float_as_uint(zmax[j]);
+    ColumnScales(z, st, bits, zfmt.max, col_part, col_scale[2]);
+  }
+
+  // Pass 2: dh's columnwise copies (pass 3: act(h)'s, from h alone as the
+  // forward computes it; in pass 2 a third ColumnBytes spilled 92 bytes).
+  auto push = [](ColumnBytes& c, const float (&v)[kSub], const float* scale,
+                 __nv_fp8_interpretation_t interp) {
+    unsigned pair[kSub / 2];
+#pragma unroll
+    for (int k = 0; k < kSub / 2; ++k)
+      pair[k] = Cast2(v[2 * k] * scale[2 * k], v[2 * k + 1] * scale[2 * k + 1], interp);
+    c.Push(pair);
+  };
+  {
+    const float* cs = col_scale[0] + st.c0;
+    const float* cs_right = col_scale[1] + st.c0;
+    ColumnBytes cols, cols_right;
+    prologue::ComputeRows<InT, kPro, kLoop, false, kFp8H, false, true>(
+        q, M, first_row, st.gc,
+        [&](int, const float (&y)[kSub], const float (&y_right)[kSub], const float (&)[kSub]) {
+          push(cols, y, cs, fmt.interp);
+          push(cols_right, y_right, cs_right, fmt.interp);
+        },
+        hs);
+    cols.ToTile(tbuf, st);
+    __syncthreads();
+    StoreTransposedTile(p, tbuf, st.m0, st.k0, st.t);
+    __syncthreads();  // the store above has read tbuf
+    cols_right.ToTile(tbuf, st);
+    __syncthreads();
+    StoreTransposedTile(p, tbuf, st.m0, right.k0, st.t);
+  }
+  if constexpr (kAct) {
+    const float* zs = col_scale[2] + st.c0;
+    ColumnBytes zcols;
+    prologue::ComputeRows<InT, Prologue::kAct, kLoop, false, kFp8H>(
+        q, M, first_row, st.gc,
+        [&](int, const float (&a)[kSub]) { push(zcols, a, zs, zfmt.interp); }, hs);
+    __syncthreads();  // the store above has read tbuf
+    zcols.ToTile(tbuf, st);
+    __syncthreads();
+    StoreTransposedTile(z, tbuf, st.m0, st.k0, st.t);
+  }
+}
+}  // namespace
+
+cudaError_t LaunchActVec128Mode(const QuantizeArgs& a, const PrologueArgs& q,
+                                const QuantizeArgs& z, const Fp8HInput& hs,
+                                const Fp8HOutput& ho, int out, bool fp8_h, cudaStream_t stream) {
+  return WithTypes(a.in, q.kind, fp8_h, [&](auto in, auto pro, auto fp8) {
+    using InT = decltype(in);
+    constexpr Prologue kPro = decltype(pro)::value;
+    constexpr bool kFp8H = decltype(fp8)::value;
+    return WithVariant<InT, kPro, kFp8H>(q, out, [&](auto loop, auto outs) {
+      constexpr prologue::ActLoop kLoop = decltype(loop)::value;
+      constexpr int kOut = decltype(outs)::value;
+      if constexpr (CanPair<InT, kPro, kLoop>()) {
+        if (Paired(q)) {
+          ActQuantizeVec128PairedKernel<InT, kLoop, kOut, kFp8H>
+              <<<PairedGrid(a, q), kThreads, 0, stream>>>(a, q, z, hs);
+          return cudaGetLastError();
+        }
+      }
+      auto* kernel = ActQuantizeVec128Kernel<InT, kPro, kLoop, kOut, kFp8H>;
+      // Only the columnwise copy parks values in the scratch.
+      constexpr int kDynamic = (kOut & kOutCols) ? kScratchBytes : 0;
+      if constexpr (kDynamic > 0) {
+        // More than 48 KB of dynamic shared memory needs an opt-in, which
+        // holds per device: set it at every launch (a host-side call) instead
+        // of tracking devices.
+        cudaError_t e =
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDynamic);
+        // Ask for the largest shared-memory carveout: 3 blocks take ~220 KB.
+        if (e == cudaSuccess)
+          e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                   cudaSharedmemCarveoutMaxShared);
+        if (e != cudaSuccess) return e;
+      }
+      kernel<<<TileGrid(a), kThreads, kDynamic, stream>>>(a, q, z, hs, ho);
+      return cudaGetLastError();
+    });
+  });
+}
+
+}  // namespace te_jax
