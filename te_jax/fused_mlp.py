@@ -327,9 +327,9 @@ def _mlp_bwd(cfg, res, g):
     qz_t = z_t
   dwo = mode.gemm("wgrad", qz_t, qg.columnwise(), out_dtype=wo_p.dtype, impl=impl)
   if norm_res is not None:   # dx is the gradient of norm(x) (compute dtype, as unfused)
-    if g_norm is not None:   # both uses of norm(x), summed in its dtype
-      dx = dx + g_norm.astype(cfg.dtype)
-    dx, dgamma, dbeta = norm_dense.norm_grads(cfg.norm, dx, *norm_res, impl)
+    # Both uses of norm(x), summed in its dtype by the norm's backward.
+    dx_add = None if g_norm is None else g_norm.astype(cfg.dtype)
+    dx, dgamma, dbeta = norm_dense.norm_grads(cfg.norm, dx, *norm_res, impl, dx_add)
   if cfg.save_input and norm_res is not None:   # norm(x).T as the forward's; x_t its amax
     x_t = norm_dense.requantize_normalized(mode, cfg.norm, *norm_res, x_t, si_fwd, impl)
   dwi = mode.gemm("wgrad", x_t, qdh_t, out_dtype=wi_p.dtype, impl=impl)

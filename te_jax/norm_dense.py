@@ -153,13 +153,14 @@ def normalized(spec: NormSpec, x, gamma, beta, mean, rstd):
                                       zero_centered_gamma=spec.zero_centered_gamma)
 
 
-def norm_grads(spec: NormSpec, dy, x, gamma, beta, mean, rstd, impl: str):
+def norm_grads(spec: NormSpec, dy, x, gamma, beta, mean, rstd, impl: str, dy_add=None):
   """(dx, dgamma, dbeta or None) of the norm from ``dy``, the gradient of its
-  output, in the dtypes of x, gamma and beta."""
+  output (plus ``dy_add``, a second use's, in dy's dtype), in the dtypes of
+  x, gamma and beta."""
   dx, dgamma, dbeta = norm_op.norm_backward(dy, x, gamma, mean, rstd,
                                             norm_type=spec.norm_type,
                                             zero_centered_gamma=spec.zero_centered_gamma,
-                                            impl=impl)
+                                            dy_add=dy_add, impl=impl)
   return dx, dgamma, (None if beta is None else dbeta.astype(beta.dtype))
 
 
@@ -221,14 +222,15 @@ def _norm_dense_bwd(cfg, res, g):
   if cfg.save_kernel:
     qk = mode.quantize(qk, "kernel", state, impl=impl, columnwise=False).rowwise()
   dln = mode.gemm("dgrad", qg.rowwise(), qk, out_dtype=cfg.dtype, impl=impl)
-  if g_ln is not None:   # both uses of the normalized input, summed in its dtype
-    dln = dln + g_ln.astype(cfg.dtype)
+  # Both uses of the normalized input, summed in its dtype by the norm's
+  # backward as it reads them.
+  dln_add = None if g_ln is None else g_ln.astype(cfg.dtype)
   if cfg.save_input:   # the forward's quantization again, columnwise: x_t is its amax
     qx_t = requantize_normalized(mode, cfg.norm, x, gamma, beta, mean, rstd, x_t, state, impl)
   else:
     qx_t = x_t
   dk = mode.gemm("wgrad", qx_t, qg.columnwise(), out_dtype=k_proto.dtype, impl=impl)
-  dx, dgamma, dbeta = norm_grads(cfg.norm, dln, x, gamma, beta, mean, rstd, impl)
+  dx, dgamma, dbeta = norm_grads(cfg.norm, dln, x, gamma, beta, mean, rstd, impl, dln_add)
   dbias = None
   if cfg.has_bias:
     parts = tuple(g) if cfg.num_splits > 1 else (g,)

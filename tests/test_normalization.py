@@ -155,6 +155,46 @@ def test_backward_reference_dtypes():
   assert dx.dtype == BF16 and dg.dtype == BF16 and db.dtype == BF16
 
 
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_backward_dy_add_is_the_gradient_of_the_sum(dtype):
+  """norm_backward(dy, dy_add=e) is norm_backward(dy + e) bit for bit, the
+  sum in dy's dtype (a normalized output with two uses: its gradients)."""
+  x = _rand(4, (M, H), 2.0, 0.3, dtype)
+  dy, e = _rand(5, (M, H), dtype=dtype), _rand(6, (M, H), dtype=dtype)
+  for norm_type, zc in NORMS:
+    gamma, beta = _params(norm_type, zc, H)
+    _, mean, rstd = nrm.norm_forward_reference(x, gamma, beta, norm_type=norm_type,
+                                               epsilon=EPS, zero_centered_gamma=zc)
+    kw = dict(norm_type=norm_type, zero_centered_gamma=zc, impl="reference")
+    got = nrm.norm_backward(dy, x, gamma, mean, rstd, dy_add=e, **kw)
+    want = nrm.norm_backward(dy + e, x, gamma, mean, rstd, **kw)
+    apart = nrm.norm_backward(dy, x, gamma, mean, rstd, **kw)
+    for g, w, a in zip(got, want, apart):
+      assert (g is None) == (w is None)
+      if g is not None:
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+    assert not np.array_equal(np.asarray(got[0]), np.asarray(apart[0]))  # e is not dropped
+
+
+def test_norm_dense_hands_the_norm_outputs_gradient_to_the_norm_backward(gpu_host):  # pylint: disable=unused-argument
+  """With return_norm_output (a query projection whose normalized input the
+  keys and values also read), the CUDA program's norm backward takes that
+  output's gradient as its dy_add: no separate add pass over (M, K) before it."""
+  r = RECIPES["delayed"]()
+  x, gamma, beta, kernel, _ = _dense_args("rmsnorm", False, BF16, bias=False)
+
+  def loss(x, gamma, kernel):
+    y, ln = norm_dense.fp8_norm_dense(x, gamma, None, kernel, norm_type="rmsnorm", epsilon=EPS,
+                                      zero_centered_gamma=False, recipe=r,
+                                      fp8_state=_state(r), return_norm_output=True)
+    return jnp.sum(y.astype(F32)) + jnp.sum(jnp.square(ln.astype(F32)))
+  text = cuda_text(jax.grad(loss, argnums=(0, 1, 2)), x, gamma, kernel)
+  calls = [line for line in text.splitlines() if "custom_call @te_jax_norm_backward(" in line]
+  assert len(calls) == 1, calls
+  operands = re.findall(r"tensor<([^>]*)>", calls[0].rsplit(" : (", 1)[1].split(") -> (")[0])
+  assert operands[:3] == [f"{DM}x{DK}xbf16"] * 3, operands   # dy, dy_add, x
+
+
 @pytest.mark.parametrize("h,expected", [(8, 1056), (1024, 1056), (1536, 660), (2048, 528),
                                          (4096, 264), (6144, 132), (8192, 132)])
 def test_norm_backward_grid_fills_the_sms_by_block_width(h, expected):
@@ -367,6 +407,10 @@ def test_argument_errors():
       zero_centered_gamma=False), **kw})
   with pytest.raises(ValueError, match="dy must have x's shape"):
     bwd(dy=x[:-1])
+  with pytest.raises(ValueError, match="dy_add must have dy's shape"):
+    bwd(dy_add=x[:-1])
+  with pytest.raises(ValueError, match="dy_add must have dy's shape .* and dtype"):
+    bwd(dy_add=x.astype(F32))
   with pytest.raises(ValueError, match="mean must be float32"):
     bwd(mean=None)
   with pytest.raises(ValueError, match="mean must be None for norm_type='rmsnorm'"):
@@ -764,6 +808,30 @@ def test_gpu_norm_quantize_matches_reference(shape, dtype):
           nrm.norm_apply_reference(x, g, b, mu, rs, zero_centered_gamma=zc), mode,
           jnp.dtype(fp8), s, pow2), x, gamma, beta, mean, rstd, scale)
       _assert_q_equal(q, want, tag)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", _GPU_DTYPES)
+def test_gpu_norm_backward_dy_add_is_the_sum(dtype):
+  """The kernel summing dy + dy_add as it reads them writes the bytes it
+  writes given the sum (XLA's add), for every norm (the reference of the
+  sum: test_backward_dy_add_is_the_gradient_of_the_sum)."""
+  shape = (200, 1536)
+  for k, (norm_type, zc) in enumerate(NORMS):
+    x, gamma, _ = _gpu_inputs(shape, dtype, norm_type, zc, seed=80 + k)
+    dy, e = _rand(90 + k, shape, 1.0, 0.0, dtype), _rand(95 + k, shape, 1.0, 0.0, dtype)
+    mean, rstd = _on_cpu(lambda x: nrm.norm_stats_reference(
+        x, norm_type=norm_type, epsilon=EPS), x)
+    args = jax.device_put((dy, e, x, gamma, mean, rstd), jax.devices()[0])
+    kw = dict(norm_type=norm_type, zero_centered_gamma=zc, impl="cuda")
+    fused = jax.jit(lambda dy, e, *a: nrm.norm_backward(dy, *a, dy_add=e, **kw))(*args)
+    summed = jax.jit(lambda dy, e, *a: nrm.norm_backward(dy + e, *a, **kw))(*args)
+    tag = f"{jnp.dtype(dtype).name} {norm_type} zc={zc}"
+    for g, w in zip(fused, summed):
+      assert (g is None) == (w is None), tag
+      if g is not None:
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8),
+                                      err_msg=tag)
 
 
 @pytest.mark.gpu

@@ -8,8 +8,10 @@
 //                                    statistics pass) -> the same
 //   te_jax_norm_quantize_blockwise:  1x128 + 128x1 tiles -> data, sinv, data_t,
 //                                    sinv_t (cuBLASLt layouts), mean, rstd
-//   te_jax_norm_backward:            dy, x, gamma, mean, rstd -> dx, dgamma,
-//                                    dbeta, partial (scratch, discarded)
+//   te_jax_norm_backward:            dy, dy_add, x, gamma, mean, rstd -> dx,
+//                                    dgamma, dbeta, partial (scratch,
+//                                    discarded); dy_add (M, H) of dy's dtype
+//                                    or (0, 0): the cotangent is dy + dy_add
 //   te_jax_norm_stats:               x -> mean, rstd (the statistics pass
 //                                    alone: the forward of the norm without
 //                                    FP8, whose output XLA writes from them)
@@ -253,7 +255,8 @@ ffi::Error StatsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buf
   return CudaError(LaunchNormStats(s, stream), "norm_stats");
 }
 
-ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x,
+ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer dy_add,
+                        ffi::AnyBuffer x,
                         ffi::Buffer<ffi::F32> gamma, ffi::Buffer<ffi::F32> mean,
                         ffi::Buffer<ffi::F32> rstd, ffi::Result<ffi::AnyBuffer> dx,
                         ffi::Result<ffi::Buffer<ffi::F32>> dgamma,
@@ -269,6 +272,9 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x
   if (auto e = GetInType(x, &a.in, "x"); e.failure()) return e;
   if (!HasDims(dy, M, H) || dy.element_type() != x.element_type())
     return Bad("dy must be (M, H) of x's dtype");
+  const bool has_add = !HasDims(dy_add, 0, 0);
+  if (has_add && (!HasDims(dy_add, M, H) || dy_add.element_type() != x.element_type()))
+    return Bad("dy_add must be (M, H) of x's dtype, or (0, 0)");
   if (!HasDims(*dx, M, H) || dx->element_type() != x.element_type())
     return Bad("dx must be (M, H) of x's dtype");
   if (H > kNormBwdMaxHidden) return Bad("the backward kernel takes H <= 8192");
@@ -281,6 +287,7 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer x
   if (pd.size() != 3 || pd[0] != (rmsnorm ? 1 : 2) || pd[1] < 1 || pd[1] > 65535 || pd[2] != H)
     return Bad("partial must be (P, blocks, H) with P = 1 (rmsnorm) or 2, 1 <= blocks <= 65535");
   a.dy = dy.untyped_data();
+  a.dy_add = has_add ? dy_add.untyped_data() : nullptr;
   a.x = x.untyped_data();
   a.M = M;
   a.H = H;
@@ -363,6 +370,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxNormBackward, BackwardImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()              // dy (M, H)
+                                  .Arg<ffi::AnyBuffer>()              // dy_add (M, H) or (0, 0)
                                   .Arg<ffi::AnyBuffer>()              // x (M, H), dy's dtype
                                   .Arg<ffi::Buffer<ffi::F32>>()       // gamma (H,)
                                   .Arg<ffi::Buffer<ffi::F32>>()       // mean (M,) or (0,)

@@ -260,13 +260,30 @@ __device__ __forceinline__ void StoreEight(OutT* dst, const float (&v)[kSub], bo
   }
 }
 
+// a + b elementwise, each sum rounded to InT: what XLA's add of the two
+// InT arrays gives (a float32 sum of two bf16 or fp16 values rounds to them
+// as the exact sum does).
+template <typename InT>
+__device__ __forceinline__ RawRow<InT> SumRounded(const RawRow<InT>& a, const RawRow<InT>& b) {
+  InT sum[kSub];
+#pragma unroll
+  for (int j = 0; j < kSub; ++j) sum[j] = static_cast<InT>(__fadd_rn(a[j], b[j]));
+  RawRow<InT> r;
+  memcpy(r.w, sum, sizeof(sum));
+  return r;
+}
+
 // One thread per 8 columns of a row (blocks of up to 1024 threads, H <=
 // 8192), so its dgamma/dbeta partial sums are 16 registers; with the row's
 // x and dy, the next row's in flight (16-bit inputs) and gamma', ptxas fits
 // it in the 64 registers that 1024 threads per SM allow (two blocks of 512
 // at H = 4096). More columns per thread spilled at 128 registers (tried: 2
 // and 4 chunks of 8), hence the H limit.
-template <typename InT>
+// kAdd: the cotangent is dy + dy_add (NormBwdArgs), summed as the rows are
+// loaded; its own instance, so that the kernel without it keeps its
+// registers (with it, the 16-bit kernels fit the 64 without spills and the
+// float32 one spills 8 / 20 bytes, against 8 / 8 without).
+template <typename InT, bool kAdd>
 __global__ void __launch_bounds__(kBwdThreads, 1) NormBwdKernel(NormBwdArgs a) {
   // float32 rows take twice the registers: no prefetch there (not the hot path).
   constexpr bool kPrefetch = sizeof(InT) == 2;
@@ -278,6 +295,7 @@ __global__ void __launch_bounds__(kBwdThreads, 1) NormBwdKernel(NormBwdArgs a) {
   const float h = static_cast<float>(H);
   const InT* x = static_cast<const InT*>(a.x);
   const InT* dy = static_cast<const InT*>(a.dy);
+  const InT* dy_add = static_cast<const InT*>(a.dy_add);
   InT* dx = static_cast<InT*>(a.dx);
   const bool center = a.mean != nullptr;
   const int c = t * kSub;  // this thread's columns [c, c + 8)
@@ -298,6 +316,11 @@ __global__ void __launch_bounds__(kBwdThreads, 1) NormBwdKernel(NormBwdArgs a) {
   auto load = [&](int64_t row, Rows& r) {  // zeros past M or H
     r.x.Load(x, H, M, row, c, H);
     r.d.Load(dy, H, M, row, c, H);
+    if constexpr (kAdd) {
+      RawRow<InT> e;
+      e.Load(dy_add, H, M, row, c, H);
+      r.d = SumRounded(r.d, e);
+    }
   };
 
   Rows cur;
@@ -452,6 +475,20 @@ cudaError_t LaunchNormStats(const NormStatsArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+namespace {
+
+// NormBwdKernel's instance for a.dy_add (set or not).
+template <typename InT>
+void LaunchBwd(const NormBwdArgs& a, dim3 grid, int threads, cudaStream_t stream) {
+  if (a.dy_add != nullptr) {
+    NormBwdKernel<InT, true><<<grid, threads, 0, stream>>>(a);
+  } else {
+    NormBwdKernel<InT, false><<<grid, threads, 0, stream>>>(a);
+  }
+}
+
+}  // namespace
+
 cudaError_t LaunchNormBackward(const NormBwdArgs& a, cudaStream_t stream) {
   if (a.H <= 0 || a.H > kNormBwdMaxHidden || a.M < 0 || a.blocks < 1 || a.blocks > 65535 ||
       a.gamma == nullptr || a.rstd == nullptr || a.dgamma == nullptr || a.partial == nullptr)
@@ -467,9 +504,9 @@ cudaError_t LaunchNormBackward(const NormBwdArgs& a, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(a.blocks));
   const int threads = static_cast<int>(((a.H + kSub - 1) / kSub + 31) / 32 * 32);
   switch (a.in) {
-    case InType::kF32: NormBwdKernel<float><<<grid, threads, 0, stream>>>(a); break;
-    case InType::kBF16: NormBwdKernel<__nv_bfloat16><<<grid, threads, 0, stream>>>(a); break;
-    case InType::kF16: NormBwdKernel<__half><<<grid, threads, 0, stream>>>(a); break;
+    case InType::kF32: LaunchBwd<float>(a, grid, threads, stream); break;
+    case InType::kBF16: LaunchBwd<__nv_bfloat16>(a, grid, threads, stream); break;
+    case InType::kF16: LaunchBwd<__half>(a, grid, threads, stream); break;
     default: return cudaErrorInvalidValue;
   }
   cudaError_t e = cudaGetLastError();

@@ -50,6 +50,10 @@ constexpr int64_t kNormBwdMaxHidden = 8192;
 // dbeta, else 1; a second kernel sums those in a fixed order. Deterministic.
 struct NormBwdArgs {
   const void* dy = nullptr;  // (M, H), element type `in`
+  // (M, H) `in` or nullptr: the cotangent is dy + dy_add, summed in `in` (the
+  // two uses of a normalized input, e.g. a query projection's and the keys'
+  // and values'), so the sum is never written.
+  const void* dy_add = nullptr;
   const void* x = nullptr;   // (M, H), element type `in`
   InType in = InType::kBF16;
   int64_t M = 0, H = 0;

@@ -225,12 +225,16 @@ def norm_backward_reference(dy: jax.Array, x: jax.Array, gamma: jax.Array,
   return dx.astype(x.dtype), dgamma, dbeta
 
 
-def _check_backward_args(dy, x, gamma, mean, rstd, norm_type, zero_centered_gamma):
+def _check_backward_args(dy, x, gamma, mean, rstd, norm_type, zero_centered_gamma,
+                         dy_add=None):
   _check_options(norm_type, 0.0, zero_centered_gamma)
   check_norm_params(x, gamma, None, norm_type)
   quantize_op.check_input(dy, "dy", 2)
   if dy.shape != x.shape:
     raise ValueError(f"dy must have x's shape {x.shape}, got {dy.shape}.")
+  if dy_add is not None and (dy_add.shape != dy.shape or dy_add.dtype != dy.dtype):
+    raise ValueError(f"dy_add must have dy's shape {dy.shape} and dtype {dy.dtype}, got "
+                     f"{dy_add.shape} {dy_add.dtype}: cast it, or add it to dy first.")
   _check_stats(x, mean, rstd, norm_type)
 
 
@@ -432,7 +436,7 @@ def norm_quantize_with_stats(x: jax.Array, gamma: jax.Array, beta: Optional[jax.
 
 def norm_backward(dy: jax.Array, x: jax.Array, gamma: jax.Array, mean: Optional[jax.Array],
                   rstd: jax.Array, *, norm_type: str, zero_centered_gamma: bool,
-                  impl: str = "auto"
+                  dy_add: Optional[jax.Array] = None, impl: str = "auto"
                   ) -> Tuple[jax.Array, jax.Array, Optional[jax.Array]]:
   """Gradients of ``y = norm(x)`` from ``dy = dL/dy`` and the forward's statistics.
 
@@ -443,18 +447,22 @@ def norm_backward(dy: jax.Array, x: jax.Array, gamma: jax.Array, mean: Optional[
     mean, rstd: the statistics ``norm_quantize`` returned (mean None for
       rmsnorm).
     norm_type, zero_centered_gamma: as in the forward.
+    dy_add: None, or (M, H) of dy's dtype: the gradient is that of
+      ``dy + dy_add`` (summed in dy's dtype), for a normalized output used
+      twice; the CUDA kernel sums them as it reads them, where the sum
+      would be a pass of its own.
     impl: "auto", "cuda" or "reference".
 
   Returns:
     (dx in x.dtype, dgamma in gamma.dtype, dbeta in gamma.dtype or None for
-    rmsnorm), as :func:`norm_backward_reference`.
+    rmsnorm), as :func:`norm_backward_reference` of ``dy + dy_add``.
   """
-  _check_backward_args(dy, x, gamma, mean, rstd, norm_type, zero_centered_gamma)
+  _check_backward_args(dy, x, gamma, mean, rstd, norm_type, zero_centered_gamma, dy_add)
 
   def cuda():
     _check_cuda_shape(*x.shape)
     return normalization_cuda.norm_backward(dy, x, gamma, mean, rstd,
-                                            bool(zero_centered_gamma))
+                                            bool(zero_centered_gamma), dy_add=dy_add)
   return _native.dispatch(impl, cuda, lambda: norm_backward_reference(
-      dy, x, gamma, mean, rstd, norm_type=norm_type,
+      dy if dy_add is None else dy + dy_add, x, gamma, mean, rstd, norm_type=norm_type,
       zero_centered_gamma=zero_centered_gamma))

@@ -116,10 +116,13 @@ def norm_quantize(x, gamma, beta, rms: bool, epsilon: float, zero_centered: bool
   return (q,) + stats_result(mean, rstd)
 
 
-def norm_backward(dy, x, gamma, mean, rstd, zero_centered: bool, blocks: int | None = None):
+def norm_backward(dy, x, gamma, mean, rstd, zero_centered: bool, blocks: int | None = None,
+                  dy_add=None):
   """(dx in x.dtype, dgamma and dbeta in gamma.dtype, dbeta None for rmsnorm).
 
   ``blocks`` overrides :func:`backward_blocks` (benchmarks compare grids with it).
+  ``dy_add`` (dy's shape and dtype, or None): the cotangent is ``dy + dy_add``,
+  which the kernel sums as it reads them.
   """
   rms = mean is None
   m, h = x.shape
@@ -127,14 +130,19 @@ def norm_backward(dy, x, gamma, mean, rstd, zero_centered: bool, blocks: int | N
   # is exact, and dx (computed in float32) is rounded once, to x.dtype: the
   # reference's values. Costs an XLA convert pass only for mixed dtypes.
   common = jnp.promote_types(dy.dtype, x.dtype)
+  if dy_add is not None and common != dy.dtype:
+    # The kernel rounds the sum to the common type; the reference rounds it
+    # to dy's. Mixed dtypes are not the fused path's case: XLA adds.
+    dy, dy_add = dy + dy_add, None
   if blocks is None:
     blocks = backward_blocks(m, h)
   elif isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= 65535:
     raise ValueError(f"blocks must be an int in [1, 65535] (the kernel's grid), got {blocks!r}.")
   outs = (_sds((m, h), common), _sds((h,), _F32), _sds((0,) if rms else (h,), _F32),
           _sds((1 if rms else 2, blocks, h), _F32))
+  add = jnp.zeros((0, 0), common) if dy_add is None else dy_add
   dx, dgamma, dbeta, _ = jax.ffi.ffi_call("te_jax_norm_backward", outs)(
-      dy.astype(common), x.astype(common), _f32(gamma), _f32(mean), rstd,
+      dy.astype(common), add, x.astype(common), _f32(gamma), _f32(mean), rstd,
       rmsnorm=np.int64(rms), zero_centered_gamma=np.int64(zero_centered))
   return (dx.astype(x.dtype), dgamma.astype(gamma.dtype),
           None if rms else dbeta.astype(gamma.dtype))
