@@ -275,38 +275,32 @@ __global__ void __launch_bounds__(kThreads, 2)
 cudaError_t LaunchActVec128Mode(const QuantizeArgs& a, const PrologueArgs& q,
                                 const QuantizeArgs& z, const Fp8HInput& hs,
                                 const Fp8HOutput& ho, int out, bool fp8_h, cudaStream_t stream) {
-  return WithTypes(a.in, q.kind, fp8_h, [&](auto in, auto pro, auto fp8) {
-    using InT = decltype(in);
-    constexpr Prologue kPro = decltype(pro)::value;
-    constexpr bool kFp8H = decltype(fp8)::value;
-    return WithVariant<InT, kPro, kFp8H>(q, out, [&](auto loop, auto outs) {
-      constexpr prologue::ActLoop kLoop = decltype(loop)::value;
-      constexpr int kOut = decltype(outs)::value;
-      if constexpr (CanPair<InT, kPro, kLoop>()) {
-        if (Paired(q)) {
-          ActQuantizeVec128PairedKernel<InT, kLoop, kOut, kFp8H>
-              <<<PairedGrid(a, q), kThreads, 0, stream>>>(a, q, z, hs);
-          return cudaGetLastError();
-        }
+  return WithVariant(a, q, out, fp8_h, [&](auto v) {
+    using V = decltype(v);
+    if constexpr (V::kCanPair) {
+      if (Paired(q)) {
+        ActQuantizeVec128PairedKernel<typename V::InT, V::kLoop, V::kOut, V::kFp8H>
+            <<<PairedGrid(a, q), kThreads, 0, stream>>>(a, q, z, hs);
+        return cudaGetLastError();
       }
-      auto* kernel = ActQuantizeVec128Kernel<InT, kPro, kLoop, kOut, kFp8H>;
-      // Only the columnwise copy parks values in the scratch.
-      constexpr int kDynamic = (kOut & kOutCols) ? kScratchBytes : 0;
-      if constexpr (kDynamic > 0) {
-        // More than 48 KB of dynamic shared memory needs an opt-in, which
-        // holds per device: set it at every launch (a host-side call) instead
-        // of tracking devices.
-        cudaError_t e =
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDynamic);
-        // Ask for the largest shared-memory carveout: 3 blocks take ~220 KB.
-        if (e == cudaSuccess)
-          e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                   cudaSharedmemCarveoutMaxShared);
-        if (e != cudaSuccess) return e;
-      }
-      kernel<<<TileGrid(a), kThreads, kDynamic, stream>>>(a, q, z, hs, ho);
-      return cudaGetLastError();
-    });
+    }
+    auto* kernel = ActQuantizeVec128Kernel<typename V::InT, V::kPro, V::kLoop, V::kOut, V::kFp8H>;
+    // Only the columnwise copy parks values in the scratch.
+    constexpr int kDynamic = (V::kOut & kOutCols) ? kScratchBytes : 0;
+    if constexpr (kDynamic > 0) {
+      // More than 48 KB of dynamic shared memory needs an opt-in, which holds
+      // per device: set it at every launch (a host-side call) instead of
+      // tracking devices.
+      cudaError_t e =
+          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDynamic);
+      // Ask for the largest shared-memory carveout: 3 blocks take ~220 KB.
+      if (e == cudaSuccess)
+        e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                 cudaSharedmemCarveoutMaxShared);
+      if (e != cudaSuccess) return e;
+    }
+    kernel<<<TileGrid(a), kThreads, kDynamic, stream>>>(a, q, z, hs, ho);
+    return cudaGetLastError();
   });
 }
 

@@ -320,12 +320,31 @@ cudaError_t WithTypes(InType in, Prologue kind, bool fp8_h, Fn&& fn) {
   return cudaErrorInvalidValue;
 }
 
-// Calls variant(loop, outs) for the outputs `out` of prologue kPro and the
-// loop WithLoop picks for q, both as std::integral_constant.
-template <typename InT, Prologue kPro, bool kFp8H, typename Variant>
-cudaError_t WithVariant(const PrologueArgs& q, int out, Variant&& variant) {
-  return WithOutputs<kPro>(out, [&](auto outs) {
-    return WithLoop<InT, kPro, kFp8H>(q, [&](auto loop) { return variant(loop, outs); });
+// The compile-time choices of one kernel instance.
+template <typename In, Prologue kPro_, prologue::ActLoop kLoop_, int kOut_, bool kFp8H_>
+struct Variant {
+  using InT = In;
+  static constexpr Prologue kPro = kPro_;
+  static constexpr prologue::ActLoop kLoop = kLoop_;
+  static constexpr int kOut = kOut_;
+  static constexpr bool kFp8H = kFp8H_;
+  static constexpr bool kCanPair = CanPair<In, kPro_, kLoop_>();
+};
+
+// Calls fn(Variant<...>{}) for `a`'s element type, q's prologue and the
+// loop WithLoop picks for it, the outputs `out` and whether h is E4M3.
+template <typename Fn>
+cudaError_t WithVariant(const QuantizeArgs& a, const PrologueArgs& q, int out, bool fp8_h,
+                        Fn&& fn) {
+  return WithTypes(a.in, q.kind, fp8_h, [&](auto in, auto pro, auto fp8) {
+    using InT = decltype(in);
+    constexpr Prologue kPro = decltype(pro)::value;
+    constexpr bool kFp8H = decltype(fp8)::value;
+    return WithOutputs<kPro>(out, [&](auto outs) {
+      return WithLoop<InT, kPro, kFp8H>(q, [&](auto loop) {
+        return fn(Variant<InT, kPro, decltype(loop)::value, decltype(outs)::value, kFp8H>{});
+      });
+    });
   });
 }
 

@@ -147,24 +147,18 @@ __global__ void __launch_bounds__(kThreads)
 cudaError_t LaunchActTensorMode(const QuantizeArgs& a, const PrologueArgs& q,
                                 const QuantizeArgs& z, const Fp8HInput& hs,
                                 const Fp8HOutput& ho, int out, bool fp8_h, cudaStream_t stream) {
-  return WithTypes(a.in, q.kind, fp8_h, [&](auto in, auto pro, auto fp8) {
-    using InT = decltype(in);
-    constexpr Prologue kPro = decltype(pro)::value;
-    constexpr bool kFp8H = decltype(fp8)::value;
-    return WithVariant<InT, kPro, kFp8H>(q, out, [&](auto loop, auto outs) {
-      constexpr prologue::ActLoop kLoop = decltype(loop)::value;
-      constexpr int kOut = decltype(outs)::value;
-      if constexpr (CanPair<InT, kPro, kLoop>()) {
-        if (Paired(q)) {
-          ActQuantizeTensorKernel<InT, kPro, kLoop, kOut, kFp8H, true>
-              <<<PairedGrid(a, q), kThreads, 0, stream>>>(a, q, z, hs, ho);
-          return cudaGetLastError();
-        }
+  return WithVariant(a, q, out, fp8_h, [&](auto v) {
+    using V = decltype(v);
+    if constexpr (V::kCanPair) {
+      if (Paired(q)) {
+        ActQuantizeTensorKernel<typename V::InT, V::kPro, V::kLoop, V::kOut, V::kFp8H, true>
+            <<<PairedGrid(a, q), kThreads, 0, stream>>>(a, q, z, hs, ho);
+        return cudaGetLastError();
       }
-      ActQuantizeTensorKernel<InT, kPro, kLoop, kOut, kFp8H, false>
-          <<<TileGrid(a), kThreads, 0, stream>>>(a, q, z, hs, ho);
-      return cudaGetLastError();
-    });
+    }
+    ActQuantizeTensorKernel<typename V::InT, V::kPro, V::kLoop, V::kOut, V::kFp8H, false>
+        <<<TileGrid(a), kThreads, 0, stream>>>(a, q, z, hs, ho);
+    return cudaGetLastError();
   });
 }
 
