@@ -2,9 +2,9 @@
 // computes a thread's 8x8 values of v = act(h), dact(dz, h), the
 // concatenation of separate parts, or the normalization of x from its row
 // statistics, from the inputs, one row of 8 at a time; for dact(dz, h)
-// optionally act(h) as well, from the same activation values. Device code,
-// included by act_quantize.cu, normalization.cu (NormValue) and tile.cuh
-// (for kSub).
+// optionally act(h) as well (and both halves of a gated dact), from the
+// same activation values. Device code, included by act_quantize_common.cuh,
+// normalization.cu (NormValue) and tile.cuh (for kSub).
 #pragma once
 
 #include <cuda_bf16.h>
