@@ -26,9 +26,10 @@ x's sharding on the leading dims and the kernel's on the output dims.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,7 @@ from te_jax import sharding as sharding_lib
 from te_jax.ops import concat_quantize as concat_op
 from te_jax.ops import quantize as quantize_op
 
-__all__ = ["fp8_dense", "fp8_dense_split", "split_blocks", "dense", "dense_general",
+__all__ = ["fp8_dense", "fp8_dense_split", "split_plan", "split_columns", "dense", "dense_general",
            "scaling_mode_of", "pad_to", "after_cotangent", "log_fp8_copies_kept"]
 
 
@@ -51,7 +52,7 @@ class _Config(NamedTuple):
   mode: scaling.ScalingMode
   impl: str
   has_bias: bool = False  # static: a Python bool residual may become a tracer
-  num_splits: int = 1     # > 1: the output is that many column blocks (a tuple)
+  splits: Tuple[int, ...] = ()   # the output as column blocks of these widths (a tuple)
   save_input: bool = False   # keep x, quantize its wgrad copy again in the backward
   save_kernel: bool = False  # keep the kernel, quantize its dgrad copy again there
 
@@ -83,9 +84,9 @@ def _dense_2d_fwd(x, kernel, bias, state, cfg):
   # x.T is only needed by wgrad: with save_input the backward quantizes it.
   qx = mode.quantize(x, "x", state, impl=impl, columnwise=not cfg.save_input)
   qk = mode.quantize(kernel, "kernel", state, impl=impl)
-  # num_splits > 1: a tuple of blocks, each from its own GEMM (no slice copies).
+  # splits: a tuple of blocks, each from its own GEMM (no slice copies).
   y = mode.gemm("fprop", qx.rowwise(), qk.columnwise(), out_dtype=x.dtype, bias=bias,
-                impl=impl, num_splits=cfg.num_splits)
+                impl=impl, split_sizes=cfg.splits or None)
   new_state = mode.update_state(state, {"x": qx.amax, "kernel": qk.amax})
   # The backward GEMMs read x.T (wgrad) and the kernel (dgrad) in FP8: kept
   # as those FP8 copies (1 byte per element), or as the tensors themselves
@@ -100,7 +101,7 @@ def _dense_2d_fwd(x, kernel, bias, state, cfg):
 def _dense_2d_bwd(cfg, res, g):
   mode, impl = cfg.mode, cfg.impl
   x_t, k, state, new_state, x_proto, k_proto = res
-  if cfg.num_splits > 1:   # the gradients of the output blocks, never concatenated
+  if cfg.splits:   # the gradients of the output blocks, never concatenated
     qg = mode.quantize_fused(concat_op.concat_quantize, "grad", new_state, impl=impl,
                              parts=tuple(g))
   else:
@@ -115,7 +116,7 @@ def _dense_2d_bwd(cfg, res, g):
   dk = mode.gemm("wgrad", x_t, qg.columnwise(), out_dtype=k_proto.dtype, impl=impl)
   dbias = None
   if cfg.has_bias:
-    parts = tuple(g) if cfg.num_splits > 1 else (g,)
+    parts = tuple(g) if cfg.splits else (g,)
     dbias = jnp.concatenate([jnp.sum(p.astype(jnp.float32), axis=0).astype(p.dtype)
                              for p in parts])
   return dx, dk, dbias, mode.update_state(new_state, {"grad": qg.amax})
@@ -175,8 +176,9 @@ def _explicit_axes_boundary(fn):
       return fn(x, kernel, bias, fp8_state=fp8_state, **kw)
     spec = _explicit_output_spec(x, kernel, kw.get("contract_ndim", 1), kw.get("kernel_axes"),
                                  kw.get("mesh_resource"), kw.get("mesh"))
-    if "num_splits" in kw:   # fp8_dense_split: equal column blocks
-      spec = (P(*spec[:-1], None),) * kw["num_splits"]
+    if "num_splits" in kw:   # fp8_dense_split: column blocks
+      n = len(kw["split_sizes"]) if kw.get("split_sizes") is not None else kw["num_splits"]
+      spec = (P(*spec[:-1], None),) * n
     return sharding_lib.with_auto_axes(
         lambda x, kernel, bias, state: fn(x, kernel, bias, fp8_state=state, **kw),
         (x, kernel, bias, fp8_state), spec)
@@ -248,7 +250,7 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
       if any(keep):
         log_fp8_copies_kept("its GEMMs are sharded (te_jax.sharded_dense keeps FP8 shards)")
       return remat.tag_fp8_gemm(y)
-  return _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, 1, keep)[0]
+  return _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, (), keep)[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -283,11 +285,12 @@ def scaling_mode_of(recipe) -> scaling.ScalingMode:
   return recipe.scaling_mode()
 
 
-def _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, num_splits,
+def _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, splits=(),
                          keep=(False, False)):
-  """The padded 2-D custom-VJP dense; a tuple of ``num_splits`` outputs, named
-  for ``te_jax.remat``'s policies. ``keep``: (save_original_input,
-  save_original_kernel), each applied where its operand needs no padding."""
+  """The padded 2-D custom-VJP dense; a tuple of outputs (one, or the column
+  blocks of widths ``splits``), named for ``te_jax.remat``'s policies.
+  ``keep``: (save_original_input, save_original_kernel), each applied where
+  its operand needs no padding."""
   lead, k = x.shape[:-1], x.shape[-1]
   x2d = x.reshape(-1, k)
   m, n = x2d.shape[0], kernel.shape[1]
@@ -299,43 +302,61 @@ def _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, num_splits,
   save_kernel = keep[1] and kp.shape == kernel.shape
   if (keep[0] and not save_input) or (keep[1] and not save_kernel):
     log_fp8_copies_kept(f"an operand is padded to multiples of {align}")
-  cfg = _Config(mode, impl, bias is not None, num_splits, save_input, save_kernel)
+  cfg = _Config(mode, impl, bias is not None, tuple(splits), save_input, save_kernel)
   y = _dense_2d(xp, kp, bp, fp8_state, cfg)
-  if num_splits == 1:
+  if not splits:
     return (remat.tag_fp8_gemm(y[:m, :n].reshape(*lead, n)),)
-  f = n // num_splits   # no column padding here: fp8_dense_split checked
-  return tuple(remat.tag_fp8_gemm(part[:m].reshape(*lead, f)) for part in y)
+  # No column padding here: split_plan checked that every block is aligned.
+  return tuple(remat.tag_fp8_gemm(part[:m].reshape(*lead, f)) for part, f in zip(y, splits))
 
 
-def split_blocks(n: int, num_splits, mode: scaling.ScalingMode) -> Tuple[int, bool]:
-  """Checks ``num_splits`` for an output of ``n`` columns; returns the block
-  width and whether the blocks' gradients can be quantized apart
-  (``ops/concat_quantize.py``: 2 to ``MAX_PARTS`` blocks, each a multiple of
-  the mode's ``token_block``). Shared by ``fp8_dense_split`` and
+def split_plan(n: int, num_splits, split_sizes, mode: scaling.ScalingMode
+               ) -> Tuple[Tuple[int, ...], bool]:
+  """Checks ``num_splits`` (equal blocks) or ``split_sizes`` (block widths)
+  for an output of ``n`` columns; returns the block widths and whether the
+  blocks can come out of their own GEMMs and their gradients be quantized
+  apart (``ops/concat_quantize.py``: 2 to ``MAX_PARTS`` blocks, each a
+  multiple of the mode's ``token_block``). Shared by ``fp8_dense_split`` and
   ``te_jax.norm_dense.fp8_norm_dense``."""
-  if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-    raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}.")
-  if n % num_splits:
-    raise ValueError(f"kernel's output dim ({n}) must be a multiple of num_splits "
-                     f"({num_splits}).")
-  f = n // num_splits
-  return f, 1 < num_splits <= concat_op.MAX_PARTS and f % mode.token_block == 0
+  if split_sizes is not None:
+    if num_splits is not None and num_splits != 1:
+      raise ValueError(f"pass num_splits ({num_splits!r}) or split_sizes "
+                       f"({split_sizes!r}), not both.")
+    sizes = scaling.check_split_sizes(split_sizes, n)
+  else:
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+      raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}.")
+    if n % num_splits:
+      raise ValueError(f"kernel's output dim ({n}) must be a multiple of num_splits "
+                       f"({num_splits}).")
+    sizes = (n // num_splits,) * num_splits
+  fused = (1 < len(sizes) <= concat_op.MAX_PARTS
+           and all(f % mode.token_block == 0 for f in sizes))
+  return sizes, fused
+
+
+def split_columns(y: jax.Array, sizes: Sequence[int]) -> Tuple[jax.Array, ...]:
+  """``y`` (..., sum(sizes)) as column blocks of widths ``sizes`` (copies)."""
+  return tuple(jnp.split(y, list(itertools.accumulate(sizes))[:-1], axis=-1))
 
 
 @_explicit_axes_boundary
 def fp8_dense_split(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
-                    num_splits: int, recipe: recipe_lib.Recipe, fp8_state=None,
-                    impl: str = "auto", save_original_input: bool = False,
+                    num_splits: Optional[int] = None,
+                    split_sizes: Optional[Sequence[int]] = None, recipe: recipe_lib.Recipe,
+                    fp8_state=None, impl: str = "auto", save_original_input: bool = False,
                     save_original_kernel: bool = False) -> Tuple[jax.Array, ...]:
-  """``fp8_dense`` whose output comes back as ``num_splits`` equal column blocks.
+  """``fp8_dense`` whose output comes back as column blocks: ``num_splits``
+  equal ones, or blocks of widths ``split_sizes``.
 
-  The values are those of ``jnp.split(fp8_dense(x, kernel, bias, ...),
-  num_splits, axis=-1)``, for a fused projection whose outputs are used
-  apart (Q, K and V of attention), but no array of the whole output is
-  written. Forward, each block comes out of its own GEMM on a row block of
-  the FP8 kernel (``ScalingMode.gemm(num_splits=)``) instead of being copied
-  out of one product; backward, the blocks' gradients are quantized for the
-  dgrad and wgrad GEMMs straight from the separate arrays
+  The values are those of splitting ``fp8_dense(x, kernel, bias, ...)`` along
+  its last dim, for a fused projection whose outputs are used apart (Q, K and
+  V of attention; with grouped-query attention the query block is wider than
+  the key and value blocks), but no array of the whole output is written.
+  Forward, each block comes out of its own GEMM on a row block of the FP8
+  kernel (``ScalingMode.gemm(split_sizes=)``) instead of being copied out of
+  one product; backward, the blocks' gradients are quantized for the dgrad
+  and wgrad GEMMs straight from the separate arrays
   (``ops/concat_quantize.py``) instead of XLA first concatenating them (a
   16384 x 12288 bf16 Q/K/V gradient: 768 MiB of memory traffic less per
   step). Where that path does not apply (a block width not a multiple of the
@@ -346,14 +367,15 @@ def fp8_dense_split(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] =
 
   Args:
     x: (..., K) float32/bfloat16/float16 input.
-    kernel: (K, N) weight, N a multiple of ``num_splits``.
+    kernel: (K, N) weight.
     bias: optional (N,) bias.
-    num_splits: number of output blocks (an int >= 1).
+    num_splits: number of equal output blocks (an int >= 1 dividing N).
+    split_sizes: instead, the blocks' widths (ints >= 1 summing to N).
     recipe, fp8_state, impl, save_original_input, save_original_kernel: as
       ``fp8_dense``.
 
   Returns:
-    A tuple of ``num_splits`` arrays (..., N / num_splits) in ``x.dtype``.
+    A tuple of arrays (..., width) in ``x.dtype``, one per block.
 
   >>> import jax.numpy as jnp
   >>> from te_jax import dense, recipe
@@ -362,14 +384,21 @@ def fp8_dense_split(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] =
   ...                                 recipe=recipe.Float8CurrentScaling())
   >>> q.shape, k.shape, v.shape
   ((2, 128, 256), (2, 128, 256), (2, 128, 256))
+  >>> q, k, v = dense.fp8_dense_split(x, w, split_sizes=(512, 128, 128),
+  ...                                 recipe=recipe.Float8CurrentScaling())
+  >>> q.shape, k.shape, v.shape
+  ((2, 128, 512), (2, 128, 128), (2, 128, 128))
   """
   mode = _check_dense_args(x, kernel, bias, recipe, fp8_state)
-  _, fused = split_blocks(kernel.shape[1], num_splits, mode)
+  if num_splits is None and split_sizes is None:
+    raise ValueError("fp8_dense_split needs num_splits (equal blocks) or split_sizes "
+                     "(the blocks' widths).")
+  sizes, fused = split_plan(kernel.shape[1], num_splits, split_sizes, mode)
   keep = (bool(save_original_input), bool(save_original_kernel))
   if not fused:
-    y = _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, 1, keep)[0]
-    return tuple(jnp.split(y, num_splits, axis=-1))
-  return _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, num_splits, keep)
+    y = _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, (), keep)[0]
+    return split_columns(y, sizes)
+  return _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, sizes, keep)
 
 
 @_explicit_axes_boundary

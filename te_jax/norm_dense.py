@@ -55,7 +55,7 @@ This module holds no recipe branches: it calls the scaling protocol only.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -171,7 +171,7 @@ class _Config(NamedTuple):
   dtype: jnp.dtype          # output, dgrad and norm-output dtype
   has_bias: bool
   return_norm_output: bool
-  num_splits: int = 1       # > 1: the output is that many column blocks (a tuple)
+  splits: Tuple[int, ...] = ()   # the output as column blocks of these widths (a tuple)
   save_input: bool = True   # no FP8 copy of norm(x) kept: quantized again from x
   save_kernel: bool = True  # no FP8 copy of the kernel kept: quantized again
 
@@ -188,9 +188,9 @@ def _norm_dense_fwd(x, gamma, beta, kernel, bias, state, cfg):
   qx, mean, rstd = quantize_normalized(mode, cfg.norm, x, gamma, beta, state, impl,
                                        columnwise=not cfg.save_input)
   qk = mode.quantize(kernel, "kernel", state, impl=impl)
-  # num_splits > 1: a tuple of blocks, each from its own GEMM (no slice copies).
+  # splits: a tuple of blocks, each from its own GEMM (no slice copies).
   y = mode.gemm("fprop", qx.rowwise(), qk.columnwise(), out_dtype=cfg.dtype, bias=bias,
-                impl=impl, num_splits=cfg.num_splits)
+                impl=impl, split_sizes=cfg.splits or None)
   new_state = mode.update_state(state, {"x": qx.amax, "kernel": qk.amax})
   out = y
   if cfg.return_norm_output:   # elementwise from the statistics: no second reduction
@@ -211,7 +211,7 @@ def _norm_dense_bwd(cfg, res, g):
   g_ln = None
   if cfg.return_norm_output:
     g, g_ln = g
-  if cfg.num_splits > 1:   # the gradients of the output blocks, never concatenated
+  if cfg.splits:   # the gradients of the output blocks, never concatenated
     qg = mode.quantize_fused(concat_op.concat_quantize, "grad", new_state, impl=impl,
                              parts=tuple(g))
   else:
@@ -233,7 +233,7 @@ def _norm_dense_bwd(cfg, res, g):
   dx, dgamma, dbeta = norm_grads(cfg.norm, dln, x, gamma, beta, mean, rstd, impl, dln_add)
   dbias = None
   if cfg.has_bias:
-    parts = tuple(g) if cfg.num_splits > 1 else (g,)
+    parts = tuple(g) if cfg.splits else (g,)
     dbias = jnp.concatenate([jnp.sum(p.astype(jnp.float32), axis=0).astype(p.dtype)
                              for p in parts])
   return dx, dgamma, dbeta, dk, dbias, mode.update_state(new_state, {"grad": qg.amax})
@@ -246,17 +246,20 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
                    kernel: jax.Array, bias: Optional[jax.Array] = None, *, norm_type: str,
                    epsilon: float, zero_centered_gamma: bool, recipe: recipe_lib.Recipe,
                    fp8_state=None, impl: str = "auto", return_norm_output: bool = False,
-                   dtype=None, num_splits: int = 1, save_original_input: bool = True,
+                   dtype=None, num_splits: int = 1,
+                   split_sizes: Optional[Sequence[int]] = None,
+                   save_original_input: bool = True,
                    save_original_kernel: bool = True):
   """``norm(x) @ kernel + bias`` with every GEMM in FP8 and the norm fused into
   the quantization of its output.
 
-  With ``num_splits`` > 1 the output comes back as that many equal column
-  blocks, as ``te_jax.dense.fp8_dense_split`` returns them (the fused Q/K/V
-  projection of attention behind its pre-norm): each block from its own
-  GEMM and the blocks' gradients quantized without being concatenated where
-  the block width is a multiple of the recipe's ``token_block`` and there
-  are at most 4 blocks; otherwise the unsplit output is split (same values).
+  With ``num_splits`` > 1 (or ``split_sizes``) the output comes back as
+  that many equal column blocks (or blocks of those widths), as
+  ``te_jax.dense.fp8_dense_split`` returns them (the fused Q/K/V projection
+  of attention behind its pre-norm): each block from its own GEMM and the
+  blocks' gradients quantized without being concatenated where every block
+  width is a multiple of the recipe's ``token_block`` and there are at most
+  4 blocks; otherwise the unsplit output is split (same values).
 
   Args:
     x: (..., K) float32/bfloat16/float16 input (before the norm).
@@ -277,6 +280,8 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
       back through the same norm backward).
     dtype: output (and normalized-output) dtype; default ``x.dtype``.
     num_splits: number of output blocks (an int >= 1 dividing N).
+    split_sizes: instead of ``num_splits``, the blocks' widths (ints >= 1
+      summing to N), e.g. grouped-query attention's query, key and value.
     save_original_input: True (default): the forward writes only the
       rowwise FP8 norm(x), and the backward quantizes norm(x) again,
       columnwise only, from x and the statistics (kept for the norm's
@@ -292,9 +297,8 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
       padding (N a multiple of the recipe's ``token_block``).
 
   Returns:
-    (..., N) in ``dtype`` (a tuple of ``num_splits`` arrays (..., N /
-    num_splits) when ``num_splits`` > 1), or ``(y, norm_output)`` with
-    ``return_norm_output``.
+    (..., N) in ``dtype`` (a tuple of arrays (..., width), one per block,
+    when split), or ``(y, norm_output)`` with ``return_norm_output``.
 
   Raises:
     ValueError: shapes :func:`supported` rejects, or inconsistent ones.
@@ -316,7 +320,7 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
         "cannot be padded (a padded row or column changes the statistics or the amax): "
         "use te_jax.layers.norm.apply_norm and te_jax.dense.fp8_dense instead.")
   # Blocks the concat-quantize kernel cannot take: split the whole output.
-  f, fused_split = dense_lib.split_blocks(n, num_splits, mode)
+  sizes, fused_split = dense_lib.split_plan(n, num_splits, split_sizes, mode)
   mode.check_state(fp8_state)
   out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
   align = mode.token_block
@@ -326,16 +330,16 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
   if save_original_kernel and not save_kernel:
     dense_lib.log_fp8_copies_kept(f"the kernel is padded to a multiple of {align}")
   cfg = _Config(mode, impl, spec, out_dtype, bias is not None, bool(return_norm_output),
-                num_splits if fused_split else 1, bool(save_original_input), save_kernel)
+                sizes if fused_split else (), bool(save_original_input), save_kernel)
   bp = None if bias is None else dense_lib.pad_to(bias.astype(out_dtype), 0, align)
   out = _norm_dense(x2d, gamma, beta, kp, bp, fp8_state, cfg)
   y, ln = out if return_norm_output else (out, None)
   if fused_split:   # each block tagged for te_jax.remat's policies
-    y = tuple(remat.tag_fp8_gemm(part.reshape(*lead, f)) for part in y)
+    y = tuple(remat.tag_fp8_gemm(part.reshape(*lead, f)) for part, f in zip(y, sizes))
   else:
     y = remat.tag_fp8_gemm(y[:, :n].reshape(*lead, n))
-    if num_splits > 1:
-      y = tuple(jnp.split(y, num_splits, axis=-1))
+    if len(sizes) > 1:
+      y = dense_lib.split_columns(y, sizes)
   return (y, ln.reshape(x.shape)) if return_norm_output else y
 
 

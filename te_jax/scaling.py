@@ -59,6 +59,7 @@ from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Sequence, T
 
 import jax
 from jax import lax
+import numpy as np
 
 from te_jax import fp8_state as state_lib
 from te_jax.ops import gemm as gemm_op
@@ -68,8 +69,8 @@ from te_jax.ops import tiling
 from te_jax.ops.fp8 import (QuantizedTensor, ScaledTensor, amax as amax_of,
                             nan_scale_inv_if_non_finite, pmax_amax)
 
-__all__ = ["ROLES", "GEMMS", "ScalingMode", "DelayedScalingMode", "CurrentScalingMode",
-           "BlockScalingMode"]
+__all__ = ["ROLES", "GEMMS", "check_split_sizes", "ScalingMode", "DelayedScalingMode",
+           "CurrentScalingMode", "BlockScalingMode"]
 
 ROLES = ("x", "kernel", "grad")
 GEMMS = ("fprop", "dgrad", "wgrad")
@@ -94,6 +95,19 @@ def _warn_stack_by_entry(mode_name: str):
       "quantize launch per entry, in an XLA loop). Override quantize_stack with a "
       "te_jax.ops.quantize_stack op to quantize the stack in one launch.",
       UserWarning, stacklevel=3)
+
+
+def check_split_sizes(split_sizes, n: int) -> Tuple[int, ...]:
+  """``split_sizes`` as a tuple of ints >= 1 that sum to ``n`` (an output's
+  columns); ValueError naming the argument otherwise."""
+  sizes = tuple(split_sizes) if isinstance(split_sizes, (list, tuple)) else None
+  if not sizes or not all(isinstance(f, (int, np.integer)) and not isinstance(f, bool)
+                          and f >= 1 for f in sizes):
+    raise ValueError(f"split_sizes must be a non-empty list or tuple of ints >= 1, "
+                     f"got {split_sizes!r}.")
+  if sum(sizes) != n:
+    raise ValueError(f"split_sizes {sizes} must sum to the output's {n} columns.")
+  return tuple(int(f) for f in sizes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +142,8 @@ class ScalingMode(abc.ABC):
 
   def gemm(self, which: str, a: ScaledTensor, b: ScaledTensor, *, out_dtype,
            bias: Optional[jax.Array] = None, impl: str = "auto",
-           num_splits: int = 1) -> Union[jax.Array, Tuple[jax.Array, ...]]:
+           num_splits: int = 1, split_sizes: Optional[Sequence[int]] = None
+           ) -> Union[jax.Array, Tuple[jax.Array, ...]]:
     """``a @ b.T`` (a (M, K), b (N, K)) as GEMM ``which`` ("fprop", "dgrad",
     "wgrad"), with this mode's accumulation setting for it; (M, N) ``out_dtype``.
 
@@ -139,19 +154,27 @@ class ScalingMode(abc.ABC):
     (the whole output read and written once more), while the narrower GEMMs
     take no longer than the one (BENCHMARKS.md has the figures for the
     fused Q/K/V projection). ``N / num_splits`` must be a whole number of
-    ``b``'s scale tiles.
+    ``b``'s scale tiles. ``split_sizes`` (instead of ``num_splits``): blocks
+    of these widths (summing to N, each boundary on a scale tile), e.g. the
+    query, key and value blocks of grouped-query attention.
     """
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
-      raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}.")
-    if num_splits == 1:
-      return gemm_op.gemm(a, b, out_dtype=out_dtype, bias=bias,
-                          fast_accum=self.fast_accum(which), impl=impl)
-    parts = b.row_blocks(num_splits)   # checks that the blocks keep whole tiles
-    f = parts[0].shape[0]
+    if split_sizes is not None:
+      sizes = check_split_sizes(split_sizes, b.shape[0])
+      if num_splits != 1:
+        raise ValueError("pass num_splits or split_sizes, not both.")
+    else:
+      if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}.")
+      if num_splits == 1:
+        return gemm_op.gemm(a, b, out_dtype=out_dtype, bias=bias,
+                            fast_accum=self.fast_accum(which), impl=impl)
+      b.row_blocks(num_splits)   # checks that the blocks keep whole tiles
+      sizes = (b.shape[0] // num_splits,) * num_splits
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return tuple(
-        self.gemm(which, a, part, out_dtype=out_dtype, impl=impl,
-                  bias=None if bias is None else bias[i * f:(i + 1) * f])
-        for i, part in enumerate(parts))
+        self.gemm(which, a, b.rows(s, s + f), out_dtype=out_dtype, impl=impl,
+                  bias=None if bias is None else bias[s:s + f])
+        for s, f in zip(starts, sizes))
 
   # -- state ------------------------------------------------------------------
 

@@ -195,6 +195,10 @@ def logical_axis_rules(mesh_resource: Optional[MeshResource] = None,
       ("seq", seq),
       ("kv", None),
       ("qkv", None),
+      # Grouped-query attention's joined query/key/value head dim
+      # (te_jax.layers.attention.fused_qkv_layout): no contiguous split of it
+      # gives a device its own heads.
+      ("qkv_heads", None),
       ("norm", None),
       ("act", None),
   )

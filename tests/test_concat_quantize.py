@@ -22,6 +22,8 @@ from te_jax.ops import concat_quantize as cq
 from te_jax.ops import quantize as qop
 from te_jax.ops.fp8 import QuantizedTensor
 
+from cuda_lowering import cuda_text, gpu_host  # pylint: disable=unused-import
+
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 RECIPES = {
     "delayed": recipe.DelayedScaling(amax_history_len=4),
@@ -31,11 +33,16 @@ RECIPES = {
 
 
 def _parts(n, m, f, dtype=jnp.bfloat16, seed=0):
-  keys = jax.random.split(jax.random.PRNGKey(seed), n)
+  return _parts_of(m, (f,) * n, dtype, seed)
+
+
+def _parts_of(m, widths, dtype=jnp.bfloat16, seed=0):
+  """Parts (m, widths[i]); widths may differ (a grouped-query Q/K/V)."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), len(widths))
   # Different magnitudes per part, so that the joint amax / the tiles that
   # straddle no part boundary are actually exercised.
   return [(jax.random.normal(k, (m, f)) * 2.0 ** (3 * i - 2)).astype(dtype)
-          for i, k in enumerate(keys)]
+          for i, (k, f) in enumerate(zip(keys, widths))]
 
 
 def _fields(q):
@@ -89,12 +96,34 @@ def test_reference_is_quantize_of_concat(mode):
   assert (got.amax is None) == (mode == "blockwise")
 
 
+@pytest.mark.parametrize("mode", cq.MODES)
+@pytest.mark.parametrize("m,widths", [(200, (256, 64, 64)), (37, (128, 8, 24)), (1, (8, 256)),
+                                      (130, (24, 136, 8, 40))])
+def test_reference_of_unequal_widths_is_quantize_of_concat(mode, m, widths):
+  """Parts of different widths (grouped-query Q/K/V): the quantization of
+  their (M, sum of widths) concatenation."""
+  parts = _parts_of(m, widths, seed=m)
+  k = sum(widths)
+  scale = jnp.float32(3.0) if mode == "tensorwise" else None
+  got = cq.concat_quantize(parts, mode=mode, dtype=E4M3, scale=scale, impl="reference")
+  _assert_same(got, _direct(parts, mode, E4M3, scale))
+  assert got.data.shape == (m, k) and got.data_t.shape == (k, m)
+  if mode == "blockwise":
+    assert got.scale_inv.shape == (m, math.ceil(k / 128))
+    assert got.scale_inv_t.shape == (k, math.ceil(m / 128))
+
+
 @pytest.mark.parametrize("bad,exc,msg", [
     (dict(parts=[]), TypeError, "non-empty"),
     (dict(parts="x"), TypeError, "non-empty"),
-    (dict(parts=[jnp.ones((8, 16)), jnp.ones((8, 24))]), ValueError, "shape and dtype"),
+    (dict(parts=[jnp.ones((8, 16)), jnp.ones((9, 16))]), ValueError,
+     r"rows M of parts\[0\] \(M = 8; the widths may differ\); parts\[1\] has shape \(9, 16\)"),
+    (dict(parts=[jnp.ones((8, 16)), jnp.ones((8, 24)), jnp.ones((7, 8))]), ValueError,
+     r"parts\[2\] has shape"),
     (dict(parts=[jnp.ones((8, 16)), jnp.ones((8, 16), jnp.bfloat16)]), ValueError,
-     "shape and dtype"),
+     r"dtype of parts\[0\] \(float32\); parts\[1\] is bfloat16"),
+    (dict(parts=[jnp.ones((8, 16)), jnp.ones((8, 0))]), ValueError,
+     r"parts\[1\] must not be empty"),
     (dict(parts=[jnp.ones((2, 8, 16))]), ValueError, "2-D"),
     (dict(parts=[jnp.ones((8, 16), jnp.int32)]), TypeError, "float32, bfloat16"),
     (dict(mode="rowwise"), ValueError, "mode must be one of"),
@@ -112,12 +141,62 @@ def test_bad_arguments_raise_at_trace_time(bad, exc, msg):
 
 
 def test_supported_shapes():
-  assert cq.concat_quantize_supported(1, 8, 1)
-  assert cq.concat_quantize_supported(16384, 4096, 3)
-  assert not cq.concat_quantize_supported(128, 12, 3)     # F % 8
-  assert not cq.concat_quantize_supported(128, 128, 5)    # more than 4 parts
-  assert not cq.concat_quantize_supported(128, 128.0, 2)  # not an int
-  assert not cq.concat_quantize_supported(65535 * 128 + 1, 8, 1)
+  assert cq.concat_quantize_supported(1, [8])
+  assert cq.concat_quantize_supported(16384, [4096] * 3)
+  assert cq.concat_quantize_supported(16384, (4096, 1024, 1024))  # grouped-query Q, K, V
+  assert cq.concat_quantize_supported(37, (128, 8, 24, 16))
+  assert cq.concat_quantize_supported(8, np.array([16, 8]))
+  assert cq.concat_quantize_supported(8, (w for w in (16, 8)))
+  assert not cq.concat_quantize_supported(128, [12] * 3)          # F_i % 8
+  assert not cq.concat_quantize_supported(128, (128, 64, 12))     # one part's F_i % 8
+  assert not cq.concat_quantize_supported(128, (128, 0))          # an empty part
+  assert not cq.concat_quantize_supported(128, [128] * 5)         # more than 4 parts
+  assert not cq.concat_quantize_supported(128, [])                # no part
+  assert not cq.concat_quantize_supported(128, [128, 128.0])      # not an int
+  assert not cq.concat_quantize_supported(128, [128, True])       # a bool is no width
+  assert not cq.concat_quantize_supported(128, 128)               # not a sequence
+  assert not cq.concat_quantize_supported(128.0, [128])
+  assert not cq.concat_quantize_supported(0, [128])
+  assert not cq.concat_quantize_supported(65535 * 128 + 1, [8])
+  assert cq.concat_quantize_supported(65535 * 128, [8])
+
+
+def _custom_calls(text, prefix):
+  """(target, operand types, result types) of the custom calls whose target
+  starts with ``prefix`` in a StableHLO text; types as "256x384xf8E4M3FN"."""
+  calls = []
+  for line in text.splitlines():
+    m = re.search(r"custom_call @(\w+)\(", line)
+    if m and m.group(1).startswith(prefix):
+      operands, results = line.rsplit(" : (", 1)[1].split(") -> (")
+      calls.append((m.group(1), re.findall(r"tensor<([^>]*)>", operands),
+                    re.findall(r"tensor<([^>]*)>", results)))
+  return calls
+
+
+@pytest.mark.parametrize("mode", cq.MODES)
+def test_cuda_call_of_unequal_widths(gpu_host, mode):  # pylint: disable=unused-argument
+  """Lowered for CUDA (no GPU needed): one custom call takes the parts as
+  they are, (M, F_i) each, and writes (M, K) and (K, M), K = sum F_i, with
+  the blockwise scales of K columns."""
+  m, widths = 300, (512, 128, 128)
+  k = sum(widths)
+  parts = [jnp.zeros((m, w), jnp.bfloat16) for w in widths]
+  scale = jnp.float32(2.0) if mode == "tensorwise" else None
+  text = cuda_text(lambda ps: cq.concat_quantize(ps, mode=mode, dtype=E4M3, scale=scale), parts)
+  ((target, operands, results),) = _custom_calls(text, "te_jax_concat_quantize")
+  assert target == f"te_jax_concat_quantize_{mode}"
+  assert operands[-3:] == [f"{m}x{w}xbf16" for w in widths], operands
+  fp8 = [r for r in results if r.endswith("f8E4M3FN")]
+  assert fp8 == [f"{m}x{k}xf8E4M3FN", f"{k}x{m}xf8E4M3FN"], results
+
+
+def test_cuda_path_names_the_unaligned_widths(gpu_host):  # pylint: disable=unused-argument
+  """The CUDA path's check (traced on any machine under "auto") names the
+  widths it does not take."""
+  parts = [jnp.zeros((16, 64), jnp.bfloat16), jnp.zeros((16, 12), jnp.bfloat16)]
+  with pytest.raises(ValueError, match=r"widths \[64, 12\].*F_i % 8 == 0"):
+    cuda_text(lambda ps: cq.concat_quantize(ps, mode="current", dtype=E4M3), parts)
 
 
 # ------------------------------------------------- the split-output dense --
@@ -205,12 +284,14 @@ def test_attention_quantizes_qkv_gradient_from_parts(monkeypatch):
     seen.append(tuple(p.shape for p in parts))
     return real(parts, **kw)
   monkeypatch.setattr(cq, "concat_quantize", spy)
-  # 4 heads of 64: Q/K/V blocks of 256 columns, K/V of 2 groups 128 (the
+  # 4 heads of 64: Q/K/V blocks of 256 columns, K and V of 2 groups 128 (the
   # blockwise recipe needs multiples of 128, else the output is split after
   # a plain FP8 dense: test_split_dense_equals_split_of_dense).
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 64, 256)).astype(jnp.bfloat16)
   for rname, r in sorted(RECIPES.items()):
-    for groups, want in ((None, [((128, 256),) * 3]), (2, [((128, 128),) * 2])):
+    # Grouped-query: one fused projection too, the query block twice as wide.
+    for groups, want in ((None, [((128, 256),) * 3]),
+                         (2, [((128, 256), (128, 128), (128, 128))])):
       seen.clear()
       mha = tfx.MultiHeadAttention(num_attention_heads=4, num_gqa_groups=groups,
                                    dtype=jnp.bfloat16, attention_impl="xla")
@@ -276,10 +357,35 @@ def test_cuda_equals_quantize_of_concat(mode, p2, in_dtype, n, m, f):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("mode,p2", [("tensorwise", False), ("current", False),
+                                     ("blockwise", True), ("blockwise", False)])
+@pytest.mark.parametrize("in_dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("widths", [(2048, 512, 512), (128, 8, 24), (8, 256), (24, 136, 8, 40)])
+@pytest.mark.parametrize("m", [1, 37, 300])
+def test_cuda_equals_quantize_of_concat_unequal_widths(mode, p2, in_dtype, widths, m):
+  """Parts of different widths (a grouped-query Q/K/V gradient): the bytes
+  and scales of quantizing the concatenation, with part boundaries inside
+  128-wide tiles, 8-column parts and partial row tiles (M of 1, 37, 300)."""
+  parts = _parts_of(m, widths, in_dtype, seed=m + sum(widths))
+  out = E5M2 if mode == "current" else E4M3
+  scale = np.float32(5.0) if mode == "tensorwise" else None
+  got = jax.jit(lambda ps: cq.concat_quantize(ps, mode=mode, dtype=out, scale=scale,
+                                              power_2_scale=p2, impl="cuda"))(parts)
+  _assert_same(got, _direct(parts, mode, out, scale, p2, impl="cuda"))
+  cpu = jax.devices("cpu")[0]  # see test_cuda_equals_quantize_of_concat
+  want = jax.jit(lambda ps: _direct(ps, mode, out, scale, p2, impl="reference"))(
+      jax.device_put(parts, cpu))
+  _assert_same(got, want)
+
+
+@pytest.mark.gpu
 def test_cuda_rejects_unaligned_parts_at_trace_time():
-  with pytest.raises(ValueError, match="F % 8 == 0"):
+  with pytest.raises(ValueError, match="F_i % 8 == 0"):
     cq.concat_quantize([jnp.ones((16, 12), jnp.bfloat16)] * 3, mode="current", dtype=E4M3,
                        impl="cuda")
+  with pytest.raises(ValueError, match=r"widths \[16, 12\]"):
+    cq.concat_quantize([jnp.ones((16, 16), jnp.bfloat16), jnp.ones((16, 12), jnp.bfloat16)],
+                       mode="current", dtype=E4M3, impl="cuda")
   with pytest.raises(ValueError, match="1 to 4 parts"):
     cq.concat_quantize([jnp.ones((16, 16), jnp.bfloat16)] * 5, mode="current", dtype=E4M3,
                        impl="cuda")

@@ -140,18 +140,67 @@ def test_rotary_relative_and_changes_output():
                              jnp.linalg.norm(q, axis=-1), rtol=1e-5)
 
 
+def _split_gqa_kernel(kernel, h, g, axis=1):
+  """The fused grouped-query kernel (E, h + 2 g, D) (its bias (h + 2 g, D):
+  ``axis=0``) as (query, key, value)."""
+  return tuple(jnp.split(kernel, [h, h + g], axis=axis))
+
+
 def test_gqa_equals_mha_with_repeated_kv_heads():
   x = rand(0, (2, 9, E))
   g = 2
   gqa = tfx.MultiHeadAttention(H, num_gqa_groups=g, enable_rotary_pos_emb=True)
   vg = nn.unbox(jax.jit(gqa.init)(jax.random.key(1), x))
-  assert vg["params"]["kv"]["kernel"].shape == (E, 2, g, D)
+  assert set(vg["params"]) == {"qkv", "out"}
+  assert vg["params"]["qkv"]["kernel"].shape == (E, H + 2 * g, D)
+  q, k, v = _split_gqa_kernel(vg["params"]["qkv"]["kernel"], H, g)
   mha = tfx.MultiHeadAttention(H, fuse_qkv=False, enable_rotary_pos_emb=True)
-  p = jax.tree.map(lambda a: a, vg["params"])
-  p["kv"] = {"kernel": jnp.repeat(vg["params"]["kv"]["kernel"], H // g, axis=2)}
+  p = {"query": {"kernel": q}, "out": vg["params"]["out"],
+       "kv": {"kernel": jnp.stack([jnp.repeat(k, H // g, axis=1),
+                                   jnp.repeat(v, H // g, axis=1)], axis=1)}}
   assert set(jax.eval_shape(mha.init, jax.random.key(1), x)["params"]) == {"query", "kv", "out"}
   np.testing.assert_allclose(jax.jit(gqa.apply)(vg, x), jax.jit(mha.apply)({"params": p}, x),
                              rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_fused_gqa_equals_the_query_and_key_value_pair(use_bias):
+  """fuse_qkv=True with grouped-query attention is the unfused module's
+  query and key/value projections from the blocks of one kernel: outputs and
+  every gradient, FP8 off (the FP8 paths: test_attention_fp8_close_to_fp32
+  and tests/test_norm_attention.py)."""
+  x = rand(0, (2, 9, E)); cot = rand(5, (2, 9, E))
+  g = 2
+  kw = dict(num_gqa_groups=g, enable_rotary_pos_emb=True, use_bias=use_bias)
+  fused = tfx.MultiHeadAttention(H, **kw)
+  pair = tfx.MultiHeadAttention(H, fuse_qkv=False, **kw)
+  vf = nn.unbox(jax.jit(fused.init)(jax.random.key(1), x))
+  qkv = vf["params"]["qkv"]
+  if use_bias:   # non-zero biases, so that a misplaced block shows
+    qkv = dict(qkv, bias=rand(7, qkv["bias"].shape))
+    vf = {"params": dict(vf["params"], qkv=qkv)}
+  q, k, v = _split_gqa_kernel(qkv["kernel"], H, g)
+  pq = {"kernel": q}
+  pkv = {"kernel": jnp.stack([k, v], axis=1)}
+  if use_bias:
+    bq, bk, bv = _split_gqa_kernel(qkv["bias"], H, g, axis=0)
+    pq["bias"], pkv["bias"] = bq, jnp.stack([bk, bv], axis=0)
+  vp = {"params": {"query": pq, "kv": pkv, "out": vf["params"]["out"]}}
+  yf, vjp_f = jax.vjp(lambda v, x: fused.apply(v, x), vf, x)
+  yp, vjp_p = jax.vjp(lambda v, x: pair.apply(v, x), vp, x)
+  np.testing.assert_allclose(yf, yp, rtol=1e-5, atol=1e-5)
+  (gf, gxf), (gp, gxp) = vjp_f(cot), vjp_p(cot)
+  np.testing.assert_allclose(gxf, gxp, rtol=1e-4, atol=1e-5)
+  got = _split_gqa_kernel(gf["params"]["qkv"]["kernel"], H, g)
+  want = (gp["params"]["query"]["kernel"],) + tuple(
+      gp["params"]["kv"]["kernel"][:, i] for i in range(2))
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+  if use_bias:
+    got = _split_gqa_kernel(gf["params"]["qkv"]["bias"], H, g, axis=0)
+    want = (gp["params"]["query"]["bias"],) + tuple(gp["params"]["kv"]["bias"])
+    for a, b in zip(got, want):
+      np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
 def test_cross_attention_ignores_padded_keys():
@@ -217,7 +266,8 @@ def test_attention_fp8_close_to_fp32(name, impl):
     y, (gv, gx) = run(v)
   assert 1e-4 < rel(y, ry) < FWD_TOL, rel(y, ry)
   assert rel(gx, rgx) < GRAD_TOL, rel(gx, rgx)
-  for sub in ("query", "kv", "out"):
+  assert set(gv["params"]) == {"qkv", "out"}   # grouped-query Q/K/V fused
+  for sub in ("qkv", "out"):
     e = rel(gv["params"][sub]["kernel"], rgv["params"][sub]["kernel"])
     assert e < GRAD_TOL, (sub, e)
 

@@ -118,11 +118,15 @@ def test_norm_dense_split_bad_num_splits(bad, err):
 # ----------------------------------------------------------- Flax modules ---
 
 def _spy(monkeypatch):
-  """Records the num_splits of every fp8_norm_dense call."""
+  """Records the number of output blocks of every fp8_norm_dense call."""
   calls = []
   real = norm_dense.fp8_norm_dense
-  monkeypatch.setattr(norm_dense, "fp8_norm_dense",
-                      lambda *a, **k: calls.append(k.get("num_splits", 1)) or real(*a, **k))
+
+  def spy(*a, **k):
+    sizes = k.get("split_sizes")
+    calls.append(len(sizes) if sizes is not None else k.get("num_splits", 1))
+    return real(*a, **k)
+  monkeypatch.setattr(norm_dense, "fp8_norm_dense", spy)
   return calls
 
 
@@ -139,10 +143,13 @@ def _layer(**kw):
                               use_bias=True, **kw)
 
 
-LAYERS = {  # name: (module kwargs, fused norm_dense calls and their num_splits)
+LAYERS = {  # name: (module kwargs, fused norm_dense calls and their output blocks)
     "mha": (dict(), [3]),
     "gqa_rms": (dict(num_attention_heads=4, num_gqa_groups=2, layernorm_type="rmsnorm",
-                     zero_centered_gamma=True, enable_rotary_pos_emb=True), [1]),
+                     zero_centered_gamma=True, enable_rotary_pos_emb=True), [3]),
+    "gqa_unfused": (dict(num_attention_heads=4, num_gqa_groups=2, layernorm_type="rmsnorm",
+                         zero_centered_gamma=True, enable_rotary_pos_emb=True,
+                         fuse_qkv=False), [1]),
 }
 
 
@@ -150,8 +157,8 @@ LAYERS = {  # name: (module kwargs, fused norm_dense calls and their num_splits)
 @pytest.mark.parametrize("which", sorted(LAYERS))
 def test_transformer_layer_fuses_the_attention_pre_norm(rname, which, monkeypatch):
   """Same variables as the layer normalizing in XLA (fuse_norm_quantize=False);
-  FP8 on, the attention projections take the fused norm (Q/K/V as 3 blocks;
-  with GQA the query, whose norm output feeds K/V) and the result is the XLA
+  FP8 on, the attention projections take the fused norm (Q/K/V as 3 blocks,
+  with GQA too; unfused, the query, whose norm output feeds K/V) and the result is the XLA
   path's up to the norm's float32 rounding (float32 compute: the same FP8
   operands); FP8 off, the same computation exactly."""
   r = None if rname == "off" else RECIPES[rname]()

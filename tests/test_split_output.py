@@ -109,6 +109,87 @@ def test_gemm_num_splits_is_checked():
     mode.gemm("fprop", a, b, out_dtype=jnp.float32, num_splits=5, impl="reference")
 
 
+def test_gemm_split_sizes_gives_blocks_of_those_widths():
+  """ScalingMode.gemm(split_sizes=): one GEMM per row block of b, widths as
+  given (blocks that cut a scale tile: ScaledTensor.rows refuses them,
+  test_row_blocks_refuses_blocks_that_cut_a_scale_tile)."""
+  mode = recipe.Float8CurrentScaling().scaling_mode()
+  a = ScaledTensor(jnp.ones((32, 32), jnp.float8_e4m3fn), jnp.float32(1.0))
+  b = ScaledTensor(jnp.arange(48 * 32).reshape(48, 32).astype(jnp.float8_e4m3fn),
+                   jnp.float32(2.0))
+  parts = mode.gemm("fprop", a, b, out_dtype=jnp.float32, split_sizes=(32, 8, 8),
+                    impl="reference")
+  whole = mode.gemm("fprop", a, b, out_dtype=jnp.float32, impl="reference")
+  assert [p.shape for p in parts] == [(32, 32), (32, 8), (32, 8)]
+  np.testing.assert_array_equal(np.concatenate(parts, axis=1), np.asarray(whole))
+  for bad, err in (((32, 8), "must sum to the output's 48"), ((), "non-empty"),
+                   ((48.0,), "ints >= 1"), ((0, 48), "ints >= 1")):
+    with pytest.raises(ValueError, match=err):
+      mode.gemm("fprop", a, b, out_dtype=jnp.float32, split_sizes=bad, impl="reference")
+  with pytest.raises(ValueError, match="not both"):
+    mode.gemm("fprop", a, b, out_dtype=jnp.float32, num_splits=3, split_sizes=(16,) * 3,
+              impl="reference")
+
+
+@pytest.mark.parametrize("rname", sorted(RECIPES))
+@pytest.mark.parametrize("normed", [False, True])
+def test_unequal_split_equals_the_split_of_the_whole(rname, normed):
+  """fp8_dense_split / fp8_norm_dense with split_sizes (grouped-query Q/K/V:
+  256 | 128 | 128) against the unsplit op's output split afterwards: the same
+  values, gradients and FP8 state bit for bit (same operands, same scales:
+  each block's GEMM reads the rows of the one FP8 kernel)."""
+  r = RECIPES[rname]
+  x = jax.random.normal(jax.random.PRNGKey(1), (2, 128, 256)).astype(jnp.bfloat16)
+  w = (jax.random.normal(jax.random.PRNGKey(2), (256, 512)) * 0.06).astype(jnp.bfloat16)
+  b = jax.random.normal(jax.random.PRNGKey(3), (512,)).astype(jnp.bfloat16)
+  gamma = (1 + 0.1 * jax.random.normal(jax.random.PRNGKey(4), (256,))).astype(jnp.bfloat16)
+  sizes = (256, 128, 128)
+
+  def run(x, w, b, st, **kw):
+    if normed:
+      return norm_dense.fp8_norm_dense(x, gamma, None, w, b, norm_type="rmsnorm",
+                                       epsilon=1e-6, zero_centered_gamma=False, recipe=r,
+                                       fp8_state=st, impl="reference", **kw)
+    return dense.fp8_dense_split(x, w, b, recipe=r, fp8_state=st, impl="reference", **kw)
+
+  def split(x, w, b, st):
+    return run(x, w, b, st, split_sizes=sizes)
+
+  def whole(x, w, b, st):
+    y = run(x, w, b, st) if normed else run(x, w, b, st, num_splits=1)[0]
+    return dense.split_columns(y, sizes)
+
+  def loss(fn, x, w, b, st):
+    return sum(jnp.sum(y.astype(jnp.float32) * (i + 1)) for i, y in enumerate(fn(x, w, b, st)))
+
+  st = _state(r)
+  for fn in (split, whole):
+    assert [y.shape for y in fn(x, w, b, st)] == [(2, 128, f) for f in sizes]
+  got = (split(x, w, b, st), jax.grad(lambda *a: loss(split, *a), (0, 1, 2, 3))(x, w, b, st))
+  want = (whole(x, w, b, st), jax.grad(lambda *a: loss(whole, *a), (0, 1, 2, 3))(x, w, b, st))
+  for a, c in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+  widths = _dot_widths(split, x, w, b, st)
+  assert sorted(w for w in widths if w in sizes) == [128, 128, 256] and 512 not in widths
+
+
+def test_split_sizes_arguments_are_checked():
+  r = recipe.Float8CurrentScaling()
+  x = jnp.ones((2, 128, 256), jnp.bfloat16); w = jnp.ones((256, 512), jnp.bfloat16)
+  with pytest.raises(ValueError, match="needs num_splits .* or split_sizes"):
+    dense.fp8_dense_split(x, w, recipe=r)
+  with pytest.raises(ValueError, match="not both"):
+    dense.fp8_dense_split(x, w, num_splits=2, split_sizes=(256, 256), recipe=r)
+  with pytest.raises(ValueError, match="must sum to the output's 512"):
+    dense.fp8_dense_split(x, w, split_sizes=(256, 128), recipe=r)
+  # Blocks off the recipe's alignment: the whole output split afterwards.
+  ys = dense.fp8_dense_split(x, w, split_sizes=(500, 12), recipe=r, impl="reference")
+  assert [y.shape for y in ys] == [(2, 128, 500), (2, 128, 12)]
+  for bad in (True, (2, 3), (3.0,), 0):
+    with pytest.raises(ValueError, match="split_output"):
+      gemm_lib.check_split_output(bad, (3,) if bad is True else (4, 8))
+
+
 # ------------------------------------------------------------------ CPU ----
 
 def _dot_widths(fn, *args):

@@ -234,8 +234,9 @@ def test_llama_tiny_is_the_llama_architecture():
   assert type(seen["final_norm"]) is tfx.RMSNorm
   names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
   assert not [n for n in names if "bias" in n], names                # no biases, no LN beta
-  # (hidden, K and V, 2 groups, head_dim 16); SwiGLU: gate and up projections of 192.
-  assert params["layer_0"]["self_attention"]["kv"]["kernel"].shape == (64, 2, 2, 16)
+  # (hidden, 4 query heads + 2 key and 2 value groups, head_dim 16), one fused
+  # kernel; SwiGLU: gate and up projections of 192.
+  assert params["layer_0"]["self_attention"]["qkv"]["kernel"].shape == (64, 4 + 2 * 2, 16)
   assert params["layer_0"]["mlp"]["wi_kernel"].shape == (64, 2, 192)
   # The GPT presets keep their architecture.
   gpt, _ = _modules_and_params("tiny")

@@ -1,7 +1,7 @@
 // Fused activation + FP8 quantize kernels of the FP8 MLP (ffi/act_quantize.cc),
 // also used for concatenations (ffi/concat_quantize.cc) and normalizations
 // (ffi/normalization.cc): they quantize v = act(h), dact(dz, h),
-// [part0 | part1 | ...] or norm(x) (kernels/prologue.h),
+// [part0 | part1 | ...] (widths multiples of 8) or norm(x) (kernels/prologue.h),
 // computed from the inputs they load, so v is never written in 16 or 32
 // bits: ActQuantizeTensorKernel for one scale (delayed and current scaling)
 // and TileAmaxKernel for current scaling's amax pass
@@ -40,12 +40,15 @@ namespace {
 bool PrologueValid(const QuantizeArgs& a, const PrologueArgs& q) {
   if (q.kind == Prologue::kNone) return true;
   if (q.kind == Prologue::kConcat) {
-    if (q.n_parts < 1 || q.n_parts > kMaxConcatParts || q.F <= 0 || q.F % 8 != 0 ||
-        a.K != q.n_parts * q.F)
-      return false;
-    for (int i = 0; i < q.n_parts; ++i)
-      if (q.parts[i] == nullptr) return false;
-    return true;
+    // Increasing column ends (every width > 0, a multiple of 8) that add up to K.
+    if (q.n_parts < 1 || q.n_parts > kMaxConcatParts) return false;
+    int64_t start = 0;
+    for (int i = 0; i < q.n_parts; ++i) {
+      const int64_t end = q.part_end[i];
+      if (q.parts[i] == nullptr || end <= start || (end - start) % 8 != 0) return false;
+      start = end;
+    }
+    return start == a.K;
   }
   if (q.kind == Prologue::kNorm)
     return q.h != nullptr && q.rstd != nullptr && q.gamma != nullptr && q.F > 0 && a.K == q.F;

@@ -219,20 +219,24 @@ __device__ __forceinline__ void ActRows(const PrologueArgs& q, const Fp8HInput& 
   constexpr bool kCat = kPro == Prologue::kConcat;
   static_assert(kCat == (kLoop == ActLoop::kNone), "kConcat runs the kNone loop, and only it");
   using Spec = LoopSpec<kLoop>;
-  const int64_t F = q.F;
-  // kConcat: a thread's 8 columns lie in part col / F (the host guarantees
-  // F % 8 == 0). Columns past the last part (edge tiles) stay in the last
-  // part at sc >= F, which the checked loop reads as 0. A select chain, not
+  // kConcat: a thread's 8 columns lie in the first part that ends past col
+  // (the host guarantees every width F_i % 8 == 0); F becomes that part's
+  // width (its row stride and column bound) and c0 its first column of v.
+  // Columns past the last part (edge tiles) stay in the last part at
+  // sc >= F, which the checked loop reads as 0. Select chains, not
   // parts[part]: a dynamic index into the parameter array may make the
-  // compiler copy it to local memory (not measured; the chain costs a few
-  // selects per thread).
-  int part = 0;
-  if constexpr (kCat) part = static_cast<int>(col / F < q.n_parts ? col / F : q.n_parts - 1);
-  const void* src = !kCat ? q.h
-                    : part == 0 ? q.parts[0]
-                    : part == 1 ? q.parts[1]
-                    : part == 2 ? q.parts[2]
-                                : q.parts[3];
+  // compiler copy it to local memory (not measured; the chains cost a few
+  // compares and selects per thread).
+  int64_t F = q.F, c0 = 0;
+  const void* src = q.h;
+  if constexpr (kCat) {
+    const int n = q.n_parts;
+    const int64_t e0 = q.part_end[0], e1 = q.part_end[1], e2 = q.part_end[2];
+    const bool in0 = n == 1 || col < e0, in1 = n == 2 || col < e1, in2 = n == 3 || col < e2;
+    src = in0 ? q.parts[0] : in1 ? q.parts[1] : in2 ? q.parts[2] : q.parts[3];
+    c0 = in0 ? 0 : in1 ? e0 : in2 ? e1 : e2;
+    F = (in0 ? e0 : in1 ? e1 : in2 ? e2 : q.part_end[3]) - c0;
+  }
   const HT* h = static_cast<const HT*>(src);
   const InT* dz = static_cast<const InT*>(q.dz);
   const bool gated = kPaired || (!kCat && (Spec::kGated < 0 ? q.act1 >= 0 : Spec::kGated == 1));
@@ -243,7 +247,7 @@ __device__ __forceinline__ void ActRows(const PrologueArgs& q, const Fp8HInput& 
   // read dz, h0, h1 at column col - F. The host guarantees F % 8 == 0 when
   // gated, so a thread's 8 columns never straddle the two halves.
   const bool right = !kPaired && kPro == Prologue::kDAct && gated && col >= F;
-  const int64_t sc = kCat ? col - part * F : right ? col - F : col;
+  const int64_t sc = kCat ? col - c0 : right ? col - F : col;
 
   // The values of one row from its inputs (and with kWithAct or kPaired
   // act(h) in z, with kPaired the act1' half in y1); `in(j)`: column j exists.
@@ -460,8 +464,8 @@ __device__ __forceinline__ void NormRows(const PrologueArgs& q, int64_t M, int64
 
 // Calls emit(i, y) for i = 0..7 in order, where y[j] = v[row + i][col + j] in float32,
 // v being the (M, K) output of the prologue (K = F for kAct and kNorm,
-// n_act*F for kDAct, n_parts*F for kConcat), and 0 outside it (padding must
-// not raise an amax, and act(0) need not be 0: sigmoid). `q` must match
+// n_act*F for kDAct, the sum of the part widths for kConcat), and 0 outside
+// it (padding must not raise an amax, and act(0) need not be 0: sigmoid). `q` must match
 // kLoop (ChooseLoop). All 32 lanes of a warp must call it: the row loop runs
 // warp-uniformly, so emit may use warp shuffles. With kWithAct (kDAct only)
 // it calls emit(i, y, z) with z[j] = act(h)[row + i][col + j] for the

@@ -15,9 +15,10 @@ enum class Fp8Type : int { kE4M3 = 0, kE5M2 = 1 };
 //   kAct:    v = act0(h0) (not gated) or act0(h0) * act1(h1) (gated), (M, F).
 //   kDAct:   v = dz * act0'(h0) (not gated) or, gated, the (M, 2F)
 //            concatenation [dz * act0'(h0) * act1(h1), dz * act0(h0) * act1'(h1)].
-//   kConcat: v = [parts[0] | parts[1] | ...], (M, n_parts*F), from n_parts
-//            separate (M, F) tensors: the gradients of a fused projection's
-//            outputs (Q, K, V), quantized without being concatenated first.
+//   kConcat: v = [parts[0] | parts[1] | ...], (M, sum of the widths F_i),
+//            from n_parts separate (M, F_i) tensors: the gradients of a fused
+//            projection's outputs (Q, K, V; of grouped-query attention, K and
+//            V narrower than Q), quantized without being concatenated first.
 //   kNorm:   v = ((h - mean) * rstd) * gamma' + beta (layernorm) or
 //            (h * rstd) * gamma' (rmsnorm: mean == nullptr), (M, F), with
 //            gamma' = gamma or 1 + gamma (zero_centered) and the per-row
@@ -85,8 +86,8 @@ struct PrologueArgs {
   const void* dz = nullptr;  // (M, F), same type; kDAct only
   int64_t F = 0;
   int act0 = 0, act1 = -1;   // ActId (activation.h); act1 < 0: not gated
-  // kConcat only: the parts, each (M, F) of element type QuantizeArgs::in;
-  // F % 8 == 0 so that a thread's 8 columns lie in one part.
+  // kConcat only: the parts, part i (M, F_i) of element type
+  // QuantizeArgs::in (F is unused: part_end below gives the widths).
   const void* parts[kMaxConcatParts] = {};
   int n_parts = 0;
   // kNorm only (h is x (M, F), F the normalized dim): per-row statistics
@@ -98,6 +99,12 @@ struct PrologueArgs {
   const float* gamma = nullptr;
   const float* beta = nullptr;
   int zero_centered = 0;
+  // kConcat only: part i holds columns [part_end[i - 1], part_end[i]) of v
+  // (part_end[-1] = 0), so F_i = part_end[i] - part_end[i - 1], its row
+  // stride; part_end[n_parts - 1] == K. Every F_i > 0 and F_i % 8 == 0, so
+  // that a thread's 8 columns lie in one part. Column ends rather than
+  // widths: the kernel finds a column's part by comparing against them.
+  int64_t part_end[kMaxConcatParts] = {};
 };
 
 // A stack of E independent (M, K) problems stored back to back, as a batch
@@ -115,8 +122,8 @@ constexpr int64_t kMaxStackEntries = 65535;  // CUDA's grid.z limit
 
 // Launches the tiled quantize (+ transpose) kernel on `stream`. With a
 // prologue only ScaleMode kTensor and kVec128 exist, with the columnwise copy
-// (data_t set), and gated units and kConcat need F % 8 == 0; anything else
-// returns cudaErrorInvalidValue.
+// (data_t set), gated units need F % 8 == 0 and kConcat every F_i % 8 == 0
+// (PrologueArgs::part_end); anything else returns cudaErrorInvalidValue.
 cudaError_t LaunchQuantize(const QuantizeArgs& args, cudaStream_t stream,
                            const PrologueArgs& pro = PrologueArgs());
 

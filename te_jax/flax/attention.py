@@ -43,13 +43,16 @@ class MultiHeadAttention(nn.Module):
   self attention; output (B, Sq, out_features or E).
 
   Parameters (logical axis names), as submodules:
-    self attention with ``num_gqa_groups == num_attention_heads`` and
-    ``fuse_qkv``: ``qkv/kernel`` (E, 3, heads, head_dim)
-    ("embed", "qkv", "heads", "kv"); otherwise ``query/kernel`` (E, heads,
-    head_dim) ("embed", "heads", "kv") and ``kv/kernel`` (E_kv, 2, groups,
-    head_dim) ("embed", "qkv", "heads", "kv"). ``out/kernel`` (heads,
-    head_dim, E) ("heads", "kv", "embed"). Biases (``use_bias``) carry the
-    names of the output dims.
+    self attention with ``fuse_qkv``: ``qkv/kernel`` (E, 3, heads, head_dim)
+    ("embed", "qkv", "heads", "kv") when ``num_gqa_groups ==
+    num_attention_heads``, else (E, heads + 2 * groups, head_dim)
+    ("embed", "qkv_heads", "kv"): the query heads, then the keys', then the
+    values' (``te_jax.layers.attention.fused_qkv_layout``; "qkv_heads" is
+    not sharded, so tensor parallelism over heads takes ``fuse_qkv=False``);
+    otherwise ``query/kernel`` (E, heads, head_dim) ("embed", "heads", "kv")
+    and ``kv/kernel`` (E_kv, 2, groups, head_dim) ("embed", "qkv", "heads",
+    "kv"). ``out/kernel`` (heads, head_dim, E) ("heads", "kv", "embed").
+    Biases (``use_bias``) carry the names of the output dims.
 
   FP8 state (``DelayedScaling`` only): ``fp8_meta`` of each projection
   submodule, in collection ``"_overwrite_with_gradient"``.
@@ -73,7 +76,9 @@ class MultiHeadAttention(nn.Module):
     attention_dropout: dropout rate on the attention probabilities.
     enable_rotary_pos_emb: apply rotary embeddings to Q and K (default False).
     rotary_base: rotary frequency base (default 10000).
-    fuse_qkv: one fused Q/K/V kernel for self attention (default True).
+    fuse_qkv: one fused Q/K/V kernel for self attention (default True),
+      also with grouped-query attention (layout above); False: a query and
+      a key/value projection.
     use_bias: biases on the projections (default False).
     out_features: output width; default the width of ``inputs_q``.
     attention_impl: "auto" (default), "xla" or "cudnn"; see the module docs.
@@ -157,8 +162,8 @@ class MultiHeadAttention(nn.Module):
         the caller owns, e.g. ``te_jax.flax.NormParameters``; ``inputs_kv``
         is not normalized). In FP8 the norm is fused into the quantization
         of the projection's input where ``DenseGeneral`` can fuse it: Q/K/V
-        in one pass for self attention, the query (whose normalized output
-        then feeds the key/value projection) with grouped-query attention.
+        in one pass for fused self attention, the query (whose normalized
+        output then feeds the key/value projection) otherwise.
 
     Returns:
       (B, Sq, out_features) in the compute dtype.
@@ -183,13 +188,14 @@ class MultiHeadAttention(nn.Module):
     h, g, d = attn.head_layout(embed, self.num_attention_heads, self.num_gqa_groups,
                                self.head_dim)
     compute = compute_dtype(self.dtype, inputs_q.dtype, self.param_dtype)
-    qkv_axes = ("embed", "qkv", "heads", "kv")
-    if attn.fuses_qkv(self_attn, h, g, self.fuse_qkv):
-      proj = dict(qkv=self._dense((3, h, d), "qkv", qkv_axes, dtype=compute, split=True))
+    if attn.fuses_qkv(self_attn, self.fuse_qkv):
+      layout = attn.fused_qkv_layout(h, g, d)
+      proj = dict(qkv=self._dense(layout.features, "qkv", layout.axes, dtype=compute,
+                                  split=layout.split))
     else:
       proj = dict(query=self._dense((h, d), "query", ("embed", "heads", "kv"), dtype=compute),
-                  kv=lambda x: self._dense((2, g, d), "kv", qkv_axes, dtype=compute,
-                                           split=True)(x))
+                  kv=lambda x: self._dense((2, g, d), "kv", ("embed", "qkv", "heads", "kv"),
+                                           dtype=compute, split=True)(x))
     q, k, v = attn.project_qkv(inputs_q, inputs_kv, self_attn=self_attn,
                                input_norm=input_norm, **proj)
 

@@ -35,7 +35,7 @@ from te_jax.flax.norm import norm_params
 from te_jax.layers import dense as dense_core
 from te_jax.layers import init as init_lib
 from te_jax.layers.checks import check_input_rank, compute_dtype, to_tuple
-from te_jax.layers.gemm import canonicalize_axes
+from te_jax.layers.gemm import canonicalize_axes, check_split_output
 from te_jax.layers.init import default_kernel_init
 from te_jax.layers.norm import check_input_norm
 
@@ -195,7 +195,10 @@ class DenseGeneral(nn.Module):
     kernel_axes: logical axis names of the kernel (default: see above).
     bias_axes: logical axis names of the bias (default: see above).
     split_output: return the output unstacked along its first feature dim
-      (default False), e.g. q, k, v of a features=(3, heads, head_dim)
+      (True; default False), e.g. q, k, v of a features=(3, heads, head_dim)
+      projection, or that dim in blocks of the sizes given (a tuple summing
+      to ``features[0]``: (..., size, *features[1:]) each), e.g. the query,
+      key and value heads of a features=(heads + 2 * groups, head_dim)
       projection. Same values as indexing the output; in FP8 (unsharded) the
       gradients of the parts are quantized in one pass without being
       concatenated (``te_jax.dense.fp8_dense_split``).
@@ -212,7 +215,7 @@ class DenseGeneral(nn.Module):
   bias_init: Initializer = nn.initializers.zeros
   kernel_axes: Tuple[Optional[str], ...] = ()
   bias_axes: Tuple[Optional[str], ...] = ()
-  split_output: bool = False
+  split_output: Union[bool, Tuple[int, ...]] = False
   impl: str = "auto"
 
   @nn.compact
@@ -259,9 +262,7 @@ class DenseGeneral(nn.Module):
   def _declare(self, in_shape):
     """(kernel, bias or None, kernel_axes) for inputs whose contracted dims are ``in_shape``."""
     features = to_tuple("features", self.features)
-    if self.split_output and len(features) < 2:
-      raise ValueError(f"split_output=True unstacks the first of several feature dims; "
-                       f"features={features} has {len(features)}. Use features=(n, ...).")
+    check_split_output(self.split_output, features)
     return declare_dense(self, tuple(in_shape), features=features, use_bias=self.use_bias,
                          param_dtype=self.param_dtype, kernel_init=self.kernel_init,
                          bias_init=self.bias_init, kernel_axes=self.kernel_axes,

@@ -53,6 +53,9 @@ class TransformerLayer(nn.Module):
     mlp_hidden_size: MLP intermediate width.
     num_attention_heads: query heads.
     num_gqa_groups: key/value heads (default = num_attention_heads).
+    fuse_qkv: the self attention's Q/K/V projection as one kernel (default
+      True; ``MultiHeadAttention``'s layouts); False: query and key/value
+      kernels (grouped-query attention under tensor parallelism over heads).
     head_dim: per-head size (default hidden_size // num_attention_heads).
     layer_type: "encoder" (default) or "decoder".
     self_attn_mask_type: "causal" or "no_mask"; default "no_mask" for an
@@ -107,6 +110,7 @@ class TransformerLayer(nn.Module):
   mlp_hidden_size: int
   num_attention_heads: int
   num_gqa_groups: Optional[int] = None
+  fuse_qkv: bool = True
   head_dim: Optional[int] = None
   layer_type: str = "encoder"
   self_attn_mask_type: Optional[str] = None
@@ -161,7 +165,7 @@ class TransformerLayer(nn.Module):
         rotary_base=self.rotary_base, use_bias=self.use_bias,
         out_features=self.hidden_size, attention_impl=self.attention_impl,
         max_segments_per_seq=self.max_segments_per_seq,
-        max_document_length=max_document_length,
+        max_document_length=max_document_length, fuse_qkv=self.fuse_qkv,
         dtype=dtype, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
         bias_init=self.bias_init, impl=self.impl, decode=decode, name=name)
 

@@ -1,12 +1,14 @@
 """The attention of ``MultiHeadAttention`` (Linen and NNX) around its projections.
 
-Which projections (:func:`fuses_qkv`, :func:`project_qkv`): self attention
-with as many key/value heads as query heads projects Q, K and V with one
-fused kernel (split into three outputs, so that in FP8 their gradients are
-quantized without a concatenation); otherwise a query projection and a fused
-key/value one. A pre-norm of the queries (``input_norm``) goes into the
-projection that reads them, fused into its FP8 input quantization where it
-can be; with grouped-query self attention the query projection hands its
+Which projections (:func:`fuses_qkv`, :func:`fused_qkv_layout`,
+:func:`project_qkv`): self attention with ``fuse_qkv`` (the default)
+projects Q, K and V with one fused kernel, split into three outputs, so that
+in FP8 their gradients are quantized without a concatenation (with
+grouped-query attention the query block is wider than the key and value
+blocks); otherwise (cross attention, ``fuse_qkv=False``) a query projection
+and a fused key/value one. A pre-norm of the queries (``input_norm``) goes
+into the projection that reads them, fused into its FP8 input quantization
+where it can be; unfused self attention's query projection hands its
 normalized input on to the key/value projection.
 
 Masking. ``attn_mask_type="causal"`` uses ``is_causal=True``. Packed
@@ -60,7 +62,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Callable, Optional, Tuple
+from typing import Callable, NamedTuple, Optional, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +74,8 @@ from te_jax.layers.packed_attention import segment_attention_mask
 
 __all__ = ["apply_rotary", "segment_attention_mask", "and_masks", "check_input_3d",
            "check_segment_arg", "check_attention_options", "attention_core", "attention",
-           "resolve_segments", "head_layout", "fuses_qkv", "project_qkv"]
+           "resolve_segments", "head_layout", "fuses_qkv", "QKVLayout", "fused_qkv_layout",
+           "project_qkv"]
 
 _MASK_TYPES = ("causal", "no_mask")
 _IMPLS = ("auto", "xla", "cudnn")
@@ -358,9 +361,40 @@ def head_layout(width: int, heads: int, groups: Optional[int] = None,
   return heads, g, head_dim or width // heads
 
 
-def fuses_qkv(self_attn: bool, heads: int, groups: int, fuse_qkv: bool) -> bool:
-  """Whether Q, K and V come from one fused projection (see the module docs)."""
-  return self_attn and groups == heads and fuse_qkv
+def fuses_qkv(self_attn: bool, fuse_qkv: bool) -> bool:
+  """Whether Q, K and V come from one fused projection (see the module docs;
+  with any number of key/value heads: :func:`fused_qkv_layout`)."""
+  return self_attn and fuse_qkv
+
+
+class QKVLayout(NamedTuple):
+  """The fused Q/K/V projection's kernel: (E, *features) with logical
+  ``axes`` (E's first), its output split as ``split`` (a module's
+  ``split_output``)."""
+  features: Tuple[int, ...]
+  axes: Tuple[str, ...]
+  split: Union[bool, Tuple[int, ...]]
+
+
+def fused_qkv_layout(heads: int, groups: int, head_dim: int) -> QKVLayout:
+  """The fused projection's kernel for ``heads`` query heads and ``groups``
+  key/value heads (see the module docs).
+
+  Multi-head attention: (E, 3, heads, head_dim), the stacking dim unstacked.
+  Grouped-query attention: (E, heads + 2 * groups, head_dim), the query
+  heads, then the keys', then the values' along one dim, split in blocks
+  (heads, groups, groups): each block a contiguous column block of the 2-D
+  kernel, so each comes out of its own GEMM and the FP8 path quantizes the
+  projection's input once (the unfused pair normalizes and quantizes it
+  twice and keeps a 16-bit copy for the key/value backward). That joined
+  dim ("qkv_heads") is replicated under the logical axis rules: a
+  contiguous split of it over tensor-parallel devices would not give each
+  its own heads, so tensor parallelism over heads takes ``fuse_qkv=False``.
+  """
+  if groups == heads:
+    return QKVLayout((3, heads, head_dim), ("embed", "qkv", "heads", "kv"), True)
+  return QKVLayout((heads + 2 * groups, head_dim), ("embed", "qkv_heads", "kv"),
+                   (heads, groups, groups))
 
 
 def project_qkv(inputs_q, inputs_kv, *, self_attn: bool, input_norm=None,

@@ -14,13 +14,14 @@ split output (Q/K/V) takes the same two paths.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 
 from te_jax import norm_dense as norm_dense_lib
-from te_jax.layers.gemm import FP8_META, gemm, gemm_kernel
+from te_jax.layers.gemm import FP8_META, SplitOutput, gemm, gemm_kernel, output_blocks
 from te_jax.layers.norm import fused_norm_states, module_norm
 from te_jax.layers.settings import Settings
 from te_jax.layers.state import GemmStates
@@ -31,11 +32,11 @@ __all__ = ["project", "norm_dense", "norm_project"]
 def project(states: GemmStates, settings: Settings, x: jax.Array, kernel: jax.Array,
             bias: Optional[jax.Array], *, axis: Tuple[int, ...], dtype,
             kernel_axes: Optional[Sequence[Optional[str]]] = None,
-            split_output: bool = False, name: str = FP8_META):
+            split_output: SplitOutput = False, name: str = FP8_META):
   """``x`` contracted over its ``axis`` dims with ``kernel`` (*in_dims,
   *out_dims), plus ``bias`` (*out_dims): (..., *out_dims) in ``dtype``, the
-  non-contracted axes in their order in front (a tuple of ``out_dims[0]``
-  arrays with ``split_output``).
+  non-contracted axes in their order in front (a tuple of blocks with
+  ``split_output``, as :func:`~te_jax.layers.gemm.gemm` splits it).
 
   ``axis``: canonical (non-negative) axes, in the order of the kernel's
   in_dims; ``kernel`` in its parameter dtype, ``bias`` in any.
@@ -52,7 +53,7 @@ def norm_dense(states: GemmStates, settings: Settings, x: jax.Array,
                norm: norm_dense_lib.NormParams, kernel: jax.Array, bias: Optional[jax.Array],
                *, dtype, owner: str, kernel_axes: Optional[Sequence[Optional[str]]] = None,
                fuse_norm_quantize: bool = True, return_norm_output: bool = False,
-               split_output: bool = False):
+               split_output: SplitOutput = False):
   """``norm(x) @ kernel + bias``: the norm over the last axis, fused into the
   FP8 quantization of the GEMM input where it can be (see the module docs).
 
@@ -67,7 +68,9 @@ def norm_dense(states: GemmStates, settings: Settings, x: jax.Array,
     kernel_axes: the kernel's logical axis names.
     fuse_norm_quantize: False keeps the norm in XLA, unfused (to compare).
     return_norm_output: also return the normalized x (..., embed) in ``dtype``.
-    split_output: a tuple of ``features[0]`` outputs (..., *features[1:]).
+    split_output: a tuple of blocks of the first feature dim: True unstacks
+      it ((..., *features[1:]) each), block sizes split it ((..., size,
+      *features[1:]) each).
 
   Returns:
     (..., *features) (or the tuple), and with ``return_norm_output`` the pair
@@ -80,7 +83,7 @@ def norm_dense(states: GemmStates, settings: Settings, x: jax.Array,
       states.track_updates(kernel)
     return norm_project(x, norm, kernel, bias, settings, dtype, found[0],
                         features=kernel.shape[1:], return_norm_output=return_norm_output,
-                        num_splits=kernel.shape[1] if split_output else 1)
+                        split_output=split_output)
   ln_out = module_norm(owner, settings, x, norm, dtype, kernels=fuse_norm_quantize)
   y = gemm(states, settings, ln_out, kernel, bias, kernel_axes=kernel_axes,
            split_output=split_output)
@@ -88,13 +91,17 @@ def norm_dense(states: GemmStates, settings: Settings, x: jax.Array,
 
 
 def norm_project(x, norm: norm_dense_lib.NormParams, kernel, bias, settings: Settings, dtype,
-                 state, *, features, return_norm_output: bool, num_splits: int = 1):
+                 state, *, features, return_norm_output: bool,
+                 split_output: SplitOutput = False):
   """``te_jax.norm_dense.fp8_norm_dense`` on the 2-D views of a module's input
   x (..., embed), kernel (embed, *features) in its parameter dtype and bias
-  (*features,) or None, in the module's shapes: (..., *features), a tuple of
-  ``features[0]`` arrays (..., *features[1:]) when ``num_splits`` > 1, and
-  with ``return_norm_output`` also the normalized x in ``dtype``."""
+  (*features,) or None, in the module's shapes: (..., *features), or the
+  blocks of ``split_output`` (as :func:`~te_jax.layers.gemm.gemm` splits),
+  and with ``return_norm_output`` also the normalized x in ``dtype``."""
   embed, lead = x.shape[-1], x.shape[:-1]
+  blocks = output_blocks(split_output, tuple(features))
+  rest = math.prod(features[1:])
+  sizes = tuple((1 if isinstance(b, int) else b.stop - b.start) * rest for b in blocks)
   out = norm_dense_lib.fp8_norm_dense(
       x.reshape(-1, embed), norm.gamma, norm.beta,
       gemm_kernel(settings, kernel, dtype).reshape(embed, -1),
@@ -102,10 +109,15 @@ def norm_project(x, norm: norm_dense_lib.NormParams, kernel, bias, settings: Set
       norm_type=norm.norm_type, epsilon=norm.epsilon,
       zero_centered_gamma=norm.zero_centered_gamma, recipe=settings.recipe,
       fp8_state=state, impl=settings.impl, return_norm_output=return_norm_output,
-      dtype=dtype, num_splits=num_splits, **settings.residual_plan())
+      dtype=dtype, split_sizes=sizes if len(sizes) > 1 else None,
+      **settings.residual_plan())
   y, ln_out = out if return_norm_output else (out, None)
-  if num_splits > 1:
-    y = tuple(p.reshape(lead + tuple(features[1:])) for p in y)
+  if len(sizes) > 1:
+    y = tuple(p.reshape(lead + (() if isinstance(b, int) else (b.stop - b.start,))
+                        + tuple(features[1:])) for p, b in zip(y, blocks))
+  elif blocks:   # one block: the output as it is, in a tuple
+    y = (y.reshape(lead + (() if isinstance(blocks[0], int) else (features[0],))
+                   + tuple(features[1:])),)
   else:
     y = y.reshape(lead + tuple(features))
   return (y, ln_out.reshape(x.shape)) if return_norm_output else y

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -27,10 +27,14 @@ from te_jax import sharding as sharding_lib
 from te_jax.layers.settings import Settings
 from te_jax.layers.state import GemmStates
 
-__all__ = ["FP8_META", "canonicalize_axes", "gemm", "gemm_kernel", "gemm_output", "split_gemm",
-           "plain_split_gemm", "mlp_core", "update_probe", "ON_UNSUPPORTED",
+__all__ = ["FP8_META", "SplitOutput", "canonicalize_axes", "gemm", "gemm_kernel", "gemm_output",
+           "split_gemm", "plain_split_gemm", "output_blocks", "check_split_output", "mlp_core",
+           "update_probe", "ON_UNSUPPORTED",
            "parse_dimension_numbers", "fp8_blocker", "check_dot_general_call",
            "dot_general_product", "log_fallback"]
+
+# A split output: False, True (the first out dim unstacked) or block sizes.
+SplitOutput = Union[bool, Tuple[int, ...]]
 
 # The state name of a module's one GEMM (DenseGeneral, Linear, Fp8DotGeneral).
 FP8_META = "fp8_meta"
@@ -49,8 +53,8 @@ def canonicalize_axes(axes, ndim: int) -> Tuple[int, ...]:
 
 def gemm(states: GemmStates, settings: Settings, x: jax.Array, kernel: jax.Array,
          bias: Optional[jax.Array] = None, *, name: str = FP8_META, contract_ndim: int = 1,
-         kernel_axes: Optional[Sequence[Optional[str]]] = None, split_output: bool = False,
-         track: bool = True):
+         kernel_axes: Optional[Sequence[Optional[str]]] = None,
+         split_output: SplitOutput = False, track: bool = True):
   """``x @ kernel (+ bias)`` over the last ``contract_ndim`` dims of ``x``.
 
   Calls :func:`te_jax.dense.dense_general`, which keeps the leading dims of
@@ -69,11 +73,14 @@ def gemm(states: GemmStates, settings: Settings, x: jax.Array, kernel: jax.Array
     name: the GEMM's state name (one per GEMM of the module).
     contract_ndim: number of contracting dims (``len(in_dims)``).
     kernel_axes: logical axis names of the kernel, one per dim.
-    split_output: return the output unstacked along its first out dim, a
-      tuple of ``out_dims[0]`` arrays (*lead, *out_dims[1:]). In FP8 and
-      unsharded, through ``te_jax.dense.fp8_dense_split`` (each part from its
-      own GEMM, the parts' gradients quantized without being concatenated);
-      with FP8 off one dot per part (:func:`plain_split_gemm`).
+    split_output: True returns the output unstacked along its first out dim,
+      a tuple of ``out_dims[0]`` arrays (*lead, *out_dims[1:]); a tuple of
+      sizes summing to ``out_dims[0]`` returns that dim split into blocks of
+      those sizes, (*lead, size, *out_dims[1:]) each (grouped-query
+      attention's query, key and value heads). In FP8 and unsharded, through
+      ``te_jax.dense.fp8_dense_split`` (each part from its own GEMM, the
+      parts' gradients quantized without being concatenated); with FP8 off
+      one dot per part (:func:`plain_split_gemm`).
     track: report this GEMM to ``states.track_updates`` when it uses FP8
       state (one GEMM per module call does).
 
@@ -102,24 +109,26 @@ def update_probe(kernel: jax.Array) -> jax.Array:
 
 
 def gemm_output(x, kernel, bias, settings: Settings, state, *, contract_ndim: int,
-                kernel_axes=None, split_output: bool = False):
+                kernel_axes=None, split_output: SplitOutput = False):
   """The GEMM of :func:`gemm` once the module has its kernel and state: a
   split output through :func:`split_gemm` (FP8, unsharded) or
   :func:`plain_split_gemm` (FP8 off), everything else through
   ``te_jax.dense.dense_general`` under the call's logical axis rules."""
   recipe = settings.recipe
-  if split_output and recipe is not None and settings.unsharded():
-    return split_gemm(x, kernel, bias, settings, state, contract_ndim)
-  if split_output and recipe is None:
+  if split_output is not False and recipe is not None and settings.unsharded():
+    return split_gemm(x, kernel, bias, settings, state, contract_ndim, split_output)
+  if split_output is not False and recipe is None:
     return plain_split_gemm(x, kernel, bias, contract_ndim, kernel_axes=kernel_axes,
-                            mesh_resource=settings.mesh_resource, mesh=settings.mesh)
+                            mesh_resource=settings.mesh_resource, mesh=settings.mesh,
+                            split_output=split_output)
   with sharding_lib.use_axis_rules(settings.axis_rules):
     y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim, recipe=recipe,
                                 fp8_state=state, impl=settings.impl, kernel_axes=kernel_axes,
                                 mesh_resource=settings.mesh_resource, mesh=settings.mesh)
-  if split_output:   # sharded FP8: the blocks are slices of the one output
+  blocks = output_blocks(split_output, kernel.shape[contract_ndim:])
+  if blocks:   # sharded FP8: the blocks are slices of the one output
     lead = (slice(None),) * (x.ndim - contract_ndim)
-    y = tuple(y[lead + (i,)] for i in range(kernel.shape[contract_ndim]))
+    y = tuple(y[lead + (b,)] for b in blocks)
   return y
 
 
@@ -138,25 +147,63 @@ def gemm_kernel(settings: Settings, kernel: jax.Array, compute_dtype) -> jax.Arr
   return kernel.astype(compute_dtype)
 
 
-def split_gemm(x, kernel, bias, settings: Settings, state, contract_ndim: int):
-  """``gemm(..., split_output=True)`` in FP8, unsharded, through
-  ``te_jax.dense.fp8_dense_split``: a tuple of ``out_dims[0]`` arrays."""
+def check_split_output(split_output, out_dims: Sequence[int], arg: str = "split_output"):
+  """Checks a module's ``split_output`` (False, True, or block sizes along the
+  first of ``out_dims``) at construction or trace time."""
+  if isinstance(split_output, bool):
+    if split_output and len(out_dims) < 2:
+      raise ValueError(f"{arg}=True unstacks the first of several output dims; the "
+                       f"output dims {tuple(out_dims)} are {len(out_dims)}. Use (n, ...) "
+                       f"output dims, or {arg}=(sizes...) to split the first one.")
+    return
+  sizes = tuple(split_output) if isinstance(split_output, (list, tuple)) else ()
+  if (not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
+                           for s in sizes) or sum(sizes) != out_dims[0]):
+    raise ValueError(f"{arg} must be a bool or a tuple of ints >= 1 summing to the first "
+                     f"output dim ({out_dims[0]} of {tuple(out_dims)}); got {split_output!r}.")
+
+
+def output_blocks(split_output, out_dims: Sequence[int]) -> Tuple[object, ...]:
+  """The index along the first out dim of each block of a split output: ints
+  (``split_output=True``: that dim unstacked) or slices (block sizes); ()
+  when the output is not split."""
+  check_split_output(split_output, out_dims)
+  if split_output is True:
+    return tuple(range(out_dims[0]))
+  if split_output is False:
+    return ()
+  starts = [sum(split_output[:i]) for i in range(len(split_output))]
+  return tuple(slice(s, s + n) for s, n in zip(starts, split_output))
+
+
+def _block_size(block) -> int:
+  return 1 if isinstance(block, int) else block.stop - block.start
+
+
+def split_gemm(x, kernel, bias, settings: Settings, state, contract_ndim: int,
+               split_output: SplitOutput = True):
+  """``gemm(..., split_output=...)`` in FP8, unsharded, through
+  ``te_jax.dense.fp8_dense_split``: a tuple of the blocks."""
   lead = x.shape[:x.ndim - contract_ndim]
   in_dims, out_dims = kernel.shape[:contract_ndim], kernel.shape[contract_ndim:]
-  k = math.prod(in_dims)
+  k, rest = math.prod(in_dims), math.prod(out_dims[1:])
+  blocks = output_blocks(split_output, out_dims)
   parts = dense_lib.fp8_dense_split(
       x.reshape(lead + (k,)), kernel.reshape(k, -1),
-      None if bias is None else bias.reshape(-1), num_splits=out_dims[0],
+      None if bias is None else bias.reshape(-1),
+      split_sizes=tuple(_block_size(b) * rest for b in blocks),
       recipe=settings.recipe, fp8_state=state, impl=settings.impl)
-  return tuple(p.reshape(lead + tuple(out_dims[1:])) for p in parts)
+  return tuple(p.reshape(lead + (() if isinstance(b, int) else (_block_size(b),))
+                         + tuple(out_dims[1:])) for p, b in zip(parts, blocks))
 
 
 def plain_split_gemm(x, kernel, bias, contract_ndim: int, *, kernel_axes=None,
-                     mesh_resource=None, mesh=None):
-  """``gemm(..., split_output=True)`` with FP8 off: one dot per block of the
-  kernel's first output dim, a tuple of ``out_dims[0]`` arrays (*lead,
-  *out_dims[1:]). ``kernel_axes`` (the whole kernel's), ``mesh_resource``
-  and ``mesh`` only set the blocks' types under an explicit-axes mesh (as
+                     mesh_resource=None, mesh=None, split_output: SplitOutput = True):
+  """``gemm(..., split_output=...)`` with FP8 off: one dot per block of the
+  kernel's first output dim, a tuple of the blocks (*lead, *out_dims[1:])
+  (unstacked) or (*lead, size, *out_dims[1:]) (block sizes).
+  ``kernel_axes`` (the whole kernel's), ``mesh_resource`` and ``mesh`` only
+  set the blocks' types under an explicit-axes mesh (as
   ``te_jax.dense.dense_general``'s).
 
   Each block is written where its user reads it: one dot over the whole
@@ -168,12 +215,13 @@ def plain_split_gemm(x, kernel, bias, contract_ndim: int, *, kernel_axes=None,
   output.
   """
   lead = (slice(None),) * contract_ndim
-  part_axes = None if kernel_axes is None else (
-      tuple(kernel_axes[:contract_ndim]) + tuple(kernel_axes[contract_ndim + 1:]))
   parts = []
-  for i in range(kernel.shape[contract_ndim]):
-    xi, ki = jax.lax.optimization_barrier((x, kernel[lead + (i,)]))
-    parts.append(dense_lib.dense_general(xi, ki, None if bias is None else bias[i],
+  for b in output_blocks(split_output, kernel.shape[contract_ndim:]):
+    part_axes = None if kernel_axes is None else (
+        tuple(kernel_axes[:contract_ndim])
+        + tuple(kernel_axes[contract_ndim + isinstance(b, int):]))
+    xi, ki = jax.lax.optimization_barrier((x, kernel[lead + (b,)]))
+    parts.append(dense_lib.dense_general(xi, ki, None if bias is None else bias[b],
                                          contract_ndim=contract_ndim, kernel_axes=part_axes,
                                          mesh_resource=mesh_resource, mesh=mesh))
   return tuple(parts)

@@ -49,17 +49,21 @@ def _names(metadata) -> bool:
                                 for k in ("out_sharding", "sharding", "sharding_names"))
 
 
-def _stacked(metadata, ndim: int):
-  """``metadata`` for a fused (in, n, heads, head_dim) kernel: names given
-  for NNX's (in, heads, head_dim) kernels get "qkv" (unsharded) for the
-  stacking dim."""
+def _stacked(metadata, axes):
+  """``metadata`` for a fused kernel of logical ``axes`` (``attn.QKVLayout``):
+  names given for NNX's (in, heads, head_dim) kernels get "qkv" (unsharded)
+  for the stacking dim of an (in, n, heads, head_dim) kernel, and
+  grouped-query attention's joined (in, heads + 2 groups, head_dim) kernel
+  keeps its joined dim unsharded ("qkv_heads")."""
   if not _names(metadata):
     return metadata
   out = dict(metadata)
   for key in ("out_sharding", "sharding", "sharding_names"):
     names = out.get(key)
-    if names is not None and len(names) == ndim - 1:
+    if names is not None and len(names) == len(axes) - 1:
       out[key] = (names[0], "qkv") + tuple(names[1:])
+    elif names is not None and "qkv_heads" in axes and len(names) == len(axes):
+      out[key] = (names[0], "qkv_heads") + tuple(names[2:])
   return out
 
 
@@ -80,11 +84,12 @@ class MultiHeadAttention(nnx.Module):
   attention (None for self attention); output (B, Sq, out_features).
 
   Submodules (``te_jax.nnx.Linear``, parameters ``kernel``/``bias``/FP8 state
-  ``fp8_meta`` as in the Linen module): self attention with
-  ``num_gqa_groups == num_attention_heads`` and ``fuse_qkv``: ``qkv``
-  (in_features, 3, heads, head_dim); otherwise ``query`` (in_features, heads,
-  head_dim) and ``kv`` (kv_features, 2, groups, head_dim); ``out`` (heads,
-  head_dim, out_features).
+  ``fp8_meta`` as in the Linen module): self attention with ``fuse_qkv``:
+  ``qkv`` (in_features, 3, heads, head_dim), or with grouped-query attention
+  (in_features, heads + 2 * groups, head_dim) (the Linen module's layout);
+  otherwise ``query`` (in_features, heads, head_dim) and ``kv``
+  (kv_features, 2, groups, head_dim); ``out`` (heads, head_dim,
+  out_features).
 
   Args:
     num_heads: number of query heads (``flax.nnx.MultiHeadAttention``'s name;
@@ -167,12 +172,13 @@ class MultiHeadAttention(nnx.Module):
       return Linear(i, o, axis=axis, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
                     kernel_init=kernel_init, bias_init=bias_init,
                     kernel_axes=() if _names(metadata) else axes,
-                    kernel_metadata=_stacked(metadata, len(axes)) if split else metadata,
+                    kernel_metadata=_stacked(metadata, axes) if split else metadata,
                     split_output=split, impl=impl, rngs=rngs)
 
-    self.fused_qkv = attn.fuses_qkv(attention_type == "self", h, g, bool(fuse_qkv))
+    self.fused_qkv = attn.fuses_qkv(attention_type == "self", bool(fuse_qkv))
     if self.fused_qkv:
-      self.qkv = dense(e, (3, h, d), ("embed", "qkv", "heads", "kv"), split=True,
+      layout = attn.fused_qkv_layout(h, g, d)
+      self.qkv = dense(e, layout.features, layout.axes, split=layout.split,
                        metadata=kernel_metadata)
     else:
       self.query = dense(e, (h, d), ("embed", "heads", "kv"), metadata=kernel_metadata)

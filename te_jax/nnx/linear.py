@@ -21,7 +21,7 @@ from te_jax import norm_dense
 from te_jax.layers import dense as dense_core
 from te_jax.layers import init as init_lib
 from te_jax.layers.checks import check_input_rank, compute_dtype, to_tuple
-from te_jax.layers.gemm import FP8_META, canonicalize_axes
+from te_jax.layers.gemm import FP8_META, canonicalize_axes, check_split_output
 from te_jax.layers.init import default_kernel_init
 from te_jax.layers.norm import apply_norm, check_input_norm, check_norm_type
 from te_jax.nnx import state as st
@@ -218,9 +218,12 @@ class Linear(nnx.Module):
     kernel_metadata, bias_metadata: metadata set on the parameters, as for
       ``nnx.Linear``; an ``"out_sharding"`` entry names the axes (names given
       in several of these places must agree).
-    split_output: return the output unstacked along its first output dim
-      (q, k, v of a fused projection); in FP8 the parts' gradients are
-      quantized without a concatenation.
+    split_output: True returns the output unstacked along its first output
+      dim (q, k, v of a fused projection); a tuple of sizes summing to
+      ``out_features[0]`` returns that dim in blocks of those sizes (..., size,
+      *out_features[1:]) (grouped-query attention's query, key and value
+      heads). In FP8 the parts' gradients are quantized without a
+      concatenation.
     impl: "auto", "cuda" or "reference": the FP8 ops' implementation.
     rngs: ``nnx.Rngs`` for the initializers.
   """
@@ -232,7 +235,8 @@ class Linear(nnx.Module):
                dtype: Optional[Dtype] = None, param_dtype: Dtype = jnp.float32,
                kernel_init: Initializer = default_kernel_init, bias_init: Initializer = zeros,
                kernel_axes: Sequence[Optional[str]] = (),
-               bias_axes: Sequence[Optional[str]] = (), split_output: bool = False,
+               bias_axes: Sequence[Optional[str]] = (),
+               split_output: Union[bool, Sequence[int]] = False,
                impl: str = "auto", kernel_metadata: Mapping[str, Any] = None,
                bias_metadata: Mapping[str, Any] = None, rngs: nnx.Rngs):
     self.in_features = to_tuple("in_features", in_features)
@@ -242,11 +246,10 @@ class Linear(nnx.Module):
     if len(self.axis) != n_in:
       raise ValueError(f"axis {axis} must give one input axis per in_features "
                        f"{self.in_features}.")
-    if split_output and n_out < 2:
-      raise ValueError(f"split_output=True unstacks the first of several output dims; "
-                       f"out_features={self.out_features} has {n_out}.")
+    check_split_output(split_output, self.out_features)
     self.use_bias, self.dtype, self.param_dtype = bool(use_bias), dtype, param_dtype
-    self.split_output, self.impl = bool(split_output), impl
+    self.split_output = split_output if isinstance(split_output, bool) else tuple(split_output)
+    self.impl = impl
     mode = st.construction_mode(impl)
     self.kernel = param(rngs, kernel_fan_in_init(kernel_init, n_in, n_out),
                         self.in_features + self.out_features, param_dtype,

@@ -48,7 +48,7 @@ class TransformerLayer(nnx.Module):
 
   Args:
     hidden_size, mlp_hidden_size, num_attention_heads, num_gqa_groups,
-    head_dim, layer_type, self_attn_mask_type, layernorm_type, epsilon,
+    fuse_qkv, head_dim, layer_type, self_attn_mask_type, layernorm_type, epsilon,
     zero_centered_gamma, hidden_dropout, attention_dropout,
     intermediate_dropout, activations, mlp_type, moe, fuse_activation_quantize,
     mlp_backward_chunks,
@@ -66,8 +66,8 @@ class TransformerLayer(nnx.Module):
   """
 
   def __init__(self, hidden_size: int, mlp_hidden_size: int, num_attention_heads: int, *,
-               num_gqa_groups: Optional[int] = None, head_dim: Optional[int] = None,
-               layer_type: str = "encoder", self_attn_mask_type: Optional[str] = None,
+               num_gqa_groups: Optional[int] = None, fuse_qkv: bool = True,
+               head_dim: Optional[int] = None, layer_type: str = "encoder", self_attn_mask_type: Optional[str] = None,
                encoder_hidden_size: Optional[int] = None,
                layernorm_type: str = "layernorm", epsilon: float = 1e-6,
                zero_centered_gamma: bool = False, hidden_dropout: float = 0.0,
@@ -113,7 +113,7 @@ class TransformerLayer(nnx.Module):
           attention_impl=attention_impl, max_segments_per_seq=max_segments_per_seq,
           max_document_length=document_length, dtype=dtype, param_dtype=param_dtype,
           kernel_init=kernel_init, bias_init=bias_init, deterministic=deterministic, impl=impl,
-          rngs=rngs)
+          fuse_qkv=fuse_qkv, rngs=rngs)
 
     self.fuse_norm_quantize = bool(fuse_norm_quantize)
     self.pre_attention_norm = norm()

@@ -27,10 +27,10 @@ def _sds(shape, dtype):
 
 
 def concat_quantize(parts, mode: str, dtype, scale, power_2_scale: bool):
-  """The ``QuantizedTensor`` of the concatenation of the (M, F) ``parts`` along
-  their last dim; see ``concat_quantize.concat_quantize``."""
-  m, f = parts[0].shape
-  w = len(parts) * f
+  """The ``QuantizedTensor`` of the concatenation of the (M, F_i) ``parts``
+  along their last dim; see ``concat_quantize.concat_quantize``."""
+  m = parts[0].shape[0]
+  w = sum(p.shape[1] for p in parts)
   fp8 = (_sds((m, w), dtype), _sds((w, m), dtype))
   if mode == "tensorwise":
     data, data_t, scale_inv, amax = jax.ffi.ffi_call(
