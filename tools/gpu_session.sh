@@ -63,7 +63,8 @@
 # which a later call empties), STAGES, AB_BASES, AB_CONFIGS, MOE_TIMEOUT,
 # MOE_PARTS, MOE_LAYER_SIZES, MOE_RECIPES, MOE_MODEL_RECIPES (the model rows' recipes,
 # default MOE_RECIPES), JAX_WHEELS, NVCC_FREE, NVCC_FREE_TESTS, MEMORY_TABLES (the suite
-# stage's compile-only tables, default "offload live actfp8").
+# stage's compile-only tables, default "offload live actfp8"), MODEL_RECIPES (the model
+# stage's recipes, default none,delayed,blockwise,current).
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RUN_DIR="${RUN_DIR:-/tmp/gpu_session}"; mkdir -p "$RUN_DIR"
@@ -209,7 +210,7 @@ if want suite; then
 fi
 if want model; then
   st "model"
-  model_rows model "" 560 --recipes none,delayed,blockwise,current --timeout 200
+  model_rows model "" 560 --recipes "${MODEL_RECIPES:-none,delayed,blockwise,current}" --timeout 200
 fi
 if want keep; then   # the model with the FP8 copies kept (speed against memory)
   st "keep"
