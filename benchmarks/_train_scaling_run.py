@@ -80,6 +80,11 @@ def _trainer_class(train_gpt):
       self.token_counts = {}
       super()._build()
 
+    def fuse_qkv(self):
+      # Every mesh and its one-device baselines with one parameter layout
+      # (the same initial weights): the one tensor parallelism takes.
+      return False
+
     def batch(self, step, docs=None):
       arrays = super().batch(step, docs)
       if docs is None:   # a training batch (not evaluation): outside the step's timing

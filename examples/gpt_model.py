@@ -66,6 +66,9 @@ class GPT(nn.Module):
   # and no LM-head bias. Both: rotary positions, no biases in the layers.
   arch: str = "gpt"
   kv_groups: Optional[int] = None      # key/value heads; None: one per head (MHA)
+  # One Q/K/V kernel per layer (TransformerLayer's fuse_qkv); False: query and
+  # key/value kernels, which tensor parallelism over heads needs with kv_groups.
+  fuse_qkv: bool = True
   # KV-cache decoding (gpt_sampling.py): segment_ids and positions must be None.
   decode: bool = False
   # The longest document of the packed rows, or None: self attention then
@@ -96,7 +99,7 @@ class GPT(nn.Module):
     for i in range(self.layers):
       x = block(hidden_size=self.hidden, mlp_hidden_size=self.mlp,
                 num_attention_heads=self.heads, num_gqa_groups=self.kv_groups,
-                layer_type="decoder", enable_rotary_pos_emb=True, use_bias=False,
+                fuse_qkv=self.fuse_qkv, layer_type="decoder", enable_rotary_pos_emb=True, use_bias=False,
                 max_document_length=None if self.decode else self.max_document_length,
                 dtype=self.dtype, name=f"layer_{i}", **arch_kw)(
                     x, segment_ids=segment_ids, segment_positions=positions)

@@ -262,7 +262,7 @@ class Trainer:
     self.model = GPT(VOCAB_SIZE, cfg.hidden, cfg.layers, cfg.heads, cfg.mlp,
                      dtype=jnp.dtype(cfg.dtype), remat=cfg.remat, arch=cfg.arch,
                      kv_groups=cfg.kv_groups, max_document_length=self.doc_window,
-                     moe=moe_config(cfg))
+                     moe=moe_config(cfg), fuse_qkv=self.fuse_qkv())
     self.tx = make_optimizer(cfg)
     block = self.recipe.token_block if self.recipe is not None else 16
     # Under --sp a device holds rows x seq_len / tp tokens: a multiple of the
@@ -270,6 +270,13 @@ class Trainer:
     self.block = max(block, 16) * (cfg.tp if cfg.sp else 1)
     self.batch_sharding = NamedSharding(self.mesh, P(BATCH_AXES, None))
     self._build()
+
+  def fuse_qkv(self) -> bool:
+    """One Q/K/V kernel per layer unless tensor parallelism splits heads: the
+    grouped-query kernel fused in one (E, heads + 2 groups, head_dim) array
+    has no split that gives a device its own heads
+    (te_jax.layers.attention.fused_qkv_layout)."""
+    return sharding.mesh_axis_size(self.mesh, self.mesh_resource.tp_resource) == 1
 
   def autocast(self):
     return te_jax.fp8_autocast(enabled=self.recipe is not None, fp8_recipe=self.recipe,

@@ -198,17 +198,18 @@ def test_fp8_step_keeps_no_more_than_bf16_per_layer(model_residuals, rname):
 
 @pytest.mark.parametrize("rname", ["delayed", "current", "blockwise"])
 def test_fused_norm_layers_keep_no_fp8_copies(model_residuals, rname):
-  """The MLP block and the query projection (norm fused into the
-  quantization) keep x and h in 16 bits and nothing in FP8; the other
-  projections keep their FP8 x.T and kernel (the modules' choice)."""
+  """The MLP block and the fused Q/K/V projection (norm fused into the
+  quantization; grouped-query here) keep x and h in 16 bits and nothing in
+  FP8; the output projection keeps its FP8 x.T and kernel (the modules'
+  choice)."""
   fp8 = {}
   for row in model_residuals[rname]:
     if row.dtype.startswith("float8") and not row.argument:
       layer = model_memory.layer_of(row.where)
       fp8[layer] = fp8.get(layer, 0) + row.nbytes
-  fused = {k: v for k, v in fp8.items() if k.endswith(("/mlp", "/query"))}
+  fused = {k: v for k, v in fp8.items() if k.endswith(("/mlp", "/qkv"))}
   assert not fused, f"FP8 copies kept by fused norm layers: {fused}"
-  assert any(k.endswith("/kv") for k in fp8)   # the check sees FP8 residuals where they are
+  assert any(k.endswith("/out") for k in fp8)   # the check sees FP8 residuals where they are
 
 
 @pytest.mark.gpu
