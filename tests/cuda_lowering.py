@@ -7,6 +7,8 @@ no registered targets needed) and returns its StableHLO text, where the
 custom calls' targets, operand shapes and attributes can be read.
 """
 
+import re
+
 import jax
 import pytest
 
@@ -25,3 +27,16 @@ def gpu_host(monkeypatch):
 def cuda_text(fn, *args) -> str:
   """StableHLO text of ``jax.jit(fn)(*args)`` lowered for the CUDA platform."""
   return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def custom_calls(text, prefix):
+  """(target, operand types, result types) of the custom calls whose target
+  starts with ``prefix`` in a StableHLO text; types as "256x384xf8E4M3FN"."""
+  calls = []
+  for line in text.splitlines():
+    m = re.search(r"custom_call @(\w+)\(", line)
+    if m and m.group(1).startswith(prefix):
+      operands, results = line.rsplit(" : (", 1)[1].split(") -> (")
+      calls.append((m.group(1), re.findall(r"tensor<([^>]*)>", operands),
+                    re.findall(r"tensor<([^>]*)>", results)))
+  return calls

@@ -32,7 +32,7 @@ from te_jax.ops import _native
 from te_jax.ops import act_quantize as aq
 from te_jax.ops.fp8 import QuantizedTensor
 
-from cuda_lowering import cuda_text, gpu_host  # pylint: disable=unused-import
+from cuda_lowering import cuda_text, custom_calls, gpu_host  # pylint: disable=unused-import
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
@@ -484,19 +484,6 @@ def test_output_selection_argument_errors():
     bwd(dict(mode="current", dtype=E4M3, amax=jnp.float32(1.0)))
 
 
-def _custom_calls(text, prefix):
-  """(target, operand types, result types) of the custom calls whose target
-  starts with ``prefix`` in a StableHLO text; types as "256x384xf8E4M3FN"."""
-  calls = []
-  for line in text.splitlines():
-    m = re.search(r"custom_call @(\w+)\(", line)
-    if m and m.group(1).startswith(prefix):
-      operands, results = line.rsplit(" : (", 1)[1].split(") -> (")
-      calls.append((m.group(1), re.findall(r"tensor<([^>]*)>", operands),
-                    re.findall(r"tensor<([^>]*)>", results)))
-  return calls
-
-
 @pytest.mark.parametrize("mode", aq.MODES)
 def test_cuda_call_writes_only_the_selected_copies(gpu_host, mode):  # pylint: disable=unused-argument
   """Lowered for CUDA (no GPU needed; "auto" stages both paths, so the CUDA
@@ -510,7 +497,7 @@ def test_cuda_call_writes_only_the_selected_copies(gpu_host, mode):  # pylint: d
   for rowwise, columnwise in ((True, False), (False, True)):
     text = cuda_text(lambda h: aq.act_quantize(h, acts, rowwise=rowwise, columnwise=columnwise,
                                                **fwd_kw), h)
-    ((target, _, results),) = _custom_calls(text, "te_jax_act_quantize")
+    ((target, _, results),) = custom_calls(text, "te_jax_act_quantize")
     fp8 = [r for r in results if r.endswith("f8E4M3FN")]
     want = [f"{m}x{f}xf8E4M3FN" if rowwise else "0x0xf8E4M3FN",
             f"{f}x{m}xf8E4M3FN" if columnwise else "0x0xf8E4M3FN", "0x0xf8E4M3FN"]
@@ -519,7 +506,7 @@ def test_cuda_call_writes_only_the_selected_copies(gpu_host, mode):  # pylint: d
   spec = aq.act_columnwise_like(amax=amax, **fwd_kw)
   text = cuda_text(lambda dz, h: aq.dact_quantize(dz, h, acts, act_columnwise=spec,
                                                   **_mode_kw(mode, E5M2)), dz, h)
-  ((_, _, results),) = _custom_calls(text, "te_jax_act_quantize")
+  ((_, _, results),) = custom_calls(text, "te_jax_act_quantize")
   fp8 = [r for r in results if "xf8" in r]
   assert fp8 == [f"{m}x{2 * f}xf8E5M2", f"{2 * f}x{m}xf8E5M2", f"{f}x{m}xf8E4M3FN"], results
 

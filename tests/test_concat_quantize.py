@@ -22,7 +22,7 @@ from te_jax.ops import concat_quantize as cq
 from te_jax.ops import quantize as qop
 from te_jax.ops.fp8 import QuantizedTensor
 
-from cuda_lowering import cuda_text, gpu_host  # pylint: disable=unused-import
+from cuda_lowering import cuda_text, custom_calls, gpu_host  # pylint: disable=unused-import
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 RECIPES = {
@@ -161,19 +161,6 @@ def test_supported_shapes():
   assert cq.concat_quantize_supported(65535 * 128, [8])
 
 
-def _custom_calls(text, prefix):
-  """(target, operand types, result types) of the custom calls whose target
-  starts with ``prefix`` in a StableHLO text; types as "256x384xf8E4M3FN"."""
-  calls = []
-  for line in text.splitlines():
-    m = re.search(r"custom_call @(\w+)\(", line)
-    if m and m.group(1).startswith(prefix):
-      operands, results = line.rsplit(" : (", 1)[1].split(") -> (")
-      calls.append((m.group(1), re.findall(r"tensor<([^>]*)>", operands),
-                    re.findall(r"tensor<([^>]*)>", results)))
-  return calls
-
-
 @pytest.mark.parametrize("mode", cq.MODES)
 def test_cuda_call_of_unequal_widths(gpu_host, mode):  # pylint: disable=unused-argument
   """Lowered for CUDA (no GPU needed): one custom call takes the parts as
@@ -184,7 +171,7 @@ def test_cuda_call_of_unequal_widths(gpu_host, mode):  # pylint: disable=unused-
   parts = [jnp.zeros((m, w), jnp.bfloat16) for w in widths]
   scale = jnp.float32(2.0) if mode == "tensorwise" else None
   text = cuda_text(lambda ps: cq.concat_quantize(ps, mode=mode, dtype=E4M3, scale=scale), parts)
-  ((target, operands, results),) = _custom_calls(text, "te_jax_concat_quantize")
+  ((target, operands, results),) = custom_calls(text, "te_jax_concat_quantize")
   assert target == f"te_jax_concat_quantize_{mode}"
   assert operands[-3:] == [f"{m}x{w}xbf16" for w in widths], operands
   fp8 = [r for r in results if r.endswith("f8E4M3FN")]
