@@ -176,7 +176,8 @@ def _explicit_axes_boundary(fn):
       return fn(x, kernel, bias, fp8_state=fp8_state, **kw)
     spec = _explicit_output_spec(x, kernel, kw.get("contract_ndim", 1), kw.get("kernel_axes"),
                                  kw.get("mesh_resource"), kw.get("mesh"))
-    if "num_splits" in kw:   # fp8_dense_split: column blocks
+    if kw.get("split_sizes") is not None or kw.get("num_splits") is not None:
+      # fp8_dense_split: column blocks (checked again inside)
       n = len(kw["split_sizes"]) if kw.get("split_sizes") is not None else kw["num_splits"]
       spec = (P(*spec[:-1], None),) * n
     return sharding_lib.with_auto_axes(

@@ -198,6 +198,25 @@ def test_functional_dense_types_follow_operands_without_mesh_resource():
   np.testing.assert_array_equal(np.asarray(eager), np.asarray(want))
 
 
+@pytest.mark.parametrize("split", [dict(num_splits=2), dict(split_sizes=(256, 128, 128))])
+def test_functional_split_dense_under_explicit_mesh(split):
+  """``te_jax.dense.fp8_dense_split`` on explicitly sharded operands: one
+  output type per block (equal blocks or unequal ``split_sizes``), each the
+  value of the unsharded call's block."""
+  mesh = _mesh(AxisType.Explicit, AxisType.Explicit)
+  x = jax.random.normal(jax.random.key(6), (8, 128, HIDDEN), jnp.float32)
+  w = jax.random.normal(jax.random.key(7), (HIDDEN, MLP), jnp.float32) * 0.05
+  r = RECIPES["current"]
+  want = dense_lib.fp8_dense_split(x, w, recipe=r, **split)
+  with jax.set_mesh(mesh):
+    xs = jax.device_put(x, P("data", None, None))
+    got = jax.jit(lambda x, w: dense_lib.fp8_dense_split(x, w, recipe=r, **split))(xs, w)
+  assert len(got) == len(want)
+  for g, v in zip(got, want):
+    assert jax.typeof(g).sharding.spec == P("data", None, None)
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(v))
+
+
 def test_mixed_axis_types_mesh():
   """A mesh with one Explicit and one Auto axis: only the explicit one is
   switched around the GEMMs; training runs and matches the all-auto mesh."""
