@@ -165,7 +165,8 @@ class DenseGeneral(nn.Module):
 
   Shapes: ``inputs`` (..., *in_dims) with ``in_dims`` the ``axis`` dims ->
   (..., *features) (the non-contracted axes keep their order, in front); with
-  ``split_output``, a tuple of ``features[0]`` arrays (..., *features[1:]).
+  ``split_output=True``, a tuple of ``features[0]`` arrays (..., *features[1:]);
+  with block sizes, a tuple of (..., size, *features[1:]) arrays.
 
   Parameters (logical axis names):
     ``kernel`` (*in_dims, *features): ``kernel_axes``; default from

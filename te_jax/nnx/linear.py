@@ -192,8 +192,9 @@ class Linear(nnx.Module):
 
   ``te_jax.flax.DenseGeneral`` as an NNX module: same parameters, same
   numbers. Shapes: ``x`` (..., *in_features) (the ``axis`` dims) ->
-  (..., *out_features); with ``split_output``, a tuple of
-  ``out_features[0]`` arrays (..., *out_features[1:]).
+  (..., *out_features); with ``split_output=True``, a tuple of
+  ``out_features[0]`` arrays (..., *out_features[1:]); with block sizes, a
+  tuple of (..., size, *out_features[1:]) arrays.
 
   Parameters: ``kernel`` (*in_features, *out_features), logical axes
   ``kernel_axes`` (default as ``te_jax.layers.init.default_kernel_axes``);
