@@ -86,6 +86,13 @@ def test_mha_kernel_metadata_names_the_axes():
   assert m.qkv.kernel.get_metadata("note") == "q/k/v"
   assert m.out.kernel_axes == ("tp_heads", None, "embed")
 
+  # Grouped-query: the joined (in, heads + 2 groups, head_dim) kernel keeps
+  # its joined dim unsharded ("qkv_heads"); the other names are the user's.
+  g = _mha(num_heads=4, num_kv_heads=2,
+           kernel_metadata={"out_sharding": ("embed", "tp_heads", None)})
+  assert g.qkv.kernel.shape == (64, 4 + 2 * 2, 16)
+  assert g.qkv.kernel_axes == ("embed", "qkv_heads", None)
+
 
 # ---------------------------------------------------------- Linear & co --
 
