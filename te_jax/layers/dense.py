@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 
 from te_jax import norm_dense as norm_dense_lib
-from te_jax.layers.gemm import FP8_META, SplitOutput, gemm, gemm_kernel, output_blocks
+from te_jax.layers.gemm import (FP8_META, SplitOutput, block_shape, block_size, gemm,
+                                gemm_kernel, output_blocks)
 from te_jax.layers.norm import fused_norm_states, module_norm
 from te_jax.layers.settings import Settings
 from te_jax.layers.state import GemmStates
@@ -101,7 +102,7 @@ def norm_project(x, norm: norm_dense_lib.NormParams, kernel, bias, settings: Set
   embed, lead = x.shape[-1], x.shape[:-1]
   blocks = output_blocks(split_output, tuple(features))
   rest = math.prod(features[1:])
-  sizes = tuple((1 if isinstance(b, int) else b.stop - b.start) * rest for b in blocks)
+  sizes = tuple(block_size(b) * rest for b in blocks)
   out = norm_dense_lib.fp8_norm_dense(
       x.reshape(-1, embed), norm.gamma, norm.beta,
       gemm_kernel(settings, kernel, dtype).reshape(embed, -1),
@@ -113,11 +114,9 @@ def norm_project(x, norm: norm_dense_lib.NormParams, kernel, bias, settings: Set
       **settings.residual_plan())
   y, ln_out = out if return_norm_output else (out, None)
   if len(sizes) > 1:
-    y = tuple(p.reshape(lead + (() if isinstance(b, int) else (b.stop - b.start,))
-                        + tuple(features[1:])) for p, b in zip(y, blocks))
+    y = tuple(p.reshape(lead + block_shape(b, features)) for p, b in zip(y, blocks))
   elif blocks:   # one block: the output as it is, in a tuple
-    y = (y.reshape(lead + (() if isinstance(blocks[0], int) else (features[0],))
-                   + tuple(features[1:])),)
+    y = (y.reshape(lead + block_shape(blocks[0], features)),)
   else:
     y = y.reshape(lead + tuple(features))
   return (y, ln_out.reshape(x.shape)) if return_norm_output else y

@@ -28,7 +28,8 @@ from te_jax.layers.settings import Settings
 from te_jax.layers.state import GemmStates
 
 __all__ = ["FP8_META", "SplitOutput", "canonicalize_axes", "gemm", "gemm_kernel", "gemm_output",
-           "split_gemm", "plain_split_gemm", "output_blocks", "check_split_output", "mlp_core",
+           "split_gemm", "plain_split_gemm", "output_blocks", "block_size", "block_shape",
+           "check_split_output", "mlp_core",
            "update_probe", "ON_UNSUPPORTED",
            "parse_dimension_numbers", "fp8_blocker", "check_dot_general_call",
            "dot_general_product", "log_fallback"]
@@ -176,8 +177,15 @@ def output_blocks(split_output, out_dims: Sequence[int]) -> Tuple[object, ...]:
   return tuple(slice(s, s + n) for s, n in zip(starts, split_output))
 
 
-def _block_size(block) -> int:
+def block_size(block) -> int:
+  """How many entries of the first out dim a block of ``output_blocks`` holds."""
   return 1 if isinstance(block, int) else block.stop - block.start
+
+
+def block_shape(block, out_dims: Sequence[int]) -> Tuple[int, ...]:
+  """A block's shape after the leading dims: the first out dim dropped
+  (unstacked) or cut to the block's size."""
+  return (() if isinstance(block, int) else (block_size(block),)) + tuple(out_dims[1:])
 
 
 def split_gemm(x, kernel, bias, settings: Settings, state, contract_ndim: int,
@@ -191,10 +199,9 @@ def split_gemm(x, kernel, bias, settings: Settings, state, contract_ndim: int,
   parts = dense_lib.fp8_dense_split(
       x.reshape(lead + (k,)), kernel.reshape(k, -1),
       None if bias is None else bias.reshape(-1),
-      split_sizes=tuple(_block_size(b) * rest for b in blocks),
+      split_sizes=tuple(block_size(b) * rest for b in blocks),
       recipe=settings.recipe, fp8_state=state, impl=settings.impl)
-  return tuple(p.reshape(lead + (() if isinstance(b, int) else (_block_size(b),))
-                         + tuple(out_dims[1:])) for p, b in zip(parts, blocks))
+  return tuple(p.reshape(lead + block_shape(b, out_dims)) for p, b in zip(parts, blocks))
 
 
 def plain_split_gemm(x, kernel, bias, contract_ndim: int, *, kernel_axes=None,
