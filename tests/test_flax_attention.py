@@ -203,6 +203,29 @@ def test_fused_gqa_equals_the_query_and_key_value_pair(use_bias):
       np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+def test_fused_gqa_under_tensor_parallelism_warns_once():
+  """A grouped-query fused Q/K/V kernel where the autocast's tensor-parallel
+  axis splits the mesh: one warning naming the axis and fuse_qkv=False;
+  none for multi-head attention, none without the split."""
+  import warnings  # pylint: disable=import-outside-toplevel
+  from te_jax import recipe, sharding  # pylint: disable=import-outside-toplevel
+  mr = sharding.MeshResource(tp_resource="tp")
+
+  def messages(heads, groups, tp):
+    attn_lib._warn_joined_heads.cache_clear()   # once per process: start afresh
+    with warnings.catch_warnings(record=True) as seen:
+      warnings.simplefilter("always")
+      with te_jax.fp8_autocast(True, recipe.Float8CurrentScaling(), mesh_resource=mr), \
+          jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((tp,), ("tp",))):
+        attn_lib.warn_if_heads_split(heads, groups)
+        attn_lib.warn_if_heads_split(heads, groups)   # a second layer: no second warning
+    return [str(w.message) for w in seen]
+
+  got = messages(8, 2, 2)
+  assert len(got) == 1 and "over 'tp' splits heads" in got[0] and "fuse_qkv=False" in got[0]
+  assert messages(4, 4, 2) == [] and messages(4, 2, 1) == []
+
+
 def test_cross_attention_ignores_padded_keys():
   x = rand(0, (2, 6, E)); enc = rand(1, (2, 7, 16))
   kv_seg = jnp.array([[1] * 5 + [0] * 2, [1] * 7], jnp.int32)

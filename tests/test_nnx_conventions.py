@@ -87,11 +87,16 @@ def test_mha_kernel_metadata_names_the_axes():
   assert m.out.kernel_axes == ("tp_heads", None, "embed")
 
   # Grouped-query: the joined (in, heads + 2 groups, head_dim) kernel keeps
-  # its joined dim unsharded ("qkv_heads"); the other names are the user's.
-  g = _mha(num_heads=4, num_kv_heads=2,
-           kernel_metadata={"out_sharding": ("embed", "tp_heads", None)})
+  # its joined dim unsharded ("qkv_heads"), saying so when a name was given
+  # for it; the other names are the user's.
+  with pytest.warns(UserWarning, match="'tp_heads' given for it .* fuse_qkv=False"):
+    g = _mha(num_heads=4, num_kv_heads=2,
+             kernel_metadata={"out_sharding": ("embed", "tp_heads", None)})
   assert g.qkv.kernel.shape == (64, 4 + 2 * 2, 16)
   assert g.qkv.kernel_axes == ("embed", "qkv_heads", None)
+  unfused = _mha(num_heads=4, num_kv_heads=2, fuse_qkv=False,
+                 kernel_metadata={"out_sharding": ("embed", "tp_heads", None)})
+  assert unfused.kv.kernel_axes == ("embed", "qkv", "tp_heads", None)
 
 
 # ---------------------------------------------------------- Linear & co --

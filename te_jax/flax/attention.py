@@ -190,6 +190,7 @@ class MultiHeadAttention(nn.Module):
     compute = compute_dtype(self.dtype, inputs_q.dtype, self.param_dtype)
     if attn.fuses_qkv(self_attn, self.fuse_qkv):
       layout = attn.fused_qkv_layout(h, g, d)
+      attn.warn_if_heads_split(h, g)
       proj = dict(qkv=self._dense(layout.features, "qkv", layout.axes, dtype=compute,
                                   split=layout.split))
     else:

@@ -62,6 +62,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import warnings
 from typing import Callable, NamedTuple, Optional, Tuple, Union
 
 import jax
@@ -71,11 +72,12 @@ from te_jax import sharding as sharding_lib
 from te_jax.layers import packed_attention
 from te_jax.layers.checks import check_input_rank
 from te_jax.layers.packed_attention import segment_attention_mask
+from te_jax.layers.settings import read_settings
 
 __all__ = ["apply_rotary", "segment_attention_mask", "and_masks", "check_input_3d",
            "check_segment_arg", "check_attention_options", "attention_core", "attention",
            "resolve_segments", "head_layout", "fuses_qkv", "QKVLayout", "fused_qkv_layout",
-           "project_qkv"]
+           "warn_if_heads_split", "project_qkv"]
 
 _MASK_TYPES = ("causal", "no_mask")
 _IMPLS = ("auto", "xla", "cudnn")
@@ -395,6 +397,28 @@ def fused_qkv_layout(heads: int, groups: int, head_dim: int) -> QKVLayout:
     return QKVLayout((3, heads, head_dim), ("embed", "qkv", "heads", "kv"), True)
   return QKVLayout((heads + 2 * groups, head_dim), ("embed", "qkv_heads", "kv"),
                    (heads, groups, groups))
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_joined_heads(tp_axes):
+  warnings.warn(
+      f"te_jax MultiHeadAttention: tensor parallelism over {tp_axes!r} splits heads, but the "
+      "grouped-query Q/K/V projection fused in one kernel (fuse_qkv=True) keeps its joined "
+      "head dim unsharded: every device computes every head's Q, K and V. Pass "
+      "fuse_qkv=False to shard them (separate query and key/value kernels).",
+      UserWarning, stacklevel=3)
+
+
+def warn_if_heads_split(heads: int, groups: int) -> None:
+  """Warns once when a grouped-query fused Q/K/V kernel (see
+  :func:`fused_qkv_layout`) runs where the autocast's mesh resource has
+  tensor-parallel axes of size > 1 in the active mesh."""
+  if groups == heads:
+    return
+  mesh_resource, mesh = read_settings().mesh_resource, sharding_lib.get_mesh()
+  tp = None if mesh_resource is None else mesh_resource.tp_resource
+  if tp is not None and mesh is not None and sharding_lib.mesh_axis_size(mesh, tp) > 1:
+    _warn_joined_heads(tp)
 
 
 def project_qkv(inputs_q, inputs_kv, *, self_attn: bool, input_norm=None,

@@ -8,6 +8,7 @@ give the same numbers from the same parameters.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Mapping, Optional
 
 import jax
@@ -63,6 +64,12 @@ def _stacked(metadata, axes):
     if names is not None and len(names) == len(axes) - 1:
       out[key] = (names[0], "qkv") + tuple(names[1:])
     elif names is not None and "qkv_heads" in axes and len(names) == len(axes):
+      if names[1] is not None:
+        warnings.warn(
+            f"te_jax.nnx.MultiHeadAttention: the grouped-query Q/K/V kernel joins the query, "
+            f"key and value heads in one dim, which is not sharded; the name {names[1]!r} "
+            f"given for it in kernel_metadata is not used. Pass fuse_qkv=False to shard "
+            f"heads (separate query and key/value kernels).", UserWarning, stacklevel=4)
       out[key] = (names[0], "qkv_heads") + tuple(names[2:])
   return out
 
@@ -230,6 +237,7 @@ class MultiHeadAttention(nnx.Module):
         kv_segment_ids, kv_segment_positions)
     compute = compute_dtype(self.dtype, inputs_q.dtype, self.param_dtype)
     if self.fused_qkv:
+      attn.warn_if_heads_split(self.num_heads, self.num_gqa_groups)
       proj = dict(qkv=self.qkv)
     else:   # the Linen module's kv projection computes in its dtype=compute
       proj = dict(query=self.query, kv=lambda x: self.kv(x.astype(compute)))
