@@ -29,9 +29,8 @@ from te_jax.ops import act_quantize as aq
 from te_jax.ops import quantize as quantize_op
 from te_jax.ops.fp8 import ScaledTensor
 
-from cuda_lowering import cuda_text, gpu_host  # pylint: disable=unused-import
+from cuda_lowering import cuda_text, custom_calls, gpu_host  # pylint: disable=unused-import
 from flax_cases import RECIPES, mlp_states, rand
-from test_act_quantize import _custom_calls  # (target, operand types, result types)
 
 E4M3, E5M2, BF16, F16, F32 = (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.bfloat16, jnp.float16,
                               jnp.float32)
@@ -171,7 +170,7 @@ def test_cuda_call_returns_the_copy_as_its_last_two_results(gpu_host, mode):  # 
   for h_copy, columnwise in ((True, False), (True, True), (False, False)):
     text = cuda_text(lambda h, h_copy=h_copy, columnwise=columnwise: aq.act_quantize(
         h, GATED, columnwise=columnwise, h_copy=h_copy, **_mode_kw(mode)), h)
-    ((target, operands, results),) = _custom_calls(text, "te_jax_act_quantize")
+    ((target, operands, results),) = custom_calls(text, "te_jax_act_quantize")
     assert operands[0] == f"{m}x{2 * f}xbf16", (target, operands)
     want = ([f"{m}x{2 * f}xf8E4M3FN", f"{m}x{2 * f // 128}xf32"] if h_copy
             else ["0x0xui8", "0x0xf32"])
@@ -193,7 +192,7 @@ def test_fused_mlp_reads_the_16_bit_h_once(gpu_host, rname):  # pylint: disable=
     return jax.value_and_grad(lambda *a: jnp.sum(fused_mlp.fp8_mlp(
         *a, activations=GATED, recipe=r, wi_state=si, wo_state=so,
         store_act_input_in_fp8=True).astype(jnp.float32)), argnums=(0, 1, 2))(x, wi, wo)
-  calls = _custom_calls(cuda_text(step, x, wi, wo), "te_jax_")
+  calls = custom_calls(cuda_text(step, x, wi, wo), "te_jax_")
   h16, h8, h_scales = f"{m}x{2 * f}xbf16", f"{m}x{2 * f}xf8E4M3FN", f"{m}x{2 * f // 128}xf32"
   readers = [(t, res) for t, ops, res in calls if h16 in ops]
   assert [t for t, _ in readers] == [f"te_jax_act_quantize_{_call_mode(rname)}"], readers
