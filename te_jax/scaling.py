@@ -54,6 +54,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import functools
+import itertools
 import warnings
 from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Sequence, Tuple, Union
 
@@ -162,19 +163,22 @@ class ScalingMode(abc.ABC):
       sizes = check_split_sizes(split_sizes, b.shape[0])
       if num_splits != 1:
         raise ValueError("pass num_splits or split_sizes, not both.")
+      starts = (0,) + tuple(itertools.accumulate(sizes))[:-1]
+      parts = tuple(b.rows(s, s + f) for s, f in zip(starts, sizes))  # checks the tiles
     else:
       if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}.")
       if num_splits == 1:
         return gemm_op.gemm(a, b, out_dtype=out_dtype, bias=bias,
                             fast_accum=self.fast_accum(which), impl=impl)
-      b.row_blocks(num_splits)   # checks that the blocks keep whole tiles
-      sizes = (b.shape[0] // num_splits,) * num_splits
-    starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    return tuple(
-        self.gemm(which, a, b.rows(s, s + f), out_dtype=out_dtype, impl=impl,
-                  bias=None if bias is None else bias[s:s + f])
-        for s, f in zip(starts, sizes))
+      parts = b.row_blocks(num_splits)   # checks that the blocks keep whole tiles
+    outs, start = [], 0
+    for part in parts:
+      stop = start + part.shape[0]
+      outs.append(self.gemm(which, a, part, out_dtype=out_dtype, impl=impl,
+                            bias=None if bias is None else bias[start:stop]))
+      start = stop
+    return tuple(outs)
 
   # -- state ------------------------------------------------------------------
 

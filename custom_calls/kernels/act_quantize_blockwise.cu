@@ -153,6 +153,8 @@ cudaError_t LaunchActVec128Mode(const QuantizeArgs& a, const PrologueArgs& q,
                                 const Fp8HOutput& ho, int out, bool fp8_h, cudaStream_t stream) {
   return WithVariant(a, q, out, fp8_h, [&](auto v) {
     using V = decltype(v);
+    // Never paired: the columnwise copy parks a tile's float values in 64 KB
+    // of shared memory, and both halves' 128 KB would leave one block per SM.
     auto* kernel = ActQuantizeVec128Kernel<typename V::InT, V::kPro, V::kLoop, V::kOut, V::kFp8H>;
     // Only the columnwise copy parks values in the scratch.
     constexpr int kDynamic = (V::kOut & kOutCols) ? kScratchBytes : 0;
