@@ -42,7 +42,10 @@ XLA under "auto" (cuDNN in jax takes a mask only as a dense additive bias);
 "cudnn" forces cuDNN (the mask then becomes that bias). Under "auto" the
 cuDNN path is staged beside the XLA one with ``jax.lax.platform_dependent``,
 so a computation compiled for a GPU host's CPU (arrays placed there) runs
-XLA attention. Attention dropout uses an explicit softmax in float32. With
+XLA attention. Every cuDNN path keeps for its backward only cuDNN's output
+and softmax statistics besides its inputs: masks, and the dense bias jax
+makes of them, are rebuilt there (a remat policy), never kept per layer.
+Attention dropout uses an explicit softmax in float32. With
 ``segment_ids``, queries at padding positions (id 0) output 0 on every path.
 
 Rotary position embeddings (:func:`apply_rotary`) rotate the two halves of
@@ -211,6 +214,26 @@ def _log_no_band(reason: str):
       "attention instead of the band): %s", reason)
 
 
+def _full_mask(segment_ids, kv_segment_ids, mask):
+  """The segment mask and ``mask`` (True = attend) in one boolean mask, or None."""
+  return and_masks(segment_attention_mask(segment_ids, kv_segment_ids),
+                   None if mask is None else mask.astype(jnp.bool_))
+
+
+def _saves_cudnn_forward_outputs(prim, *_, **__) -> bool:
+  """Remat policy of cuDNN attention: its backward keeps what cuDNN's forward
+  call returned (output, softmax statistics) and rebuilds everything else.
+
+  jax's cuDNN wrapper turns a boolean mask into a dense additive bias before
+  its custom VJP, which then keeps the bias for the backward: for the segment
+  mask (B, 1, Sq, Skv) in the compute dtype, 256 MiB a layer at batch 8 x
+  4096 tokens in bfloat16, and a ``lax.cond`` (packed or banded paths) keeps
+  it even when the branch taken has none. Rebuilt from the segment ids in
+  the backward instead, it is one elementwise pass there.
+  """
+  return prim.name.startswith("dot_product_attention_fwd")
+
+
 def _fused_or_xla(attention_impl, max_segments, q, k, v, segment_ids, kv_segment_ids,
                   self_attn, mask, full_mask, is_causal, head_dim, max_document_length=None):
   """Attention without dropout: cuDNN (packed, banded or plain) where chosen, else XLA.
@@ -241,10 +264,14 @@ def _fused_or_xla(attention_impl, max_segments, q, k, v, segment_ids, kv_segment
           max_segments=max_segments, scale=head_dim ** -0.5)
   elif _use_cudnn(attention_impl, q, full_mask is not None):
     def fused():
-      return jax.nn.dot_product_attention(q, k, v, mask=full_mask, is_causal=is_causal,
-                                          implementation="cudnn")
+      # The mask is built again in here, under the checkpoint below, so that
+      # the backward rebuilds it instead of keeping it.
+      return jax.nn.dot_product_attention(q, k, v, mask=_full_mask(segment_ids, kv_segment_ids,
+                                                                   mask),
+                                          is_causal=is_causal, implementation="cudnn")
   if fused is None:
     return xla()
+  fused = jax.checkpoint(fused, policy=_saves_cudnn_forward_outputs)
   if attention_impl == "auto":
     return jax.lax.platform_dependent(cuda=fused, default=xla)
   return fused()
@@ -308,8 +335,7 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, self_attn: bool,
     q = apply_rotary(q, qpos, rotary_base)
     k = apply_rotary(k, kpos, rotary_base)
 
-  full_mask = and_masks(segment_attention_mask(segment_ids, kv_segment_ids),
-                        None if mask is None else mask.astype(jnp.bool_))
+  full_mask = _full_mask(segment_ids, kv_segment_ids, mask)
   is_causal = attn_mask_type == "causal"
   if dropout_rate > 0.0:
     if max_document_length is not None:

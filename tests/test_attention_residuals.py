@@ -1,0 +1,66 @@
+"""What cuDNN attention keeps for its backward: no dense mask bias.
+
+jax's cuDNN wrapper turns a boolean mask into a (B, 1, Sq, Skv) additive
+bias before its custom VJP, which keeps the bias as a residual (6 GiB over
+the Llama preset's 24 layers at batch 8). ``attention_core`` runs every
+cuDNN path under a remat policy that keeps only cuDNN's forward outputs;
+the bias is rebuilt in the backward. Traced on the CPU (cuDNN's version and
+device checks answered as on a Hopper GPU): nothing here runs cuDNN.
+"""
+
+import sys
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+
+from te_jax.layers import attention as core_lib
+from te_jax.layers import packed_attention
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import model_memory  # noqa: E402  pylint: disable=wrong-import-position,import-error
+
+B, S, H, G, D = 2, 256, 4, 2, 64
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+  """cuDNN 9.10 on compute capability 9.0, for tracing."""
+  monkeypatch.setattr(cudnn_attention, "check_cudnn_version", lambda: 91000)
+  monkeypatch.setattr(cudnn_attention, "check_compute_capability", lambda cap: cap <= "9.0")
+  monkeypatch.setattr(cudnn_attention, "is_cuda_compute_capability_equal",
+                      lambda cap: cap == "9.0")
+  monkeypatch.setattr(packed_attention, "_unavailable_reason", lambda: "")
+
+
+PATHS = {   # attention_core arguments of each cuDNN path that takes a mask
+    "banded": dict(max_document_length=64),
+    "packed": dict(),
+    "masked": dict(mask=jnp.ones((B, 1, S, S), jnp.bool_)),
+}
+
+
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_cudnn_attention_keeps_no_mask_bias(hopper, path):  # pylint: disable=unused-argument
+  q = jax.ShapeDtypeStruct((B, S, H, D), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((B, S, G, D), jnp.bfloat16)
+  ids = jax.ShapeDtypeStruct((B, S), jnp.int32)
+  extra = PATHS[path]
+
+  def loss(q, k, v, ids):
+    out = core_lib.attention_core(q, k, v, self_attn=True, segment_ids=ids,
+                                  kv_segment_ids=ids, attention_impl="cudnn", **extra)
+    return out.astype(jnp.float32).sum()
+
+  jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, kv, kv, ids))
+  assert "dot_product_attention_fwd" in jaxpr, "not the cuDNN path"
+  rows = model_memory.saved_residuals(loss, q, kv, kv, ids)
+  square = [r for r in rows if r.shape[-2:] == (S, S) and not r.argument]
+  assert not square, f"{path}: a (.., S, S) residual is kept: {square}"
+  # cuDNN's output and softmax statistics are kept, so the backward does
+  # not rerun the forward: their shapes are among the residuals.
+  computed = {(r.shape, r.dtype) for r in rows if not r.argument}
+  assert ((B, S, H, D), "bfloat16") in computed
+  assert ((B, H, S), "float32") in computed
