@@ -8,11 +8,13 @@ the bias is rebuilt in the backward. Traced on the CPU (cuDNN's version and
 device checks answered as on a Hopper GPU): nothing here runs cuDNN.
 """
 
-import sys
+import functools
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
 
@@ -64,3 +66,46 @@ def test_cudnn_attention_keeps_no_mask_bias(hopper, path):  # pylint: disable=un
   computed = {(r.shape, r.dtype) for r in rows if not r.argument}
   assert ((B, S, H, D), "bfloat16") in computed
   assert ((B, H, S), "float32") in computed
+
+
+def _cudnn_forward_calls(compiled_text: str) -> int:
+  return sum(1 for line in compiled_text.splitlines()
+             if 'custom_call_target="__cudnn$fmha' in line and "Backward" not in line)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", sorted(PATHS))
+def test_cuda_attention_rebuilds_the_mask_not_the_forward(path):
+  """On the GPU: values and gradients equal to XLA attention's (float32
+  reference), and the backward program calls cuDNN's forward no more often
+  than the forward program does (the policy keeps its outputs)."""
+  rng = np.random.default_rng(5)
+  q = jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.bfloat16)
+  k, v = (jnp.asarray(rng.standard_normal((B, S, G, D)), jnp.bfloat16) for _ in "kv")
+  cot = jnp.asarray(rng.standard_normal((B, S, H, D)), jnp.float32)
+  ids = np.zeros((B, S), np.int32)
+  for i, start in enumerate(range(0, 240, 60)):    # 4 documents of 50 tokens a row
+    ids[:, start:start + 50] = i + 1
+  ids = jnp.asarray(ids)
+
+  def run(impl, q, k, v):
+    return core_lib.attention_core(q, k, v, self_attn=True, segment_ids=ids,
+                                   kv_segment_ids=ids, attention_impl=impl, **PATHS[path])
+
+  def loss(impl, q, k, v):
+    return jnp.sum(run(impl, q, k, v).astype(jnp.float32) * cot)
+
+  f32 = lambda t: t.astype(jnp.float32)
+  rel = lambda a, r: float(jnp.linalg.norm(f32(a) - r) / jnp.linalg.norm(r))
+  forward = jax.jit(functools.partial(run, "cudnn"))
+  grad = jax.jit(jax.grad(functools.partial(loss, "cudnn"), argnums=(0, 1, 2)))
+  ref_args = (f32(q), f32(k), f32(v))
+  ref_grads = jax.grad(functools.partial(loss, "xla"), argnums=(0, 1, 2))(*ref_args)
+  # bf16 inputs and probabilities (test_banded_attention's bounds)
+  assert rel(forward(q, k, v), run("xla", *ref_args)) < 2e-2
+  for name, g, rg in zip("qkv", grad(q, k, v), ref_grads):
+    assert rel(g, rg) < 4e-2, name
+  forward = forward.lower(q, k, v).compile().as_text()
+  backward = grad.lower(q, k, v).compile().as_text()
+  assert _cudnn_forward_calls(forward) >= 1
+  assert _cudnn_forward_calls(backward) == _cudnn_forward_calls(forward)
