@@ -31,7 +31,9 @@ B, S, H, G, D = 2, 256, 4, 2, 64
 def hopper(monkeypatch):
   """cuDNN 9.10 on compute capability 9.0, for tracing."""
   monkeypatch.setattr(cudnn_attention, "check_cudnn_version", lambda: 91000)
-  monkeypatch.setattr(cudnn_attention, "check_compute_capability", lambda cap: cap <= "9.0")
+  as_cc = lambda cap: tuple(int(x) for x in cap.split("."))
+  monkeypatch.setattr(cudnn_attention, "check_compute_capability",
+                      lambda cap: as_cc(cap) <= (9, 0))
   monkeypatch.setattr(cudnn_attention, "is_cuda_compute_capability_equal",
                       lambda cap: cap == "9.0")
   monkeypatch.setattr(packed_attention, "_unavailable_reason", lambda: "")
