@@ -162,17 +162,22 @@ def _update_state(mode, state, amaxes, kernel_amax=None):
 
 
 def _wgrad_dtype(mode, k_proto):
-  """The dtype the wgrad GEMM writes: bfloat16 under FP8, else the kernel's.
+  """The dtype the wgrad GEMM writes: the kernel's dtype where te_jax's
+  grouped kernels write it (FP8: bfloat16 or float32; FP8 off: bfloat16),
+  else the nearest they write, which the caller casts.
 
-  te_jax's grouped kernels write bfloat16 only; asked for a float32 weight
-  gradient (an unsharded layer quantizes its float32 weights directly,
-  ``te_jax.layers.gemm.gemm_kernel``) the dispatcher would run the
-  reference instead: a float32 GEMM in a loop whose trip count, read from
-  the group sizes, the GPU sends to the host every iteration. The kernel
-  sums in float32 and rounds once to bfloat16 (as the FP8-off layer's
-  bfloat16 weights give their gradient), which costs far less precision
-  than the FP8 operands did; the caller casts to the kernel's dtype."""
-  return k_proto.dtype if mode is None else jnp.dtype(jnp.bfloat16)
+  The FP8 wgrad of float32 weights (an unsharded layer quantizes its
+  float32 weights directly, ``te_jax.layers.gemm.gemm_kernel``) comes out of
+  the kernel's float32 epilogue: no bfloat16 rounding and no pass that reads
+  a bfloat16 gradient of every expert weight to write it again widened.
+  Other dtypes (float16) are written in bfloat16 and cast: asked for them,
+  the dispatcher would run the reference instead, a float32 GEMM in a loop
+  whose trip count, read from the group sizes, the GPU sends to the host
+  every iteration. The FP8-off path keeps the kernel's dtype (its layers
+  cast float32 weights to bfloat16 before the GEMMs)."""
+  if mode is None:
+    return k_proto.dtype
+  return jnp.dtype(jnp.float32) if k_proto.dtype == jnp.float32 else jnp.dtype(jnp.bfloat16)
 
 
 # -------------------------------------------------------------- custom vjp --
@@ -294,7 +299,8 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *,
       rows padded to the recipe's ``token_block`` (128 blockwise) by the
       caller (``te_jax.moe.dispatch`` does) so no scale tile spans two experts.
     kernel: (E, K, N) expert weights (any float dtype; their gradient comes
-      back in it, written in bfloat16 by the FP8 wgrad GEMM and cast).
+      back in it: written in float32 (float32 weights) or bfloat16 (cast to
+      other dtypes) by the FP8 wgrad GEMM).
     group_sizes: (E,) int32 on the device; sum at most M (rows past it give 0).
     recipe: a ``te_jax.recipe`` recipe, or None for the unquantized GEMMs.
     fp8_state: ``DelayedScaling`` only: :func:`init_grouped_state`; its update

@@ -75,3 +75,29 @@ def test_no_transpose_of_the_fp8_weights_before_a_grouped_gemm(cuda_branch, name
     assert b.aval.shape == want and "float8" in str(b.aval.dtype)
     perm = _net_permutation(b, producers)
     assert perm == tuple(range(3)), f"the weights are transposed {perm} before the GEMM"
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_float32_weight_gradient_comes_from_the_wgrad_gemm_as_is(cuda_branch, name):
+  """float32 expert weights: the wgrad kernel writes their gradient in
+  float32 and (E, K, N) order, and that output is the gradient: no
+  transpose and no widening pass over every expert's weight after it."""
+  del cuda_branch
+  r = RECIPES[name]()
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((sum(SIZES), K)), jnp.bfloat16)
+  w = jnp.asarray(rng.standard_normal((E, K, N)) * 0.05, jnp.float32)
+  dy = jnp.asarray(rng.standard_normal((sum(SIZES), N)), jnp.bfloat16)
+  gs = jnp.asarray(SIZES, jnp.int32)
+  state = gd.init_grouped_state(r, E) if isinstance(r, recipe.DelayedScaling) else None
+
+  def weight_grad(x, w, dy):
+    _, vjp = jax.vjp(lambda w: gd.grouped_dense(x, w, gs, recipe=r, fp8_state=state), w)
+    return vjp(dy)[0]
+  jaxpr = jax.make_jaxpr(weight_grad)(x, w, dy).jaxpr
+  (wgrad,) = [e for e in jaxpr.eqns if e.primitive.name == "ffi_call"
+              and e.params["target_name"] == ggc.TARGET
+              and dict(e.params["attributes"])["axis"] == ggc.CONTRACTION]
+  out = wgrad.outvars[0]
+  assert (out.aval.shape, out.aval.dtype) == ((E, K, N), jnp.float32)
+  assert jaxpr.outvars[0] is out

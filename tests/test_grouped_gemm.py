@@ -456,10 +456,11 @@ def test_rows_layout_conversions_meet_the_kernel_contract(scaling, dtypes, trans
   _close(kernel_model(ggc.ROWS, ops, sizes), want)
 
 
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("scaling, dtypes", [
-    ("tensor", (E4M3, E4M3)), ("tensor", (E4M3, E5M2)),   # HYBRID wgrad: swapped
+    ("tensor", (E4M3, E4M3)), ("tensor", (E4M3, E5M2)),   # HYBRID wgrad: swapped for bf16
     ("tensor", (E5M2, E4M3)), ("blockwise", (E4M3, E4M3))])
-def test_contraction_layout_conversions_meet_the_kernel_contract(scaling, dtypes):
+def test_contraction_layout_conversions_meet_the_kernel_contract(scaling, dtypes, out_dtype):
   rng = _rng(12)
   k, m, n = 146, 640, 264   # k (the kernel's rows) not a multiple of 4
   block = None if scaling == "tensor" else (1, 128)
@@ -467,8 +468,9 @@ def test_contraction_layout_conversions_meet_the_kernel_contract(scaling, dtypes
   rhs_t = _scaled(_spread(rng, (n, m)), dtypes[1], block)
   u = 16 if block is None else 128
   sizes = [0, u, 3 * u, m - 4 * u]
-  ops, swapped = ggc.contraction_operands(lhs_t, rhs_t)
-  assert swapped == (dtypes == (E4M3, E5M2))
+  ops, swapped = ggc.contraction_operands(lhs_t, rhs_t, out_dtype)
+  # the float32 kernels take E4M3 x E5M2 in that order: no swap
+  assert swapped == (dtypes == (E4M3, E5M2) and out_dtype == jnp.bfloat16)
   got = kernel_model(ggc.CONTRACTION, ops, sizes)
   got = np.swapaxes(got, 1, 2) if swapped else got
   want = gg.grouped_wgrad_reference(lhs_t, rhs_t, jnp.asarray(sizes, jnp.int32), jnp.float32)
@@ -633,6 +635,43 @@ def test_dispatcher_stages_the_kernel(fake_gpu):
   assert jaxpr.out_avals[0].shape == (4, 144, 264)
 
 
+@pytest.mark.parametrize("lhs_dtype, rhs_dtype, block", [
+    (E4M3, E5M2, None), (E4M3, E4M3, None), (E4M3, E4M3, (1, 128))])
+def test_dispatcher_stages_the_float32_wgrad(fake_gpu, lhs_dtype, rhs_dtype, block):
+  """A float32 wgrad of E4M3 lhs_t: one call whose output is the float32
+  (g, k, n) result itself: operands in their own order, no transpose and
+  no convert after the kernel (fast_accum asks for nothing it can change:
+  the float32 kernels accumulate split)."""
+  del fake_gpu
+  gs = jnp.asarray([128, 0, 128], jnp.int32)
+  x_t = _scaled(_spread(_rng(14), (144, 256)), lhs_dtype, block)
+  g_t = _scaled(_spread(_rng(15), (264, 256)), rhs_dtype, block)
+  jaxpr = jax.make_jaxpr(lambda a, b, s: gg.grouped_wgrad(a, b, s, out_dtype=jnp.float32,
+                                                          fast_accum=True))(x_t, g_t, gs)
+  (call,) = _ffi_calls(jaxpr.jaxpr)
+  assert dict(call.params["attributes"]) == {"axis": 1, "scaling": 0 if block is None else 1,
+                                             "fast_accum": 1}
+  assert [(tuple(v.aval.shape), v.aval.dtype) for v in call.invars[:2]] == [
+      ((144, 256), lhs_dtype), ((264, 256), rhs_dtype)]
+  assert (tuple(call.outvars[0].aval.shape), call.outvars[0].aval.dtype) == (
+      (3, 144, 264), jnp.float32)
+  assert jaxpr.jaxpr.outvars[0] is call.outvars[0]
+
+
+def test_float32_wgrad_of_an_e5m2_lhs_is_widened(fake_gpu):
+  """E5M2 lhs_t has no float32 kernel: the bfloat16 one runs and its result
+  is widened (not the reference)."""
+  del fake_gpu
+  gs = jnp.asarray([128, 128], jnp.int32)
+  a = _scaled(_spread(_rng(17), (64, 256)), E5M2, None)
+  b = _scaled(_spread(_rng(18), (32, 256)), E4M3, None)
+  jaxpr = jax.make_jaxpr(lambda a, b, s: gg.grouped_wgrad(a, b, s, out_dtype=jnp.float32))(
+      a, b, gs)
+  (call,) = _ffi_calls(jaxpr.jaxpr)
+  assert call.outvars[0].aval.dtype == jnp.bfloat16
+  assert jaxpr.out_avals[0].dtype == jnp.float32 and jaxpr.out_avals[0].shape == (2, 64, 32)
+
+
 def test_auto_takes_the_blockwise_kernels(fake_gpu):
   """Blockwise operands take the kernel under "auto" as per-tensor ones do
   (the rows form and the wgrad)."""
@@ -663,7 +702,8 @@ def test_auto_reference_reason_says_what_auto_runs(fake_gpu, monkeypatch):
     ("left out", "built without the sm90 GEMMs (no CUTLASS headers"),
     ("float32 operands", "float32 x float32 float operands: the FP8-off grouped kernel takes "
                          "bfloat16 x bfloat16 only"),
-    ("float32 out", "out_dtype=float32: the sm90 grouped kernels write bfloat16 only"),
+    ("float32 out", "out_dtype=float32: the sm90 grouped kernels write float32 for FP8 "
+                    "wgrads (grouped_wgrad) only"),
     ("blockwise e5m2", "blockwise float8_e5m2 x float8_e4m3fn"),
     ("k not a multiple of 16", "k (lhs.shape[1])=24 is not a multiple of 16"),
     ("wgrad m not a multiple of 16", "the grouped m (lhs_t.shape[1])=40 is not a multiple"),

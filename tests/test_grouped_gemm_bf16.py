@@ -128,7 +128,8 @@ def test_dispatcher_stages_the_bf16_kernel(fake_gpu):
     (BF16, jnp.float32, BF16,
      "bfloat16 x float32 float operands: the FP8-off grouped kernel takes bfloat16 x bfloat16"),
     (jnp.float16, jnp.float16, BF16, "float16 x float16 float operands"),
-    (BF16, BF16, jnp.float32, "out_dtype=float32: the sm90 grouped kernels write bfloat16 only"),
+    (BF16, BF16, jnp.float32,
+     "out_dtype=float32: the sm90 grouped kernels write float32 for FP8 wgrads"),
 ])
 @pytest.mark.parametrize("op", ["grouped_gemm", "grouped_wgrad", "grouped_wgrad_rows"])
 def test_what_the_bf16_kernel_cannot_run_is_refused_clearly(fake_gpu, caplog, op, lhs_dtype,

@@ -31,15 +31,6 @@ def _rel(a, b):
   return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
-def _is_bf16_rounding_of(got, want, tol) -> bool:
-  """Every element of ``got`` is the bfloat16 rounding of a value within
-  ``tol`` of ``want``'s: rounding is monotonic, so it lies between the
-  roundings of ``want - tol`` and ``want + tol``."""
-  rnd = lambda a: np.asarray(jnp.asarray(a, jnp.float32).astype(jnp.bfloat16), np.float32)
-  got = np.asarray(got, np.float32)
-  return bool(np.all((rnd(want - tol) <= got) & (got <= rnd(want + tol))))
-
-
 def _inputs(seed=0):
   rng = np.random.default_rng(seed)
   x = jnp.asarray(rng.standard_normal((M, K)), jnp.float32)
@@ -167,15 +158,12 @@ def test_custom_vjp_quantizes_the_right_operands(name):
   y, (dx, dw) = jax.jit(lambda x, w, g: _value_and_vjp(
       lambda x, w: gd.grouped_dense(x, w, gs, recipe=r, fp8_state=st), x, w, g))(x, w, g)
   ey, edx, edw = jax.jit(lambda x, w, g: _emulated(x, w, g, r, st))(x, w, g)
-  for got, want in ((y, ey), (dx, edx)):
+  # The wgrad GEMM writes the float32 kernel's gradient in float32 (no
+  # bfloat16 rounding): equal to the emulation's to float32 sum order, as
+  # the other two (a bfloat16-rounded one is ~1e-3 off and fails this).
+  assert dw.dtype == jnp.float32
+  for got, want in ((y, ey), (dx, edx), (dw, edw)):
     assert _rel(got, want) < 1e-5
-  # The wgrad GEMM writes bfloat16 (the grouped kernels' only output; the
-  # float32 kernel's gradient is that, cast): each element is the rounding
-  # of a float32 sum that matches the emulation's to float32 sum order.
-  used = jnp.array([0, 2, 3])
-  dw, edw = np.asarray(dw[used]), np.asarray(edw[used])
-  assert _is_bf16_rounding_of(dw, edw, 1e-5 * np.abs(edw).max())
-  assert _rel(dw, edw) < 2**-8
 
 
 def test_delayed_state_one_history_per_expert():

@@ -27,10 +27,13 @@
 //   roundup(m, 4)) and (ceil(k/128), roundup(n, 4)). Their contents are
 //   compact per group, as CUTLASS's grouped mainloop reads them
 //   (grouped_gemm_cuda.py lays them out), zeros after.
-//   out is bfloat16 (the kernels' one output type).
+//   out is bfloat16, or, along axis 1 with FP8 operands, float32 (the wgrad
+//   of float32 weights, written once in its dtype: kernels e4m3 x e4m3 and
+//   e4m3 x e5m2 per tensor, e4m3 x e4m3 blockwise, split accumulation).
 //   fast_accum 1: the tensor cores' own accumulation where a variant has it
-//   (per-tensor E4M3 x E4M3); elsewhere split accumulation, the more exact
-//   (bf16: the tensor cores' fp32 accumulation, its only one).
+//   (per-tensor E4M3 x E4M3 with a bfloat16 output); elsewhere split
+//   accumulation, the more exact (bf16: the tensor cores' fp32 accumulation,
+//   its only one).
 //
 // Group sizes that cannot describe the buffer (a negative one, a sum past
 // it, or, along axis 1, a group that does not start and end on a
@@ -100,9 +103,24 @@ bool AsOperandType(ffi::DataType t, OperandType* out) {
   return false;
 }
 
-// The compiled variant for these operands, or why none is.
+// The compiled float32-output variant (axis 1, FP8), or why none is.
+const char* ChooseF32Variant(GroupedAxis axis, GroupedScaling scaling, OperandType ta,
+                             OperandType tb, GroupedVariant* v) {
+  if (axis != GroupedAxis::kContraction || ta == OperandType::kBF16 || tb == OperandType::kBF16)
+    return "a float32 out is compiled for axis 1 (contraction) with FP8 operands only; the "
+           "other calls write bfloat16";
+  if (ta != OperandType::kE4M3 || (scaling == GroupedScaling::kBlockwise && tb != OperandType::kE4M3))
+    return "float32-output wgrads are compiled for e4m3 x e4m3 and, per tensor, e4m3 (a) x e5m2 "
+           "(b) only";
+  *v = scaling == GroupedScaling::kBlockwise ? GroupedVariant::kBlockwiseContractionF32
+       : tb == OperandType::kE4M3            ? GroupedVariant::kTensorE4M3SplitF32
+                                             : GroupedVariant::kTensorE4M3E5M2SplitF32;
+  return nullptr;
+}
+
+// The compiled variant for these operands and output, or why none is.
 const char* ChooseVariant(GroupedAxis axis, GroupedScaling scaling, OperandType ta,
-                          OperandType tb, bool fast, GroupedVariant* v) {
+                          OperandType tb, bool fast, bool f32_out, GroupedVariant* v) {
   const bool bf16 = ta == OperandType::kBF16 && tb == OperandType::kBF16;
   if ((scaling == GroupedScaling::kNone) != bf16)
     return scaling == GroupedScaling::kNone
@@ -113,6 +131,7 @@ const char* ChooseVariant(GroupedAxis axis, GroupedScaling scaling, OperandType 
     return "axis 2 (row-major wgrad operands) takes bfloat16 operands only (Hopper's FP8 "
            "tensor cores read operands contiguous along the contraction: pass the FP8 wgrad's "
            "(k, m) and (n, m) copies with axis 1)";
+  if (f32_out) return ChooseF32Variant(axis, scaling, ta, tb, v);
   if (bf16) {  // one accumulation, fp32 (fast_accum: see the top of the file)
     *v = axis == GroupedAxis::kContractionRowMajor ? GroupedVariant::kBf16MnMajor
                                                    : GroupedVariant::kBf16;
@@ -206,11 +225,13 @@ ffi::Error GroupedGemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer
     if (auto e = CheckDims("b", b, {n, k}); e.failure()) return e;
     if (auto e = CheckDims("out", *out, {groups, m, n}); e.failure()) return e;
   }
-  if (out->element_type() != ffi::BF16) return Invalid("out must be bfloat16");
+  if (out->element_type() != ffi::BF16 && out->element_type() != ffi::F32)
+    return Invalid("out must be bfloat16 (or float32 for an FP8 wgrad along axis 1)");
+  const bool f32_out = out->element_type() == ffi::F32;
   if (a_sinv.element_type() != ffi::F32 || b_sinv.element_type() != ffi::F32)
     return Invalid("a_sinv and b_sinv must be float32");
   GroupedVariant variant;
-  if (const char* why = ChooseVariant(axis, scaling, ta, tb, fast_accum != 0, &variant))
+  if (const char* why = ChooseVariant(axis, scaling, ta, tb, fast_accum != 0, f32_out, &variant))
     return Invalid(why);
   const int64_t kb = (k + 127) / 128, m4 = (m + 3) / 4 * 4;
   if (scaling == GroupedScaling::kNone) {  // dummies, never read
@@ -277,7 +298,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxGroupedGemm, GroupedGemmImpl,
                                   .Arg<ffi::AnyBuffer>()        // a_sinv f32 ((1,) dummy: bf16)
                                   .Arg<ffi::AnyBuffer>()        // b_sinv f32 ((1,) dummy: bf16)
                                   .Arg<ffi::AnyBuffer>()        // group_sizes (G,) int32
-                                  .Ret<ffi::AnyBuffer>()        // out bf16
+                                  .Ret<ffi::AnyBuffer>()        // out bf16 (f32: FP8 wgrad)
                                   .Ret<ffi::AnyBuffer>()        // workspace uint8 scratch
                                   .Attr<int64_t>("axis")        // 0 rows, 1 / 2 contraction
                                   .Attr<int64_t>("scaling")     // 0 tensor, 1 blockwise, 2 none

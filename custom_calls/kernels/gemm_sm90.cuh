@@ -33,6 +33,10 @@ enum class ScaleMode : int { kTensor = 0, kVec128 = 1, kBlk128x128 = 2 };
 enum class OperandType : int { kE4M3 = 0, kE5M2 = 1, kBF16 = 2 };
 constexpr int OperandBytes(OperandType t) { return t == OperandType::kBF16 ? 2 : 1; }
 
+// Element type of a grouped GEMM's output.
+enum class OutputType : int { kBF16 = 0, kF32 = 1 };
+constexpr int OutputBytes(OutputType t) { return t == OutputType::kF32 ? 4 : 2; }
+
 // Scheduler knobs read at run time (no recompilation): the order in which a
 // persistent CTA walks output tiles and the width of the swizzled band.
 struct TileOrder {
@@ -151,30 +155,39 @@ struct GroupedGemmArgs {
   const void* b = nullptr;
   const float* a_sinv = nullptr;       // unused (may be null) for kNone
   const float* b_sinv = nullptr;
-  void* out = nullptr;                  // bfloat16
+  void* out = nullptr;                  // bfloat16, float32 for the f32 variants
   TileOrder order;
   InvalidFill invalid_fill = InvalidFill::kGroup;  // what an invalid group poisons
 };
 
-// Each: element types of a and b, scaling, accumulation. "split": partial
+// Each: element types of a and b, scaling, accumulation, output. "split": partial
 // sums promoted to fp32 every 128 of K (per-tensor: CUTLASS's promotion
 // interval of 4 wgmma k-steps); "fast": the tensor cores' own accumulation
 // (per-tensor fprop only, as te_jax's fast_accum). HYBRID gradients are E5M2
-// (a = the gradient in dgrad and wgrad). "bf16": bf16 x bf16, no scales, the
+// (a = the gradient in dgrad). "bf16": bf16 x bf16, no scales, the
 // tensor cores' fp32 accumulation (the reduced-precision accumulation that
 // split promotion corrects is FP8 wgmma's), kRows and kContraction;
-// "bf16_mn_major": the same arithmetic, kContractionRowMajor only.
+// "bf16_mn_major": the same arithmetic, kContractionRowMajor only. The
+// "_f32" variants write float32 (kContraction only): an FP8 wgrad of float32
+// weights, whose gradient a bfloat16 output would round and a separate pass
+// widen (reading 2 and writing 4 bytes an element of every expert's weight);
+// e4m3 (a) x e5m2 (b) is HYBRID's x.T and grad.T in their own order, so the
+// (G, k, n) result needs no transpose either.
 #define TE_JAX_SM90_GROUPED_VARIANTS(X)                                                     \
-  X(kTensorE4M3Split, "tensor_e4m3_split", kTensor, kE4M3, kE4M3)                           \
-  X(kTensorE4M3Fast, "tensor_e4m3_fast", kTensor, kE4M3, kE4M3)                             \
-  X(kTensorE5M2E4M3Split, "tensor_e5m2xe4m3_split", kTensor, kE5M2, kE4M3)                  \
-  X(kBlockwiseRows, "blockwise_rows_vecblk", kBlockwise, kE4M3, kE4M3)                      \
-  X(kBlockwiseContraction, "blockwise_contraction_vecvec", kBlockwise, kE4M3, kE4M3)        \
-  X(kBf16, "bf16", kNone, kBF16, kBF16)                                                     \
-  X(kBf16MnMajor, "bf16_mn_major", kNone, kBF16, kBF16)
+  X(kTensorE4M3Split, "tensor_e4m3_split", kTensor, kE4M3, kE4M3, kBF16)                    \
+  X(kTensorE4M3Fast, "tensor_e4m3_fast", kTensor, kE4M3, kE4M3, kBF16)                      \
+  X(kTensorE5M2E4M3Split, "tensor_e5m2xe4m3_split", kTensor, kE5M2, kE4M3, kBF16)           \
+  X(kBlockwiseRows, "blockwise_rows_vecblk", kBlockwise, kE4M3, kE4M3, kBF16)               \
+  X(kBlockwiseContraction, "blockwise_contraction_vecvec", kBlockwise, kE4M3, kE4M3, kBF16) \
+  X(kBf16, "bf16", kNone, kBF16, kBF16, kBF16)                                              \
+  X(kBf16MnMajor, "bf16_mn_major", kNone, kBF16, kBF16, kBF16)                              \
+  X(kTensorE4M3SplitF32, "tensor_e4m3_split_f32", kTensor, kE4M3, kE4M3, kF32)              \
+  X(kTensorE4M3E5M2SplitF32, "tensor_e4m3xe5m2_split_f32", kTensor, kE4M3, kE5M2, kF32)     \
+  X(kBlockwiseContractionF32, "blockwise_contraction_vecvec_f32", kBlockwise, kE4M3, kE4M3, \
+    kF32)
 
 enum class GroupedVariant : int {
-#define TE_JAX_X(id, name, scaling, a_type, b_type) id,
+#define TE_JAX_X(id, name, scaling, a_type, b_type, out_type) id,
   TE_JAX_SM90_GROUPED_VARIANTS(TE_JAX_X)
 #undef TE_JAX_X
   kCount
@@ -184,6 +197,9 @@ const char* GroupedVariantName(GroupedVariant v);
 
 // Whether variant v's kernel serves grouped axis a.
 bool GroupedVariantServes(GroupedVariant v, GroupedAxis a);
+
+// The element type variant v writes.
+OutputType GroupedVariantOutput(GroupedVariant v);
 
 // nullptr when variant v can run args (host-visible checks only: shapes,
 // pointers, the variant's scaling and axis), else why not.

@@ -11,7 +11,7 @@
 namespace te_jax {
 namespace sm90 {
 namespace variants {
-#define TE_JAX_X(id, name, scaling, a_type, b_type)                                    \
+#define TE_JAX_X(id, name, scaling, a_type, b_type, out_type)                          \
   const char* id##Check(const GroupedGemmArgs& p);                                    \
   size_t id##Workspace(const GroupedGemmArgs& p, int sms);                            \
   cudaError_t id##Launch(const GroupedGemmArgs& p, void* ws, size_t bytes, int sms,   \
@@ -26,11 +26,13 @@ constexpr unsigned Bit(GroupedAxis a) { return 1u << static_cast<int>(a); }
 
 // The grouped axes a variant's kernel serves (a bit per GroupedAxis): the
 // blockwise kernels one each (their scale layouts differ), the MN-major bf16
-// kernel the row-major wgrad only, the others rows and contraction.
-constexpr unsigned ServedAxes(GroupedVariant v) {
+// kernel the row-major wgrad only, the float32-output ones the FP8 wgrad
+// only, the others rows and contraction.
+constexpr unsigned ServedAxes(GroupedVariant v, OutputType out) {
   return v == GroupedVariant::kBlockwiseRows           ? Bit(GroupedAxis::kRows)
          : v == GroupedVariant::kBlockwiseContraction  ? Bit(GroupedAxis::kContraction)
          : v == GroupedVariant::kBf16MnMajor           ? Bit(GroupedAxis::kContractionRowMajor)
+         : out == OutputType::kF32                     ? Bit(GroupedAxis::kContraction)
                                                        : Bit(GroupedAxis::kRows) |
                                                              Bit(GroupedAxis::kContraction);
 }
@@ -39,6 +41,7 @@ struct Entry {
   const char* name;
   GroupedScaling scaling;
   int operand_bytes;  // of one element of a and b
+  OutputType out;
   unsigned axes;      // ServedAxes
   const char* (*check)(const GroupedGemmArgs&);
   size_t (*workspace)(const GroupedGemmArgs&, int);
@@ -46,10 +49,10 @@ struct Entry {
 };
 
 const Entry kEntries[] = {
-#define TE_JAX_X(id, name, scaling, a_type, b_type)                                         \
-  {name, GroupedScaling::scaling, OperandBytes(OperandType::a_type),                        \
-   ServedAxes(GroupedVariant::id), variants::id##Check, variants::id##Workspace,            \
-   variants::id##Launch},
+#define TE_JAX_X(id, name, scaling, a_type, b_type, out_type)                               \
+  {name, GroupedScaling::scaling, OperandBytes(OperandType::a_type), OutputType::out_type,  \
+   ServedAxes(GroupedVariant::id, OutputType::out_type), variants::id##Check,               \
+   variants::id##Workspace, variants::id##Launch},
     TE_JAX_SM90_GROUPED_VARIANTS(TE_JAX_X)
 #undef TE_JAX_X
 };
@@ -71,13 +74,18 @@ int Multiple(const Entry& e, const GroupedGemmArgs& p) {
 
 constexpr int kFillRows = 16;  // output rows per block of the rows fill
 
-// 8 bfloat16 of one value, stored as one 16-byte vector.
-__device__ inline void Store8(__nv_bfloat16* p, __nv_bfloat16 v) {
+// One value in all 16 bytes at p (8 bfloat16 or 4 float32).
+__device__ inline void Store16(__nv_bfloat16* p, __nv_bfloat16 v) {
   const __nv_bfloat162 v2 = __halves2bfloat162(v, v);
   uint4 u;
   u.x = u.y = u.z = u.w = *reinterpret_cast<const uint32_t*>(&v2);
   *reinterpret_cast<uint4*>(p) = u;
 }
+__device__ inline void Store16(float* p, float v) {
+  *reinterpret_cast<float4*>(p) = make_float4(v, v, v, v);
+}
+__device__ inline __nv_bfloat16 FromFloat(float v, __nv_bfloat16*) { return __float2bfloat16(v); }
+__device__ inline float FromFloat(float v, float*) { return v; }
 
 // kRows: rows past the last group get 0, rows of an invalid group NaN (every
 // row when poison_all and some group is invalid). A block whose rows all lie
@@ -102,24 +110,27 @@ __global__ void FillRowsKernel(__nv_bfloat16* out, int64_t m, int64_t n, int gro
       fill_nan = true;
     }
     for (int64_t c = threadIdx.x * 8; c < n; c += blockDim.x * 8)
-      Store8(out + r * n + c, fill_nan ? nan : zero);
+      Store16(out + r * n + c, fill_nan ? nan : zero);
   }
 }
 
 // kContraction (kContractionRowMajor): an empty group's (m, n) ((k, n))
 // block gets 0, an invalid one's NaN
-// (every block when poison_all and some group is invalid).
-__global__ void FillBlocksKernel(__nv_bfloat16* out, int64_t block_elems, GroupTable table,
-                                 bool poison_all) {
+// (every block when poison_all and some group is invalid). T: the output's
+// element (bfloat16, or float32 for the f32 variants); block_elems is a
+// multiple of 8 (n is), so every 16-byte store stays inside the block.
+template <class T>
+__global__ void FillBlocksKernel(T* out, int64_t block_elems, GroupTable table, bool poison_all) {
+  constexpr int kPerStore = 16 / sizeof(T);
   const int g = blockIdx.y;
   const int32_t status = table.status[g];
   const bool all_nan = poison_all && *table.any_invalid != 0;
   if (status == kGroupOk && !all_nan) return;
-  const __nv_bfloat16 v = __float2bfloat16(status == kGroupEmpty && !all_nan ? 0.0f : NAN);
-  __nv_bfloat16* block = out + int64_t(g) * block_elems;
-  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 8; i < block_elems;
-       i += int64_t(gridDim.x) * blockDim.x * 8)
-    Store8(block + i, v);
+  const T v = FromFloat(status == kGroupEmpty && !all_nan ? 0.0f : NAN, out);
+  T* block = out + int64_t(g) * block_elems;
+  for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * kPerStore; i < block_elems;
+       i += int64_t(gridDim.x) * blockDim.x * kPerStore)
+    Store16(block + i, v);
 }
 
 }  // namespace
@@ -132,6 +143,11 @@ const char* GroupedVariantName(GroupedVariant v) {
 bool GroupedVariantServes(GroupedVariant v, GroupedAxis a) {
   const Entry* e = Find(v);
   return e && (e->axes & Bit(a));
+}
+
+OutputType GroupedVariantOutput(GroupedVariant v) {
+  const Entry* e = Find(v);
+  return e ? e->out : OutputType::kBF16;
 }
 
 const char* CheckGroupedGemm(GroupedVariant v, const GroupedGemmArgs& p) {
@@ -165,17 +181,21 @@ cudaError_t LaunchGroupedGemm(GroupedVariant v, const GroupedGemmArgs& p, void* 
                                 stream);
   if (e != cudaSuccess) return e;
   const GroupTable table = CarveGroupTable(workspace, p.groups);
-  auto* out = static_cast<__nv_bfloat16*>(p.out);
   const bool poison_all = p.invalid_fill == InvalidFill::kAll;
-  if (p.axis == GroupedAxis::kRows) {
+  if (p.axis == GroupedAxis::kRows) {  // bfloat16 (ServedAxes)
     const unsigned blocks = static_cast<unsigned>((p.m + kFillRows - 1) / kFillRows);
-    FillRowsKernel<<<blocks, 128, 0, stream>>>(out, p.m, p.n, static_cast<int>(p.groups), table,
-                                               poison_all);
+    FillRowsKernel<<<blocks, 128, 0, stream>>>(static_cast<__nv_bfloat16*>(p.out), p.m, p.n,
+                                               static_cast<int>(p.groups), table, poison_all);
   } else {
     const int64_t elems = (p.axis == GroupedAxis::kContraction ? p.m : p.k) * p.n;
     const unsigned chunks = static_cast<unsigned>(std::min<int64_t>((elems / 8 + 255) / 256, 64));
-    FillBlocksKernel<<<dim3(chunks, static_cast<unsigned>(p.groups)), 256, 0, stream>>>(
-        out, elems, table, poison_all);
+    const dim3 grid(chunks, static_cast<unsigned>(p.groups));
+    if (entry->out == OutputType::kF32)
+      FillBlocksKernel<<<grid, 256, 0, stream>>>(static_cast<float*>(p.out), elems, table,
+                                                 poison_all);
+    else
+      FillBlocksKernel<<<grid, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(p.out), elems,
+                                                 table, poison_all);
   }
   return cudaGetLastError();
 }

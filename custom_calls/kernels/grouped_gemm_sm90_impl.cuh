@@ -45,9 +45,11 @@ using OperandElement = cute::conditional_t<
 // a (m, k) and b (m, n) seen as A = a^T (k x tokens) and B = b (tokens x
 // n): GroupedAxis::kContractionRowMajor only; else both contiguous along K
 // ("TN", the rows and contraction axes). wgmma reads MN-major operands
-// of 16-bit types only, so kMnMajor is bf16's.
+// of 16-bit types only, so kMnMajor is bf16's. kOut: the element the
+// epilogue writes (float32: the FP8 wgrad of float32 weights).
 template <GroupedScaling kScaling, OperandType kTypeA, OperandType kTypeB, bool kFastAccum,
-          int kGranA, int kGranB, int kClusterN, bool kMnMajorOperands = false>
+          int kGranA, int kGranB, int kClusterN, bool kMnMajorOperands = false,
+          OutputType kOut = OutputType::kBF16>
 struct GroupedConfig {
   static constexpr bool kMnMajor = kMnMajorOperands;
   static constexpr bool kIsBlockwise = kScaling == GroupedScaling::kBlockwise;
@@ -63,7 +65,7 @@ struct GroupedConfig {
                 "wgmma reads 8-bit operands K-major only");
   using ElementA = OperandElement<kTypeA>;
   using ElementB = OperandElement<kTypeB>;
-  using ElementD = cutlass::bfloat16_t;
+  using ElementD = cute::conditional_t<kOut == OutputType::kF32, float, cutlass::bfloat16_t>;
   // CUTLASS's A is (M, K), its B (N, K): RowMajor A and ColumnMajor B are
   // contiguous along K, ColumnMajor A along M, RowMajor B along N.
   using LayoutA = cute::conditional_t<kMnMajor, cutlass::layout::ColumnMajor,
@@ -74,6 +76,7 @@ struct GroupedConfig {
   static constexpr int kTileK = 128 / OperandBytes(kTypeA);
   // 16-byte TMA rows, in elements (of the contiguous dim: K, or M and N)
   static constexpr int kAlignAB = 16 / OperandBytes(kTypeA);
+  static constexpr int kAlignD = 16 / OutputBytes(kOut);  // 16-byte rows of the output
   using TileShape = cute::Shape<cute::_128, cute::_128, cute::Int<kTileK>>;
   using ClusterShape = cute::Shape<cute::_1, cute::Int<kClusterN>, cute::_1>;
   using ProblemShape = cutlass::gemm::GroupProblemShape<cute::Shape<int, int, int>>;
@@ -92,8 +95,8 @@ struct GroupedConfig {
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, 8,
-      ElementD, LayoutD*, 8, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
+      cutlass::epilogue::collective::EpilogueTileAuto, float, float, void, LayoutD*, kAlignD,
+      ElementD, LayoutD*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
       cutlass::epilogue::fusion::LinearCombination<ElementD, float, void, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementA, OperandA, kAlignAB,

@@ -33,8 +33,9 @@ the scales say for any sizes.
 The CUDA path (``grouped_gemm_cuda``: te_jax's sm_90a kernels, built on
 CUTLASS, in builds that found its headers) takes FP8 operands, or bfloat16
 x bfloat16 operands (the FP8-off layers' GEMMs, fp32 accumulation), with a
-bfloat16 output on Hopper; the dispatchers run the reference for every
-other call (``impl="auto"`` warns why once). On bfloat16 operands the
+bfloat16 output on Hopper, or a float32 one for FP8 wgrads (the gradient
+of float32 weights, written once in its dtype); the dispatchers run the
+reference for every other call (``impl="auto"`` warns why once). On bfloat16 operands the
 kernel's result equals the reference's (exact products of the bfloat16
 values, float32 sums) within the bfloat16 rounding of the output and the
 order of the float32 sums. The reference (the spec)
@@ -441,8 +442,10 @@ def grouped_wgrad(lhs_t: Operand, rhs_t: Operand, group_sizes: jax.Array, *,
       the caller pads them; other sizes give an all-NaN result there
       (device data cannot raise). bfloat16 operands take any sizes (the
       kernel of :func:`grouped_wgrad_rows` on the transposes).
-    out_dtype: bfloat16, float16 or float32.
-    fast_accum, impl: as :func:`grouped_gemm`.
+    out_dtype: bfloat16, float16 or float32 (the CUDA kernel writes
+      bfloat16, and float32 for FP8 operands; float16 runs the reference).
+    fast_accum, impl: as :func:`grouped_gemm` (a float32 output on the
+      kernel accumulates split whatever ``fast_accum`` says).
 
   Returns:
     (g, k, n) array of ``out_dtype``.
@@ -450,7 +453,8 @@ def grouped_wgrad(lhs_t: Operand, rhs_t: Operand, group_sizes: jax.Array, *,
   _check_wgrad(lhs_t, rhs_t, group_sizes, out_dtype)
   return _run("grouped_wgrad", impl, lhs_t, rhs_t, group_sizes.shape[0], out_dtype,
               grouped_gemm_cuda.CONTRACTION,
-              lambda: grouped_gemm_cuda.grouped_wgrad(lhs_t, rhs_t, group_sizes, fast_accum),
+              lambda: grouped_gemm_cuda.grouped_wgrad(lhs_t, rhs_t, group_sizes, fast_accum,
+                                                      out_dtype),
               lambda: grouped_wgrad_reference(lhs_t, rhs_t, group_sizes, out_dtype))
 
 

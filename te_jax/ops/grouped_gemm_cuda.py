@@ -5,8 +5,8 @@ FFI handler ``custom_calls/ffi/grouped_gemm.cc`` (target
 (built on CUTLASS; in the native module only when its build found the
 CUTLASS headers, which the build note records: :func:`build_reason`).
 
-The kernel computes, with a bfloat16 output, on FP8 operands with their
-scales or on bfloat16 operands without (the FP8-off layers' GEMMs;
+The kernel computes, with a bfloat16 output (or float32 for FP8 wgrads),
+on FP8 operands with their scales or on bfloat16 operands without (the FP8-off layers' GEMMs;
 ``scaling`` attribute ``NONE``), with both operands contiguous along the
 contraction ("TN", as Hopper's FP8 tensor cores read them):
 
@@ -35,10 +35,14 @@ Layout conversions from te_jax's operands (XLA ops here; per call):
 * :func:`grouped_wgrad`: ``lhs_t (k, m)`` and ``rhs_t (n, m)`` are already
   contiguous along the grouped ``m``; their scales go to the compact
   transposed grid (the quantize's native layout without its row padding).
-  The per-tensor kernels take E5M2 only as their first operand, so E4M3
-  ``lhs_t`` with E5M2 ``rhs_t`` (HYBRID's ``x.T`` and ``grad.T``) is
-  computed as ``out[e].T = rhs_t @ lhs_t.T`` and the ``(g, n, k)`` bfloat16
-  result transposed: one pass over the output.
+  A float32 result (the wgrad of float32 weights) comes from the kernels
+  with a float32 epilogue: E4M3 ``lhs_t`` with E4M3 or, per tensor, E5M2
+  ``rhs_t`` (HYBRID's ``x.T`` and ``grad.T``) in their own order, no pass
+  after the GEMM. A bfloat16 one: the per-tensor bfloat16 kernels take E5M2
+  only as their first operand, so E4M3 ``lhs_t`` with E5M2 ``rhs_t`` is
+  computed as ``out[e].T = rhs_t @ lhs_t.T`` and the ``(g, n, k)`` result
+  transposed: one pass over the output. Other pairs asked for float32
+  (E5M2 ``lhs_t``) are computed in bfloat16 and widened.
 
 bfloat16 operands: no scales (the handler takes 1-element float32 dummies,
 :func:`_no_scales`, and reads nothing from them). The rows GEMM transposes
@@ -176,10 +180,15 @@ def unsupported_reason(a, b, out_dtype, axis: int, groups: int) -> str:
   why = _operand_kind(a, b)
   if why:
     return why
-  if jnp.dtype(out_dtype) != jnp.dtype(jnp.bfloat16):
-    return f"out_dtype={jnp.dtype(out_dtype).name}: the sm90 grouped kernels write bfloat16 only"
   ta, tb = jnp.dtype(a.dtype), jnp.dtype(b.dtype)
   bf16 = ta == _BF16
+  if jnp.dtype(out_dtype) == jnp.dtype(jnp.float32):
+    if axis != CONTRACTION or bf16:
+      return ("out_dtype=float32: the sm90 grouped kernels write float32 for FP8 wgrads "
+              "(grouped_wgrad) only, bfloat16 elsewhere")
+  elif jnp.dtype(out_dtype) != _BF16:
+    return (f"out_dtype={jnp.dtype(out_dtype).name}: the sm90 grouped kernels write bfloat16 "
+            "(and float32 for FP8 wgrads) only")
   if axis == CONTRACTION_ROW_MAJOR and not bf16:
     return ("FP8 operands: the row-major wgrad kernel takes bfloat16 only (FP8 wgrads read "
             "the (k, m) and (n, m) columnwise copies: grouped_wgrad)")
@@ -201,7 +210,7 @@ def unsupported_reason(a, b, out_dtype, axis: int, groups: int) -> str:
   else:
     (k, m), n = a.shape, b.shape[0]
     row, what = m, "the grouped m (lhs_t.shape[1])"
-    if (ta, tb) == (_E4M3, _E5M2):   # computed transposed: the kernel's n is k
+    if _contraction_swapped(ta, tb, out_dtype):   # computed transposed: the kernel's n is k
       n = k
   if row % unit:
     return (f"{what}={row} is not a multiple of {unit} (16-byte {ta.name} rows for "
@@ -336,12 +345,27 @@ def _contraction_scales_compact(t) -> jax.Array:
   return _in_native_shape(t.scale_inv.T, tiling.TILE_1X128.native_scale_shape(rows, m))
 
 
-def contraction_operands(lhs_t, rhs_t):
+def _f32_kernel(ta, tb) -> bool:
+  """Whether a float32-output wgrad kernel takes FP8 ``lhs_t`` / ``rhs_t`` of
+  these dtypes in their order (E4M3 x E4M3, E4M3 x E5M2; blockwise operands
+  are E4M3 both, :func:`unsupported_reason`)."""
+  return ta == _E4M3 and tb in (_E4M3, _E5M2)
+
+
+def _contraction_swapped(ta, tb, out_dtype) -> bool:
+  """Whether :func:`grouped_wgrad` runs its operands swapped: E4M3 ``lhs_t``
+  with E5M2 ``rhs_t`` for a bfloat16 result (the bfloat16 kernels take E5M2
+  as ``a`` only)."""
+  f32 = jnp.dtype(out_dtype) == jnp.dtype(jnp.float32)
+  return (ta, tb) == (_E4M3, _E5M2) and not f32
+
+
+def contraction_operands(lhs_t, rhs_t, out_dtype=jnp.bfloat16):
   """Kernel operands of :func:`grouped_wgrad` and whether they are swapped
-  (``a = rhs_t``: an E4M3 ``lhs_t`` with an E5M2 ``rhs_t``; the result is then
-  ``(g, n, k)``). Scales: (1,) each per tensor, else 1x128 along the grouped
-  m, compact (:func:`_contraction_scales_compact`)."""
-  swapped = (jnp.dtype(lhs_t.dtype), jnp.dtype(rhs_t.dtype)) == (_E4M3, _E5M2)
+  (``a = rhs_t``: an E4M3 ``lhs_t`` with an E5M2 ``rhs_t`` for a bfloat16
+  result, which is then ``(g, n, k)``). Scales: (1,) each per tensor, else
+  1x128 along the grouped m, compact (:func:`_contraction_scales_compact`)."""
+  swapped = _contraction_swapped(jnp.dtype(lhs_t.dtype), jnp.dtype(rhs_t.dtype), out_dtype)
   a, b = (rhs_t, lhs_t) if swapped else (lhs_t, rhs_t)
   if a.block_shape is None:
     ops = KernelOperands(a.data, b.data, jnp.reshape(a.scale_inv, (1,)),
@@ -365,11 +389,12 @@ def _check(a, b, out_dtype, axis, groups):
                      "impl='reference' for the pure-JAX reference.")
 
 
-def _call(ops: KernelOperands, group_sizes, out_shape, axis: int, fast_accum: bool):
+def _call(ops: KernelOperands, group_sizes, out_shape, axis: int, fast_accum: bool,
+          out_dtype=jnp.bfloat16):
   groups = group_sizes.shape[0]
   out, _ = jax.ffi.ffi_call(
       TARGET,
-      (jax.ShapeDtypeStruct(out_shape, jnp.bfloat16),
+      (jax.ShapeDtypeStruct(out_shape, out_dtype),
        jax.ShapeDtypeStruct((workspace_bytes(groups),), jnp.uint8)))(
            ops.a, ops.b, ops.a_sinv, ops.b_sinv, group_sizes,
            axis=np.int64(axis), scaling=np.int64(ops.scaling),
@@ -397,7 +422,8 @@ def grouped_gemm(lhs, rhs, group_sizes, fast_accum: bool = False) -> jax.Array:
                (lhs.shape[0], rhs.shape[2]), ROWS, fast_accum and _is_fp8(lhs))
 
 
-def grouped_wgrad(lhs_t, rhs_t, group_sizes, fast_accum: bool = False) -> jax.Array:
+def grouped_wgrad(lhs_t, rhs_t, group_sizes, fast_accum: bool = False,
+                  out_dtype=jnp.bfloat16) -> jax.Array:
   """``out[e] = lhs_t[:, rows_e] @ rhs_t[:, rows_e].T`` on the kernel.
 
   Args:
@@ -408,18 +434,27 @@ def grouped_wgrad(lhs_t, rhs_t, group_sizes, fast_accum: bool = False) -> jax.Ar
       start) a multiple of 16 (per tensor) or 128 (blockwise), as the
       recipe's token block pads them. bfloat16: any sizes (computed by
       :func:`grouped_wgrad_rows` on ``lhs_t.T`` and ``rhs_t.T``).
-    fast_accum: as :func:`grouped_gemm`.
+    fast_accum: as :func:`grouped_gemm`; the float32-output kernels
+      promote every 128 of the contraction (split accumulation) whatever it
+      says, as the kernels without a fast variant do.
+    out_dtype: bfloat16, or float32 for FP8 operands: written by the
+      kernel's float32 epilogue for E4M3 ``lhs_t`` (see the module doc),
+      computed in bfloat16 and widened for E5M2 ``lhs_t``.
 
   Returns:
-    (g, k, n) bfloat16; an empty group's matrix is 0; all NaN when a size
-    is negative, overruns m or (FP8) breaks the multiple above.
+    (g, k, n) of ``out_dtype``; an empty group's matrix is 0; all NaN when
+    a size is negative, overruns m or (FP8) breaks the multiple above.
   """
-  _check(lhs_t, rhs_t, jnp.bfloat16, CONTRACTION, group_sizes.shape[0])
+  _check(lhs_t, rhs_t, out_dtype, CONTRACTION, group_sizes.shape[0])
   if not _is_fp8(lhs_t):
     return grouped_wgrad_rows(lhs_t.T, rhs_t.T, group_sizes)
+  f32 = jnp.dtype(out_dtype) == jnp.dtype(jnp.float32)
+  if f32 and not _f32_kernel(jnp.dtype(lhs_t.dtype), jnp.dtype(rhs_t.dtype)):
+    return grouped_wgrad(lhs_t, rhs_t, group_sizes, fast_accum).astype(jnp.float32)
   k, n, g = lhs_t.shape[0], rhs_t.shape[0], group_sizes.shape[0]
-  ops, swapped = contraction_operands(lhs_t, rhs_t)
-  out = _call(ops, group_sizes, (g, n, k) if swapped else (g, k, n), CONTRACTION, fast_accum)
+  ops, swapped = contraction_operands(lhs_t, rhs_t, out_dtype)
+  out = _call(ops, group_sizes, (g, n, k) if swapped else (g, k, n), CONTRACTION, fast_accum,
+              out_dtype)
   return jnp.swapaxes(out, 1, 2) if swapped else out
 
 
