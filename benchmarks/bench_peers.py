@@ -50,7 +50,10 @@ fastacc"): the like-for-like rows beside TE-JAX's defaults.
 ``--backward-chunks N`` adds te_jax delayed and blockwise rows whose MLP
 backward runs on N token chunks (``LayerNormMLP.backward_chunks``), e.g.
 "te_jax delayed chunks4": their temp memory and step time against the
-unchunked rows.
+unchunked rows. ``--act-input-fp8`` adds delayed and blockwise rows that
+keep the activation's input for the backward in E4M3
+(``store_act_input_in_fp8``; "te_jax delayed chunks4 h-e4m3" with the
+chunks).
 
 With ``--profile`` each row also traces ``--profile-steps`` (3) carried
 steps (``jax.profiler``) and reports kernel time per step by kind (GEMM,
@@ -118,11 +121,15 @@ class _Residual(nn.Module):
 
 # ------------------------------------------------------------ the libraries --
 
-def te_jax_rows(block, sz, fastacc=False, param_dtype=BF16, backward_chunks=1):
+def te_jax_rows(block, sz, fastacc=False, param_dtype=BF16, backward_chunks=1,
+                act_input_fp8=False):
   """[(label, module, autocast context factory)] for te_jax; with ``fastacc``
   also delayed and current scaling with fast accumulation in every GEMM;
   with ``backward_chunks`` > 1 also delayed and blockwise scaling with the
-  MLP's backward on that many token chunks ("delayed chunks4")."""
+  MLP's backward on that many token chunks ("delayed chunks4"); with
+  ``act_input_fp8`` also delayed and blockwise scaling keeping the
+  activation's input for the backward in E4M3 (``store_act_input_in_fp8``,
+  "delayed h-e4m3"), with the chunks too when there are any."""
   recipes = {"off": None, "delayed": recipe_lib.DelayedScaling(),
              "current": recipe_lib.Float8CurrentScaling(),
              "blockwise": recipe_lib.Float8BlockScaling()}
@@ -130,12 +137,17 @@ def te_jax_rows(block, sz, fastacc=False, param_dtype=BF16, backward_chunks=1):
     fast = dict(fast_accum_fprop=True, fast_accum_dgrad=True, fast_accum_wgrad=True)
     recipes["delayed fastacc"] = recipe_lib.DelayedScaling(**fast)
     recipes["current fastacc"] = recipe_lib.Float8CurrentScaling(**fast)
-  specs = [(name, r, 1) for name, r in recipes.items()]   # (row name, recipe, chunks)
+  # (row name, recipe, chunks, store_act_input_in_fp8)
+  specs = [(name, r, 1, False) for name, r in recipes.items()]
   if backward_chunks > 1:
-    specs += [(f"{name} chunks{backward_chunks}", recipes[name], backward_chunks)
+    specs += [(f"{name} chunks{backward_chunks}", recipes[name], backward_chunks, False)
+              for name in ("delayed", "blockwise")]
+  if act_input_fp8:
+    chunked = f" chunks{backward_chunks}" if backward_chunks > 1 else ""
+    specs += [(f"{name}{chunked} h-e4m3", recipes[name], backward_chunks, True)
               for name in ("delayed", "blockwise")]
   rows = []
-  for name, r, chunks in specs:
+  for name, r, chunks, h_fp8 in specs:
     if block == "mlp":
       m = _Residual(tfx.LayerNormMLP(intermediate_dim=sz["mlp"], activations=("gelu",),
                                      dtype=BF16, param_dtype=param_dtype,
@@ -144,7 +156,8 @@ def te_jax_rows(block, sz, fastacc=False, param_dtype=BF16, backward_chunks=1):
       m = tfx.TransformerLayer(sz["hidden"], sz["mlp"], sz["heads"], layer_type="decoder",
                                activations=("gelu",), dtype=BF16, param_dtype=param_dtype,
                                mlp_backward_chunks=chunks)
-    ctx = lambda r=r: te_jax.fp8_autocast(enabled=r is not None, fp8_recipe=r)
+    ctx = lambda r=r, h_fp8=h_fp8: te_jax.fp8_autocast(
+        enabled=r is not None, fp8_recipe=r, **({"store_act_input_in_fp8": True} if h_fp8 else {}))
     rows.append((f"te_jax {name}", m, ctx))
   return rows
 
@@ -379,7 +392,7 @@ def block_rows(block, libs, sz, args, notes):
   rows = []
   if "te_jax" in libs:
     rows += te_jax_rows(block, sz, args.fastacc, jnp.dtype(args.param_dtype),
-                        args.backward_chunks)
+                        args.backward_chunks, args.act_input_fp8)
   if "te" in libs:
     te, why = te_rows(block, sz)
     if te is not None:
@@ -433,6 +446,10 @@ def main(argv=None):
   p.add_argument("--backward-chunks", type=int, default=1,
                  help="N > 1: add te_jax delayed/blockwise rows with the MLP backward on N "
                       "token chunks (LayerNormMLP.backward_chunks; less memory, more time)")
+  p.add_argument("--act-input-fp8", action="store_true",
+                 help="add te_jax delayed/blockwise rows that keep the activation's input "
+                      "in E4M3 for the backward (store_act_input_in_fp8; with "
+                      "--backward-chunks, chunked too)")
   p.add_argument("--recipes", help="only these rows of each library, by recipe name "
                                     "(e.g. 'off' or 'off,delayed fastacc'); default all")
   p.add_argument("--param-dtype", choices=("bfloat16", "float32"), default="bfloat16",

@@ -302,6 +302,26 @@ def test_peers_backward_chunks_rows_chunk_the_mlp_backward(block):
     assert got == (4 if label.endswith("chunks4") else 1), label
 
 
+@pytest.mark.parametrize("chunks", [1, 4])
+def test_peers_act_input_fp8_rows_keep_h_in_e4m3(chunks):
+  """--act-input-fp8: delayed and blockwise rows whose autocast keeps the
+  activation's input in E4M3, chunked as --backward-chunks says; the other
+  rows' autocast does not."""
+  import bench_peers
+  import te_jax
+  sz = bench_peers.sizes(True)
+  rows = bench_peers.te_jax_rows("layer", sz, backward_chunks=chunks, act_input_fp8=True)
+  tag = f" chunks{chunks}" if chunks > 1 else ""
+  h_rows = [f"te_jax delayed{tag} h-e4m3", f"te_jax blockwise{tag} h-e4m3"]
+  assert [label for label, _, _ in rows][-2:] == h_rows
+  for label, module, ctx in rows:
+    with ctx():
+      kept = te_jax.autocast.get_fp8_context().store_act_input_in_fp8
+    assert kept == (label in h_rows), label
+    if label in h_rows:
+      assert module.mlp_backward_chunks == chunks
+
+
 def test_peers_backward_chunks_below_one_is_a_usage_error(capsys):
   import bench_peers
   with pytest.raises(SystemExit):

@@ -399,12 +399,16 @@ def test_default_module_sources_and_cutlass_order():
   """Without CUTLASS the module is today's: no sm90 unit among
   nanobind_add_module's sources, they join only under if(TE_JAX_CUTLASS_DIR);
   and CUTLASS is looked for only after cuBLASLt was found (CI's CPU machine,
-  which has none, never gets that far)."""
+  which has none, never gets that far). Every sm90 translation unit under
+  kernels/ is listed there (a new variant's file left out would leave its
+  entry points undefined at link time)."""
   code = cmake_code(_cmake())
   (module,) = cmake_calls(code, "nanobind_add_module")
   assert "sm90" not in module and "grouped_gemm" not in module
   (extra,) = cmake_calls(code, "target_sources")
-  assert "ffi/grouped_gemm.cc" in extra and extra.count("_sm90") == 13
+  units = sorted(f"kernels/{p.name}" for p in (ROOT / "custom_calls" / "kernels").glob("*_sm90*.cu"))
+  assert len(units) >= 13
+  assert "ffi/grouped_gemm.cc" in extra and sorted(re.findall(r"kernels/\S+_sm90\S*\.cu", extra)) == units
   at = code.index("target_sources(")
   opened = code.rindex("if(", 0, at)
   assert code.startswith("if(TE_JAX_CUTLASS_DIR)", opened) and "endif(" not in code[opened:at]
@@ -423,7 +427,7 @@ def _nvcc():
 def test_configure_with_and_without_cutlass(tmp_path, with_cutlass):
   """The whole configure (a real nvcc, a made-up cuBLASLt): the build note's
   last clause says whether the sm90 GEMMs are in, and the generated build
-  compiles their 13 units and the grouped handler only with the headers."""
+  compiles their units and the grouped handler only with the headers."""
   import nanobind  # pylint: disable=import-outside-toplevel
   site = tmp_path / "site"
   site.mkdir()
