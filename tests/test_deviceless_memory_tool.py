@@ -91,3 +91,22 @@ def test_calibration_scales_device_memory_to_the_gpu_clients_limit():
 def test_calibration_wants_exactly_one_memory_field(text):
   with pytest.raises(ValueError, match="device_memory_size"):
     tool.scale_device_memory(text, 0.9375)
+
+
+def test_peers_tool_compiles_the_step_bench_peers_times():
+  """tools/deviceless_peers_memory.py's step is bench_peers.time_row's: on
+  the CPU, with abstract arguments, it compiles to the same temp memory as
+  the step bench_peers compiles from real ones (a different step, e.g. one
+  without the input gradient, would not)."""
+  import jax
+  path = os.path.join(os.path.dirname(__file__), "..", "tools", "deviceless_peers_memory.py")
+  spec = importlib.util.spec_from_file_location("deviceless_peers_memory", path)
+  peers_tool = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(peers_tool)
+  import bench_peers
+  sz = bench_peers.sizes(True)
+  rows = bench_peers.te_jax_rows("layer", sz, backward_chunks=2, act_input_fp8=True)
+  (label, module, ctx), = bench_peers.keep_rows(rows, ["delayed chunks2 h-e4m3"])
+  got = peers_tool.row_temp_mib(module, ctx, sz, jax.devices("cpu")[0])
+  want = bench_peers.time_row(module, ctx, sz, k=1, repeats=1)["temp_mib"]
+  assert label == "te_jax delayed chunks2 h-e4m3" and got == pytest.approx(want) and got > 0
