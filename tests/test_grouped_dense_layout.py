@@ -50,9 +50,9 @@ def _net_permutation(var, producers):
   return perm
 
 
-@pytest.mark.parametrize("name", sorted(RECIPES))
-def test_no_transpose_of_the_fp8_weights_before_a_grouped_gemm(cuda_branch, name):
-  del cuda_branch
+def _case(name):
+  """(x, w, dy, layer): bfloat16 rows and output gradient, float32 expert
+  weights, and ``grouped_dense`` under the recipe ``name`` with its state."""
   r = RECIPES[name]()
   rng = np.random.default_rng(0)
   x = jnp.asarray(rng.standard_normal((sum(SIZES), K)), jnp.bfloat16)
@@ -60,9 +60,16 @@ def test_no_transpose_of_the_fp8_weights_before_a_grouped_gemm(cuda_branch, name
   dy = jnp.asarray(rng.standard_normal((sum(SIZES), N)), jnp.bfloat16)
   gs = jnp.asarray(SIZES, jnp.int32)
   state = gd.init_grouped_state(r, E) if isinstance(r, recipe.DelayedScaling) else None
+  return x, w, dy, lambda x, w: gd.grouped_dense(x, w, gs, recipe=r, fp8_state=state)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_no_transpose_of_the_fp8_weights_before_a_grouped_gemm(cuda_branch, name):
+  del cuda_branch
+  x, w, dy, layer = _case(name)
 
   def step(x, w, dy):
-    y, vjp = jax.vjp(lambda x, w: gd.grouped_dense(x, w, gs, recipe=r, fp8_state=state), x, w)
+    y, vjp = jax.vjp(layer, x, w)
     return y, vjp(dy)
   jaxpr = jax.make_jaxpr(step)(x, w, dy).jaxpr
   producers = {v: e for e in jaxpr.eqns for v in e.outvars}
@@ -83,16 +90,10 @@ def test_float32_weight_gradient_comes_from_the_wgrad_gemm_as_is(cuda_branch, na
   float32 and (E, K, N) order, and that output is the gradient: no
   transpose and no widening pass over every expert's weight after it."""
   del cuda_branch
-  r = RECIPES[name]()
-  rng = np.random.default_rng(1)
-  x = jnp.asarray(rng.standard_normal((sum(SIZES), K)), jnp.bfloat16)
-  w = jnp.asarray(rng.standard_normal((E, K, N)) * 0.05, jnp.float32)
-  dy = jnp.asarray(rng.standard_normal((sum(SIZES), N)), jnp.bfloat16)
-  gs = jnp.asarray(SIZES, jnp.int32)
-  state = gd.init_grouped_state(r, E) if isinstance(r, recipe.DelayedScaling) else None
+  x, w, dy, layer = _case(name)
 
   def weight_grad(x, w, dy):
-    _, vjp = jax.vjp(lambda w: gd.grouped_dense(x, w, gs, recipe=r, fp8_state=state), w)
+    _, vjp = jax.vjp(lambda w: layer(x, w), w)
     return vjp(dy)[0]
   jaxpr = jax.make_jaxpr(weight_grad)(x, w, dy).jaxpr
   (wgrad,) = [e for e in jaxpr.eqns if e.primitive.name == "ffi_call"

@@ -59,6 +59,9 @@
 # image's packages (this tree's install stays untouched): the build with the
 # system toolkit hidden, then GPU tests (NVCC_FREE_TESTS) in that same view,
 # alongside the suite. The nvcc-free lines join stages.log when it ends.
+# PREBUILT: a folder (carried) with the native module built on another
+# machine for this image (tools/prebuild_module.sh); the build stage uses it
+# when it imports, else builds as usual.
 # Env: RUN_DIR (the logs; default /tmp/gpu_session: not the device call's $OUT,
 # which a later call empties), STAGES, AB_BASES, AB_CONFIGS, MOE_TIMEOUT,
 # MOE_PARTS, MOE_LAYER_SIZES, MOE_RECIPES, MOE_MODEL_RECIPES (the model rows' recipes,
@@ -130,6 +133,28 @@ memory_table() {
   grep -E "^\| 8 \| (none|delayed|current|blockwise) " "$OUT/$name.log" \
     | sed "s/^/$prefix/" >> "$LOG"
 }
+# use_prebuilt DIR: the native module built elsewhere (tools/prebuild_module.sh:
+# this image's Python, jax and CUDA versions) copied into the source tree,
+# which every stage then imports (PYTHONPATH) instead of an installed te_jax;
+# the build's 136 s saved. Fails (and the stage builds) unless the module
+# imports from this tree with the sm90 GEMMs.
+use_prebuilt() {
+  local so
+  so=$(ls "$1"/_te_jax_ffi.cpython-*.so 2>/dev/null | head -1)
+  [[ -n "$so" && -f "$1/_te_jax_ffi_build.txt" ]] || { echo "no module in $1" >> "$OUT/build.log"; return 1; }
+  cp "$so" "$1/_te_jax_ffi_build.txt" "$REPO/te_jax/" || return 1
+  export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+  export LD_LIBRARY_PATH="$(dirname "$(readlink -f "$(command -v nvcc)")")/../lib64:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  (cd /tmp && python3 -c "
+import te_jax, te_jax._te_jax_ffi as m
+from te_jax.ops import grouped_gemm_cuda as g
+assert te_jax.__file__.startswith('$REPO/'), te_jax.__file__
+assert not g.build_reason(), g.build_reason()
+print('native module:', sorted(m.registrations()))") >> "$OUT/build.log" 2>&1 && return 0
+  rm -f "$REPO/te_jax/$(basename "$so")" "$REPO/te_jax/_te_jax_ffi_build.txt"
+  export PYTHONPATH="${PYTHONPATH#$REPO}"; PYTHONPATH="${PYTHONPATH#:}"
+  return 1
+}
 tarball=$(ls .cutlass/cutlass-*-include.tar.gz 2>/dev/null | head -1)
 if [[ -n "$tarball" ]]; then
   tar -xzf "$tarball" -C .cutlass
@@ -153,7 +178,12 @@ if want build; then
     (OUT=$OUT AB_SKIP_NEW=1 bash tools/gpu_ab.sh build > "$OUT/build_ab.log" 2>&1) &
     bases_built=$!
   fi
-  OUT=$OUT bash tools/gpu_check.sh build > "$OUT/build.log" 2>&1
+  if [[ -n "${PREBUILT:-}" ]] && use_prebuilt "$PREBUILT"; then
+    st "build: the prebuilt module in $PREBUILT (PYTHONPATH=$REPO)"
+  else
+    [[ -n "${PREBUILT:-}" ]] && st "build: the prebuilt module did not import (see build.log); building"
+    OUT=$OUT bash tools/gpu_check.sh build >> "$OUT/build.log" 2>&1
+  fi
   grep -E "te_jax: (CUDA|sm90)|^build:|native module" "$OUT/build.log" >> "$LOG"
   if [[ -n "$tarball" ]] && { want kernels || want ncu; }; then
     (OUT=$OUT BUILD_ONLY=1 bash tools/gpu_kernels.sh build > "$OUT/build_kernels.log" 2>&1) &

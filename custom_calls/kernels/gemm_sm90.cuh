@@ -198,9 +198,6 @@ const char* GroupedVariantName(GroupedVariant v);
 // Whether variant v's kernel serves grouped axis a.
 bool GroupedVariantServes(GroupedVariant v, GroupedAxis a);
 
-// The element type variant v writes.
-OutputType GroupedVariantOutput(GroupedVariant v);
-
 // nullptr when variant v can run args (host-visible checks only: shapes,
 // pointers, the variant's scaling and axis), else why not.
 const char* CheckGroupedGemm(GroupedVariant v, const GroupedGemmArgs& args);

@@ -145,11 +145,6 @@ bool GroupedVariantServes(GroupedVariant v, GroupedAxis a) {
   return e && (e->axes & Bit(a));
 }
 
-OutputType GroupedVariantOutput(GroupedVariant v) {
-  const Entry* e = Find(v);
-  return e ? e->out : OutputType::kBF16;
-}
-
 const char* CheckGroupedGemm(GroupedVariant v, const GroupedGemmArgs& p) {
   const Entry* e = Find(v);
   if (!e) return "unknown variant";
