@@ -208,8 +208,10 @@ def run_layer(row: str, small: bool, k: int, repeats: int, profile_steps: int,
           "args_temp": stats["argument"] + stats["temp"], "sizes": sz, "build_s": seconds}
 
 
-def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int) -> dict:
-  """Times ``train_gpt.py --preset moe`` (moe_tiny with ``small``) steps.
+def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int,
+              overrides: dict = None) -> dict:
+  """Times ``train_gpt.py --preset moe`` (moe_tiny with ``small``) steps,
+  with ``overrides`` (``Config`` fields, ``--model-set``) on the preset.
 
   As for the layer, building the step is timed phase by phase before the
   timed steps: ``init`` (the ``Trainer`` built, its state initialized),
@@ -221,9 +223,9 @@ def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int
   from _fp8_carry import run_steps, time_steps  # pylint: disable=import-error,import-outside-toplevel
   from model_memory import memory_stats  # pylint: disable=import-error,import-outside-toplevel
 
-  cfg = train_gpt.Config(preset="moe_tiny" if small else "moe", recipe=recipe,
-                         num_docs=1000 if small else 20000, out_dir=None, progress=False,
-                         eval_batches=0)
+  cfg = train_gpt.Config(**dict(dict(preset="moe_tiny" if small else "moe", recipe=recipe,
+                                     num_docs=1000 if small else 20000, out_dir=None,
+                                     progress=False, eval_batches=0), **(overrides or {})))
   phase = _phases()
   trainer = train_gpt.Trainer(cfg)
   state = jax.block_until_ready(trainer.init())
@@ -310,7 +312,8 @@ def format_tables(results, args) -> str:
   model = [r for r in results if r["part"] == "model"]
   if model:
     base = next((r for r in model if r["row"] == "none"), None)
-    lines += [f"train_gpt.py --preset {'moe_tiny' if args.small else 'moe'} "
+    lines += [f"train_gpt.py --preset {'moe_tiny' if args.small else 'moe'}"
+              f"{' --set ' + args.model_set if args.model_set else ''} "
               f"({model[0]['params'] / 1e6:.1f}M parameters): tokens/s per recipe against "
               "bf16 (none).", "",
               f"| recipe | ms / step | tokens/s | vs bf16 | {kinds_head} | args+temp GiB "
@@ -360,7 +363,9 @@ def _one(part, row, args) -> dict:
   if part == "layer":
     return run_layer(row, args.small, args.k, args.repeats, args.profile_steps,
                      args.top_kernels, args.layer_sizes)
-  return run_model(row, args.small, args.k, args.repeats, args.profile_steps)
+  from model_memory import parse_overrides  # pylint: disable=import-error,import-outside-toplevel
+  return run_model(row, args.small, args.k, args.repeats, args.profile_steps,
+                   parse_overrides(args.model_set))
 
 
 def _child(part, row, args) -> dict:
@@ -368,7 +373,8 @@ def _child(part, row, args) -> dict:
          str(args.k), "--repeats", str(args.repeats), "--profile-steps",
          str(args.profile_steps), "--top-kernels", str(args.top_kernels),
          "--layer-sizes", args.layer_sizes] + (
-             ["--small"] if args.small else [])
+             ["--small"] if args.small else []) + (
+             ["--model-set", args.model_set] if args.model_set else [])
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=HERE,
                           check=False)
@@ -397,6 +403,9 @@ def main(argv=None) -> int:
   p.add_argument("--layer-sizes", default="full", choices=[n for n in LAYER_SIZES if n != "small"],
                  help="the layer rows' sizes (LAYER_SIZES): full, the moe preset's layer; wide, "
                       "GEMM-bound experts")
+  p.add_argument("--model-set", default="",
+                 help="Config overrides on the model part's preset, e.g. "
+                      "hidden=2048,layers=8,experts=32,mlp=1408 (model_memory.py's --set)")
   p.add_argument("--top-kernels", type=int, default=0,
                  help="print each layer row's N GPU kernels with the most time, and their part")
   p.add_argument("--in-process", action="store_true",

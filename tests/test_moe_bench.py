@@ -90,6 +90,20 @@ def test_small_run_on_cpu_times_every_row_and_sorts_the_ops(tmp_path, capsys):
   assert "train_gpt.py --preset moe_tiny" in out
 
 
+def test_model_set_overrides_the_model_rows_preset(tmp_path, capsys):
+  """--model-set changes the model part's Config (here one layer of
+  moe_tiny's two): fewer parameters, and the table says which."""
+  out_json = tmp_path / "rows.json"
+  args = ["--small", "--in-process", "--parts", "model", "--recipes", "none", "--k", "1",
+          "--repeats", "1", "--profile-steps", "1", "--json-out", str(out_json)]
+  assert bench_moe.main(args) == 0
+  (whole,) = json.loads(out_json.read_text())
+  assert bench_moe.main(args + ["--model-set", "layers=1"]) == 0
+  (one,) = json.loads(out_json.read_text())
+  assert 0 < one["params"] < whole["params"]
+  assert "train_gpt.py --preset moe_tiny --set layers=1 (" in capsys.readouterr().out
+
+
 def test_unknown_recipe_is_a_usage_error():
   with pytest.raises(SystemExit):
     bench_moe.main(["--small", "--recipes", "fp4"])
@@ -108,9 +122,11 @@ def test_layer_sizes_reach_the_layer_and_the_child_process(monkeypatch):
     return type("P", (), {"stdout": 'JSON {"ms": 1.0}', "stderr": "", "returncode": 0})()
   monkeypatch.setattr(bench_moe.subprocess, "run", fake_run)
   args = bench_moe.argparse.Namespace(k=1, repeats=1, profile_steps=1, top_kernels=0,
-                                      layer_sizes="wide", small=False, timeout=5)
+                                      layer_sizes="wide", small=False, timeout=5,
+                                      model_set="layers=1")
   assert bench_moe._child("layer", "none", args) == {"ms": 1.0}  # pylint: disable=protected-access
   assert seen["cmd"][seen["cmd"].index("--layer-sizes") + 1] == "wide"
+  assert seen["cmd"][seen["cmd"].index("--model-set") + 1] == "layers=1"
   with pytest.raises(SystemExit):
     bench_moe.main(["--layer-sizes", "huge"])
 

@@ -65,7 +65,7 @@
 # Env: RUN_DIR (the logs; default /tmp/gpu_session: not the device call's $OUT,
 # which a later call empties), STAGES, AB_BASES, AB_CONFIGS, MOE_TIMEOUT,
 # MOE_PARTS, MOE_LAYER_SIZES, MOE_RECIPES, MOE_MODEL_RECIPES (the model rows' recipes,
-# default MOE_RECIPES), JAX_WHEELS, NVCC_FREE, NVCC_FREE_TESTS, MEMORY_TABLES (the suite
+# default MOE_RECIPES), MOE_MODEL_SET (bench_moe's --model-set: overrides on the moe preset), JAX_WHEELS, NVCC_FREE, NVCC_FREE_TESTS, MEMORY_TABLES (the suite
 # stage's compile-only tables, default "offload live actfp8"), MODEL_RECIPES (the model
 # stage's recipes, default none,delayed,blockwise,current).
 set -uo pipefail
@@ -360,6 +360,7 @@ if want moe; then
   if [[ "$parts" == *" model "* ]]; then
     (cd /tmp && timeout 600 python3 "$REPO/benchmarks/bench_moe.py" --parts model \
        --recipes "${MOE_MODEL_RECIPES:-${MOE_RECIPES:-none,delayed}}" \
+       ${MOE_MODEL_SET:+--model-set "$MOE_MODEL_SET"} \
        --timeout "${MOE_TIMEOUT:-150}" > "$OUT/moe_model.log" 2>&1)
     grep -E "^model " "$OUT/moe_model.log" >> "$LOG"
   fi
