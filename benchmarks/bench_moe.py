@@ -312,8 +312,9 @@ def format_tables(results, args) -> str:
   model = [r for r in results if r["part"] == "model"]
   if model:
     base = next((r for r in model if r["row"] == "none"), None)
+    model_set = getattr(args, "model_set", "")   # callers' Namespaces may predate it
     lines += [f"train_gpt.py --preset {'moe_tiny' if args.small else 'moe'}"
-              f"{' --set ' + args.model_set if args.model_set else ''} "
+              f"{' --set ' + model_set if model_set else ''} "
               f"({model[0]['params'] / 1e6:.1f}M parameters): tokens/s per recipe against "
               "bf16 (none).", "",
               f"| recipe | ms / step | tokens/s | vs bf16 | {kinds_head} | args+temp GiB "
