@@ -79,13 +79,9 @@ MOE_PRESETS = {
     # groups of head_dim 128), 64 experts of 3 x 1024 x 512 = 1.57M each
     # (100.7M), one shared expert 3 x 1024^2 = 3.1M, the router 1024 x 64;
     # 16 layers = 1.71B; a token uses 8 experts: 18.9M per layer, 0.30B.
-    # Memory (estimate, to be measured on the GPU): fp32 parameters, gradients
-    # and AdamW's moments 16 B/param = 27 GB. 8 x 2048 tokens per step make
-    # 131k expert assignments per layer; the dispatch buffer and the
-    # experts' inputs and outputs that the backward keeps are ~1 GB per layer
-    # in bf16 (plus their FP8 copies), ~16-20 GB for 16 layers; attention
-    # and temporaries (the grouped GEMM's reference dequantizes an operand to
-    # float32 at a time) bring the step to an estimated 55-70 GB.
+    # Memory: fp32 parameters and AdamW's moments 12 B/param (the step's
+    # arguments, 19 GiB), plus what the backward keeps of 8 x 2048 tokens'
+    # 131k expert assignments per layer (BENCHMARKS.md: the compiled step).
     "moe": dict(arch="llama", hidden=1024, layers=16, heads=8, kv_groups=4, mlp=512,
                 experts=64, experts_per_token=8, shared_mlp=1024, seq_len=2048, batch=8,
                 steps=500, lr=3e-4, warmup=50, dtype="bfloat16", num_docs=100000,
@@ -105,5 +101,6 @@ GPU_PRESETS = {
     "llama": "it is sized for one H200 (1.13B parameters, 8 x 4096 tokens per step, "
              "an estimated 80-95 GB of GPU memory with AdamW)",
     "moe": "it is sized for one 80 GB H100 (1.71B parameters in 64 experts per layer, "
-           "8 x 2048 tokens per step, an estimated 55-70 GB of GPU memory with AdamW)",
+           "8 x 2048 tokens per step, about 42 GiB of GPU memory with AdamW as compiled "
+           "for an H100, 37 GiB in FP8)",
 }
