@@ -223,9 +223,9 @@ def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int
   from _fp8_carry import run_steps, time_steps  # pylint: disable=import-error,import-outside-toplevel
   from model_memory import memory_stats  # pylint: disable=import-error,import-outside-toplevel
 
-  cfg = train_gpt.Config(**dict(dict(preset="moe_tiny" if small else "moe", recipe=recipe,
-                                     num_docs=1000 if small else 20000, out_dir=None,
-                                     progress=False, eval_batches=0), **(overrides or {})))
+  base = dict(preset="moe_tiny" if small else "moe", recipe=recipe,
+              num_docs=1000 if small else 20000, out_dir=None, progress=False, eval_batches=0)
+  cfg = train_gpt.Config(**(base | (overrides or {})))
   phase = _phases()
   trainer = train_gpt.Trainer(cfg)
   state = jax.block_until_ready(trainer.init())

@@ -156,8 +156,8 @@ def te_jax_rows(block, sz, fastacc=False, param_dtype=BF16, backward_chunks=1,
       m = tfx.TransformerLayer(sz["hidden"], sz["mlp"], sz["heads"], layer_type="decoder",
                                activations=("gelu",), dtype=BF16, param_dtype=param_dtype,
                                mlp_backward_chunks=chunks)
-    ctx = lambda r=r, h_fp8=h_fp8: te_jax.fp8_autocast(
-        enabled=r is not None, fp8_recipe=r, **({"store_act_input_in_fp8": True} if h_fp8 else {}))
+    ctx = lambda r=r, h_fp8=h_fp8: te_jax.fp8_autocast(enabled=r is not None, fp8_recipe=r,
+                                                       store_act_input_in_fp8=h_fp8)
     rows.append((f"te_jax {name}", m, ctx))
   return rows
 
@@ -268,6 +268,16 @@ def carry_state(variables, grads):
   return {k: (v if k == "params" else grads[k]) for k, v in variables.items()}
 
 
+def train_step(module):
+  """The timed step of one block: ``jit(value_and_grad(mean(y**2), (params,
+  x)))`` (also compiled by tools/deviceless_peers_memory.py)."""
+  def loss(v, x):
+    y = module.apply(v, x, rngs={"dropout": jax.random.key(2)})
+    y = y[0] if isinstance(y, tuple) else y
+    return jnp.mean(jnp.square(y.astype(jnp.float32)))
+  return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+
+
 def time_row(module, ctx, sz, k, repeats, profile=False, hlo_path=None, profile_steps=3):
   """{"ms", "dx_abs_max", "temp_mib", "window"} of one block's training step.
 
@@ -289,14 +299,7 @@ def time_row(module, ctx, sz, k, repeats, profile=False, hlo_path=None, profile_
   with ctx():
     variables = nn.unbox(jax.jit(module.init)(rngs, xs[0]))
     variables = dict(variables)
-
-    def loss(v, x):
-      y = module.apply(v, x, rngs={"dropout": jax.random.key(2)})
-      y = y[0] if isinstance(y, tuple) else y
-      return jnp.mean(jnp.square(y.astype(jnp.float32)))
-
-    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
-    compiled = step.lower(variables, xs[0]).compile()
+    compiled = train_step(module).lower(variables, xs[0]).compile()
   if hlo_path:
     with open(hlo_path, "w", encoding="utf-8") as f:
       f.write(compiled.as_text())

@@ -187,6 +187,20 @@ def patch_jax(target_config: str):
   return devices
 
 
+def compile_only_devices(target_config: str):
+  """The whole set-up before jax starts: the environment (no driver check,
+  the CPU client, cuDNN's deviceless graphs), the libcuda stub, and jax
+  patched (:func:`patch_jax`); returns the compile-only H100 devices."""
+  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")   # the plugin compiles; no CUDA client
+  if "xla_gpu_cudnn_deviceless_compilation_mode" not in os.environ.get("XLA_FLAGS", ""):
+    # cuDNN attention graphs from the target's device properties, no handle.
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_cudnn_deviceless"
+                               "_compilation_mode=CUDNN_DEVICELESS_COMPILATION_ALWAYS").strip()
+  load_libcuda()
+  return patch_jax(target_config)
+
+
 def patch_model_memory(src: str, devices):
   """model_memory with te_jax's GPU checks answered and its run_one adding
   the compiled HLO's custom calls; its children re-run this file."""
@@ -252,14 +266,7 @@ def main(argv=None):
     os.environ[ENV_HLO] = os.path.abspath(own.hlo_dir)
   src = os.path.abspath(own.te_jax_src or os.environ.get(ENV_SRC, REPO))
   os.environ[ENV_SRC] = src
-  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # no driver to check
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")   # the plugin compiles; no CUDA client
-  if "xla_gpu_cudnn_deviceless_compilation_mode" not in os.environ.get("XLA_FLAGS", ""):
-    # cuDNN attention graphs from the target's device properties, no handle.
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_cudnn_deviceless"
-                               "_compilation_mode=CUDNN_DEVICELESS_COMPILATION_ALWAYS").strip()
-  load_libcuda()
-  model_memory = patch_model_memory(src, patch_jax(os.environ[ENV_CONFIG]))
+  model_memory = patch_model_memory(src, compile_only_devices(os.environ[ENV_CONFIG]))
   return model_memory.main(rest)
 
 

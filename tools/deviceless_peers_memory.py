@@ -29,11 +29,13 @@ sys.path[:0] = [os.path.join(REPO, "tools"), os.path.join(REPO, "benchmarks")]
 
 
 def row_temp_mib(module, ctx, sz, device) -> float:
-  """Temp MiB of one row's compiled step (bench_peers.time_row's step)."""
+  """Temp MiB of one row's compiled step (``bench_peers.train_step``) on
+  abstract arguments placed on ``device``."""
   import jax
   import jax.numpy as jnp
   import flax.linen as nn
   from jax.sharding import SingleDeviceSharding
+  import bench_peers
 
   on_device = SingleDeviceSharding(device)
   place = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=on_device)
@@ -42,12 +44,7 @@ def row_temp_mib(module, ctx, sz, device) -> float:
     init = lambda x: nn.unbox(module.init({"params": jax.random.key(0),
                                            "dropout": jax.random.key(1)}, x))
     variables = jax.tree.map(place, jax.eval_shape(init, x))
-
-    def loss(v, x):
-      y = module.apply(v, x, rngs={"dropout": jax.random.key(2)})
-      y = y[0] if isinstance(y, tuple) else y
-      return jnp.mean(jnp.square(y.astype(jnp.float32)))
-    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(variables, x).compile()
+    compiled = bench_peers.train_step(module).lower(variables, x).compile()
   return compiled.memory_analysis().temp_size_in_bytes / 2**20
 
 
@@ -61,13 +58,7 @@ def main(argv=None):
   args = p.parse_args(argv)
 
   import deviceless_memory as dm
-  os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  if "xla_gpu_cudnn_deviceless_compilation_mode" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_cudnn_deviceless"
-                               "_compilation_mode=CUDNN_DEVICELESS_COMPILATION_ALWAYS").strip()
-  dm.load_libcuda()
-  devices = dm.patch_jax(dm.write_target_config(raw_memory_base=False))
+  devices = dm.compile_only_devices(dm.write_target_config(raw_memory_base=False))
   import bench_peers
 
   sz = bench_peers.sizes(args.small)
