@@ -209,7 +209,7 @@ def run_layer(row: str, small: bool, k: int, repeats: int, profile_steps: int,
 
 
 def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int,
-              overrides: dict = None) -> dict:
+              overrides: dict = None, top_kernels: int = 0) -> dict:
   """Times ``train_gpt.py --preset moe`` (moe_tiny with ``small``) steps,
   with ``overrides`` (``Config`` fields, ``--model-set``) on the preset.
 
@@ -250,7 +250,7 @@ def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int
   def profiled(n):
     live["state"], last = run_steps(step, live["state"], batches, n, carry)
     return last
-  kinds = kernel_time_by_part(profiled, profile_steps, compiled.as_text())
+  kinds = kernel_time_by_part(profiled, profile_steps, compiled.as_text(), top=top_kernels)
   stats = memory_stats(compiled)
   ms = statistics.median(times)
   tokens = trainer.cfg.batch * trainer.cfg.seq_len
@@ -366,7 +366,7 @@ def _one(part, row, args) -> dict:
                      args.top_kernels, args.layer_sizes)
   from model_memory import parse_overrides  # pylint: disable=import-error,import-outside-toplevel
   return run_model(row, args.small, args.k, args.repeats, args.profile_steps,
-                   parse_overrides(args.model_set))
+                   parse_overrides(args.model_set), args.top_kernels)
 
 
 def _child(part, row, args) -> dict:
@@ -408,7 +408,7 @@ def main(argv=None) -> int:
                  help="Config overrides on the model part's preset, e.g. "
                       "hidden=2048,layers=8,experts=32,mlp=1408 (model_memory.py's --set)")
   p.add_argument("--top-kernels", type=int, default=0,
-                 help="print each layer row's N GPU kernels with the most time, and their part")
+                 help="print each row's N GPU kernels with the most time, their part and HLO op")
   p.add_argument("--in-process", action="store_true",
                  help="every row in this process (default: a fresh process each)")
   p.add_argument("--timeout", type=int, default=900, help="seconds per row")

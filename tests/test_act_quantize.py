@@ -825,12 +825,12 @@ def test_cuda_odd_shapes(shape):
 @pytest.mark.parametrize("shape", [(200, 256), (130, 128), (1, 384)])
 def test_cuda_paired_gated_backward(shape, mode):
   """A gated backward with F % 128 == 0 runs one block per column tile of h
-  that writes both halves of dh (kPaired in the per-tensor kernel and its
-  amax pass, kernels/act_quantize_tensor.cu; ActQuantizeVec128PairedKernel's
-  passes for blockwise, kernels/act_quantize_blockwise.cu): against the
-  reference with edge rows (M % 128 != 0), one tile of h, one row, and every
-  activation in each position, 16-bit inputs (the paired kernels' only
-  ones) of both kinds."""
+  that writes both halves of dh in the per-tensor modes (kPaired in the
+  kernel and its amax pass, kernels/act_quantize_tensor.cu; the 1x128
+  kernel keeps one block per tile of dh, checked here at the same shapes):
+  against the reference with edge rows (M % 128 != 0), one tile of h, one
+  row, and every activation in each position, 16-bit inputs (the paired
+  kernels' only ones) of both kinds."""
   for k, acts in enumerate(PAIRS):
     h_dtype = F16 if k % 3 == 2 else BF16
     _gpu_case("bwd", acts, mode, shape, h_dtype=h_dtype, dz_dtype=h_dtype)

@@ -1,6 +1,7 @@
 """tools/ncu_summary.py: Nsight Compute's CSV read into the kernel budget table."""
 
 import importlib.util
+import math
 import os
 
 import pytest
@@ -34,7 +35,7 @@ def test_medians_per_kernel_with_durations_in_ms(tmp_path):
           _row(1, "nvjet_a", "(132, 1, 1)", "Compute (SM) Throughput", "%", "90"),
           _row(2, "nvjet_a", "(132, 1, 1)", "Duration", "nsecond", "2000000"),
           _row(2, "nvjet_a", "(132, 1, 1)", "Compute (SM) Throughput", "%", "70"),
-          _row(3, "device_kernel", "(66, 2, 1)", "Duration", "usecond", "500"),
+          _row(3, "device_kernel", "(66, 2, 1)", "Duration", "us", "500"),
           _row(3, "device_kernel", "(66, 2, 1)", "Memory Throughput", "%", "n/a")]
   groups = ncu_summary.read([_write(tmp_path, rows)])
   assert groups[("nvjet_a", "(132, 1, 1)", "(384, 1, 1)")]["Duration"] == pytest.approx(
@@ -50,3 +51,10 @@ def test_medians_per_kernel_with_durations_in_ms(tmp_path):
 def test_no_metric_rows_is_an_error(tmp_path, capsys):
   assert ncu_summary.main([_write(tmp_path, [])]) == 1
   assert "no metric rows" in capsys.readouterr().out
+
+
+def test_an_unknown_duration_unit_is_named(tmp_path, capsys):
+  rows = [_row(0, "nvjet_a", "(132, 1, 1)", "Duration", "fortnight", "1")]
+  groups = ncu_summary.read([_write(tmp_path, rows)])
+  assert math.isnan(groups[("nvjet_a", "(132, 1, 1)", "(384, 1, 1)")]["Duration"][0])
+  assert "unknown Duration unit 'fortnight'" in capsys.readouterr().err

@@ -177,11 +177,17 @@ if want ncu; then
     --section WarpStateStats --section Occupancy --section LaunchStats "$bin" "${hargs[@]}" \
     > "$OUT/ncu_blockwise.csv" 2> "$OUT/ncu_blockwise.err" \
     || { echo "ncu: exit $? (see $OUT/ncu_blockwise.err):"; tail -n 3 "$OUT/ncu_blockwise.err"; }
-  timeout 200 ncu "${NCU_ARGS[@]}" \
-    --metrics sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \
-    "$bin" "${hargs[@]}" > "$OUT/ncu_blockwise_tensor.csv" 2> "$OUT/ncu_blockwise_tensor.err" \
-    || echo "ncu (tensor pipe): exit $? (see $OUT/ncu_blockwise_tensor.err)"
-  python3 tools/ncu_summary.py "$OUT/ncu_blockwise.csv" "$OUT/ncu_blockwise_tensor.csv" \
+  # Two spellings of the tensor pipe's share (run AN's image gave no column
+  # for the first), each in its own pass and file.
+  tensor_csvs=()
+  for metric in sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \
+                sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active; do
+    f="$OUT/ncu_blockwise_tensor${#tensor_csvs[@]}.csv"
+    tensor_csvs+=("$f")
+    timeout 200 ncu "${NCU_ARGS[@]}" --metrics "$metric" "$bin" "${hargs[@]}" \
+      > "$f" 2> "${f%.csv}.err" || echo "ncu ($metric): exit $? (see ${f%.csv}.err)"
+  done
+  python3 tools/ncu_summary.py "$OUT/ncu_blockwise.csv" "${tensor_csvs[@]}" \
     | tee "$OUT/ncu_summary.log"
 fi
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader 2>/dev/null \

@@ -84,7 +84,9 @@ if [[ "${1:-}" == wait ]]; then       # a foreground call: wait, report, hand ba
   if [[ -n "${OUT:-}" ]]; then        # the device call's folder: the files come back
     # One archive: a call hands back only a few files.
     cp "$LOG" "$OUT/" 2>/dev/null
-    (cd "$RUN_DIR" && find . \( -name '*.log' -o -name '*.err' \) -size -4M -print0 | tar -czf "$OUT/logs.tgz" --null -T -)
+    # Nsight Compute's CSVs too: the summary's source when it shows nan or -.
+    (cd "$RUN_DIR" && find . \( -name '*.log' -o -name '*.err' -o -name 'ncu*.csv' \) -size -4M \
+       -print0 | tar -czf "$OUT/logs.tgz" --null -T -)
   fi
   exit 0
 fi
@@ -361,7 +363,7 @@ if want moe; then
     (cd /tmp && timeout 600 python3 "$REPO/benchmarks/bench_moe.py" --parts model \
        --recipes "${MOE_MODEL_RECIPES:-${MOE_RECIPES:-none,delayed}}" \
        ${MOE_MODEL_SET:+--model-set "$MOE_MODEL_SET"} \
-       --timeout "${MOE_TIMEOUT:-150}" > "$OUT/moe_model.log" 2>&1)
+       --timeout "${MOE_TIMEOUT:-150}" --top-kernels 25 > "$OUT/moe_model.log" 2>&1)
     grep -E "^model " "$OUT/moe_model.log" >> "$LOG"
   fi
 fi

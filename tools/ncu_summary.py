@@ -23,14 +23,18 @@ COLUMNS = (
     ("SM %", ("Compute (SM) Throughput",)),
     ("memory %", ("Memory Throughput",)),
     ("DRAM %", ("DRAM Throughput",)),
-    ("tensor pipe %", ("sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",)),
+    ("tensor pipe %", ("sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+                       "sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active")),
     ("issue slots %", ("Issue Slots Busy",)),
     ("cycles / issue", ("Warp Cycles Per Issued Instruction",)),
     ("occupancy %", ("Achieved Occupancy",)),
     ("registers", ("Registers Per Thread",)),
 )
-# Durations are converted to ms whatever unit ncu chose.
-_TO_MS = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3}
+# Durations are converted to ms, in either spelling of the unit; another
+# unit is named on stderr (run AN's table had nan durations, and its CSV did
+# not come back to say which unit ncu wrote).
+_TO_MS = {"nsecond": 1e-6, "usecond": 1e-3, "msecond": 1.0, "second": 1e3,
+          "ns": 1e-6, "us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
 def _number(text: str):
@@ -54,7 +58,10 @@ def read(paths: List[str]) -> Dict[Tuple[str, str, str], Dict[str, List[float]]]
         continue
       name = row.get("Metric Name", "")
       if name == "Duration":
-        value *= _TO_MS.get(row.get("Metric Unit", ""), float("nan"))
+        unit = row.get("Metric Unit", "")
+        if unit not in _TO_MS:
+          print(f"ncu_summary: unknown Duration unit {unit!r} in {path}", file=sys.stderr)
+        value *= _TO_MS.get(unit, float("nan"))
       key = (row.get("Kernel Name", "?")[:70], row.get("Grid Size", ""), row.get("Block Size", ""))
       groups[key][name].append(value)
   return groups

@@ -251,6 +251,7 @@ struct Candidate {
   float ms = -1.f;                            // median time per call; < 0: not timed
   std::string skipped;                        // why it was dropped ("" = usable)
   int sm90 = -1;                              // >= 0: sm90::BlockwiseVariant, not cuBLASLt
+  int sm90_swizzle = 1;                       // that variant's tile swizzle (sm90::TileOrder)
   std::string label;                          // the sm90 variant's description
 };
 

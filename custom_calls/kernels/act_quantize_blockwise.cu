@@ -146,130 +146,6 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
     }
   }
 }
-
-// ScaleMode::kVec128 for a paired gated backward (F % 128 == 0, 16-bit
-// inputs; the grid spans h's F columns): the tile of dh at the block's
-// columns, the tile F columns to the right and act(h)'s tile, in passes over
-// the same inputs instead of ActQuantizeVec128Kernel's parked values. Pass 1
-// stores both halves' rowwise copies from the row loop and gathers the three
-// tiles' column maxima; pass 2 evaluates dh again (the inputs now mostly in
-// L2) and casts it with the column scales into ColumnBytes, as the
-// per-tensor kernel does; pass 3 act(h) likewise, as ActQuantizeVec128Kernel
-// does. Split, the two halves' blocks each load all three inputs and
-// evaluate both activations (the left one act(h) again): the same reads and
-// evaluations, here without the 64 KB scratch that each tile's values pass
-// through there. Same values (prologue::ActRows) and casts, so the same bytes.
-template <typename InT, prologue::ActLoop kLoop, int kOut, bool kFp8H>
-__global__ void __launch_bounds__(kThreads, 2)
-    ActQuantizeVec128PairedKernel(QuantizeArgs p, PrologueArgs q, QuantizeArgs z,
-                                  Fp8HInput hs) {
-  static_assert((kOut & kOutBoth) == kOutBoth && !(kOut & kOutH), "dh both ways");
-  constexpr bool kAct = kOut & kOutActCols;
-  constexpr Prologue kPro = Prologue::kDAct;
-  __shared__ unsigned col_part[kThreads / 16][kTile];  // per-row-group column amax
-  __shared__ float col_scale[3][kTile];  // left, right, act(h)
-  __shared__ __align__(16) uint8_t tbuf[kTile * kTile];
-
-  const int64_t M = p.M, K = p.K, F = q.F;
-  const SubTile st = ThisSubTile();
-  SubTile right = st;  // the same sub-tile F columns to the right
-  right.k0 += F;
-  right.gc += F;
-  const Fp8Out fmt = OutFormat(p);
-  const int64_t first_row = st.m0 + st.r0;
-
-  // Row i of one half: its 1x128 scale (a max over the 16 lanes of the row),
-  // the scale's inverse and the rowwise bytes.
-  auto store_row = [&](int i, const float (&y)[kSub], uint8_t* at, const SubTile& t) {
-    float rmax = 0.f;
-#pragma unroll
-    for (int j = 0; j < kSub; ++j) rmax = MaxAbs(rmax, y[j]);
-    const float s = ComputeScale(__uint_as_float(WarpMaxU(__float_as_uint(rmax), 16)), fmt.max,
-                                 p.pow2);
-    const int64_t gr = first_row + i;
-    if (gr >= M) return;
-    if (t.cg == 0) p.sinv[(t.k0 / kTile) * p.sinv_ld + gr] = 1.f / s;  // (K/128, M) layout
-    unsigned pair[kSub / 2];
-#pragma unroll
-    for (int k = 0; k < kSub / 2; ++k) pair[k] = Cast2(y[2 * k] * s, y[2 * k + 1] * s, fmt.interp);
-    StoreRowWords(at, PackPairs(pair), true, K - t.gc);  // F % 128 == 0: whole words
-  };
-  float cmax[kSub], cmax_right[kSub], zmax[kSub];
-#pragma unroll
-  for (int j = 0; j < kSub; ++j) cmax[j] = cmax_right[j] = zmax[j] = 0.f;
-  uint8_t* out_row = p.data + first_row * K + st.gc;
-  prologue::ComputeRows<InT, kPro, kLoop, false, kFp8H, false, true>(
-      q, M, first_row, st.gc,
-      [&](int i, const float (&y)[kSub], const float (&y_right)[kSub], const float (&zv)[kSub]) {
-        store_row(i, y, out_row, st);
-        store_row(i, y_right, out_row + F, right);
-        out_row += K;
-#pragma unroll
-        for (int j = 0; j < kSub; ++j) {
-          cmax[j] = MaxAbs(cmax[j], y[j]);
-          cmax_right[j] = MaxAbs(cmax_right[j], y_right[j]);
-          if constexpr (kAct) zmax[j] = MaxAbs(zmax[j], zv[j]);
-        }
-      },
-      hs);
-
-  // The 128x1 scales (each call's barriers also order its reads of col_part
-  // before the next call's writes).
-  unsigned bits[kSub];
-#pragma unroll
-  for (int j = 0; j < kSub; ++j) bits[j] = __float_as_uint(cmax[j]);
-  ColumnScales(p, st, bits, fmt.max, col_part, col_scale[0]);
-#pragma unroll
-  for (int j = 0; j < kSub; ++j) bits[j] = __float_as_uint(cmax_right[j]);
-  ColumnScales(p, right, bits, fmt.max, col_part, col_scale[1]);
-  const Fp8Out zfmt = OutFormat(z);
-  if constexpr (kAct) {
-#pragma unroll
-    for (int j = 0; j < kSub; ++j) bits[j] = __float_as_uint(zmax[j]);
-    ColumnScales(z, st, bits, zfmt.max, col_part, col_scale[2]);
-  }
-
-  // Pass 2: dh's columnwise copies (pass 3: act(h)'s, from h alone as the
-  // forward computes it; in pass 2 a third ColumnBytes spilled 92 bytes).
-  auto push = [](ColumnBytes& c, const float (&v)[kSub], const float* scale,
-                 __nv_fp8_interpretation_t interp) {
-    unsigned pair[kSub / 2];
-#pragma unroll
-    for (int k = 0; k < kSub / 2; ++k)
-      pair[k] = Cast2(v[2 * k] * scale[2 * k], v[2 * k + 1] * scale[2 * k + 1], interp);
-    c.Push(pair);
-  };
-  {
-    const float* cs = col_scale[0] + st.c0;
-    const float* cs_right = col_scale[1] + st.c0;
-    ColumnBytes cols, cols_right;
-    prologue::ComputeRows<InT, kPro, kLoop, false, kFp8H, false, true>(
-        q, M, first_row, st.gc,
-        [&](int, const float (&y)[kSub], const float (&y_right)[kSub], const float (&)[kSub]) {
-          push(cols, y, cs, fmt.interp);
-          push(cols_right, y_right, cs_right, fmt.interp);
-        },
-        hs);
-    cols.ToTile(tbuf, st);
-    __syncthreads();
-    StoreTransposedTile(p, tbuf, st.m0, st.k0, st.t);
-    __syncthreads();  // the store above has read tbuf
-    cols_right.ToTile(tbuf, st);
-    __syncthreads();
-    StoreTransposedTile(p, tbuf, st.m0, right.k0, st.t);
-  }
-  if constexpr (kAct) {
-    const float* zs = col_scale[2] + st.c0;
-    ColumnBytes zcols;
-    prologue::ComputeRows<InT, Prologue::kAct, kLoop, false, kFp8H>(
-        q, M, first_row, st.gc,
-        [&](int, const float (&a)[kSub]) { push(zcols, a, zs, zfmt.interp); }, hs);
-    __syncthreads();  // the store above has read tbuf
-    zcols.ToTile(tbuf, st);
-    __syncthreads();
-    StoreTransposedTile(z, tbuf, st.m0, st.k0, st.t);
-  }
-}
 }  // namespace
 
 cudaError_t LaunchActVec128Mode(const QuantizeArgs& a, const PrologueArgs& q,
@@ -277,13 +153,8 @@ cudaError_t LaunchActVec128Mode(const QuantizeArgs& a, const PrologueArgs& q,
                                 const Fp8HOutput& ho, int out, bool fp8_h, cudaStream_t stream) {
   return WithVariant(a, q, out, fp8_h, [&](auto v) {
     using V = decltype(v);
-    if constexpr (V::kCanPair) {
-      if (Paired(q)) {
-        ActQuantizeVec128PairedKernel<typename V::InT, V::kLoop, V::kOut, V::kFp8H>
-            <<<PairedGrid(a, q), kThreads, 0, stream>>>(a, q, z, hs);
-        return cudaGetLastError();
-      }
-    }
+    // Never paired: the columnwise copy parks a tile's float values in 64 KB
+    // of shared memory, and both halves' 128 KB would leave one block per SM.
     auto* kernel = ActQuantizeVec128Kernel<typename V::InT, V::kPro, V::kLoop, V::kOut, V::kFp8H>;
     // Only the columnwise copy parks values in the scratch.
     constexpr int kDynamic = (V::kOut & kOutCols) ? kScratchBytes : 0;
