@@ -129,7 +129,7 @@ def _sum_to_type_of(ct, primal):
   return lax.psum(ct, tuple(sorted(extra))) if extra else ct
 
 
-def _quantize_experts(mode, kernel, state, impl, amax_axes, transposed: bool = False):
+def quantize_experts(mode, kernel, state, impl, amax_axes, transposed: bool = False):
   """Each expert's (K, N) weight quantized on its own: ``(rows, cols, amax)``,
   ``rows`` a ``GroupedScaledTensor`` (E, K, N), ``cols`` with ``transposed``
   the (E, N, K) copy written by the same pass (else None), ``amax`` the
@@ -149,7 +149,7 @@ def _quantize_experts(mode, kernel, state, impl, amax_axes, transposed: bool = F
   return rows, cols, q.amax
 
 
-def _update_state(mode, state, amaxes, kernel_amax=None):
+def update_grouped_state(mode, state, amaxes, kernel_amax=None):
   """The state after this step: ``amaxes`` ({role: amax}) for x / grad, and
   one amax per expert for the kernel histories."""
   if state is None:
@@ -161,7 +161,7 @@ def _update_state(mode, state, amaxes, kernel_amax=None):
   return new
 
 
-def _wgrad_dtype(mode, k_proto):
+def wgrad_dtype(mode, k_proto):
   """The dtype the wgrad GEMM writes: the kernel's dtype where te_jax's
   grouped kernels write it (FP8: bfloat16 or float32; FP8 off: bfloat16),
   else the nearest they write, which the caller casts.
@@ -195,10 +195,10 @@ def _grouped_fwd(x, kernel, group_sizes, state, cfg):
     k_fprop = _gather(kernel, axes)
   else:
     qx = mode.quantize(x, "x", state, impl=impl, amax_axes=axes.token_axes)
-    k_local, k_cols, k_amax = _quantize_experts(mode, kernel, state, impl, axes.kernel_axes,
+    k_local, k_cols, k_amax = quantize_experts(mode, kernel, state, impl, axes.kernel_axes,
                                                 transposed=True)
     a, a_t, accum = qx.rowwise(), qx.columnwise(), mode.fast_accum("fprop")
-    new_state = _update_state(mode, state, {"x": qx.amax}, k_amax)
+    new_state = update_grouped_state(mode, state, {"x": qx.amax}, k_amax)
     # The (E, N, K) copy seen as (E, K, N): the GEMM's own transpose to
     # (E, N, K) cancels this one under jit.
     k_fprop = _gather(k_cols, axes, transposed=True).T
@@ -222,11 +222,11 @@ def _grouped_bwd(cfg, res, g):
     g_rows, dgrad_accum = qg.rowwise(), mode.fast_accum("dgrad")
     wgrad = functools.partial(grouped_op.grouped_wgrad, a_t, qg.columnwise(),
                               fast_accum=mode.fast_accum("wgrad"))
-    new_state = _update_state(mode, new_state, {"grad": qg.amax})
+    new_state = update_grouped_state(mode, new_state, {"grad": qg.amax})
   kernel = _gather(k_local, axes)
   dx = grouped_op.grouped_gemm(g_rows, _transpose(kernel), group_sizes,
                                out_dtype=x_proto.dtype, fast_accum=dgrad_accum, impl=impl)
-  dk = wgrad(group_sizes, out_dtype=_wgrad_dtype(mode, k_proto), impl=impl)
+  dk = wgrad(group_sizes, out_dtype=wgrad_dtype(mode, k_proto), impl=impl)
   dk = _scatter_wgrad(dk.astype(k_proto.dtype), axes)
   return _sum_to_type_of(dx, x_proto), _sum_to_type_of(dk, k_proto), None, new_state
 

@@ -1,4 +1,6 @@
-"""What the MoE experts keep for their backward (te_jax.moe.experts.activate).
+"""What the MoE experts keep for their backward (te_jax.moe.experts.activate,
+the unfused path: unsharded FP8 experts run te_jax.grouped_mlp instead, whose
+spec tests/test_grouped_mlp.py checks).
 
 The activation between the two grouped GEMMs is a custom VJP that keeps its
 input h alone and recomputes the derivative behind a barrier with the
@@ -113,6 +115,13 @@ def _step(rname, acts, **kw):
   return lambda: step(x, params, state)
 
 
+def _unfused(monkeypatch):
+  """FP8 experts through ``activate`` between two grouped dense calls (the
+  path expert_mlp takes under shard_map), not te_jax.grouped_mlp's fused
+  one (its own spec: tests/test_grouped_mlp.py)."""
+  monkeypatch.setattr(experts_lib, "_why_not_fused", lambda *_: "the test asks for it")
+
+
 def _assert_trees_equal(a, b):
   for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
     np.testing.assert_array_equal(np.asarray(u, np.float32), np.asarray(v, np.float32))
@@ -121,6 +130,7 @@ def _assert_trees_equal(a, b):
 @pytest.mark.parametrize("rname", list(RECIPES))
 @pytest.mark.parametrize("acts", [GATED, SINGLE])
 def test_default_equals_the_plain_activation_bit_for_bit(rname, acts, monkeypatch):
+  _unfused(monkeypatch)
   got = _step(rname, acts)()
   monkeypatch.setattr(experts_lib, "activate", _plain_activate)
   want = _step(rname, acts)()
@@ -142,6 +152,7 @@ def test_the_backward_recomputes_behind_a_barrier_with_the_cotangent():
 @pytest.mark.parametrize("rname", list(RECIPES))
 @pytest.mark.parametrize("acts", [GATED, SINGLE])
 def test_fp8_act_input_gradients_those_of_h_rounded_to_e4m3(rname, acts, monkeypatch):
+  _unfused(monkeypatch)
   default = _step(rname, acts)()
   got = _step(rname, acts, store_act_input_in_fp8=True)()
   monkeypatch.setattr(experts_lib, "activate", _rounded_h_activate)

@@ -6,7 +6,7 @@ Inf and NaN); the dispatchers' argument checks; the scaling modes'
 ``quantize_stack`` equals the ``lax.map`` of their 2-D ``quantize`` (the
 default a mode without a batched path gets, with a warning), also with
 ``amax_axes`` under a named ``vmap`` axis standing in for a mesh axis;
-``grouped_dense._quantize_experts`` and the whole grouped dense (values and
+``grouped_dense.quantize_experts`` and the whole grouped dense (values and
 gradients, the delayed-scaling state included) equal the ``lax.map`` code
 they replace (copied below as ``_old_quantize_experts``); lowered for CUDA,
 the expert weights take one stack custom call and no loop.
@@ -343,7 +343,7 @@ def test_mode_without_batched_path_maps_entries_and_warns_once():
 # ------------------------------------------------ grouped dense, old vs new --
 
 def _old_quantize_experts(mode, kernel, state, impl, amax_axes, transposed: bool = False):
-  """``grouped_dense._quantize_experts`` before the stack ops, verbatim: the
+  """``grouped_dense.quantize_experts`` before the stack ops, verbatim: the
   protocol's 2-D quantize once per expert in a ``lax.map``."""
   kstate = None if state is None else state["kernel"]
   block = []
@@ -375,7 +375,7 @@ def test_quantize_experts_equals_the_lax_map_code(name, e):
   st = _state_for(name, e)
   for transposed in (True, False):
     f = lambda fn, t=transposed: jax.jit(lambda w, st: fn(mode, w, st, "reference", (), t))
-    got, want = f(gd._quantize_experts)(w, st), f(_old_quantize_experts)(w, st)   # pylint: disable=protected-access
+    got, want = f(gd.quantize_experts)(w, st), f(_old_quantize_experts)(w, st)
     _assert_tree_bits_equal(got, want, f"{name} transposed={transposed}")
     if transposed:
       assert got[1].data.shape == (e, 136, 256)
@@ -396,7 +396,7 @@ def test_grouped_dense_values_and_gradients_equal_the_lax_map_code(name, monkeyp
   gs = jnp.asarray(SIZES, jnp.int32)
   st = _state_for(name, 4)
 
-  def step():   # a fresh function: traced anew with whichever _quantize_experts is set
+  def step():   # a fresh function: traced anew with whichever quantize_experts is set
     def f(x, w, st, g):
       y, vjp = jax.vjp(lambda x, w, st: gd.grouped_dense(x, w, gs, recipe=r, fp8_state=st,
                                                         impl="reference"), x, w, st)
@@ -404,7 +404,7 @@ def test_grouped_dense_values_and_gradients_equal_the_lax_map_code(name, monkeyp
     return jax.jit(f)(x, w, st, g)
 
   new = step()
-  monkeypatch.setattr(gd, "_quantize_experts", _old_quantize_experts)
+  monkeypatch.setattr(gd, "quantize_experts", _old_quantize_experts)
   old = step()
   _assert_tree_bits_equal(new, old, name)
   if name == "delayed":   # the per-expert histories advanced (the state's "gradient")
@@ -496,7 +496,7 @@ def test_gpu_quantize_experts_equals_the_lax_map_code(name):
   w = _stack((3, 256, 136), F32, seed=10)
   st = _state_for(name, 3)
   f = lambda fn: jax.jit(lambda w, st: fn(mode, w, st, "cuda", (), True))
-  _assert_tree_bits_equal(f(gd._quantize_experts)(w, st), f(_old_quantize_experts)(w, st),  # pylint: disable=protected-access
+  _assert_tree_bits_equal(f(gd.quantize_experts)(w, st), f(_old_quantize_experts)(w, st),
                           name)
 
 

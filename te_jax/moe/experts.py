@@ -1,13 +1,19 @@
 """The experts: a gated (SwiGLU, GeGLU) or plain MLP per expert over a sorted buffer.
 
-``y[rows_e] = act(x[rows_e] @ wi[e]) @ wo[e]``, both products grouped dense
-GEMMs (``te_jax.grouped_dense``) in FP8 under the recipe. Activations are
-named as everywhere in te_jax (``te_jax.ops.act_quantize.ACTIVATIONS``):
-one name, or two for a gated unit ``act0(h0) * act1(h1)`` (("silu",
-"linear") = SwiGLU). The activation runs in float32 between the GEMMs (the
-fused activation-quantize of ``te_jax.fused_mlp`` has no grouped form yet).
+``y[rows_e] = act(x[rows_e] @ wi[e]) @ wo[e]``, both products grouped GEMMs
+in FP8 under the recipe. Activations are named as everywhere in te_jax
+(``te_jax.ops.act_quantize.ACTIVATIONS``): one name, or two for a gated
+unit ``act0(h0) * act1(h1)`` (("silu", "linear") = SwiGLU).
 
-Memory: :func:`activate` is a custom VJP whose only residual is its input
+Two paths, one result up to rounding: with FP8 on, unsharded, and sizes
+``te_jax.grouped_mlp.supported`` takes (hidden and expert width multiples
+of 128), :func:`expert_mlp` runs ``te_jax.grouped_mlp``, the activation
+fused into the quantization of its output and of its gradient (no 16-bit
+``z`` or ``dh`` written). Otherwise (FP8 off, under ``shard_map``, other
+sizes: a warning once names which) two ``te_jax.grouped_dense`` calls with
+:func:`activate` between them, in float32, rounded to ``x.dtype``.
+
+Memory (the unfused path): :func:`activate` is a custom VJP whose only residual is its input
 ``h`` (M, n_act, F), from which the backward recomputes what the
 derivative needs inside its own fusion. Differentiated directly, the
 float32 chain kept more: XLA's forward wrote a full-size mask of the
@@ -29,6 +35,7 @@ every expert.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import NamedTuple, Optional, Sequence, Tuple
 
 import jax
@@ -36,6 +43,7 @@ import jax.numpy as jnp
 
 from te_jax import dense as dense_lib
 from te_jax import grouped_dense as gd
+from te_jax import grouped_mlp
 from te_jax.ops import quantize as quantize_op
 from te_jax.ops.act_quantize import (ACTIVATIONS, H_COPY_BLOCK, H_COPY_DTYPE,
                                      H_COPY_POWER_2_SCALE)
@@ -129,6 +137,24 @@ def activate(h: jax.Array, activations: Sequence[str], *,
   return _activate(h, _ActConfig(acts, store_act_input_in_fp8, impl))
 
 
+def _why_not_fused(x, f: int, wi_axes, wo_axes, recipe) -> str:
+  """Why the experts cannot run as ``te_jax.grouped_mlp`` ('' when they can)."""
+  if wi_axes != gd.GroupedAxes() or wo_axes != gd.GroupedAxes():
+    return ("under shard_map (expert, tensor or data parallelism) the activation's "
+            "quantization is not fused")
+  if not grouped_mlp.supported(x.shape[0], x.shape[1], f, recipe):
+    return (f"the hidden size {x.shape[1]} or expert width {f} is not a multiple of 128 "
+            f"(or the buffer's {x.shape[0]} rows not of the token block)")
+  return ""
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_unfused(reason: str):
+  logging.getLogger("te_jax").warning(
+      "te_jax: the MoE experts run their activation between two grouped GEMMs instead of "
+      "fused into the quantization (te_jax.grouped_mlp): %s.", reason)
+
+
 def token_block(recipe) -> int:
   """Rows each expert group is padded to: the recipe's ``token_block``, 1
   with FP8 off."""
@@ -175,6 +201,14 @@ def expert_mlp(x: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: jax.Arra
   if wo.shape[:2] != (e, f):
     raise ValueError(f"wo must be (E, F, H) = ({e}, {f}, H) for wi {wi.shape}, got "
                      f"{wo.shape}.")
+  if recipe is not None:
+    unfused = _why_not_fused(x, f, wi_axes, wo_axes, recipe)
+    if not unfused:
+      return grouped_mlp.fp8_grouped_mlp(x, wi.reshape(e, h, n_act * f), wo, group_sizes,
+                                         activations=acts, recipe=recipe,
+                                         fp8_state=fp8_state, impl=impl,
+                                         store_act_input_in_fp8=store_act_input_in_fp8)
+    _warn_unfused(unfused)
   states: Optional[dict] = fp8_state or {}
   hid = gd.grouped_dense(x, wi.reshape(e, h, n_act * f), group_sizes, recipe=recipe,
                          fp8_state=states.get("wi"), impl=impl, axes=wi_axes)

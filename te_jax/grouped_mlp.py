@@ -1,0 +1,183 @@
+"""FP8 grouped MLP ``act(x[rows_e] @ wi[e]) @ wo[e]`` with the activation fused into quantization.
+
+The experts of a mixture of experts as one custom VJP, as ``te_jax.fused_mlp``
+is for a dense MLP, so that neither the activation output ``z`` nor its
+gradient ``dh`` is written in 16 bits:
+
+* forward: ``h = x @ wi[e]`` (grouped FP8 GEMM, ``x.dtype`` out); one pass
+  over ``h`` computes ``z = act(h)`` and writes ``z`` quantized both ways
+  (``ops.act_quantize.act_quantize``): rowwise for the second grouped GEMM,
+  columnwise for the weight gradient of ``wo``;
+* backward: ``dz = g @ wo[e].T``; one pass over ``dz`` and ``h`` computes
+  ``dh = dz * act'(h)`` and writes it quantized both ways
+  (``dact_quantize``) for the dgrad and wgrad GEMMs of ``wi``.
+
+Against ``te_jax.grouped_dense`` twice with the activation between them in
+XLA (``te_jax.moe.experts``' other path) this saves a write and a read of
+``z`` in the forward and of ``dh`` in the backward, each rows x F (x n_act for
+``dh``) in 16 bits, and the separate float32 activation passes.
+
+The row buffer is quantized as ``grouped_dense`` quantizes it: ``x``, ``z``
+and the gradients are one tensor each (one per-tensor scale, or 1x128 tiles;
+the caller pads every expert's group to the recipe's ``token_block`` rows,
+so no tile spans two experts), each expert weight on its own
+(``grouped_dense.quantize_experts``). The delayed-scaling states are the
+two grouped GEMMs' (``grouped_dense.init_grouped_state``): ``wi``'s for
+``x``, ``wi`` and ``dh``, ``wo``'s for ``z``, ``wo`` and ``g``. So the FP8
+values are the unfused path's, but for ``z`` and ``dh`` being quantized from
+float32 instead of from their 16-bit roundings.
+
+Residuals, as on the unfused path: ``x.T`` and ``z.T`` in FP8, the FP8 expert
+weights (rowwise, for the dgrads), ``h`` in ``x.dtype`` (or, with
+``store_act_input_in_fp8``, its E4M3 copy in 1x128 tiles, written by the
+forward's activation pass).
+
+Unsharded only (no ``shard_map`` axes): under expert parallelism current
+scaling's amax of ``z`` is a max over devices, which the kernel's two passes
+cannot take between them; ``te_jax.moe.experts`` keeps the unfused path
+there. :func:`supported` says when this path applies.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from te_jax import dense as dense_lib
+from te_jax import grouped_dense as gd
+from te_jax import remat
+from te_jax import scaling
+from te_jax.ops import act_quantize as act_op
+from te_jax.ops import grouped_gemm as grouped_op
+
+__all__ = ["fp8_grouped_mlp", "supported"]
+
+
+class _Config(NamedTuple):
+  mode: scaling.ScalingMode
+  impl: str
+  activations: Tuple[str, ...]
+  store_act_input_in_fp8: bool
+
+
+def supported(m: int, h: int, f: int, recipe) -> bool:
+  """Whether :func:`fp8_grouped_mlp` takes a buffer of ``m`` rows, hidden
+  ``h`` and expert width ``f`` under ``recipe`` as they are: ``m`` a multiple
+  of the recipe's ``token_block``, ``h`` and ``f`` of 128 (``grouped_dense``
+  pads other sizes, which the fused passes do not)."""
+  if recipe is None:
+    return False
+  block = dense_lib.scaling_mode_of(recipe).token_block
+  return m % block == 0 and h % 128 == 0 and f % 128 == 0
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _mlp(x, wi, wo, group_sizes, states, cfg):
+  y, _ = _mlp_fwd(x, wi, wo, group_sizes, states, cfg)
+  return y
+
+
+def _mlp_fwd(x, wi, wo, group_sizes, states, cfg):
+  mode, impl = cfg.mode, cfg.impl
+  si, so = states
+  qx = mode.quantize(x, "x", si, impl=impl)
+  wi_rows, wi_cols, wi_amax = gd.quantize_experts(mode, wi, si, impl, (), transposed=True)
+  # The (E, N, K) copies seen as (E, K, N): the GEMM's own transpose cancels it.
+  h = grouped_op.grouped_gemm(qx.rowwise(), wi_cols.T, group_sizes, out_dtype=x.dtype,
+                              fast_accum=mode.fast_accum("fprop"), impl=impl)
+  qz = mode.quantize_fused(act_op.act_quantize, "x", so, impl=impl, h=h,
+                           activations=cfg.activations, h_copy=cfg.store_act_input_in_fp8)
+  kept_h = h
+  if cfg.store_act_input_in_fp8:
+    qz, kept_h = qz
+  wo_rows, wo_cols, wo_amax = gd.quantize_experts(mode, wo, so, impl, (), transposed=True)
+  y = grouped_op.grouped_gemm(qz.rowwise(), wo_cols.T, group_sizes, out_dtype=x.dtype,
+                              fast_accum=mode.fast_accum("fprop"), impl=impl)
+  new = (gd.update_grouped_state(mode, si, {"x": qx.amax}, wi_amax),
+         gd.update_grouped_state(mode, so, {"x": qz.amax}, wo_amax))
+  # Kept: the wgrads' FP8 x.T and z.T, the dgrads' FP8 weights, h for the
+  # activation's backward; empty slices carry the primals' dtypes.
+  protos = (x[:0, 0], wi[:0, 0, 0], wo[:0, 0, 0])
+  return y, (qx.columnwise(), wi_rows, kept_h, qz.columnwise(), wo_rows, group_sizes, new,
+             protos)
+
+
+def _mlp_bwd(cfg, res, g):
+  mode, impl = cfg.mode, cfg.impl
+  x_t, wi_rows, h, z_t, wo_rows, group_sizes, (si, so), (x_p, wi_p, wo_p) = res
+  # h is read again behind g (te_jax.dense.after_cotangent): on the
+  # reference path XLA would otherwise merge the activation's recomputation
+  # with the forward's and keep its intermediates alive in between.
+  (h,) = dense_lib.after_cotangent(g, h)
+  qg = mode.quantize(g, "grad", so, impl=impl)
+  dz = grouped_op.grouped_gemm(qg.rowwise(), wo_rows.T, group_sizes, out_dtype=g.dtype,
+                               fast_accum=mode.fast_accum("dgrad"), impl=impl)
+  dwo = grouped_op.grouped_wgrad(z_t, qg.columnwise(), group_sizes,
+                                 fast_accum=mode.fast_accum("wgrad"),
+                                 out_dtype=gd.wgrad_dtype(mode, wo_p), impl=impl)
+  qdh = mode.quantize_fused(act_op.dact_quantize, "grad", si, impl=impl, dz=dz, h=h,
+                            activations=cfg.activations)
+  dx = grouped_op.grouped_gemm(qdh.rowwise(), wi_rows.T, group_sizes, out_dtype=x_p.dtype,
+                               fast_accum=mode.fast_accum("dgrad"), impl=impl)
+  dwi = grouped_op.grouped_wgrad(x_t, qdh.columnwise(), group_sizes,
+                                 fast_accum=mode.fast_accum("wgrad"),
+                                 out_dtype=gd.wgrad_dtype(mode, wi_p), impl=impl)
+  new = (gd.update_grouped_state(mode, si, {"grad": qdh.amax}),
+         gd.update_grouped_state(mode, so, {"grad": qg.amax}))
+  return dx, dwi.astype(wi_p.dtype), dwo.astype(wo_p.dtype), None, new
+
+
+_mlp.defvjp(_mlp_fwd, _mlp_bwd)
+
+
+def fp8_grouped_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, group_sizes: jax.Array, *,
+                    activations: Tuple[str, ...], recipe, fp8_state: Optional[dict] = None,
+                    impl: str = "auto", store_act_input_in_fp8: bool = False) -> jax.Array:
+  """Each expert's MLP ``act(x[rows_e] @ wi[e]) @ wo[e]`` in FP8, fused.
+
+  Args:
+    x: (M, H) rows sorted by expert, each group padded to the recipe's
+      ``token_block`` (``te_jax.moe.dispatch``); rows outside every group
+      give 0.
+    wi: (E, H, n_act * F) up-projections, the n_act activation inputs side
+      by side along the last dim (``te_jax.moe.experts``' (E, H, n_act, F)
+      reshaped).
+    wo: (E, F, H) down-projections.
+    group_sizes: (E,) int32 rows per expert, on the device.
+    activations: one or two names of ``te_jax.ops.act_quantize.ACTIVATIONS``
+      (two: gated, ``act0(h0) * act1(h1)``).
+    recipe: a ``te_jax.recipe`` recipe (not None: FP8 off has nothing to fuse).
+    fp8_state: ``{"wi": s, "wo": s}``, each ``grouped_dense.init_grouped_state``
+      (``DelayedScaling``), else None; its update comes back as its gradient.
+    impl: "auto" or "reference".
+    store_act_input_in_fp8: keep ``h`` for the backward as E4M3 in 1x128
+      tiles (written by the forward's activation pass) instead of ``x.dtype``.
+
+  Returns:
+    (M, H) in ``x.dtype``.
+
+  Raises:
+    ValueError unless :func:`supported` (M, H, F) under ``recipe`` and the
+    shapes agree.
+  """
+  acts = tuple(activations)
+  e, h_dim, nf = wi.shape
+  if wo.ndim != 3 or wo.shape[0] != e or wo.shape[2] != h_dim or nf != len(acts) * wo.shape[1]:
+    raise ValueError(f"wi (E, H, n_act * F) and wo (E, F, H) must agree for "
+                     f"{len(acts)} activation(s) {acts}, got wi {wi.shape} and wo {wo.shape}.")
+  if x.ndim != 2 or x.shape[1] != h_dim:
+    raise ValueError(f"x must be (M, H) with H = {h_dim} (wi's), got {x.shape}.")
+  if not supported(x.shape[0], h_dim, wo.shape[1], recipe):
+    raise ValueError(f"fp8_grouped_mlp needs M a multiple of the recipe's token block and "
+                     f"H, F multiples of 128 (grouped_mlp.supported), got M {x.shape[0]}, "
+                     f"H {h_dim}, F {wo.shape[1]} under {type(recipe).__name__}; use "
+                     "te_jax.moe.experts.expert_mlp, which pads.")
+  mode = dense_lib.scaling_mode_of(recipe)
+  states = (None, None) if fp8_state is None else (fp8_state["wi"], fp8_state["wo"])
+  for s in states:
+    mode.check_state(s)
+  cfg = _Config(mode, impl, acts, store_act_input_in_fp8)
+  return remat.tag_fp8_gemm(_mlp(x, wi, wo, group_sizes, states, cfg))
