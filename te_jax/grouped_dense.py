@@ -97,7 +97,7 @@ def _transpose(kernel):
   return kernel.T if isinstance(kernel, GroupedScaledTensor) else jnp.swapaxes(kernel, 1, 2)
 
 
-def _gather(kernel, axes: GroupedAxes, transposed: bool = False):
+def gather_kernel(kernel, axes: GroupedAxes, transposed: bool = False):
   """All-gathers the FSDP-sharded kernel dims (FP8 data and per-block scales)
   of ``kernel`` (E, K, N), or (E, N, K) when ``transposed``."""
   k_dim, n_dim = (2, 1) if transposed else (1, 2)
@@ -114,7 +114,7 @@ def _gather(kernel, axes: GroupedAxes, transposed: bool = False):
   return kernel
 
 
-def _scatter_wgrad(dk, axes: GroupedAxes):
+def scatter_wgrad(dk, axes: GroupedAxes):
   """Reduce-scatters the gradient of the FSDP-gathered kernel dims."""
   for dim, ax in ((1, axes.k_gather_axes), (2, axes.n_gather_axes)):
     if ax:
@@ -122,7 +122,7 @@ def _scatter_wgrad(dk, axes: GroupedAxes):
   return dk
 
 
-def _sum_to_type_of(ct, primal):
+def sum_to_type_of(ct, primal):
   """``ct`` summed over the mesh axes it varies over and ``primal`` does not
   (inside ``shard_map``): a gradient's partial sums, one per device."""
   extra = grouped_op.varying_axes(ct) - grouped_op.varying_axes(primal)
@@ -192,7 +192,7 @@ def _grouped_fwd(x, kernel, group_sizes, state, cfg):
   mode, impl, axes = cfg.mode, cfg.impl, cfg.axes
   if mode is None:
     a, a_t, k_local, new_state, accum = x, x, kernel, state, False
-    k_fprop = _gather(kernel, axes)
+    k_fprop = gather_kernel(kernel, axes)
   else:
     qx = mode.quantize(x, "x", state, impl=impl, amax_axes=axes.token_axes)
     k_local, k_cols, k_amax = quantize_experts(mode, kernel, state, impl, axes.kernel_axes,
@@ -201,7 +201,7 @@ def _grouped_fwd(x, kernel, group_sizes, state, cfg):
     new_state = update_grouped_state(mode, state, {"x": qx.amax}, k_amax)
     # The (E, N, K) copy seen as (E, K, N): the GEMM's own transpose to
     # (E, N, K) cancels this one under jit.
-    k_fprop = _gather(k_cols, axes, transposed=True).T
+    k_fprop = gather_kernel(k_cols, axes, transposed=True).T
   y = grouped_op.grouped_gemm(a, k_fprop, group_sizes, out_dtype=x.dtype,
                               fast_accum=accum, impl=impl)
   # Kept for the backward: x.T (FP8 unless FP8 is off) and the local kernel
@@ -223,12 +223,12 @@ def _grouped_bwd(cfg, res, g):
     wgrad = functools.partial(grouped_op.grouped_wgrad, a_t, qg.columnwise(),
                               fast_accum=mode.fast_accum("wgrad"))
     new_state = update_grouped_state(mode, new_state, {"grad": qg.amax})
-  kernel = _gather(k_local, axes)
+  kernel = gather_kernel(k_local, axes)
   dx = grouped_op.grouped_gemm(g_rows, _transpose(kernel), group_sizes,
                                out_dtype=x_proto.dtype, fast_accum=dgrad_accum, impl=impl)
   dk = wgrad(group_sizes, out_dtype=wgrad_dtype(mode, k_proto), impl=impl)
-  dk = _scatter_wgrad(dk.astype(k_proto.dtype), axes)
-  return _sum_to_type_of(dx, x_proto), _sum_to_type_of(dk, k_proto), None, new_state
+  dk = scatter_wgrad(dk.astype(k_proto.dtype), axes)
+  return sum_to_type_of(dx, x_proto), sum_to_type_of(dk, k_proto), None, new_state
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)
@@ -253,7 +253,7 @@ def init_grouped_state(recipe, num_experts: int):
   return dict(state, kernel=jax.tree.map(stack, state["kernel"]))
 
 
-def _gathered_size(size, axes):
+def gathered_size(size, axes):
   """A kernel dim's size after the all-gather over ``axes`` (inside shard_map)."""
   for a in axes:
     size *= lax.axis_size(a)
@@ -265,7 +265,7 @@ def _check_args(x, kernel, group_sizes, recipe, fp8_state, axes):
   quantize_op.check_input(kernel, "kernel", 3)
   if not isinstance(axes, GroupedAxes):
     raise TypeError(f"axes must be a te_jax.grouped_dense.GroupedAxes, got {axes!r}.")
-  if x.shape[1] != _gathered_size(kernel.shape[1], axes.k_gather_axes):
+  if x.shape[1] != gathered_size(kernel.shape[1], axes.k_gather_axes):
     raise ValueError(f"x (M, K) and kernel (E, K, N) must share K (the kernel's local K "
                      f"times its all-gather over {axes.k_gather_axes}), got x {x.shape} "
                      f"and kernel {kernel.shape}.")
@@ -329,7 +329,7 @@ def grouped_dense(x: jax.Array, kernel: jax.Array, group_sizes: jax.Array, *,
           f"kernel dim {dim} (local size {kernel.shape[dim]}) is all-gathered over "
           f"{ax} and must be a multiple of {align} ({type(recipe).__name__}) on each "
           "device, so no scale block spans two shards; choose sizes that divide.")
-  (m, _), n = x.shape, _gathered_size(kernel.shape[2], axes.n_gather_axes)
+  (m, _), n = x.shape, gathered_size(kernel.shape[2], axes.n_gather_axes)
   # Zero rows and columns add nothing to a product or an amax (te_jax.dense).
   xp = dense_lib.pad_to(dense_lib.pad_to(x, 0, align), 1, align)
   kp = dense_lib.pad_to(dense_lib.pad_to(kernel, 1, align), 2, align)

@@ -32,10 +32,15 @@ weights (rowwise, for the dgrads), ``h`` in ``x.dtype`` (or, with
 ``store_act_input_in_fp8``, its E4M3 copy in 1x128 tiles, written by the
 forward's activation pass).
 
-Unsharded only (no ``shard_map`` axes): under expert parallelism current
-scaling's amax of ``z`` is a max over devices, which the kernel's two passes
-cannot take between them; ``te_jax.moe.experts`` keeps the unfused path
-there. :func:`supported` says when this path applies.
+Inside ``shard_map`` (expert, tensor and data parallelism,
+``te_jax.moe.parallel``) the two GEMMs take their ``grouped_dense.GroupedAxes``
+and do what ``grouped_dense`` does with them (amaxes max-reduced over the
+token axes, FSDP-sharded kernel dims all-gathered in FP8 and their gradients
+reduce-scattered, partial gradients summed); ``z``'s and ``dh``'s amaxes are
+max-reduced after the fused pass, which delayed scaling allows (the scale
+came from the replicated state) and blockwise does not need. Current scaling
+takes its scale from the amax inside the fused pass, so under ``shard_map``
+it keeps the unfused path (:func:`supported` says so).
 """
 
 from __future__ import annotations
@@ -53,7 +58,7 @@ from te_jax import scaling
 from te_jax.ops import act_quantize as act_op
 from te_jax.ops import grouped_gemm as grouped_op
 
-__all__ = ["fp8_grouped_mlp", "supported"]
+__all__ = ["fp8_grouped_mlp", "supported", "why_not_supported", "check_args"]
 
 
 class _Config(NamedTuple):
@@ -61,17 +66,37 @@ class _Config(NamedTuple):
   impl: str
   activations: Tuple[str, ...]
   store_act_input_in_fp8: bool
+  wi_axes: gd.GroupedAxes
+  wo_axes: gd.GroupedAxes
+
+
+def why_not_supported(m: int, h: int, f: int, recipe, *, sharded: bool = False,
+                      gathered_dims: Tuple[int, ...] = ()) -> str:
+  """Why :func:`fp8_grouped_mlp` cannot take a buffer of ``m`` rows, hidden
+  ``h`` and (local) expert width ``f`` under ``recipe`` ('' when it can).
+
+  It needs ``m`` a multiple of the recipe's ``token_block`` and ``h``, ``f``
+  and every FSDP-gathered local kernel dim (``gathered_dims``) multiples of
+  128 (``grouped_dense`` pads other sizes; the fused passes do not), FP8 on,
+  and inside ``shard_map`` (``sharded``) a recipe whose scales do not come
+  from the whole tensor's amax (delayed, blockwise)."""
+  if recipe is None:
+    return "FP8 is off"
+  mode = dense_lib.scaling_mode_of(recipe)
+  if sharded and mode.scales_from_whole_tensor:
+    return (f"{type(recipe).__name__} takes z's scale from its amax over every device, "
+            "which the fused pass cannot reduce")
+  if m % mode.token_block or h % 128 or f % 128 or any(d % 128 for d in gathered_dims):
+    return (f"the buffer's {m} rows must be a multiple of {mode.token_block} and the hidden "
+            f"size {h}, expert width {f} and FSDP-gathered kernel dims {list(gathered_dims)} "
+            "multiples of 128")
+  return ""
 
 
 def supported(m: int, h: int, f: int, recipe) -> bool:
-  """Whether :func:`fp8_grouped_mlp` takes a buffer of ``m`` rows, hidden
-  ``h`` and expert width ``f`` under ``recipe`` as they are: ``m`` a multiple
-  of the recipe's ``token_block``, ``h`` and ``f`` of 128 (``grouped_dense``
-  pads other sizes, which the fused passes do not)."""
-  if recipe is None:
-    return False
-  block = dense_lib.scaling_mode_of(recipe).token_block
-  return m % block == 0 and h % 128 == 0 and f % 128 == 0
+  """Whether :func:`fp8_grouped_mlp` takes these sizes unsharded
+  (:func:`why_not_supported`)."""
+  return not why_not_supported(m, h, f, recipe)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -81,61 +106,104 @@ def _mlp(x, wi, wo, group_sizes, states, cfg):
 
 
 def _mlp_fwd(x, wi, wo, group_sizes, states, cfg):
-  mode, impl = cfg.mode, cfg.impl
+  mode, impl, ai, ao = cfg.mode, cfg.impl, cfg.wi_axes, cfg.wo_axes
   si, so = states
-  qx = mode.quantize(x, "x", si, impl=impl)
-  wi_rows, wi_cols, wi_amax = gd.quantize_experts(mode, wi, si, impl, (), transposed=True)
+  qx = mode.quantize(x, "x", si, impl=impl, amax_axes=ai.token_axes)
+  wi_rows, wi_cols, wi_amax = gd.quantize_experts(mode, wi, si, impl, ai.kernel_axes,
+                                                  transposed=True)
   # The (E, N, K) copies seen as (E, K, N): the GEMM's own transpose cancels it.
-  h = grouped_op.grouped_gemm(qx.rowwise(), wi_cols.T, group_sizes, out_dtype=x.dtype,
+  h = grouped_op.grouped_gemm(qx.rowwise(), gd.gather_kernel(wi_cols, ai, transposed=True).T,
+                              group_sizes, out_dtype=x.dtype,
                               fast_accum=mode.fast_accum("fprop"), impl=impl)
   qz = mode.quantize_fused(act_op.act_quantize, "x", so, impl=impl, h=h,
                            activations=cfg.activations, h_copy=cfg.store_act_input_in_fp8)
   kept_h = h
   if cfg.store_act_input_in_fp8:
     qz, kept_h = qz
-  wo_rows, wo_cols, wo_amax = gd.quantize_experts(mode, wo, so, impl, (), transposed=True)
-  y = grouped_op.grouped_gemm(qz.rowwise(), wo_cols.T, group_sizes, out_dtype=x.dtype,
+  qz = scaling.reduce_amax(qz, ao.token_axes)
+  wo_rows, wo_cols, wo_amax = gd.quantize_experts(mode, wo, so, impl, ao.kernel_axes,
+                                                  transposed=True)
+  y = grouped_op.grouped_gemm(qz.rowwise(), gd.gather_kernel(wo_cols, ao, transposed=True).T,
+                              group_sizes, out_dtype=x.dtype,
                               fast_accum=mode.fast_accum("fprop"), impl=impl)
   new = (gd.update_grouped_state(mode, si, {"x": qx.amax}, wi_amax),
          gd.update_grouped_state(mode, so, {"x": qz.amax}, wo_amax))
-  # Kept: the wgrads' FP8 x.T and z.T, the dgrads' FP8 weights, h for the
-  # activation's backward; empty slices carry the primals' dtypes.
-  protos = (x[:0, 0], wi[:0, 0, 0], wo[:0, 0, 0])
+  # Kept: the wgrads' FP8 x.T and z.T, the dgrads' FP8 weight shards, h for
+  # the activation's backward; empty slices carry the dtypes and mesh-axis
+  # types of x, h and the weight shards.
+  protos = (x[:0, 0], h[:0, 0], wi[:0, 0, 0], wo[:0, 0, 0])
   return y, (qx.columnwise(), wi_rows, kept_h, qz.columnwise(), wo_rows, group_sizes, new,
              protos)
 
 
 def _mlp_bwd(cfg, res, g):
-  mode, impl = cfg.mode, cfg.impl
-  x_t, wi_rows, h, z_t, wo_rows, group_sizes, (si, so), (x_p, wi_p, wo_p) = res
+  mode, impl, ai, ao = cfg.mode, cfg.impl, cfg.wi_axes, cfg.wo_axes
+  x_t, wi_rows, h, z_t, wo_rows, group_sizes, (si, so), (x_p, h_p, wi_p, wo_p) = res
   # h is read again behind g (te_jax.dense.after_cotangent): on the
   # reference path XLA would otherwise merge the activation's recomputation
   # with the forward's and keep its intermediates alive in between.
   (h,) = dense_lib.after_cotangent(g, h)
-  qg = mode.quantize(g, "grad", so, impl=impl)
-  dz = grouped_op.grouped_gemm(qg.rowwise(), wo_rows.T, group_sizes, out_dtype=g.dtype,
-                               fast_accum=mode.fast_accum("dgrad"), impl=impl)
+  qg = mode.quantize(g, "grad", so, impl=impl, amax_axes=ao.token_axes)
+  dz = grouped_op.grouped_gemm(qg.rowwise(), gd.gather_kernel(wo_rows, ao).T, group_sizes,
+                               out_dtype=g.dtype, fast_accum=mode.fast_accum("dgrad"),
+                               impl=impl)
+  dz = gd.sum_to_type_of(dz, h_p)   # as grouped_dense returns z's gradient
   dwo = grouped_op.grouped_wgrad(z_t, qg.columnwise(), group_sizes,
                                  fast_accum=mode.fast_accum("wgrad"),
                                  out_dtype=gd.wgrad_dtype(mode, wo_p), impl=impl)
   qdh = mode.quantize_fused(act_op.dact_quantize, "grad", si, impl=impl, dz=dz, h=h,
                             activations=cfg.activations)
-  dx = grouped_op.grouped_gemm(qdh.rowwise(), wi_rows.T, group_sizes, out_dtype=x_p.dtype,
-                               fast_accum=mode.fast_accum("dgrad"), impl=impl)
+  qdh = scaling.reduce_amax(qdh, ai.token_axes)
+  dx = grouped_op.grouped_gemm(qdh.rowwise(), gd.gather_kernel(wi_rows, ai).T, group_sizes,
+                               out_dtype=x_p.dtype, fast_accum=mode.fast_accum("dgrad"),
+                               impl=impl)
   dwi = grouped_op.grouped_wgrad(x_t, qdh.columnwise(), group_sizes,
                                  fast_accum=mode.fast_accum("wgrad"),
                                  out_dtype=gd.wgrad_dtype(mode, wi_p), impl=impl)
+  dwi = gd.scatter_wgrad(dwi.astype(wi_p.dtype), ai)
+  dwo = gd.scatter_wgrad(dwo.astype(wo_p.dtype), ao)
   new = (gd.update_grouped_state(mode, si, {"grad": qdh.amax}),
          gd.update_grouped_state(mode, so, {"grad": qg.amax}))
-  return dx, dwi.astype(wi_p.dtype), dwo.astype(wo_p.dtype), None, new
+  return (gd.sum_to_type_of(dx, x_p), gd.sum_to_type_of(dwi, wi_p),
+          gd.sum_to_type_of(dwo, wo_p), None, new)
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)
 
 
+def _gathered_dims(wi, wo, wi_axes: gd.GroupedAxes, wo_axes: gd.GroupedAxes):
+  """The local kernel dims that are all-gathered over FSDP axes."""
+  dims = []
+  for kernel, axes in ((wi, wi_axes), (wo, wo_axes)):
+    dims += [kernel.shape[1]] if axes.k_gather_axes else []
+    dims += [kernel.shape[2]] if axes.n_gather_axes else []
+  return tuple(dims)
+
+
+def check_args(x, wi, wo, activations, recipe, wi_axes: gd.GroupedAxes = gd.GroupedAxes(),
+               wo_axes: gd.GroupedAxes = gd.GroupedAxes()) -> str:
+  """Raises for shapes that disagree; returns why the fused path cannot take
+  them ('' when it can: :func:`why_not_supported`). ``wi``/``wo`` are the
+  local shards inside ``shard_map``."""
+  acts = tuple(activations)
+  e, nf = wi.shape[0], wi.shape[2]
+  h_dim = gd.gathered_size(wi.shape[1], wi_axes.k_gather_axes)
+  if (wo.ndim != 3 or wo.shape[0] != e or nf != len(acts) * wo.shape[1]
+      or gd.gathered_size(wo.shape[2], wo_axes.n_gather_axes) != h_dim):
+    raise ValueError(f"wi (E, H, n_act * F) and wo (E, F, H) must agree for "
+                     f"{len(acts)} activation(s) {acts}, got wi {wi.shape} and wo {wo.shape}.")
+  if x.ndim != 2 or x.shape[1] != h_dim:
+    raise ValueError(f"x must be (M, H) with H = {h_dim} (wi's), got {x.shape}.")
+  sharded = wi_axes != gd.GroupedAxes() or wo_axes != gd.GroupedAxes()
+  return why_not_supported(x.shape[0], h_dim, wo.shape[1], recipe, sharded=sharded,
+                           gathered_dims=_gathered_dims(wi, wo, wi_axes, wo_axes))
+
+
 def fp8_grouped_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, group_sizes: jax.Array, *,
                     activations: Tuple[str, ...], recipe, fp8_state: Optional[dict] = None,
-                    impl: str = "auto", store_act_input_in_fp8: bool = False) -> jax.Array:
+                    impl: str = "auto", store_act_input_in_fp8: bool = False,
+                    wi_axes: gd.GroupedAxes = gd.GroupedAxes(),
+                    wo_axes: gd.GroupedAxes = gd.GroupedAxes()) -> jax.Array:
   """Each expert's MLP ``act(x[rows_e] @ wi[e]) @ wo[e]`` in FP8, fused.
 
   Args:
@@ -144,8 +212,8 @@ def fp8_grouped_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, group_sizes: jax
       give 0.
     wi: (E, H, n_act * F) up-projections, the n_act activation inputs side
       by side along the last dim (``te_jax.moe.experts``' (E, H, n_act, F)
-      reshaped).
-    wo: (E, F, H) down-projections.
+      reshaped); inside ``shard_map`` the local shard.
+    wo: (E, F, H) down-projections (likewise).
     group_sizes: (E,) int32 rows per expert, on the device.
     activations: one or two names of ``te_jax.ops.act_quantize.ACTIVATIONS``
       (two: gated, ``act0(h0) * act1(h1)``).
@@ -155,29 +223,25 @@ def fp8_grouped_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, group_sizes: jax
     impl: "auto" or "reference".
     store_act_input_in_fp8: keep ``h`` for the backward as E4M3 in 1x128
       tiles (written by the forward's activation pass) instead of ``x.dtype``.
+    wi_axes, wo_axes: the two GEMMs' mesh axes inside ``shard_map``
+      (``grouped_dense.GroupedAxes``; default unsharded).
 
   Returns:
-    (M, H) in ``x.dtype``.
+    (M, H) in ``x.dtype`` (inside ``shard_map`` with the kernels' width
+    split over tensor parallelism: this device's partial sum).
 
   Raises:
-    ValueError unless :func:`supported` (M, H, F) under ``recipe`` and the
-    shapes agree.
+    ValueError for shapes that disagree, or that :func:`why_not_supported`
+    refuses (it says why).
   """
   acts = tuple(activations)
-  e, h_dim, nf = wi.shape
-  if wo.ndim != 3 or wo.shape[0] != e or wo.shape[2] != h_dim or nf != len(acts) * wo.shape[1]:
-    raise ValueError(f"wi (E, H, n_act * F) and wo (E, F, H) must agree for "
-                     f"{len(acts)} activation(s) {acts}, got wi {wi.shape} and wo {wo.shape}.")
-  if x.ndim != 2 or x.shape[1] != h_dim:
-    raise ValueError(f"x must be (M, H) with H = {h_dim} (wi's), got {x.shape}.")
-  if not supported(x.shape[0], h_dim, wo.shape[1], recipe):
-    raise ValueError(f"fp8_grouped_mlp needs M a multiple of the recipe's token block and "
-                     f"H, F multiples of 128 (grouped_mlp.supported), got M {x.shape[0]}, "
-                     f"H {h_dim}, F {wo.shape[1]} under {type(recipe).__name__}; use "
-                     "te_jax.moe.experts.expert_mlp, which pads.")
+  why = check_args(x, wi, wo, acts, recipe, wi_axes, wo_axes)
+  if why:
+    raise ValueError(f"fp8_grouped_mlp cannot take these experts: {why}; "
+                     "te_jax.moe.experts.expert_mlp runs them unfused.")
   mode = dense_lib.scaling_mode_of(recipe)
   states = (None, None) if fp8_state is None else (fp8_state["wi"], fp8_state["wo"])
   for s in states:
     mode.check_state(s)
-  cfg = _Config(mode, impl, acts, store_act_input_in_fp8)
+  cfg = _Config(mode, impl, acts, store_act_input_in_fp8, wi_axes, wo_axes)
   return remat.tag_fp8_gemm(_mlp(x, wi, wo, group_sizes, states, cfg))

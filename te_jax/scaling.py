@@ -258,11 +258,12 @@ class ScalingMode(abc.ABC):
     return lax.map(one, (x, None if state is None else state[role]))
 
 
-def _reduce_amax(q: QuantizedTensor, amax_axes) -> QuantizedTensor:
+def reduce_amax(q: QuantizedTensor, amax_axes) -> QuantizedTensor:
   """Delayed scaling on a mesh: the amax (scalar, or (E,) per entry) max-reduced
   over ``amax_axes``, so one amax everywhere, and a non-finite one poisons
-  every shard's scale_inv. (The scale came from replicated state: it agrees.)"""
-  if not amax_axes:
+  every shard's scale_inv. (The scale came from replicated state: it agrees.)
+  ``q`` unchanged without axes or without an amax (blockwise)."""
+  if not amax_axes or q.amax is None:
     return q
   return nan_scale_inv_if_non_finite(q.replace(amax=pmax_amax(q.amax, tuple(amax_axes))))
 
@@ -312,14 +313,14 @@ class DelayedScalingMode(_PerTensorMode):
   def quantize(self, x, role, state=None, *, impl="auto", columnwise=True, amax_axes=()):
     q = quantize_op.quantize_tensorwise(x, self._scale(state, role), self.dtype(role),
                                         columnwise=columnwise, impl=impl)
-    return _reduce_amax(q, amax_axes)
+    return reduce_amax(q, amax_axes)
 
   def quantize_stack(self, x, role, state=None, *, impl="auto", columnwise=True,
                      amax_axes=()):
     # state[role]["scale"] is (E,) here: scale_from_state is elementwise.
     q = stack_op.quantize_stack_tensorwise(x, self._scale(state, role), self.dtype(role),
                                            columnwise=columnwise, impl=impl)
-    return _reduce_amax(q, amax_axes)
+    return reduce_amax(q, amax_axes)
 
   def quantize_fused(self, op, role, state=None, *, impl="auto", **operands):
     return op(**operands, mode="tensorwise", dtype=self.dtype(role),

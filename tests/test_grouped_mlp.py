@@ -172,9 +172,26 @@ def test_supported_and_bad_arguments():
   with pytest.raises(ValueError, match=r"x must be \(M, H\)"):
     grouped_mlp.fp8_grouped_mlp(x[:, :128], wi, wo, sizes, activations=("silu", "linear"),
                                 recipe=r)
-  with pytest.raises(ValueError, match="grouped_mlp.supported"):
+  with pytest.raises(ValueError, match="buffer's 200 rows must be a multiple of 128"):
     grouped_mlp.fp8_grouped_mlp(x[:200], wi, wo, sizes, activations=("silu", "linear"),
                                 recipe=r)
+  # Inside shard_map current scaling would need z's amax over every device.
+  assert "amax over every device" in grouped_mlp.why_not_supported(
+      512, 256, 128, RECIPES["current"](), sharded=True)
+  assert not grouped_mlp.why_not_supported(512, 256, 128, RECIPES["delayed"](), sharded=True)
+  # An FSDP-gathered local kernel dim must be whole 128-blocks (a 1-device axis here).
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("fsdp",))
+  why = []
+
+  def body(x, wi, wo):
+    why.append(grouped_mlp.check_args(
+        x, wi[:, :64], wo[:, :, :64], ("silu", "linear"), r,
+        gd.GroupedAxes(k_gather_axes=("fsdp",)), gd.GroupedAxes(n_gather_axes=("fsdp",))))
+    return x
+  P = jax.sharding.PartitionSpec
+  jax.eval_shape(jax.shard_map(body, mesh=mesh, in_specs=(P(), P(), P()), out_specs=P()),
+                 x[:, :64], wi, wo)
+  assert "FSDP-gathered kernel dims [64, 64]" in why[0], why
 
 
 def _sm90_reason() -> str:

@@ -5,13 +5,14 @@ in FP8 under the recipe. Activations are named as everywhere in te_jax
 (``te_jax.ops.act_quantize.ACTIVATIONS``): one name, or two for a gated
 unit ``act0(h0) * act1(h1)`` (("silu", "linear") = SwiGLU).
 
-Two paths, one result up to rounding: with FP8 on, unsharded, and sizes
-``te_jax.grouped_mlp.supported`` takes (hidden and expert width multiples
-of 128), :func:`expert_mlp` runs ``te_jax.grouped_mlp``, the activation
-fused into the quantization of its output and of its gradient (no 16-bit
-``z`` or ``dh`` written). Otherwise (FP8 off, under ``shard_map``, other
-sizes: a warning once names which) two ``te_jax.grouped_dense`` calls with
-:func:`activate` between them, in float32, rounded to ``x.dtype``.
+Two paths, one result up to rounding: with FP8 on and sizes that
+``te_jax.grouped_mlp.why_not_supported`` takes (hidden and expert width
+multiples of 128; inside ``shard_map`` delayed or blockwise scaling),
+:func:`expert_mlp` runs ``te_jax.grouped_mlp``, the activation fused into
+the quantization of its output and of its gradient (no 16-bit ``z`` or
+``dh`` written). Otherwise (FP8 off; current scaling under ``shard_map``;
+other sizes: a warning once names why) two ``te_jax.grouped_dense`` calls
+with :func:`activate` between them, in float32, rounded to ``x.dtype``.
 
 Memory (the unfused path): :func:`activate` is a custom VJP whose only residual is its input
 ``h`` (M, n_act, F), from which the backward recomputes what the
@@ -137,15 +138,10 @@ def activate(h: jax.Array, activations: Sequence[str], *,
   return _activate(h, _ActConfig(acts, store_act_input_in_fp8, impl))
 
 
-def _why_not_fused(x, f: int, wi_axes, wo_axes, recipe) -> str:
-  """Why the experts cannot run as ``te_jax.grouped_mlp`` ('' when they can)."""
-  if wi_axes != gd.GroupedAxes() or wo_axes != gd.GroupedAxes():
-    return ("under shard_map (expert, tensor or data parallelism) the activation's "
-            "quantization is not fused")
-  if not grouped_mlp.supported(x.shape[0], x.shape[1], f, recipe):
-    return (f"the hidden size {x.shape[1]} or expert width {f} is not a multiple of 128 "
-            f"(or the buffer's {x.shape[0]} rows not of the token block)")
-  return ""
+def _why_not_fused(x, wi, wo, acts, wi_axes, wo_axes, recipe) -> str:
+  """Why the experts cannot run as ``te_jax.grouped_mlp`` ('' when they can);
+  ``wi`` (E, H, n_act * F), ``wo`` (E, F, H)."""
+  return grouped_mlp.check_args(x, wi, wo, acts, recipe, wi_axes, wo_axes)
 
 
 @functools.lru_cache(maxsize=None)
@@ -202,12 +198,13 @@ def expert_mlp(x: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: jax.Arra
     raise ValueError(f"wo must be (E, F, H) = ({e}, {f}, H) for wi {wi.shape}, got "
                      f"{wo.shape}.")
   if recipe is not None:
-    unfused = _why_not_fused(x, f, wi_axes, wo_axes, recipe)
+    wi3 = wi.reshape(e, h, n_act * f)
+    unfused = _why_not_fused(x, wi3, wo, acts, wi_axes, wo_axes, recipe)
     if not unfused:
-      return grouped_mlp.fp8_grouped_mlp(x, wi.reshape(e, h, n_act * f), wo, group_sizes,
-                                         activations=acts, recipe=recipe,
-                                         fp8_state=fp8_state, impl=impl,
-                                         store_act_input_in_fp8=store_act_input_in_fp8)
+      return grouped_mlp.fp8_grouped_mlp(x, wi3, wo, group_sizes, activations=acts,
+                                         recipe=recipe, fp8_state=fp8_state, impl=impl,
+                                         store_act_input_in_fp8=store_act_input_in_fp8,
+                                         wi_axes=wi_axes, wo_axes=wo_axes)
     _warn_unfused(unfused)
   states: Optional[dict] = fp8_state or {}
   hid = gd.grouped_dense(x, wi.reshape(e, h, n_act * f), group_sizes, recipe=recipe,
