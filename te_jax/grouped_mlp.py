@@ -40,7 +40,7 @@ reduce-scattered, partial gradients summed); ``z``'s and ``dh``'s amaxes are
 max-reduced after the fused pass, which delayed scaling allows (the scale
 came from the replicated state) and blockwise does not need. Current scaling
 takes its scale from the amax inside the fused pass, so under ``shard_map``
-it keeps the unfused path (:func:`supported` says so).
+it keeps the unfused path (:func:`why_not_supported` says so).
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ import functools
 from typing import NamedTuple, Optional, Tuple
 
 import jax
-import jax.numpy as jnp
 
 from te_jax import dense as dense_lib
 from te_jax import grouped_dense as gd
