@@ -158,3 +158,23 @@ def test_dispatch_and_combine_gradients_are_gathers(sm90_build, name):  # pylint
            if ty.split("x")[-2] == str(HIDDEN)]
   assert not moved, moved
   assert float_row_scatters(text), "the router's top-k gradient is a float scatter: none found"
+
+
+_ACT_OP = re.compile(r"stablehlo\.(logistic|exponential|tanh|erf)\b.*loc\((#loc\d+)\)\s*$")
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_fp8_experts_activation_runs_in_the_fused_quantize(sm90_build, name):  # pylint: disable=redefined-outer-name,unused-argument
+  """The routed experts' activation runs inside te_jax's activation-quantize
+  kernels (te_jax.grouped_mlp): the mode's te_jax_act_quantize_* target in
+  the forward and the backward, and no transcendental XLA op under the
+  experts' scope (the unfused path's float32 activation and its backward
+  were XLA fusions there)."""
+  text = _step_text(RECIPES[name])
+  mode = {"delayed": "tensorwise", "current": "current", "blockwise": "blockwise"}[name]
+  targets = custom_call_targets(text)
+  assert targets.count(f"te_jax_act_quantize_{mode}") >= 2, sorted(set(targets))
+  names = dict(_LOC_DEF.findall(text))
+  in_experts = [m.group(1) for m in map(_ACT_OP.search, text.splitlines())
+                if m and f"/{SCOPES['experts']}/" in names.get(m.group(2), "")]
+  assert not in_experts, in_experts
