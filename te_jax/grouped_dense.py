@@ -196,7 +196,7 @@ def _grouped_fwd(x, kernel, group_sizes, state, cfg):
   else:
     qx = mode.quantize(x, "x", state, impl=impl, amax_axes=axes.token_axes)
     k_local, k_cols, k_amax = quantize_experts(mode, kernel, state, impl, axes.kernel_axes,
-                                                transposed=True)
+                                               transposed=True)
     a, a_t, accum = qx.rowwise(), qx.columnwise(), mode.fast_accum("fprop")
     new_state = update_grouped_state(mode, state, {"x": qx.amax}, k_amax)
     # The (E, N, K) copy seen as (E, K, N): the GEMM's own transpose to
