@@ -188,22 +188,63 @@ def _grouped(x, kernel, group_sizes, state, cfg):
   return y
 
 
-def _grouped_fwd(x, kernel, group_sizes, state, cfg):
-  mode, impl, axes = cfg.mode, cfg.impl, cfg.axes
+def fprop_gemm(mode, a, kernel, state, group_sizes, axes: GroupedAxes, out_dtype, impl):
+  """``a[rows_e] @ kernel[e]``: ``a`` the rows as the GEMM reads them (FP8
+  rowwise under ``mode``, as stored with ``mode`` None), ``kernel`` (E, K, N)
+  this device's shard. Under FP8 each expert weight is quantized on its own
+  (:func:`quantize_experts`) and its FSDP-sharded dims all-gathered in FP8.
+  Returns ``(y, k_local, k_amax)``: ``k_local`` what the backward's dgrad
+  gathers again (the FP8 rows, or the kernel itself), ``k_amax`` the
+  per-expert amaxes (None where the mode has none, or FP8 off)."""
   if mode is None:
-    a, a_t, k_local, new_state, accum = x, x, kernel, state, False
+    k_local, k_amax, accum = kernel, None, False
     k_fprop = gather_kernel(kernel, axes)
   else:
-    qx = mode.quantize(x, "x", state, impl=impl, amax_axes=axes.token_axes)
     k_local, k_cols, k_amax = quantize_experts(mode, kernel, state, impl, axes.kernel_axes,
                                                transposed=True)
-    a, a_t, accum = qx.rowwise(), qx.columnwise(), mode.fast_accum("fprop")
-    new_state = update_grouped_state(mode, state, {"x": qx.amax}, k_amax)
+    accum = mode.fast_accum("fprop")
     # The (E, N, K) copy seen as (E, K, N): the GEMM's own transpose to
     # (E, N, K) cancels this one under jit.
     k_fprop = gather_kernel(k_cols, axes, transposed=True).T
-  y = grouped_op.grouped_gemm(a, k_fprop, group_sizes, out_dtype=x.dtype,
-                              fast_accum=accum, impl=impl)
+  y = grouped_op.grouped_gemm(a, k_fprop, group_sizes, out_dtype=out_dtype, fast_accum=accum,
+                              impl=impl)
+  return y, k_local, k_amax
+
+
+def backward_gemms(mode, g, a_t, k_local, group_sizes, axes: GroupedAxes, x_proto, k_proto,
+                   impl):
+  """The dgrad and wgrad of :func:`fprop_gemm` from its output's gradient
+  ``g`` (a ``QuantizedTensor`` under ``mode``, as stored with ``mode``
+  None), its rows' columnwise operand ``a_t`` (``a`` itself with FP8 off:
+  the wgrad reads it and ``g`` as stored) and ``k_local``. Returns ``(dx,
+  dk)`` in the dtypes of ``x_proto`` / ``k_proto`` (empty slices of the
+  primals), the kernel gradient reduce-scattered over the FSDP axes and each
+  summed over the mesh axes it varies over and its primal does not."""
+  if mode is None:
+    g_rows, dgrad_accum = g, False
+    wgrad = functools.partial(grouped_op.grouped_wgrad_rows, a_t, g)
+  else:
+    g_rows, dgrad_accum = g.rowwise(), mode.fast_accum("dgrad")
+    wgrad = functools.partial(grouped_op.grouped_wgrad, a_t, g.columnwise(),
+                              fast_accum=mode.fast_accum("wgrad"))
+  kernel = gather_kernel(k_local, axes)
+  dx = grouped_op.grouped_gemm(g_rows, _transpose(kernel), group_sizes,
+                               out_dtype=x_proto.dtype, fast_accum=dgrad_accum, impl=impl)
+  dk = wgrad(group_sizes, out_dtype=wgrad_dtype(mode, k_proto), impl=impl)
+  dk = scatter_wgrad(dk.astype(k_proto.dtype), axes)
+  return sum_to_type_of(dx, x_proto), sum_to_type_of(dk, k_proto)
+
+
+def _grouped_fwd(x, kernel, group_sizes, state, cfg):
+  mode, impl, axes = cfg.mode, cfg.impl, cfg.axes
+  if mode is None:
+    a, a_t = x, x
+  else:
+    qx = mode.quantize(x, "x", state, impl=impl, amax_axes=axes.token_axes)
+    a, a_t = qx.rowwise(), qx.columnwise()
+  y, k_local, k_amax = fprop_gemm(mode, a, kernel, state, group_sizes, axes, x.dtype, impl)
+  new_state = state if mode is None else update_grouped_state(mode, state, {"x": qx.amax},
+                                                              k_amax)
   # Kept for the backward: x.T (FP8 unless FP8 is off) and the local kernel
   # shard (gathered again there, as te_jax.sharded_dense does); empty slices
   # of x and kernel carry their dtypes and their mesh-axis types.
@@ -214,21 +255,11 @@ def _grouped_fwd(x, kernel, group_sizes, state, cfg):
 def _grouped_bwd(cfg, res, g):
   mode, impl, axes = cfg.mode, cfg.impl, cfg.axes
   a_t, k_local, group_sizes, new_state, (x_proto, k_proto) = res
-  if mode is None:   # the residual a_t is x (M, K): the wgrad reads it and g as stored
-    g_rows, dgrad_accum = g, False
-    wgrad = functools.partial(grouped_op.grouped_wgrad_rows, a_t, g)
-  else:
-    qg = mode.quantize(g, "grad", new_state, impl=impl, amax_axes=axes.token_axes)
-    g_rows, dgrad_accum = qg.rowwise(), mode.fast_accum("dgrad")
-    wgrad = functools.partial(grouped_op.grouped_wgrad, a_t, qg.columnwise(),
-                              fast_accum=mode.fast_accum("wgrad"))
-    new_state = update_grouped_state(mode, new_state, {"grad": qg.amax})
-  kernel = gather_kernel(k_local, axes)
-  dx = grouped_op.grouped_gemm(g_rows, _transpose(kernel), group_sizes,
-                               out_dtype=x_proto.dtype, fast_accum=dgrad_accum, impl=impl)
-  dk = wgrad(group_sizes, out_dtype=wgrad_dtype(mode, k_proto), impl=impl)
-  dk = scatter_wgrad(dk.astype(k_proto.dtype), axes)
-  return sum_to_type_of(dx, x_proto), sum_to_type_of(dk, k_proto), None, new_state
+  if mode is not None:
+    g = mode.quantize(g, "grad", new_state, impl=impl, amax_axes=axes.token_axes)
+    new_state = update_grouped_state(mode, new_state, {"grad": g.amax})
+  dx, dk = backward_gemms(mode, g, a_t, k_local, group_sizes, axes, x_proto, k_proto, impl)
+  return dx, dk, None, new_state
 
 
 _grouped.defvjp(_grouped_fwd, _grouped_bwd)

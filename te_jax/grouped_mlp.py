@@ -55,9 +55,8 @@ from te_jax import grouped_dense as gd
 from te_jax import remat
 from te_jax import scaling
 from te_jax.ops import act_quantize as act_op
-from te_jax.ops import grouped_gemm as grouped_op
 
-__all__ = ["fp8_grouped_mlp", "supported", "why_not_supported", "check_args"]
+__all__ = ["fp8_grouped_mlp", "why_not_supported", "check_args"]
 
 
 class _Config(NamedTuple):
@@ -92,12 +91,6 @@ def why_not_supported(m: int, h: int, f: int, recipe, *, sharded: bool = False,
   return ""
 
 
-def supported(m: int, h: int, f: int, recipe) -> bool:
-  """Whether :func:`fp8_grouped_mlp` takes these sizes unsharded
-  (:func:`why_not_supported`)."""
-  return not why_not_supported(m, h, f, recipe)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
 def _mlp(x, wi, wo, group_sizes, states, cfg):
   y, _ = _mlp_fwd(x, wi, wo, group_sizes, states, cfg)
@@ -108,23 +101,16 @@ def _mlp_fwd(x, wi, wo, group_sizes, states, cfg):
   mode, impl, ai, ao = cfg.mode, cfg.impl, cfg.wi_axes, cfg.wo_axes
   si, so = states
   qx = mode.quantize(x, "x", si, impl=impl, amax_axes=ai.token_axes)
-  wi_rows, wi_cols, wi_amax = gd.quantize_experts(mode, wi, si, impl, ai.kernel_axes,
-                                                  transposed=True)
-  # The (E, N, K) copies seen as (E, K, N): the GEMM's own transpose cancels it.
-  h = grouped_op.grouped_gemm(qx.rowwise(), gd.gather_kernel(wi_cols, ai, transposed=True).T,
-                              group_sizes, out_dtype=x.dtype,
-                              fast_accum=mode.fast_accum("fprop"), impl=impl)
+  h, wi_rows, wi_amax = gd.fprop_gemm(mode, qx.rowwise(), wi, si, group_sizes, ai, x.dtype,
+                                      impl)
   qz = mode.quantize_fused(act_op.act_quantize, "x", so, impl=impl, h=h,
                            activations=cfg.activations, h_copy=cfg.store_act_input_in_fp8)
   kept_h = h
   if cfg.store_act_input_in_fp8:
     qz, kept_h = qz
   qz = scaling.reduce_amax(qz, ao.token_axes)
-  wo_rows, wo_cols, wo_amax = gd.quantize_experts(mode, wo, so, impl, ao.kernel_axes,
-                                                  transposed=True)
-  y = grouped_op.grouped_gemm(qz.rowwise(), gd.gather_kernel(wo_cols, ao, transposed=True).T,
-                              group_sizes, out_dtype=x.dtype,
-                              fast_accum=mode.fast_accum("fprop"), impl=impl)
+  y, wo_rows, wo_amax = gd.fprop_gemm(mode, qz.rowwise(), wo, so, group_sizes, ao, x.dtype,
+                                      impl)
   new = (gd.update_grouped_state(mode, si, {"x": qx.amax}, wi_amax),
          gd.update_grouped_state(mode, so, {"x": qz.amax}, wo_amax))
   # Kept: the wgrads' FP8 x.T and z.T, the dgrads' FP8 weight shards, h for
@@ -143,28 +129,15 @@ def _mlp_bwd(cfg, res, g):
   # with the forward's and keep its intermediates alive in between.
   (h,) = dense_lib.after_cotangent(g, h)
   qg = mode.quantize(g, "grad", so, impl=impl, amax_axes=ao.token_axes)
-  dz = grouped_op.grouped_gemm(qg.rowwise(), gd.gather_kernel(wo_rows, ao).T, group_sizes,
-                               out_dtype=g.dtype, fast_accum=mode.fast_accum("dgrad"),
-                               impl=impl)
-  dz = gd.sum_to_type_of(dz, h_p)   # as grouped_dense returns z's gradient
-  dwo = grouped_op.grouped_wgrad(z_t, qg.columnwise(), group_sizes,
-                                 fast_accum=mode.fast_accum("wgrad"),
-                                 out_dtype=gd.wgrad_dtype(mode, wo_p), impl=impl)
+  # dz as grouped_dense returns z's gradient (z has h's type).
+  dz, dwo = gd.backward_gemms(mode, qg, z_t, wo_rows, group_sizes, ao, h_p, wo_p, impl)
   qdh = mode.quantize_fused(act_op.dact_quantize, "grad", si, impl=impl, dz=dz, h=h,
                             activations=cfg.activations)
   qdh = scaling.reduce_amax(qdh, ai.token_axes)
-  dx = grouped_op.grouped_gemm(qdh.rowwise(), gd.gather_kernel(wi_rows, ai).T, group_sizes,
-                               out_dtype=x_p.dtype, fast_accum=mode.fast_accum("dgrad"),
-                               impl=impl)
-  dwi = grouped_op.grouped_wgrad(x_t, qdh.columnwise(), group_sizes,
-                                 fast_accum=mode.fast_accum("wgrad"),
-                                 out_dtype=gd.wgrad_dtype(mode, wi_p), impl=impl)
-  dwi = gd.scatter_wgrad(dwi.astype(wi_p.dtype), ai)
-  dwo = gd.scatter_wgrad(dwo.astype(wo_p.dtype), ao)
+  dx, dwi = gd.backward_gemms(mode, qdh, x_t, wi_rows, group_sizes, ai, x_p, wi_p, impl)
   new = (gd.update_grouped_state(mode, si, {"grad": qdh.amax}),
          gd.update_grouped_state(mode, so, {"grad": qg.amax}))
-  return (gd.sum_to_type_of(dx, x_p), gd.sum_to_type_of(dwi, wi_p),
-          gd.sum_to_type_of(dwo, wo_p), None, new)
+  return dx, dwi, dwo, None, new
 
 
 _mlp.defvjp(_mlp_fwd, _mlp_bwd)

@@ -162,10 +162,10 @@ def test_unaligned_experts_warn_and_run_unfused(caplog):
 
 def test_supported_and_bad_arguments():
   r = RECIPES["block"]()
-  assert grouped_mlp.supported(256, 128, 384, r)
-  assert not grouped_mlp.supported(200, 128, 384, r)   # rows: not whole 128-row tiles
-  assert not grouped_mlp.supported(256, 128, 72, r)
-  assert not grouped_mlp.supported(256, 128, 128, None)
+  assert not grouped_mlp.why_not_supported(256, 128, 384, r)
+  assert grouped_mlp.why_not_supported(200, 128, 384, r)   # rows: not whole 128-row tiles
+  assert grouped_mlp.why_not_supported(256, 128, 72, r)
+  assert grouped_mlp.why_not_supported(256, 128, 128, None) == "FP8 is off"
   x, wi, wo, sizes = _args(("silu", "linear"))
   with pytest.raises(ValueError, match="must agree"):
     grouped_mlp.fp8_grouped_mlp(x, wi, wo, sizes, activations=("gelu",), recipe=r)

@@ -180,6 +180,7 @@ if want build; then
     (OUT=$OUT AB_SKIP_NEW=1 bash tools/gpu_ab.sh build > "$OUT/build_ab.log" 2>&1) &
     bases_built=$!
   fi
+  : > "$OUT/build.log"   # both branches append to it (a prebuilt module that fails, then the build)
   if [[ -n "${PREBUILT:-}" ]] && use_prebuilt "$PREBUILT"; then
     st "build: the prebuilt module in $PREBUILT (PYTHONPATH=$REPO)"
   else

@@ -140,7 +140,8 @@ def activate(h: jax.Array, activations: Sequence[str], *,
 
 def _why_not_fused(x, wi, wo, acts, wi_axes, wo_axes, recipe) -> str:
   """Why the experts cannot run as ``te_jax.grouped_mlp`` ('' when they can);
-  ``wi`` (E, H, n_act * F), ``wo`` (E, F, H)."""
+  ``wi`` (E, H, n_act * F), ``wo`` (E, F, H). Its own function so that tests
+  can pin the unfused path."""
   return grouped_mlp.check_args(x, wi, wo, acts, recipe, wi_axes, wo_axes)
 
 
@@ -197,8 +198,8 @@ def expert_mlp(x: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: jax.Arra
   if wo.shape[:2] != (e, f):
     raise ValueError(f"wo must be (E, F, H) = ({e}, {f}, H) for wi {wi.shape}, got "
                      f"{wo.shape}.")
+  wi3 = wi.reshape(e, h, n_act * f)   # the GEMM's (E, K, N)
   if recipe is not None:
-    wi3 = wi.reshape(e, h, n_act * f)
     unfused = _why_not_fused(x, wi3, wo, acts, wi_axes, wo_axes, recipe)
     if not unfused:
       return grouped_mlp.fp8_grouped_mlp(x, wi3, wo, group_sizes, activations=acts,
@@ -207,7 +208,7 @@ def expert_mlp(x: jax.Array, group_sizes: jax.Array, wi: jax.Array, wo: jax.Arra
                                          wi_axes=wi_axes, wo_axes=wo_axes)
     _warn_unfused(unfused)
   states: Optional[dict] = fp8_state or {}
-  hid = gd.grouped_dense(x, wi.reshape(e, h, n_act * f), group_sizes, recipe=recipe,
+  hid = gd.grouped_dense(x, wi3, group_sizes, recipe=recipe,
                          fp8_state=states.get("wi"), impl=impl, axes=wi_axes)
   z = activate(hid.reshape(x.shape[0], n_act, f), acts,
                store_act_input_in_fp8=store_act_input_in_fp8, impl=impl)
