@@ -25,7 +25,7 @@
 #   model     bench_model.py --preset llama, batch 8, every recipe
 #   keep      the same with --set keep_fp8_copies=true (not in the default list)
 #   kernels   tools/gpu_kernels.sh blockwise grouped (not with KERNEL_HARNESS=0);
-#             bench_ops.py --only act, then --only quantize
+#             bench_ops.py --only act, then --only quantize (not with KERNEL_OPS=0)
 #   memory    model_memory.py's compile-only Llama tables at batch 8 (default plan;
 #             store_act_input_in_fp8; --offload_optimizer with and without it), in
 #             the background beside the stages after it (on request; best beside
@@ -38,7 +38,7 @@
 #   accuracy  benchmarks/act_input_accuracy.py: store_act_input_in_fp8's
 #             gradient error beside the default's (on request)
 #   grouped   benchmarks/bench_grouped.py (te_jax grouped GEMM vs ragged_dot)
-#   peers     bench_peers.py --libs te_jax,te (MLP block and TransformerLayer):
+#   peers     bench_peers.py --libs te_jax,te $PEERS_ARGS (MLP block and TransformerLayer):
 #             te_jax beside TE-JAX 2.20.2, whose pieces later calls copy to
 #             /tmp/te/c0..c5 (../shared/peer/README.md: each call
 #             `cp -r .te/cN /tmp/te/.cN && mv /tmp/te/.cN /tmp/te/cN`); its
@@ -256,7 +256,7 @@ if want kernels && [[ -n "$tarball" && "${KERNEL_HARNESS:-1}" == 1 ]]; then
   OUT=$OUT timeout 200 bash tools/gpu_kernels.sh blockwise grouped > "$OUT/kernels.log" 2>&1
   grep -E "^checks:" "$OUT/kernels.log" >> "$LOG"
 fi
-if want kernels; then   # the activation-quantize passes of the Llama MLP (issue 43's budget)
+if want kernels && [[ "${KERNEL_OPS:-1}" == 1 ]]; then   # the activation-quantize passes of the Llama MLP (issue 43's budget)
   st "kernels: bench_ops act"
   (cd /tmp && timeout 300 python3 "$REPO/benchmarks/bench_ops.py" --only act \
      > "$OUT/ops_act.log" 2>&1)
@@ -338,8 +338,8 @@ if want peers; then
     (cd /tmp && CUDNN_PATH=$CUDNN_PATH CUDNN_HOME=$CUDNN_PATH \
        LD_LIBRARY_PATH=$CUDNN_PATH/lib:${LD_LIBRARY_PATH:-} timeout 500 \
        python3 "$REPO/benchmarks/bench_peers.py" --libs te_jax,te --blocks mlp,layer \
-       > "$OUT/peers.log" 2>&1)
-    grep -E "^\| " "$OUT/peers.log" | tail -n 20 >> "$LOG"
+       ${PEERS_ARGS:-} > "$OUT/peers.log" 2>&1)   # (an argument list: split on spaces)
+    grep -E "^\| " "$OUT/peers.log" | tail -n 30 >> "$LOG"
   else
     echo "peers: TE-JAX did not build ($(tail -n 2 "$OUT/te_build.log" 2>/dev/null | tr '\n' ' '))" >> "$LOG"
   fi
