@@ -290,25 +290,33 @@ def test_attention_quantizes_qkv_gradient_from_parts(monkeypatch):
 
 
 
-@pytest.mark.parametrize("rname", ["current", "blockwise", None])
-def test_delayed_state_kept_under_other_recipes(rname):
-  """A MultiHeadAttention initialized under DelayedScaling and trained under
-  another recipe (or FP8 off): the split Q/K/V projection's FP8 state comes
-  back as its own "gradient", so TrainState.apply_gradients keeps it (zeros
-  would wipe the amax histories)."""
+@pytest.fixture(scope="module")
+def delayed_mha():
+  """(mha, x, variables) of a MultiHeadAttention initialized under
+  DelayedScaling and trained one step with it (so that the state is not the
+  initial one): made once for the recipes that train it further."""
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 64, 256)).astype(jnp.bfloat16)
   mha = tfx.MultiHeadAttention(num_attention_heads=4, dtype=jnp.bfloat16,
                                attention_impl="xla")
   with te_jax.fp8_autocast(enabled=True, fp8_recipe=RECIPES["delayed"]):
-    v = nn.unbox(mha.init(jax.random.PRNGKey(1), x))
-    # one delayed step, so that the state is not the initial one
-    g = jax.grad(lambda v: jnp.sum(mha.apply(v, x).astype(jnp.float32)))(v)
+    v = nn.unbox(jax.jit(mha.init)(jax.random.PRNGKey(1), x))
+    g = jax.jit(jax.grad(lambda v: jnp.sum(mha.apply(v, x).astype(jnp.float32))))(v)
     v = fp8_state.apply_fp8_updates(v, g)
+  return mha, x, v
+
+
+@pytest.mark.parametrize("rname", ["current", "blockwise", None])
+def test_delayed_state_kept_under_other_recipes(rname, delayed_mha):
+  """A MultiHeadAttention initialized under DelayedScaling and trained under
+  another recipe (or FP8 off): the split Q/K/V projection's FP8 state comes
+  back as its own "gradient", so TrainState.apply_gradients keeps it (zeros
+  would wipe the amax histories)."""
+  mha, x, v = delayed_mha
   state = v[fp8_state.FP8_COLLECTION]
   assert "qkv" in state
   with te_jax.fp8_autocast(enabled=rname is not None,
                            fp8_recipe=RECIPES[rname] if rname else None):
-    g = jax.grad(lambda v: jnp.sum(mha.apply(v, x).astype(jnp.float32)))(v)
+    g = jax.jit(jax.grad(lambda v: jnp.sum(mha.apply(v, x).astype(jnp.float32))))(v)
   got = g[fp8_state.FP8_COLLECTION]
   assert jax.tree.structure(got) == jax.tree.structure(state)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(state)):

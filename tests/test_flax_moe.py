@@ -66,7 +66,7 @@ def test_module_is_the_functional_block(name):
   module = tfx.MoE(shared_intermediate_dim=FS, load_balancing_coef=0.01, **KW)
   x, g = inputs()
   with autocast(r):
-    variables = nn.meta.unbox(module.init(jax.random.key(0), x))
+    variables = nn.meta.unbox(jax.jit(module.init)(jax.random.key(0), x))
 
     def module_step(v, x):
       y, vjp = jax.vjp(lambda v, x: module.apply(v, x), v, x)
@@ -112,7 +112,7 @@ def test_delayed_state_takes_one_entry_per_step_and_expert():
   (x1, g), (x2, _) = inputs(seed=2), inputs(seed=3)
   x2 = 3.0 * x2
   with autocast(r):
-    variables = nn.meta.unbox(module.init(jax.random.key(0), x1))
+    variables = nn.meta.unbox(jax.jit(module.init)(jax.random.key(0), x1))
     s1, s2 = _train_steps(module, variables, [x1, x2], g)
   wi, wo = variables["params"]["wi_kernel"], variables["params"]["wo_kernel"]
   for s, n in ((s1, 1), (s2, 2)):
@@ -139,7 +139,7 @@ def test_microbatches_merge_by_max_of_their_uses():
   module = tfx.MoE(**KW)
   (x1, g), (x2, _) = inputs(seed=4), inputs(seed=5)
   with autocast(r):
-    variables = nn.meta.unbox(module.init(jax.random.key(0), x1))
+    variables = nn.meta.unbox(jax.jit(module.init)(jax.random.key(0), x1))
     grads = jax.jit(lambda v, x: jax.grad(lambda v: jnp.sum(module.apply(v, x) * g))(v))
     d1, d2 = grads(variables, x1), grads(variables, 4.0 * x2)
   merged = fp8_state.accumulate_gradients(d1, d2)[FP8]
@@ -159,7 +159,7 @@ def test_fp8_state_is_kept_by_a_step_that_does_not_use_it():
   module = tfx.MoE(shared_intermediate_dim=FS, **KW)
   x, g = inputs(seed=10)
   with autocast(RECIPES["delayed"]):
-    variables = nn.meta.unbox(module.init(jax.random.key(0), x))
+    variables = nn.meta.unbox(jax.jit(module.init)(jax.random.key(0), x))
     variables = dict(variables, **{FP8: _train_steps(module, variables, [x], g)[0]})
   dv = jax.jit(jax.grad(lambda v: jnp.sum(module.apply(v, x) * g)))(variables)
   jax.tree.map(np.testing.assert_array_equal, dv[FP8], variables[FP8])
@@ -170,7 +170,7 @@ def test_aux_values_are_sown_and_the_aux_loss_trains_the_router():
   coefs = dict(load_balancing_coef=0.01, z_loss_coef=0.001)
   module = tfx.MoE(**coefs, **KW)
   x, _ = inputs(seed=6)
-  variables = nn.meta.unbox(module.init(jax.random.key(0), x))
+  variables = nn.meta.unbox(jax.jit(module.init)(jax.random.key(0), x))
   _, state = module.apply(variables, x, mutable=["intermediates"])
   (aux,) = state["intermediates"][AUX_NAME]
   assert isinstance(aux, moe.MoEAux)
@@ -193,7 +193,7 @@ def test_aux_values_are_sown_and_the_aux_loss_trains_the_router():
 def test_capacity_drops_are_counted_in_the_sown_aux():
   module = tfx.MoE(capacity_factor=0.25, **KW)
   x, _ = inputs(seed=7)
-  variables = nn.meta.unbox(module.init(jax.random.key(0), x))
+  variables = nn.meta.unbox(jax.jit(module.init)(jax.random.key(0), x))
   _, state = module.apply(variables, x, mutable=["intermediates"])
   # 48 tokens x 2 = 96 assignments, capacity 0.25 * 96 / 4 = 6 rows per expert
   assert int(moe.aux_totals(state)["dropped"]) >= 96 - 4 * 6
@@ -203,7 +203,7 @@ def test_router_bias_moves_only_in_calls_that_may_change_it():
   rate = 0.01
   module = tfx.MoE(router_bias_update_rate=rate, score_function="sigmoid", **KW)
   x, _ = inputs(seed=8)
-  variables = nn.meta.unbox(module.init(jax.random.key(0), x))
+  variables = nn.meta.unbox(jax.jit(module.init)(jax.random.key(0), x))
   bias0 = variables[ROUTER_BIAS_COLLECTION]["bias"]
   assert bias0.shape == (E,) and not np.asarray(bias0).any()
   _, state = module.apply(variables, x, mutable=["intermediates", ROUTER_BIAS_COLLECTION])
@@ -250,7 +250,7 @@ def test_transformer_layer_puts_the_moe_in_place_of_the_mlp(name):
   x, _ = inputs(seed=9)
   seg = jnp.ones(x.shape[:2], jnp.int32).at[:, -5:].set(0)
   with autocast(r):
-    variables = nn.meta.unbox(layer.init(jax.random.key(0), x, segment_ids=seg))
+    variables = nn.meta.unbox(jax.jit(layer.init)(jax.random.key(0), x, segment_ids=seg))
     y, state = layer.apply(variables, x, segment_ids=seg, capture_intermediates=True,
                            mutable=["intermediates"])
   params = variables["params"]

@@ -38,7 +38,7 @@ def _linen_loss(kind, r):
   FP8 state fixed (part of the closure)."""
   module = _linen(kind)
   with te_jax.fp8_autocast(True, r):
-    variables = module.init(jax.random.key(1), X)
+    variables = jax.jit(module.init)(jax.random.key(1), X)
   params, rest = variables["params"], {k: v for k, v in variables.items() if k != "params"}
 
   def loss(p, x):

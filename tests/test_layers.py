@@ -65,7 +65,7 @@ def test_core_with_a_dict_state_store_matches_the_linen_module(rname, fused):
   linen = tfx.LayerNormMLP(F, activations=("silu", "linear"), layernorm_type="rmsnorm",
                            fuse_activation_quantize=fused)
   with te_jax.fp8_autocast(enabled=True, fp8_recipe=r):
-    v = nn.unbox(linen.init(jax.random.key(0), x))
+    v = nn.unbox(jax.jit(linen.init)(jax.random.key(0), x))
     p = v["params"]
 
     def core(params, states, x):

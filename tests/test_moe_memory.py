@@ -115,6 +115,17 @@ def _step(rname, acts, **kw):
   return lambda: step(x, params, state)
 
 
+_DEFAULT_STEPS = {}
+
+
+def _default_step(rname, acts):
+  """``_step(rname, acts)()``, the default unfused step, computed once for
+  the two tests that compare with it (each has applied :func:`_unfused`)."""
+  if (rname, acts) not in _DEFAULT_STEPS:
+    _DEFAULT_STEPS[rname, acts] = _step(rname, acts)()
+  return _DEFAULT_STEPS[rname, acts]
+
+
 def _unfused(monkeypatch):
   """FP8 experts through ``activate`` between two grouped dense calls (the
   path expert_mlp takes under shard_map), not te_jax.grouped_mlp's fused
@@ -131,7 +142,7 @@ def _assert_trees_equal(a, b):
 @pytest.mark.parametrize("acts", [GATED, SINGLE])
 def test_default_equals_the_plain_activation_bit_for_bit(rname, acts, monkeypatch):
   _unfused(monkeypatch)
-  got = _step(rname, acts)()
+  got = _default_step(rname, acts)
   monkeypatch.setattr(experts_lib, "activate", _plain_activate)
   want = _step(rname, acts)()
   _assert_trees_equal(got, want)
@@ -153,7 +164,7 @@ def test_the_backward_recomputes_behind_a_barrier_with_the_cotangent():
 @pytest.mark.parametrize("acts", [GATED, SINGLE])
 def test_fp8_act_input_gradients_those_of_h_rounded_to_e4m3(rname, acts, monkeypatch):
   _unfused(monkeypatch)
-  default = _step(rname, acts)()
+  default = _default_step(rname, acts)
   got = _step(rname, acts, store_act_input_in_fp8=True)()
   monkeypatch.setattr(experts_lib, "activate", _rounded_h_activate)
   want = _step(rname, acts)()
@@ -175,7 +186,7 @@ def test_a_nan_in_x_gives_nan_gradients_with_fp8_act_input():
     y = moe.moe_block(x, p, config=config, recipe=RECIPES["blockwise"], impl="reference",
                       store_act_input_in_fp8=True)[0]
     return jnp.sum(y.astype(jnp.float32) * g)
-  dx, dp = jax.grad(loss, argnums=(0, 1))(x, params)
+  dx, dp = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, params)
   assert np.isnan(np.asarray(dx[3], np.float32)).any()
   for name in ("wi", "wo", "shared_wi", "shared_wo"):
     assert not np.all(np.isfinite(np.asarray(dp[name], np.float32))), name
@@ -209,13 +220,14 @@ def _residual_bytes(loss, *args):
 def _module_losses(r, config):
   """{name: (loss(variables, x), variables)} of the Linen and NNX MoE made
   under ``r`` (every collection an argument: only what the layer makes is
-  a residual)."""
+  a residual). The Linen variables are shapes (jax.eval_shape): the tests
+  trace these losses, and only shapes matter to what they check."""
   kw = dict(num_experts=config.num_experts, num_experts_per_token=config.num_experts_per_token,
             activations=config.activations, shared_intermediate_dim=FS)
   x = jnp.ones((2, T // 2, H), jnp.bfloat16)
   linen = tfx.MoE(intermediate_dim=F, dtype=jnp.bfloat16, **kw)
   with te_jax.fp8_autocast(True, r):
-    variables = linen.init(jax.random.key(1), x)
+    variables = jax.eval_shape(linen.init, jax.random.key(1), x)
     module = tnx.MoE(H, intermediate_dim=F, dtype=jnp.bfloat16, rngs=nnx.Rngs(1), **kw)
   graphdef, state = nnx.split(module)
   mean_sq = lambda y: jnp.mean(y.astype(jnp.float32) ** 2)
@@ -271,5 +283,6 @@ def test_the_unsharded_module_does_not_warn_about_the_option(caplog):
   x, losses = _module_losses(r, config)
   loss, variables = losses["linen"]
   with te_jax.fp8_autocast(True, r, store_act_input_in_fp8=True):
-    jax.grad(loss)(variables, x)
+    # traced and lowered (where the warning would be logged), not compiled
+    jax.jit(jax.grad(loss)).lower(variables, x)
   assert not [m for m in caplog.messages if "store_act_input_in_fp8" in m], caplog.messages

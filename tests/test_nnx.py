@@ -52,7 +52,7 @@ def assert_parity(linen, make_nnx, args, recipe_name, **kw):
   give equal outputs and gradients under ``recipe_name``."""
   r = _recipe(recipe_name)
   with te_jax.fp8_autocast(enabled=r is not None, fp8_recipe=r):
-    v = nn.meta.unbox(linen.init(jax.random.key(0), *args, **kw))
+    v = nn.meta.unbox(jax.jit(linen.init)(jax.random.key(0), *args, **kw))
     model = make_nnx()
     tnx.load_linen_variables(model, v)
     assert (COLL in v) == (recipe_name == "delayed")

@@ -245,7 +245,7 @@ def _linen_loss(r, x=X, **kw):
   module = tfx.LayerNormMLP(intermediate_dim=H, activations=GATED, layernorm_type="rmsnorm",
                             dtype=jnp.bfloat16, **kw)
   with te_jax.fp8_autocast(True, r):
-    variables = module.init(jax.random.key(1), x)
+    variables = jax.jit(module.init)(jax.random.key(1), x)
   return lambda v, x: _mean_square(module.apply(v, x, mutable=True)[0]), variables
 
 
@@ -307,6 +307,12 @@ def test_the_autocast_refuses_a_non_bool():
       pass
 
 
+def _lower_grad(loss):
+  """jax.grad(loss) traced and lowered afresh at each call (where the
+  warning is logged), not compiled or run."""
+  return lambda *args: jax.jit(jax.grad(loss)).lower(*args)
+
+
 def test_warns_once_where_the_block_cannot_apply_it(caplog):
   mlp_lib.warn_act_input_not_in_fp8.cache_clear()
   caplog.set_level(logging.WARNING, logger="te_jax")
@@ -314,16 +320,16 @@ def test_warns_once_where_the_block_cannot_apply_it(caplog):
   x = rand(9, (2, 100, E), dtype=jnp.bfloat16)       # 200 tokens: not a multiple of 16
   loss, params = _linen_loss(r, x)
   for _ in range(2):
-    _under(True, r, jax.grad(loss), params, x)
+    _under(True, r, _lower_grad(loss), params, x)
   hits = [m for m in caplog.messages if "store_act_input_in_fp8" in m]
   assert len(hits) == 1 and "two FP8 dense layers" in hits[0] and "200 tokens" in hits[0], hits
   caplog.clear()   # off, or on a block that takes it: no warning
-  _under(False, r, jax.grad(loss), params, x)
+  _under(False, r, _lower_grad(loss), params, x)
   loss, params = _linen_loss(r)
-  _under(True, r, jax.grad(loss), params, X)
+  _under(True, r, _lower_grad(loss), params, X)
   assert not [m for m in caplog.messages if "store_act_input_in_fp8" in m], caplog.messages
   loss, params = _linen_loss(r, fuse_activation_quantize=False)
-  _under(True, r, jax.grad(loss), params, X)
+  _under(True, r, _lower_grad(loss), params, X)
   hits = [m for m in caplog.messages if "store_act_input_in_fp8" in m]
   assert len(hits) == 1 and "fuse_activation_quantize=False" in hits[0], hits
 
