@@ -53,7 +53,10 @@ backward runs on N token chunks (``LayerNormMLP.backward_chunks``), e.g.
 unchunked rows. ``--act-input-fp8`` adds delayed and blockwise rows that
 keep the activation's input for the backward in E4M3
 (``store_act_input_in_fp8``; "te_jax delayed chunks4 h-e4m3" with the
-chunks).
+chunks). ``--keep-fp8-copies`` adds delayed, current and blockwise rows
+that keep the forward's FP8 copies of norm(x) and the kernels for the
+backward (``keep_fp8_copies``, "te_jax delayed keep"): the memory plan's
+second quantize passes skipped, for one byte per element held longer.
 
 With ``--profile`` each row also traces ``--profile-steps`` (3) carried
 steps (``jax.profiler``) and reports kernel time per step by kind (GEMM,
@@ -122,14 +125,16 @@ class _Residual(nn.Module):
 # ------------------------------------------------------------ the libraries --
 
 def te_jax_rows(block, sz, fastacc=False, param_dtype=BF16, backward_chunks=1,
-                act_input_fp8=False):
+                act_input_fp8=False, keep_fp8_copies=False):
   """[(label, module, autocast context factory)] for te_jax; with ``fastacc``
   also delayed and current scaling with fast accumulation in every GEMM;
   with ``backward_chunks`` > 1 also delayed and blockwise scaling with the
   MLP's backward on that many token chunks ("delayed chunks4"); with
   ``act_input_fp8`` also delayed and blockwise scaling keeping the
   activation's input for the backward in E4M3 (``store_act_input_in_fp8``,
-  "delayed h-e4m3"), with the chunks too when there are any."""
+  "delayed h-e4m3"), with the chunks too when there are any; with
+  ``keep_fp8_copies`` also delayed, current and blockwise scaling keeping
+  the forward's FP8 copies for the backward ("delayed keep")."""
   recipes = {"off": None, "delayed": recipe_lib.DelayedScaling(),
              "current": recipe_lib.Float8CurrentScaling(),
              "blockwise": recipe_lib.Float8BlockScaling()}
@@ -137,17 +142,20 @@ def te_jax_rows(block, sz, fastacc=False, param_dtype=BF16, backward_chunks=1,
     fast = dict(fast_accum_fprop=True, fast_accum_dgrad=True, fast_accum_wgrad=True)
     recipes["delayed fastacc"] = recipe_lib.DelayedScaling(**fast)
     recipes["current fastacc"] = recipe_lib.Float8CurrentScaling(**fast)
-  # (row name, recipe, chunks, store_act_input_in_fp8)
-  specs = [(name, r, 1, False) for name, r in recipes.items()]
+  # (row name, recipe, chunks, store_act_input_in_fp8, keep_fp8_copies)
+  specs = [(name, r, 1, False, False) for name, r in recipes.items()]
   if backward_chunks > 1:
-    specs += [(f"{name} chunks{backward_chunks}", recipes[name], backward_chunks, False)
+    specs += [(f"{name} chunks{backward_chunks}", recipes[name], backward_chunks, False, False)
               for name in ("delayed", "blockwise")]
   if act_input_fp8:
     chunked = f" chunks{backward_chunks}" if backward_chunks > 1 else ""
-    specs += [(f"{name}{chunked} h-e4m3", recipes[name], backward_chunks, True)
+    specs += [(f"{name}{chunked} h-e4m3", recipes[name], backward_chunks, True, False)
               for name in ("delayed", "blockwise")]
+  if keep_fp8_copies:
+    specs += [(f"{name} keep", recipes[name], 1, False, True)
+              for name in ("delayed", "current", "blockwise")]
   rows = []
-  for name, r, chunks, h_fp8 in specs:
+  for name, r, chunks, h_fp8, keep in specs:
     if block == "mlp":
       m = _Residual(tfx.LayerNormMLP(intermediate_dim=sz["mlp"], activations=("gelu",),
                                      dtype=BF16, param_dtype=param_dtype,
@@ -156,8 +164,8 @@ def te_jax_rows(block, sz, fastacc=False, param_dtype=BF16, backward_chunks=1,
       m = tfx.TransformerLayer(sz["hidden"], sz["mlp"], sz["heads"], layer_type="decoder",
                                activations=("gelu",), dtype=BF16, param_dtype=param_dtype,
                                mlp_backward_chunks=chunks)
-    ctx = lambda r=r, h_fp8=h_fp8: te_jax.fp8_autocast(enabled=r is not None, fp8_recipe=r,
-                                                       store_act_input_in_fp8=h_fp8)
+    ctx = lambda r=r, h_fp8=h_fp8, keep=keep: te_jax.fp8_autocast(
+        enabled=r is not None, fp8_recipe=r, store_act_input_in_fp8=h_fp8, keep_fp8_copies=keep)
     rows.append((f"te_jax {name}", m, ctx))
   return rows
 
@@ -395,7 +403,7 @@ def block_rows(block, libs, sz, args, notes):
   rows = []
   if "te_jax" in libs:
     rows += te_jax_rows(block, sz, args.fastacc, jnp.dtype(args.param_dtype),
-                        args.backward_chunks, args.act_input_fp8)
+                        args.backward_chunks, args.act_input_fp8, args.keep_fp8_copies)
   if "te" in libs:
     te, why = te_rows(block, sz)
     if te is not None:
@@ -453,6 +461,9 @@ def main(argv=None):
                  help="add te_jax delayed/blockwise rows that keep the activation's input "
                       "in E4M3 for the backward (store_act_input_in_fp8; with "
                       "--backward-chunks, chunked too)")
+  p.add_argument("--keep-fp8-copies", action="store_true",
+                 help="add te_jax delayed/current/blockwise rows that keep the forward's FP8 "
+                      "copies of norm(x) and the kernels for the backward (keep_fp8_copies)")
   p.add_argument("--recipes", help="only these rows of each library, by recipe name "
                                     "(e.g. 'off' or 'off,delayed fastacc'); default all")
   p.add_argument("--param-dtype", choices=("bfloat16", "float32"), default="bfloat16",

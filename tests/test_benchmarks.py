@@ -184,6 +184,24 @@ def test_peers_rows_time_a_carried_te_jax_step_on_cpu():
   assert r["ms"] > 0 and r["dx_abs_max"] > 0 and r["temp_mib"] is not None
 
 
+def test_peers_keep_rows_run_with_the_fp8_copies_kept():
+  """--keep-fp8-copies: delayed, current and blockwise rows whose autocast
+  keeps the forward's FP8 copies, after the default rows (which do not)."""
+  import bench_peers
+  from te_jax import autocast
+  sz = bench_peers.sizes(True)
+  rows = bench_peers.te_jax_rows("mlp", sz, keep_fp8_copies=True)
+  labels = [label for label, _, _ in rows]
+  assert labels[-3:] == ["te_jax delayed keep", "te_jax current keep", "te_jax blockwise keep"]
+  for label, _, ctx in rows:
+    with ctx() as c:
+      assert c is autocast.get_fp8_context()
+      assert c.keep_fp8_copies == label.endswith(" keep"), label
+  assert "te_jax delayed keep" not in [l for l, _, _ in bench_peers.te_jax_rows("mlp", sz)]
+  r = bench_peers.time_row(*rows[-3][1:], sz, k=1, repeats=1)
+  assert r["ms"] > 0 and r["dx_abs_max"] > 0
+
+
 @pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float32])
 def test_peers_te_jax_and_flax_rows_hold_the_requested_parameter_dtype(param_dtype):
   """bf16 by default: TE-JAX's rows hold bf16 parameters (its dtype=bf16 sets
