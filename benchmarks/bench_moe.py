@@ -21,7 +21,10 @@ trace (router, dispatch, grouped GEMMs with the experts' activation,
 combine, shared expert; the all-to-alls of expert parallelism belong to
 dispatch and combine; "other" is the rest: attention, norms, the optimizer),
 told apart by the named scopes of ``te_jax.moe.SCOPES`` that the compiled
-program's op names carry, device memory: the compiled step's arguments
+program's op names carry (the traced steps run the step compiled a second
+time with XLA's command buffers off: a kernel inside a command buffer
+carries the buffer's name, not its op's, so the grouped GEMMs and te_jax's
+kernels would count as "other"; the timed steps keep them), device memory: the compiled step's arguments
 + temp (``memory_analysis()``), and the seconds of building the step,
 phase by phase (``init``: the layer's ``jax.jit(module.init)`` traced,
 compiled and run, or the model's trainer built and its state initialized;
@@ -185,18 +188,20 @@ def run_layer(row: str, small: bool, k: int, repeats: int, profile_steps: int,
     variables = nn.meta.unbox(jax.jit(module.init)(jax.random.key(0), xs[0]))
     jax.block_until_ready(variables)
     seconds = {"init": phase("init (trace + compile + run)")}
-    compiled = _lower_and_compile(case["grad_step"], (variables, xs[0], g), phase, seconds)
+    lowered, compiled = _lower_and_compile(case["grad_step"], (variables, xs[0], g), phase,
+                                           seconds)
 
     def step(v, x):   # the compiled program: the timed steps compile nothing again
       return compiled(v, x, g)
     times, variables, out = time_steps(step, variables, xs, k, repeats)
     phase(f"{k * repeats} timed steps")
     live = {"v": variables}
+    traced = _trace_program(lowered, compiled, phase)
 
     def profiled(n):
-      live["v"], last = run_steps(step, live["v"], xs, n)
+      live["v"], last = run_steps(lambda v, x: traced(v, x, g), live["v"], xs, n)
       return last
-    kinds = kernel_time_by_part(profiled, profile_steps, compiled.as_text(), top=top_kernels)
+    kinds = kernel_time_by_part(profiled, profile_steps, traced.as_text(), top=top_kernels)
     phase(f"{profile_steps} profiled steps + trace")
   stats = memory_stats(compiled)
   tokens = sz["batch"] * sz["seq"]
@@ -233,11 +238,11 @@ def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int
   batches = [trainer.batch(i) for i in range(2)]
   with trainer._ctx():  # pylint: disable=protected-access
     step_fn = trainer._step  # pylint: disable=protected-access
-    compiled = _lower_and_compile(step_fn, (state, batches[0]), phase, seconds)
+    lowered, compiled = _lower_and_compile(step_fn, (state, batches[0]), phase, seconds)
 
-  def step(st, batch):        # time_steps' layout: (output, (next state,))
+  def step(st, batch, program=compiled):   # time_steps' layout: (output, (next state,))
     with trainer._ctx():  # pylint: disable=protected-access
-      new, metrics = compiled(st, batch)
+      new, metrics = program(st, batch)
     return metrics, (new,)
 
   def carry(_, new):
@@ -246,11 +251,13 @@ def run_model(recipe: str, small: bool, k: int, repeats: int, profile_steps: int
   times, state, out = time_steps(step, state, batches, k, repeats, carry)
   phase(f"{k * repeats} timed steps")
   live = {"state": state}
+  traced = _trace_program(lowered, compiled, phase)
 
   def profiled(n):
-    live["state"], last = run_steps(step, live["state"], batches, n, carry)
+    live["state"], last = run_steps(lambda st, b: step(st, b, traced), live["state"], batches, n,
+                                    carry)
     return last
-  kinds = kernel_time_by_part(profiled, profile_steps, compiled.as_text(), top=top_kernels)
+  kinds = kernel_time_by_part(profiled, profile_steps, traced.as_text(), top=top_kernels)
   stats = memory_stats(compiled)
   ms = statistics.median(times)
   tokens = trainer.cfg.batch * trainer.cfg.seq_len
@@ -352,12 +359,31 @@ def _phases():
 def _lower_and_compile(jitted, args, phase, seconds: dict):
   """``jitted`` lowered for ``args`` and compiled, each timed as its own
   phase (``_phases``) into ``seconds["lower"]`` and ``seconds["compile"]``;
-  returns the compiled step."""
+  returns the lowered and the compiled step."""
   lowered = jitted.lower(*args)
   seconds["lower"] = phase("step lower")
   compiled = lowered.compile()
   seconds["compile"] = phase("step compile")
-  return compiled
+  return lowered, compiled
+
+
+# XLA's debug option as jax's compiler_options spell it: no command buffers.
+NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
+
+
+def _trace_program(lowered, compiled, phase):
+  """The step of ``lowered`` (``compiled``) compiled again for the profiler trace, with
+  XLA's command buffers off (``NO_COMMAND_BUFFERS``) on a GPU: inside a
+  command buffer the trace names a kernel's buffer, not its op, and the
+  grouped GEMMs and te_jax's kernels could not be told apart by part. Same
+  kernels, launched one by one; the timed steps keep the command buffers.
+  On a CPU (no command buffers) ``compiled`` itself."""
+  import jax  # pylint: disable=import-outside-toplevel
+  if jax.default_backend() != "gpu":
+    return compiled
+  traced = lowered.compile(compiler_options=NO_COMMAND_BUFFERS)
+  phase("step compiled again without command buffers (for the trace)")
+  return traced
 
 
 def _one(part, row, args) -> dict:

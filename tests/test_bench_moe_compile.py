@@ -60,3 +60,28 @@ def test_model_row_prints_and_returns_each_build_phase(capsys):
                                                          profile_steps=1))
   build = " / ".join(f"{r['build_s'][p]:.1f}" for p in ("init", "lower", "compile"))
   assert f"| {build} |" in table and "init / lower / compile s |" in table, table
+
+
+def test_trace_program_turns_command_buffers_off_on_a_gpu(monkeypatch):
+  """The traced steps' program is compiled with XLA's command buffers off on a
+  GPU (inside one, a kernel is named after its buffer, not its op, and the
+  grouped GEMMs counted as "other"); on a CPU it is the compiled step itself.
+  XLA rejects an unknown option name, so compiling with the option proves
+  its spelling."""
+  lowered = jax.jit(lambda x: x * 2).lower(jax.numpy.ones(3))
+  compiled = lowered.compile()
+  phases = []
+  assert bench_moe._trace_program(lowered, compiled, phases.append) is compiled  # pylint: disable=protected-access
+  assert phases == []
+  asked = []
+  real_compile = type(lowered).compile
+
+  def compile_and_record(self, compiler_options=None):
+    asked.append(compiler_options)
+    return real_compile(self, compiler_options=compiler_options)
+  monkeypatch.setattr(type(lowered), "compile", compile_and_record)
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  traced = bench_moe._trace_program(lowered, compiled, phases.append)  # pylint: disable=protected-access
+  assert asked == [bench_moe.NO_COMMAND_BUFFERS] and traced is not compiled
+  assert len(phases) == 1 and "without command buffers" in phases[0]
+  assert list(traced(jax.numpy.ones(3))) == [2.0, 2.0, 2.0]

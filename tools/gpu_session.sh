@@ -361,10 +361,13 @@ if want moe; then
     done
   fi
   if [[ "$parts" == *" model "* ]]; then
-    (cd /tmp && timeout 600 python3 "$REPO/benchmarks/bench_moe.py" --parts model \
+    # A model row: init ~80 s, lower + compile up to 85 s, the trace's second
+    # compile (command buffers off) about as long again, then the steps:
+    # 150 s a row was too short in run AO.
+    (cd /tmp && timeout 1000 python3 "$REPO/benchmarks/bench_moe.py" --parts model \
        --recipes "${MOE_MODEL_RECIPES:-${MOE_RECIPES:-none,delayed}}" \
        ${MOE_MODEL_SET:+--model-set "$MOE_MODEL_SET"} \
-       --timeout "${MOE_TIMEOUT:-150}" --top-kernels 25 > "$OUT/moe_model.log" 2>&1)
+       --timeout "${MOE_TIMEOUT:-300}" --top-kernels 25 > "$OUT/moe_model.log" 2>&1)
     grep -E "^model " "$OUT/moe_model.log" >> "$LOG"
   fi
 fi
