@@ -4,8 +4,10 @@
 # and timings, write logs to $OUT, print a short table last.
 #
 # Usage (from the repo root): bash tools/gpu_kernels.sh [fetch] [build] [blockwise] [grouped]
-#   [ncu] (default: build blockwise grouped; ncu: Nsight Compute's budget of
-#   the blockwise GEMMs, NCU_VARIANTS). Needs the CUTLASS headers in .cutlass/include or as
+#   [ncu] [own] (default: build blockwise grouped; ncu: Nsight Compute's budget of
+#   the blockwise GEMMs, NCU_VARIANTS; own: build, check and time te_jax's own
+#   blockwise GEMM, benchmarks/blockwise_gemm_own.cu, issue 46 phase 2 — it
+#   needs no "build" step). Needs the CUTLASS headers in .cutlass/include or as
 #   .cutlass/cutlass-<version>-include.tar.gz (an ignored folder, made by
 #   `bash tools/gpu_kernels.sh fetch` on a machine with PyPI: the
 #   nvidia-cutlass 4.2.0.0 wheel's cutlass_library/source/include); carry
@@ -21,6 +23,7 @@
 #   JOBS          parallel compiles, default nproc
 #   BLOCKWISE_ARGS  extra harness arguments (e.g. "--sweep", "--quick")
 #   GROUPED_ARGS
+#   OWN_ARGS      extra arguments of the own harness's timing run ("--quick", "--sweep")
 #   BUILD_ONLY=1  compile and link, run nothing (for machines without a GPU)
 set -uo pipefail
 
@@ -138,6 +141,61 @@ if want build; then
   done
   echo "build: $(( $(date +%s) - s )) s (objects and binaries in $KBUILD)" | tee -a "$OUT/kernels_build.log"
 fi
+# build_own / run_own: te_jax's own blockwise GEMM (no CUTLASS objects: one
+# source, CuTe headers only for the wgmma atoms). Built here (before the
+# BUILD_ONLY exit, so CPU machines can check that it compiles), then each configuration's
+# checks in its own process; then the timing run of those that passed. The
+# harness guards every first launch (5 s watchdog, bounded waits in the
+# kernel): a configuration that hangs or faults makes it print
+# "DROP <config> (...)" and exit, and the timing run is repeated without it.
+# Logs: $OUT/blockwise_gemm_own_checks.log, $OUT/blockwise_gemm_own.log.
+build_own() {
+  local name=blockwise_gemm_own log
+  log=$(compile benchmarks/blockwise_gemm_own.cu 2>&1)
+  echo "$log" | tee -a "$OUT/kernels_build.log"
+  if [[ "$log" == *FAILED* ]] || ! nvcc "${FLAGS[@]}" "$KBUILD/bench_$name.o" "${CUBLAS_LINK[@]}" \
+      -o "$KBUILD/$name" >> "$OUT/kernels_build.log" 2>&1; then
+    echo "$name: BUILD FAILED (see $OUT/kernels_build.log, $KBUILD/bench_$name.log)"
+    OWN_BUILT=0; return
+  fi
+  OWN_BUILT=1
+  # ptxas's verdicts that matter for speed: serialized wgmma (C75xx), spills.
+  grep -h "C75[0-9][0-9]\|spill" "$KBUILD/bench_$name.log" 2>/dev/null \
+    | grep -v " 0 bytes spill stores, 0 bytes spill loads" | sort -u | head -12
+}
+run_own() {
+  local name=blockwise_gemm_own bin="$KBUILD/blockwise_gemm_own" v pass=() rc try dropped log
+  [[ "${OWN_BUILT:-0}" == 1 ]] || { status=1; return; }
+  : > "$OUT/${name}_checks.log"
+  for v in $("$bin" --list); do
+    timeout -k 10 120 "$bin" --checks --only "$v" >> "$OUT/${name}_checks.log" 2>&1
+    rc=$?
+    if [[ $rc -eq 0 ]]; then pass+=("$v"); else echo "$name: $v FAILED its checks (exit $rc)"; status=1; fi
+  done
+  grep -E "FAIL|DROP|LAUNCH-ERROR" "$OUT/${name}_checks.log" | head -20
+  echo "$name: checks passed by ${#pass[@]} configuration(s): ${pass[*]}"
+  : > "$OUT/$name.log"
+  for try in 1 2 3 4; do
+    [[ ${#pass[@]} -eq 0 ]] && return
+    log="$OUT/$name.try$try.log"
+    # shellcheck disable=SC2086  # OWN_ARGS is a word list
+    timeout -k 10 300 "$bin" --timing --only "$(IFS=,; echo "${pass[*]}")" ${OWN_ARGS:-} \
+      > "$log" 2>&1
+    rc=$?
+    cat "$log" >> "$OUT/$name.log"
+    [[ $rc -eq 0 ]] && return
+    dropped=$(sed -n 's/^DROP \([^ ]*\) .*/\1/p' "$log" | tail -1)
+    echo "$name timing (try $try): exit $rc${dropped:+, dropped $dropped} (see $log)"
+    status=1
+    # Only a configuration the harness named (hang 124, fault 125) is
+    # dropped and the rest rerun; any other failure ends here.
+    [[ -z "$dropped" || ( $rc -ne 124 && $rc -ne 125 ) ]] && return
+    local keep=()
+    for v in "${pass[@]}"; do [[ "$v" != "$dropped" ]] && keep+=("$v"); done
+    pass=("${keep[@]}")
+  done
+}
+want own && build_own
 [[ "${BUILD_ONLY:-0}" == 1 ]] && exit 0
 
 status=0
@@ -161,6 +219,7 @@ run_harness() {
 }
 want blockwise && run_harness blockwise_gemm_sm90 240 "${BLOCKWISE_ARGS:-}"
 want grouped && run_harness grouped_gemm_sm90 200 "${GROUPED_ARGS:-}"
+want own && run_own
 # ncu: Nsight Compute on the blockwise harness's --quick shapes (8192^3, MLP
 # fc1 fprop and wgrad), cuBLASLt's kernels and ours (NCU_VARIANTS), the GEMM
 # launches only: the per-stage budget (SM, memory, tensor pipe) of issue 46.
@@ -192,7 +251,7 @@ if want ncu; then
 fi
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader 2>/dev/null \
   | sed 's/^/after: /'
-for log in blockwise_gemm_sm90 grouped_gemm_sm90; do
+for log in blockwise_gemm_sm90 grouped_gemm_sm90 blockwise_gemm_own; do
   [[ -f "$OUT/$log.log" ]] && sed -n '/^SUMMARY/,$p' "$OUT/$log.log"
 done
 echo "gpu_kernels: $(( $(date +%s) - t0 )) s in all"

@@ -1,0 +1,452 @@
+// Checks and times te_jax's own sm_90a blockwise FP8 GEMM
+// (blockwise_gemm_own.cuh, issue 46) against cuBLASLt's blockwise GEMM in
+// the fprop scaling of blockwise_gemm_sm90.cu: out (M, N) bf16 =
+// a (M, K) @ b (N, K)^T, a 1x128 (VEC128), b 128x128 (BLK128x128), te_jax's
+// native scale layouts, the same cuBLASLt call (bench::LtGemm, heuristic's
+// first answer) and the same tolerance (1e-2 relative, norm-wise).
+//
+// 1. Checks (--checks): every configuration on small shapes against a
+//    float64 host reference and on two larger ones (more tiles than SMs:
+//    the persistent loop, partial N tiles) against an fp32 device reference
+//    of the same promotion order; outputs poisoned with NaN first; each run
+//    twice and compared bit for bit (a moving result is a race).
+// 2. Timing (--timing): cuBLASLt and every configuration on the shapes of
+//    blockwise_gemm_sm90.cu, rotating input sets (> L2), interleaved rounds,
+//    median of CUDA-event samples; each configuration's output is compared
+//    with cuBLASLt's first. The wgrad shapes are timed in this fprop scaling
+//    (marked "(blk)": the kernel has no 1x128 x 1x128 mode yet).
+//
+// A blind first run must not hang the GPU: every bounded mbarrier wait in
+// the kernel traps after ~1 s, and every first launch of a configuration on
+// a shape is polled with a 5 s watchdog. A hang or fault kills the CUDA
+// context, so the process prints "DROP <config> (...)" and exits (124 hang,
+// 125 fault); tools/gpu_kernels.sh drops that configuration and reruns.
+//
+// Build (tools/gpu_kernels.sh own does): nvcc -std=c++17 -O3
+//   -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr
+//   -Icustom_calls -Ibenchmarks -I.cutlass/include
+//   benchmarks/blockwise_gemm_own.cu -lcublasLt
+// Run: blockwise_gemm_own [--list | --checks | --timing] [--only c1,c2]
+//   [--quick] [--sweep] [--rounds N]. --quick: 3 shapes; --sweep: also the
+//   raster group widths 4 and 16 (default 8).
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <memory>
+
+#include "blockwise_gemm_own.cuh"
+#include "gemm_sm90_bench.cuh"
+
+namespace {
+
+namespace sm90 = te_jax::sm90;
+namespace own = te_jax::own;
+using bench::DeviceAlloc;
+using bench::ScaleGrid;
+
+constexpr double kTol = 1e-2;       // as blockwise_gemm_sm90.cu (tests' bf16 tolerance)
+constexpr double kWatchdogS = 5.0;  // a GEMM here lasts < 50 ms
+int failures = 0;
+
+// One problem's operands (one input set), fprop scaling.
+struct Operands {
+  long m, n, k;
+  ScaleGrid ga, gb;
+  uint8_t* a = nullptr;
+  uint8_t* b = nullptr;
+  float* sa = nullptr;
+  float* sb = nullptr;
+  Operands(long m_, long n_, long k_, uint64_t seed)
+      : m(m_), n(n_), k(k_), ga(bench::Grid(sm90::ScaleMode::kVec128, m_, k_)),
+        gb(bench::Grid(sm90::ScaleMode::kBlk128x128, n_, k_)) {
+    a = DeviceAlloc<uint8_t>(m * k);
+    b = DeviceAlloc<uint8_t>(n * k);
+    sa = DeviceAlloc<float>(ga.count());
+    sb = DeviceAlloc<float>(gb.count());
+    bench::FillFp8<__nv_fp8_e4m3>(a, m * k, seed);
+    bench::FillFp8<__nv_fp8_e4m3>(b, n * k, seed + 1);
+    bench::FillScales(sa, ga.outer, ga.ld, ga.valid, seed + 2);
+    bench::FillScales(sb, gb.outer, gb.ld, gb.valid, seed + 3);
+  }
+  ~Operands() {
+    cudaFree(a);
+    cudaFree(b);
+    cudaFree(sa);
+    cudaFree(sb);
+  }
+  Operands(const Operands&) = delete;
+  Operands& operator=(const Operands&) = delete;
+  own::GemmArgs Args(void* out, int group = 8) const {
+    own::GemmArgs p;
+    p.m = m; p.n = n; p.k = k;
+    p.a = a; p.b = b;
+    p.a_sinv = sa; p.a_ld = ga.ld;
+    p.b_sinv = sb; p.b_ld = gb.ld;
+    p.out = static_cast<__nv_bfloat16*>(out);
+    p.group = group;
+    return p;
+  }
+};
+
+// float64 host reference: sum over K blocks of (a . b over the block) * sa * sb.
+std::vector<double> HostReference(const Operands& op) {
+  const auto a = bench::Fp8ToFloat(bench::ToHost<uint8_t>(op.a, op.m * op.k), false);
+  const auto b = bench::Fp8ToFloat(bench::ToHost<uint8_t>(op.b, op.n * op.k), false);
+  const auto sa = bench::ToHost<float>(op.sa, op.ga.count());
+  const auto sb = bench::ToHost<float>(op.sb, op.gb.count());
+  std::vector<double> out(size_t(op.m) * op.n);
+  for (long i = 0; i < op.m; ++i)
+    for (long j = 0; j < op.n; ++j)
+      out[size_t(i) * op.n + j] = bench::BlockDot(&a[i * op.k], &b[j * op.k], 0, op.k, [&](long k0) {
+        return double(sa[size_t(k0 / 128) * op.ga.ld + i]) * sb[size_t(j / 128) * op.gb.ld + k0 / 128];
+      });
+  return out;
+}
+
+// fp32 device reference, the kernel's promotion order: per 128-block of K a
+// partial sum, then acc += (sa * sb) * partial. One thread per output.
+__global__ void DeviceReferenceKernel(own::GemmArgs p) {
+  const long j = blockIdx.x * long(blockDim.x) + threadIdx.x, i = blockIdx.y;
+  if (j >= p.n) return;
+  const uint8_t* ar = p.a + i * p.k;
+  const uint8_t* br = p.b + j * p.k;
+  float acc = 0.f;
+  for (long kb = 0; kb < p.k / 128; ++kb) {
+    float part = 0.f;
+    for (int t = 0; t < 128; t += 16) {
+      const uint4 va = *reinterpret_cast<const uint4*>(ar + kb * 128 + t);
+      const uint4 vb = *reinterpret_cast<const uint4*>(br + kb * 128 + t);
+      const uint8_t* xa = reinterpret_cast<const uint8_t*>(&va);
+      const uint8_t* xb = reinterpret_cast<const uint8_t*>(&vb);
+      for (int u = 0; u < 16; ++u) {
+        __nv_fp8_e4m3 fa, fb;
+        fa.__x = xa[u];
+        fb.__x = xb[u];
+        part = fmaf(float(fa), float(fb), part);
+      }
+    }
+    acc = fmaf(p.a_sinv[kb * p.a_ld + i] * p.b_sinv[(j / 128) * p.b_ld + kb], part, acc);
+  }
+  p.out[i * p.n + j] = __float2bfloat16(acc);
+}
+void DeviceReference(const Operands& op, void* out) {
+  DeviceReferenceKernel<<<dim3(unsigned((op.n + 255) / 256), unsigned(op.m)), 256>>>(op.Args(out));
+  CHECK_CUDA(cudaGetLastError());
+  CHECK_CUDA(cudaDeviceSynchronize());
+}
+
+// max |got - want| over the outputs, and max |want|: the max relative error
+// printed beside the norm-wise one that decides pass / fail.
+__global__ void MaxDiffKernel(const __nv_bfloat16* got, const __nv_bfloat16* want, size_t n,
+                              unsigned* out) {  // non-negative floats order as their bits
+  float d = 0.f, w = 0.f;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const float g = __bfloat162float(got[i]), r = __bfloat162float(want[i]);
+    if (isfinite(g)) d = fmaxf(d, fabsf(g - r));
+    w = fmaxf(w, fabsf(r));
+  }
+  atomicMax(&out[0], __float_as_uint(d));
+  atomicMax(&out[1], __float_as_uint(w));
+}
+struct Err {
+  double rel = 1, max_rel = 1;
+  long long bad = 1;
+  bool Pass() const { return bad == 0 && rel < kTol; }
+};
+Err Compare(const void* got, const void* want, size_t n) {
+  const bench::ErrorNorm e = bench::DeviceDiff(got, want, n);
+  unsigned* mx = DeviceAlloc<unsigned>(2);
+  CHECK_CUDA(cudaMemset(mx, 0, 2 * sizeof(unsigned)));
+  MaxDiffKernel<<<bench::Blocks(n), 256>>>(static_cast<const __nv_bfloat16*>(got),
+                                           static_cast<const __nv_bfloat16*>(want), n, mx);
+  CHECK_CUDA(cudaGetLastError());
+  const auto h = bench::ToHost<unsigned>(mx, 2);
+  CHECK_CUDA(cudaFree(mx));
+  float d, w;
+  std::memcpy(&d, &h[0], 4);
+  std::memcpy(&w, &h[1], 4);
+  return {e.rel, w > 0 ? d / w : d, e.bad};
+}
+
+// One launch, waited for under the watchdog (see the header). False when
+// the launch itself was refused (not sticky: the others go on).
+bool Guarded(const own::Config& c, const own::GemmArgs& p, int sms, const char* what) {
+  cudaError_t e = c.launch(p, sms, 0);
+  if (e != cudaSuccess) {
+    std::printf("LAUNCH-ERROR %s on %s: %s\n", c.name, what, cudaGetErrorString(e));
+    cudaGetLastError();
+    return false;
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  while ((e = cudaStreamQuery(0)) == cudaErrorNotReady) {
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > kWatchdogS) {
+      std::printf("DROP %s (hang: no completion on %s after %.0f s)\n", c.name, what, kWatchdogS);
+      std::fflush(stdout);
+      _exit(124);
+    }
+    usleep(100);
+  }
+  if (e != cudaSuccess) {
+    std::printf("DROP %s (fault on %s: %s)\n", c.name, what, cudaGetErrorString(e));
+    std::fflush(stdout);
+    _exit(125);
+  }
+  return true;
+}
+
+// Part 1: every configuration against the references.
+void RunChecks(const std::vector<own::Config>& configs, int sms, cublasLtHandle_t lt, void* lt_ws,
+               size_t lt_ws_bytes) {
+  struct Shape { long m, n, k; bool host; };
+  // N 640 / 1152 / 4224 leave partial N tiles for BN 144 / 160 / 192; the
+  // last two have more tiles than SMs (each CTA loops over several).
+  const Shape shapes[] = {{128, 128, 128, true},    {256, 384, 512, true},
+                          {512, 1152, 256, true},   {256, 640, 1024, true},
+                          {256, 2304, 384, true},   {2048, 2048, 2048, false},
+                          {1024, 4224, 1152, false}};
+  uint64_t seed = 300;
+  for (const Shape& s : shapes) {
+    Operands op(s.m, s.n, s.k, seed += 10);
+    const size_t n_out = size_t(s.m) * s.n;
+    void* out = DeviceAlloc<uint16_t>(n_out);
+    void* first = DeviceAlloc<uint16_t>(n_out);
+    void* want = DeviceAlloc<uint16_t>(n_out);
+    std::vector<double> host_want;
+    if (s.host) {
+      host_want = HostReference(op);
+    } else {
+      bench::Poison(want, n_out);
+      DeviceReference(op, want);
+      // The reference itself against cuBLASLt: the harness's semantics.
+      bench::LtGemm gemm(lt, s.m, s.n, s.k, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_R_16BF, 1, 2,
+                         false, lt_ws, lt_ws_bytes);
+      bench::Poison(out, n_out);
+      const bool ok = gemm.Run(op.a, op.b, op.sa, op.sb, out, 0) == CUBLAS_STATUS_SUCCESS &&
+                      cudaDeviceSynchronize() == cudaSuccess;
+      const Err e = ok ? Compare(out, want, n_out) : Err{};
+      failures += !e.Pass();
+      std::printf("CHECK %-16s m=%-5ld n=%-5ld k=%-5ld rel_err=%.2e max_rel=%.2e nonfinite=%lld %s"
+                  " (cuBLASLt vs the device reference)\n", "cublaslt", s.m, s.n, s.k, e.rel,
+                  e.max_rel, e.bad, e.Pass() ? "PASS" : "FAIL");
+    }
+    for (const own::Config& c : configs) {
+      const own::GemmArgs p = op.Args(out);
+      if (const char* why = own::CheckShape(p, c.cluster)) {
+        std::printf("CHECK %-16s m=%-5ld n=%-5ld k=%-5ld SKIP (%s)\n", c.name, s.m, s.n, s.k, why);
+        continue;
+      }
+      char what[64];
+      std::snprintf(what, sizeof(what), "check %ldx%ldx%ld", s.m, s.n, s.k);
+      Err e;
+      bool ok = true, same = true;
+      for (int run = 0; run < 2 && ok; ++run) {
+        bench::Poison(out, n_out);
+        ok = Guarded(c, p, sms, what);
+        if (!ok) break;
+        if (run == 0) {
+          if (s.host) {
+            const bench::ErrorNorm h = bench::HostDiff(bench::ToHost<__nv_bfloat16>(out, n_out), host_want);
+            e = {h.rel, 0, h.bad};
+            // max relative error on the host for these small shapes
+            const auto got = bench::ToHost<__nv_bfloat16>(out, n_out);
+            double d = 0, w = 0;
+            for (size_t i = 0; i < n_out; ++i) {
+              const double g = __bfloat162float(got[i]);
+              if (std::isfinite(g)) d = std::max(d, std::fabs(g - host_want[i]));
+              w = std::max(w, std::fabs(host_want[i]));
+            }
+            e.max_rel = w > 0 ? d / w : d;
+          } else {
+            e = Compare(out, want, n_out);
+          }
+          CHECK_CUDA(cudaMemcpy(first, out, n_out * 2, cudaMemcpyDeviceToDevice));
+        } else {
+          const auto x = bench::ToHost<uint16_t>(first, n_out), y = bench::ToHost<uint16_t>(out, n_out);
+          same = std::memcmp(x.data(), y.data(), n_out * 2) == 0;
+        }
+      }
+      const bool pass = ok && same && e.Pass();
+      failures += !pass;
+      std::printf("CHECK %-16s m=%-5ld n=%-5ld k=%-5ld rel_err=%.2e max_rel=%.2e nonfinite=%lld "
+                  "repeat=%s %s (vs %s reference)\n", c.name, s.m, s.n, s.k, e.rel, e.max_rel, e.bad,
+                  same ? "same" : "DIFFERS", pass ? "PASS" : (ok ? "FAIL" : "FAIL (launch)"),
+                  s.host ? "float64 host" : "fp32 device");
+      std::fflush(stdout);
+    }
+    CHECK_CUDA(cudaFree(out));
+    CHECK_CUDA(cudaFree(first));
+    CHECK_CUDA(cudaFree(want));
+  }
+}
+
+struct TimedShape {
+  const char* label;
+  long m, n, k;
+};
+struct Row {
+  std::string label;
+  long m, n, k;
+  double lt_tflops, best_tflops = NAN;
+  std::string best = "-";
+};
+std::map<std::string, std::vector<double>> ratios;  // per configuration, over shapes
+
+// Part 2: one shape, cuBLASLt and every configuration (x raster widths).
+Row TimeShape(const TimedShape& s, const std::vector<own::Config>& configs, int sms,
+              cublasLtHandle_t lt, void* lt_ws, size_t lt_ws_bytes, int rounds, bool sweep) {
+  const int sets = bench::RotatingSets(size_t(s.m + s.n) * s.k);
+  std::vector<std::unique_ptr<Operands>> ops;
+  for (int i = 0; i < sets; ++i) ops.emplace_back(new Operands(s.m, s.n, s.k, 1000 + 10 * i));
+  const size_t n_out = size_t(s.m) * s.n;
+  void* ref = DeviceAlloc<uint16_t>(n_out);
+  void* out = DeviceAlloc<uint16_t>(n_out);
+  bench::LtGemm gemm(lt, s.m, s.n, s.k, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_R_16BF, 1, 2, false,
+                     lt_ws, lt_ws_bytes);
+  const Operands& o0 = *ops[0];
+  bench::Poison(ref, n_out);
+  if (gemm.Run(o0.a, o0.b, o0.sa, o0.sb, ref, 0) != CUBLAS_STATUS_SUCCESS) {
+    std::printf("TIME %s: cuBLASLt failed\n", s.label);
+    ++failures;
+  }
+  CHECK_CUDA(cudaDeviceSynchronize());
+
+  std::vector<bench::Candidate> cands;
+  std::vector<std::string> cand_config;
+  cands.push_back({"cublaslt", [&](int r) {
+                     const Operands& o = *ops[r % sets];
+                     return gemm.Run(o.a, o.b, o.sa, o.sb, out, 0) == CUBLAS_STATUS_SUCCESS;
+                   }});
+  cand_config.push_back("");
+  std::vector<int> groups = {8};
+  if (sweep) groups = {8, 4, 16};
+  std::string checks;
+  for (const own::Config& c : configs) {
+    if (const char* why = own::CheckShape(o0.Args(out), c.cluster)) {
+      checks += std::string(" ") + c.name + "=skip(" + why + ")";
+      continue;
+    }
+    bench::Poison(out, n_out);
+    const bool ok = Guarded(c, o0.Args(out), sms, s.label);
+    const Err e = ok ? Compare(out, ref, n_out) : Err{};
+    failures += !e.Pass();
+    char buf[160];
+    std::snprintf(buf, sizeof(buf), " %s=%.1e/max%.1e%s", c.name, e.rel, e.max_rel, e.Pass() ? "" : "(FAIL)");
+    checks += buf;
+    if (!e.Pass()) continue;  // a wrong kernel is not timed
+    for (int g : groups) {
+      const own::Config* cp = &c;
+      cands.push_back({std::string(c.name) + (g == 8 ? "" : "/g" + std::to_string(g)),
+                       [&ops, sets, cp, g, out, sms](int r) {
+                         const Operands& o = *ops[r % sets];
+                         return cp->launch(o.Args(out, g), sms, 0) == cudaSuccess;
+                       }});
+      cand_config.push_back(c.name);
+    }
+  }
+  const std::vector<double> ms = bench::TimeInterleaved(cands, rounds);
+  const double flop = 2.0 * s.m * s.n * s.k;
+  auto tflops = [&](double t) { return std::isnan(t) ? NAN : flop / t * 1e-9; };
+  Row row{s.label, s.m, s.n, s.k, tflops(ms[0])};
+  std::printf("TIME %-22s M=%-6ld N=%-6ld K=%-6ld cublaslt %6.3f ms %5.0f TF/s |", s.label, s.m,
+              s.n, s.k, ms[0], row.lt_tflops);
+  std::map<std::string, double> best_of_config;
+  for (size_t c = 1; c < cands.size(); ++c) {
+    const double tf = tflops(ms[c]);
+    std::printf(" %s %5.0f (%.3fx)", cands[c].name.c_str(), tf, tf / row.lt_tflops);
+    if (!std::isnan(tf)) {
+      double& b = best_of_config[cand_config[c]];
+      b = std::max(b, tf);
+      if (std::isnan(row.best_tflops) || tf > row.best_tflops) {
+        row.best_tflops = tf;
+        row.best = cands[c].name;
+      }
+    }
+  }
+  for (const auto& kv : best_of_config) ratios[kv.first].push_back(kv.second / row.lt_tflops);
+  std::printf("\nCHECK-vs-cublaslt %s:%s\n", s.label, checks.c_str());
+  std::fflush(stdout);
+  CHECK_CUDA(cudaFree(ref));
+  CHECK_CUDA(cudaFree(out));
+  return row;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bench::Options opt = bench::ParseOptions(argc, argv);
+  std::vector<own::Config> configs;
+  for (const own::Config& c : own::Configs())
+    if (opt.list) std::printf("%s\n", c.name);
+    else if (opt.Keeps(c.name)) configs.push_back(c);
+  if (opt.list) return 0;
+  cudaDeviceProp prop;
+  CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  const int sms = bench::SmCount();
+  std::printf("device: %s, %d SMs, %d MiB L2; configurations:", prop.name, sms, prop.l2CacheSize >> 20);
+  for (const own::Config& c : configs)
+    std::printf(" %s(BN %d, %d stages, cluster %d%s)", c.name, c.bn, c.stages, c.cluster,
+                c.double_acc ? ", 2 accumulators" : "");
+  std::printf("\n");
+  if (!own::EncodeTiled()) {
+    std::printf("no cuTensorMapEncodeTiled from the driver\nchecks: FAILED (1 failure(s))\n");
+    return 1;
+  }
+  cublasLtHandle_t lt;
+  CHECK_LT(cublasLtCreate(&lt));
+  const size_t lt_ws_bytes = size_t(32) << 20;
+  void* lt_ws = DeviceAlloc<uint8_t>(lt_ws_bytes);
+  if (opt.checks) RunChecks(configs, sms, lt, lt_ws, lt_ws_bytes);
+  if (!opt.timing) {
+    std::printf("checks: %s (%d failure(s))\n", failures ? "FAILED" : "all passed", failures);
+    return failures ? 1 : 0;
+  }
+  // The shapes of blockwise_gemm_sm90.cu (BENCHMARKS.md layers, the Llama
+  // preset, DeepGEMM's M = 4096 table); wgrad ones in fprop scaling.
+  const std::vector<TimedShape> all = {
+      {"square4k", 4096, 4096, 4096},
+      {"square8k", 8192, 8192, 8192},
+      {"layer16k8k8k", 16384, 8192, 8192},
+      {"mlp_fc1_fprop", 16384, 16384, 4096},
+      {"mlp_fc1_dgrad", 16384, 4096, 16384},
+      {"mlp_fc1_wgrad(blk)", 4096, 16384, 16384},
+      {"mlp_fc2_wgrad(blk)", 16384, 4096, 16384},
+      {"llama_qkv", 32768, 4096, 2048},
+      {"llama_out", 32768, 2048, 2048},
+      {"llama_up", 32768, 11264, 2048},
+      {"llama_down", 32768, 2048, 5632},
+      {"llama_up_dgrad", 32768, 2048, 11264},
+      {"llama_down_dgrad", 32768, 5632, 2048},
+      {"llama_up_wgrad(blk)", 2048, 11264, 32768},
+      {"dg_4096x2112x7168", 4096, 2112, 7168},
+      {"dg_4096x24576x1536", 4096, 24576, 1536},
+      {"dg_4096x32768x512", 4096, 32768, 512},
+      {"dg_4096x7168x16384", 4096, 7168, 16384},
+      {"dg_4096x4096x7168", 4096, 4096, 7168},
+      {"dg_4096x7168x2048", 4096, 7168, 2048},
+  };
+  std::vector<Row> rows;
+  for (const auto& s : all) {
+    if (opt.quick && std::strcmp(s.label, "square8k") && std::strcmp(s.label, "mlp_fc1_fprop") &&
+        std::strcmp(s.label, "mlp_fc1_dgrad"))
+      continue;
+    rows.push_back(TimeShape(s, configs, sms, lt, lt_ws, lt_ws_bytes, opt.rounds, opt.sweep));
+  }
+  std::printf("\nSUMMARY (TFLOP/s, median; best of %zu configurations%s vs cuBLASLt blockwise "
+              "1x128 x 128x128) on %s\n", configs.size(), opt.sweep ? " x raster widths" : "", prop.name);
+  std::printf("%-22s %6s %6s %6s %9s %9s %7s  %s\n", "shape", "M", "N", "K", "cublaslt", "ours",
+              "ratio", "best configuration");
+  for (const Row& r : rows)
+    std::printf("%-22s %6ld %6ld %6ld %9.0f %9.0f %7.3f  %s\n", r.label.c_str(), r.m, r.n, r.k,
+                r.lt_tflops, r.best_tflops, r.best_tflops / r.lt_tflops, r.best.c_str());
+  std::printf("per configuration, vs cuBLASLt over the shapes it ran (geometric mean, min):\n");
+  for (const auto& kv : ratios) {
+    double lg = 0, mn = INFINITY;
+    for (double x : kv.second) { lg += std::log(x); mn = std::min(mn, x); }
+    std::printf("  %-16s %6.3f %6.3f  (%zu shapes)\n", kv.first.c_str(),
+                std::exp(lg / kv.second.size()), mn, kv.second.size());
+  }
+  std::printf("checks: %s (%d failure(s))\n", failures ? "FAILED" : "all passed", failures);
+  return failures ? 1 : 0;
+}
