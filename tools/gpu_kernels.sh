@@ -236,11 +236,14 @@ if want ncu; then
     --section WarpStateStats --section Occupancy --section LaunchStats "$bin" "${hargs[@]}" \
     > "$OUT/ncu_blockwise.csv" 2> "$OUT/ncu_blockwise.err" \
     || { echo "ncu: exit $? (see $OUT/ncu_blockwise.err):"; tail -n 3 "$OUT/ncu_blockwise.err"; }
-  # Two spellings of the tensor pipe's share (run AN's image gave no column
-  # for the first), each in its own pass and file.
+  # Two spellings of the tensor pipe's active cycles, each in its own pass
+  # and file (run AO's ncu knew neither sm__pipe_tensor_op_gmma_cycles_active
+  # nor gave a column for it; sm__inst_executed_pipe_tensor_op_gmma, asked
+  # there too, counts wgmma instructions issued, a few percent for every
+  # kernel since one wgmma is a 64xNx32 product: not the pipe's busy time).
   tensor_csvs=()
-  for metric in sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active \
-                sm__inst_executed_pipe_tensor_op_gmma.avg.pct_of_peak_sustained_active; do
+  for metric in sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active \
+                sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active; do
     f="$OUT/ncu_blockwise_tensor${#tensor_csvs[@]}.csv"
     tensor_csvs+=("$f")
     timeout 200 ncu "${NCU_ARGS[@]}" --metrics "$metric" "$bin" "${hargs[@]}" \
@@ -248,6 +251,18 @@ if want ncu; then
   done
   python3 tools/ncu_summary.py "$OUT/ncu_blockwise.csv" "${tensor_csvs[@]}" \
     | tee "$OUT/ncu_summary.log"
+  # te_jax's own kernel (blockwise_gemm_own) beside cuBLASLt's, when built:
+  # the same sections and the tensor pipe, on the quick shapes.
+  own="$KBUILD/blockwise_gemm_own"
+  if [[ -x "$own" ]]; then
+    oargs=(--timing --quick --rounds 1 --only "${NCU_OWN_CONFIGS:-n128_s6_dbl,n160_s6}")
+    timeout 300 ncu "${NCU_ARGS[@]}" --section SpeedOfLight --section ComputeWorkloadAnalysis \
+      --section WarpStateStats --section Occupancy --section LaunchStats \
+      --metrics sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active "$own" \
+      "${oargs[@]}" > "$OUT/ncu_own.csv" 2> "$OUT/ncu_own.err" \
+      || { echo "ncu (own): exit $? (see $OUT/ncu_own.err):"; tail -n 3 "$OUT/ncu_own.err"; }
+    python3 tools/ncu_summary.py "$OUT/ncu_own.csv" | tee "$OUT/ncu_own_summary.log"
+  fi
 fi
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader 2>/dev/null \
   | sed 's/^/after: /'

@@ -24,7 +24,7 @@
 #             store_act_input_in_fp8
 #   model     bench_model.py --preset llama, batch 8, every recipe
 #   keep      the same with --set keep_fp8_copies=true (not in the default list)
-#   kernels   tools/gpu_kernels.sh blockwise grouped (not with KERNEL_HARNESS=0);
+#   kernels   tools/gpu_kernels.sh blockwise grouped own (not with KERNEL_HARNESS=0);
 #             bench_ops.py --only act, then --only quantize (not with KERNEL_OPS=0)
 #   memory    model_memory.py's compile-only Llama tables at batch 8 (default plan;
 #             store_act_input_in_fp8; --offload_optimizer with and without it), in
@@ -253,8 +253,11 @@ fi
 if want kernels && [[ -n "$tarball" && "${KERNEL_HARNESS:-1}" == 1 ]]; then
   st "kernels"
   wait "${kernels_built:-}" 2>/dev/null
-  OUT=$OUT timeout 200 bash tools/gpu_kernels.sh blockwise grouped > "$OUT/kernels.log" 2>&1
-  grep -E "^checks:" "$OUT/kernels.log" >> "$LOG"
+  # te_jax's own blockwise GEMM (own) too: its checks, then its timings
+  # against cuBLASLt (about 4 minutes on a first run).
+  OUT=$OUT timeout 560 bash tools/gpu_kernels.sh blockwise grouped own > "$OUT/kernels.log" 2>&1
+  grep -E "^checks:|^blockwise_gemm_own" "$OUT/kernels.log" >> "$LOG"
+  sed -n '/^SUMMARY/,$p' "$OUT/blockwise_gemm_own.log" 2>/dev/null | head -40 >> "$LOG"
 fi
 if want kernels && [[ "${KERNEL_OPS:-1}" == 1 ]]; then   # the activation-quantize passes of the Llama MLP (issue 43's budget)
   st "kernels: bench_ops act"
