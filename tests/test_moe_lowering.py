@@ -178,3 +178,19 @@ def test_fp8_experts_activation_runs_in_the_fused_quantize(sm90_build, name):  #
   in_experts = [m.group(1) for m in map(_ACT_OP.search, text.splitlines())
                 if m and f"/{SCOPES['experts']}/" in names.get(m.group(2), "")]
   assert not in_experts, in_experts
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_fp8_shared_experts_activation_runs_in_the_fused_quantize(sm90_build, name):  # pylint: disable=redefined-outer-name,unused-argument
+  """The shared experts run as one fused FP8 MLP (te_jax.fused_mlp) here
+  (unsharded, whole 128-blocks): no transcendental XLA op under the shared
+  experts' scope, where the two-dense-layer path's activation and its
+  backward were XLA fusions; the activation-quantize targets count the
+  shared experts' forward and backward beside the routed experts'."""
+  text = _step_text(RECIPES[name])
+  mode = {"delayed": "tensorwise", "current": "current", "blockwise": "blockwise"}[name]
+  assert custom_call_targets(text).count(f"te_jax_act_quantize_{mode}") >= 4
+  names = dict(_LOC_DEF.findall(text))
+  in_shared = [m.group(1) for m in map(_ACT_OP.search, text.splitlines())
+               if m and f"/{SCOPES['shared']}/" in names.get(m.group(2), "")]
+  assert not in_shared, in_shared

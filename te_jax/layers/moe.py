@@ -10,7 +10,9 @@ parallelism; ``te_jax.moe.parallel``).
 
 ``fp8_autocast(store_act_input_in_fp8=True)`` reaches the experts: they keep
 their activation's input in E4M3 1x128 tiles for the backward (the shared
-experts only where nothing is sharded; ``te_jax.moe.moe_block``).
+experts only where nothing is sharded; ``te_jax.moe.moe_block``). Under FP8
+with nothing sharded the shared experts run as one fused MLP
+(``te_jax.fused_mlp.fp8_mlp``), keeping what ``keep_fp8_copies`` says.
 
 Parameters (module names; H hidden, E experts, F ``intermediate_dim``, Fs
 ``shared_intermediate_dim``, n_act the activations, 2 for SwiGLU):
@@ -216,5 +218,6 @@ def moe_layer(states: GemmStates, settings: Settings, x: jax.Array, *, params: d
         x.astype(dtype), block_params, config=config, recipe=settings.recipe,
         fp8_state=block_states, router_bias=router_bias, token_mask=token_mask,
         impl=settings.impl, mesh_resource=settings.mesh_resource, mesh=settings.mesh,
-        store_act_input_in_fp8=settings.store_act_input_in_fp8)
+        store_act_input_in_fp8=settings.store_act_input_in_fp8,
+        keep_fp8_copies=settings.keep_fp8_copies)
   return (states.keep_unused(y, unused) if unused else y), aux

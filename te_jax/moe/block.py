@@ -37,6 +37,8 @@ experts. As for every te_jax GEMM, its update comes back as its gradient.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -205,11 +207,50 @@ def _check_params(params, config, x):
                      f"(H, n_act, {fs}) and shared_wo ({fs}, H), got {got}.")
 
 
+@functools.lru_cache(maxsize=None)
+def _log_shared_unfused(reason: str):
+  """Says once per reason why the shared experts run as two FP8 dense layers."""
+  logging.getLogger("te_jax").info(
+      "te_jax: the MoE's shared experts run as two FP8 dense layers (not the fused "
+      "activation-quantize MLP, which is faster and holds less memory): %s", reason)
+
+
+def shared_unfused_reason(x_shape, params, config, recipe, mesh_resource, mesh,
+                          expert_parallel: bool) -> Optional[str]:
+  """Why the shared experts of an FP8 block cannot run as one fused MLP
+  (``te_jax.fused_mlp.fp8_mlp``: the activation and its quantization in one
+  pass, forward and backward), or None when they can. ``x_shape``: (..., H);
+  ``expert_parallel``: the routed experts run under an expert-parallel plan."""
+  if expert_parallel or sharding_lib.explicit_axes():
+    return "the block is sharded (the fused MLP has no sharding rule)"
+  if mesh_resource is not None and mesh is not None and sharding_lib.mesh_axis_size(
+      mesh, tuple(a for a in mesh_resource.axes if a in mesh.axis_names)) > 1:
+    return "the block is sharded (the fused MLP has no sharding rule)"
+  m, h, fs = math.prod(x_shape[:-1]), x_shape[-1], params["shared_wo"].shape[0]
+  if not fused_mlp.supported(m, h, fs, h, recipe, config.activations):
+    return (f"{m} tokens, hidden {h}, shared width {fs}: the fused MLP needs tokens % "
+            f"{recipe.scaling_mode().token_block} == 0 and hidden, width % 128 == 0")
+  return None
+
+
 def _shared_mlp(x, params, config, recipe, fp8_state, impl, mesh_resource, mesh,
-                store_act_input_in_fp8):
+                store_act_input_in_fp8, fused: bool = False, keep_fp8_copies: bool = False):
   """The shared experts: one MLP every token goes through, sharded like
-  ``LayerNormMLP`` (FSDP on embed, tensor parallelism on mlp)."""
+  ``LayerNormMLP`` (FSDP on embed, tensor parallelism on mlp). ``fused``
+  (FP8, unsharded: :func:`shared_unfused_reason`): one
+  ``te_jax.fused_mlp.fp8_mlp`` with the activation fused into the
+  quantization of its output, keeping what ``keep_fp8_copies`` says for the
+  backward; else two dense GEMMs around an XLA activation."""
   states = fp8_state or {}
+  if fused:
+    h = x.shape[-1]
+    y = fused_mlp.fp8_mlp(
+        x.reshape(-1, h), params["shared_wi"].reshape(h, -1), params["shared_wo"],
+        activations=config.activations, recipe=recipe, wi_state=states.get("shared_wi"),
+        wo_state=states.get("shared_wo"), impl=impl, dtype=x.dtype,
+        save_original_input=not keep_fp8_copies, save_original_kernel=not keep_fp8_copies,
+        store_act_input_in_fp8=store_act_input_in_fp8)
+    return y.reshape(x.shape)
   sharded = dict(mesh_resource=mesh_resource, mesh=mesh)
   hid = dense_lib.dense_general(x, params["shared_wi"], recipe=recipe,
                                 fp8_state=states.get("shared_wi"), impl=impl,
@@ -250,7 +291,8 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
               token_mask: Optional[jax.Array] = None, impl: str = "auto",
               mesh_resource: Optional[sharding_lib.MeshResource] = None,
               ep_axis: Optional[str] = None, mesh=None,
-              store_act_input_in_fp8: bool = False) -> Tuple[jax.Array, MoEAux]:
+              store_act_input_in_fp8: bool = False,
+              keep_fp8_copies: bool = False) -> Tuple[jax.Array, MoEAux]:
   """The mixture-of-experts layer ``y = sum_j w_j * expert_j(x) + shared(x)``.
 
   Args:
@@ -278,6 +320,13 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
       scales instead of x's dtype (``te_jax.moe.experts.activate``): the
       routed experts always, the shared experts when nothing is sharded
       (else they keep h in x's dtype and a warning says so once).
+    keep_fp8_copies: what the shared experts' fused MLP keeps for its
+      backward (``fp8_autocast``'s option of that name): False, the memory
+      plan (x and the kernels, quantized again in the backward); True, the
+      forward's FP8 copies. The shared experts run fused under FP8 when
+      nothing is sharded and the shapes allow it
+      (:func:`shared_unfused_reason`; else two FP8 dense layers, logged
+      once at INFO, which keep their FP8 copies either way).
 
   Returns:
     ``(y, aux)``: y like x, aux a :class:`MoEAux`.
@@ -294,9 +343,10 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
     raise ValueError("config.router_bias_update_rate is set (bias-based balancing): pass the "
                      "router_bias (E,) (zeros at first) and update it after each step with "
                      "te_jax.moe.update_balance_bias.")
-  if not isinstance(store_act_input_in_fp8, bool):
-    raise TypeError(f"store_act_input_in_fp8 must be a bool, got "
-                    f"{store_act_input_in_fp8!r}.")
+  for name, flag in (("store_act_input_in_fp8", store_act_input_in_fp8),
+                     ("keep_fp8_copies", keep_fp8_copies)):
+    if not isinstance(flag, bool):
+      raise TypeError(f"{name} must be a bool, got {flag!r}.")
   plan = parallel.make_plan(x.shape, config, recipe, mesh_resource, ep_axis, mesh,
                             store_act_input_in_fp8)
   with jax.named_scope(SCOPES["router"]):
@@ -320,8 +370,16 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
   if "shared_wi" in params:
     # the expert axis is a data axis for the shared experts
     shared_mr = parallel.dense_mesh_resource(mesh_resource, ep_axis)
-    # XLA partitions the shared experts: their h stays in x's dtype unless
-    # nothing is sharded (the quantize keeping it has no sharding rule)
+    fused = False
+    if recipe is not None:
+      reason = shared_unfused_reason(x.shape, params, config, recipe, shared_mr,
+                                     mesh if mesh is not None else sharding_lib.get_mesh(),
+                                     plan is not None)
+      fused = reason is None
+      if not fused:
+        _log_shared_unfused(reason)
+    # XLA partitions the unfused shared experts: their h stays in x's dtype
+    # unless nothing is sharded (the quantize keeping it has no sharding rule)
     shared_fp8 = store_act_input_in_fp8 and plan is None and not sharding_lib.explicit_axes()
     if store_act_input_in_fp8 and not shared_fp8:
       fused_mlp.warn_act_input_not_in_fp8(
@@ -330,7 +388,7 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
           "theirs in FP8)")
     with jax.named_scope(SCOPES["shared"]):
       y = y + _shared_mlp(x, params, config, recipe, fp8_state, impl, shared_mr,
-                          mesh, shared_fp8).astype(y.dtype)
+                          mesh, shared_fp8, fused, keep_fp8_copies).astype(y.dtype)
   with jax.named_scope(SCOPES["router"]):
     lb = router_lib.load_balancing_loss(routing)
     z = router_lib.router_z_loss(routing)
