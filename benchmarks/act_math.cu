@@ -1,7 +1,11 @@
-// What bounds the fused activation kernels, on a 16384 x 16384 bf16 h (and
-// dz): first the shipped kernels of kernels/act_quantize*.cu (included below)
-// for gelu (amax pass, per-tensor and 1x128 quantize, forward and backward);
-// then an amax-only pass over gelu(h) (the first pass of current scaling)
+// What bounds the fused activation kernels. First the shipped kernels of
+// kernels/act_quantize*.cu (included below), through their public launchers
+// as the FFI calls them, per tensor and 1x128, forward (z rowwise) and
+// backward (dh both ways and act(h)'s columnwise copy): gelu on a 16384 x
+// 16384 bf16 h, and the Llama preset's SwiGLU MLP (32768 x 2 x 5632), whose
+// 1x128 backward is issue 43's largest te_jax kernel (small enough for
+// Nsight Compute: tools/gpu_kernels.sh act). Then, on the gelu h, an
+// amax-only pass over gelu(h) (the first pass of current scaling)
 // in variants that change one thing at a time:
 //   tile<M>       the same 8x8-per-thread tiling written plainly, gelu math M;
 //   flat<M>       a grid-stride loop over 16-byte vectors, gelu math M;
@@ -15,8 +19,9 @@
 //   fast          both, and FMA contraction allowed.
 // Build (flags as the te_jax module) and run on the GPU machine:
 //   nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
-//        -prec-div=true -ftz=false -Icustom_calls -o /tmp/act_math benchmarks/act_math.cu
-//   /tmp/act_math
+//        -prec-div=true -ftz=false -Icustom_calls -Ibenchmarks -o /tmp/act_math \
+//        benchmarks/act_math.cu
+//   /tmp/act_math            (or: OUT=... bash tools/gpu_kernels.sh act)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -28,6 +33,7 @@
 #include "kernels/act_quantize.cu"
 #include "kernels/act_quantize_blockwise.cu"
 #include "kernels/act_quantize_tensor.cu"
+#include "kernels/act_quantize.h"
 #include "check_cuda.h"
 
 namespace {
@@ -180,7 +186,7 @@ __global__ void Fill(__nv_bfloat16* h, long n) {
 }
 
 template <typename Launch>
-void Time(const char* name, Launch launch, unsigned* d_out) {
+void Time(const char* name, Launch launch, unsigned* d_out, double bytes = kM * kF * 2.0) {
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0));
   CHECK_CUDA(cudaEventCreate(&e1));
@@ -198,8 +204,103 @@ void Time(const char* name, Launch launch, unsigned* d_out) {
   CHECK_CUDA(cudaMemcpy(&bits, d_out, sizeof(bits), cudaMemcpyDeviceToHost));
   float amax;
   memcpy(&amax, &bits, sizeof(amax));
-  std::printf("%-20s %7.3f ms  %5.2f TB/s  amax %.9g\n", name, ms / reps,
-              kM * kF * 2 / (ms / reps * 1e-3) * 1e-12, amax);
+  std::printf("%-28s %7.3f ms  %5.2f TB/s  amax %.9g\n", name, ms / reps,
+              bytes / (ms / reps * 1e-3) * 1e-12, amax);
+}
+
+// The shipped activation-quantize kernels through their public launchers
+// (kernels/act_quantize.h, as the FFI calls them), on an (m, n_act * f) bf16
+// h and (m, f) dz: the forward (z = act(h) rowwise, the fused MLP's memory
+// plan) and the backward (dh both ways plus act(h)'s columnwise copy for the
+// wgrad of wo), per tensor (a given scale: delayed scaling) and 1x128
+// (blockwise). TB/s counts the bytes each pass must move once.
+struct ActCase {
+  const char* name;
+  long m, f;
+  int act0, act1;  // act1 < 0: not gated
+};
+
+void TimeShipped(const ActCase& c, unsigned* amax_bits) {
+  using te_jax::Prologue;
+  using te_jax::QuantizeArgs;
+  using te_jax::ScaleMode;
+  const long n_act = c.act1 >= 0 ? 2 : 1, w = n_act * c.f, m4 = (c.m + 3) / 4 * 4;
+  __nv_bfloat16 *h, *dz;
+  uint8_t *z, *z_t, *dh, *dh_t;
+  float *sinv, *sinv_t, *zs_t, *scalars;
+  CHECK_CUDA(cudaMalloc(&h, c.m * w * 2));
+  CHECK_CUDA(cudaMalloc(&dz, c.m * c.f * 2));
+  CHECK_CUDA(cudaMalloc(&z, c.m * c.f));
+  CHECK_CUDA(cudaMalloc(&z_t, c.m * c.f));
+  CHECK_CUDA(cudaMalloc(&dh, c.m * w));
+  CHECK_CUDA(cudaMalloc(&dh_t, c.m * w));
+  CHECK_CUDA(cudaMalloc(&sinv, (w + 127) / 128 * m4 * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&sinv_t, (c.m + 127) / 128 * ((w + 3) / 4 * 4) * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&zs_t, (c.m + 127) / 128 * ((c.f + 3) / 4 * 4) * sizeof(float)));
+  CHECK_CUDA(cudaMalloc(&scalars, 4 * sizeof(float)));  // scale 1 (x2), amax out (x2)
+  const float one[2] = {1.f, 1.f};
+  CHECK_CUDA(cudaMemcpy(scalars, one, sizeof(one), cudaMemcpyHostToDevice));
+  Fill<<<4096, 256>>>(h, c.m * w);
+  Fill<<<4096, 256>>>(dz, c.m * c.f);
+  CHECK_CUDA(cudaDeviceSynchronize());
+
+  te_jax::PrologueArgs fwd;
+  fwd.kind = Prologue::kAct;
+  fwd.h = h;
+  fwd.F = c.f;
+  fwd.act0 = c.act0;
+  fwd.act1 = c.act1;
+  te_jax::PrologueArgs bwd = fwd;
+  bwd.kind = Prologue::kDAct;
+  bwd.dz = dz;
+  const double fwd_bytes = c.m * w * 2.0 + c.m * c.f;               // h in, z out
+  const double bwd_bytes = c.m * (w + c.f) * 2.0 + 2.0 * c.m * w + c.m * c.f;  // h, dz in; dh x2, z.T out
+  for (ScaleMode mode : {ScaleMode::kTensor, ScaleMode::kVec128}) {
+    const bool vec = mode == ScaleMode::kVec128;
+    QuantizeArgs zf;  // forward: z rowwise
+    zf.M = c.m;
+    zf.K = c.f;
+    zf.mode = mode;
+    zf.data = z;
+    QuantizeArgs df;  // backward: dh rowwise + columnwise (E5M2)
+    df.M = c.m;
+    df.K = w;
+    df.mode = mode;
+    df.out = te_jax::Fp8Type::kE5M2;
+    df.data = dh;
+    df.data_t = dh_t;
+    QuantizeArgs zt;  // backward: act(h) columnwise
+    zt.M = c.m;
+    zt.K = c.f;
+    zt.mode = mode;
+    zt.data_t = z_t;
+    if (vec) {
+      zf.sinv = sinv;
+      zf.sinv_ld = m4;
+      df.sinv = sinv;
+      df.sinv_ld = m4;
+      df.sinv_t = sinv_t;
+      df.sinv_t_ld = (w + 3) / 4 * 4;
+      zt.sinv_t = zs_t;
+      zt.sinv_t_ld = (c.f + 3) / 4 * 4;
+      zf.pow2 = df.pow2 = zt.pow2 = true;
+    } else {
+      zf.scale = df.scale = zt.scale = scalars;
+      zf.amax_out = df.amax_out = scalars + 2;
+    }
+    char name[96];
+    std::snprintf(name, sizeof(name), "%s %s fwd", c.name, vec ? "1x128" : "tensor");
+    Time(name, [&] { CHECK_CUDA(te_jax::LaunchPrologueQuantize(zf, fwd, nullptr, 0)); },
+         amax_bits, fwd_bytes);
+    std::snprintf(name, sizeof(name), "%s %s bwd", c.name, vec ? "1x128" : "tensor");
+    Time(name, [&] { CHECK_CUDA(te_jax::LaunchPrologueQuantize(df, bwd, &zt, 0)); },
+         amax_bits, bwd_bytes);
+  }
+  for (void* p : {static_cast<void*>(h), static_cast<void*>(dz), static_cast<void*>(z),
+                  static_cast<void*>(z_t), static_cast<void*>(dh), static_cast<void*>(dh_t),
+                  static_cast<void*>(sinv), static_cast<void*>(sinv_t), static_cast<void*>(zs_t),
+                  static_cast<void*>(scalars)})
+    CHECK_CUDA(cudaFree(p));
 }
 
 }  // namespace
@@ -211,71 +312,16 @@ int main() {
   CHECK_CUDA(cudaMalloc(&out, sizeof(unsigned)));
   Fill<<<4096, 256>>>(h, kM * kF);
   CHECK_CUDA(cudaDeviceSynchronize());
-  te_jax::PrologueArgs q;
-  q.kind = te_jax::Prologue::kAct;
-  q.h = h;
-  q.F = kF;
-  q.act0 = te_jax::kActGelu;
-  te_jax::PrologueArgs qd = q;  // backward: dz * gelu'(h)
-  qd.kind = te_jax::Prologue::kDAct;
-  __nv_bfloat16* dz;
-  CHECK_CUDA(cudaMalloc(&dz, kM * kF * 2));
-  Fill<<<4096, 256>>>(dz, kM * kF);
-  qd.dz = dz;
   const dim3 tiles(kF / kTile, kM / kTile);
   int sms = 0;
   CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   const int flat_blocks = sms * 8;
 
-  // The shipped kernels, gelu, both row loops (M = F = 16384, bf16 in).
-  te_jax::QuantizeArgs a;
-  a.M = kM;
-  a.K = kF;
-  float* scalars;  // scale 1, amax out
-  CHECK_CUDA(cudaMalloc(&scalars, 2 * sizeof(float)));
-  const float one = 1.f;
-  CHECK_CUDA(cudaMemcpy(scalars, &one, sizeof(one), cudaMemcpyHostToDevice));
-  CHECK_CUDA(cudaMalloc(&a.data, kM * kF));
-  CHECK_CUDA(cudaMalloc(&a.data_t, kM * kF));
-  CHECK_CUDA(cudaMalloc(&a.sinv, kM * (kF / 128) * sizeof(float)));
-  CHECK_CUDA(cudaMalloc(&a.sinv_t, kM * (kF / 128) * sizeof(float)));
-  a.sinv_ld = kM;
-  a.sinv_t_ld = kF;
-  a.scale = scalars;
-  a.amax_out = scalars + 1;
-  te_jax::QuantizeArgs ad = a;
-  ad.out = te_jax::Fp8Type::kE5M2;
-  te_jax::QuantizeArgs av = a, avd = ad;
-  av.mode = avd.mode = te_jax::ScaleMode::kVec128;
-  av.scale = avd.scale = nullptr;
-  av.amax_out = avd.amax_out = nullptr;
-  using te_jax::Prologue;
-  using te_jax::prologue::ActLoop;
-  using Bf = __nv_bfloat16;
-  constexpr ActLoop G = ActLoop::kGelu;
-  unsigned* amax_bits = reinterpret_cast<unsigned*>(scalars + 1);
-#define TIME_KERNEL(name, kernel, smem, args, pro) \
-  Time(name, [&] { kernel<<<tiles, 256, smem>>>(args, pro); }, amax_bits)
-  TIME_KERNEL("amax fwd", (te_jax::TileAmaxKernel<Bf, Prologue::kAct, G>), 0, a, q);
-  TIME_KERNEL("amax bwd", (te_jax::TileAmaxKernel<Bf, Prologue::kDAct, G>), 0, ad, qd);
-  TIME_KERNEL("tensor fwd", (te_jax::ActQuantizeTensorKernel<Bf, Prologue::kAct, G>), 0, a, q);
-  TIME_KERNEL("tensor bwd", (te_jax::ActQuantizeTensorKernel<Bf, Prologue::kDAct, G>), 0, ad, qd);
-  auto vec = [&](auto kernel) {
-    CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                    te_jax::kScratchBytes));
-    CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                    cudaSharedmemCarveoutMaxShared));  // as LaunchWithLoop
-    int blocks = 0;
-    CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, kThreads,
-                                                             te_jax::kScratchBytes));
-    std::printf("1x128 kernel: %d blocks per SM\n", blocks);
-    return kernel;
-  };
-  auto vf = vec(te_jax::ActQuantizeVec128Kernel<Bf, Prologue::kAct, G>);
-  auto vb = vec(te_jax::ActQuantizeVec128Kernel<Bf, Prologue::kDAct, G>);
-  TIME_KERNEL("1x128 fwd", vf, te_jax::kScratchBytes, av, q);
-  TIME_KERNEL("1x128 bwd", vb, te_jax::kScratchBytes, avd, qd);
-#undef TIME_KERNEL
+  // The shipped kernels: gelu at 16384 x 16384, and the Llama preset's
+  // SwiGLU MLP (32768 tokens, width 5632), whose 1x128 backward is issue
+  // 43's largest te_jax kernel (bench_ops.py --only act times the same).
+  TimeShipped({"gelu 16k x 16k", kM, kF, te_jax::kActGelu, -1}, out);
+  TimeShipped({"swiglu 32k x 2x5632", 32768, 5632, te_jax::kActSilu, te_jax::kActLinear}, out);
 
   Time("tile<identity>", [&] { Tile<Identity><<<tiles, kThreads>>>(h, out); }, out);
   Time("tile<ship>", [&] { Tile<Ship><<<tiles, kThreads>>>(h, out); }, out);

@@ -4,10 +4,11 @@
 # and timings, write logs to $OUT, print a short table last.
 #
 # Usage (from the repo root): bash tools/gpu_kernels.sh [fetch] [build] [blockwise] [grouped]
-#   [ncu] [own] (default: build blockwise grouped; ncu: Nsight Compute's budget of
+#   [ncu] [own] [act] (default: build blockwise grouped; ncu: Nsight Compute's budget of
 #   the blockwise GEMMs, NCU_VARIANTS; own: build, check and time te_jax's own
 #   blockwise GEMM, benchmarks/blockwise_gemm_own.cu, issue 46 phase 2 — it
-#   needs no "build" step). Needs the CUTLASS headers in .cutlass/include or as
+#   needs no "build" step; act: benchmarks/act_math.cu, the activation-quantize
+#   kernels, with ncu also Nsight Compute on them). Needs the CUTLASS headers in .cutlass/include or as
 #   .cutlass/cutlass-<version>-include.tar.gz (an ignored folder, made by
 #   `bash tools/gpu_kernels.sh fetch` on a machine with PyPI: the
 #   nvidia-cutlass 4.2.0.0 wheel's cutlass_library/source/include); carry
@@ -262,6 +263,30 @@ if want ncu; then
       "${oargs[@]}" > "$OUT/ncu_own.csv" 2> "$OUT/ncu_own.err" \
       || { echo "ncu (own): exit $? (see $OUT/ncu_own.err):"; tail -n 3 "$OUT/ncu_own.err"; }
     python3 tools/ncu_summary.py "$OUT/ncu_own.csv" | tee "$OUT/ncu_own_summary.log"
+  fi
+fi
+# act: benchmarks/act_math.cu (the shipped activation-quantize kernels at
+# the gelu and Llama SwiGLU shapes, then the gelu math variants), and Nsight
+# Compute on its te_jax kernels: the budget of issue 43's largest te_jax
+# kernel, the 1x128 backward (1.77 TB/s where the forward reaches 2.83).
+if want act; then
+  act_bin="$KBUILD/act_math"
+  if nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+       -prec-div=true -ftz=false -Icustom_calls -Ibenchmarks -o "$act_bin" \
+       benchmarks/act_math.cu > "$OUT/act_math_build.log" 2>&1; then
+    timeout 200 "$act_bin" > "$OUT/act_math.log" 2>&1 || { echo "act_math: exit $?"; status=1; }
+    grep -E " fwd | bwd " "$OUT/act_math.log"
+    if want ncu; then
+      timeout 300 ncu --clock-control none --kernel-name-base function \
+        --kernel-name "regex:ActQuantize" --launch-count 24 --csv --page details \
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+        --section Occupancy --section LaunchStats --section InstructionStats "$act_bin" \
+        > "$OUT/ncu_act.csv" 2> "$OUT/ncu_act.err" \
+        || { echo "ncu (act): exit $? (see $OUT/ncu_act.err)"; tail -n 3 "$OUT/ncu_act.err"; }
+      python3 tools/ncu_summary.py "$OUT/ncu_act.csv" | tee "$OUT/ncu_act_summary.log"
+    fi
+  else
+    echo "act_math: BUILD FAILED (see $OUT/act_math_build.log)"; status=1
   fi
 fi
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader 2>/dev/null \

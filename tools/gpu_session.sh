@@ -31,8 +31,9 @@
 #             the background beside the stages after it (on request; best beside
 #             ncu, whose timings a busy CPU does not move)
 #   actncu    Nsight Compute on bench_ops.py --only act's te_jax kernels (on request)
-#   ncu       tools/gpu_kernels.sh ncu: Nsight Compute on the blockwise GEMMs,
-#             ours and cuBLASLt's (on request)
+#   ncu       tools/gpu_kernels.sh ncu act: Nsight Compute on the blockwise GEMMs,
+#             ours (CUTLASS's and, when built, our own) and cuBLASLt's, and on the
+#             activation-quantize kernels of benchmarks/act_math.cu (on request)
 #   presets   bench_model.py's other rows of issue 43: --preset llama at batch 4,
 #             and --preset h200, every recipe (on request)
 #   accuracy  benchmarks/act_input_accuracy.py: store_act_input_in_fp8's
@@ -308,9 +309,10 @@ fi
 if want ncu && [[ -n "$tarball" ]]; then   # Nsight Compute's budget of the blockwise GEMMs
   st "ncu"
   wait "${kernels_built:-}" 2>/dev/null
-  OUT=$OUT timeout 560 bash tools/gpu_kernels.sh ncu > "$OUT/ncu.log" 2>&1
-  gpu_idle "blockwise_gemm_sm90"
-  grep -E "^\| " "$OUT/ncu.log" >> "$LOG"
+  # act: the activation kernels' harness timed and profiled too (act_math).
+  OUT=$OUT timeout 560 bash tools/gpu_kernels.sh ncu act > "$OUT/ncu.log" 2>&1
+  gpu_idle "blockwise_gemm_sm90|blockwise_gemm_own|act_math"
+  grep -E "^\| | fwd | bwd " "$OUT/ncu.log" >> "$LOG"
 fi
 if want presets; then   # issue 43's batch-4 and h200-preset rows
   wait "${memory_tables:-}" 2>/dev/null   # timings on an idle CPU
