@@ -44,40 +44,17 @@ namespace {
 namespace sm90 = te_jax::sm90;
 namespace own = te_jax::own;
 using bench::DeviceAlloc;
-using bench::ScaleGrid;
 
 constexpr double kTol = 1e-2;       // as blockwise_gemm_sm90.cu (tests' bf16 tolerance)
 constexpr double kWatchdogS = 5.0;  // a GEMM here lasts < 50 ms
 int failures = 0;
 
-// One problem's operands (one input set), fprop scaling.
-struct Operands {
-  long m, n, k;
-  ScaleGrid ga, gb;
-  uint8_t* a = nullptr;
-  uint8_t* b = nullptr;
-  float* sa = nullptr;
-  float* sb = nullptr;
+// One problem's operands (one input set): a scaled per 1x128, b per
+// 128x128, the fprop case of blockwise_gemm_sm90.cu.
+struct Operands : bench::BlockwiseOperands {
   Operands(long m_, long n_, long k_, uint64_t seed)
-      : m(m_), n(n_), k(k_), ga(bench::Grid(sm90::ScaleMode::kVec128, m_, k_)),
-        gb(bench::Grid(sm90::ScaleMode::kBlk128x128, n_, k_)) {
-    a = DeviceAlloc<uint8_t>(m * k);
-    b = DeviceAlloc<uint8_t>(n * k);
-    sa = DeviceAlloc<float>(ga.count());
-    sb = DeviceAlloc<float>(gb.count());
-    bench::FillFp8<__nv_fp8_e4m3>(a, m * k, seed);
-    bench::FillFp8<__nv_fp8_e4m3>(b, n * k, seed + 1);
-    bench::FillScales(sa, ga.outer, ga.ld, ga.valid, seed + 2);
-    bench::FillScales(sb, gb.outer, gb.ld, gb.valid, seed + 3);
-  }
-  ~Operands() {
-    cudaFree(a);
-    cudaFree(b);
-    cudaFree(sa);
-    cudaFree(sb);
-  }
-  Operands(const Operands&) = delete;
-  Operands& operator=(const Operands&) = delete;
+      : bench::BlockwiseOperands(m_, n_, k_, sm90::ScaleMode::kVec128,
+                                 sm90::ScaleMode::kBlk128x128, seed) {}
   own::GemmArgs Args(void* out, int group = 8) const {
     own::GemmArgs p;
     p.m = m; p.n = n; p.k = k;
@@ -89,21 +66,6 @@ struct Operands {
     return p;
   }
 };
-
-// float64 host reference: sum over K blocks of (a . b over the block) * sa * sb.
-std::vector<double> HostReference(const Operands& op) {
-  const auto a = bench::Fp8ToFloat(bench::ToHost<uint8_t>(op.a, op.m * op.k), false);
-  const auto b = bench::Fp8ToFloat(bench::ToHost<uint8_t>(op.b, op.n * op.k), false);
-  const auto sa = bench::ToHost<float>(op.sa, op.ga.count());
-  const auto sb = bench::ToHost<float>(op.sb, op.gb.count());
-  std::vector<double> out(size_t(op.m) * op.n);
-  for (long i = 0; i < op.m; ++i)
-    for (long j = 0; j < op.n; ++j)
-      out[size_t(i) * op.n + j] = bench::BlockDot(&a[i * op.k], &b[j * op.k], 0, op.k, [&](long k0) {
-        return double(sa[size_t(k0 / 128) * op.ga.ld + i]) * sb[size_t(j / 128) * op.gb.ld + k0 / 128];
-      });
-  return out;
-}
 
 // fp32 device reference, the kernel's promotion order: per 128-block of K a
 // partial sum, then acc += (sa * sb) * partial. One thread per output.
@@ -215,7 +177,7 @@ void RunChecks(const std::vector<own::Config>& configs, int sms, cublasLtHandle_
     void* want = DeviceAlloc<uint16_t>(n_out);
     std::vector<double> host_want;
     if (s.host) {
-      host_want = HostReference(op);
+      host_want = bench::BlockwiseHostReference(op);
     } else {
       bench::Poison(want, n_out);
       DeviceReference(op, want);

@@ -30,70 +30,22 @@ namespace {
 
 namespace sm90 = te_jax::sm90;
 using bench::DeviceAlloc;
-using bench::Grid;
-using bench::ScaleAt;
-using bench::ScaleGrid;
 
 // bfloat16 output tolerance of te_jax's blockwise GEMM tests
 // (tests/test_cuda_ops.py _TOL[bfloat16]).
 constexpr double kTol = 1e-2;
 
-// One problem's operands (one input set).
-struct Operands {
-  long m, n, k;
-  sm90::ScaleMode a_mode, b_mode;
-  ScaleGrid ga, gb;
-  uint8_t* a = nullptr;
-  uint8_t* b = nullptr;
-  float* sa = nullptr;
-  float* sb = nullptr;
-  Operands(long m_, long n_, long k_, sm90::ScaleMode am, sm90::ScaleMode bm, uint64_t seed)
-      : m(m_), n(n_), k(k_), a_mode(am), b_mode(bm), ga(Grid(am, m_, k_)), gb(Grid(bm, n_, k_)) {
-    a = DeviceAlloc<uint8_t>(m * k);
-    b = DeviceAlloc<uint8_t>(n * k);
-    sa = DeviceAlloc<float>(ga.count());
-    sb = DeviceAlloc<float>(gb.count());
-    bench::FillFp8<__nv_fp8_e4m3>(a, m * k, seed);
-    bench::FillFp8<__nv_fp8_e4m3>(b, n * k, seed + 1);
-    bench::FillScales(sa, ga.outer, ga.ld, ga.valid, seed + 2);
-    bench::FillScales(sb, gb.outer, gb.ld, gb.valid, seed + 3);
-  }
-  ~Operands() {
-    cudaFree(a);
-    cudaFree(b);
-    cudaFree(sa);
-    cudaFree(sb);
-  }
-  Operands(const Operands&) = delete;
-  Operands& operator=(const Operands&) = delete;
-  sm90::BlockwiseGemmArgs Args(void* out, sm90::TileOrder order = {}) const {
-    sm90::BlockwiseGemmArgs p;
-    p.m = m; p.n = n; p.k = k;
-    p.a = a; p.b = b; p.a_sinv = sa; p.b_sinv = sb;
-    p.a_mode = a_mode; p.b_mode = b_mode;
-    p.out = out;
-    p.order = order;
-    return p;
-  }
-};
+using Operands = bench::BlockwiseOperands;
 
-// float64 reference of out = sum over K blocks of (sa * sb) * (a . b).
-std::vector<double> HostReference(const Operands& op) {
-  const auto a = bench::Fp8ToFloat(bench::ToHost<uint8_t>(op.a, op.m * op.k), false);
-  const auto b = bench::Fp8ToFloat(bench::ToHost<uint8_t>(op.b, op.n * op.k), false);
-  const auto sa = bench::ToHost<float>(op.sa, op.ga.count());
-  const auto sb = bench::ToHost<float>(op.sb, op.gb.count());
-  std::vector<double> out(size_t(op.m) * op.n);
-  for (long i = 0; i < op.m; ++i) {
-    for (long j = 0; j < op.n; ++j) {
-      out[size_t(i) * op.n + j] =
-          bench::BlockDot(&a[i * op.k], &b[j * op.k], 0, op.k, [&](long k0) {
-            return double(ScaleAt(sa, op.ga, op.a_mode, i, k0)) *
-                   ScaleAt(sb, op.gb, op.b_mode, j, k0);
-          });
-    }
-  }
-  return out;
+// The te_jax kernel's arguments for the operands `op`, writing to `out`.
+sm90::BlockwiseGemmArgs Args(const Operands& op, void* out, sm90::TileOrder order = {}) {
+  sm90::BlockwiseGemmArgs p;
+  p.m = op.m; p.n = op.n; p.k = op.k;
+  p.a = op.a; p.b = op.b; p.a_sinv = op.sa; p.b_sinv = op.sb;
+  p.a_mode = op.a_mode; p.b_mode = op.b_mode;
+  p.out = out;
+  p.order = order;
+  return p;
 }
 
 struct Variant {
@@ -137,12 +89,12 @@ void RunChecks(const std::vector<Variant>& variants, int sms) {
   for (const auto& mode : modes) {
     for (const Shape& s : shapes) {
       Operands op(s.m, s.n, s.k, mode[0], mode[1], seed += 10);
-      const auto want = HostReference(op);
+      const auto want = bench::BlockwiseHostReference(op);
       const size_t n_out = size_t(s.m) * s.n;
       void* out = DeviceAlloc<uint16_t>(n_out);
       for (const Variant& v : variants) {
         if (v.a_mode != mode[0] || v.b_mode != mode[1]) continue;
-        const auto p = op.Args(out);
+        const auto p = Args(op, out);
         const char* why = sm90::CheckBlockwiseGemm(v.id, p);
         if (why) {
           std::printf("CHECK %-30s m=%-5ld n=%-5ld k=%-5ld SKIP (%s)\n", v.name, s.m, s.n, s.k, why);
@@ -227,13 +179,13 @@ Row TimeShape(const TimedShape& s, const std::vector<Variant>& variants, int sms
   std::string checks;
   for (const Variant& v : variants) {
     if (v.a_mode != am || v.b_mode != bm) continue;
-    const char* why = sm90::CheckBlockwiseGemm(v.id, o0.Args(out));
+    const char* why = sm90::CheckBlockwiseGemm(v.id, Args(o0, out));
     if (why) {
       checks += std::string(" ") + v.name + "=skip(" + why + ")";
       continue;
     }
     bench::Poison(out, n_out);
-    const bool ok = Launch(v, o0.Args(out), sms, 0) && cudaDeviceSynchronize() == cudaSuccess;
+    const bool ok = Launch(v, Args(o0, out), sms, 0) && cudaDeviceSynchronize() == cudaSuccess;
     const bench::ErrorNorm e = ok ? bench::DeviceDiff(out, ref, n_out) : bench::ErrorNorm{1, 1};
     const bool pass = ok && e.bad == 0 && e.rel < kTol;
     failures += !pass;
@@ -244,7 +196,7 @@ Row TimeShape(const TimedShape& s, const std::vector<Variant>& variants, int sms
       const Variant* vp = &v;
       cands.push_back({v.name, [&ops, sets, vp, order, out, sms](int r) {
                          const Operands& o = *ops[r % sets];
-                         return Launch(*vp, o.Args(out, order), sms, 0);
+                         return Launch(*vp, Args(o, out, order), sms, 0);
                        }});
       cand_variant.push_back(vp);
       cand_order.push_back(order);

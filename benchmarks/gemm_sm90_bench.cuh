@@ -221,6 +221,56 @@ inline std::vector<float> Fp8ToFloat(const std::vector<uint8_t>& bytes, bool e5m
   return f;
 }
 
+// One blockwise problem's FP8 operands on the device (one input set): a (m, k)
+// and b (n, k) e4m3, row-major, with their scales in te_jax's native grids
+// (a_mode / b_mode), filled from `seed`.
+struct BlockwiseOperands {
+  long m, n, k;
+  te_jax::sm90::ScaleMode a_mode, b_mode;
+  ScaleGrid ga, gb;
+  uint8_t* a = nullptr;
+  uint8_t* b = nullptr;
+  float* sa = nullptr;
+  float* sb = nullptr;
+  BlockwiseOperands(long m_, long n_, long k_, te_jax::sm90::ScaleMode am,
+                    te_jax::sm90::ScaleMode bm, uint64_t seed)
+      : m(m_), n(n_), k(k_), a_mode(am), b_mode(bm), ga(Grid(am, m_, k_)), gb(Grid(bm, n_, k_)) {
+    a = DeviceAlloc<uint8_t>(m * k);
+    b = DeviceAlloc<uint8_t>(n * k);
+    sa = DeviceAlloc<float>(ga.count());
+    sb = DeviceAlloc<float>(gb.count());
+    FillFp8<__nv_fp8_e4m3>(a, m * k, seed);
+    FillFp8<__nv_fp8_e4m3>(b, n * k, seed + 1);
+    FillScales(sa, ga.outer, ga.ld, ga.valid, seed + 2);
+    FillScales(sb, gb.outer, gb.ld, gb.valid, seed + 3);
+  }
+  ~BlockwiseOperands() {
+    cudaFree(a);
+    cudaFree(b);
+    cudaFree(sa);
+    cudaFree(sb);
+  }
+  BlockwiseOperands(const BlockwiseOperands&) = delete;
+  BlockwiseOperands& operator=(const BlockwiseOperands&) = delete;
+};
+
+// float64 host reference of out (m, n) = sum over K blocks of (sa * sb) * (a . b).
+inline std::vector<double> BlockwiseHostReference(const BlockwiseOperands& op) {
+  const auto a = Fp8ToFloat(ToHost<uint8_t>(op.a, op.m * op.k), false);
+  const auto b = Fp8ToFloat(ToHost<uint8_t>(op.b, op.n * op.k), false);
+  const auto sa = ToHost<float>(op.sa, op.ga.count());
+  const auto sb = ToHost<float>(op.sb, op.gb.count());
+  std::vector<double> out(size_t(op.m) * op.n);
+  for (long i = 0; i < op.m; ++i) {
+    for (long j = 0; j < op.n; ++j) {
+      out[size_t(i) * op.n + j] = BlockDot(&a[i * op.k], &b[j * op.k], 0, op.k, [&](long k0) {
+        return double(ScaleAt(sa, op.ga, op.a_mode, i, k0)) * ScaleAt(sb, op.gb, op.b_mode, j, k0);
+      });
+    }
+  }
+  return out;
+}
+
 // ---------------------------------------------------------------- cuBLASLt --
 
 // te_jax's cuBLASLt FP8 GEMM (custom_calls/ffi/gemm.cc): out (M, N) bf16 =

@@ -19,8 +19,8 @@ import pytest
 
 from te_jax import fused_mlp, moe, recipe
 from te_jax.moe import block as block_lib
-from te_jax.moe import router
-from te_jax.ops.act_quantize import ACTIVATIONS
+
+from test_moe_block import dense_reference  # pylint: disable=import-error  (tests/ is on the path)
 
 RECIPES = {
     "delayed": recipe.DelayedScaling(amax_history_len=4),
@@ -48,24 +48,7 @@ def _setup(seed=0, t=T):
 
 def _reference(x, params):
   """Every token through every expert and the shared MLP, float32."""
-  r = router.route(x, params["router"], num_experts_per_token=CFG.num_experts_per_token,
-                   score_function=CFG.score_function,
-                   normalize_weights=CFG.normalize_topk_weights)
-  acts = [ACTIVATIONS[a].jax_fn for a in CFG.activations]
-  hp = jax.lax.Precision.HIGHEST
-
-  def mlp(wi, wo):
-    h = jnp.einsum("th,haf->taf", x, wi, precision=hp)
-    z = acts[0](h[:, 0])
-    for i, act in enumerate(acts[1:], 1):
-      z = z * act(h[:, i])
-    return jnp.dot(z, wo, precision=hp)
-
-  y = mlp(params["shared_wi"], params["shared_wo"])
-  for e in range(CFG.num_experts):
-    w = jnp.sum(jnp.where(r.expert_ids == e, r.weights, 0.0), axis=1)
-    y = y + w[:, None] * mlp(params["wi"][e], params["wo"][e])
-  return y
+  return dense_reference(x, params, config=CFG)
 
 
 def _step(r, x, params, g, state, keep=False, impl="auto"):
