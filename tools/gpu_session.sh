@@ -22,7 +22,8 @@
 #             --offload_optimizer, without it with the peak's buffers and
 #             XLA's remat copies (batch 4 and 8), and FP8 at batch 8 with
 #             store_act_input_in_fp8
-#   model     bench_model.py --preset llama, batch 8, every recipe
+#   model     bench_model.py --preset llama, batch 8, every recipe (MODEL_RECIPES),
+#             with MODEL_SET's overrides (bench_model's --set) when given
 #   keep      the same with --set keep_fp8_copies=true (not in the default list)
 #   kernels   tools/gpu_kernels.sh blockwise grouped own (not with KERNEL_HARNESS=0);
 #             bench_ops.py --only act, then --only quantize (not with KERNEL_OPS=0)
@@ -244,7 +245,11 @@ if want suite; then
 fi
 if want model; then
   st "model"
-  model_rows model "" 560 --recipes "${MODEL_RECIPES:-none,delayed,blockwise,current}" --timeout 200
+  # MODEL_SET: Config overrides for every row, e.g.
+  # keep_fp8_copies=true,store_act_input_in_fp8=true (speed and memory together)
+  model_rows model "${MODEL_SET:+$MODEL_SET: }" 560 \
+    --recipes "${MODEL_RECIPES:-none,delayed,blockwise,current}" --timeout 200 \
+    ${MODEL_SET:+--set "$MODEL_SET"}
 fi
 if want keep; then   # the model with the FP8 copies kept (speed against memory)
   st "keep"
