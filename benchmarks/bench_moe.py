@@ -24,8 +24,9 @@ told apart by the named scopes of ``te_jax.moe.SCOPES`` that the compiled
 program's op names carry (the traced steps run the step compiled a second
 time with XLA's command buffers off: a kernel inside a command buffer
 carries the buffer's name, not its op's, so the grouped GEMMs and te_jax's
-kernels would count as "other"; the timed steps keep them), device memory: the compiled step's arguments
-+ temp (``memory_analysis()``), and the seconds of building the step,
+kernels would count as "other"; the timed steps keep them), device memory:
+the compiled step's arguments + temp (``memory_analysis()``), and the
+seconds of building the step,
 phase by phase (``init``: the layer's ``jax.jit(module.init)`` traced,
 compiled and run, or the model's trainer built and its state initialized;
 the step's ``lower`` and ``compile``), which each row also prints to
@@ -372,8 +373,8 @@ NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
 
 def _trace_program(lowered, compiled, phase):
-  """The step of ``lowered`` (``compiled``) compiled again for the profiler trace, with
-  XLA's command buffers off (``NO_COMMAND_BUFFERS``) on a GPU: inside a
+  """The step of ``lowered`` (``compiled``) compiled again for the profiler
+  trace, with XLA's command buffers off (``NO_COMMAND_BUFFERS``) on a GPU: inside a
   command buffer the trace names a kernel's buffer, not its op, and the
   grouped GEMMs and te_jax's kernels could not be told apart by part. Same
   kernels, launched one by one; the timed steps keep the command buffers.
