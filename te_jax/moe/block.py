@@ -221,10 +221,10 @@ def shared_unfused_reason(x_shape, params, config, recipe, mesh_resource, mesh,
   (``te_jax.fused_mlp.fp8_mlp``: the activation and its quantization in one
   pass, forward and backward), or None when they can. ``x_shape``: (..., H);
   ``expert_parallel``: the routed experts run under an expert-parallel plan."""
-  if expert_parallel or sharding_lib.explicit_axes():
-    return "the block is sharded (the fused MLP has no sharding rule)"
-  if mesh_resource is not None and mesh is not None and sharding_lib.mesh_axis_size(
-      mesh, tuple(a for a in mesh_resource.axes if a in mesh.axis_names)) > 1:
+  # as te_jax.layers.settings.Settings.unsharded decides for the dense blocks
+  if expert_parallel or sharding_lib.explicit_axes() or (
+      mesh_resource is not None and mesh is not None
+      and sharding_lib.mesh_axis_size(mesh, mesh_resource.axes) > 1):
     return "the block is sharded (the fused MLP has no sharding rule)"
   m, h, fs = math.prod(x_shape[:-1]), x_shape[-1], params["shared_wo"].shape[0]
   if not fused_mlp.supported(m, h, fs, h, recipe, config.activations):
@@ -373,8 +373,7 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
     fused = False
     if recipe is not None:
       reason = shared_unfused_reason(x.shape, params, config, recipe, shared_mr,
-                                     mesh if mesh is not None else sharding_lib.get_mesh(),
-                                     plan is not None)
+                                     sharding_lib.get_mesh(mesh), plan is not None)
       fused = reason is None
       if not fused:
         _log_shared_unfused(reason)
