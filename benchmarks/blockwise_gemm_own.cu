@@ -15,6 +15,9 @@
 //    median of CUDA-event samples; each configuration's output is compared
 //    with cuBLASLt's first. The wgrad shapes are timed in this fprop scaling
 //    (marked "(blk)": the kernel has no 1x128 x 1x128 mode yet).
+//    Diagnostic configurations (names "diag_...", own::Config::diagnostic)
+//    are timed only: they compute no correct GEMM, so they are neither
+//    checked nor ranked; their ratios to cuBLASLt are listed apart.
 //
 // A blind first run must not hang the GPU: every bounded mbarrier wait in
 // the kernel traps after ~1 s, and every first launch of a configuration on
@@ -31,6 +34,7 @@
 //   raster group widths 4 and 16 (default 8).
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -195,7 +199,12 @@ void RunChecks(const std::vector<own::Config>& configs, int sms, cublasLtHandle_
     }
     for (const own::Config& c : configs) {
       const own::GemmArgs p = op.Args(out);
-      if (const char* why = own::CheckShape(p, c.cluster)) {
+      if (c.diagnostic) {
+        std::printf("CHECK %-16s m=%-5ld n=%-5ld k=%-5ld SKIP (diagnostic: not a correct GEMM)\n",
+                    c.name, s.m, s.n, s.k);
+        continue;
+      }
+      if (const char* why = own::CheckShape(p, c.cluster, c.tma_scales)) {
         std::printf("CHECK %-16s m=%-5ld n=%-5ld k=%-5ld SKIP (%s)\n", c.name, s.m, s.n, s.k, why);
         continue;
       }
@@ -285,18 +294,24 @@ Row TimeShape(const TimedShape& s, const std::vector<own::Config>& configs, int 
   if (sweep) groups = {8, 4, 16};
   std::string checks;
   for (const own::Config& c : configs) {
-    if (const char* why = own::CheckShape(o0.Args(out), c.cluster)) {
+    if (const char* why = own::CheckShape(o0.Args(out), c.cluster, c.tma_scales)) {
       checks += std::string(" ") + c.name + "=skip(" + why + ")";
       continue;
     }
     bench::Poison(out, n_out);
     const bool ok = Guarded(c, o0.Args(out), sms, s.label);
-    const Err e = ok ? Compare(out, ref, n_out) : Err{};
-    failures += !e.Pass();
-    char buf[160];
-    std::snprintf(buf, sizeof(buf), " %s=%.1e/max%.1e%s", c.name, e.rel, e.max_rel, e.Pass() ? "" : "(FAIL)");
-    checks += buf;
-    if (!e.Pass()) continue;  // a wrong kernel is not timed
+    if (c.diagnostic) {
+      // Timed, never compared (it computes no correct GEMM) nor ranked.
+      if (!ok) { ++failures; continue; }
+      checks += std::string(" ") + c.name + "=diagnostic";
+    } else {
+      const Err e = ok ? Compare(out, ref, n_out) : Err{};
+      failures += !e.Pass();
+      char buf[160];
+      std::snprintf(buf, sizeof(buf), " %s=%.1e/max%.1e%s", c.name, e.rel, e.max_rel, e.Pass() ? "" : "(FAIL)");
+      checks += buf;
+      if (!e.Pass()) continue;  // a wrong kernel is not timed
+    }
     for (int g : groups) {
       const own::Config* cp = &c;
       cands.push_back({std::string(c.name) + (g == 8 ? "" : "/g" + std::to_string(g)),
@@ -304,7 +319,7 @@ Row TimeShape(const TimedShape& s, const std::vector<own::Config>& configs, int 
                          const Operands& o = *ops[r % sets];
                          return cp->launch(o.Args(out, g), sms, 0) == cudaSuccess;
                        }});
-      cand_config.push_back(c.name);
+      cand_config.push_back(c.diagnostic ? "" : c.name);  // "": not ranked
     }
   }
   const std::vector<double> ms = bench::TimeInterleaved(cands, rounds);
@@ -317,6 +332,10 @@ Row TimeShape(const TimedShape& s, const std::vector<own::Config>& configs, int 
   for (size_t c = 1; c < cands.size(); ++c) {
     const double tf = tflops(ms[c]);
     std::printf(" %s %5.0f (%.3fx)", cands[c].name.c_str(), tf, tf / row.lt_tflops);
+    if (cand_config[c].empty()) {  // a diagnostic: its own ratios, not the best
+      if (!std::isnan(tf)) ratios[cands[c].name].push_back(tf / row.lt_tflops);
+      continue;
+    }
     if (!std::isnan(tf)) {
       double& b = best_of_config[cand_config[c]];
       b = std::max(b, tf);
@@ -347,9 +366,14 @@ int main(int argc, char** argv) {
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const int sms = bench::SmCount();
   std::printf("device: %s, %d SMs, %d MiB L2; configurations:", prop.name, sms, prop.l2CacheSize >> 20);
+  // Resident CTAs per configuration: a cluster-2 configuration the GPU can
+  // hold fewer of than its SMs runs on fewer SMs (run AP: the cluster-2
+  // configurations at 0.37-0.43x of cuBLASLt, the others 0.55-0.72x).
   for (const own::Config& c : configs)
-    std::printf(" %s(BN %d, %d stages, cluster %d%s)", c.name, c.bn, c.stages, c.cluster,
-                c.double_acc ? ", 2 accumulators" : "");
+    std::printf(" %s(BN %d, %d stages, cluster %d%s%s%s; %d resident CTAs)", c.name, c.bn,
+                c.stages, c.cluster, c.double_acc ? ", 2 accumulators" : "",
+                c.tma_scales ? ", TMA scales" : "", c.diagnostic ? ", DIAGNOSTIC" : "",
+                c.resident_ctas(sms));
   std::printf("\n");
   if (!own::EncodeTiled()) {
     std::printf("no cuTensorMapEncodeTiled from the driver\nchecks: FAILED (1 failure(s))\n");
@@ -395,8 +419,11 @@ int main(int argc, char** argv) {
       continue;
     rows.push_back(TimeShape(s, configs, sms, lt, lt_ws, lt_ws_bytes, opt.rounds, opt.sweep));
   }
+  const size_t ranked = std::count_if(configs.begin(), configs.end(),
+                                      [](const own::Config& c) { return !c.diagnostic; });
   std::printf("\nSUMMARY (TFLOP/s, median; best of %zu configurations%s vs cuBLASLt blockwise "
-              "1x128 x 128x128) on %s\n", configs.size(), opt.sweep ? " x raster widths" : "", prop.name);
+              "1x128 x 128x128; diagnostics not ranked) on %s\n", ranked,
+              opt.sweep ? " x raster widths" : "", prop.name);
   std::printf("%-22s %6s %6s %6s %9s %9s %7s  %s\n", "shape", "M", "N", "K", "cublaslt", "ours",
               "ratio", "best configuration");
   for (const Row& r : rows)

@@ -24,8 +24,15 @@
 //   not a multiple of 128 spans two b-scale blocks, picked per 8 columns;
 // - kCluster 2: two CTAs on adjacent M tiles of the same N tile; each loads
 //   half of B and TMA-multicasts it to both (halves B's L2->SM traffic).
-// Scale factors are read by the math threads straight from global memory
+// Scale factors, two ways (kScaleTma): TMA copies each k-block's scales into
+// the stage beside its tiles (a's 128 row scales, b's two block scales), so
+// the math threads read them from shared memory once the stage is full; or
+// (the first design) the math threads read them from global memory
 // (L2-resident, a few KB), one k-block ahead of their use.
+// Diagnostic configurations (kDiag != kNone) time one part of the design and
+// compute no correct GEMM: kNoPromote accumulates all of K in one fp32
+// accumulator (per-tensor FP8's loop: the ceiling of this pipeline, tiles
+// and epilogue without the promotion).
 //
 // Every mbarrier wait is bounded (TE_JAX_OWN_WAIT_TRAP tries, ~1 s): a
 // pipeline bug traps with a message instead of hanging the GPU.
@@ -176,17 +183,28 @@ __device__ __forceinline__ void MmaImpl(uint64_t da, uint64_t db, float (&d)[N],
                                         : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
+enum Diag { kNone = 0, kNoPromote = 1 };
+
 // Tile configuration and its shared memory.
-template <int BN_, int kStages_, bool kDoubleAcc_, int kCluster_>
+template <int BN_, int kStages_, bool kDoubleAcc_, int kCluster_, bool kScaleTma_ = false,
+          int kDiag_ = kNone>
 struct Cfg {
   static constexpr int BM = 128, BK = 128, BN = BN_, kStages = kStages_, kCluster = kCluster_;
-  static constexpr bool kDoubleAcc = kDoubleAcc_;
+  static constexpr bool kDoubleAcc = kDoubleAcc_, kScaleTma = kScaleTma_;
+  static constexpr int kDiag = kDiag_;
   static constexpr int kBytesA = BM * BK, kBytesB = BN * BK;
+  // A stage's scales (kScaleTma): a's 128 row scales (512 B), then b's TMA
+  // box of 2 block rows x 4 k-blocks (32 B, of which [0] and [4] are read),
+  // padded to TMA's 128-B alignment.
+  static constexpr int kBytesScaleA = BM * 4, kBytesScaleB = 2 * 4 * 4;
+  static constexpr int kBytesScales = kScaleTma ? kBytesScaleA + 128 : 0;
   static constexpr int kAcc = BN / 2;  // fp32 accumulator registers per thread (m64 x BN / 128)
-  static constexpr size_t kSmem = 1024 /* alignment slack */ + size_t(kStages) * (kBytesA + kBytesB) +
+  static constexpr size_t kSmem = 1024 /* alignment slack */ +
+                                  size_t(kStages) * (kBytesA + kBytesB + kBytesScales) +
                                   2 * kStages * sizeof(uint64_t);
   static_assert(BN % 16 == 0 && BN <= 192, "BN: multiple of 16 (B halves 1024-B aligned), <= 192");
   static_assert(!kDoubleAcc || BN <= 128, "double accumulators need 3 x BN/2 registers");
+  static_assert(kDiag == kNone || kDiag == kNoPromote, "unknown diagnostic");
   static_assert(kCluster == 1 || kCluster == 2, "cluster of 1 or 2 CTAs along M");
   static_assert(kSmem <= 232448, "more shared memory than an sm_90 CTA may have");
   // A tile's columns [n0, n0 + BN) must span at most two 128-blocks of b's
@@ -202,15 +220,19 @@ struct Cfg {
 template <class C>
 __global__ void __launch_bounds__(384, 1)
     BlockwiseGemmKernel(const __grid_constant__ CUtensorMap map_a,
-                        const __grid_constant__ CUtensorMap map_b, const GemmArgs p) {
+                        const __grid_constant__ CUtensorMap map_b,
+                        const __grid_constant__ CUtensorMap map_sa,
+                        const __grid_constant__ CUtensorMap map_sb, const GemmArgs p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   constexpr int BN = C::BN, kStages = C::kStages, kCl = C::kCluster, kAcc = C::kAcc;
+  constexpr bool kTmaScales = C::kScaleTma;
   extern __shared__ uint8_t smem_raw[];
   // TMA's 128B swizzle and the wgmma descriptors assume 1024-B aligned tiles.
   uint8_t* smem = smem_raw + ((1024 - (ptx::Smem(smem_raw) & 1023)) & 1023);
   uint8_t* sa = smem;
   uint8_t* sb = sa + kStages * C::kBytesA;
-  uint64_t* full = reinterpret_cast<uint64_t*>(sb + kStages * C::kBytesB);
+  uint8_t* ss = sb + kStages * C::kBytesB;  // kStages x kBytesScales (kScaleTma)
+  uint64_t* full = reinterpret_cast<uint64_t*>(ss + kStages * C::kBytesScales);
   uint64_t* empty = full + kStages;
 
   const int wg = threadIdx.x / 128, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -253,15 +275,22 @@ __global__ void __launch_bounds__(384, 1)
         // that starts inside is zero-filled past N by TMA.
         int b_row = nb * BN + static_cast<int>(rank) * (BN / 2);
         if (kCl > 1 && b_row >= p.n) b_row = 0;
+        const int nb_lo = nb * BN / 128;  // b's first scale block row of this tile
         for (int kb = 0; kb < nkb; ++kb) {
           ptx::MbarWait(&empty[s], phase ^ 1);  // every reader (both CTAs) freed it
-          ptx::MbarExpectTx(&full[s], C::kBytesA + C::kBytesB);
+          ptx::MbarExpectTx(&full[s], C::kBytesA + C::kBytesB +
+                                          (kTmaScales ? C::kBytesScaleA + C::kBytesScaleB : 0));
           ptx::TmaLoad(&map_a, &full[s], sa + s * C::kBytesA, kb * 128, mb * 128);
           if (kCl == 1)
             ptx::TmaLoad(&map_b, &full[s], sb + s * C::kBytesB, kb * 128, b_row);
           else
             ptx::TmaLoadMulticast(&map_b, &full[s], sb + s * C::kBytesB + rank * (C::kBytesB / 2),
                                   kb * 128, b_row, 0x3);
+          if constexpr (kTmaScales) {
+            uint8_t* sc = ss + s * C::kBytesScales;
+            ptx::TmaLoad(&map_sa, &full[s], sc, mb * 128, kb);
+            ptx::TmaLoad(&map_sb, &full[s], sc + C::kBytesScaleA, kb, nb_lo);
+          }
           if (++s == kStages) { s = 0; phase ^= 1; }
         }
       }
@@ -281,22 +310,34 @@ __global__ void __launch_bounds__(384, 1)
     for (int i = 0; i < (C::kDoubleAcc ? kAcc : 1); ++i) acc1[i] = 0.f;
     int s = 0;
     uint32_t phase = 0;
+    // Scales of one k-block: a of rows row, row + 8; b of both blocks.
+    struct Sc { float a0, a1, bl, bh; };
+    // A stage in flight: its slot and its k-block's scales.
+    struct Issued { int st; Sc sc; };
 
-    // Waits for the next stage and issues its 4 wgmmas (K = 4 x 32) into acc.
-    auto issue = [&](auto& acc) -> int {
+    // Waits for the next stage and issues its 4 wgmmas (K = 4 x 32) into
+    // acc (accumulating onto it when `onto`). `sc`: the k-block's scales,
+    // read from the stage (kScaleTma) or handed in.
+    auto issue = [&](auto& acc, Sc sc, bool onto) -> Issued {
       const int st = s;
       ptx::MbarWait(&full[st], phase);
       if (++s == kStages) { s = 0; phase ^= 1; }
+      if constexpr (kTmaScales) {
+        const float* sc_a = reinterpret_cast<const float*>(ss + st * C::kBytesScales);
+        const float* sc_b = sc_a + C::BM;
+        sc = Sc{sc_a[half * 64 + wrow], sc_a[half * 64 + wrow + 8], sc_b[0], sc_b[4]};
+      }
       ptx::FenceRegs(acc);
       ptx::WgmmaFence();
       const uint64_t da = ptx::Desc(sa + st * C::kBytesA + half * 64 * 128);
       const uint64_t db = ptx::Desc(sb + st * C::kBytesB);
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)  // +32 bytes along K = +2 in the descriptor's address
-        MmaImpl<Atom>(da + 2 * kk, db + 2 * kk, acc, kk > 0, std::make_index_sequence<kAcc>{});
+        MmaImpl<Atom>(da + 2 * kk, db + 2 * kk, acc, onto || kk > 0,
+                      std::make_index_sequence<kAcc>{});
       ptx::WgmmaCommit();
       ptx::FenceRegs(acc);
-      return st;
+      return Issued{st, sc};
     };
     auto release = [&](int st) {
       if (lane == 0) {
@@ -314,11 +355,16 @@ __global__ void __launch_bounds__(384, 1)
       const float* a_s = p.a_sinv + row;
       const float* b_lo = p.b_sinv + size_t(nb_lo) * p.b_ld;
       const float* b_hi = p.b_sinv + size_t(nb_hi) * p.b_ld;
-      // Scales of k-block kb: a of rows row, row + 8; b of both blocks.
-      struct Sc { float a0, a1, bl, bh; };
+      // Global-memory scales (not kScaleTma): k-block kb's, loaded when
+      // k-block kb - 1 is issued, used when kb's wgmmas are done.
       auto load = [&](int kb) {
-        const float* a = a_s + size_t(kb) * p.a_ld;
-        return Sc{__ldg(a), __ldg(a + 8), __ldg(b_lo + kb), __ldg(b_hi + kb)};
+        if constexpr (kTmaScales) {
+          return Sc{0.f, 0.f, 0.f, 0.f};
+        } else {
+          if (kb >= nkb) return Sc{0.f, 0.f, 0.f, 0.f};
+          const float* a = a_s + size_t(kb) * p.a_ld;
+          return Sc{__ldg(a), __ldg(a + 8), __ldg(b_lo + kb), __ldg(b_hi + kb)};
+        }
       };
       auto promote = [&](const auto& acc, const Sc& c) {
         const float l0 = c.a0 * c.bl, l1 = c.a1 * c.bl, h0 = c.a0 * c.bh, h1 = c.a1 * c.bh;
@@ -332,19 +378,37 @@ __global__ void __launch_bounds__(384, 1)
           fin[4 * j + 3] = fmaf(s1, acc[4 * j + 3], fin[4 * j + 3]);
         }
       };
+      // k-block kb's wgmmas are done: free its stage, promote it.
+      auto finish = [&](auto& acc, const Issued& i) {
+        ptx::FenceRegs(acc);
+        release(i.st);
+        promote(acc, i.sc);
+      };
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) fin[i] = 0.f;
       Sc next = load(0);
 
-      if constexpr (!C::kDoubleAcc) {
+      if constexpr (C::kDiag == kNoPromote) {
+        // Diagnostic: all of K in acc0, stage kb freed once kb + 1 is issued
+        // (per-tensor FP8's loop); fin = acc0, no scales.
+        Issued prev = issue(acc0, next, false);
+        for (int kb = 1; kb < nkb; ++kb) {
+          const Issued cur = issue(acc0, next, true);
+          ptx::WgmmaWait<1>();
+          release(prev.st);
+          prev = cur;
+        }
+        ptx::WgmmaWait<0>();
+        ptx::FenceRegs(acc0);
+        release(prev.st);
+#pragma unroll
+        for (int i = 0; i < kAcc; ++i) fin[i] = acc0[i];
+      } else if constexpr (!C::kDoubleAcc) {
         for (int kb = 0; kb < nkb; ++kb) {
-          const Sc cur = next;
-          if (kb + 1 < nkb) next = load(kb + 1);  // a k-block of latency to hide
-          const int st = issue(acc0);
+          const Issued i = issue(acc0, next, false);
+          next = load(kb + 1);  // a k-block of latency to hide
           ptx::WgmmaWait<0>();
-          ptx::FenceRegs(acc0);
-          release(st);
-          promote(acc0, cur);
+          finish(acc0, i);
         }
       } else {
         // acc0 holds even k-blocks, acc1 odd ones; k-block kb + 1 is issued
@@ -352,33 +416,27 @@ __global__ void __launch_bounds__(384, 1)
         // are never indexed at run time, and every exit from the loop sits
         // right after a wait_group 0: ptxas must see on every path that no
         // wgmma is in flight when the loop ends, or it serializes them all.
-        auto finish = [&](auto& acc, int st, const Sc& cur) {
-          ptx::FenceRegs(acc);
-          release(st);
-          promote(acc, cur);
-        };
-        int st0 = issue(acc0), st1 = 0;
+        Issued i0 = issue(acc0, next, false), i1{};
+        next = load(1);
         for (int kb = 0;; kb += 2) {
-          Sc cur = next;
           if (kb + 1 < nkb) {
-            next = load(kb + 1);
-            st1 = issue(acc1);
+            i1 = issue(acc1, next, false);
+            next = load(kb + 2);
             ptx::WgmmaWait<1>();  // k-block kb done, kb + 1 may still run
-            finish(acc0, st0, cur);
+            finish(acc0, i0);
           } else {
             ptx::WgmmaWait<0>();
-            finish(acc0, st0, cur);
+            finish(acc0, i0);
             break;
           }
-          cur = next;
           if (kb + 2 < nkb) {
-            next = load(kb + 2);
-            st0 = issue(acc0);
+            i0 = issue(acc0, next, false);
+            next = load(kb + 3);
             ptx::WgmmaWait<1>();
-            finish(acc1, st1, cur);
+            finish(acc1, i1);
           } else {
             ptx::WgmmaWait<0>();
-            finish(acc1, st1, cur);
+            finish(acc1, i1);
             break;
           }
         }
@@ -440,8 +498,25 @@ inline bool MakeMap(CUtensorMap* map, const void* ptr, long rows, long k, int bo
              CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// nullptr when a configuration of cluster size `cluster` can run p, else why not.
-inline const char* CheckShape(const GemmArgs& p, int cluster) {
+// TMA map of a scale grid, `outer` rows of `ld` floats (te_jax's native
+// layouts: ld a multiple of 4, rows 16-byte aligned), boxes of box_inner x
+// box_outer floats, no swizzle, zero fill past the edges.
+inline bool MakeScaleMap(CUtensorMap* map, const float* ptr, long outer, long ld, int box_inner,
+                         int box_outer) {
+  const EncodeTiledFn enc = EncodeTiled();
+  if (!enc) return false;
+  const cuuint64_t dims[2] = {cuuint64_t(ld), cuuint64_t(outer)};
+  const cuuint64_t strides[1] = {cuuint64_t(ld) * 4};
+  const cuuint32_t box[2] = {cuuint32_t(box_inner), cuuint32_t(box_outer)};
+  const cuuint32_t elem[2] = {1, 1};
+  return enc(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, const_cast<float*>(ptr), dims, strides, box,
+             elem, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+             CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// nullptr when a configuration of cluster size `cluster` (TMA-loaded scales
+// when `tma_scales`) can run p, else why not.
+inline const char* CheckShape(const GemmArgs& p, int cluster, bool tma_scales = false) {
   if (p.m <= 0 || p.n <= 0 || p.k <= 0) return "empty problem";
   if (p.m % 128 || p.n % 128 || p.k % 128) return "M, N and K must be multiples of 128";
   if (cluster == 2 && p.m % 256) return "cluster 2 needs M % 256 == 0";
@@ -450,25 +525,62 @@ inline const char* CheckShape(const GemmArgs& p, int cluster) {
   if (reinterpret_cast<uintptr_t>(p.a) % 16 || reinterpret_cast<uintptr_t>(p.b) % 16 ||
       reinterpret_cast<uintptr_t>(p.out) % 4)
     return "a, b must be 16-byte aligned, out 4-byte aligned";
+  if (tma_scales && (p.a_ld % 4 || p.b_ld % 4 || reinterpret_cast<uintptr_t>(p.a_sinv) % 16 ||
+                     reinterpret_cast<uintptr_t>(p.b_sinv) % 16))
+    return "TMA-loaded scales need a_ld, b_ld % 4 == 0 and 16-byte aligned scale grids";
   if (p.group < 1) return "group must be >= 1";
   return nullptr;
 }
 
+// CTAs a persistent launch of configuration C runs on `sms` SMs (before the
+// cap at one per tile): every SM, or for clusters of 2 as many clusters as
+// the occupancy API says fit at once (GPCs with an odd SM count fit fewer
+// than sms / 2; a grid beyond that would run a second, tail wave).
+template <class C>
+int ResidentCtas(int sms) {
+  static int units = -1;  // one per configuration (template)
+  if (units >= 0) return units * C::kCluster;
+  auto* kernel = BlockwiseGemmKernel<C>;
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           static_cast<int>(C::kSmem)) != cudaSuccess)
+    return -1;
+  units = sms;
+  if (C::kCluster > 1) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = C::kCluster;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.blockDim = dim3(384);
+    cfg.dynamicSmemBytes = C::kSmem;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    cfg.gridDim = dim3(sms / C::kCluster * C::kCluster);
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
+      units = -1;
+      return -1;
+    }
+    units = clusters > 0 ? clusters : sms / C::kCluster;
+  }
+  return units * C::kCluster;
+}
+
 template <class C>
 cudaError_t Launch(const GemmArgs& p, int sms, cudaStream_t stream) {
-  if (CheckShape(p, C::kCluster)) return cudaErrorInvalidValue;
-  CUtensorMap map_a, map_b;
+  if (CheckShape(p, C::kCluster, C::kScaleTma)) return cudaErrorInvalidValue;
+  CUtensorMap map_a, map_b, map_sa{}, map_sb{};
   if (!MakeMap(&map_a, p.a, p.m, p.k, 128) ||
       !MakeMap(&map_b, p.b, p.n, p.k, C::kCluster == 1 ? C::BN : C::BN / 2))
     return cudaErrorInvalidValue;
-  auto* kernel = BlockwiseGemmKernel<C>;
-  static bool smem_set = false;  // one per configuration (template)
-  if (!smem_set) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(C::kSmem));
-    if (e != cudaSuccess) return e;
-    smem_set = true;
-  }
+  // a's scales: (K/128, a_ld), a box of the tile's 128 rows of one k-block;
+  // b's: (ceil(N/128), b_ld), a box of 4 k-blocks x the tile's 2 block rows.
+  if (C::kScaleTma && (!MakeScaleMap(&map_sa, p.a_sinv, p.k / 128, p.a_ld, 128, 1) ||
+                       !MakeScaleMap(&map_sb, p.b_sinv, (p.n + 127) / 128, p.b_ld, 4, 2)))
+    return cudaErrorInvalidValue;
+  const int ctas = ResidentCtas<C>(sms);
+  if (ctas <= 0) return cudaErrorInvalidConfiguration;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = C::kCluster;
@@ -480,44 +592,39 @@ cudaError_t Launch(const GemmArgs& p, int sms, cudaStream_t stream) {
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = C::kCluster > 1 ? 1 : 0;
-  // Persistent: as many CTAs (clusters) as can be resident at once, at
-  // most one per tile. Clusters of 2 may fit fewer than sms / 2 at once
-  // (GPCs with an odd SM count); a grid beyond that would run a second,
-  // tail wave, so ask the occupancy API.
-  static int units = -1;
-  if (units < 0) {
-    units = sms;
-    if (C::kCluster > 1) {
-      cfg.gridDim = dim3(sms / C::kCluster * C::kCluster);
-      int clusters = 0;
-      const cudaError_t e = cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg);
-      if (e != cudaSuccess) return e;
-      units = clusters > 0 ? clusters : sms / C::kCluster;
-    }
-  }
   const long tiles = (p.m / 128 / C::kCluster) * ((p.n + C::BN - 1) / C::BN);
-  cfg.gridDim = dim3(static_cast<unsigned>(std::min<long>(tiles, units) * C::kCluster));
-  return cudaLaunchKernelEx(&cfg, kernel, map_a, map_b, p);
+  cfg.gridDim = dim3(static_cast<unsigned>(std::min<long>(tiles, ctas / C::kCluster) * C::kCluster));
+  return cudaLaunchKernelEx(&cfg, BlockwiseGemmKernel<C>, map_a, map_b, map_sa, map_sb, p);
 }
 
 // The configurations the harness times (one template instance each).
+// `diagnostic`: times one part of the design, computes no correct GEMM (the
+// harness neither checks nor ranks it).
 struct Config {
   const char* name;
   int bn, stages, cluster;
-  bool double_acc;
+  bool double_acc, tma_scales;
+  int diagnostic;
   cudaError_t (*launch)(const GemmArgs&, int sms, cudaStream_t);
+  int (*resident_ctas)(int sms);
 };
 inline std::vector<Config> Configs() {
-#define TE_JAX_OWN_CFG(name, bn, st, dbl, cl) {name, bn, st, cl, dbl, Launch<Cfg<bn, st, dbl, cl>>}
+#define TE_JAX_OWN_CFG(name, bn, st, dbl, cl, tma, diag)                          \
+  {name, bn, st, cl, dbl, tma, diag, Launch<Cfg<bn, st, dbl, cl, tma, diag>>,     \
+   ResidentCtas<Cfg<bn, st, dbl, cl, tma, diag>>}
   return {
-      TE_JAX_OWN_CFG("n128_s6_dbl", 128, 6, true, 1),
-      TE_JAX_OWN_CFG("n128_s6", 128, 6, false, 1),
-      TE_JAX_OWN_CFG("n144_s6", 144, 6, false, 1),
-      TE_JAX_OWN_CFG("n160_s6", 160, 6, false, 1),
-      TE_JAX_OWN_CFG("n192_s5", 192, 5, false, 1),
-      TE_JAX_OWN_CFG("n128_s6_dbl_c2", 128, 6, true, 2),
-      TE_JAX_OWN_CFG("n160_s6_c2", 160, 6, false, 2),
-      TE_JAX_OWN_CFG("n192_s5_c2", 192, 5, false, 2),
+      TE_JAX_OWN_CFG("n128_s6_dbl", 128, 6, true, 1, false, kNone),
+      TE_JAX_OWN_CFG("n128_s6_dbl_tma", 128, 6, true, 1, true, kNone),
+      TE_JAX_OWN_CFG("n128_s6", 128, 6, false, 1, false, kNone),
+      TE_JAX_OWN_CFG("n160_s6", 160, 6, false, 1, false, kNone),
+      TE_JAX_OWN_CFG("n160_s6_tma", 160, 6, false, 1, true, kNone),
+      TE_JAX_OWN_CFG("n192_s5", 192, 5, false, 1, false, kNone),
+      TE_JAX_OWN_CFG("n128_s6_dbl_c2", 128, 6, true, 2, false, kNone),
+      TE_JAX_OWN_CFG("n128_s6_dbl_tma_c2", 128, 6, true, 2, true, kNone),
+      TE_JAX_OWN_CFG("n160_s6_c2", 160, 6, false, 2, false, kNone),
+      // Diagnostics: the pipeline without the promotion.
+      TE_JAX_OWN_CFG("diag_nopromote_n128", 128, 6, false, 1, false, kNoPromote),
+      TE_JAX_OWN_CFG("diag_nopromote_n128_c2", 128, 6, false, 2, false, kNoPromote),
   };
 #undef TE_JAX_OWN_CFG
 }

@@ -58,3 +58,28 @@ def test_an_unknown_duration_unit_is_named(tmp_path, capsys):
   groups = ncu_summary.read([_write(tmp_path, rows)])
   assert math.isnan(groups[("nvjet_a", "(132, 1, 1)", "(384, 1, 1)")]["Duration"][0])
   assert "unknown Duration unit 'fortnight'" in capsys.readouterr().err
+
+
+def test_percent_columns_ignore_byte_rates(tmp_path):
+  # ncu's "Memory Throughput" is also a byte rate in some sections (run AO's
+  # act table printed 1.2e+12 under "memory %").
+  rows = [_row(0, "act", "(128, 1, 1)", "Memory Throughput", "byte/second", "1.2e+12"),
+          _row(0, "act", "(128, 1, 1)", "Memory Throughput", "%", "71.5")]
+  groups = ncu_summary.read([_write(tmp_path, rows)])
+  assert groups[("act", "(128, 1, 1)", "(384, 1, 1)")]["Memory Throughput"] == [71.5]
+
+
+def test_stall_reasons_table(tmp_path, capsys):
+  stall = "smsp__average_warps_issue_stalled_{}_per_issue_active.ratio"
+  rows = [_row(0, "own", "(132, 1, 1)", stall.format("long_scoreboard"), "ratio", "2.5"),
+          _row(1, "own", "(132, 1, 1)", stall.format("long_scoreboard"), "ratio", "3.5"),
+          _row(0, "own", "(132, 1, 1)", stall.format("barrier"), "ratio", "0.5"),
+          _row(0, "own", "(132, 1, 1)", stall.format("wait"), "ratio", "1.0"),
+          _row(0, "nvjet", "(2, 66, 1)", "Duration", "ms", "1.0")]
+  assert ncu_summary.main([_write(tmp_path, rows)]) == 0
+  out = capsys.readouterr().out
+  line = next(ln for ln in out.splitlines() if ln.startswith("| own | (132, 1, 1) | 4.5"))
+  # largest first: the median of 2.5 and 3.5, then wait, then barrier
+  assert line.endswith("long_scoreboard 3.00, wait 1.00, barrier 0.50 |")
+  # a kernel without stall metrics has no row in the stall table
+  assert "| nvjet |" not in out.split("issue stalls")[1]

@@ -256,10 +256,17 @@ if want ncu; then
   # the same sections and the tensor pipe, on the quick shapes.
   own="$KBUILD/blockwise_gemm_own"
   if [[ -x "$own" ]]; then
-    oargs=(--timing --quick --rounds 1 --only "${NCU_OWN_CONFIGS:-n128_s6_dbl,n160_s6}")
-    timeout 300 ncu "${NCU_ARGS[@]}" --section SpeedOfLight --section ComputeWorkloadAnalysis \
+    # The stall reasons (run AP's profile had none: cycles per issue alone
+    # could not say what the math warps wait on), the L2's load, and the
+    # configurations that isolate one part each (TMA scales, cluster 2,
+    # the pipeline without promotion).
+    oargs=(--timing --quick --rounds 1 --only
+           "${NCU_OWN_CONFIGS:-n128_s6_dbl,n128_s6_dbl_tma,n128_s6_dbl_c2,diag_nopromote_n128}")
+    timeout 400 ncu "${NCU_ARGS[@]}" --section SpeedOfLight --section ComputeWorkloadAnalysis \
       --section WarpStateStats --section Occupancy --section LaunchStats \
-      --metrics sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active "$own" \
+      --section MemoryWorkloadAnalysis \
+      --metrics "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+      "$own" \
       "${oargs[@]}" > "$OUT/ncu_own.csv" 2> "$OUT/ncu_own.err" \
       || { echo "ncu (own): exit $? (see $OUT/ncu_own.err):"; tail -n 3 "$OUT/ncu_own.err"; }
     python3 tools/ncu_summary.py "$OUT/ncu_own.csv" | tee "$OUT/ncu_own_summary.log"

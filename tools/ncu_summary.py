@@ -7,11 +7,17 @@ peak, the tensor pipe's active cycles, occupancy, issue stalls).
 
 Rows group the launches by kernel name (its first 70 characters), grid and
 block size; a metric missing from the CSV (a section not collected) is "-".
+A "%" column reads only rows whose unit is "%" (ncu also names a byte rate
+"Memory Throughput"). When the CSV has the issue-stall metrics
+(``smsp__average_warps_issue_stalled_<reason>_per_issue_active.ratio``), a
+second table gives each kernel's largest stall reasons: warps stalled for
+that reason per issued instruction, summing to about "cycles / issue".
 """
 
 from __future__ import annotations
 
 import csv
+import re
 import statistics
 import sys
 from collections import defaultdict
@@ -30,6 +36,9 @@ COLUMNS = (
     ("occupancy %", ("Achieved Occupancy",)),
     ("registers", ("Registers Per Thread",)),
 )
+_PERCENT_COLUMNS = {name for title, names in COLUMNS if title.endswith("%") for name in names}
+_STALL = re.compile(r"smsp__average_warps_issue_stalled_(\w+?)_per_issue_active\.ratio$")
+_STALLS_SHOWN = 6
 # Durations are converted to ms, in either spelling of the unit; another
 # unit is named on stderr (run AN's table had nan durations, and its CSV did
 # not come back to say which unit ncu wrote).
@@ -57,6 +66,8 @@ def read(paths: List[str]) -> Dict[Tuple[str, str, str], Dict[str, List[float]]]
       if value is None:
         continue
       name = row.get("Metric Name", "")
+      if name in _PERCENT_COLUMNS and row.get("Metric Unit", "") != "%":
+        continue
       if name == "Duration":
         unit = row.get("Metric Unit", "")
         if unit not in _TO_MS:
@@ -80,6 +91,24 @@ def table(groups) -> str:
   return "\n".join(out)
 
 
+def stall_table(groups) -> str:
+  """Each kernel's largest stall reasons (median over launches), or "" when
+  the CSV has no stall metrics."""
+  out = []
+  for (kernel, grid, block), metrics in sorted(groups.items(), key=lambda kv: kv[0]):
+    stalls = {m.group(1): statistics.median(v) for n, v in metrics.items()
+              if (m := _STALL.match(n)) and v}
+    if not stalls:
+      continue
+    top = sorted(stalls.items(), key=lambda kv: -kv[1])[:_STALLS_SHOWN]
+    out.append(f"| {kernel} | {grid} | {sum(stalls.values()):.3g} | "
+               + ", ".join(f"{reason} {value:.2f}" for reason, value in top) + " |")
+  if not out:
+    return ""
+  return "\n".join(["| kernel | grid | stalls / issue (sum) | largest reasons |",
+                    "|---|---|---|---|"] + out)
+
+
 def main(argv=None) -> int:
   paths = sys.argv[1:] if argv is None else argv
   if not paths:
@@ -90,6 +119,10 @@ def main(argv=None) -> int:
     print("ncu_summary: no metric rows in " + ", ".join(paths))
     return 1
   print(table(groups))
+  stalls = stall_table(groups)
+  if stalls:
+    print("\nissue stalls (warps stalled per issued instruction, by reason):")
+    print(stalls)
   return 0
 
 
