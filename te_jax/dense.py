@@ -10,11 +10,12 @@ blockwise, 16 per-tensor) are zero-padded here and the result sliced: zero
 rows add nothing to any product or amax, so padding never changes the result.
 
 Under a mesh with ``Explicit`` axes (sharding in types) each public dense here
-runs with those axes switched to ``Auto`` (``te_jax.sharding.with_auto_axes``):
-the computation is the one an auto-axes mesh gets, and the output's type is
-the layout the sharded GEMM produces (``te_jax.sharded_dense.make_plan``'s
-``y_spec``, FP8 on or off) or, without ``kernel_axes`` and a mesh resource,
-x's sharding on the leading dims and the kernel's on the output dims.
+runs with those axes switched to ``Auto``
+(``te_jax.explicit_axes.with_auto_axes``): the computation is the one an
+auto-axes mesh gets, and the output's type is the layout the sharded GEMM
+produces (``te_jax.sharded_dense.make_plan``'s ``y_spec``, FP8 on or off) or,
+without ``kernel_axes`` and a mesh resource, x's sharding on the leading dims
+and the kernel's on the output dims.
 
 >>> import jax.numpy as jnp
 >>> from te_jax import dense, recipe
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from te_jax import explicit_axes as explicit_lib
 from te_jax import recipe as recipe_lib
 from te_jax import remat
 from te_jax import scaling
@@ -157,7 +159,7 @@ def _explicit_output_spec(x, kernel, n_in: int, kernel_axes, mesh_resource, mesh
       outs = [None] * n_out
       outs[out_perm[0]] = plan.y_spec[-1]
       return P(*plan.y_spec[:-1], *outs)
-  xs, ks = sharding_lib.spec_of(x), sharding_lib.spec_of(kernel)
+  xs, ks = explicit_lib.spec_of(x), explicit_lib.spec_of(kernel)
   used = {a for e in xs[:len(lead)] for a in ((e,) if isinstance(e, str) else e or ())}
   outs = []
   for e in ks[n_in:]:
@@ -172,7 +174,7 @@ def _explicit_axes_boundary(fn):
   axes switched to Auto when there are any (see the module docstring)."""
   @functools.wraps(fn)
   def wrapped(x, kernel, bias=None, *, fp8_state=None, **kw):
-    if not sharding_lib.explicit_axes():
+    if not explicit_lib.explicit_axes():
       return fn(x, kernel, bias, fp8_state=fp8_state, **kw)
     spec = _explicit_output_spec(x, kernel, kw.get("contract_ndim", 1), kw.get("kernel_axes"),
                                  kw.get("mesh_resource"), kw.get("mesh"))
@@ -180,7 +182,7 @@ def _explicit_axes_boundary(fn):
       # fp8_dense_split: column blocks (checked again inside)
       n = len(kw["split_sizes"]) if kw.get("split_sizes") is not None else kw["num_splits"]
       spec = (P(*spec[:-1], None),) * n
-    return sharding_lib.with_auto_axes(
+    return explicit_lib.with_auto_axes(
         lambda x, kernel, bias, state: fn(x, kernel, bias, fp8_state=state, **kw),
         (x, kernel, bias, fp8_state), spec)
   return wrapped

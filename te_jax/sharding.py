@@ -51,6 +51,8 @@ from typing import Iterator, Optional, Sequence, Tuple, Union
 import jax
 from jax.sharding import PartitionSpec
 
+from te_jax import explicit_axes as explicit_lib
+
 __all__ = [
     "MeshResource",
     "logical_axis_rules",
@@ -62,11 +64,7 @@ __all__ = [
     "tp_axis",
     "token_shards",
     "activation_spec",
-    "explicit_axes",
-    "with_auto_axes",
-    "gather_explicit",
-    "reshard_like",
-    "spec_of",
+    "gemms_unsharded",
 ]
 
 AxisNames = Union[None, str, Tuple[str, ...]]
@@ -308,24 +306,25 @@ def get_mesh(mesh=None):
   """The mesh to shard over: ``mesh``, else ``jax.set_mesh``'s, else ``with mesh:``'s.
 
   Inside a region whose axis types differ from the mesh's own (te_jax's
-  GEMMs under an explicit-axes mesh run in one, :func:`with_auto_axes`) the
-  context's abstract mesh is returned instead: same axes and sizes, the
-  axis types a ``shard_map`` there must be given. Returns None when there
-  is no mesh (or it has no axes).
+  GEMMs under an explicit-axes mesh run in one,
+  ``te_jax.explicit_axes.with_auto_axes``) the context's abstract mesh is
+  returned instead: same axes and sizes, the axis types a ``shard_map``
+  there must be given. Returns None when there is no mesh (or it has no
+  axes).
   """
   if mesh is not None:
-    return _as_context_types(mesh)
+    return explicit_lib.as_context_types(mesh)
   try:
     m = jax.sharding.get_mesh()
     if m is not None and not m.empty:
-      return _as_context_types(m)
+      return explicit_lib.as_context_types(m)
   except Exception:  # pylint: disable=broad-except
     pass
   try:
     from jax._src import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
     m = mesh_lib.thread_resources.env.physical_mesh
     if m is not None and not m.empty:
-      return _as_context_types(m)
+      return explicit_lib.as_context_types(m)
   except Exception:  # pylint: disable=broad-except
     pass
   try:
@@ -341,6 +340,26 @@ def mesh_axis_size(mesh, axes) -> int:
   """Product of the sizes of ``axes`` in ``mesh``; 1 for names it lacks."""
   shape = dict(mesh.shape)
   return math.prod(shape.get(a, 1) for a in _as_tuple(axes))
+
+
+def gemms_unsharded(mesh_resource: Optional[MeshResource], mesh) -> bool:
+  """Whether te_jax's GEMMs would run unsharded: the question the fused FP8
+  paths (MLP core, norm + quantize, split Q/K/V, the MoE block's shared
+  experts), which have no sharding rule of their own, ask before they are
+  taken.
+
+  False under a context mesh with ``Explicit`` axes, of any size: their axes
+  are in every array's type, and the fused paths reshape operands whose types
+  carry them, which JAX refuses (the GEMMs run through ``te_jax.dense``'s
+  auto-axes boundary instead). Otherwise True without ``mesh_resource`` or
+  without ``mesh``, else when every axis ``mesh_resource`` names has size 1 in
+  ``mesh`` (a name the mesh lacks counts as size 1).
+  """
+  if explicit_lib.explicit_axes():
+    return False
+  if mesh_resource is None or mesh is None:
+    return True
+  return mesh_axis_size(mesh, mesh_resource.axes) == 1
 
 
 def _present(mesh, axes) -> Tuple[str, ...]:
@@ -394,102 +413,3 @@ def activation_spec(mesh_resource: MeshResource, mesh, ndim: int,
     return PartitionSpec(tok or None, None)
   dims = [b or None, sp_axes or None] + [None] * (ndim - 2)
   return PartitionSpec(*dims)
-
-
-# ------------------------------------------------------- explicit axes ------
-# Under a mesh with ``AxisType.Explicit`` axes (``jax.make_mesh`` makes them by
-# default; ``jax.set_mesh`` puts the mesh in effect) every array carries its
-# sharding in its type and every operation must give a result those types
-# allow: a reshape of a sharded dim, a product whose contracting dims are
-# sharded, a ``shard_map`` whose in_specs differ from its inputs' types all
-# raise. te_jax's GEMMs (the functional dense, the modules' GEMMs) run their
-# computation with those axes switched to ``Auto`` (:func:`with_auto_axes`):
-# inside, sharding is XLA's and ``te_jax.sharded_dense``'s exactly as under an
-# auto-axes mesh; the result comes out with an explicit sharding that the
-# caller names. (jax.sharding.auto_axes / reshard / get_abstract_mesh /
-# AxisType and jax.typeof: public from jax 0.7 on, unchanged since.)
-
-
-def _context_mesh():
-  """The context's abstract mesh, or None when there is none."""
-  m = jax.sharding.get_abstract_mesh()
-  return None if m is None or m.empty else m
-
-
-def _as_context_types(mesh):
-  """``mesh``, or the context's abstract mesh when that one has the same
-  axes and sizes under other axis types (inside :func:`with_auto_axes`)."""
-  ctx = _context_mesh()
-  own = getattr(mesh, "abstract_mesh", mesh)
-  if ctx is None or own == ctx:
-    return mesh
-  if tuple(own.axis_names) == tuple(ctx.axis_names) and dict(own.shape) == dict(ctx.shape):
-    return ctx
-  return mesh
-
-
-def explicit_axes() -> Tuple[str, ...]:
-  """The names of the context mesh's ``Explicit`` axes (any size: an axis of
-  size 1 is in the types too), in mesh order; () without a mesh, or under
-  an auto-axes one."""
-  m = _context_mesh()
-  if m is None:
-    return ()
-  explicit = jax.sharding.AxisType.Explicit
-  return tuple(n for n, t in zip(m.axis_names, m.axis_types) if t == explicit)
-
-
-def spec_of(x) -> Tuple:
-  """The partition spec of ``x``'s type, one entry per dim (None: unsharded)."""
-  spec = tuple(jax.typeof(x).sharding.spec)
-  return spec + (None,) * (len(jax.typeof(x).shape) - len(spec))
-
-
-def _keep_axes(spec, axes) -> PartitionSpec:
-  """``spec`` with every mesh axis not in ``axes`` taken out of it."""
-  out = []
-  for entry in spec:
-    kept = tuple(a for a in _as_tuple(entry) if a in axes)
-    out.append(None if not kept else kept[0] if len(kept) == 1 else kept)
-  return PartitionSpec(*out)
-
-
-def with_auto_axes(fn, args: Sequence, out_specs):
-  """``fn(*args)`` with the context mesh's Explicit axes switched to Auto.
-
-  Every array ``fn`` uses must come in through ``args`` (a value closed
-  over would keep the explicit types, which JAX refuses to mix with the
-  auto ones). The outputs come back with the shardings ``out_specs`` (a
-  PartitionSpec per output, same tree as the outputs), restricted to the
-  explicit axes. Without explicit axes in the context, ``fn(*args)``.
-  """
-  axes = explicit_axes()
-  if not axes:
-    return fn(*args)
-  out_specs = jax.tree.map(lambda p: _keep_axes(p, axes), out_specs,
-                           is_leaf=lambda p: isinstance(p, PartitionSpec))
-  return jax.sharding.auto_axes(fn, axes=axes, out_sharding=out_specs)(*args)
-
-
-def gather_explicit(x):
-  """``x`` replicated over the context's Explicit axes (an all-gather of a
-  parameter sharded over them, as FSDP does before using it); ``x`` itself
-  when it is None, already replicated there, or no axis is explicit."""
-  if x is None or not explicit_axes():
-    return x
-  if all(entry is None for entry in spec_of(x)):
-    return x
-  return jax.sharding.reshard(x, PartitionSpec())
-
-
-def reshard_like(x, like):
-  """``x`` with the sharding of ``like``'s leading ``x.ndim`` dims, under the
-  context's Explicit axes (e.g. (B, S) segment ids sequence-sharded between
-  blocks, given the layout of the (B, S, heads, head_dim) queries they
-  mask); ``x`` itself when it is None, already so, or no axis is explicit."""
-  if x is None or not explicit_axes():
-    return x
-  want = spec_of(like)[:len(jax.typeof(x).shape)]
-  if spec_of(x) == want:
-    return x
-  return jax.sharding.reshard(x, PartitionSpec(*want))

@@ -4,7 +4,7 @@
 and Flax's NNX tutorials run under them (``jax.set_mesh``). There every array
 carries its sharding in its type and an operation whose result the types do
 not determine raises ``ShardingTypeError``; te_jax's GEMMs run with the axes
-switched to Auto (``te_jax.sharding.with_auto_axes``) and give their outputs
+switched to Auto (``te_jax.explicit_axes.with_auto_axes``) and give their outputs
 the layout the sharded GEMM produces. The FSDP / TP / SP matrix of
 ``tests/test_sharding_mesh.py`` runs under both axis types (explicit axes on
 every mesh and SP choice, half its recipes); this file covers

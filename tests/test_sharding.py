@@ -122,6 +122,34 @@ def test_get_mesh_from_context():
     assert dict(sharding.get_mesh().shape) == {"data": 1}
 
 
+def test_gemms_unsharded():
+  """The one "would these GEMMs be sharded?" answer of the fused FP8 paths."""
+  mr = sharding.MeshResource(fsdp_resource="fsdp", tp_resource="tp")
+  ones = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+  # mesh_axis_size reads the shape only: an abstract mesh stands for 2 devices
+  tp2 = jax.sharding.AbstractMesh((1, 2), ("fsdp", "tp"))
+  assert sharding.gemms_unsharded(None, tp2)          # no mesh resource
+  assert sharding.gemms_unsharded(mr, None)           # no mesh
+  assert sharding.gemms_unsharded(mr, ones)           # every named axis of size 1
+  assert not sharding.gemms_unsharded(mr, tp2)        # tp of size 2
+  fsdp2 = jax.sharding.AbstractMesh((2, 1), ("fsdp", "tp"))
+  assert not sharding.gemms_unsharded(mr, fsdp2)      # fsdp of size 2
+  assert sharding.gemms_unsharded(sharding.MeshResource(tp_resource="tp"), fsdp2)
+  # "dp" is named by the resource but not in the mesh: it counts as size 1
+  with_dp = sharding.MeshResource(dp_resource="dp", fsdp_resource="fsdp", tp_resource="tp")
+  assert sharding.gemms_unsharded(with_dp, ones)
+  assert not sharding.gemms_unsharded(with_dp, tp2)
+  # an explicit-axes context mesh counts as sharded, even of size 1 and
+  # without a mesh resource or a mesh given
+  explicit = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  with jax.set_mesh(explicit):
+    assert not sharding.gemms_unsharded(None, None)
+    assert not sharding.gemms_unsharded(mr, ones)
+  auto = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+  with jax.set_mesh(auto):
+    assert sharding.gemms_unsharded(None, None)
+
+
 def test_unsharded_mesh_falls_back_to_plain_fp8_dense():
   import jax.numpy as jnp
   import te_jax

@@ -70,7 +70,7 @@ HIDDEN, MLP, HEADS = 256, 512, 4
 # Every sharded run below runs under a mesh of each axis type: "auto" (the
 # compiler picks intermediate shardings) and "explicit" (sharding in types,
 # jax.make_mesh's default), where te_jax's GEMMs switch the axes to auto
-# around their computation (te_jax.sharding.with_auto_axes).
+# around their computation (te_jax.explicit_axes.with_auto_axes).
 AXIS_TYPES = ("auto", "explicit")
 
 
@@ -222,7 +222,7 @@ CASES = [(m, sp) for m in MESHES
 def with_axis_types(cases):
   """``cases`` (tuples) under an auto-axes mesh, and every other one (each
   mesh and SP choice at least once) under an explicit-axes mesh too: the
-  explicit path (te_jax.sharding.with_auto_axes around the same GEMMs) does
+  explicit path (te_jax.explicit_axes.with_auto_axes around the same GEMMs) does
   not depend on the recipe, so the full cross product (FULL) only repeats
   it."""
   explicit = cases if FULL else cases[::2] + [

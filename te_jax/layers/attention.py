@@ -71,6 +71,7 @@ from typing import Callable, NamedTuple, Optional, Tuple, Union
 import jax
 import jax.numpy as jnp
 
+from te_jax import explicit_axes as explicit_lib
 from te_jax import sharding as sharding_lib
 from te_jax.layers import packed_attention
 from te_jax.layers.checks import check_input_rank
@@ -320,10 +321,10 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, *, self_attn: bool,
   # heads they mask (the sequence gathered there under sequence parallelism).
   # (Self attention's kv ids stay the same object: the packed paths check it.)
   same = kv_segment_ids is segment_ids
-  segment_ids = sharding_lib.reshard_like(segment_ids, q)
-  kv_segment_ids = segment_ids if same else sharding_lib.reshard_like(kv_segment_ids, k)
-  segment_positions = sharding_lib.reshard_like(segment_positions, q)
-  kv_segment_positions = sharding_lib.reshard_like(kv_segment_positions, k)
+  segment_ids = explicit_lib.reshard_like(segment_ids, q)
+  kv_segment_ids = segment_ids if same else explicit_lib.reshard_like(kv_segment_ids, k)
+  segment_positions = explicit_lib.reshard_like(segment_positions, q)
+  kv_segment_positions = explicit_lib.reshard_like(kv_segment_positions, k)
   if enable_rotary_pos_emb:
     b, sq, skv = q.shape[0], q.shape[1], k.shape[1]
     qpos = segment_positions

@@ -22,6 +22,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from te_jax import dense as dense_lib
+from te_jax import explicit_axes as explicit_lib
 from te_jax import fused_mlp
 from te_jax import sharding as sharding_lib
 from te_jax.layers.settings import Settings
@@ -103,10 +104,11 @@ def update_probe(kernel: jax.Array) -> jax.Array:
   """What :meth:`GemmStates.track_updates` is given of a GEMM's kernel: the
   kernel, or under an explicit-axes mesh its first element as a (1,) array
   (the one value the update check reads; taking it from a kernel whose
-  type is sharded needs the auto axes of ``te_jax.sharding.with_auto_axes``)."""
-  if not sharding_lib.explicit_axes():
+  type is sharded needs the auto axes of
+  ``te_jax.explicit_axes.with_auto_axes``)."""
+  if not explicit_lib.explicit_axes():
     return kernel
-  return sharding_lib.with_auto_axes(lambda k: k.reshape(-1)[:1], (kernel,), P())
+  return explicit_lib.with_auto_axes(lambda k: k.reshape(-1)[:1], (kernel,), P())
 
 
 def gemm_output(x, kernel, bias, settings: Settings, state, *, contract_ndim: int,

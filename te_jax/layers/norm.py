@@ -27,8 +27,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from te_jax import explicit_axes as explicit_lib
 from te_jax import norm_dense
-from te_jax import sharding as sharding_lib
 from te_jax.layers.gemm import canonicalize_axes
 from te_jax.layers.settings import Settings
 from te_jax.layers.state import GemmStates, fused_states
@@ -71,7 +71,7 @@ def apply_norm(x: jax.Array, scale: jax.Array, bias: Optional[jax.Array], *,
   y = xc * jax.lax.rsqrt(var + epsilon)
   # Under an explicit-axes mesh a scale sharded over FSDP axes is gathered
   # first (XLA does it unasked under an auto-axes one).
-  scale, bias = sharding_lib.gather_explicit(scale), sharding_lib.gather_explicit(bias)
+  scale, bias = explicit_lib.gather_explicit(scale), explicit_lib.gather_explicit(bias)
   gamma = scale.astype(jnp.float32)
   if zero_centered_gamma:
     gamma = gamma + 1.0

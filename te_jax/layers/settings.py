@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional, Sequence, Tuple
 
+from te_jax import explicit_axes as explicit_lib
 from te_jax import recipe as recipe_lib
 from te_jax import scaling
 from te_jax import sharded_dense
@@ -76,29 +77,20 @@ class Settings(NamedTuple):
     return dict(self.residual_plan(), store_act_input_in_fp8=self.store_act_input_in_fp8)
 
   def unsharded(self) -> bool:
-    """True when no mesh axis named by the mesh resource has size > 1, and
-    the mesh has no ``Explicit`` axes.
+    """Whether the fused FP8 paths (MLP core, norm + quantize, split Q/K/V),
+    which have no sharding rule of their own, may be taken:
+    ``te_jax.sharding.gemms_unsharded`` of this call's mesh resource and mesh
+    (False under an explicit-axes mesh; else True when no mesh axis the mesh
+    resource names has size > 1).
 
-    The fused FP8 paths (MLP core, norm + quantize, split Q/K/V) have no
-    sharding rule of their own, so they are only taken when the GEMMs would
-    not be sharded anyway. Under an explicit-axes mesh (any size: its axes
-    are in every array's type) they are not taken either: they reshape
-    operands whose types carry the mesh axes, which JAX refuses there; the
-    GEMMs then run through ``te_jax.dense``'s auto-axes boundary. A mesh
-    resource without a mesh, or naming none of its axes, is warned about
-    once here too: the paths this answer selects never reach the sharded
-    dense, which warns for the others.
+    A mesh resource without a mesh, or naming none of its axes, is warned
+    about once here too (outside an explicit-axes mesh): the paths this
+    answer selects never reach the sharded dense, which warns for the others.
     """
-    if sharding_lib.explicit_axes():
-      return False
     mr = self.mesh_resource
-    if mr is None:
-      return True
-    sharded_dense.warn_if_unsharded(mr, self.mesh)
-    if self.mesh is None:
-      return True
-    return sharding_lib.mesh_axis_size(
-        self.mesh, tuple(a for a in mr.axes if a in self.mesh.axis_names)) == 1
+    if mr is not None and not explicit_lib.explicit_axes():
+      sharded_dense.warn_if_unsharded(mr, self.mesh)
+    return sharding_lib.gemms_unsharded(mr, self.mesh)
 
 
 def read_settings(impl: str = "auto", axis_rules: Sequence = ()) -> Settings:

@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from te_jax import dense as dense_lib
+from te_jax import explicit_axes as explicit_lib
 from te_jax import fused_mlp
 from te_jax import sharding as sharding_lib
 from te_jax.moe import dispatch as dispatch_lib
@@ -221,10 +222,7 @@ def shared_unfused_reason(x_shape, params, config, recipe, mesh_resource, mesh,
   (``te_jax.fused_mlp.fp8_mlp``: the activation and its quantization in one
   pass, forward and backward), or None when they can. ``x_shape``: (..., H);
   ``expert_parallel``: the routed experts run under an expert-parallel plan."""
-  # as te_jax.layers.settings.Settings.unsharded decides for the dense blocks
-  if expert_parallel or sharding_lib.explicit_axes() or (
-      mesh_resource is not None and mesh is not None
-      and sharding_lib.mesh_axis_size(mesh, mesh_resource.axes) > 1):
+  if expert_parallel or not sharding_lib.gemms_unsharded(mesh_resource, mesh):
     return "the block is sharded (the fused MLP has no sharding rule)"
   m, h, fs = math.prod(x_shape[:-1]), x_shape[-1], params["shared_wo"].shape[0]
   if not fused_mlp.supported(m, h, fs, h, recipe, config.activations):
@@ -379,7 +377,7 @@ def moe_block(x: jax.Array, params: dict, *, config: MoEConfig, recipe=None,
         _log_shared_unfused(reason)
     # XLA partitions the unfused shared experts: their h stays in x's dtype
     # unless nothing is sharded (the quantize keeping it has no sharding rule)
-    shared_fp8 = store_act_input_in_fp8 and plan is None and not sharding_lib.explicit_axes()
+    shared_fp8 = store_act_input_in_fp8 and plan is None and not explicit_lib.explicit_axes()
     if store_act_input_in_fp8 and not shared_fp8:
       fused_mlp.warn_act_input_not_in_fp8(
           "the MoE's shared experts", "they run sharded by XLA's partitioner, and the "

@@ -57,7 +57,7 @@ import jax
 from flax import nnx
 from jax import lax
 
-from te_jax import sharding as sharding_lib
+from te_jax import explicit_axes as explicit_lib
 from te_jax.layers.gemm import (FP8_META, check_dot_general_call, dot_general_product,
                                 fp8_blocker, parse_dimension_numbers, update_probe)
 from te_jax.nnx import state as st
@@ -140,6 +140,6 @@ class Fp8DotGeneral(nnx.Module):
     y, _ = dot_general_product(_NAME, settings, state, self.on_unsupported, *args)
     if out_sharding is None:
       return y
-    if sharding_lib.explicit_axes():
+    if explicit_lib.explicit_axes():
       return jax.sharding.reshard(y, out_sharding)
     return lax.with_sharding_constraint(y, out_sharding)
