@@ -204,7 +204,7 @@ void RunChecks(const std::vector<own::Config>& configs, int sms, cublasLtHandle_
                     c.name, s.m, s.n, s.k);
         continue;
       }
-      if (const char* why = own::CheckShape(p, c.cluster, c.tma_scales)) {
+      if (const char* why = own::CheckShape(p, c.cluster, c.tma_scales, c.tma_store)) {
         std::printf("CHECK %-16s m=%-5ld n=%-5ld k=%-5ld SKIP (%s)\n", c.name, s.m, s.n, s.k, why);
         continue;
       }
@@ -294,7 +294,7 @@ Row TimeShape(const TimedShape& s, const std::vector<own::Config>& configs, int 
   if (sweep) groups = {8, 4, 16};
   std::string checks;
   for (const own::Config& c : configs) {
-    if (const char* why = own::CheckShape(o0.Args(out), c.cluster, c.tma_scales)) {
+    if (const char* why = own::CheckShape(o0.Args(out), c.cluster, c.tma_scales, c.tma_store)) {
       checks += std::string(" ") + c.name + "=skip(" + why + ")";
       continue;
     }
@@ -370,10 +370,10 @@ int main(int argc, char** argv) {
   // hold fewer of than its SMs runs on fewer SMs (run AP: the cluster-2
   // configurations at 0.37-0.43x of cuBLASLt, the others 0.55-0.72x).
   for (const own::Config& c : configs)
-    std::printf(" %s(BN %d, %d stages, cluster %d%s%s%s; %d resident CTAs)", c.name, c.bn,
+    std::printf(" %s(BN %d, %d stages, cluster %d%s%s%s%s; %d resident CTAs)", c.name, c.bn,
                 c.stages, c.cluster, c.double_acc ? ", 2 accumulators" : "",
-                c.tma_scales ? ", TMA scales" : "", c.diagnostic ? ", DIAGNOSTIC" : "",
-                c.resident_ctas(sms));
+                c.tma_scales ? ", TMA scales" : "", c.tma_store ? ", TMA stores" : "",
+                c.diagnostic ? ", DIAGNOSTIC" : "", c.resident_ctas(sms));
   std::printf("\n");
   if (!own::EncodeTiled()) {
     std::printf("no cuTensorMapEncodeTiled from the driver\nchecks: FAILED (1 failure(s))\n");

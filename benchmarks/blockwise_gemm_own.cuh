@@ -29,6 +29,12 @@
 // the math threads read them from shared memory once the stage is full; or
 // (the first design) the math threads read them from global memory
 // (L2-resident, a few KB), one k-block ahead of their use.
+// Epilogue, two ways (kTmaStore): each math thread stores its bf16 pairs
+// straight to global memory, the warpgroup waiting for nothing but leaving
+// the next tile's first wgmmas behind its stores; or it writes them into a
+// 128B-swizzled smem tile (bank-conflict free for the accumulator's
+// fragment layout) that one thread hands to TMA stores of 64 x 64 boxes,
+// and the warpgroup goes on to the next tile while the stores drain.
 // Diagnostic configurations (kDiag != kNone) time one part of the design and
 // compute no correct GEMM: kNoPromote accumulates all of K in one fp32
 // accumulator (per-tensor FP8's loop: the ceiling of this pipeline, tiles
@@ -139,6 +145,28 @@ __device__ __forceinline__ void TmaLoadMulticast(const CUtensorMap* map, uint64_
       ".multicast::cluster [%0], [%1, {%3, %4}], [%2], %5;" ::"r"(Smem(dst)), "l"(map),
       "r"(Smem(bar)), "r"(c0), "r"(c1), "h"(mask) : "memory");
 }
+// TMA store of a box from smem (bulk-group completion, no mbarrier).
+__device__ __forceinline__ void TmaStore(const CUtensorMap* map, const void* src, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(map),
+      "r"(Smem(src)), "r"(c0), "r"(c1) : "memory");
+}
+__device__ __forceinline__ void BulkCommit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// Every committed bulk store has read its smem (the buffer may be rewritten).
+__device__ __forceinline__ void BulkWaitRead() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
+// Every committed bulk store is complete (before the CTA exits).
+__device__ __forceinline__ void BulkWaitAll() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+// Generic-proxy smem writes made visible to the async proxy (TMA).
+__device__ __forceinline__ void FenceProxyAsync() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+// Named barrier `kId` of `kThreads` threads (id 0 is __syncthreads').
+template <int kId, int kThreads>
+__device__ __forceinline__ void NamedBarrier() {
+  asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
+}
 __device__ __forceinline__ void WgmmaFence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
 __device__ __forceinline__ void WgmmaCommit() {
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
@@ -187,10 +215,10 @@ enum Diag { kNone = 0, kNoPromote = 1 };
 
 // Tile configuration and its shared memory.
 template <int BN_, int kStages_, bool kDoubleAcc_, int kCluster_, bool kScaleTma_ = false,
-          int kDiag_ = kNone>
+          int kDiag_ = kNone, bool kTmaStore_ = false>
 struct Cfg {
   static constexpr int BM = 128, BK = 128, BN = BN_, kStages = kStages_, kCluster = kCluster_;
-  static constexpr bool kDoubleAcc = kDoubleAcc_, kScaleTma = kScaleTma_;
+  static constexpr bool kDoubleAcc = kDoubleAcc_, kScaleTma = kScaleTma_, kTmaStore = kTmaStore_;
   static constexpr int kDiag = kDiag_;
   static constexpr int kBytesA = BM * BK, kBytesB = BN * BK;
   // A stage's scales (kScaleTma): a's 128 row scales (512 B), then b's TMA
@@ -199,12 +227,16 @@ struct Cfg {
   static constexpr int kBytesScaleA = BM * 4, kBytesScaleB = 2 * 4 * 4;
   static constexpr int kBytesScales = kScaleTma ? kBytesScaleA + 128 : 0;
   static constexpr int kAcc = BN / 2;  // fp32 accumulator registers per thread (m64 x BN / 128)
+  // The bf16 output tile staged for TMA stores (kTmaStore): per math
+  // warpgroup 64 rows, as BN / 64 boxes of 64 rows x 128 B.
+  static constexpr int kBytesOut = kTmaStore ? BM * BN * 2 : 0;
   static constexpr size_t kSmem = 1024 /* alignment slack */ +
                                   size_t(kStages) * (kBytesA + kBytesB + kBytesScales) +
-                                  2 * kStages * sizeof(uint64_t);
+                                  kBytesOut + 2 * kStages * sizeof(uint64_t);
   static_assert(BN % 16 == 0 && BN <= 192, "BN: multiple of 16 (B halves 1024-B aligned), <= 192");
   static_assert(!kDoubleAcc || BN <= 128, "double accumulators need 3 x BN/2 registers");
   static_assert(kDiag == kNone || kDiag == kNoPromote, "unknown diagnostic");
+  static_assert(!kTmaStore || BN % 64 == 0, "TMA-stored tiles are whole 64-column boxes");
   static_assert(kCluster == 1 || kCluster == 2, "cluster of 1 or 2 CTAs along M");
   static_assert(kSmem <= 232448, "more shared memory than an sm_90 CTA may have");
   // A tile's columns [n0, n0 + BN) must span at most two 128-blocks of b's
@@ -222,7 +254,8 @@ __global__ void __launch_bounds__(384, 1)
     BlockwiseGemmKernel(const __grid_constant__ CUtensorMap map_a,
                         const __grid_constant__ CUtensorMap map_b,
                         const __grid_constant__ CUtensorMap map_sa,
-                        const __grid_constant__ CUtensorMap map_sb, const GemmArgs p) {
+                        const __grid_constant__ CUtensorMap map_sb,
+                        const __grid_constant__ CUtensorMap map_out, const GemmArgs p) {
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ >= 900)
   constexpr int BN = C::BN, kStages = C::kStages, kCl = C::kCluster, kAcc = C::kAcc;
   constexpr bool kTmaScales = C::kScaleTma;
@@ -231,7 +264,8 @@ __global__ void __launch_bounds__(384, 1)
   uint8_t* smem = smem_raw + ((1024 - (ptx::Smem(smem_raw) & 1023)) & 1023);
   uint8_t* sa = smem;
   uint8_t* sb = sa + kStages * C::kBytesA;
-  uint8_t* ss = sb + kStages * C::kBytesB;  // kStages x kBytesScales (kScaleTma)
+  uint8_t* so = sb + kStages * C::kBytesB;  // the output tile (kTmaStore), 1024-B aligned
+  uint8_t* ss = so + C::kBytesOut;          // kStages x kBytesScales (kScaleTma)
   uint64_t* full = reinterpret_cast<uint64_t*>(ss + kStages * C::kBytesScales);
   uint64_t* empty = full + kStages;
 
@@ -442,18 +476,55 @@ __global__ void __launch_bounds__(384, 1)
         }
       }
 
-      // Epilogue: bf16 pairs straight to global memory (4-B stores; the
-      // other math warpgroup and the producer keep the SM busy meanwhile).
-      __nv_bfloat16* o0 = p.out + size_t(row) * p.n;
-      __nv_bfloat16* o1 = o0 + 8 * p.n;
-      const int c0 = n0 + (lane % 4) * 2;
+      if constexpr (C::kTmaStore) {
+        // Epilogue through smem and TMA: wait until the previous tile's
+        // stores have read the buffer, write this tile's pairs swizzled as
+        // TMA's 128B mode reads them (16-B chunk c of row r at c ^ (r % 8):
+        // a warp's 8 rows x 16 B land in 8 different chunks, all 32 banks),
+        // then one thread stores the warpgroup's 64-row half.
+        const bool leader = threadIdx.x % 128 == 0;
+        if (leader) ptx::BulkWaitRead();
+        if (half == 0) ptx::NamedBarrier<1, 128>(); else ptx::NamedBarrier<2, 128>();
+        const int x = lane / 4;  // = row % 8 of both of this thread's rows
+        uint8_t* base = so + half * (64 * BN * 2) + wrow * 128 + (lane % 4) * 4;
 #pragma unroll
-      for (int j = 0; j < kAcc / 4; ++j) {
-        const int col = c0 + 8 * j;
-        if (col < p.n) {
-          *reinterpret_cast<__nv_bfloat162*>(o0 + col) = __floats2bfloat162_rn(fin[4 * j], fin[4 * j + 1]);
-          *reinterpret_cast<__nv_bfloat162*>(o1 + col) =
+        for (int j = 0; j < kAcc / 4; ++j) {
+          const int box = j / 8, chunk = j % 8;  // 8 columns (16 B) per j, 64 per box
+          uint8_t* dst = base + box * 8192 + ((chunk ^ x) << 4);
+          *reinterpret_cast<__nv_bfloat162*>(dst) = __floats2bfloat162_rn(fin[4 * j], fin[4 * j + 1]);
+          *reinterpret_cast<__nv_bfloat162*>(dst + 8 * 128) =  // row + 8: same swizzle
               __floats2bfloat162_rn(fin[4 * j + 2], fin[4 * j + 3]);
+        }
+        uint8_t* out_half = so + half * (64 * BN * 2);
+        ptx::FenceProxyAsync();
+        if (half == 0) ptx::NamedBarrier<1, 128>(); else ptx::NamedBarrier<2, 128>();
+        if (leader) {
+#pragma unroll
+          for (int box = 0; box < BN / 64; ++box)
+            if (n0 + box * 64 < p.n)  // a box wholly past N (last N tile) is not stored
+              ptx::TmaStore(&map_out, out_half + box * 8192, n0 + box * 64,
+                            static_cast<int>(mb * 128 + half * 64));
+          ptx::BulkCommit();
+          // The last tile's stores complete before the CTA exits. (Waited
+          // for here, not after the tile loop: there, ptxas capped the
+          // math warps at ~176 registers and spilled the accumulators.)
+          if (t + clusters >= tiles) ptx::BulkWaitAll();
+        }
+      } else {
+        // Epilogue: bf16 pairs straight to global memory (4-B stores; the
+        // other math warpgroup and the producer keep the SM busy meanwhile).
+        __nv_bfloat16* o0 = p.out + size_t(row) * p.n;
+        __nv_bfloat16* o1 = o0 + 8 * p.n;
+        const int c0 = n0 + (lane % 4) * 2;
+#pragma unroll
+        for (int j = 0; j < kAcc / 4; ++j) {
+          const int col = c0 + 8 * j;
+          if (col < p.n) {
+            *reinterpret_cast<__nv_bfloat162*>(o0 + col) =
+                __floats2bfloat162_rn(fin[4 * j], fin[4 * j + 1]);
+            *reinterpret_cast<__nv_bfloat162*>(o1 + col) =
+                __floats2bfloat162_rn(fin[4 * j + 2], fin[4 * j + 3]);
+          }
         }
       }
     }
@@ -514,9 +585,24 @@ inline bool MakeScaleMap(CUtensorMap* map, const float* ptr, long outer, long ld
              CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// TMA map of the (m, n) bf16 output for stores of 64 x 64 boxes, 128B
+// swizzle (one box row = 128 B), clipped at the edges.
+inline bool MakeOutMap(CUtensorMap* map, void* ptr, long m, long n) {
+  const EncodeTiledFn enc = EncodeTiled();
+  if (!enc) return false;
+  const cuuint64_t dims[2] = {cuuint64_t(n), cuuint64_t(m)};
+  const cuuint64_t strides[1] = {cuuint64_t(n) * 2};
+  const cuuint32_t box[2] = {64, 64};
+  const cuuint32_t elem[2] = {1, 1};
+  return enc(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, ptr, dims, strides, box, elem,
+             CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+             CU_TENSOR_MAP_L2_PROMOTION_NONE, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 // nullptr when a configuration of cluster size `cluster` (TMA-loaded scales
-// when `tma_scales`) can run p, else why not.
-inline const char* CheckShape(const GemmArgs& p, int cluster, bool tma_scales = false) {
+// when `tma_scales`, TMA-stored output when `tma_store`) can run p, else why not.
+inline const char* CheckShape(const GemmArgs& p, int cluster, bool tma_scales = false,
+                              bool tma_store = false) {
   if (p.m <= 0 || p.n <= 0 || p.k <= 0) return "empty problem";
   if (p.m % 128 || p.n % 128 || p.k % 128) return "M, N and K must be multiples of 128";
   if (cluster == 2 && p.m % 256) return "cluster 2 needs M % 256 == 0";
@@ -528,6 +614,8 @@ inline const char* CheckShape(const GemmArgs& p, int cluster, bool tma_scales = 
   if (tma_scales && (p.a_ld % 4 || p.b_ld % 4 || reinterpret_cast<uintptr_t>(p.a_sinv) % 16 ||
                      reinterpret_cast<uintptr_t>(p.b_sinv) % 16))
     return "TMA-loaded scales need a_ld, b_ld % 4 == 0 and 16-byte aligned scale grids";
+  if (tma_store && reinterpret_cast<uintptr_t>(p.out) % 16)
+    return "a TMA-stored output must be 16-byte aligned";
   if (p.group < 1) return "group must be >= 1";
   return nullptr;
 }
@@ -569,8 +657,8 @@ int ResidentCtas(int sms) {
 
 template <class C>
 cudaError_t Launch(const GemmArgs& p, int sms, cudaStream_t stream) {
-  if (CheckShape(p, C::kCluster, C::kScaleTma)) return cudaErrorInvalidValue;
-  CUtensorMap map_a, map_b, map_sa{}, map_sb{};
+  if (CheckShape(p, C::kCluster, C::kScaleTma, C::kTmaStore)) return cudaErrorInvalidValue;
+  CUtensorMap map_a, map_b, map_sa{}, map_sb{}, map_out{};
   if (!MakeMap(&map_a, p.a, p.m, p.k, 128) ||
       !MakeMap(&map_b, p.b, p.n, p.k, C::kCluster == 1 ? C::BN : C::BN / 2))
     return cudaErrorInvalidValue;
@@ -579,6 +667,7 @@ cudaError_t Launch(const GemmArgs& p, int sms, cudaStream_t stream) {
   if (C::kScaleTma && (!MakeScaleMap(&map_sa, p.a_sinv, p.k / 128, p.a_ld, 128, 1) ||
                        !MakeScaleMap(&map_sb, p.b_sinv, (p.n + 127) / 128, p.b_ld, 4, 2)))
     return cudaErrorInvalidValue;
+  if (C::kTmaStore && !MakeOutMap(&map_out, p.out, p.m, p.n)) return cudaErrorInvalidValue;
   const int ctas = ResidentCtas<C>(sms);
   if (ctas <= 0) return cudaErrorInvalidConfiguration;
   cudaLaunchAttribute attr[1];
@@ -594,7 +683,8 @@ cudaError_t Launch(const GemmArgs& p, int sms, cudaStream_t stream) {
   cfg.numAttrs = C::kCluster > 1 ? 1 : 0;
   const long tiles = (p.m / 128 / C::kCluster) * ((p.n + C::BN - 1) / C::BN);
   cfg.gridDim = dim3(static_cast<unsigned>(std::min<long>(tiles, ctas / C::kCluster) * C::kCluster));
-  return cudaLaunchKernelEx(&cfg, BlockwiseGemmKernel<C>, map_a, map_b, map_sa, map_sb, p);
+  return cudaLaunchKernelEx(&cfg, BlockwiseGemmKernel<C>, map_a, map_b, map_sa, map_sb, map_out,
+                            p);
 }
 
 // The configurations the harness times (one template instance each).
@@ -603,28 +693,31 @@ cudaError_t Launch(const GemmArgs& p, int sms, cudaStream_t stream) {
 struct Config {
   const char* name;
   int bn, stages, cluster;
-  bool double_acc, tma_scales;
+  bool double_acc, tma_scales, tma_store;
   int diagnostic;
   cudaError_t (*launch)(const GemmArgs&, int sms, cudaStream_t);
   int (*resident_ctas)(int sms);
 };
 inline std::vector<Config> Configs() {
-#define TE_JAX_OWN_CFG(name, bn, st, dbl, cl, tma, diag)                          \
-  {name, bn, st, cl, dbl, tma, diag, Launch<Cfg<bn, st, dbl, cl, tma, diag>>,     \
-   ResidentCtas<Cfg<bn, st, dbl, cl, tma, diag>>}
+// name, BN, stages, two accumulators, cluster, TMA scales, TMA stores, diagnostic
+#define TE_JAX_OWN_CFG(name, bn, st, dbl, cl, tma, store, diag)                              \
+  {name, bn, st, cl, dbl, tma, store, diag, Launch<Cfg<bn, st, dbl, cl, tma, diag, store>>, \
+   ResidentCtas<Cfg<bn, st, dbl, cl, tma, diag, store>>}
   return {
-      TE_JAX_OWN_CFG("n128_s6_dbl", 128, 6, true, 1, false, kNone),
-      TE_JAX_OWN_CFG("n128_s6_dbl_tma", 128, 6, true, 1, true, kNone),
-      TE_JAX_OWN_CFG("n128_s6", 128, 6, false, 1, false, kNone),
-      TE_JAX_OWN_CFG("n160_s6", 160, 6, false, 1, false, kNone),
-      TE_JAX_OWN_CFG("n160_s6_tma", 160, 6, false, 1, true, kNone),
-      TE_JAX_OWN_CFG("n192_s5", 192, 5, false, 1, false, kNone),
-      TE_JAX_OWN_CFG("n128_s6_dbl_c2", 128, 6, true, 2, false, kNone),
-      TE_JAX_OWN_CFG("n128_s6_dbl_tma_c2", 128, 6, true, 2, true, kNone),
-      TE_JAX_OWN_CFG("n160_s6_c2", 160, 6, false, 2, false, kNone),
+      TE_JAX_OWN_CFG("n128_s6_dbl", 128, 6, true, 1, false, false, kNone),
+      TE_JAX_OWN_CFG("n128_s6_dbl_tma", 128, 6, true, 1, true, false, kNone),
+      TE_JAX_OWN_CFG("n128_s5_dbl_tma_st", 128, 5, true, 1, true, true, kNone),
+      TE_JAX_OWN_CFG("n128_s6", 128, 6, false, 1, false, false, kNone),
+      TE_JAX_OWN_CFG("n128_s5_tma_st", 128, 5, false, 1, true, true, kNone),
+      TE_JAX_OWN_CFG("n160_s6", 160, 6, false, 1, false, false, kNone),
+      TE_JAX_OWN_CFG("n160_s6_tma", 160, 6, false, 1, true, false, kNone),
+      TE_JAX_OWN_CFG("n192_s4_tma_st", 192, 4, false, 1, true, true, kNone),
+      TE_JAX_OWN_CFG("n128_s6_dbl_c2", 128, 6, true, 2, false, false, kNone),
+      TE_JAX_OWN_CFG("n128_s5_dbl_tma_st_c2", 128, 5, true, 2, true, true, kNone),
       // Diagnostics: the pipeline without the promotion.
-      TE_JAX_OWN_CFG("diag_nopromote_n128", 128, 6, false, 1, false, kNoPromote),
-      TE_JAX_OWN_CFG("diag_nopromote_n128_c2", 128, 6, false, 2, false, kNoPromote),
+      TE_JAX_OWN_CFG("diag_nopromote_n128", 128, 6, false, 1, false, false, kNoPromote),
+      TE_JAX_OWN_CFG("diag_nopromote_n128_s5_st", 128, 5, false, 1, false, true, kNoPromote),
+      TE_JAX_OWN_CFG("diag_nopromote_n128_c2", 128, 6, false, 2, false, false, kNoPromote),
   };
 #undef TE_JAX_OWN_CFG
 }

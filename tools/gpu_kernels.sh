@@ -258,10 +258,10 @@ if want ncu; then
   if [[ -x "$own" ]]; then
     # The stall reasons (run AP's profile had none: cycles per issue alone
     # could not say what the math warps wait on), the L2's load, and the
-    # configurations that isolate one part each (TMA scales, cluster 2,
-    # the pipeline without promotion).
+    # configurations that isolate one part each (TMA scales, TMA stores,
+    # cluster 2, the pipeline without promotion).
     oargs=(--timing --quick --rounds 1 --only
-           "${NCU_OWN_CONFIGS:-n128_s6_dbl,n128_s6_dbl_tma,n128_s6_dbl_c2,diag_nopromote_n128}")
+           "${NCU_OWN_CONFIGS:-n128_s6_dbl,n128_s6_dbl_tma,n128_s5_tma_st,n128_s6_dbl_c2,diag_nopromote_n128}")
     timeout 400 ncu "${NCU_ARGS[@]}" --section SpeedOfLight --section ComputeWorkloadAnalysis \
       --section WarpStateStats --section Occupancy --section LaunchStats \
       --section MemoryWorkloadAnalysis \
