@@ -464,10 +464,15 @@ def main(argv=None) -> int:
       results.append(r)
       kinds = dict(r["kernels_ms"] or {})
       top = kinds.pop("top", [])
+      by_name = kinds.pop("by_name", {})
       print(f"{part} {row}: {r['ms']:.2f} ms/step, kernels {kinds}", file=sys.stderr,
             flush=True)
       for ms, kind, name in top:
         print(f"  {ms:8.3f} ms  {kind:9s} {name}", file=sys.stderr, flush=True)
+      for kind, rows in by_name.items():  # each part's budget by kernel name
+        for ms, n, name in rows:
+          print(f"  {kind:9s} {ms:8.3f} ms  {n:5.0f} launches  {name}", file=sys.stderr,
+                flush=True)
       if args.json_out:
         with open(args.json_out, "w", encoding="utf-8") as fh:
           json.dump(results, fh, indent=1)

@@ -100,21 +100,33 @@ def kernel_time_by_part(run_steps, steps: int, hlo_text: str, top: int = 0):
   ``run_steps(steps)`` (``hlo_text``: the compiled module's); None where the
   trace has no GPU kernels (a CPU). With ``top``, also the ``top`` kernels by
   time as ``(ms per step, part, "kernel name <- HLO op: op_name")`` under the
-  key ``"top"``: what each part's time is made of, and where it comes from."""
+  key ``"top"``: what each part's time is made of, and where it comes from;
+  and under ``"by_name"`` each part's ``top`` kernel names summed over all
+  their launches (``{part: [(ms per step, launches per step, name)]}``): a
+  part's budget by kind of kernel (the grouped GEMMs, te_jax's quantize
+  kernels, XLA's fusions), which the per-op list spreads over many rows."""
   from bench_layer import gpu_kernel_events  # pylint: disable=import-error,import-outside-toplevel
   names = hlo_op_names(hlo_text)
   parts = {name: part_of(op) for name, op in names.items()}
   ms = {kind: 0.0 for kind in KINDS}
   by_kernel = collections.Counter()
+  by_name, launches = collections.Counter(), collections.Counter()
   for e in gpu_kernel_events(run_steps, steps):
     part, op = _event_part(e, parts), _event_op(e, names)
-    ms[part] += e.get("dur", 0) / 1e3 / steps
+    t = e.get("dur", 0) / 1e3 / steps
+    ms[part] += t
     what = f"{str(e.get('name', '?'))[:60]} <- {op}: {names.get(op, '?')[-110:]}"
-    by_kernel[(part, what)] += e.get("dur", 0) / 1e3 / steps
+    by_kernel[(part, what)] += t
+    by_name[(part, str(e.get("name", "?"))[:80])] += t
+    launches[(part, str(e.get("name", "?"))[:80])] += 1
   if not any(ms.values()):
     return None
   if top:
     ms["top"] = [(round(t, 4), part, what) for (part, what), t in by_kernel.most_common(top)]
+    ms["by_name"] = {
+        kind: [(round(t, 4), launches[(p, name)] / steps, name)
+               for (p, name), t in by_name.most_common() if p == kind][:top]
+        for kind in KINDS}
   return ms
 
 

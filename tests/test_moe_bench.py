@@ -52,6 +52,27 @@ def test_a_fusion_without_op_name_takes_its_computations():
   assert moe_trace._event_part(event, moe_trace.hlo_parts(HLO)) == "dispatch"  # pylint: disable=protected-access
 
 
+def test_each_parts_budget_by_kernel_name(monkeypatch):
+  import bench_layer  # pylint: disable=import-error,import-outside-toplevel
+  # two steps traced: the dispatch fusion twice a step, a grouped GEMM in
+  # the experts' scope once, and a kernel of no MoE op
+  events = [{"name": "loop_select_fusion_1", "dur": 1000, "args": {"hlo_op": "loop_select_fusion_1"}},
+            {"name": "loop_select_fusion_1", "dur": 3000, "args": {"hlo_op": "loop_select_fusion_1"}},
+            {"name": "loop_select_fusion_1", "dur": 2000, "args": {"hlo_op": "loop_select_fusion_1"}},
+            {"name": "loop_select_fusion_1", "dur": 2000, "args": {"hlo_op": "loop_select_fusion_1"}},
+            {"name": "GroupedGemm", "dur": 5000, "args": {"annotation": "jit(f)/moe_experts/ffi_call"}},
+            {"name": "GroupedGemm", "dur": 7000, "args": {"annotation": "jit(f)/moe_experts/ffi_call"}},
+            {"name": "other_kernel", "dur": 500, "args": {"hlo_op": "fusion.9"}}]
+  monkeypatch.setattr(bench_layer, "gpu_kernel_events", lambda run, steps: events)
+  ms = moe_trace.kernel_time_by_part(None, 2, HLO, top=3)
+  assert ms["dispatch"] == pytest.approx(4.0) and ms["experts"] == pytest.approx(6.0)
+  # summed over launches, per step: (ms, launches, name)
+  assert ms["by_name"]["dispatch"] == [(4.0, 2.0, "loop_select_fusion_1")]
+  assert ms["by_name"]["experts"] == [(6.0, 1.0, "GroupedGemm")]
+  assert ms["by_name"]["other"] == [(0.25, 0.5, "other_kernel")]
+  assert ms["by_name"]["router"] == []
+
+
 def test_kernel_events_keep_the_gpu_stream_kernels_only():
   import bench_layer  # pylint: disable=import-error,import-outside-toplevel
   meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
