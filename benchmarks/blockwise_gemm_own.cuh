@@ -620,6 +620,23 @@ inline const char* CheckShape(const GemmArgs& p, int cluster, bool tma_scales = 
   return nullptr;
 }
 
+// The launch configuration of C (its grid left to the caller): 384 threads,
+// C's shared memory, clusters of C::kCluster along x. `attr` must outlive it.
+template <class C>
+cudaLaunchConfig_t LaunchConfig(cudaLaunchAttribute (&attr)[1], cudaStream_t stream) {
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = C::kCluster;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.blockDim = dim3(384);
+  cfg.dynamicSmemBytes = C::kSmem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = C::kCluster > 1 ? 1 : 0;
+  return cfg;
+}
+
 // CTAs a persistent launch of configuration C runs on `sms` SMs (before the
 // cap at one per tile): every SM, or for clusters of 2 as many clusters as
 // the occupancy API says fit at once (GPCs with an odd SM count fit fewer
@@ -635,15 +652,7 @@ int ResidentCtas(int sms) {
   units = sms;
   if (C::kCluster > 1) {
     cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = C::kCluster;
-    attr[0].val.clusterDim.y = 1;
-    attr[0].val.clusterDim.z = 1;
-    cudaLaunchConfig_t cfg = {};
-    cfg.blockDim = dim3(384);
-    cfg.dynamicSmemBytes = C::kSmem;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchConfig_t cfg = LaunchConfig<C>(attr, 0);
     cfg.gridDim = dim3(sms / C::kCluster * C::kCluster);
     int clusters = 0;
     if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg) != cudaSuccess) {
@@ -671,16 +680,7 @@ cudaError_t Launch(const GemmArgs& p, int sms, cudaStream_t stream) {
   const int ctas = ResidentCtas<C>(sms);
   if (ctas <= 0) return cudaErrorInvalidConfiguration;
   cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = C::kCluster;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cudaLaunchConfig_t cfg = {};
-  cfg.blockDim = dim3(384);
-  cfg.dynamicSmemBytes = C::kSmem;
-  cfg.stream = stream;
-  cfg.attrs = attr;
-  cfg.numAttrs = C::kCluster > 1 ? 1 : 0;
+  cudaLaunchConfig_t cfg = LaunchConfig<C>(attr, stream);
   const long tiles = (p.m / 128 / C::kCluster) * ((p.n + C::BN - 1) / C::BN);
   cfg.gridDim = dim3(static_cast<unsigned>(std::min<long>(tiles, ctas / C::kCluster) * C::kCluster));
   return cudaLaunchKernelEx(&cfg, BlockwiseGemmKernel<C>, map_a, map_b, map_sa, map_sb, map_out,
