@@ -13,8 +13,8 @@
 // 2. Timing (--timing): cuBLASLt and every configuration on the shapes of
 //    blockwise_gemm_sm90.cu, rotating input sets (> L2), interleaved rounds,
 //    median of CUDA-event samples; each configuration's output is compared
-//    with cuBLASLt's first. The wgrad shapes are timed in this fprop scaling
-//    (marked "(blk)": the kernel has no 1x128 x 1x128 mode yet).
+//    with cuBLASLt's first. The wgrad shapes are timed in the wgrad scaling
+//    (b 1x128 too: the "wgrad_" configurations, cuBLASLt in that mode).
 //    Diagnostic configurations (names "diag_...", own::Config::diagnostic)
 //    are timed only: they compute no correct GEMM, so they are neither
 //    checked nor ranked; their ratios to cuBLASLt are listed apart.
@@ -30,7 +30,7 @@
 //   -Icustom_calls -Ibenchmarks -I.cutlass/include
 //   benchmarks/blockwise_gemm_own.cu -lcublasLt
 // Run: blockwise_gemm_own [--list | --checks | --timing] [--only c1,c2]
-//   [--quick] [--sweep] [--rounds N]. --quick: 3 shapes; --sweep: also the
+//   [--quick] [--sweep] [--rounds N]. --quick: 4 shapes (one wgrad); --sweep: also the
 //   raster group widths 4 and 16 (default 8).
 #include <unistd.h>
 
@@ -54,11 +54,16 @@ constexpr double kWatchdogS = 5.0;  // a GEMM here lasts < 50 ms
 int failures = 0;
 
 // One problem's operands (one input set): a scaled per 1x128, b per
-// 128x128, the fprop case of blockwise_gemm_sm90.cu.
+// 128x128 (fprop, dgrad) or, `b_vec`, per 1x128 too (wgrad), the cases of
+// blockwise_gemm_sm90.cu.
 struct Operands : bench::BlockwiseOperands {
-  Operands(long m_, long n_, long k_, uint64_t seed)
+  Operands(long m_, long n_, long k_, uint64_t seed, bool b_vec_ = false)
       : bench::BlockwiseOperands(m_, n_, k_, sm90::ScaleMode::kVec128,
-                                 sm90::ScaleMode::kBlk128x128, seed) {}
+                                 b_vec_ ? sm90::ScaleMode::kVec128 : sm90::ScaleMode::kBlk128x128,
+                                 seed),
+        b_vec(b_vec_) {}
+  bool b_vec;
+  int LtMode() const { return b_vec ? 1 : 2; }  // bench::LtGemm's b scale mode
   own::GemmArgs Args(void* out, int group = 8) const {
     own::GemmArgs p;
     p.m = m; p.n = n; p.k = k;
@@ -67,6 +72,7 @@ struct Operands : bench::BlockwiseOperands {
     p.b_sinv = sb; p.b_ld = gb.ld;
     p.out = static_cast<__nv_bfloat16*>(out);
     p.group = group;
+    p.b_vec = b_vec;
     return p;
   }
 };
@@ -93,7 +99,8 @@ __global__ void DeviceReferenceKernel(own::GemmArgs p) {
         part = fmaf(float(fa), float(fb), part);
       }
     }
-    acc = fmaf(p.a_sinv[kb * p.a_ld + i] * p.b_sinv[(j / 128) * p.b_ld + kb], part, acc);
+    const float sb = p.b_vec ? p.b_sinv[kb * p.b_ld + j] : p.b_sinv[(j / 128) * p.b_ld + kb];
+    acc = fmaf(p.a_sinv[kb * p.a_ld + i] * sb, part, acc);
   }
   p.out[i * p.n + j] = __float2bfloat16(acc);
 }
@@ -173,8 +180,12 @@ void RunChecks(const std::vector<own::Config>& configs, int sms, cublasLtHandle_
                           {256, 2304, 384, true},   {2048, 2048, 2048, false},
                           {1024, 4224, 1152, false}};
   uint64_t seed = 300;
+  for (const bool b_vec : {false, true})
   for (const Shape& s : shapes) {
-    Operands op(s.m, s.n, s.k, seed += 10);
+    if (std::none_of(configs.begin(), configs.end(),
+                     [&](const own::Config& c) { return c.b_vec == b_vec; }))
+      continue;  // no configuration of this scaling
+    Operands op(s.m, s.n, s.k, seed += 10, b_vec);
     const size_t n_out = size_t(s.m) * s.n;
     void* out = DeviceAlloc<uint16_t>(n_out);
     void* first = DeviceAlloc<uint16_t>(n_out);
@@ -186,8 +197,8 @@ void RunChecks(const std::vector<own::Config>& configs, int sms, cublasLtHandle_
       bench::Poison(want, n_out);
       DeviceReference(op, want);
       // The reference itself against cuBLASLt: the harness's semantics.
-      bench::LtGemm gemm(lt, s.m, s.n, s.k, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_R_16BF, 1, 2,
-                         false, lt_ws, lt_ws_bytes);
+      bench::LtGemm gemm(lt, s.m, s.n, s.k, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_R_16BF, 1,
+                         op.LtMode(), false, lt_ws, lt_ws_bytes);
       bench::Poison(out, n_out);
       const bool ok = gemm.Run(op.a, op.b, op.sa, op.sb, out, 0) == CUBLAS_STATUS_SUCCESS &&
                       cudaDeviceSynchronize() == cudaSuccess;
@@ -198,13 +209,14 @@ void RunChecks(const std::vector<own::Config>& configs, int sms, cublasLtHandle_
                   e.max_rel, e.bad, e.Pass() ? "PASS" : "FAIL");
     }
     for (const own::Config& c : configs) {
+      if (c.b_vec != b_vec) continue;  // checked on its own scaling's operands
       const own::GemmArgs p = op.Args(out);
       if (c.diagnostic) {
         std::printf("CHECK %-16s m=%-5ld n=%-5ld k=%-5ld SKIP (diagnostic: not a correct GEMM)\n",
                     c.name, s.m, s.n, s.k);
         continue;
       }
-      if (const char* why = own::CheckShape(p, c.cluster, c.tma_scales, c.tma_store)) {
+      if (const char* why = own::CheckShape(p, c.cluster, c.tma_scales, c.tma_store, c.b_vec)) {
         std::printf("CHECK %-16s m=%-5ld n=%-5ld k=%-5ld SKIP (%s)\n", c.name, s.m, s.n, s.k, why);
         continue;
       }
@@ -255,6 +267,7 @@ void RunChecks(const std::vector<own::Config>& configs, int sms, cublasLtHandle_
 struct TimedShape {
   const char* label;
   long m, n, k;
+  bool wgrad = false;  // 1x128 x 1x128 (else 1x128 x 128x128)
 };
 struct Row {
   std::string label;
@@ -269,12 +282,13 @@ Row TimeShape(const TimedShape& s, const std::vector<own::Config>& configs, int 
               cublasLtHandle_t lt, void* lt_ws, size_t lt_ws_bytes, int rounds, bool sweep) {
   const int sets = bench::RotatingSets(size_t(s.m + s.n) * s.k);
   std::vector<std::unique_ptr<Operands>> ops;
-  for (int i = 0; i < sets; ++i) ops.emplace_back(new Operands(s.m, s.n, s.k, 1000 + 10 * i));
+  for (int i = 0; i < sets; ++i)
+    ops.emplace_back(new Operands(s.m, s.n, s.k, 1000 + 10 * i, s.wgrad));
   const size_t n_out = size_t(s.m) * s.n;
   void* ref = DeviceAlloc<uint16_t>(n_out);
   void* out = DeviceAlloc<uint16_t>(n_out);
-  bench::LtGemm gemm(lt, s.m, s.n, s.k, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_R_16BF, 1, 2, false,
-                     lt_ws, lt_ws_bytes);
+  bench::LtGemm gemm(lt, s.m, s.n, s.k, CUDA_R_8F_E4M3, CUDA_R_8F_E4M3, CUDA_R_16BF, 1,
+                     ops[0]->LtMode(), false, lt_ws, lt_ws_bytes);
   const Operands& o0 = *ops[0];
   bench::Poison(ref, n_out);
   if (gemm.Run(o0.a, o0.b, o0.sa, o0.sb, ref, 0) != CUBLAS_STATUS_SUCCESS) {
@@ -294,7 +308,9 @@ Row TimeShape(const TimedShape& s, const std::vector<own::Config>& configs, int 
   if (sweep) groups = {8, 4, 16};
   std::string checks;
   for (const own::Config& c : configs) {
-    if (const char* why = own::CheckShape(o0.Args(out), c.cluster, c.tma_scales, c.tma_store)) {
+    if (c.b_vec != s.wgrad) continue;  // another scaling's configuration
+    if (const char* why = own::CheckShape(o0.Args(out), c.cluster, c.tma_scales, c.tma_store,
+                                          c.b_vec)) {
       checks += std::string(" ") + c.name + "=skip(" + why + ")";
       continue;
     }
@@ -396,15 +412,15 @@ int main(int argc, char** argv) {
       {"layer16k8k8k", 16384, 8192, 8192},
       {"mlp_fc1_fprop", 16384, 16384, 4096},
       {"mlp_fc1_dgrad", 16384, 4096, 16384},
-      {"mlp_fc1_wgrad(blk)", 4096, 16384, 16384},
-      {"mlp_fc2_wgrad(blk)", 16384, 4096, 16384},
+      {"mlp_fc1_wgrad", 4096, 16384, 16384, true},
+      {"mlp_fc2_wgrad", 16384, 4096, 16384, true},
       {"llama_qkv", 32768, 4096, 2048},
       {"llama_out", 32768, 2048, 2048},
       {"llama_up", 32768, 11264, 2048},
       {"llama_down", 32768, 2048, 5632},
       {"llama_up_dgrad", 32768, 2048, 11264},
       {"llama_down_dgrad", 32768, 5632, 2048},
-      {"llama_up_wgrad(blk)", 2048, 11264, 32768},
+      {"llama_up_wgrad", 2048, 11264, 32768, true},
       {"dg_4096x2112x7168", 4096, 2112, 7168},
       {"dg_4096x24576x1536", 4096, 24576, 1536},
       {"dg_4096x32768x512", 4096, 32768, 512},
@@ -415,7 +431,7 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
   for (const auto& s : all) {
     if (opt.quick && std::strcmp(s.label, "square8k") && std::strcmp(s.label, "mlp_fc1_fprop") &&
-        std::strcmp(s.label, "mlp_fc1_dgrad"))
+        std::strcmp(s.label, "mlp_fc1_dgrad") && std::strcmp(s.label, "mlp_fc1_wgrad"))
       continue;
     rows.push_back(TimeShape(s, configs, sms, lt, lt_ws, lt_ws_bytes, opt.rounds, opt.sweep));
   }

@@ -3,7 +3,8 @@
 // out (M, N) bf16 = a @ b^T, fp32 promotion of the tensor cores' partial sums
 // once per 128 of K. Layouts are te_jax's (custom_calls/kernels/gemm_sm90.cuh):
 //   a_sinv: VEC128     (K/128, a_ld) floats, a_ld >= M, rows contiguous;
-//   b_sinv: BLK128x128 (ceil(N/128), b_ld) floats, b_ld >= K/128.
+//   b_sinv: BLK128x128 (ceil(N/128), b_ld) floats, b_ld >= K/128 (fprop,
+//           dgrad), or (kBVec, wgrad) VEC128 as a's: (K/128, b_ld), b_ld >= N.
 //
 // Why our own: CUTLASS's blockwise collective and cuBLASLt both run a
 // 128x128 tile with the two math warpgroups in lockstep, so the promotion
@@ -75,6 +76,7 @@ struct GemmArgs {
   int b_ld = 0;
   __nv_bfloat16* out = nullptr;  // (m, n) row-major
   int group = 8;                 // raster: N tiles per group (L2 reuse of A and B)
+  bool b_vec = false;            // b_sinv is VEC128 (wgrad), else BLK128x128
 };
 
 namespace ptx {
@@ -216,17 +218,18 @@ enum Diag { kNone = 0, kNoPromote = 1 };
 
 // Tile configuration and its shared memory.
 template <int BN_, int kStages_, bool kDoubleAcc_, int kCluster_, bool kScaleTma_ = false,
-          int kDiag_ = kNone, bool kTmaStore_ = false>
+          int kDiag_ = kNone, bool kTmaStore_ = false, bool kBVec_ = false>
 struct Cfg {
+  static constexpr bool kBVec = kBVec_;  // b scaled per 1x128 (wgrad), else per 128x128
   static constexpr int BM = 128, BK = 128, BN = BN_, kStages = kStages_, kCluster = kCluster_;
   static constexpr bool kDoubleAcc = kDoubleAcc_, kScaleTma = kScaleTma_, kTmaStore = kTmaStore_;
   static constexpr int kDiag = kDiag_;
   static constexpr int kBytesA = BM * BK, kBytesB = BN * BK;
-  // A stage's scales (kScaleTma): a's 128 row scales (512 B), then b's TMA
-  // box of 2 block rows x 4 k-blocks (32 B, of which [0] and [4] are read),
-  // padded to TMA's 128-B alignment.
-  static constexpr int kBytesScaleA = BM * 4, kBytesScaleB = 2 * 4 * 4;
-  static constexpr int kBytesScales = kScaleTma ? kBytesScaleA + 128 : 0;
+  // A stage's scales (kScaleTma): a's 128 row scales (512 B), then b's: a
+  // TMA box of 2 block rows x 4 k-blocks (32 B, of which [0] and [4] are
+  // read), or (kBVec) the tile's BN column scales; padded to 128 B.
+  static constexpr int kBytesScaleA = BM * 4, kBytesScaleB = kBVec ? BN * 4 : 2 * 4 * 4;
+  static constexpr int kBytesScales = kScaleTma ? (kBytesScaleA + kBytesScaleB + 127) / 128 * 128 : 0;
   static constexpr int kAcc = BN / 2;  // fp32 accumulator registers per thread (m64 x BN / 128)
   // The bf16 output tile staged for TMA stores (kTmaStore): per math
   // warpgroup 64 rows, as BN / 64 boxes of 64 rows x 128 B.
@@ -238,6 +241,8 @@ struct Cfg {
   static_assert(!kDoubleAcc || BN <= 128, "double accumulators need 3 x BN/2 registers");
   static_assert(kDiag == kNone || kDiag == kNoPromote, "unknown diagnostic");
   static_assert(!kTmaStore || BN % 64 == 0, "TMA-stored tiles are whole 64-column boxes");
+  static_assert(!kBVec || (kScaleTma && kDiag == kNone),
+                "1x128-scaled b reads its BN column scales from the stage (kScaleTma)");
   static_assert(kCluster == 1 || kCluster == 2, "cluster of 1 or 2 CTAs along M");
   static_assert(kSmem <= 232448, "more shared memory than an sm_90 CTA may have");
   // A tile's columns [n0, n0 + BN) must span at most two 128-blocks of b's
@@ -324,7 +329,10 @@ __global__ void __launch_bounds__(384, 1)
           if constexpr (kTmaScales) {
             uint8_t* sc = ss + s * C::kBytesScales;
             ptx::TmaLoad(&map_sa, &full[s], sc, mb * 128, kb);
-            ptx::TmaLoad(&map_sb, &full[s], sc + C::kBytesScaleA, kb, nb_lo);
+            if constexpr (C::kBVec)
+              ptx::TmaLoad(&map_sb, &full[s], sc + C::kBytesScaleA, nb * BN, kb);
+            else
+              ptx::TmaLoad(&map_sb, &full[s], sc + C::kBytesScaleA, kb, nb_lo);
           }
           if (++s == kStages) { s = 0; phase ^= 1; }
         }
@@ -360,7 +368,8 @@ __global__ void __launch_bounds__(384, 1)
       if constexpr (kTmaScales) {
         const float* sc_a = reinterpret_cast<const float*>(ss + st * C::kBytesScales);
         const float* sc_b = sc_a + C::BM;
-        sc = Sc{sc_a[half * 64 + wrow], sc_a[half * 64 + wrow + 8], sc_b[0], sc_b[4]};
+        sc = C::kBVec ? Sc{sc_a[half * 64 + wrow], sc_a[half * 64 + wrow + 8], 0.f, 0.f}
+                      : Sc{sc_a[half * 64 + wrow], sc_a[half * 64 + wrow + 8], sc_b[0], sc_b[4]};
       }
       ptx::FenceRegs(acc);
       ptx::WgmmaFence();
@@ -413,11 +422,31 @@ __global__ void __launch_bounds__(384, 1)
           fin[4 * j + 3] = fmaf(s1, acc[4 * j + 3], fin[4 * j + 3]);
         }
       };
-      // k-block kb's wgmmas are done: free its stage, promote it.
+      // 1x128-scaled b: each column its own scale, read from the stage
+      // (columns 8j + 2 (lane % 4) + {0, 1}: one float2 per j).
+      auto promote_vec = [&](const auto& acc, const Sc& c, int st) {
+        const float* sb_cols = reinterpret_cast<const float*>(ss + st * C::kBytesScales +
+                                                              C::kBytesScaleA) + (lane % 4) * 2;
+#pragma unroll
+        for (int j = 0; j < kAcc / 4; ++j) {
+          const float2 b = *reinterpret_cast<const float2*>(sb_cols + 8 * j);
+          fin[4 * j + 0] = fmaf(c.a0 * b.x, acc[4 * j + 0], fin[4 * j + 0]);
+          fin[4 * j + 1] = fmaf(c.a0 * b.y, acc[4 * j + 1], fin[4 * j + 1]);
+          fin[4 * j + 2] = fmaf(c.a1 * b.x, acc[4 * j + 2], fin[4 * j + 2]);
+          fin[4 * j + 3] = fmaf(c.a1 * b.y, acc[4 * j + 3], fin[4 * j + 3]);
+        }
+      };
+      // k-block kb's wgmmas are done: free its stage, promote it (with
+      // 1x128-scaled b, promote first: its scales are read from the stage).
       auto finish = [&](auto& acc, const Issued& i) {
         ptx::FenceRegs(acc);
-        release(i.st);
-        promote(acc, i.sc);
+        if constexpr (C::kBVec) {
+          promote_vec(acc, i.sc, i.st);
+          release(i.st);
+        } else {
+          release(i.st);
+          promote(acc, i.sc);
+        }
       };
 #pragma unroll
       for (int i = 0; i < kAcc; ++i) fin[i] = 0.f;
@@ -603,12 +632,15 @@ inline bool MakeOutMap(CUtensorMap* map, void* ptr, long m, long n) {
 // nullptr when a configuration of cluster size `cluster` (TMA-loaded scales
 // when `tma_scales`, TMA-stored output when `tma_store`) can run p, else why not.
 inline const char* CheckShape(const GemmArgs& p, int cluster, bool tma_scales = false,
-                              bool tma_store = false) {
+                              bool tma_store = false, bool b_vec = false) {
+  if (p.b_vec != b_vec)
+    return b_vec ? "this configuration scales b per 1x128 (wgrad); the operands' b is 128x128"
+                 : "this configuration scales b per 128x128; the operands' b is 1x128 (wgrad)";
   if (p.m <= 0 || p.n <= 0 || p.k <= 0) return "empty problem";
   if (p.m % 128 || p.n % 128 || p.k % 128) return "M, N and K must be multiples of 128";
   if (cluster == 2 && p.m % 256) return "cluster 2 needs M % 256 == 0";
   if (p.m >= (1L << 31) || p.n >= (1L << 31) || p.k >= (1L << 31)) return "a dimension >= 2^31";
-  if (p.a_ld < p.m || p.b_ld < p.k / 128) return "scale grid smaller than the problem";
+  if (p.a_ld < p.m || p.b_ld < (b_vec ? p.n : p.k / 128)) return "scale grid smaller than the problem";
   if (reinterpret_cast<uintptr_t>(p.a) % 16 || reinterpret_cast<uintptr_t>(p.b) % 16 ||
       reinterpret_cast<uintptr_t>(p.out) % 4)
     return "a, b must be 16-byte aligned, out 4-byte aligned";
@@ -670,15 +702,18 @@ int ResidentCtas(int sms) {
 
 template <class C>
 cudaError_t Launch(const GemmArgs& p, int sms, cudaStream_t stream) {
-  if (CheckShape(p, C::kCluster, C::kScaleTma, C::kTmaStore)) return cudaErrorInvalidValue;
+  if (CheckShape(p, C::kCluster, C::kScaleTma, C::kTmaStore, C::kBVec)) return cudaErrorInvalidValue;
   CUtensorMap map_a, map_b, map_sa{}, map_sb{}, map_out{};
   if (!MakeMap(&map_a, p.a, p.m, p.k, 128) ||
       !MakeMap(&map_b, p.b, p.n, p.k, C::kCluster == 1 ? C::BN : C::BN / 2))
     return cudaErrorInvalidValue;
   // a's scales: (K/128, a_ld), a box of the tile's 128 rows of one k-block;
-  // b's: (ceil(N/128), b_ld), a box of 4 k-blocks x the tile's 2 block rows.
-  if (C::kScaleTma && (!MakeScaleMap(&map_sa, p.a_sinv, p.k / 128, p.a_ld, 128, 1) ||
-                       !MakeScaleMap(&map_sb, p.b_sinv, (p.n + 127) / 128, p.b_ld, 4, 2)))
+  // b's: (ceil(N/128), b_ld), a box of 4 k-blocks x the tile's 2 block rows,
+  // or (kBVec) (K/128, b_ld), a box of the tile's BN columns of one k-block.
+  if (C::kScaleTma &&
+      (!MakeScaleMap(&map_sa, p.a_sinv, p.k / 128, p.a_ld, 128, 1) ||
+       !(C::kBVec ? MakeScaleMap(&map_sb, p.b_sinv, p.k / 128, p.b_ld, C::BN, 1)
+                  : MakeScaleMap(&map_sb, p.b_sinv, (p.n + 127) / 128, p.b_ld, 4, 2))))
     return cudaErrorInvalidValue;
   if (C::kTmaStore && !MakeOutMap(&map_out, p.out, p.m, p.n)) return cudaErrorInvalidValue;
   const int ctas = ResidentCtas<C>(sms);
@@ -697,16 +732,21 @@ cudaError_t Launch(const GemmArgs& p, int sms, cudaStream_t stream) {
 struct Config {
   const char* name;
   int bn, stages, cluster;
-  bool double_acc, tma_scales, tma_store;
+  bool double_acc, tma_scales, tma_store, b_vec;
   int diagnostic;
   cudaError_t (*launch)(const GemmArgs&, int sms, cudaStream_t);
   int (*resident_ctas)(int sms);
 };
 inline std::vector<Config> Configs() {
-// name, BN, stages, two accumulators, cluster, TMA scales, TMA stores, diagnostic
-#define TE_JAX_OWN_CFG(name, bn, st, dbl, cl, tma, store, diag)                              \
-  {name, bn, st, cl, dbl, tma, store, diag, Launch<Cfg<bn, st, dbl, cl, tma, diag, store>>, \
-   ResidentCtas<Cfg<bn, st, dbl, cl, tma, diag, store>>}
+// name, BN, stages, two accumulators, cluster, TMA scales, TMA stores,
+// diagnostic; _VEC: b scaled per 1x128 (wgrad).
+#define TE_JAX_OWN_CFG(name, bn, st, dbl, cl, tma, store, diag)                                \
+  {name, bn, st, cl, dbl, tma, store, false, diag,                                            \
+   Launch<Cfg<bn, st, dbl, cl, tma, diag, store>>, ResidentCtas<Cfg<bn, st, dbl, cl, tma, diag, store>>}
+#define TE_JAX_OWN_CFG_VEC(name, bn, st, dbl, cl, store)                                      \
+  {name, bn, st, cl, dbl, true, store, true, kNone,                                           \
+   Launch<Cfg<bn, st, dbl, cl, true, kNone, store, true>>,                                    \
+   ResidentCtas<Cfg<bn, st, dbl, cl, true, kNone, store, true>>}
   return {
       TE_JAX_OWN_CFG("n128_s6_dbl", 128, 6, true, 1, false, false, kNone),
       TE_JAX_OWN_CFG("n128_s6_dbl_tma", 128, 6, true, 1, true, false, kNone),
@@ -722,8 +762,13 @@ inline std::vector<Config> Configs() {
       TE_JAX_OWN_CFG("diag_nopromote_n128", 128, 6, false, 1, false, false, kNoPromote),
       TE_JAX_OWN_CFG("diag_nopromote_n128_s5_st", 128, 5, false, 1, false, true, kNoPromote),
       TE_JAX_OWN_CFG("diag_nopromote_n128_c2", 128, 6, false, 2, false, false, kNoPromote),
+      // wgrad: 1x128 x 1x128.
+      TE_JAX_OWN_CFG_VEC("wgrad_n128_s6_dbl", 128, 6, true, 1, false),
+      TE_JAX_OWN_CFG_VEC("wgrad_n128_s5_dbl_st", 128, 5, true, 1, true),
+      TE_JAX_OWN_CFG_VEC("wgrad_n128_s5_st", 128, 5, false, 1, true),
   };
 #undef TE_JAX_OWN_CFG
+#undef TE_JAX_OWN_CFG_VEC
 }
 
 }  // namespace own

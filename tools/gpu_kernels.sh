@@ -228,9 +228,9 @@ want own && run_own
 # tensor pipe's metric by name, in its own file, so that a name this ncu
 # does not know costs only that column.
 if want ncu; then
-  NCU_ARGS=(--clock-control none --kernel-name-base function
-            --kernel-name "regex:nvjet|xmma|device_kernel|gemm|Gemm" --launch-count 150 --csv
-            --page details)
+  NCU_BASE=(--clock-control none --kernel-name-base function
+            --kernel-name "regex:nvjet|xmma|device_kernel|gemm|Gemm" --csv --page details)
+  NCU_ARGS=("${NCU_BASE[@]}" --launch-count 150)
   bin="$KBUILD/blockwise_gemm_sm90"
   hargs=(--timing --quick --rounds 1 --only "${NCU_VARIANTS:-vecblk_coop_128x128_c2x1,vecvec_coop_128x128_c1x2}")
   timeout 300 ncu "${NCU_ARGS[@]}" --section SpeedOfLight --section ComputeWorkloadAnalysis \
@@ -260,9 +260,11 @@ if want ncu; then
     # could not say what the math warps wait on), the L2's load, and the
     # configurations that isolate one part each (TMA scales, TMA stores,
     # cluster 2, the pipeline without promotion).
+    # (about 8 launches per kernel and shape: cuBLASLt on the 4 quick
+    # shapes, each fprop configuration on 3, the wgrad one on 1)
     oargs=(--timing --quick --rounds 1 --only
-           "${NCU_OWN_CONFIGS:-n128_s6_dbl,n128_s6_dbl_tma,n128_s5_tma_st,n128_s6_dbl_c2,diag_nopromote_n128}")
-    timeout 400 ncu "${NCU_ARGS[@]}" --section SpeedOfLight --section ComputeWorkloadAnalysis \
+           "${NCU_OWN_CONFIGS:-n128_s6_dbl,n128_s6_dbl_tma,n128_s5_tma_st,n128_s6_dbl_c2,diag_nopromote_n128,wgrad_n128_s6_dbl}")
+    timeout 400 ncu "${NCU_BASE[@]}" --launch-count 250 --section SpeedOfLight --section ComputeWorkloadAnalysis \
       --section WarpStateStats --section Occupancy --section LaunchStats \
       --section MemoryWorkloadAnalysis \
       --metrics "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
