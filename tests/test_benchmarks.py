@@ -200,6 +200,14 @@ def test_peers_keep_rows_run_with_the_fp8_copies_kept():
   assert "te_jax delayed keep" not in [l for l, _, _ in bench_peers.te_jax_rows("mlp", sz)]
   r = bench_peers.time_row(*rows[-3][1:], sz, k=1, repeats=1)
   assert r["ms"] > 0 and r["dx_abs_max"] > 0
+  # with --act-input-fp8 too: delayed and blockwise rows doing both
+  both = bench_peers.te_jax_rows("mlp", sz, act_input_fp8=True, keep_fp8_copies=True)
+  assert [label for label, _, _ in both][-2:] == ["te_jax delayed keep h-e4m3",
+                                                  "te_jax blockwise keep h-e4m3"]
+  for label, _, ctx in both:
+    with ctx() as c:
+      assert c.keep_fp8_copies == (" keep" in label), label
+      assert c.store_act_input_in_fp8 == label.endswith("h-e4m3"), label
 
 
 @pytest.mark.parametrize("param_dtype", [jnp.bfloat16, jnp.float32])
