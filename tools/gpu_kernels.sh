@@ -8,7 +8,9 @@
 #   the blockwise GEMMs, NCU_VARIANTS; own: build, check and time te_jax's own
 #   blockwise GEMM, benchmarks/blockwise_gemm_own.cu, issue 46 phase 2 — it
 #   needs no "build" step; act: benchmarks/act_math.cu, the activation-quantize
-#   kernels, with ncu also Nsight Compute on them). Needs the CUTLASS headers in .cutlass/include or as
+#   kernels, with ncu also Nsight Compute on them; own and act build before
+#   BUILD_ONLY's exit, and their binaries are reused by stamp like the
+#   objects). Needs the CUTLASS headers in .cutlass/include or as
 #   .cutlass/cutlass-<version>-include.tar.gz (an ignored folder, made by
 #   `bash tools/gpu_kernels.sh fetch` on a machine with PyPI: the
 #   nvidia-cutlass 4.2.0.0 wheel's cutlass_library/source/include); carry
@@ -197,6 +199,28 @@ run_own() {
   done
 }
 want own && build_own
+# build_act: benchmarks/act_math.cu (below, "act"), built here before the
+# BUILD_ONLY exit and reused when built from the same sources by the same
+# nvcc: a binary built on the CPU machine and carried saves the card the
+# minutes its one translation unit takes.
+act_bin="$KBUILD/act_math"
+build_act() {
+  local stamp
+  stamp=$( (deps benchmarks/act_math.cu | sort -u | xargs cat; nvcc --version) \
+           | sha256sum | cut -c1-16)
+  if [[ -x "$act_bin" && "$(cat "$act_bin.stamp" 2>/dev/null)" == "$stamp" ]]; then
+    echo "act_math: reused" | tee "$OUT/act_math_build.log"
+  elif nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
+       -prec-div=true -ftz=false -Icustom_calls -Ibenchmarks -Xptxas -v -o "$act_bin" \
+       benchmarks/act_math.cu > "$OUT/act_math_build.log" 2>&1; then
+    echo "$stamp" > "$act_bin.stamp"
+    echo "act_math: built"
+  else
+    echo "act_math: BUILD FAILED (see $OUT/act_math_build.log)"; return
+  fi
+  ACT_BUILT=1
+}
+want act && build_act
 [[ "${BUILD_ONLY:-0}" == 1 ]] && exit 0
 
 status=0
@@ -287,10 +311,9 @@ fi
 # (3 warm-up + 20), so --launch-count 24 stopped after the first tensor
 # forward and backward and never reached ActQuantizeVec128Kernel.
 if want act; then
-  act_bin="$KBUILD/act_math"
-  if nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
-       -prec-div=true -ftz=false -Icustom_calls -Ibenchmarks -Xptxas -v -o "$act_bin" \
-       benchmarks/act_math.cu > "$OUT/act_math_build.log" 2>&1; then
+  if [[ "${ACT_BUILT:-0}" != 1 ]]; then
+    echo "act_math: BUILD FAILED (see $OUT/act_math_build.log)"; status=1
+  else
     timeout 240 "$act_bin" > "$OUT/act_math.log" 2>&1 || { echo "act_math: exit $?"; status=1; }
     grep -E " fwd | bwd |PASS|FAIL|differ" "$OUT/act_math.log"
     if want ncu; then
@@ -303,8 +326,6 @@ if want act; then
         || { echo "ncu (act): exit $? (see $OUT/ncu_act.err)"; tail -n 3 "$OUT/ncu_act.err"; }
       python3 tools/ncu_summary.py "$OUT/ncu_act.csv" | tee "$OUT/ncu_act_summary.log"
     fi
-  else
-    echo "act_math: BUILD FAILED (see $OUT/act_math_build.log)"; status=1
   fi
 fi
 nvidia-smi --query-gpu=clocks.sm,power.draw,temperature.gpu --format=csv,noheader 2>/dev/null \
