@@ -31,7 +31,9 @@
 //   benchmarks/blockwise_gemm_own.cu -lcublasLt
 // Run: blockwise_gemm_own [--list | --checks | --timing] [--only c1,c2]
 //   [--quick] [--sweep] [--rounds N]. --quick: 4 shapes (one wgrad); --sweep: also the
-//   raster group widths 4 and 16 (default 8).
+//   raster group widths 4 and 16 (default 8). TE_JAX_OWN_CLUSTERS=N: the
+//   cluster-2 configurations launch N clusters, whatever the occupancy
+//   query says (the header line prints each configuration's resident CTAs).
 #include <unistd.h>
 
 #include <algorithm>
