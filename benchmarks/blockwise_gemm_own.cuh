@@ -39,7 +39,10 @@
 // Diagnostic configurations (kDiag != kNone) time one part of the design and
 // compute no correct GEMM: kNoPromote accumulates all of K in one fp32
 // accumulator (per-tensor FP8's loop: the ceiling of this pipeline, tiles
-// and epilogue without the promotion).
+// and epilogue without the promotion); kNoLoad loads nothing (the producer
+// only arrives on the full barriers, the tiles hold a fixed pseudo-random
+// FP8 pattern, the scales are 1): the math warps' ceiling, wgmma and
+// promotion without waiting for data.
 //
 // Every mbarrier wait is bounded (TE_JAX_OWN_WAIT_TRAP tries, ~1 s): a
 // pipeline bug traps with a message instead of hanging the GPU.
@@ -214,7 +217,7 @@ __device__ __forceinline__ void MmaImpl(uint64_t da, uint64_t db, float (&d)[N],
                                         : cute::SM90::GMMA::ScaleOut::Zero);
 }
 
-enum Diag { kNone = 0, kNoPromote = 1 };
+enum Diag { kNone = 0, kNoPromote = 1, kNoLoad = 2 };
 
 // Tile configuration and its shared memory.
 template <int BN_, int kStages_, bool kDoubleAcc_, int kCluster_, bool kScaleTma_ = false,
@@ -239,7 +242,8 @@ struct Cfg {
                                   kBytesOut + 2 * kStages * sizeof(uint64_t);
   static_assert(BN % 16 == 0 && BN <= 192, "BN: multiple of 16 (B halves 1024-B aligned), <= 192");
   static_assert(!kDoubleAcc || BN <= 128, "double accumulators need 3 x BN/2 registers");
-  static_assert(kDiag == kNone || kDiag == kNoPromote, "unknown diagnostic");
+  static_assert(kDiag == kNone || kDiag == kNoPromote || kDiag == kNoLoad, "unknown diagnostic");
+  static_assert(kDiag != kNoLoad || (!kScaleTma && kCluster == 1), "kNoLoad: no scale TMA, one CTA");
   static_assert(!kTmaStore || BN % 64 == 0, "TMA-stored tiles are whole 64-column boxes");
   static_assert(!kBVec || (kScaleTma && kDiag == kNone),
                 "1x128-scaled b reads its BN column scales from the stage (kScaleTma)");
@@ -284,6 +288,15 @@ __global__ void __launch_bounds__(384, 1)
     }
     ptx::FenceBarrierInit();
   }
+  if constexpr (C::kDiag == kNoLoad) {
+    // Tiles nothing will load: a fixed pattern of finite e4m3 values (no
+    // 0x7F / 0xFF NaNs), not zeros, so the tensor cores toggle as on data.
+    uint32_t* words = reinterpret_cast<uint32_t*>(sa);
+    const int n = kStages * (C::kBytesA + C::kBytesB) / 4;
+    for (int i = threadIdx.x; i < n; i += blockDim.x)
+      words[i] = (static_cast<uint32_t>(i) * 2654435761u) & 0x77777777u;
+    ptx::FenceProxyAsync();  // the generic writes, before wgmma reads them
+  }
   if (kCl > 1) ptx::ClusterSync(); else __syncthreads();
 
   const int num_m = static_cast<int>(p.m / 128), num_n = static_cast<int>((p.n + BN - 1) / BN);
@@ -318,6 +331,11 @@ __global__ void __launch_bounds__(384, 1)
         const int nb_lo = nb * BN / 128;  // b's first scale block row of this tile
         for (int kb = 0; kb < nkb; ++kb) {
           ptx::MbarWait(&empty[s], phase ^ 1);  // every reader (both CTAs) freed it
+          if constexpr (C::kDiag == kNoLoad) {
+            ptx::MbarArrive(&full[s]);  // "full" at once: no bytes to wait for
+            if (++s == kStages) { s = 0; phase ^= 1; }
+            continue;
+          }
           ptx::MbarExpectTx(&full[s], C::kBytesA + C::kBytesB +
                                           (kTmaScales ? C::kBytesScaleA + C::kBytesScaleB : 0));
           ptx::TmaLoad(&map_a, &full[s], sa + s * C::kBytesA, kb * 128, mb * 128);
@@ -404,6 +422,8 @@ __global__ void __launch_bounds__(384, 1)
       auto load = [&](int kb) {
         if constexpr (kTmaScales) {
           return Sc{0.f, 0.f, 0.f, 0.f};
+        } else if constexpr (C::kDiag == kNoLoad) {
+          return Sc{1.f, 1.f, 1.f, 1.f};
         } else {
           if (kb >= nkb) return Sc{0.f, 0.f, 0.f, 0.f};
           const float* a = a_s + size_t(kb) * p.a_ld;
@@ -762,6 +782,9 @@ inline std::vector<Config> Configs() {
       TE_JAX_OWN_CFG("diag_nopromote_n128", 128, 6, false, 1, false, false, kNoPromote),
       TE_JAX_OWN_CFG("diag_nopromote_n128_s5_st", 128, 5, false, 1, false, true, kNoPromote),
       TE_JAX_OWN_CFG("diag_nopromote_n128_c2", 128, 6, false, 2, false, false, kNoPromote),
+      // ... and the math warps without data: promotion with one and two accumulators.
+      TE_JAX_OWN_CFG("diag_noload_n128", 128, 6, false, 1, false, false, kNoLoad),
+      TE_JAX_OWN_CFG("diag_noload_n128_dbl", 128, 6, true, 1, false, false, kNoLoad),
       // wgrad: 1x128 x 1x128.
       TE_JAX_OWN_CFG_VEC("wgrad_n128_s6_dbl", 128, 6, true, 1, false),
       TE_JAX_OWN_CFG_VEC("wgrad_n128_s5_dbl_st", 128, 5, true, 1, true),

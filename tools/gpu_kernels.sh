@@ -287,7 +287,7 @@ if want ncu; then
     # (about 8 launches per kernel and shape: cuBLASLt on the 4 quick
     # shapes, each fprop configuration on 3, the wgrad one on 1)
     oargs=(--timing --quick --rounds 1 --only
-           "${NCU_OWN_CONFIGS:-n128_s6_dbl,n128_s6_dbl_tma,n128_s5_tma_st,n128_s6_dbl_c2,diag_nopromote_n128,wgrad_n128_s6_dbl}")
+           "${NCU_OWN_CONFIGS:-n128_s6_dbl,n128_s6_dbl_tma,n128_s5_tma_st,n128_s6_dbl_c2,diag_nopromote_n128,diag_noload_n128_dbl,wgrad_n128_s6_dbl}")
     timeout 400 ncu "${NCU_BASE[@]}" --launch-count 250 --section SpeedOfLight --section ComputeWorkloadAnalysis \
       --section WarpStateStats --section Occupancy --section LaunchStats \
       --section MemoryWorkloadAnalysis \
