@@ -1,5 +1,6 @@
 // Checks and times te_jax's own sm_90a blockwise FP8 GEMM
-// (blockwise_gemm_own.cuh, issue 46) against cuBLASLt's blockwise GEMM in
+// (blockwise_gemm_own.cuh: the kernel; _ptx.cuh: its PTX; _launch.cuh: its
+// launch and configurations; issue 46) against cuBLASLt's blockwise GEMM in
 // the fprop scaling of blockwise_gemm_sm90.cu: out (M, N) bf16 =
 // a (M, K) @ b (N, K)^T, a 1x128 (VEC128), b 128x128 (BLK128x128), te_jax's
 // native scale layouts, the same cuBLASLt call (bench::LtGemm, heuristic's
@@ -42,7 +43,7 @@
 #include <map>
 #include <memory>
 
-#include "blockwise_gemm_own.cuh"
+#include "blockwise_gemm_own_launch.cuh"
 #include "gemm_sm90_bench.cuh"
 
 namespace {
