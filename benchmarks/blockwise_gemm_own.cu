@@ -1,10 +1,11 @@
 // Checks and times te_jax's own sm_90a blockwise FP8 GEMM
 // (blockwise_gemm_own.cuh: the kernel; _ptx.cuh: its PTX; _launch.cuh: its
 // launch and configurations; issue 46) against cuBLASLt's blockwise GEMM in
-// the fprop scaling of blockwise_gemm_sm90.cu: out (M, N) bf16 =
-// a (M, K) @ b (N, K)^T, a 1x128 (VEC128), b 128x128 (BLK128x128), te_jax's
-// native scale layouts, the same cuBLASLt call (bench::LtGemm, heuristic's
-// first answer) and the same tolerance (1e-2 relative, norm-wise).
+// the scalings of blockwise_gemm_sm90.cu: out (M, N) bf16 =
+// a (M, K) @ b (N, K)^T, a 1x128 (VEC128), b 128x128 (BLK128x128; fprop,
+// dgrad) or 1x128 too (wgrad), te_jax's native scale layouts, the same
+// cuBLASLt call (bench::LtGemm, heuristic's first answer) and the same
+// tolerance (1e-2 relative, norm-wise).
 //
 // 1. Checks (--checks): every configuration on small shapes against a
 //    float64 host reference and on two larger ones (more tiles than SMs:
