@@ -268,11 +268,6 @@ void RunChecks(const std::vector<own::Config>& configs, int sms, cublasLtHandle_
   }
 }
 
-struct TimedShape {
-  const char* label;
-  long m, n, k;
-  bool wgrad = false;  // 1x128 x 1x128 (else 1x128 x 128x128)
-};
 struct Row {
   std::string label;
   long m, n, k;
@@ -282,7 +277,7 @@ struct Row {
 std::map<std::string, std::vector<double>> ratios;  // per configuration, over shapes
 
 // Part 2: one shape, cuBLASLt and every configuration (x raster widths).
-Row TimeShape(const TimedShape& s, const std::vector<own::Config>& configs, int sms,
+Row TimeShape(const bench::BlockwiseShape& s, const std::vector<own::Config>& configs, int sms,
               cublasLtHandle_t lt, void* lt_ws, size_t lt_ws_bytes, int rounds, bool sweep) {
   const int sets = bench::RotatingSets(size_t(s.m + s.n) * s.k);
   std::vector<std::unique_ptr<Operands>> ops;
@@ -377,11 +372,10 @@ Row TimeShape(const TimedShape& s, const std::vector<own::Config>& configs, int 
 
 int main(int argc, char** argv) {
   const bench::Options opt = bench::ParseOptions(argc, argv);
+  if (bench::ListVariants(opt, own::Configs())) return 0;
   std::vector<own::Config> configs;
   for (const own::Config& c : own::Configs())
-    if (opt.list) std::printf("%s\n", c.name);
-    else if (opt.Keeps(c.name)) configs.push_back(c);
-  if (opt.list) return 0;
+    if (opt.Keeps(c.name)) configs.push_back(c);
   cudaDeviceProp prop;
   CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   const int sms = bench::SmCount();
@@ -408,32 +402,8 @@ int main(int argc, char** argv) {
     std::printf("checks: %s (%d failure(s))\n", failures ? "FAILED" : "all passed", failures);
     return failures ? 1 : 0;
   }
-  // The shapes of blockwise_gemm_sm90.cu (BENCHMARKS.md layers, the Llama
-  // preset, DeepGEMM's M = 4096 table); wgrad ones in fprop scaling.
-  const std::vector<TimedShape> all = {
-      {"square4k", 4096, 4096, 4096},
-      {"square8k", 8192, 8192, 8192},
-      {"layer16k8k8k", 16384, 8192, 8192},
-      {"mlp_fc1_fprop", 16384, 16384, 4096},
-      {"mlp_fc1_dgrad", 16384, 4096, 16384},
-      {"mlp_fc1_wgrad", 4096, 16384, 16384, true},
-      {"mlp_fc2_wgrad", 16384, 4096, 16384, true},
-      {"llama_qkv", 32768, 4096, 2048},
-      {"llama_out", 32768, 2048, 2048},
-      {"llama_up", 32768, 11264, 2048},
-      {"llama_down", 32768, 2048, 5632},
-      {"llama_up_dgrad", 32768, 2048, 11264},
-      {"llama_down_dgrad", 32768, 5632, 2048},
-      {"llama_up_wgrad", 2048, 11264, 32768, true},
-      {"dg_4096x2112x7168", 4096, 2112, 7168},
-      {"dg_4096x24576x1536", 4096, 24576, 1536},
-      {"dg_4096x32768x512", 4096, 32768, 512},
-      {"dg_4096x7168x16384", 4096, 7168, 16384},
-      {"dg_4096x4096x7168", 4096, 4096, 7168},
-      {"dg_4096x7168x2048", 4096, 7168, 2048},
-  };
   std::vector<Row> rows;
-  for (const auto& s : all) {
+  for (const auto& s : bench::BlockwiseShapes()) {
     if (opt.quick && std::strcmp(s.label, "square8k") && std::strcmp(s.label, "mlp_fc1_fprop") &&
         std::strcmp(s.label, "mlp_fc1_dgrad") && std::strcmp(s.label, "mlp_fc1_wgrad"))
       continue;

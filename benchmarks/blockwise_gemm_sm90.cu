@@ -126,12 +126,6 @@ void RunChecks(const std::vector<Variant>& variants, int sms) {
   }
 }
 
-struct TimedShape {
-  const char* label;
-  long m, n, k;
-  bool wgrad;  // 1x128 x 1x128 (else 1x128 x 128x128)
-};
-
 struct Row {
   std::string label;
   long m, n, k;
@@ -141,7 +135,7 @@ struct Row {
 };
 
 // Part 2: one shape, cuBLASLt and every matching variant.
-Row TimeShape(const TimedShape& s, const std::vector<Variant>& variants, int sms,
+Row TimeShape(const bench::BlockwiseShape& s, const std::vector<Variant>& variants, int sms,
               cublasLtHandle_t lt, void* lt_ws, size_t lt_ws_bytes, int rounds, bool sweep) {
   const sm90::ScaleMode am = sm90::ScaleMode::kVec128;
   const sm90::ScaleMode bm = s.wgrad ? sm90::ScaleMode::kVec128 : sm90::ScaleMode::kBlk128x128;
@@ -245,34 +239,8 @@ int main(int argc, char** argv) {
     return failures ? 1 : 0;
   }
 
-  // Shapes (M, N, K): 8192^3 and the layer shapes of BENCHMARKS.md (MLP
-  // 8 x 2048 tokens, 4096 -> 16384 -> 4096; its backward), the Llama preset of
-  // examples/gpt_model.py (8 x 4096 tokens, hidden 2048, SwiGLU mlp 5632:
-  // fused gate+up N = 11264), DeepGEMM's published M = 4096 table.
-  const std::vector<TimedShape> all = {
-      {"square4k", 4096, 4096, 4096, false},
-      {"square8k", 8192, 8192, 8192, false},
-      {"layer16k8k8k", 16384, 8192, 8192, false},
-      {"mlp_fc1_fprop", 16384, 16384, 4096, false},
-      {"mlp_fc1_dgrad", 16384, 4096, 16384, false},
-      {"mlp_fc1_wgrad", 4096, 16384, 16384, true},
-      {"mlp_fc2_wgrad", 16384, 4096, 16384, true},
-      {"llama_qkv", 32768, 4096, 2048, false},
-      {"llama_out", 32768, 2048, 2048, false},
-      {"llama_up", 32768, 11264, 2048, false},
-      {"llama_down", 32768, 2048, 5632, false},
-      {"llama_up_dgrad", 32768, 2048, 11264, false},
-      {"llama_down_dgrad", 32768, 5632, 2048, false},
-      {"llama_up_wgrad", 2048, 11264, 32768, true},
-      {"dg_4096x2112x7168", 4096, 2112, 7168, false},
-      {"dg_4096x24576x1536", 4096, 24576, 1536, false},
-      {"dg_4096x32768x512", 4096, 32768, 512, false},
-      {"dg_4096x7168x16384", 4096, 7168, 16384, false},
-      {"dg_4096x4096x7168", 4096, 4096, 7168, false},
-      {"dg_4096x7168x2048", 4096, 7168, 2048, false},
-  };
-  std::vector<TimedShape> shapes;
-  for (const auto& s : all) {
+  std::vector<bench::BlockwiseShape> shapes;
+  for (const auto& s : bench::BlockwiseShapes()) {
     if (!opt.quick || !std::strcmp(s.label, "square8k") || !std::strcmp(s.label, "mlp_fc1_fprop") ||
         !std::strcmp(s.label, "mlp_fc1_wgrad"))
       shapes.push_back(s);

@@ -424,6 +424,42 @@ inline int RotatingSets(size_t bytes_per_set) {
   return static_cast<int>(std::max<size_t>(2, std::min<size_t>(8, want)));
 }
 
+// The blockwise GEMM shapes both blockwise harnesses time (M, N, K): 8192^3
+// and the layer shapes of BENCHMARKS.md (MLP 8 x 2048 tokens, 4096 -> 16384
+// -> 4096; its backward), the Llama preset of examples/gpt_model.py (8 x 4096
+// tokens, hidden 2048, SwiGLU mlp 5632: fused gate+up N = 11264), DeepGEMM's
+// published M = 4096 table.
+struct BlockwiseShape {
+  const char* label;
+  long m, n, k;
+  bool wgrad;  // 1x128 x 1x128 (else 1x128 x 128x128)
+};
+inline const std::vector<BlockwiseShape>& BlockwiseShapes() {
+  static const std::vector<BlockwiseShape> shapes = {
+      {"square4k", 4096, 4096, 4096, false},
+      {"square8k", 8192, 8192, 8192, false},
+      {"layer16k8k8k", 16384, 8192, 8192, false},
+      {"mlp_fc1_fprop", 16384, 16384, 4096, false},
+      {"mlp_fc1_dgrad", 16384, 4096, 16384, false},
+      {"mlp_fc1_wgrad", 4096, 16384, 16384, true},
+      {"mlp_fc2_wgrad", 16384, 4096, 16384, true},
+      {"llama_qkv", 32768, 4096, 2048, false},
+      {"llama_out", 32768, 2048, 2048, false},
+      {"llama_up", 32768, 11264, 2048, false},
+      {"llama_down", 32768, 2048, 5632, false},
+      {"llama_up_dgrad", 32768, 2048, 11264, false},
+      {"llama_down_dgrad", 32768, 5632, 2048, false},
+      {"llama_up_wgrad", 2048, 11264, 32768, true},
+      {"dg_4096x2112x7168", 4096, 2112, 7168, false},
+      {"dg_4096x24576x1536", 4096, 24576, 1536, false},
+      {"dg_4096x32768x512", 4096, 32768, 512, false},
+      {"dg_4096x7168x16384", 4096, 7168, 16384, false},
+      {"dg_4096x4096x7168", 4096, 4096, 7168, false},
+      {"dg_4096x7168x2048", 4096, 7168, 2048, false},
+  };
+  return shapes;
+}
+
 // Command-line options shared by the harnesses: "--list" prints the variant
 // names; "--checks" / "--timing" run one part only (default both); "--only a,b" keeps the named variants
 // (tools/gpu_kernels.sh checks each variant in its own process, so a variant
