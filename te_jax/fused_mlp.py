@@ -111,7 +111,7 @@ from te_jax.ops import act_quantize as act_op
 from te_jax.ops import fp8
 from te_jax.ops.fp8 import ScaledTensor
 
-__all__ = ["fp8_mlp", "supported", "check_backward_chunks", "chunk_bounds",
+__all__ = ["fp8_mlp", "supported", "why_not_supported", "check_backward_chunks", "chunk_bounds",
            "warn_act_input_not_in_fp8"]
 
 
@@ -181,14 +181,26 @@ def check_backward_chunks(chunks, recipe: Optional[recipe_lib.Recipe] = None) ->
         f"Use backward_chunks=1 with it.")
 
 
-def supported(m: int, k: int, f: int, n: int, recipe: recipe_lib.Recipe,
-              activations: Sequence[str]) -> bool:
-  """Whether ``fp8_mlp`` takes x (m, k), wi (k, n_act*f), wo (f, n) unpadded."""
+def why_not_supported(m: int, k: int, f: int, n: int, recipe: recipe_lib.Recipe,
+                      activations: Sequence[str]) -> str:
+  """Why ``fp8_mlp`` cannot take x (m, k), wi (k, n_act*f), wo (f, n)
+  unpadded ('' when it can): the reason the callers that fall back to
+  unfused layers log."""
   acts = tuple(activations)
   if not 1 <= len(acts) <= 2 or any(a not in act_op.ACTIVATIONS for a in acts):
-    return False
-  return (m % recipe.scaling_mode().token_block == 0 and k % 128 == 0 and f % 128 == 0
-          and n % 128 == 0)
+    return f"activations {acts}: it takes one or two of {sorted(act_op.ACTIVATIONS)}"
+  block = recipe.scaling_mode().token_block
+  if m % block or k % 128 or f % 128 or n % 128:
+    return (f"{m} tokens, widths {k} -> {f} -> {n}: it needs tokens % {block} == 0 and "
+            "every width % 128 == 0")
+  return ""
+
+
+def supported(m: int, k: int, f: int, n: int, recipe: recipe_lib.Recipe,
+              activations: Sequence[str]) -> bool:
+  """Whether ``fp8_mlp`` takes x (m, k), wi (k, n_act*f), wo (f, n) unpadded
+  (:func:`why_not_supported` says why not)."""
+  return not why_not_supported(m, k, f, n, recipe, activations)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))

@@ -102,7 +102,7 @@ def test_layernorm_mlp_takes_the_fused_path(rname, monkeypatch):
   (l1, g1) = grads(v, x)
   assert calls, "LayerNormMLP did not use the fused core for aligned shapes"
   calls.clear()
-  monkeypatch.setattr(fused_mlp, "supported", lambda *a, **k: False)
+  monkeypatch.setattr(fused_mlp, "why_not_supported", lambda *a, **k: "forced unfused")
   (l0, g0) = grads(v, x)
   assert not calls
   # Fused vs unfused module: same math; the activation is evaluated by
@@ -195,6 +195,9 @@ def test_fp8_mlp_bad_arguments():
   with pytest.raises(TypeError, match="recipe"):
     fused_mlp.fp8_mlp(x, wi, wo, activations=("gelu",), recipe="delayed")
   assert not fused_mlp.supported(M, K, F, N, r, ("gelu", "nope"))
+  assert "'nope'" in fused_mlp.why_not_supported(M, K, F, N, r, ("gelu", "nope"))
+  assert fused_mlp.why_not_supported(M, K, F, N, r, ("gelu",)) == ""
+  assert "widths 130" in fused_mlp.why_not_supported(M, 130, F, N, r, ("gelu",))
 
 
 @pytest.mark.gpu

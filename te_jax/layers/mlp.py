@@ -85,10 +85,7 @@ def fused_core_blocker(m: int, embed: int, f: int, settings: Settings, acts,
     return "intermediate dropout is active"
   if not settings.unsharded():
     return "its GEMMs are sharded (the fused core has no sharding rule)"
-  if not fused_mlp.supported(m, embed, f, embed, settings.recipe, acts):
-    return (f"{m} tokens, embed {embed}, mlp {f}: it needs tokens % "
-            f"{settings.mode.token_block} == 0 and embed, mlp % 128 == 0")
-  return None
+  return fused_mlp.why_not_supported(m, embed, f, embed, settings.recipe, acts) or None
 
 
 def activate(h: jax.Array, acts: Sequence[str]) -> jax.Array:

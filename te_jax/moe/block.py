@@ -225,10 +225,7 @@ def shared_unfused_reason(x_shape, params, config, recipe, mesh_resource, mesh,
   if expert_parallel or not sharding_lib.gemms_unsharded(mesh_resource, mesh):
     return "the block is sharded (the fused MLP has no sharding rule)"
   m, h, fs = math.prod(x_shape[:-1]), x_shape[-1], params["shared_wo"].shape[0]
-  if not fused_mlp.supported(m, h, fs, h, recipe, config.activations):
-    return (f"{m} tokens, hidden {h}, shared width {fs}: the fused MLP needs tokens % "
-            f"{recipe.scaling_mode().token_block} == 0 and hidden, width % 128 == 0")
-  return None
+  return fused_mlp.why_not_supported(m, h, fs, h, recipe, config.activations) or None
 
 
 def _shared_mlp(x, params, config, recipe, fp8_state, impl, mesh_resource, mesh,
