@@ -3,6 +3,7 @@ XLA compilation cache for the run; XLA:CPU set to compile fast; one line at
 the end that counts the skipped tests by reason; the long files first."""
 
 import collections
+import functools
 import os
 import shutil
 import subprocess
@@ -142,11 +143,15 @@ def skip_reason(report):
 
 def skip_summary(reports):
   """One line counting skipped-test ``reports`` by reason, most frequent
-  first: ``"12 skipped: 10 need a GPU; 2 need orbax"``; "" for none. Tests
-  with the ``gpu`` marker count as one reason, whichever skip mark fired
-  (some files have their own skipif for the same cause)."""
+  first: ``"12 skipped: 10 need a GPU; 2 need orbax"``; "" for none. Where
+  the custom calls cannot run, tests with the ``gpu`` marker count as one
+  reason, whichever skip mark fired (some files have their own skipif for
+  the same cause); where they can, a ``gpu`` test skipped for another
+  reason (float64 without x64, say) gives its own."""
+  no_gpu = not _cuda_available()
   counts = collections.Counter(
-      GPU_SKIP_REASON if "gpu" in getattr(r, "keywords", {}) else skip_reason(r) for r in reports)
+      GPU_SKIP_REASON if no_gpu and "gpu" in getattr(r, "keywords", {}) else skip_reason(r)
+      for r in reports)
   if not counts:
     return ""
   parts = [f"{n} {reason}" for reason, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))]
@@ -162,6 +167,7 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(line)
 
 
+@functools.lru_cache(maxsize=1)
 def _cuda_available():
   try:
     from te_jax.ops import _native
