@@ -83,8 +83,10 @@ struct Cfg {
   static constexpr int kDiag = kDiag_;
   static constexpr int kBytesA = BM * BK, kBytesB = BN * BK;
   // A stage's scales (kScaleTma): a's 128 row scales (512 B), then b's: a
-  // TMA box of 2 block rows x 4 k-blocks (32 B, of which [0] and [4] are
-  // read), or (kBVec) the tile's BN column scales; padded to 128 B.
+  // TMA box of 2 block rows x 4 k-blocks starting at k-block kb & ~3 (32 B,
+  // of which [kb & 3] and [4 + (kb & 3)] are read: a box whose first float
+  // is not 16-byte aligned in the grid faulted on the H100, run AQ), or
+  // (kBVec) the tile's BN column scales; padded to 128 B.
   static constexpr int kBytesScaleA = BM * 4, kBytesScaleB = kBVec ? BN * 4 : 2 * 4 * 4;
   static constexpr int kBytesScales = kScaleTma ? (kBytesScaleA + kBytesScaleB + 127) / 128 * 128 : 0;
   static constexpr int kAcc = BN / 2;  // fp32 accumulator registers per thread (m64 x BN / 128)
@@ -204,7 +206,7 @@ __global__ void __launch_bounds__(384, 1)
             if constexpr (C::kBVec)
               ptx::TmaLoad(&map_sb, &full[s], sc + C::kBytesScaleA, nb * BN, kb);
             else
-              ptx::TmaLoad(&map_sb, &full[s], sc + C::kBytesScaleA, kb, nb_lo);
+              ptx::TmaLoad(&map_sb, &full[s], sc + C::kBytesScaleA, kb & ~3, nb_lo);
           }
           if (++s == kStages) { s = 0; phase ^= 1; }
         }
@@ -225,6 +227,7 @@ __global__ void __launch_bounds__(384, 1)
     for (int i = 0; i < (C::kDoubleAcc ? kAcc : 1); ++i) acc1[i] = 0.f;
     int s = 0;
     uint32_t phase = 0;
+    int issued_kb = 0;  // k-blocks of the current tile issued so far
     // Scales of one k-block: a of rows row, row + 8; b of both blocks.
     struct Sc { float a0, a1, bl, bh; };
     // A stage in flight: its slot and its k-block's scales.
@@ -234,14 +237,15 @@ __global__ void __launch_bounds__(384, 1)
     // acc (accumulating onto it when `onto`). `sc`: the k-block's scales,
     // read from the stage (kScaleTma) or handed in.
     auto issue = [&](auto& acc, Sc sc, bool onto) -> Issued {
-      const int st = s;
+      const int st = s, kq = issued_kb++ & 3;  // kq: this k-block's column in b's scale box
       ptx::MbarWait(&full[st], phase);
       if (++s == kStages) { s = 0; phase ^= 1; }
       if constexpr (kTmaScales) {
         const float* sc_a = reinterpret_cast<const float*>(ss + st * C::kBytesScales);
         const float* sc_b = sc_a + C::BM;
         sc = C::kBVec ? Sc{sc_a[half * 64 + wrow], sc_a[half * 64 + wrow + 8], 0.f, 0.f}
-                      : Sc{sc_a[half * 64 + wrow], sc_a[half * 64 + wrow + 8], sc_b[0], sc_b[4]};
+                      : Sc{sc_a[half * 64 + wrow], sc_a[half * 64 + wrow + 8], sc_b[kq],
+                           sc_b[4 + kq]};
       }
       ptx::FenceRegs(acc);
       ptx::WgmmaFence();
@@ -265,6 +269,7 @@ __global__ void __launch_bounds__(384, 1)
     for (int t = cluster; t < tiles; t += clusters) {
       int mb, nb;
       coords(t, mb, nb);
+      issued_kb = 0;
       const long row = mb * 128L + half * 64 + wrow;
       const int n0 = nb * BN, nb_lo = n0 / 128, nb_hi = min(nb_lo + 1, num_nb - 1);
       const int j_split = ((nb_lo + 1) * 128 - n0) / 8;  // 8-column groups j < j_split: block nb_lo

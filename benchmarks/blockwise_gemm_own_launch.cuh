@@ -159,7 +159,8 @@ cudaError_t Launch(const GemmArgs& p, int sms, cudaStream_t stream) {
       !MakeMap(&map_b, p.b, p.n, p.k, C::kCluster == 1 ? C::BN : C::BN / 2))
     return cudaErrorInvalidValue;
   // a's scales: (K/128, a_ld), a box of the tile's 128 rows of one k-block;
-  // b's: (ceil(N/128), b_ld), a box of 4 k-blocks x the tile's 2 block rows,
+  // b's: (ceil(N/128), b_ld), a box of 4 k-blocks (from a multiple of 4:
+  // b_ld % 4 == 0 keeps it inside the grid) x the tile's 2 block rows,
   // or (kBVec) (K/128, b_ld), a box of the tile's BN columns of one k-block.
   if (C::kScaleTma &&
       (!MakeScaleMap(&map_sa, p.a_sinv, p.k / 128, p.a_ld, 128, 1) ||
@@ -202,6 +203,7 @@ inline std::vector<Config> Configs() {
       TE_JAX_OWN_CFG("n128_s6_dbl", 128, 6, true, 1, false, false, kNone),
       TE_JAX_OWN_CFG("n128_s6_dbl_tma", 128, 6, true, 1, true, false, kNone),
       TE_JAX_OWN_CFG("n128_s5_dbl_tma_st", 128, 5, true, 1, true, true, kNone),
+      TE_JAX_OWN_CFG("n128_s6_dbl_st", 128, 6, true, 1, false, true, kNone),
       TE_JAX_OWN_CFG("n128_s6", 128, 6, false, 1, false, false, kNone),
       TE_JAX_OWN_CFG("n128_s5_tma_st", 128, 5, false, 1, true, true, kNone),
       TE_JAX_OWN_CFG("n160_s6", 160, 6, false, 1, false, false, kNone),
