@@ -30,6 +30,7 @@ import pytest
 
 from te_jax.ops import _native
 from te_jax.ops import act_quantize as aq
+from te_jax.ops import quantize as quantize_op
 from te_jax.ops.fp8 import QuantizedTensor
 
 from cuda_lowering import cuda_text, custom_calls, gpu_host  # pylint: disable=unused-import
@@ -711,7 +712,10 @@ _LARGE_H = [30.0, -30.0, 87.0, -87.0, 88.0, -88.0, 100.0, -100.0, 1000.0, -1000.
 
 
 def _gpu_case(direction, acts, mode, shape, h_dtype=BF16, dz_dtype=BF16, dtype=None,
-              pow2=False, large=False):
+              pow2=False, large=False, dz_scale=1.0, fp8_h=False):
+  """CUDA against the reference (on the CPU) for one call. dz_scale scales
+  dz; fp8_h (backward): h as its E4M3 copy (store_act_input_in_fp8: 1x128
+  tiles, power-of-two scales), which both paths read dequantized to dz's dtype."""
   m, f = shape
   rng = np.random.default_rng(zlib.crc32(repr((direction, acts, mode, shape)).encode()))
   h = rng.standard_normal((m, len(acts) * f)) * 3
@@ -719,13 +723,18 @@ def _gpu_case(direction, acts, mode, shape, h_dtype=BF16, dz_dtype=BF16, dtype=N
     for c in range(0, h.shape[1], 128):
       h[0, c:c + len(_LARGE_H)] = _LARGE_H[:h.shape[1] - c]
   h = jnp.asarray(h, h_dtype)
-  dz = jnp.asarray(rng.standard_normal((m, f)), dz_dtype)
+  dz = jnp.asarray(rng.standard_normal((m, f)) * dz_scale, dz_dtype)
+  h_values = h  # what the kernels compute with
+  if fp8_h:
+    h = quantize_op.quantize_blockwise(h, (1, 128), E4M3, power_2_scale=True,
+                                       impl="reference").rowwise()
+    h_values = h.dequantize(dz_dtype)
   dtype = dtype or (E4M3 if direction == "fwd" else E5M2)
   kw = dict(mode=mode, dtype=dtype, power_2_scale=pow2)
   args = (h,) if direction == "fwd" else (dz, h)
   if mode == "tensorwise":  # a scale that saturates some values
     v = (aq.activation_forward(h, acts) if direction == "fwd"
-         else aq.activation_backward(dz, h, acts))
+         else aq.activation_backward(dz, h_values, acts))
     kw["scale"] = jnp.float32(FMAX[dtype] / (0.5 * float(jnp.max(jnp.abs(v)))))
     args = args + (kw.pop("scale"),)
 
@@ -762,7 +771,7 @@ def _gpu_case(direction, acts, mode, shape, h_dtype=BF16, dz_dtype=BF16, dtype=N
     # So each tile's scale is held to 3e-5 of its terms' magnitude
     # (_np_backward_terms), which is 3e-5 relative wherever nothing cancels.
     terms = _np_backward_terms(np.asarray(args[0], np.float64),
-                               np.asarray(args[1], np.float64), acts) / FMAX[dtype]
+                               np.asarray(h_values, np.float64), acts) / FMAX[dtype]
     _close_scale_inv(s, want.scale_inv, _tile_max_1x128(terms), f"scale_inv {tag}", rtol)
     _close_scale_inv(s_t, want.scale_inv_t, _tile_max_1x128(terms.T), f"scale_inv_t {tag}",
                      rtol)
@@ -825,9 +834,9 @@ def test_cuda_odd_shapes(shape):
 @pytest.mark.parametrize("shape", [(200, 256), (130, 128), (1, 384)])
 def test_cuda_paired_gated_backward(shape, mode):
   """A gated backward with F % 128 == 0 runs one block per column tile of h
-  that writes both halves of dh in the per-tensor modes (kPaired in the
-  kernel and its amax pass, kernels/act_quantize_tensor.cu; the 1x128
-  kernel keeps one block per tile of dh, checked here at the same shapes):
+  that writes both halves of dh (kPaired in the per-tensor kernel and its
+  amax pass, kernels/act_quantize_tensor.cu, and in the 1x128 backward,
+  kernels/act_quantize_blockwise_bwd.cu):
   against the reference with edge rows (M % 128 != 0), one tile of h, one
   row, and every activation in each position, 16-bit inputs (the paired
   kernels' only ones) of both kinds."""
@@ -836,6 +845,25 @@ def test_cuda_paired_gated_backward(shape, mode):
     _gpu_case("bwd", acts, mode, shape, h_dtype=h_dtype, dz_dtype=h_dtype)
   _cuda_selection_case(("silu", "linear"), mode, shape)
   _cuda_selection_case(("gelu_exact", "sigmoid"), mode, shape, h_dtype=F16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _native.cuda_available(),
+                    reason="needs a GPU and the te_jax CUDA custom calls")
+@pytest.mark.parametrize("fp8_h", [False, True], ids=["bf16_h", "e4m3_h"])
+@pytest.mark.parametrize("pow2", [False, True], ids=["pow2_off", "pow2_on"])
+@pytest.mark.parametrize("shape", [(200, 256), (200, 136), (1, 384)])
+def test_cuda_blockwise_backward(shape, pow2, fp8_h):
+  """The 1x128 backward (kernels/act_quantize_blockwise_bwd.cu) against the
+  reference: gelu and SwiGLU (paired where F % 128 == 0; F = 136: tiles of
+  dh straddle h0 and h1), edge rows, one row, a bf16 or an E4M3 h; pow2 on
+  (the columnwise bytes cast from the values parked at 16 bits) and off,
+  and dz times 2^-100 (column scales above 2^100: the kernel's exact path
+  even with pow2 on). Bit for bit where the activations are exact:
+  tests/test_dact_blockwise_exact.py."""
+  for acts in (("gelu",), ("silu", "linear")):
+    for dz_scale in (1.0, 2.0 ** -100):
+      _gpu_case("bwd", acts, "blockwise", shape, pow2=pow2, dz_scale=dz_scale, fp8_h=fp8_h)
 
 
 @pytest.mark.gpu

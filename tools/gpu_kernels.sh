@@ -299,15 +299,15 @@ if want ncu; then
   fi
 fi
 # act: benchmarks/act_math.cu (the shipped activation-quantize kernels at
-# the gelu and Llama SwiGLU shapes, the experimental 1x128 backward checked
-# byte for byte against the shipped one and timed beside it, then the gelu
-# math variants; exit 1 on a mismatch), and Nsight Compute on its te_jax
-# kernels: the budget of issue 43's largest te_jax kernel, the 1x128
-# backward (1.8 TB/s where the forward reaches 2.9). ncu runs the harness
-# with --profile, which launches each kernel of the two shapes once (tensor
-# fwd/bwd, 1x128 fwd/bwd, candidate bwd, for gelu also the candidate at 3
-# blocks per SM: 11 launches whose names contain ActQuantize) and skips the
-# checks and the math variants. Without it every timed kernel ran 23 times
+# the gelu and Llama SwiGLU shapes, the 1x128 backward also with an E4M3 h,
+# the 1x128 backward's bytes checked against shipped kernels that keep
+# float32 values, then the gelu math variants; exit 1 on a mismatch), and
+# Nsight Compute on its te_jax kernels: the budget of issue 43's largest
+# te_jax kernel, the 1x128 backward. ncu runs the harness with --profile,
+# which launches each kernel of the two shapes once (tensor fwd/bwd, 1x128
+# fwd/bwd, 1x128 bwd with an E4M3 h, for gelu also both 1x128 backwards at
+# 2 blocks per SM: 12 launches whose names contain ActQuantize) and skips
+# the checks and the math variants. Without it every timed kernel ran 23 times
 # (3 warm-up + 20), so --launch-count 24 stopped after the first tensor
 # forward and backward and never reached ActQuantizeVec128Kernel.
 if want act; then

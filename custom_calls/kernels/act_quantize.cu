@@ -5,9 +5,11 @@
 // computed from the inputs they load, so v is never written in 16 or 32
 // bits: ActQuantizeTensorKernel for one scale (delayed and current scaling)
 // and TileAmaxKernel for current scaling's amax pass
-// (kernels/act_quantize_tensor.cu), ActQuantizeVec128Kernel for 1x128 +
-// 128x1 scales (kernels/act_quantize_blockwise.cu); this unit checks the
-// arguments and picks the mode's kernels. The activation loop (prologue::ActLoop:
+// (kernels/act_quantize_tensor.cu), DActQuantizeVec128Kernel for the
+// backward's 1x128 + 128x1 scales (kernels/act_quantize_blockwise_bwd.cu)
+// and ActQuantizeVec128Kernel for the other prologues'
+// (kernels/act_quantize_blockwise.cu); this unit checks the arguments and
+// picks the mode's kernels. The activation loop (prologue::ActLoop:
 // gelu, silu, relu, SwiGLU, or any by runtime switches) is a template
 // parameter chosen on the host, so that each kernel gets the registers of
 // its own loop. Same tiles, casts and bytes as the quantize kernels
@@ -18,10 +20,10 @@
 // also the columnwise copy of act(h) (kernels/act_quantize.h), which the
 // backward's wgrad GEMM reads and the forward then need not keep.
 //
-// The per-tensor backward of a gated activation with F % 128 == 0 runs one
-// block per column tile of h that writes both halves of dh (template
+// The backward of a gated activation with F % 128 == 0 and 16-bit dz runs
+// one block per column tile of h that writes both halves of dh (template
 // parameter kPaired), reading dz, h0 and h1 and evaluating the activations
-// once for both.
+// once for both, in both scale modes.
 //
 // dact(dz, h) also reads h as E4M3 bytes with 1x128 tile scales (template
 // parameter kFp8H; Fp8HInput in kernels/act_quantize.h), the copy of h that
@@ -107,9 +109,11 @@ cudaError_t LaunchSelected(const QuantizeArgs& a, const PrologueArgs& q, const Q
   const QuantizeArgs& z = act != nullptr ? *act : none;
   const Fp8HInput hs = h_fp8 != nullptr ? *h_fp8 : Fp8HInput();
   const Fp8HOutput ho = h_out != nullptr ? *h_out : Fp8HOutput();
-  return a.mode == ScaleMode::kTensor
-             ? LaunchActTensorMode(a, q, z, hs, ho, out, h_fp8 != nullptr, stream)
-             : LaunchActVec128Mode(a, q, z, hs, ho, out, h_fp8 != nullptr, stream);
+  if (a.mode == ScaleMode::kTensor)
+    return LaunchActTensorMode(a, q, z, hs, ho, out, h_fp8 != nullptr, stream);
+  return q.kind == Prologue::kDAct
+             ? LaunchDActVec128Mode(a, q, z, hs, out, h_fp8 != nullptr, stream)
+             : LaunchActVec128Mode(a, q, ho, out, stream);
 }
 
 }  // namespace

@@ -1,5 +1,7 @@
-// The 1x128 kernels (blockwise scaling) of the activation quantize
-// (kernels/act_quantize.cu says what they compute) and their launch.
+// The 1x128 kernel (blockwise scaling) of the activation forward, the
+// concatenation and the normalization quantize (kernels/act_quantize.cu says
+// what they compute) and its launch; the backward's 1x128 kernel is in
+// act_quantize_blockwise_bwd.cu.
 #include "kernels/act_quantize_common.cuh"
 
 namespace te_jax {
@@ -22,13 +24,11 @@ constexpr int kScratchBytes = kThreads * kScratchF4 * 16;
 static_assert(kScratchBytes >= kTile * kTile, "the transposed bytes reuse the scratch");
 extern __shared__ float4 act_scratch[];
 
-template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut, bool kFp8H>
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut>
 __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>())
-    ActQuantizeVec128Kernel(QuantizeArgs p, PrologueArgs q, QuantizeArgs z, Fp8HInput hs,
-                            Fp8HOutput ho) {
-  constexpr bool kRows = kOut & kOutRows, kCols = kOut & kOutCols, kAct = kOut & kOutActCols;
-  constexpr bool kH = kOut & kOutH;
-  static_assert(!kAct || kCols, "act(h)'s transposed bytes reuse the scratch of v's");
+    ActQuantizeVec128Kernel(QuantizeArgs p, PrologueArgs q, Fp8HOutput ho) {
+  static_assert(kPro != Prologue::kDAct, "the backward's kernel: act_quantize_blockwise_bwd.cu");
+  constexpr bool kRows = kOut & kOutRows, kCols = kOut & kOutCols, kH = kOut & kOutH;
   __shared__ unsigned col_part[kThreads / 16][kTile];  // per-row-group column amax
   __shared__ float col_scale[kTile];
 
@@ -43,14 +43,14 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
   uint8_t* out_row = kRows ? p.data + first_row * K + st.gc : nullptr;  // a row per emit
   [[maybe_unused]] const bool gated = Gated<kLoop>(q);
   [[maybe_unused]] HCopyRow h_at = kH ? HCopyRow(ho, q, gated, first_row, st) : HCopyRow{};
-  float cmax[kSub], zmax[kSub];  // column maxima of v and (kAct) of act(h)
+  float cmax[kSub];  // column maxima of v
 #pragma unroll
-  for (int j = 0; j < kSub; ++j) cmax[j] = zmax[j] = 0.f;
+  for (int j = 0; j < kSub; ++j) cmax[j] = 0.f;
   // ComputeRows runs its row loop warp-uniformly (prologue.h), so the
   // 16-lane shuffles below are reached by all 32 lanes together.
-  ForRows<InT, kPro, kLoop, kAct, kFp8H, kH, false>(
-      q, hs, M, first_row, st.gc,
-      [&](int i, const float (&y)[kSub], const float (&zv)[kSub], const auto& hr) {
+  ForRows<InT, kPro, kLoop, false, false, kH, false>(
+      q, Fp8HInput(), M, first_row, st.gc,
+      [&](int i, const float (&y)[kSub], const float (&)[kSub], const auto& hr) {
         if constexpr (kRows) {
           float rmax = 0.f;
 #pragma unroll
@@ -75,13 +75,9 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
           mine[(2 * i) ^ swz] = make_float4(y[0], y[1], y[2], y[3]);
           mine[(2 * i + 1) ^ swz] = make_float4(y[4], y[5], y[6], y[7]);
         }
-        if constexpr (kAct) {
-#pragma unroll
-          for (int j = 0; j < kSub; ++j) zmax[j] = MaxAbs(zmax[j], zv[j]);
-        }
         if constexpr (kH) StoreHRow(hr, h_at, q, gated, first_row + i < M, st, ho.scale_ld);
       });
-  if constexpr (kCols) {  // the rest writes the columnwise copies
+  if constexpr (kCols) {  // the rest writes the columnwise copy
     unsigned cmax_bits[kSub];
 #pragma unroll
     for (int j = 0; j < kSub; ++j) cmax_bits[j] = __float_as_uint(cmax[j]);
@@ -111,67 +107,27 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
     }
     __syncthreads();
     StoreTransposedTile(p, tbuf, st.m0, st.k0, st.t);
-
-    // act(h)'s columnwise copy (kAct, the tiles of its F columns): its 128x1
-    // scales from the column maxima gathered above, then the values again
-    // from h (the forward's kAct loop, the same bits; h was just read, so
-    // mostly from L2) cast with them. Parking them as well would take a
-    // second 64 KB of shared memory and one block per SM.
-    if constexpr (kAct) {
-      if (st.k0 >= z.K) return;  // block-uniform: a tile of the act1' half of a gated dh
-      const Fp8Out zfmt = OutFormat(z);
-      unsigned zmax_bits[kSub];
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) zmax_bits[j] = __float_as_uint(zmax[j]);
-      // Its barriers also order the store above (reads of tbuf) before the
-      // writes below.
-      ColumnScales(z, st, zmax_bits, zfmt.max, col_part, col_scale);
-      float zs[kSub];
-#pragma unroll
-      for (int j = 0; j < kSub; ++j) zs[j] = col_scale[st.c0 + j];
-      ColumnBytes zcols;
-      prologue::ComputeRows<InT, Prologue::kAct, kLoop, false, kFp8H>(
-          q, M, first_row, st.gc,
-          [&](int, const float (&a)[kSub]) {
-            unsigned pair[kSub / 2];
-#pragma unroll
-            for (int k = 0; k < kSub / 2; ++k)
-              pair[k] = Cast2(a[2 * k] * zs[2 * k], a[2 * k + 1] * zs[2 * k + 1], zfmt.interp);
-            zcols.Push(pair);
-          },
-          hs);
-      zcols.ToTile(tbuf, st);
-      __syncthreads();
-      StoreTransposedTile(z, tbuf, st.m0, st.k0, st.t);
-    }
   }
 }
 }  // namespace
 
 cudaError_t LaunchActVec128Mode(const QuantizeArgs& a, const PrologueArgs& q,
-                                const QuantizeArgs& z, const Fp8HInput& hs,
-                                const Fp8HOutput& ho, int out, bool fp8_h, cudaStream_t stream) {
-  return WithVariant(a, q, out, fp8_h, [&](auto v) {
+                                const Fp8HOutput& ho, int out, cudaStream_t stream) {
+  if (q.kind == Prologue::kDAct) return cudaErrorInvalidValue;  // LaunchDActVec128Mode
+  return WithVariant(a, q, out, false, [&](auto v) -> cudaError_t {
     using V = decltype(v);
-    // Never paired: the columnwise copy parks a tile's float values in 64 KB
-    // of shared memory, and both halves' 128 KB would leave one block per SM.
-    auto* kernel = ActQuantizeVec128Kernel<typename V::InT, V::kPro, V::kLoop, V::kOut, V::kFp8H>;
-    // Only the columnwise copy parks values in the scratch.
-    constexpr int kDynamic = (V::kOut & kOutCols) ? kScratchBytes : 0;
-    if constexpr (kDynamic > 0) {
-      // More than 48 KB of dynamic shared memory needs an opt-in, which holds
-      // per device: set it at every launch (a host-side call) instead of
-      // tracking devices.
-      cudaError_t e =
-          cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kDynamic);
-      // Ask for the largest shared-memory carveout: 3 blocks take ~220 KB.
-      if (e == cudaSuccess)
-        e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                                 cudaSharedmemCarveoutMaxShared);
-      if (e != cudaSuccess) return e;
+    if constexpr (V::kPro == Prologue::kDAct) {
+      return cudaErrorInvalidValue;
+    } else {
+      auto* kernel = ActQuantizeVec128Kernel<typename V::InT, V::kPro, V::kLoop, V::kOut>;
+      // Only the columnwise copy parks values in the scratch.
+      constexpr int kDynamic = (V::kOut & kOutCols) ? kScratchBytes : 0;
+      if constexpr (kDynamic > 0) {  // 3 blocks take ~220 KB
+        if (cudaError_t e = AllowDynamicShared(kernel, kDynamic); e != cudaSuccess) return e;
+      }
+      kernel<<<TileGrid(a), kThreads, kDynamic, stream>>>(a, q, ho);
+      return cudaGetLastError();
     }
-    kernel<<<TileGrid(a), kThreads, kDynamic, stream>>>(a, q, z, hs, ho);
-    return cudaGetLastError();
   });
 }
 

@@ -1,10 +1,11 @@
 // What the activation-quantize units share (act_quantize.cu, the host side;
 // act_quantize_tensor.cu, the per-tensor kernels; act_quantize_blockwise.cu,
-// the 1x128 kernels): the output bits, the row loop and its helpers, the
-// launch bounds, the compile-time dispatch over loops, outputs and input
-// types, and the entry point of each scale mode's kernels. The kernels live
-// in two units so that they compile in parallel (one unit was the build's
-// last and longest step).
+// the 1x128 kernel of everything but the activation backward;
+// act_quantize_blockwise_bwd.cu, the backward's 1x128 kernel): the output
+// bits, the row loop and its helpers, the launch bounds, the compile-time
+// dispatch over loops, outputs and input types, and the entry point of each
+// scale mode's kernels. The kernels live in three units so that they compile
+// in parallel (one unit was the build's last and longest step).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,9 +25,13 @@ namespace te_jax {
 cudaError_t LaunchActTensorMode(const QuantizeArgs& a, const PrologueArgs& q,
                                 const QuantizeArgs& z, const Fp8HInput& hs,
                                 const Fp8HOutput& ho, int out, bool fp8_h, cudaStream_t stream);
+// kVec128: the backward (kDAct, z act(h)'s copy with kOutActCols, h E4M3
+// with fp8_h) and the other prologues (kAct, kConcat, kNorm).
+cudaError_t LaunchDActVec128Mode(const QuantizeArgs& a, const PrologueArgs& q,
+                                 const QuantizeArgs& z, const Fp8HInput& hs, int out, bool fp8_h,
+                                 cudaStream_t stream);
 cudaError_t LaunchActVec128Mode(const QuantizeArgs& a, const PrologueArgs& q,
-                                const QuantizeArgs& z, const Fp8HInput& hs,
-                                const Fp8HOutput& ho, int out, bool fp8_h, cudaStream_t stream);
+                                const Fp8HOutput& ho, int out, cudaStream_t stream);
 // Current scaling's amax pass over a prologue's output into b.amax_out
 // (zeroed by the caller); h E4M3 with h_fp8 (kDAct only).
 cudaError_t LaunchActTileAmax(const QuantizeArgs& b, const PrologueArgs& q,
@@ -161,6 +166,19 @@ __device__ __forceinline__ void StoreHRow(const Row& r, HCopyRow& at, const Prol
   at.scale_inv += scale_ld;
 }
 
+// Lets `kernel` take `bytes` of dynamic shared memory (more than 48 KB needs
+// an opt-in, which holds per device: set at every launch, a host-side call,
+// instead of tracking devices) with the largest shared-memory carveout (the
+// 1x128 kernels' blocks take ~65-100 KB each, 2 or 3 per SM).
+template <typename Kernel>
+cudaError_t AllowDynamicShared(Kernel* kernel, int bytes) {
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared);
+  return e;
+}
+
 // Whether the activation of loop kLoop is gated (the runtime ids for kAny).
 template <prologue::ActLoop kLoop>
 __device__ __forceinline__ bool Gated(const PrologueArgs& q) {
@@ -168,7 +186,7 @@ __device__ __forceinline__ bool Gated(const PrologueArgs& q) {
   return kGated < 0 ? q.act1 >= 0 : kGated == 1;
 }
 
-// The prologue kernels. Both compute v = act(h) or dact(dz, h) one row of
+// The prologue kernels. All compute v = act(h) or dact(dz, h) one row of
 // a thread's 8x8 sub-tile at a time (prologue::ComputeRows) and cast and
 // store each row of the rowwise copy as soon as it is computed; they differ
 // in what the columnwise copy needs. Same bytes as QuantizeTileKernel would
@@ -177,13 +195,14 @@ __device__ __forceinline__ bool Gated(const PrologueArgs& q) {
 // shifts and selects were a sixth of the instructions per element
 // (profile and timings: docs/benchmarks-log-2026-11.md).
 
-// Launch bound of ActQuantizeTensorKernel and ActQuantizeVec128Kernel: 3
-// blocks per SM (at most 80 registers) wherever the loop fits that without
-// spilling (ptxas -v, nvcc 13.0): every 16-bit loop except "any" (up to 110
-// registers) and the fp16 SwiGLU backward (36-40 bytes of spills at 80).
-// 2 blocks (up to 128 registers) for those, for fp32 inputs, and for the
-// backward that also writes act(h)'s columnwise copy (its column bytes or
-// maxima and the act(h) values of the row spilled 16-220 bytes at 80), and
+// Launch bound of ActQuantizeTensorKernel and ActQuantizeVec128Kernel (the
+// 1x128 backward has its own, DActMinBlocks): 3 blocks per SM (at most 80
+// registers) wherever the loop fits that without spilling (ptxas -v, nvcc
+// 13.0): every 16-bit loop except "any" (up to 110 registers) and the fp16
+// SwiGLU backward (36-40 bytes of spills at 80). 2 blocks (up to 128
+// registers) for those, for fp32 inputs, and for the backward that also
+// writes act(h)'s columnwise copy (its column bytes and the act(h) values
+// of the row spilled 16-220 bytes at 80), and
 // the forward that writes both copies of z and h's E4M3 copy (SwiGLU and
 // the fp16 gelu spilled 12-44 bytes at 80; z's rowwise copy and h's fit in
 // 58-80 registers with every 16-bit specialized loop).
