@@ -227,6 +227,8 @@ void Time(const char* name, Launch launch, unsigned* d_out, double bytes = kM * 
   CHECK_CUDA(cudaGetLastError());
   float ms = 0.f;
   CHECK_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+  CHECK_CUDA(cudaEventDestroy(e0));
+  CHECK_CUDA(cudaEventDestroy(e1));
   unsigned bits = 0;
   CHECK_CUDA(cudaMemcpy(&bits, d_out, sizeof(bits), cudaMemcpyDeviceToHost));
   float amax;
