@@ -83,10 +83,10 @@ struct Cfg {
   static constexpr int kDiag = kDiag_;
   static constexpr int kBytesA = BM * BK, kBytesB = BN * BK;
   // A stage's scales (kScaleTma): a's 128 row scales (512 B), then b's: a
-  // TMA box of 2 block rows x 4 k-blocks starting at k-block kb & ~3 (32 B,
-  // of which [kb & 3] and [4 + (kb & 3)] are read: a box whose first float
-  // is not 16-byte aligned in the grid faulted on the H100, run AQ), or
-  // (kBVec) the tile's BN column scales; padded to 128 B.
+  // TMA box of 2 block rows x 4 k-blocks starting at k-block kb & ~3, so
+  // that it starts 16-byte aligned in the grid and stays inside its rows
+  // (32 B, of which [kb & 3] and [4 + (kb & 3)] are read), or (kBVec) the
+  // tile's BN column scales; padded to 128 B.
   static constexpr int kBytesScaleA = BM * 4, kBytesScaleB = kBVec ? BN * 4 : 2 * 4 * 4;
   static constexpr int kBytesScales = kScaleTma ? (kBytesScaleA + kBytesScaleB + 127) / 128 * 128 : 0;
   static constexpr int kAcc = BN / 2;  // fp32 accumulator registers per thread (m64 x BN / 128)
