@@ -220,7 +220,8 @@ void RunChecks(const std::vector<own::Config>& configs, int sms, cublasLtHandle_
                     c.name, s.m, s.n, s.k);
         continue;
       }
-      if (const char* why = own::CheckShape(p, c.cluster, c.tma_scales, c.tma_store, c.b_vec)) {
+      const bool tma_scales = c.scale_load != own::kScalesGlobal;
+      if (const char* why = own::CheckShape(p, c.cluster, tma_scales, c.tma_store, c.b_vec)) {
         std::printf("CHECK %-16s m=%-5ld n=%-5ld k=%-5ld SKIP (%s)\n", c.name, s.m, s.n, s.k, why);
         continue;
       }
@@ -308,7 +309,8 @@ Row TimeShape(const bench::BlockwiseShape& s, const std::vector<own::Config>& co
   std::string checks;
   for (const own::Config& c : configs) {
     if (c.b_vec != s.wgrad) continue;  // another scaling's configuration
-    if (const char* why = own::CheckShape(o0.Args(out), c.cluster, c.tma_scales, c.tma_store,
+    if (const char* why = own::CheckShape(o0.Args(out), c.cluster,
+                                          c.scale_load != own::kScalesGlobal, c.tma_store,
                                           c.b_vec)) {
       checks += std::string(" ") + c.name + "=skip(" + why + ")";
       continue;
@@ -386,7 +388,10 @@ int main(int argc, char** argv) {
   for (const own::Config& c : configs)
     std::printf(" %s(BN %d, %d stages, cluster %d%s%s%s%s; %d resident CTAs)", c.name, c.bn,
                 c.stages, c.cluster, c.double_acc ? ", 2 accumulators" : "",
-                c.tma_scales ? ", TMA scales" : "", c.tma_store ? ", TMA stores" : "",
+                c.scale_load == own::kScalesTma    ? ", TMA scales"
+                : c.scale_load == own::kScalesTmaA ? ", TMA a scales"
+                                                   : "",
+                c.tma_store ? ", TMA stores" : "",
                 c.diagnostic ? ", DIAGNOSTIC" : "", c.resident_ctas(sms));
   std::printf("\n");
   if (!own::EncodeTiled()) {

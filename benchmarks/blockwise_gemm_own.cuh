@@ -25,11 +25,13 @@
 //   not a multiple of 128 spans two b-scale blocks, picked per 8 columns;
 // - kCluster 2: two CTAs on adjacent M tiles of the same N tile; each loads
 //   half of B and TMA-multicasts it to both (halves B's L2->SM traffic).
-// Scale factors, two ways (kScaleTma): TMA copies each k-block's scales into
-// the stage beside its tiles (a's 128 row scales, b's two block scales), so
-// the math threads read them from shared memory once the stage is full; or
-// (the first design) the math threads read them from global memory
-// (L2-resident, a few KB), one k-block ahead of their use.
+// Scale factors, three ways (kScaleTma): TMA copies each k-block's scales
+// into the stage beside its tiles (a's 128 row scales, b's two block
+// scales), so the math threads read them from shared memory once the stage
+// is full; or TMA copies a's and the math threads read b's two (the same
+// address in every thread) from global memory; or (the first design) the
+// math threads read both from global memory (L2-resident, a few KB), one
+// k-block ahead of their use.
 // Epilogue, two ways (kTmaStore): each math thread stores its bf16 pairs
 // straight to global memory, the warpgroup waiting for nothing but leaving
 // the next tile's first wgmmas behind its stores; or it writes them into a
@@ -72,14 +74,19 @@ struct GemmArgs {
 };
 
 enum Diag { kNone = 0, kNoPromote = 1, kNoLoad = 2 };
+// Where the math threads find a k-block's scales (kScaleTma).
+enum ScaleLoad { kScalesGlobal = 0, kScalesTma = 1, kScalesTmaA = 2 };
 
 // Tile configuration and its shared memory.
-template <int BN_, int kStages_, bool kDoubleAcc_, int kCluster_, bool kScaleTma_ = false,
+template <int BN_, int kStages_, bool kDoubleAcc_, int kCluster_, int kScaleLoad_ = kScalesGlobal,
           int kDiag_ = kNone, bool kTmaStore_ = false, bool kBVec_ = false>
 struct Cfg {
   static constexpr bool kBVec = kBVec_;  // b scaled per 1x128 (wgrad), else per 128x128
   static constexpr int BM = 128, BK = 128, BN = BN_, kStages = kStages_, kCluster = kCluster_;
-  static constexpr bool kDoubleAcc = kDoubleAcc_, kScaleTma = kScaleTma_, kTmaStore = kTmaStore_;
+  static constexpr bool kDoubleAcc = kDoubleAcc_, kTmaStore = kTmaStore_;
+  // kScaleTma: a's scales come with the stage; kBScaleTma: b's too.
+  static constexpr bool kScaleTma = kScaleLoad_ != kScalesGlobal,
+                        kBScaleTma = kScaleLoad_ == kScalesTma;
   static constexpr int kDiag = kDiag_;
   static constexpr int kBytesA = BM * BK, kBytesB = BN * BK;
   // A stage's scales (kScaleTma): a's 128 row scales (512 B), then b's: a
@@ -87,7 +94,8 @@ struct Cfg {
   // that it starts 16-byte aligned in the grid and stays inside its rows
   // (32 B, of which [kb & 3] and [4 + (kb & 3)] are read), or (kBVec) the
   // tile's BN column scales; padded to 128 B.
-  static constexpr int kBytesScaleA = BM * 4, kBytesScaleB = kBVec ? BN * 4 : 2 * 4 * 4;
+  static constexpr int kBytesScaleA = BM * 4,
+                       kBytesScaleB = !kBScaleTma ? 0 : kBVec ? BN * 4 : 2 * 4 * 4;
   static constexpr int kBytesScales = kScaleTma ? (kBytesScaleA + kBytesScaleB + 127) / 128 * 128 : 0;
   static constexpr int kAcc = BN / 2;  // fp32 accumulator registers per thread (m64 x BN / 128)
   // The bf16 output tile staged for TMA stores (kTmaStore): per math
@@ -101,7 +109,8 @@ struct Cfg {
   static_assert(kDiag == kNone || kDiag == kNoPromote || kDiag == kNoLoad, "unknown diagnostic");
   static_assert(kDiag != kNoLoad || (!kScaleTma && kCluster == 1), "kNoLoad: no scale TMA, one CTA");
   static_assert(!kTmaStore || BN % 64 == 0, "TMA-stored tiles are whole 64-column boxes");
-  static_assert(!kBVec || (kScaleTma && kDiag == kNone),
+  static_assert(kScaleLoad_ >= kScalesGlobal && kScaleLoad_ <= kScalesTmaA, "unknown ScaleLoad");
+  static_assert(!kBVec || (kBScaleTma && kDiag == kNone),
                 "1x128-scaled b reads its BN column scales from the stage (kScaleTma)");
   static_assert(kCluster == 1 || kCluster == 2, "cluster of 1 or 2 CTAs along M");
   static_assert(kSmem <= 232448, "more shared memory than an sm_90 CTA may have");
@@ -205,7 +214,7 @@ __global__ void __launch_bounds__(384, 1)
             ptx::TmaLoad(&map_sa, &full[s], sc, mb * 128, kb);
             if constexpr (C::kBVec)
               ptx::TmaLoad(&map_sb, &full[s], sc + C::kBytesScaleA, nb * BN, kb);
-            else
+            else if constexpr (C::kBScaleTma)
               ptx::TmaLoad(&map_sb, &full[s], sc + C::kBytesScaleA, kb & ~3, nb_lo);
           }
           if (++s == kStages) { s = 0; phase ^= 1; }
@@ -242,10 +251,13 @@ __global__ void __launch_bounds__(384, 1)
       if (++s == kStages) { s = 0; phase ^= 1; }
       if constexpr (kTmaScales) {
         const float* sc_a = reinterpret_cast<const float*>(ss + st * C::kBytesScales);
-        const float* sc_b = sc_a + C::BM;
-        sc = C::kBVec ? Sc{sc_a[half * 64 + wrow], sc_a[half * 64 + wrow + 8], 0.f, 0.f}
-                      : Sc{sc_a[half * 64 + wrow], sc_a[half * 64 + wrow + 8], sc_b[kq],
-                           sc_b[4 + kq]};
+        const float a0 = sc_a[half * 64 + wrow], a1 = sc_a[half * 64 + wrow + 8];
+        if constexpr (C::kBVec)
+          sc = Sc{a0, a1, 0.f, 0.f};
+        else if constexpr (C::kBScaleTma)
+          sc = Sc{a0, a1, sc_a[C::BM + kq], sc_a[C::BM + 4 + kq]};  // b's box after a's
+        else
+          sc = Sc{a0, a1, sc.bl, sc.bh};  // b's handed in (load)
       }
       ptx::FenceRegs(acc);
       ptx::WgmmaFence();
@@ -279,8 +291,11 @@ __global__ void __launch_bounds__(384, 1)
       // Global-memory scales (not kScaleTma): k-block kb's, loaded when
       // k-block kb - 1 is issued, used when kb's wgmmas are done.
       auto load = [&](int kb) {
-        if constexpr (kTmaScales) {
+        if constexpr (C::kBScaleTma) {
           return Sc{0.f, 0.f, 0.f, 0.f};
+        } else if constexpr (kTmaScales) {  // a's from the stage, b's two here
+          if (kb >= nkb) return Sc{0.f, 0.f, 0.f, 0.f};
+          return Sc{0.f, 0.f, __ldg(b_lo + kb), __ldg(b_hi + kb)};
         } else if constexpr (C::kDiag == kNoLoad) {
           return Sc{1.f, 1.f, 1.f, 1.f};
         } else {

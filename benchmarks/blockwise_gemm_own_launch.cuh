@@ -184,26 +184,31 @@ cudaError_t Launch(const GemmArgs& p, int sms, cudaStream_t stream) {
 struct Config {
   const char* name;
   int bn, stages, cluster;
-  bool double_acc, tma_scales, tma_store, b_vec;
+  bool double_acc;
+  int scale_load;  // ScaleLoad
+  bool tma_store, b_vec;
   int diagnostic;
   cudaError_t (*launch)(const GemmArgs&, int sms, cudaStream_t);
   int (*resident_ctas)(int sms);
 };
 inline std::vector<Config> Configs() {
-// name, BN, stages, two accumulators, cluster, TMA scales, TMA stores,
-// diagnostic; _VEC: b scaled per 1x128 (wgrad).
+// name, BN, stages, two accumulators, cluster, scale load (ScaleLoad),
+// TMA stores, diagnostic; _VEC: b scaled per 1x128 (wgrad).
 #define TE_JAX_OWN_CFG(name, bn, st, dbl, cl, tma, store, diag)                                \
   {name, bn, st, cl, dbl, tma, store, false, diag,                                            \
    Launch<Cfg<bn, st, dbl, cl, tma, diag, store>>, ResidentCtas<Cfg<bn, st, dbl, cl, tma, diag, store>>}
 #define TE_JAX_OWN_CFG_VEC(name, bn, st, dbl, cl, store)                                      \
-  {name, bn, st, cl, dbl, true, store, true, kNone,                                           \
-   Launch<Cfg<bn, st, dbl, cl, true, kNone, store, true>>,                                    \
-   ResidentCtas<Cfg<bn, st, dbl, cl, true, kNone, store, true>>}
+  {name, bn, st, cl, dbl, kScalesTma, store, true, kNone,                                     \
+   Launch<Cfg<bn, st, dbl, cl, kScalesTma, kNone, store, true>>,                              \
+   ResidentCtas<Cfg<bn, st, dbl, cl, kScalesTma, kNone, store, true>>}
   return {
       TE_JAX_OWN_CFG("n128_s6_dbl", 128, 6, true, 1, false, false, kNone),
       TE_JAX_OWN_CFG("n128_s6_dbl_tma", 128, 6, true, 1, true, false, kNone),
       TE_JAX_OWN_CFG("n128_s5_dbl_tma_st", 128, 5, true, 1, true, true, kNone),
       TE_JAX_OWN_CFG("n128_s6_dbl_st", 128, 6, true, 1, false, true, kNone),
+      // a's scales by TMA, b's two from global memory.
+      TE_JAX_OWN_CFG("n128_s6_dbl_tmaa", 128, 6, true, 1, kScalesTmaA, false, kNone),
+      TE_JAX_OWN_CFG("n128_s5_dbl_tmaa_st", 128, 5, true, 1, kScalesTmaA, true, kNone),
       TE_JAX_OWN_CFG("n128_s6", 128, 6, false, 1, false, false, kNone),
       TE_JAX_OWN_CFG("n128_s5_tma_st", 128, 5, false, 1, true, true, kNone),
       TE_JAX_OWN_CFG("n160_s6", 160, 6, false, 1, false, false, kNone),
