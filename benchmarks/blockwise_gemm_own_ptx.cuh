@@ -35,12 +35,16 @@ __device__ __forceinline__ void MbarExpectTx(uint64_t* bar, uint32_t bytes) {
 __device__ __forceinline__ void MbarArrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(Smem(bar)) : "memory");
 }
-// Arrive on the barrier at the same smem offset in CTA `cta` of the cluster.
+// Arrive on the barrier at the same smem offset in CTA `cta` of the cluster,
+// with mbarrier.arrive's default semantics (release at CTA scope), as
+// CUTLASS's ClusterBarrier does: it orders this warp's finished wgmma reads
+// of a stage before the peer's TMA overwrites it, without a cluster-scope
+// release on every stage of every math warp.
 __device__ __forceinline__ void MbarArriveRemote(uint64_t* bar, uint32_t cta) {
   asm volatile(
       "{\n\t.reg .b32 ra;\n\t"
       "mapa.shared::cluster.u32 ra, %0, %1;\n\t"
-      "mbarrier.arrive.release.cluster.shared::cluster.b64 _, [ra];\n\t}" ::"r"(Smem(bar)),
+      "mbarrier.arrive.shared::cluster.b64 _, [ra];\n\t}" ::"r"(Smem(bar)),
       "r"(cta) : "memory");
 }
 // Waits for the phase of parity `parity` to complete; traps after
