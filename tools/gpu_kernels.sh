@@ -101,6 +101,17 @@ deps() {
 }
 export -f deps
 
+# source_stamp SOURCE TEXT...: the hash that says a build from SOURCE is
+# still current: SOURCE and the repository headers it includes, TEXT (one
+# line each: what else the build depends on, e.g. its flags) and nvcc's
+# version.
+source_stamp() {
+  local src=$1; shift
+  (deps "$src" | sort -u | xargs cat; printf '%s\n' "$@"; nvcc --version) \
+    | sha256sum | cut -c1-16
+}
+export -f source_stamp
+
 # compile SOURCE: its object in $KBUILD, unless the stamp beside the object
 # (hash of the source and the repository headers it includes, the CUTLASS
 # version, the flags and nvcc's version) matches.
@@ -109,9 +120,8 @@ compile() {
   name=$(basename "$src" .cu)
   [[ "$src" == benchmarks/* ]] && name="bench_$name"  # the harness beside the kernels' table
   obj="$KBUILD/$name.o"
-  stamp=$( (deps "$src" | sort -u | xargs cat; cat "$CUTLASS_DIR/VERSION"; \
-            echo "${FLAGS_STR//$CUTLASS_DIR/CUTLASS_DIR}"; \
-            nvcc --version) | sha256sum | cut -c1-16)
+  stamp=$(source_stamp "$src" "$(cat "$CUTLASS_DIR/VERSION")" \
+          "${FLAGS_STR//$CUTLASS_DIR/CUTLASS_DIR}")
   if [[ -f "$obj" && "$(cat "$KBUILD/$name.stamp" 2>/dev/null)" == "$stamp" ]]; then
     echo "$name: reused"
     return 0
@@ -205,14 +215,14 @@ want own && build_own
 # minutes its one translation unit takes.
 act_bin="$KBUILD/act_math"
 build_act() {
-  local stamp
-  stamp=$( (deps benchmarks/act_math.cu | sort -u | xargs cat; nvcc --version) \
-           | sha256sum | cut -c1-16)
+  local stamp flags=(-O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a
+                     --expt-relaxed-constexpr -prec-div=true -ftz=false -Icustom_calls
+                     -Ibenchmarks)
+  stamp=$(source_stamp benchmarks/act_math.cu "${flags[*]}")
   if [[ -x "$act_bin" && "$(cat "$act_bin.stamp" 2>/dev/null)" == "$stamp" ]]; then
     echo "act_math: reused" | tee "$OUT/act_math_build.log"
-  elif nvcc -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a --expt-relaxed-constexpr \
-       -prec-div=true -ftz=false -Icustom_calls -Ibenchmarks -Xptxas -v -o "$act_bin" \
-       benchmarks/act_math.cu > "$OUT/act_math_build.log" 2>&1; then
+  elif nvcc "${flags[@]}" -Xptxas -v -o "$act_bin" benchmarks/act_math.cu \
+       > "$OUT/act_math_build.log" 2>&1; then
     echo "$stamp" > "$act_bin.stamp"
     echo "act_math: built"
   else
