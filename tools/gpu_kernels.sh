@@ -27,6 +27,8 @@
 #   BLOCKWISE_ARGS  extra harness arguments (e.g. "--sweep", "--quick")
 #   GROUPED_ARGS
 #   OWN_ARGS      extra arguments of the own harness's timing run ("--quick", "--sweep")
+#   OWN_CONFIGS   comma-separated configurations of the own harness to check and
+#                 time (default: every one --list names)
 #   BUILD_ONLY=1  compile and link, run nothing (for machines without a GPU)
 set -uo pipefail
 
@@ -181,6 +183,7 @@ run_own() {
   [[ "${OWN_BUILT:-0}" == 1 ]] || { status=1; return; }
   : > "$OUT/${name}_checks.log"
   for v in $("$bin" --list); do
+    [[ -n "${OWN_CONFIGS:-}" && ",$OWN_CONFIGS," != *",$v,"* ]] && continue
     timeout -k 10 120 "$bin" --checks --only "$v" >> "$OUT/${name}_checks.log" 2>&1
     rc=$?
     if [[ $rc -eq 0 ]]; then pass+=("$v"); else echo "$name: $v FAILED its checks (exit $rc)"; status=1; fi
