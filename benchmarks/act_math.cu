@@ -408,6 +408,22 @@ void TimeShipped(const ActCase& c, unsigned* amax_bits) {
   const double fwd_bytes = c.m * w * 2.0 + c.m * c.f;               // h in, z out
   const double out_bytes = 2.0 * c.m * w + c.m * c.f;               // dh x2, z.T out
   const double bwd_bytes = c.m * (w + c.f) * 2.0 + out_bytes;       // h, dz in
+  // The Llama step's forward with keep_fp8_copies and
+  // store_act_input_in_fp8: z both ways and h's E4M3 copy from one launch
+  // (Fp8HOutput; needs F % 128 == 0).
+  const long sld = (w + 127) / 128;
+  const bool h_copy = c.f % 128 == 0;
+  uint8_t* h8_out = nullptr;
+  float* h8_out_scale = nullptr;
+  if (h_copy) {
+    CHECK_CUDA(cudaMalloc(&h8_out, c.m * w));
+    CHECK_CUDA(cudaMalloc(&h8_out_scale, c.m * sld * sizeof(float)));
+  }
+  te_jax::Fp8HOutput ho;
+  ho.data = h8_out;
+  ho.scale_inv = h8_out_scale;
+  ho.scale_ld = sld;
+  const double fwd_all_bytes = c.m * w * 2.0 + 2.0 * c.m * c.f + c.m * w + c.m * sld * 4.0;
   char name[96];
   for (ScaleMode mode : {ScaleMode::kTensor, ScaleMode::kVec128}) {
     const bool vec = mode == ScaleMode::kVec128;
@@ -429,6 +445,19 @@ void TimeShipped(const ActCase& c, unsigned* amax_bits) {
     std::snprintf(name, sizeof(name), "%s %s fwd", c.name, vec ? "1x128" : "tensor");
     Time(name, [&] { CHECK_CUDA(te_jax::LaunchPrologueQuantize(zf, fwd, nullptr, 0)); },
          amax_bits, fwd_bytes);
+    if (h_copy) {
+      QuantizeArgs zs = zf;  // + z's columnwise copy
+      zs.data_t = out.z_t;
+      if (vec) {
+        zs.sinv_t = out.zs_t;
+        zs.sinv_t_ld = out.f4;
+      }
+      std::snprintf(name, sizeof(name), "%s %s fwd z, z.T, h e4m3", c.name,
+                    vec ? "1x128" : "tensor");
+      Time(name, [&] {
+        CHECK_CUDA(te_jax::LaunchPrologueQuantize(zs, fwd, nullptr, 0, nullptr, &ho));
+      }, amax_bits, fwd_all_bytes);
+    }
     std::snprintf(name, sizeof(name), "%s %s bwd", c.name, vec ? "1x128" : "tensor");
     Time(name, [&] { CHECK_CUDA(te_jax::LaunchPrologueQuantize(df, bwd, &zt, 0)); },
          amax_bits, bwd_bytes);
@@ -436,7 +465,6 @@ void TimeShipped(const ActCase& c, unsigned* amax_bits) {
   // The 1x128 backward with h as its E4M3 copy (h bytes and their tile
   // scales read instead of a bf16 h), and for gelu both backwards at 2
   // blocks per SM (DActMinBlocks gives gelu 3).
-  const long sld = (w + 127) / 128;
   uint8_t* h8;
   float* h8_scale;
   CHECK_CUDA(cudaMalloc(&h8, c.m * w));
@@ -467,7 +495,8 @@ void TimeShipped(const ActCase& c, unsigned* amax_bits) {
     }, amax_bits, bwd8_bytes);
   }
   for (void* p : {static_cast<void*>(h), static_cast<void*>(dz), static_cast<void*>(scalars),
-                  static_cast<void*>(h8), static_cast<void*>(h8_scale)})
+                  static_cast<void*>(h8), static_cast<void*>(h8_scale),
+                  static_cast<void*>(h8_out), static_cast<void*>(h8_out_scale)})
     CHECK_CUDA(cudaFree(p));
 }
 

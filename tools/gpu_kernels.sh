@@ -317,9 +317,10 @@ fi
 # float32 values, then the gelu math variants; exit 1 on a mismatch), and
 # Nsight Compute on its te_jax kernels: the budget of issue 43's largest
 # te_jax kernel, the 1x128 backward. ncu runs the harness with --profile,
-# which launches each kernel of the two shapes once (tensor fwd/bwd, 1x128
-# fwd/bwd, 1x128 bwd with an E4M3 h, for gelu also both 1x128 backwards at
-# 2 blocks per SM: 12 launches whose names contain ActQuantize) and skips
+# which launches each kernel of the two shapes once (tensor and 1x128: fwd,
+# fwd writing z both ways and h's E4M3 copy (the Llama step's), bwd; 1x128
+# bwd with an E4M3 h; for gelu also both 1x128 backwards at 2 blocks per SM:
+# 16 launches whose names contain ActQuantize) and skips
 # the checks and the math variants. Without it every timed kernel ran 23 times
 # (3 warm-up + 20), so --launch-count 24 stopped after the first tensor
 # forward and backward and never reached ActQuantizeVec128Kernel.
@@ -331,7 +332,7 @@ if want act; then
     grep -E " fwd | bwd |PASS|FAIL|differ" "$OUT/act_math.log"
     if want ncu; then
       timeout 300 ncu --clock-control none --kernel-name-base function \
-        --kernel-name "regex:ActQuantize" --launch-count 16 --csv --page details \
+        --kernel-name "regex:ActQuantize" --launch-count 20 --csv --page details \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
         --section Occupancy --section LaunchStats --section InstructionStats \
         --section SchedulerStats --section ComputeWorkloadAnalysis "$act_bin" --profile \
