@@ -23,8 +23,10 @@ FTZ: a subnormal h compares as 0, a subnormal product becomes 0), while
 XLA:GPU and the kernels (built with -ftz=false) keep them, so values on the
 CPU are not the GPU's wherever a product or an input is subnormal (run AR:
 every byte mismatch of the spread variant on the H100, 1,794 of 102,400 for
-("relu", "linear") in bf16, was such a flushed value). Covered: the paired kernel (F % 128 == 0), one block per tile of
-dh (F = 136: tiles straddle h0 and h1), the non-gated relu loop, 16- and
+("relu", "linear") in bf16, was such a flushed value).
+
+Covered: the paired kernel (F % 128 == 0), one block per tile of dh
+(F = 136: tiles straddle h0 and h1), the non-gated relu loop, 16- and
 32-bit and E4M3 h, pow2 on and off for dh and for act(h) separately,
 exponents down to float32's subnormals, a tiny dz (column scales above
 2^100: the exact path with pow2 on), and Inf and NaN inputs.
