@@ -220,8 +220,7 @@ void RunChecks(const std::vector<own::Config>& configs, int sms, cublasLtHandle_
                     c.name, s.m, s.n, s.k);
         continue;
       }
-      const bool tma_scales = c.scale_load != own::kScalesGlobal;
-      if (const char* why = own::CheckShape(p, c.cluster, tma_scales, c.tma_store, c.b_vec)) {
+      if (const char* why = own::CheckShape(p, c.cluster, c.tma_scales(), c.tma_store, c.b_vec)) {
         std::printf("CHECK %-16s m=%-5ld n=%-5ld k=%-5ld SKIP (%s)\n", c.name, s.m, s.n, s.k, why);
         continue;
       }
@@ -309,8 +308,7 @@ Row TimeShape(const bench::BlockwiseShape& s, const std::vector<own::Config>& co
   std::string checks;
   for (const own::Config& c : configs) {
     if (c.b_vec != s.wgrad) continue;  // another scaling's configuration
-    if (const char* why = own::CheckShape(o0.Args(out), c.cluster,
-                                          c.scale_load != own::kScalesGlobal, c.tma_store,
+    if (const char* why = own::CheckShape(o0.Args(out), c.cluster, c.tma_scales(), c.tma_store,
                                           c.b_vec)) {
       checks += std::string(" ") + c.name + "=skip(" + why + ")";
       continue;

@@ -190,39 +190,42 @@ struct Config {
   int diagnostic;
   cudaError_t (*launch)(const GemmArgs&, int sms, cudaStream_t);
   int (*resident_ctas)(int sms);
+  bool tma_scales() const { return scale_load != kScalesGlobal; }  // any scale by TMA
 };
 inline std::vector<Config> Configs() {
 // name, BN, stages, two accumulators, cluster, scale load (ScaleLoad),
 // TMA stores, diagnostic; _VEC: b scaled per 1x128 (wgrad).
-#define TE_JAX_OWN_CFG(name, bn, st, dbl, cl, tma, store, diag)                                \
-  {name, bn, st, cl, dbl, tma, store, false, diag,                                            \
-   Launch<Cfg<bn, st, dbl, cl, tma, diag, store>>, ResidentCtas<Cfg<bn, st, dbl, cl, tma, diag, store>>}
+#define TE_JAX_OWN_CFG(name, bn, st, dbl, cl, scales, store, diag)                             \
+  {name, bn, st, cl, dbl, scales, store, false, diag,                                         \
+   Launch<Cfg<bn, st, dbl, cl, scales, diag, store>>,                                         \
+   ResidentCtas<Cfg<bn, st, dbl, cl, scales, diag, store>>}
 #define TE_JAX_OWN_CFG_VEC(name, bn, st, dbl, cl, store)                                      \
   {name, bn, st, cl, dbl, kScalesTma, store, true, kNone,                                     \
    Launch<Cfg<bn, st, dbl, cl, kScalesTma, kNone, store, true>>,                              \
    ResidentCtas<Cfg<bn, st, dbl, cl, kScalesTma, kNone, store, true>>}
   return {
-      TE_JAX_OWN_CFG("n128_s6_dbl", 128, 6, true, 1, false, false, kNone),
-      TE_JAX_OWN_CFG("n128_s6_dbl_tma", 128, 6, true, 1, true, false, kNone),
-      TE_JAX_OWN_CFG("n128_s5_dbl_tma_st", 128, 5, true, 1, true, true, kNone),
-      TE_JAX_OWN_CFG("n128_s6_dbl_st", 128, 6, true, 1, false, true, kNone),
+      TE_JAX_OWN_CFG("n128_s6_dbl", 128, 6, true, 1, kScalesGlobal, false, kNone),
+      TE_JAX_OWN_CFG("n128_s6_dbl_tma", 128, 6, true, 1, kScalesTma, false, kNone),
+      TE_JAX_OWN_CFG("n128_s5_dbl_tma_st", 128, 5, true, 1, kScalesTma, true, kNone),
+      TE_JAX_OWN_CFG("n128_s6_dbl_st", 128, 6, true, 1, kScalesGlobal, true, kNone),
       // a's scales by TMA, b's two from global memory.
       TE_JAX_OWN_CFG("n128_s6_dbl_tmaa", 128, 6, true, 1, kScalesTmaA, false, kNone),
       TE_JAX_OWN_CFG("n128_s5_dbl_tmaa_st", 128, 5, true, 1, kScalesTmaA, true, kNone),
-      TE_JAX_OWN_CFG("n128_s6", 128, 6, false, 1, false, false, kNone),
-      TE_JAX_OWN_CFG("n128_s5_tma_st", 128, 5, false, 1, true, true, kNone),
-      TE_JAX_OWN_CFG("n160_s6", 160, 6, false, 1, false, false, kNone),
-      TE_JAX_OWN_CFG("n160_s6_tma", 160, 6, false, 1, true, false, kNone),
-      TE_JAX_OWN_CFG("n192_s4_tma_st", 192, 4, false, 1, true, true, kNone),
-      TE_JAX_OWN_CFG("n128_s6_dbl_c2", 128, 6, true, 2, false, false, kNone),
-      TE_JAX_OWN_CFG("n128_s5_dbl_tma_st_c2", 128, 5, true, 2, true, true, kNone),
+      TE_JAX_OWN_CFG("n128_s6", 128, 6, false, 1, kScalesGlobal, false, kNone),
+      TE_JAX_OWN_CFG("n128_s5_tma_st", 128, 5, false, 1, kScalesTma, true, kNone),
+      TE_JAX_OWN_CFG("n160_s6", 160, 6, false, 1, kScalesGlobal, false, kNone),
+      TE_JAX_OWN_CFG("n160_s6_tma", 160, 6, false, 1, kScalesTma, false, kNone),
+      TE_JAX_OWN_CFG("n192_s4_tma_st", 192, 4, false, 1, kScalesTma, true, kNone),
+      TE_JAX_OWN_CFG("n128_s6_dbl_c2", 128, 6, true, 2, kScalesGlobal, false, kNone),
+      TE_JAX_OWN_CFG("n128_s5_dbl_tma_st_c2", 128, 5, true, 2, kScalesTma, true, kNone),
       // Diagnostics: the pipeline without the promotion.
-      TE_JAX_OWN_CFG("diag_nopromote_n128", 128, 6, false, 1, false, false, kNoPromote),
-      TE_JAX_OWN_CFG("diag_nopromote_n128_s5_st", 128, 5, false, 1, false, true, kNoPromote),
-      TE_JAX_OWN_CFG("diag_nopromote_n128_c2", 128, 6, false, 2, false, false, kNoPromote),
+      TE_JAX_OWN_CFG("diag_nopromote_n128", 128, 6, false, 1, kScalesGlobal, false, kNoPromote),
+      TE_JAX_OWN_CFG("diag_nopromote_n128_s5_st", 128, 5, false, 1, kScalesGlobal, true,
+                     kNoPromote),
+      TE_JAX_OWN_CFG("diag_nopromote_n128_c2", 128, 6, false, 2, kScalesGlobal, false, kNoPromote),
       // ... and the math warps without data: promotion with one and two accumulators.
-      TE_JAX_OWN_CFG("diag_noload_n128", 128, 6, false, 1, false, false, kNoLoad),
-      TE_JAX_OWN_CFG("diag_noload_n128_dbl", 128, 6, true, 1, false, false, kNoLoad),
+      TE_JAX_OWN_CFG("diag_noload_n128", 128, 6, false, 1, kScalesGlobal, false, kNoLoad),
+      TE_JAX_OWN_CFG("diag_noload_n128_dbl", 128, 6, true, 1, kScalesGlobal, false, kNoLoad),
       // wgrad: 1x128 x 1x128.
       TE_JAX_OWN_CFG_VEC("wgrad_n128_s6_dbl", 128, 6, true, 1, false),
       TE_JAX_OWN_CFG_VEC("wgrad_n128_s5_dbl_st", 128, 5, true, 1, true),
