@@ -713,9 +713,10 @@ _LARGE_H = [30.0, -30.0, 87.0, -87.0, 88.0, -88.0, 100.0, -100.0, 1000.0, -1000.
 
 def _gpu_case(direction, acts, mode, shape, h_dtype=BF16, dz_dtype=BF16, dtype=None,
               pow2=False, large=False, dz_scale=1.0, fp8_h=False):
-  """CUDA against the reference (on the CPU) for one call. dz_scale scales
-  dz; fp8_h (backward): h as its E4M3 copy (store_act_input_in_fp8: 1x128
-  tiles, power-of-two scales), which both paths read dequantized to dz's dtype."""
+  """CUDA against the reference (on the CPU; on the GPU when dz_scale != 1,
+  see below) for one call. dz_scale scales dz; fp8_h (backward): h as its
+  E4M3 copy (store_act_input_in_fp8: 1x128 tiles, power-of-two scales),
+  which both paths read dequantized to dz's dtype."""
   m, f = shape
   rng = np.random.default_rng(zlib.crc32(repr((direction, acts, mode, shape)).encode()))
   h = rng.standard_normal((m, len(acts) * f)) * 3
