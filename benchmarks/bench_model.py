@@ -79,9 +79,11 @@ def _norm_variant(kernels_from, bwd_blocks):
 
 
 def run_one(preset, recipe, k, repeats, profile_steps, small, doc_window=None, variant="",
-            overrides=None):
+            overrides=None, top_per_kind=4):
   """Times and profiles one recipe; returns a dict (one JSON line). ``overrides``:
-  ``train_gpt.Config`` fields (``--set``), e.g. ``batch`` or ``offload_optimizer``."""
+  ``train_gpt.Config`` fields (``--set``), e.g. ``batch`` or ``offload_optimizer``;
+  ``top_per_kind``: the largest kernels kept per kind (``"top"``), with their
+  launches per step (``"launches"``)."""
   sys.path.insert(0, os.path.join(HERE, "..", "examples"))
   import jax  # pylint: disable=import-outside-toplevel
   import train_gpt  # pylint: disable=import-error,import-outside-toplevel
@@ -127,13 +129,15 @@ def run_one(preset, recipe, k, repeats, profile_steps, small, doc_window=None, v
   for name, kms, _ in rows:
     kinds[kernel_kind(name)] += kms
   top = {kind: sorted(((n, round(t, 3)) for n, t, _ in rows if kernel_kind(n) == kind),
-                      key=lambda r: -r[1])[:4] for kind in KINDS}
+                      key=lambda r: -r[1])[:top_per_kind] for kind in KINDS}
+  kept = {n for rows_of_kind in top.values() for n, _ in rows_of_kind}
+  launches = {n: round(c, 2) for n, _, c in rows if n in kept}
   return {"recipe": recipe + (f" ({variant})" if variant else ""), "overrides": overrides or {},
           "doc_window": trainer.doc_window, "ms": ms, "times": times,
           "tokens_per_s": tokens / (ms / 1e3),
           "mfu": None if peak is None else flops / peak, "loss": loss,
           "params": train_gpt.param_count(state), "kernels_ms": kinds, "kernel_total_ms": total,
-          "idle_ms": max(span - total, 0.0), "top": top, "steps_timed": k * repeats,
+          "idle_ms": max(span - total, 0.0), "top": top, "launches": launches, "steps_timed": k * repeats,
           "fp8_scales_moved": moved, "memory": memory}
 
 
@@ -172,6 +176,8 @@ def main(argv=None):
                       "(te_jax.layers.norm.MIN_KERNEL_HIDDEN)")
   p.add_argument("--norm-bwd-blocks", type=int, default=None,
                  help="A/B: a fixed CUDA grid for the norm backward kernel")
+  p.add_argument("--top", type=int, default=4,
+                 help="the largest kernels per kind kept and printed, with launches per step")
   p.add_argument("--set", default="",
                  help="train_gpt Config overrides, e.g. batch=4 or offload_optimizer=true")
   args = p.parse_args(argv)
@@ -183,7 +189,7 @@ def main(argv=None):
     with keep_fp8_copies(keep):
       res = run_one(args.preset, recipe, args.k, args.repeats, args.profile_steps, args.small,
                     args.doc_window, ", ".join(v for v in (variant, keep and "FP8 copies kept")
-                                               if v), parse_overrides(args.set))
+                                               if v), parse_overrides(args.set), args.top)
     print("JSON " + json.dumps(res), flush=True)
     return 0
 
@@ -191,7 +197,7 @@ def main(argv=None):
   for recipe in [r for r in args.recipes.split(",") if r]:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", recipe, "--preset", args.preset,
            "--k", str(args.k), "--repeats", str(args.repeats),
-           "--profile-steps", str(args.profile_steps)] + (["--small"] if args.small else []) + (
+           "--profile-steps", str(args.profile_steps), "--top", str(args.top)] + (["--small"] if args.small else []) + (
                ["--set", args.set] if args.set else []) + (
                [] if args.doc_window is None else
                ["--doc-window" if args.doc_window else "--no-doc-window"]) + [
@@ -211,6 +217,8 @@ def main(argv=None):
             + ", ".join(f"{k} {v:.1f}" for k, v in r["kernels_ms"].items())
             + f", idle {r['idle_ms']:.1f} ms", file=sys.stderr, flush=True)
       print(f"{recipe} largest kernels: {json.dumps(r['top'])}", file=sys.stderr, flush=True)
+      print(f"{recipe} launches per step: {json.dumps(r['launches'])}", file=sys.stderr,
+            flush=True)
       if args.json_out:           # after each recipe: a cut run keeps what it measured
         with open(args.json_out, "w", encoding="utf-8") as fh:
           json.dump(results, fh, indent=1)

@@ -282,6 +282,8 @@ def test_model_bench_sorts_kernels_and_carries_the_state():
   assert res["ms"] > 0 and len(res["times"]) == 2 and res["steps_timed"] == 2
   assert res["loss"] == res["loss"] and res["params"] > 0          # finite loss
   assert res["fp8_scales_moved"] > 0                              # state carried, not frozen
+  # Launches per step are given for exactly the kernels kept per kind.
+  assert set(res["launches"]) == {n for rows in res["top"].values() for n, _ in rows}
 
 
 def test_peers_hlo_dir_writes_each_rows_optimized_hlo(tmp_path):

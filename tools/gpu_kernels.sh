@@ -29,6 +29,7 @@
 #   OWN_ARGS      extra arguments of the own harness's timing run ("--quick", "--sweep")
 #   OWN_CONFIGS   comma-separated configurations of the own harness to check and
 #                 time (default: every one --list names)
+#   NCU_GEMMS=0   with ncu: no GEMM profiles (e.g. "act ncu" for the act kernels only)
 #   BUILD_ONLY=1  compile and link, run nothing (for machines without a GPU)
 set -uo pipefail
 
@@ -270,8 +271,9 @@ want own && run_own
 # launches only: the per-stage budget (SM, memory, tensor pipe) of issue 46.
 # Clocks are left alone (--clock-control none). A second pass asks for the
 # tensor pipe's metric by name, in its own file, so that a name this ncu
-# does not know costs only that column.
-if want ncu; then
+# does not know costs only that column. NCU_GEMMS=0 skips these GEMM profiles
+# (with "act ncu": the activation kernels' profile alone).
+if want ncu && [[ "${NCU_GEMMS:-1}" != 0 ]]; then
   NCU_BASE=(--clock-control none --kernel-name-base function
             --kernel-name "regex:nvjet|xmma|device_kernel|gemm|Gemm" --csv --page details)
   NCU_ARGS=("${NCU_BASE[@]}" --launch-count 150)

@@ -69,7 +69,8 @@
 # MOE_PARTS, MOE_LAYER_SIZES, MOE_RECIPES, MOE_MODEL_RECIPES (the model rows' recipes,
 # default MOE_RECIPES), MOE_MODEL_SET (bench_moe's --model-set: overrides on the moe preset), JAX_WHEELS, NVCC_FREE, NVCC_FREE_TESTS, MEMORY_TABLES (the suite
 # stage's compile-only tables, default "offload live actfp8"), MODEL_RECIPES (the model
-# stage's recipes, default none,delayed,blockwise,current).
+# stage's recipes, default none,delayed,blockwise,current), MODEL_ARGS (more
+# bench_model arguments for the model stage, e.g. "--top 15").
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RUN_DIR="${RUN_DIR:-/tmp/gpu_session}"; mkdir -p "$RUN_DIR"
@@ -247,9 +248,10 @@ if want model; then
   st "model"
   # MODEL_SET: Config overrides for every row, e.g.
   # keep_fp8_copies=true,store_act_input_in_fp8=true (speed and memory together)
+  # MODEL_ARGS: more bench_model arguments, e.g. "--top 15".
   model_rows model "${MODEL_SET:+$MODEL_SET: }" 560 \
     --recipes "${MODEL_RECIPES:-none,delayed,blockwise,current}" --timeout 200 \
-    ${MODEL_SET:+--set "$MODEL_SET"}
+    ${MODEL_SET:+--set "$MODEL_SET"} ${MODEL_ARGS:-}
 fi
 if want keep; then   # the model with the FP8 copies kept (speed against memory)
   st "keep"
