@@ -457,6 +457,24 @@ void TimeShipped(const ActCase& c, unsigned* amax_bits) {
       Time(name, [&] {
         CHECK_CUDA(te_jax::LaunchPrologueQuantize(zs, fwd, nullptr, 0, nullptr, &ho));
       }, amax_bits, fwd_all_bytes);
+      if (vec) {  // the same 1x128 kernel at 2 and 3 blocks per SM
+        using te_jax::prologue::ActLoop;
+        constexpr int kAll = te_jax::kOutBoth | te_jax::kOutH;
+        const bool gelu = c.act1 < 0;
+        auto at = [&](auto blocks) {
+          constexpr int kBlocks = decltype(blocks)::value;
+          std::snprintf(name, sizeof(name), "%s 1x128 fwd z, z.T, h e4m3 %d blocks/SM", c.name,
+                        kBlocks);
+          Time(name, [&] {
+            CHECK_CUDA(gelu ? (te_jax::LaunchActKernel<__nv_bfloat16, Prologue::kAct,
+                                                       ActLoop::kGelu, kAll, kBlocks>(zs, fwd, ho, 0))
+                            : (te_jax::LaunchActKernel<__nv_bfloat16, Prologue::kAct,
+                                                       ActLoop::kSwiGlu, kAll, kBlocks>(zs, fwd, ho, 0)));
+          }, amax_bits, fwd_all_bytes);
+        };
+        at(std::integral_constant<int, 2>{});
+        at(std::integral_constant<int, 3>{});
+      }
     }
     std::snprintf(name, sizeof(name), "%s %s bwd", c.name, vec ? "1x128" : "tensor");
     Time(name, [&] { CHECK_CUDA(te_jax::LaunchPrologueQuantize(df, bwd, &zt, 0)); },

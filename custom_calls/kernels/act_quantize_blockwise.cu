@@ -24,8 +24,11 @@ constexpr int kScratchBytes = kThreads * kScratchF4 * 16;
 static_assert(kScratchBytes >= kTile * kTile, "the transposed bytes reuse the scratch");
 extern __shared__ float4 act_scratch[];
 
-template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut>
-__global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>())
+// kMinBlocks: the launch bound (ActMinBlocks; benchmarks/act_math.cu times
+// others).
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut,
+          int kMinBlocks = ActMinBlocks<InT, kPro, kLoop, kOut>()>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
     ActQuantizeVec128Kernel(QuantizeArgs p, PrologueArgs q, Fp8HOutput ho) {
   static_assert(kPro != Prologue::kDAct, "the backward's kernel: act_quantize_blockwise_bwd.cu");
   constexpr bool kRows = kOut & kOutRows, kCols = kOut & kOutCols, kH = kOut & kOutH;
@@ -109,6 +112,22 @@ __global__ void __launch_bounds__(kThreads, ActMinBlocks<InT, kPro, kLoop, kOut>
     StoreTransposedTile(p, tbuf, st.m0, st.k0, st.t);
   }
 }
+
+// One launch of ActQuantizeVec128Kernel for `a`.
+template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut,
+          int kMinBlocks = ActMinBlocks<InT, kPro, kLoop, kOut>()>
+cudaError_t LaunchActKernel(const QuantizeArgs& a, const PrologueArgs& q, const Fp8HOutput& ho,
+                            cudaStream_t stream) {
+  auto* kernel = ActQuantizeVec128Kernel<InT, kPro, kLoop, kOut, kMinBlocks>;
+  // Only the columnwise copy parks values in the scratch.
+  constexpr int kDynamic = (kOut & kOutCols) ? kScratchBytes : 0;
+  if constexpr (kDynamic > 0) {  // 3 blocks take ~220 KB
+    if (cudaError_t e = AllowDynamicShared(kernel, kDynamic); e != cudaSuccess) return e;
+  }
+  kernel<<<TileGrid(a), kThreads, kDynamic, stream>>>(a, q, ho);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t LaunchActVec128Mode(const QuantizeArgs& a, const PrologueArgs& q,
@@ -119,14 +138,7 @@ cudaError_t LaunchActVec128Mode(const QuantizeArgs& a, const PrologueArgs& q,
     if constexpr (V::kPro == Prologue::kDAct) {
       return cudaErrorInvalidValue;
     } else {
-      auto* kernel = ActQuantizeVec128Kernel<typename V::InT, V::kPro, V::kLoop, V::kOut>;
-      // Only the columnwise copy parks values in the scratch.
-      constexpr int kDynamic = (V::kOut & kOutCols) ? kScratchBytes : 0;
-      if constexpr (kDynamic > 0) {  // 3 blocks take ~220 KB
-        if (cudaError_t e = AllowDynamicShared(kernel, kDynamic); e != cudaSuccess) return e;
-      }
-      kernel<<<TileGrid(a), kThreads, kDynamic, stream>>>(a, q, ho);
-      return cudaGetLastError();
+      return LaunchActKernel<typename V::InT, V::kPro, V::kLoop, V::kOut>(a, q, ho, stream);
     }
   });
 }

@@ -202,17 +202,18 @@ __device__ __forceinline__ bool Gated(const PrologueArgs& q) {
 // SwiGLU backward (36-40 bytes of spills at 80). 2 blocks (up to 128
 // registers) for those, for fp32 inputs, and for the backward that also
 // writes act(h)'s columnwise copy (its column bytes and the act(h) values
-// of the row spilled 16-220 bytes at 80), and
-// the forward that writes both copies of z and h's E4M3 copy (SwiGLU and
-// the fp16 gelu spilled 12-44 bytes at 80; z's rowwise copy and h's fit in
-// 58-80 registers with every 16-bit specialized loop).
+// of the row spilled 16-220 bytes at 80).
+// The forward that writes both copies of z and h's E4M3 copy takes 3 too,
+// though its SwiGLU loops spill 28-36 bytes at 80 and the fp16 gelu 12
+// (the 1x128 kernel; bf16 gelu, silu and relu fit): at 2 blocks (96-111
+// registers, 25% occupancy) the 1x128 kernel was the slower one in
+// act_math, by 14% for gelu and 2% for SwiGLU (run AS, H100).
 // The paired backward (both halves of a gated dh, three column byte sets)
 // takes 2 as well.
 template <typename InT, Prologue kPro, prologue::ActLoop kLoop, int kOut, bool kPaired = false>
 constexpr int ActMinBlocks() {
   if (sizeof(InT) != 2 || kLoop == prologue::ActLoop::kAny || (kOut & kOutActCols) || kPaired)
     return 2;
-  if ((kOut & kOutH) && (kOut & kOutCols)) return 2;
   if (std::is_same_v<InT, __half> && kPro == Prologue::kDAct &&
       kLoop == prologue::ActLoop::kSwiGlu)
     return 2;

@@ -105,16 +105,28 @@ struct Fp8Row {
     w = __ldg(reinterpret_cast<const uint2*>(p));
     s = __ldg(scale);
   }
+  // Value j is computed with its neighbour j ^ 1 by the same expressions
+  // for both, so that the unrolled row loop converts each pair once: two
+  // bytes per E4M3 -> half conversion (cvt.rn.f16x2.e4m3x2) and one packed
+  // rounding of two values to a 16-bit InT, where each value used to be
+  // converted and rounded alone.
   __device__ __forceinline__ float operator[](int j) const {
     const unsigned word = j < 4 ? w.x : w.y;
-    const auto byte = static_cast<__nv_fp8_storage_t>((word >> (8 * (j % 4))) & 0xFFu);
-    // E4M3 -> half is exact; the product is exact in float32 (a power-of-two
-    // scale) and rounds to InT as the reference's dequantize does.
-    const float v = __half2float(__half(__nv_cvt_fp8_to_halfraw(byte, __NV_E4M3))) * s;
+    const auto two = static_cast<__nv_fp8x2_storage_t>((word >> (16 * ((j % 4) / 2))) & 0xFFFFu);
+    // E4M3 -> half is exact; each product is exact in float32 (a
+    // power-of-two scale) and rounds to InT as the reference's dequantize
+    // does (round to nearest even, value by value, in the pair forms too).
+    const float2 f = __half22float2(__half2(__nv_cvt_fp8x2_to_halfraw2(two, __NV_E4M3)));
+    const float lo = f.x * s, hi = f.y * s;  // the lower byte is the lower half
     if constexpr (std::is_same_v<InT, float>) {
-      return v;
+      return j % 2 ? hi : lo;
+    } else if constexpr (std::is_same_v<InT, __nv_bfloat16>) {
+      const __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+      const unsigned bits = reinterpret_cast<const unsigned&>(b);
+      return __uint_as_float(j % 2 ? bits & 0xFFFF0000u : bits << 16);
     } else {
-      return ToFloat(InT(v));
+      const __half2 h2 = __floats2half2_rn(lo, hi);
+      return j % 2 ? __high2float(h2) : __low2float(h2);
     }
   }
 };
