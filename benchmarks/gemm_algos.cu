@@ -6,9 +6,13 @@
 //
 // Build and run on the GPU machine:
 //   nvcc -O2 -std=c++17 -o /tmp/gemm_algos benchmarks/gemm_algos.cu -lcublasLt
-//   /tmp/gemm_algos M N K A_MODE B_MODE [E5M2] [FAST_ACCUM]
+//   /tmp/gemm_algos M N K A_MODE B_MODE [E5M2] [FAST_ACCUM] [RESIDUAL]
 // modes: 0 per-tensor, 1 VEC128 (1x128), 2 BLK128x128; E5M2 = 1 makes a
-// E5M2, 2 makes b E5M2 (the gradient operand of dgrad / wgrad), 0 neither. Prints one line per algorithm (heuristic rank, ms, TFLOP/s,
+// E5M2, 2 makes b E5M2 (the gradient operand of dgrad / wgrad), 0 neither.
+// RESIDUAL = 1: out = a @ b^T + c with c a bf16 (M, N) input of its own
+// (cuBLASLt's C, beta = 1; the residual add of a transformer block in the
+// GEMM's epilogue), to see which algorithms take it and what it costs.
+// Prints one line per algorithm (heuristic rank, ms, TFLOP/s,
 // tile/stages/cluster ids) and a last SUMMARY line.
 #include <cublasLt.h>
 #include <cuda_fp8.h>
@@ -70,7 +74,8 @@ int ConfigAttr(const cublasLtMatmulAlgo_t& algo, cublasLtMatmulAlgoConfigAttribu
 
 int main(int argc, char** argv) {
   if (argc < 6) {
-    std::fprintf(stderr, "usage: %s M N K A_MODE B_MODE [E5M2] [FAST_ACCUM]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s M N K A_MODE B_MODE [E5M2] [FAST_ACCUM] [RESIDUAL]\n",
+                 argv[0]);
     return 2;
   }
   const long M = std::atol(argv[1]), N = std::atol(argv[2]), K = std::atol(argv[3]);
@@ -78,14 +83,19 @@ int main(int argc, char** argv) {
   const int e5m2 = argc > 6 ? std::atoi(argv[6]) : 0;
   const bool a_e5m2 = e5m2 == 1, b_e5m2 = e5m2 == 2;
   const int8_t fast = argc > 7 ? static_cast<int8_t>(std::atoi(argv[7])) : 0;
+  const bool residual = argc > 8 && std::atoi(argv[8]) != 0;
   const size_t ws_bytes = 32u << 20;
 
   void* a = a_e5m2 ? RandomFp8<__nv_fp8_e5m2>(M * K, 1) : RandomFp8<__nv_fp8_e4m3>(M * K, 1);
   void* b = b_e5m2 ? RandomFp8<__nv_fp8_e5m2>(N * K, 2) : RandomFp8<__nv_fp8_e4m3>(N * K, 2);
   float* sa = Ones(a_mode, M, K);
   float* sb = Ones(b_mode, N, K);
-  void *d, *ws;
+  void *d, *ws, *c = nullptr;
   CHECK_CUDA(cudaMalloc(&d, M * N * 2));
+  if (residual) {  // finite bf16 values: every one 0x3F3F (about 0.75)
+    CHECK_CUDA(cudaMalloc(&c, M * N * 2));
+    CHECK_CUDA(cudaMemset(c, 0x3F, M * N * 2));
+  }
   CHECK_CUDA(cudaMalloc(&ws, ws_bytes));
 
   cublasLtHandle_t handle;
@@ -126,14 +136,14 @@ int main(int argc, char** argv) {
   cudaEvent_t e0, e1;
   CHECK_CUDA(cudaEventCreate(&e0));
   CHECK_CUDA(cudaEventCreate(&e1));
-  const float alpha = 1.f, beta = 0.f;
+  const float alpha = 1.f, beta = residual ? 1.f : 0.f;
   const double flop = 2.0 * M * N * K;
   const int reps = 20;
   float first = 0.f, best = 1e30f;
   int best_rank = -1;
   for (int i = 0; i < found; ++i) {
     auto run = [&] {
-      return cublasLtMatmul(handle, desc, &alpha, b, la, a, lb, &beta, d, lc, d, lc,
+      return cublasLtMatmul(handle, desc, &alpha, b, la, a, lb, &beta, residual ? c : d, lc, d, lc,
                             &res[i].algo, ws, ws_bytes, stream);
     };
     bool ok = true;
@@ -157,9 +167,9 @@ int main(int argc, char** argv) {
                 ConfigAttr(res[i].algo, CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID),
                 ConfigAttr(res[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM), res[i].workspaceSize);
   }
-  std::printf("SUMMARY M=%ld N=%ld K=%ld modes=%d/%d e5m2=%d fast=%d: %d algos, heuristic "
-              "first %.3f ms, best %.3f ms (rank %d), gain %.1f%%\n",
-              M, N, K, a_mode, b_mode, e5m2, fast, found, first, best, best_rank,
+  std::printf("SUMMARY M=%ld N=%ld K=%ld modes=%d/%d e5m2=%d fast=%d residual=%d: %d algos, "
+              "heuristic first %.3f ms, best %.3f ms (rank %d), gain %.1f%%\n",
+              M, N, K, a_mode, b_mode, e5m2, fast, residual, found, first, best, best_rank,
               100.0 * (first - best) / first);
   return 0;
 }
