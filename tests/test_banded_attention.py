@@ -115,6 +115,43 @@ def _x(seed, s=64):
   return jax.random.normal(jax.random.key(seed), (2, s, E), jnp.float32)
 
 
+def _selects_of_shape(jaxpr, shape):
+  """select_n equations with an output of ``shape``, sub-jaxprs included."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "select_n" and eqn.outvars[0].aval.shape == shape:
+      n += 1
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)          # a ClosedJaxpr's Jaxpr
+        if hasattr(sub, "eqns"):
+          n += _selects_of_shape(sub, shape)
+  return n
+
+
+def test_padding_queries_are_zeroed_once_per_pass():
+  """The band leaves padding queries to attention_core, which zeroes them on
+  every path: one `where` over the (B, S, heads, D) output in the forward
+  and one in the backward (each a pass over the output on the GPU)."""
+  ids = _ids(SHORT)
+  q, k, v, cot = _case(1)
+  raw = pa.banded_self_attention(q, k, v, ids, window=12, scale=D ** -0.5,
+                                 implementation="xla", zero_padding_queries=False)
+  zeroed = pa.banded_self_attention(q, k, v, ids, window=12, scale=D ** -0.5,
+                                    implementation="xla")
+  pad = (ids == 0)[:, :, None, None]
+  assert bool(jnp.all(jnp.where(pad, zeroed, 0.0) == 0.0))
+  assert bool(jnp.any(jnp.where(pad, raw, 0.0) != 0.0))    # left as computed
+  np.testing.assert_array_equal(jnp.where(pad, 0.0, raw), jnp.where(pad, 0.0, zeroed))
+
+  def core(q, k, v):
+    return core_lib.attention_core(q, k, v, self_attn=True, segment_ids=ids,
+                                   kv_segment_ids=ids, attn_mask_type="causal",
+                                   attention_impl="xla", max_document_length=12)
+  jaxpr = jax.make_jaxpr(lambda q, k, v: _vjp(core, q, k, v, cot))(q, k, v).jaxpr
+  assert _selects_of_shape(jaxpr, q.shape) == 2
+
+
 @pytest.mark.parametrize("groups", [H, 2])
 def test_linen_attention_with_max_document_length_is_the_same_function(groups, monkeypatch):
   calls = []

@@ -378,7 +378,8 @@ def test_packed_routing(monkeypatch):
   """Which calls take the packed cuDNN path (stubbed: no cuDNN on the CPU)."""
   from te_jax.layers import packed_attention as pa
   calls = []
-  def spy(q, k, v, segment_ids, *, is_causal, max_segments, scale):
+  def spy(q, k, v, segment_ids, *, is_causal, max_segments, scale, zero_padding_queries):
+    assert not zero_padding_queries          # attention_core zeroes them itself
     calls.append((is_causal, max_segments, scale))
     return jnp.zeros_like(q)
   monkeypatch.setattr(pa, "log_if_unavailable", lambda: True)

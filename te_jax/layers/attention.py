@@ -251,9 +251,13 @@ def _fused_or_xla(attention_impl, max_segments, q, k, v, segment_ids, kv_segment
   if max_document_length is not None and not banded:
     _log_no_band("it needs causal self attention over segment_ids without an extra mask")
   fused, xla = None, xla_attention
+  # The packed and banded paths leave padding queries to attention_core,
+  # which zeroes them on every path (a second `where` cost a pass over the
+  # output in the backward: 24 a step in the Llama preset).
   if banded:
     band = functools.partial(packed_attention.banded_self_attention, q, k, v, segment_ids,
-                             window=max_document_length, scale=head_dim ** -0.5)
+                             window=max_document_length, scale=head_dim ** -0.5,
+                             zero_padding_queries=False)
     # In XLA the band saves no work; the answer is the same.
     xla = functools.partial(band, implementation="xla")
     if _use_cudnn(attention_impl, q, has_mask=False):
@@ -262,7 +266,7 @@ def _fused_or_xla(attention_impl, max_segments, q, k, v, segment_ids, kv_segment
     def fused():
       return packed_attention.packed_self_attention(
           q, k, v, segment_ids, is_causal=is_causal,
-          max_segments=max_segments, scale=head_dim ** -0.5)
+          max_segments=max_segments, scale=head_dim ** -0.5, zero_padding_queries=False)
   elif _use_cudnn(attention_impl, q, full_mask is not None):
     def fused():
       # The mask is built again in here, under the checkpoint below, so that

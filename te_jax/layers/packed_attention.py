@@ -210,7 +210,8 @@ def _cudnn_masked(q, k, v, segment_ids, *, is_causal, scale):
 
 def packed_self_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                           segment_ids: jax.Array, *, is_causal: bool,
-                          max_segments: int, scale: float) -> jax.Array:
+                          max_segments: int, scale: float,
+                          zero_padding_queries: bool = True) -> jax.Array:
   """Self attention of packed rows in cuDNN: tokens see only their document.
 
   Args:
@@ -221,6 +222,9 @@ def packed_self_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     max_segments: documents per row the packed layout has room for; a batch
       with more (or with an id in two runs) takes the masked fallback.
     scale: logit scale, usually ``D ** -0.5``.
+    zero_padding_queries: write 0 at padding queries (default). False
+      leaves them undefined, for a caller that zeroes them itself: each
+      such ``where`` is one more pass over the output in the backward.
 
   Returns:
     (B, S, heads, D) attention output, 0 at padding queries.
@@ -237,6 +241,8 @@ def packed_self_attention(q: jax.Array, k: jax.Array, v: jax.Array,
       functools.partial(_cudnn_masked, segment_ids=segment_ids, is_causal=is_causal,
                         scale=scale),
       q, k, v)
+  if not zero_padding_queries:
+    return out
   return jnp.where(valid[:, :, None, None], out, jnp.zeros((), out.dtype))
 
 
@@ -260,7 +266,7 @@ def document_spans_fit(segment_ids: jax.Array, window: int) -> jax.Array:
 
 def banded_self_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                           segment_ids: jax.Array, *, window: int, scale: float,
-                          implementation: str) -> jax.Array:
+                          implementation: str, zero_padding_queries: bool = True) -> jax.Array:
   """Causal self attention of packed rows whose documents are short: only a band.
 
   When every document spans at most ``window`` tokens (checked on the device,
@@ -280,6 +286,8 @@ def banded_self_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     window: Python int >= 1, the longest document the band serves.
     scale: logit scale, usually ``D ** -0.5``.
     implementation: "cudnn" or "xla" (``jax.nn.dot_product_attention``'s).
+    zero_padding_queries: write 0 at padding queries (default); False
+      leaves them as computed, as in ``packed_self_attention``.
 
   Returns:
     (B, S, heads, D) attention output, 0 at padding queries.
@@ -295,4 +303,6 @@ def banded_self_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     out = lax.cond(document_spans_fit(segment_ids, window),
                    lambda q, k, v: attend(q, k, v, local_window_size=(window - 1, 0)),
                    attend, q, k, v)
+  if not zero_padding_queries:
+    return out
   return jnp.where((segment_ids != 0)[:, :, None, None], out, jnp.zeros((), out.dtype))
