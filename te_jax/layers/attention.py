@@ -251,9 +251,8 @@ def _fused_or_xla(attention_impl, max_segments, q, k, v, segment_ids, kv_segment
   if max_document_length is not None and not banded:
     _log_no_band("it needs causal self attention over segment_ids without an extra mask")
   fused, xla = None, xla_attention
-  # The packed and banded paths leave padding queries to attention_core,
-  # which zeroes them on every path (a second `where` cost a pass over the
-  # output in the backward: 24 a step in the Llama preset).
+  # Padding queries are left to attention_core, which zeroes them on every
+  # path (a second `where` costs a pass over the output in the backward).
   if banded:
     band = functools.partial(packed_attention.banded_self_attention, q, k, v, segment_ids,
                              window=max_document_length, scale=head_dim ** -0.5,
