@@ -351,6 +351,28 @@ def test_gemm_bias(out_dtype, bias_dtype, blocks):
   assert err < _TOL[out_dtype] * 2, f"relative error {err:.3g}"
 
 
+@pytest.mark.parametrize("out_dtype", [BF16, F32])
+@pytest.mark.parametrize("blocks", [None, ((1, 128), (128, 128)), ((1, 128), (1, 128))])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemm_residual(out_dtype, blocks, with_bias):
+  """A residual (cuBLASLt's C, beta 1) of the output's size and magnitude,
+  alone and beside a bias, against the reference that adds it in float32."""
+  m, n, k = 256, 384, 512
+  ba, bb = blocks if blocks else (None, None)
+  a, b = _operand((m, k), E4M3, ba, 12, False), _operand((n, k), E4M3, bb, 13, False)
+  rng = np.random.default_rng(14)
+  res = jnp.asarray(rng.standard_normal((m, n)) * 4, out_dtype)
+  bias = jnp.asarray(rng.standard_normal(n), BF16) if with_bias else None
+  got = jax.jit(lambda a, b, r: gemm_ops.gemm(a, b, out_dtype=out_dtype, bias=bias, residual=r,
+                                              impl="cuda"))(a, b, res)
+  want = gemm_ops.gemm_reference(a, b, F32, bias, res)
+  err = _rel_err(got, want)
+  assert err < _TOL[out_dtype] * 2, f"relative error {err:.3g}"
+  # the residual is in the sum (not dropped, not added twice)
+  plain = gemm_ops.gemm_reference(a, b, F32, bias)
+  assert _rel_err(got, plain) > 10 * err
+
+
 def test_gemm_alignment_errors():
   a = _operand((100, 256), E4M3, None, 12)
   b = _operand((128, 256), E4M3, None, 13)

@@ -69,6 +69,41 @@ def test_trace_time_bias_errors(bias, exc, msg):
     gemm_cuda.gemm(_st((32, 64)), _st((48, 64)), BF16, bias)
 
 
+@pytest.mark.parametrize("residual, exc, msg", [
+    (jnp.zeros((32, 48), F32), TypeError, "residual must have out_dtype"),
+    (jnp.zeros((48, 32), BF16), ValueError, r"residual must have the output's shape \(32, 48\)"),
+    (jnp.zeros((32 * 48,), BF16), ValueError, "residual must have the output's shape"),
+])
+def test_trace_time_residual_errors(residual, exc, msg):
+  with pytest.raises(exc, match=msg):
+    gemm_cuda.gemm(_st((32, 64)), _st((48, 64)), BF16, residual=residual)
+
+
+def test_reference_adds_the_residual_before_the_one_rounding():
+  """ops.gemm's reference (the spec of the residual): (a @ b.T + bias +
+  residual) in float32, rounded once to out_dtype; the checks name it."""
+  from te_jax.ops import gemm as gemm_ops
+  rng = np.random.default_rng(0)
+  # Small integers: every product and sum of the GEMM is exact in float32,
+  # so the only rounding is the final one.
+  a = ScaledTensor(jnp.asarray(rng.integers(-3, 4, (32, 64)), E4M3), jnp.asarray(0.5, F32))
+  b = ScaledTensor(jnp.asarray(rng.integers(-3, 4, (48, 64)), E4M3), jnp.asarray(2.0, F32))
+  res = jnp.asarray(rng.standard_normal((32, 48)) * 3, BF16)
+  bias = jnp.asarray(rng.standard_normal(48), F32)
+  got = gemm_ops.gemm(a, b, out_dtype=BF16, bias=bias, residual=res, impl="reference")
+  prod = (np.asarray(a.data, np.float32) @ np.asarray(b.data, np.float32).T) * 0.5 * 2.0
+  want = (prod + np.asarray(bias) + np.asarray(res, np.float32)).astype(jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(got), want)
+  # two roundings (the product to bf16, then the sum) differ somewhere
+  twice = (prod.astype(jnp.bfloat16).astype(np.float32) + np.asarray(bias)).astype(
+      jnp.bfloat16).astype(np.float32) + np.asarray(res, np.float32)
+  assert np.any(twice.astype(jnp.bfloat16) != want)
+  with pytest.raises(TypeError, match="residual must have out_dtype"):
+    gemm_ops.gemm(a, b, out_dtype=BF16, residual=res.astype(F32), impl="reference")
+  with pytest.raises(ValueError, match=r"residual must have the output's shape \(32, 48\)"):
+    gemm_ops.gemm(a, b, out_dtype=BF16, residual=res.T, impl="reference")
+
+
 def test_workspace_is_a_result():
   """The custom call asks XLA for cuBLASLt's workspace as a second result (a
   temporary XLA allocates), so the handler allocates nothing and XLA may
@@ -88,13 +123,18 @@ def test_workspace_is_a_result():
 # ------------------------------------------------ the handler (GPU only) ---
 
 def _compile(a, b, a_sinv, b_sinv, out_shape, out_dtype=BF16, bias=None, a_mode=0, b_mode=0,
-             fast_accum=0, compiler_options=None, pre=None, workspace=None):
+             fast_accum=0, compiler_options=None, pre=None, workspace=None, residual=None,
+             has_residual=None):
   """(compiled jit(ffi_call("te_jax_gemm")), its arguments), bypassing
   gemm_cuda's checks; `pre` maps the operand tuple inside the jit;
-  `workspace` replaces the scratch result's shape (default: gemm_cuda's)."""
+  `workspace` replaces the scratch result's shape (default: gemm_cuda's);
+  `has_residual` overrides the attribute (default: whether `residual` is given)."""
   _native.resolve_impl("cuda")  # registers the targets (or raises)
   has_bias = bias is not None
   bias = jnp.zeros((0,), BF16) if bias is None else bias
+  if has_residual is None:
+    has_residual = residual is not None
+  residual = jnp.zeros((0, 0), out_dtype) if residual is None else residual
   workspace = gemm_cuda.WORKSPACE if workspace is None else workspace
   call = jax.ffi.ffi_call(
       "te_jax_gemm", (jax.ShapeDtypeStruct(out_shape, jnp.dtype(out_dtype)), workspace))
@@ -102,10 +142,11 @@ def _compile(a, b, a_sinv, b_sinv, out_shape, out_dtype=BF16, bias=None, a_mode=
   def f(*ops):
     ops = pre(*ops) if pre else ops
     out, _ = call(*ops, a_mode=np.int64(a_mode), b_mode=np.int64(b_mode),
-                  fast_accum=np.int64(fast_accum), has_bias=np.int64(has_bias))
+                  fast_accum=np.int64(fast_accum), has_bias=np.int64(has_bias),
+                  has_residual=np.int64(has_residual))
     return out
 
-  args = (a, b, a_sinv, b_sinv, bias)
+  args = (a, b, a_sinv, b_sinv, bias, residual)
   lowered = jax.jit(f).lower(*args)
   return (lowered.compile(compiler_options) if compiler_options else lowered.compile()), args
 
@@ -197,7 +238,17 @@ def test_handler_rejects_bias_and_flags():
   _expect("bias must be bfloat16, float16 or float32", bias=jnp.zeros((48,), E4M3))
   _expect("bias must have shape (48,), got (32,)", bias=jnp.zeros((32,), BF16))
   _expect("bias must have shape (48,), got (1, 48)", bias=jnp.zeros((1, 48), BF16))
-  _expect("fast_accum and has_bias must be 0 or 1", fast_accum=2)
+  _expect("fast_accum, has_bias and has_residual must be 0 or 1", fast_accum=2)
+  _expect("fast_accum, has_bias and has_residual must be 0 or 1",
+          residual=jnp.zeros((32, 48), BF16), has_residual=2)
+
+
+@pytest.mark.gpu
+def test_handler_rejects_residual():
+  _expect("residual must have out's shape (32, 48), got (48, 32)",
+          residual=jnp.zeros((48, 32), BF16))
+  _expect("residual must have out's shape (32, 48), got (0, 0)", has_residual=1)
+  _expect("residual must have out's dtype", residual=jnp.zeros((32, 48), F32))
 
 
 @pytest.mark.gpu
@@ -237,6 +288,22 @@ def test_handler_k_zero():
                  bias=bias)
   np.testing.assert_array_equal(np.asarray(got, np.float32),
                                 np.broadcast_to(np.asarray(bias), (32, 48)))
+
+
+@pytest.mark.gpu
+def test_handler_residual():
+  """The residual is added (beta 1) to the product, and alone at K = 0 (the
+  residual plus the bias, copied, where cuBLASLt takes no k = 0)."""
+  rng = np.random.default_rng(6)
+  res = jnp.asarray(rng.standard_normal((32, 48)) * 8, F32)
+  a, b = _rand_fp8((32, 256), E4M3, 7), _rand_fp8((48, 256), E4M3, 8)
+  got = _call(a, b, _ONE, _ONE, (32, 48), F32, residual=res)
+  np.testing.assert_allclose(np.asarray(got), _ref(a, b, 1.0, 1.0) + np.asarray(res),
+                             rtol=1e-2, atol=1e-2)
+  bias = jnp.arange(48, dtype=F32)
+  got = _call(jnp.zeros((32, 0), E4M3), jnp.zeros((48, 0), E4M3), _ONE, _ONE, (32, 48), F32,
+              bias=bias, residual=res)
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(res) + np.asarray(bias))
 
 
 @pytest.mark.gpu

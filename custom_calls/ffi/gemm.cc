@@ -1,5 +1,5 @@
 // XLA FFI handler of te_jax/ops/gemm.py (Python side: gemm_cuda.py):
-// FP8 GEMM out = a @ b.T through cuBLASLt.
+// FP8 GEMM out = a @ b.T (+ bias) (+ residual) through cuBLASLt.
 //
 // Layout mapping. te_jax is row-major: a (M, K), b (N, K), out (M, N), all
 // K-contiguous / N-contiguous. cuBLASLt is column-major, so we ask it for
@@ -8,6 +8,9 @@
 // cuBLAS "B" = our a with TRANSB=N, m = N, n = M, k = K. This is the "TN"
 // layout Hopper FP8 requires. Consequently the scale of cuBLAS A is b's and
 // vice versa, and the bias (one value per cuBLAS row m) is indexed by N.
+// A residual (attr has_residual) is cuBLASLt's C with beta = 1, an (M, N)
+// input of out's dtype added in float32 before the one rounding to out's
+// type: a transformer block's `x + proj(h)` without a pass of its own.
 //
 // Scale modes (attrs a_mode / b_mode): 0 per-tensor scalar, 1 VEC128 (1x128
 // tiles along K; scales (ceil(K/128), rows) with rows contiguous), 2
@@ -128,9 +131,9 @@ uint32_t Alignment(const void* p) {
 // Everything the selected algorithm depends on: the kind of device
 // (gemm_autotune::DeviceClass: devices of one model share plans), m, n, k,
 // A/B/D types, modes, fast accumulation, bias type (-1 none), whether the
-// fused epilogue may be tried, the A/B/D pointer alignments and the
-// workspace size.
-using Key = std::array<int64_t, 15>;
+// fused epilogue may be tried, the A/B/D pointer alignments, the workspace
+// size and the residual's pointer alignment (0 without a residual).
+using Key = std::array<int64_t, 16>;
 struct Plan {
   cublasLtMatmulAlgo_t algo;
   bool fused_bias;  // false: bias (if any) added by the fallback kernel
@@ -322,9 +325,10 @@ cublasStatus_t SetPref(cublasLtMatmulPreference_t p, cublasLtMatmulPreferenceAtt
 }
 
 ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::AnyBuffer a_sinv,
-                    ffi::AnyBuffer b_sinv, ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer> out,
-                    ffi::Result<ffi::AnyBuffer> workspace_buf, int64_t a_mode, int64_t b_mode,
-                    int64_t fast_accum, int64_t has_bias) {
+                    ffi::AnyBuffer b_sinv, ffi::AnyBuffer bias, ffi::AnyBuffer residual,
+                    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace_buf,
+                    int64_t a_mode, int64_t b_mode, int64_t fast_accum, int64_t has_bias,
+                    int64_t has_residual) {
   // ---- validation: every buffer against the (M, N, K) of a and b ----
   auto ad = a.dimensions(), bd = b.dimensions(), od = out->dimensions();
   if (ad.size() != 2 || bd.size() != 2 || ad[1] != bd[1])
@@ -356,8 +360,9 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
                    " (both 0, or VEC128/BLK128x128 pairs other than BLK x BLK)");
   TE_TRY(CheckScale("a", a_sinv, a_mode, M, K));
   TE_TRY(CheckScale("b", b_sinv, b_mode, N, K));
-  if ((fast_accum != 0 && fast_accum != 1) || (has_bias != 0 && has_bias != 1))
-    return Invalid("fast_accum and has_bias must be 0 or 1");
+  if ((fast_accum != 0 && fast_accum != 1) || (has_bias != 0 && has_bias != 1) ||
+      (has_residual != 0 && has_residual != 1))
+    return Invalid("fast_accum, has_bias and has_residual must be 0 or 1");
   if (has_bias) {
     if (bias.dimensions().size() != 1 || bias.dimensions()[0] != N)
       return Invalid("bias must have shape (" + std::to_string(N) + ",), got " +
@@ -365,12 +370,26 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
     if (!Float(bias.element_type(), &tbias, &bias_code))
       return Invalid("bias must be bfloat16, float16 or float32");
   }
+  if (has_residual) {
+    auto rd = residual.dimensions();
+    if (rd.size() != 2 || rd[0] != M || rd[1] != N)
+      return Invalid("residual must have out's shape (" + std::to_string(M) + ", " +
+                     std::to_string(N) + "), got " + Dims(rd));
+    if (residual.element_type() != out->element_type())
+      return Invalid("residual must have out's dtype");
+  }
   if (M == 0 || N == 0) return ffi::Error::Success();
   int dev = 0;
   TE_TRY(CurrentDevice(&dev));
   void* d = out->untyped_data();
   if (K == 0) {  // empty sum: cuBLASLt does not take k = 0
-    TE_TRY(CudaError(cudaMemsetAsync(d, 0, out->size_bytes(), stream), "gemm (K=0 zero fill)"));
+    if (has_residual) {
+      TE_TRY(CudaError(cudaMemcpyAsync(d, residual.untyped_data(), out->size_bytes(),
+                                       cudaMemcpyDeviceToDevice, stream),
+                       "gemm (K=0 residual copy)"));
+    } else {
+      TE_TRY(CudaError(cudaMemsetAsync(d, 0, out->size_bytes(), stream), "gemm (K=0 zero fill)"));
+    }
     if (!has_bias) return ffi::Error::Success();
     return CudaError(LaunchAddBias(d, out_code, bias.untyped_data(), bias_code, M, N, stream),
                      "gemm (bias, K=0)");
@@ -384,12 +403,16 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   const cudaDataType_t lt_bias = td == CUDA_R_16F ? CUDA_R_16F : CUDA_R_16BF;
   const bool try_fused = has_bias && tbias == lt_bias && Alignment(bias.untyped_data()) >= 16;
   const int8_t fast = (fast_accum && !blockwise) ? 1 : 0;  // fast accum is per-tensor only
-  // Real pointer alignments (C is D: beta = 0, same buffer). cuBLASLt assumes
-  // 256 bytes by default, but XLA promises only 16 for entry parameters and
-  // 128 for its own buffers, and dynamic-slice fusion can pass a sub-buffer.
+  // Real pointer alignments (C is D, beta = 0, without a residual; C is the
+  // residual, beta = 1, with one). cuBLASLt assumes 256 bytes by default,
+  // but XLA promises only 16 for entry parameters and 128 for its own
+  // buffers, and dynamic-slice fusion can pass a sub-buffer.
   const uint32_t align_a = Alignment(b.untyped_data());  // cuBLAS A is our b
   const uint32_t align_b = Alignment(a.untyped_data());
   const uint32_t align_d = Alignment(d);
+  const void* c = has_residual ? residual.untyped_data() : d;
+  const uint32_t align_c = Alignment(c);
+  const float beta = has_residual ? 1.f : 0.f;
 
   // The workspace, rounded up to cuBLASLt's alignment; a buffer too small to
   // hold any is passed as none (cuBLASLt then picks workspace-free kernels).
@@ -439,8 +462,10 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
     args.order.swizzle = swizzle;
     return LaunchSm90(variant, args, ws, ws_size, sms, s);
   };
-  const gemm_autotune::Sm90Use sm90_use =
-      blockwise ? gemm_autotune::Sm90Setting(kHaveSm90) : gemm_autotune::Sm90Use::kOff;
+  // (The sm90 variants write a @ b.T alone: no residual.)
+  const gemm_autotune::Sm90Use sm90_use = blockwise && !has_residual
+                                              ? gemm_autotune::Sm90Setting(kHaveSm90)
+                                              : gemm_autotune::Sm90Use::kOff;
 
   // Descriptors are cheap host objects: build them per call (the pointers
   // change every call) and cache only the heuristic's algorithm choice.
@@ -487,15 +512,15 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
     std::snprintf(
         h, sizeof(h),
         "te_jax gemm autotune: out (%lld, %lld) %s = a (%lld, %lld) %s @ b (%lld, %lld).T %s;"
-        " scales a=%s b=%s; fast_accum=%d; bias=%s%s; alignment a=%u b=%u out=%u;"
+        " scales a=%s b=%s; fast_accum=%d; bias=%s%s; residual=%s; alignment a=%u b=%u out=%u;"
         " workspace=%zu; device %d (plans shared with device %d); stream capturing=%s;"
         " %zu candidate(s)",
         static_cast<long long>(M), static_cast<long long>(N), TypeName(td),
         static_cast<long long>(M), static_cast<long long>(K), TypeName(ta),
         static_cast<long long>(N), static_cast<long long>(K), TypeName(tb), ModeName(a_mode),
         ModeName(b_mode), static_cast<int>(fast), has_bias ? TypeName(tbias) : "none",
-        has_bias ? (fused ? " (fused epilogue)" : " (fallback kernel)") : "", align_b, align_a,
-        align_d, ws_bytes, dev, dev_class,
+        has_bias ? (fused ? " (fused epilogue)" : " (fallback kernel)") : "",
+        has_residual ? "yes (beta 1)" : "none", align_b, align_a, align_d, ws_bytes, dev, dev_class,
         !known ? "unknown" : cap == cudaStreamCaptureStatusNone ? "no" : "yes", cands.size());
     const std::string report = gemm_autotune::Report(
         h, cands, winner, 2.0 * static_cast<double>(M) * static_cast<double>(N) * static_cast<double>(K),
@@ -516,7 +541,7 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
           "set MAX_WORKSPACE_BYTES");
     TE_LT(SetPref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, align_a), "set ALIGNMENT_A");
     TE_LT(SetPref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, align_b), "set ALIGNMENT_B");
-    TE_LT(SetPref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_d), "set ALIGNMENT_C");
+    TE_LT(SetPref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, align_c), "set ALIGNMENT_C");
     TE_LT(SetPref(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, align_d), "set ALIGNMENT_D");
     const int pick = gemm_autotune::PickFor(fast != 0);
     const int want = std::max(gemm_autotune::AlgoCount(), pick + 1);
@@ -559,7 +584,7 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
       } else if (cands.size() > 1) {
         const gemm_autotune::Problem problem{
             handle, desc.d, la.l, lb.l, lc.l, b.untyped_data(), a.untyped_data(),
-            out->size_bytes(), align_d, ws_bytes,
+            out->size_bytes(), align_d, ws_bytes, beta,
             [&](const gemm_autotune::Candidate& c, void* dst, void* scratch, cudaStream_t on) {
               return launch_sm90(c.sm90, c.sm90_swizzle, dst, scratch, ws_bytes, on);
             }};
@@ -588,6 +613,9 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
       }
       if (sm90_use == gemm_autotune::Sm90Use::kOnly && sm90_cands.empty())
         note += "; TE_JAX_GEMM_SM90=only, but no sm90 variant takes the problem: cuBLASLt";
+      if (has_residual && blockwise &&
+          gemm_autotune::Sm90Setting(kHaveSm90) != gemm_autotune::Sm90Use::kOff)
+        note += "; the sm90 variants add no residual: cuBLASLt alone";
       if (!sm90_rejected.empty()) note += "; " + sm90_rejected;
       if (gemm_autotune::LogEnabled()) log_selection(fused, cands, winner, note);
       if (winner < 0) continue;
@@ -600,12 +628,13 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
         " N=" + std::to_string(N) + " K=" + std::to_string(K) + " a_mode=" +
         std::to_string(a_mode) + " b_mode=" + std::to_string(b_mode) + " pointer alignment a=" +
         std::to_string(align_b) + " b=" + std::to_string(align_a) + " out=" +
-        std::to_string(align_d) + " (status " + cublasLtGetStatusName(s) + ")");
+        std::to_string(align_d) + (has_residual ? " with a residual" : "") + " (status " +
+        cublasLtGetStatusName(s) + ")");
   };
 
   const Key key{dev_class, M, N, K, ta, tb, td, a_mode * 4 + b_mode, fast,
                 has_bias ? static_cast<int64_t>(tbias) : -1, try_fused, align_a, align_b, align_d,
-                static_cast<int64_t>(ws_bytes)};
+                static_cast<int64_t>(ws_bytes), has_residual ? static_cast<int64_t>(align_c) : 0};
   Plan plan;
   if (!FindPlan(st, key, &plan)) {
     RelaxedCapture relaxed;
@@ -625,9 +654,9 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
   } else {
     Desc desc;
     TE_TRY(make_desc(plan.fused_bias, &desc));
-    const float alpha = 1.f, beta = 0.f;
+    const float alpha = 1.f;
     TE_LT(cublasLtMatmul(handle, desc.d, &alpha, b.untyped_data(), la.l, a.untyped_data(), lb.l,
-                         &beta, d, lc.l, d, lc.l, &plan.algo, workspace, ws_bytes, stream),
+                         &beta, c, lc.l, d, lc.l, &plan.algo, workspace, ws_bytes, stream),
           "cublasLtMatmul");
   }
   if (has_bias && !plan.fused_bias) {
@@ -648,12 +677,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxGemm, GemmImpl,
                                   .Arg<ffi::AnyBuffer>()          // a_sinv f32: () or block layout
                                   .Arg<ffi::AnyBuffer>()          // b_sinv f32: () or block layout
                                   .Arg<ffi::AnyBuffer>()          // bias (N,) or (0,) placeholder
+                                  .Arg<ffi::AnyBuffer>()          // residual (M, N) or (0, 0)
                                   .Ret<ffi::AnyBuffer>()          // out (M, N) bf16/fp16/fp32
                                   .Ret<ffi::AnyBuffer>()          // workspace (bytes,) uint8 scratch
                                   .Attr<int64_t>("a_mode")        // 0 tensor, 1 VEC128, 2 BLK128x128
                                   .Attr<int64_t>("b_mode")
                                   .Attr<int64_t>("fast_accum")    // 0/1, per-tensor only
-                                  .Attr<int64_t>("has_bias"),     // 0/1
+                                  .Attr<int64_t>("has_bias")      // 0/1
+                                  .Attr<int64_t>("has_residual"), // 0/1: out += residual
                               {ffi::Traits::kCmdBufferCompatible});
 
 }  // namespace te_jax

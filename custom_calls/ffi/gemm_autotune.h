@@ -266,6 +266,9 @@ struct Problem {
   size_t d_bytes;             // size of D
   uint32_t d_align;           // alignment of the real D (the scratch D copies it)
   size_t workspace_bytes;     // usable workspace of the real call
+  // The real call's beta: 1 when it adds a residual (C). The timing runs
+  // with C = the scratch D, so that its reads of C are timed too.
+  float beta;
   // Runs an sm90 candidate into (d, workspace) on the stream (gemm.cc binds
   // the problem's operands); unset when there are none.
   std::function<cudaError_t(const Candidate&, void* d, void* ws, cudaStream_t)> run_sm90;
@@ -383,7 +386,7 @@ inline std::string Measure(int dev, const Problem& p, std::vector<Candidate>* ca
   }
   void* d = AlignUp(scratch.d, 256) + (p.d_align < 256 ? p.d_align : 0);
   void* ws = p.workspace_bytes ? AlignUp(scratch.ws, 256) : nullptr;
-  const float alpha = 1.f, beta = 0.f;
+  const float alpha = 1.f, beta = p.beta;
   auto run = [&](Candidate& c) {
     if (c.sm90 >= 0) {
       const cudaError_t e = p.run_sm90 ? p.run_sm90(c, d, ws, s) : cudaErrorInvalidValue;

@@ -12,6 +12,11 @@ Scaling pairs: ``tiling.GEMM_PAIRS``, the pairs cuBLASLt accepts:
 
 The reference dequantizes both operands to float32 and multiplies at
 ``Precision.HIGHEST``: the spec every CUDA GEMM is measured against.
+
+A ``residual`` (M, N) of ``out_dtype`` is added in float32 before the one
+rounding to ``out_dtype`` (cuBLASLt's C input with beta = 1): the
+``x + proj(h)`` of a transformer block, which otherwise costs a pass of its
+own over the output (XLA cannot fuse an add into a custom call).
 """
 
 from __future__ import annotations
@@ -33,18 +38,22 @@ _OUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.fl
 
 
 def gemm_reference(a: ScaledTensor, b: ScaledTensor, out_dtype=jnp.bfloat16,
-                   bias: Optional[jax.Array] = None) -> jax.Array:
-  """``dequant(a) @ dequant(b).T (+ bias)`` in float32, cast to ``out_dtype``."""
+                   bias: Optional[jax.Array] = None,
+                   residual: Optional[jax.Array] = None) -> jax.Array:
+  """``dequant(a) @ dequant(b).T (+ bias) (+ residual)`` in float32, cast to
+  ``out_dtype``."""
   af, bf = a.dequantize(jnp.float32), b.dequantize(jnp.float32)
   out = lax.dot_general(af, bf, (((1,), (1,)), ((), ())),
                         precision=lax.Precision.HIGHEST,
                         preferred_element_type=jnp.float32)
   if bias is not None:
     out = out + bias.astype(jnp.float32)
+  if residual is not None:
+    out = out + residual.astype(jnp.float32)
   return out.astype(out_dtype)
 
 
-def _check(a, b, out_dtype, bias):
+def _check(a, b, out_dtype, bias, residual=None):
   for name, t in (("a", a), ("b", b)):
     if not isinstance(t, ScaledTensor):
       raise TypeError(f"{name} must be a te_jax ScaledTensor, got {type(t).__name__}.")
@@ -73,11 +82,18 @@ def _check(a, b, out_dtype, bias):
     raise TypeError(f"out_dtype must be bfloat16, float16 or float32, got {out_dtype}.")
   if bias is not None and bias.shape != (b.shape[0],):
     raise ValueError(f"bias must have shape ({b.shape[0]},), got {bias.shape}.")
+  if residual is not None:
+    want = (a.shape[0], b.shape[0])
+    if residual.shape != want:
+      raise ValueError(f"residual must have the output's shape {want}, got {residual.shape}.")
+    if jnp.dtype(residual.dtype) != jnp.dtype(out_dtype):
+      raise TypeError(f"residual must have out_dtype ({jnp.dtype(out_dtype).name}), got "
+                      f"{residual.dtype}: cast it, or ask for that out_dtype.")
 
 
 def gemm(a: ScaledTensor, b: ScaledTensor, *, out_dtype=jnp.bfloat16,
          bias: Optional[jax.Array] = None, fast_accum: bool = False,
-         impl: str = "auto") -> jax.Array:
+         residual: Optional[jax.Array] = None, impl: str = "auto") -> jax.Array:
   """FP8 GEMM ``a @ b.T``.
 
   Args:
@@ -87,12 +103,14 @@ def gemm(a: ScaledTensor, b: ScaledTensor, *, out_dtype=jnp.bfloat16,
     bias: optional (N,) vector added in float32 before the cast.
     fast_accum: per-tensor only: let the tensor cores accumulate at reduced
       precision (ignored by the reference, which is always exact fp32).
+    residual: optional (M, N) array of ``out_dtype`` added in float32
+      before the cast.
     impl: "auto", "cuda" or "reference".
 
   Returns:
     (M, N) array of ``out_dtype``.
   """
-  _check(a, b, out_dtype, bias)
+  _check(a, b, out_dtype, bias, residual)
   def cuda():
-    return gemm_cuda.gemm(a, b, jnp.dtype(out_dtype), bias, fast_accum)
-  return _native.dispatch(impl, cuda, lambda: gemm_reference(a, b, out_dtype, bias))
+    return gemm_cuda.gemm(a, b, jnp.dtype(out_dtype), bias, fast_accum, residual)
+  return _native.dispatch(impl, cuda, lambda: gemm_reference(a, b, out_dtype, bias, residual))

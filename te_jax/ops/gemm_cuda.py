@@ -9,8 +9,8 @@ attributes are the layouts' ``gemm_mode``. Everything the handler validates
 is checked here first, at trace time, with an error naming the argument: FP8
 operand dtypes (not E5M2 x E5M2), 2-D operands sharing K, M, N and K
 multiples of 16 (FP8 tensor core GEMMs need 16-byte aligned leading
-dimensions), the output dtype, scale dtypes and layouts, the scaling pair
-and the bias. The handler repeats these checks for
+dimensions), the output dtype, scale dtypes and layouts, the scaling pair,
+the bias and the residual. The handler repeats these checks for
 direct ``ffi_call`` users; pointer alignment is the handler's alone (it tells
 cuBLASLt the real alignment).
 """
@@ -64,8 +64,9 @@ def native_scale(t: ScaledTensor, name: str):
 
 
 def gemm(a: ScaledTensor, b: ScaledTensor, out_dtype, bias: Optional[jax.Array] = None,
-         fast_accum: bool = False) -> jax.Array:
-  """``a @ b.T`` with a (M, K), b (N, K) FP8 ScaledTensors; returns (M, N)."""
+         fast_accum: bool = False, residual: Optional[jax.Array] = None) -> jax.Array:
+  """``a @ b.T (+ bias) (+ residual)`` with a (M, K), b (N, K) FP8
+  ScaledTensors, residual (M, N) of ``out_dtype``; returns (M, N)."""
   for name, t in (("a", a), ("b", b)):
     if len(t.shape) != 2:
       raise ValueError(f"{name}.data must be 2-D, got shape {t.shape}.")
@@ -98,10 +99,20 @@ def gemm(a: ScaledTensor, b: ScaledTensor, out_dtype, bias: Optional[jax.Array] 
     if bias.shape != (n,):
       raise ValueError(f"bias must have shape ({n},), got {bias.shape}.")
     bias_arg = bias
+  if residual is None:
+    residual_arg = jnp.zeros((0, 0), out_dtype)
+  else:
+    if jnp.dtype(residual.dtype) != jnp.dtype(out_dtype):
+      raise TypeError(f"residual must have out_dtype ({jnp.dtype(out_dtype).name}), got "
+                      f"{residual.dtype}.")
+    if residual.shape != (m, n):
+      raise ValueError(f"residual must have the output's shape {(m, n)}, got {residual.shape}.")
+    residual_arg = residual
   out, _ = jax.ffi.ffi_call(
       "te_jax_gemm",
       (jax.ShapeDtypeStruct((m, n), jnp.dtype(out_dtype)), WORKSPACE))(
-          a.data, b.data, a_s, b_s, bias_arg,
+          a.data, b.data, a_s, b_s, bias_arg, residual_arg,
           a_mode=np.int64(a_layout.gemm_mode), b_mode=np.int64(b_layout.gemm_mode),
-          fast_accum=np.int64(bool(fast_accum)), has_bias=np.int64(bias is not None))
+          fast_accum=np.int64(bool(fast_accum)), has_bias=np.int64(bias is not None),
+          has_residual=np.int64(residual is not None))
   return out
