@@ -70,7 +70,8 @@
 # default MOE_RECIPES), MOE_MODEL_SET (bench_moe's --model-set: overrides on the moe preset), JAX_WHEELS, NVCC_FREE, NVCC_FREE_TESTS, MEMORY_TABLES (the suite
 # stage's compile-only tables, default "offload live actfp8"), MODEL_RECIPES (the model
 # stage's recipes, default none,delayed,blockwise,current), MODEL_ARGS (more
-# bench_model arguments for the model stage, e.g. "--top 15").
+# bench_model arguments for the model stage, e.g. "--top 15"), MODEL_HLO=1
+# (the model stage keeps each recipe's optimized step HLO, gzipped).
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 RUN_DIR="${RUN_DIR:-/tmp/gpu_session}"; mkdir -p "$RUN_DIR"
@@ -88,7 +89,8 @@ if [[ "${1:-}" == wait ]]; then       # a foreground call: wait, report, hand ba
     # One archive: a call hands back only a few files.
     cp "$LOG" "$OUT/" 2>/dev/null
     # Nsight Compute's CSVs too: the summary's source when it shows nan or -.
-    (cd "$RUN_DIR" && find . \( -name '*.log' -o -name '*.err' -o -name 'ncu*.csv' \) -size -4M \
+    (cd "$RUN_DIR" && find . \( -name '*.log' -o -name '*.err' -o -name 'ncu*.csv' \
+       -o -path './hlo/*.gz' \) -size -4M \
        -print0 | tar -czf "$OUT/logs.tgz" --null -T -)
   fi
   exit 0
@@ -248,10 +250,25 @@ if want model; then
   st "model"
   # MODEL_SET: Config overrides for every row, e.g.
   # keep_fp8_copies=true,store_act_input_in_fp8=true (speed and memory together)
-  # MODEL_ARGS: more bench_model arguments, e.g. "--top 15".
+  # MODEL_ARGS: more bench_model arguments, e.g. "--top 15". MODEL_HLO=1:
+  # each recipe's optimized step HLO, gzipped into $OUT/hlo (what
+  # tools/hlo_kernels.py reads to say what a kernel of the profile computes).
+  saved_xla_flags="${XLA_FLAGS-}"
+  if [[ "${MODEL_HLO:-0}" == 1 ]]; then
+    export XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_dump_to=$OUT/xla_dump --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_train_step --xla_dump_include_timestamp"
+  fi
   model_rows model "${MODEL_SET:+$MODEL_SET: }" 560 \
     --recipes "${MODEL_RECIPES:-none,delayed,blockwise,current}" --timeout 200 \
     ${MODEL_SET:+--set "$MODEL_SET"} ${MODEL_ARGS:-}
+  if [[ "${MODEL_HLO:-0}" == 1 ]]; then
+    mkdir -p "$OUT/hlo"
+    for f in "$OUT"/xla_dump/*jit_train_step*after_optimizations.txt; do
+      [[ -f "$f" ]] && gzip -c "$f" > "$OUT/hlo/$(basename "$f").gz"
+    done
+    rm -rf "$OUT/xla_dump"
+    st "model: $(ls "$OUT/hlo" | wc -l) optimized step HLO file(s) in $OUT/hlo (in recipe order)"
+    export XLA_FLAGS="$saved_xla_flags"   # the later stages dump nothing
+  fi
 fi
 if want keep; then   # the model with the FP8 copies kept (speed against memory)
   st "keep"
