@@ -152,6 +152,19 @@ def test_padding_queries_are_zeroed_once_per_pass():
   assert _selects_of_shape(jaxpr, q.shape) == 2
 
 
+def test_the_band_cond_takes_no_dense_mask_operand():
+  """The segment mask is made inside each branch (fused into the bias there
+  on the GPU), so the cond's operands hold nothing of (B, 1, S, S)."""
+  ids = _ids(SHORT)
+  q, k, v, _ = _case(2)
+  jaxpr = jax.make_jaxpr(lambda q, k, v: pa.banded_self_attention(
+      q, k, v, ids, window=12, scale=D ** -0.5, implementation="xla"))(q, k, v).jaxpr
+  conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+  assert len(conds) == 1
+  s = q.shape[1]
+  assert all(tuple(x.aval.shape[-2:]) != (s, s) for x in conds[0].invars)
+
+
 @pytest.mark.parametrize("groups", [H, 2])
 def test_linen_attention_with_max_document_length_is_the_same_function(groups, monkeypatch):
   calls = []
