@@ -204,9 +204,9 @@ __device__ __forceinline__ bool Gated(const PrologueArgs& q) {
 // writes act(h)'s columnwise copy (its column bytes and the act(h) values
 // of the row spilled 16-220 bytes at 80).
 // The forward that writes both copies of z and h's E4M3 copy takes 3 too,
-// though its SwiGLU loops spill 28-36 bytes at 80 and the fp16 gelu 12
-// (the 1x128 kernel; bf16 gelu, silu and relu fit): at 2 blocks (96-111
-// registers, 25% occupancy) the 1x128 kernel was the slower one in
+// though its SwiGLU loops spill at 80 (1x128 kernel 28-36 bytes, per tensor
+// 16-44) and the fp16 gelu 12 (bf16 gelu, silu and relu fit): at 2 blocks
+// (96-111 registers, 25% occupancy) the 1x128 kernel was the slower one in
 // act_math, by 14% for gelu and 2% for SwiGLU (run AS, H100).
 // The paired backward (both halves of a gated dh, three column byte sets)
 // takes 2 as well.
