@@ -329,7 +329,8 @@ fi
 # which launches each kernel of the two shapes once (tensor and 1x128: fwd,
 # fwd writing z both ways and h's E4M3 copy (the Llama step's), bwd; 1x128
 # bwd with an E4M3 h; for gelu also both 1x128 backwards at 2 blocks per SM:
-# 16 launches whose names contain ActQuantize) and skips
+# 16 launches whose names contain ActQuantize; with the stall reasons by
+# name, which the sections' details page leaves out) and skips
 # the checks and the math variants. Without it every timed kernel ran 23 times
 # (3 warm-up + 20), so --launch-count 24 stopped after the first tensor
 # forward and backward and never reached ActQuantizeVec128Kernel.
@@ -344,7 +345,9 @@ if want act; then
         --kernel-name "regex:ActQuantize" --launch-count 20 --csv --page details \
         --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
         --section Occupancy --section LaunchStats --section InstructionStats \
-        --section SchedulerStats --section ComputeWorkloadAnalysis "$act_bin" --profile \
+        --section SchedulerStats --section ComputeWorkloadAnalysis \
+        --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+        "$act_bin" --profile \
         > "$OUT/ncu_act.csv" 2> "$OUT/ncu_act.err" \
         || { echo "ncu (act): exit $? (see $OUT/ncu_act.err)"; tail -n 3 "$OUT/ncu_act.err"; }
       python3 tools/ncu_summary.py "$OUT/ncu_act.csv" | tee "$OUT/ncu_act_summary.log"
