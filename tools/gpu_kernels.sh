@@ -327,9 +327,10 @@ fi
 # Nsight Compute on its te_jax kernels: the budget of issue 43's largest
 # te_jax kernel, the 1x128 backward. ncu runs the harness with --profile,
 # which launches each kernel of the two shapes once (tensor and 1x128: fwd,
-# fwd writing z both ways and h's E4M3 copy (the Llama step's), bwd; 1x128
-# bwd with an E4M3 h; for gelu also both 1x128 backwards at 2 blocks per SM:
-# 16 launches whose names contain ActQuantize; with the stall reasons by
+# fwd writing z both ways and h's E4M3 copy (the Llama step's), the 1x128
+# one also at 2 and 3 blocks per SM, bwd; 1x128 bwd with an E4M3 h; for
+# gelu also both 1x128 backwards at 2 blocks per SM: 20 launches whose
+# names contain ActQuantize, --launch-count's 20; with the stall reasons by
 # name, which the sections' details page leaves out) and skips
 # the checks and the math variants. Without it every timed kernel ran 23 times
 # (3 warm-up + 20), so --launch-count 24 stopped after the first tensor
