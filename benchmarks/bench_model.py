@@ -137,7 +137,8 @@ def run_one(preset, recipe, k, repeats, profile_steps, small, doc_window=None, v
           "tokens_per_s": tokens / (ms / 1e3),
           "mfu": None if peak is None else flops / peak, "loss": loss,
           "params": train_gpt.param_count(state), "kernels_ms": kinds, "kernel_total_ms": total,
-          "idle_ms": max(span - total, 0.0), "top": top, "launches": launches, "steps_timed": k * repeats,
+          "idle_ms": max(span - total, 0.0), "top": top, "launches": launches,
+          "steps_timed": k * repeats,
           "fp8_scales_moved": moved, "memory": memory}
 
 
@@ -197,7 +198,8 @@ def main(argv=None):
   for recipe in [r for r in args.recipes.split(",") if r]:
     cmd = [sys.executable, os.path.abspath(__file__), "--one", recipe, "--preset", args.preset,
            "--k", str(args.k), "--repeats", str(args.repeats),
-           "--profile-steps", str(args.profile_steps), "--top", str(args.top)] + (["--small"] if args.small else []) + (
+           "--profile-steps", str(args.profile_steps), "--top", str(args.top)] + (
+               ["--small"] if args.small else []) + (
                ["--set", args.set] if args.set else []) + (
                [] if args.doc_window is None else
                ["--doc-window" if args.doc_window else "--no-doc-window"]) + [

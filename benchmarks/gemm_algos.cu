@@ -143,8 +143,8 @@ int main(int argc, char** argv) {
   int best_rank = -1;
   for (int i = 0; i < found; ++i) {
     auto run = [&] {
-      return cublasLtMatmul(handle, desc, &alpha, b, la, a, lb, &beta, residual ? c : d, lc, d, lc,
-                            &res[i].algo, ws, ws_bytes, stream);
+      return cublasLtMatmul(handle, desc, &alpha, b, la, a, lb, &beta, residual ? c : d, lc, d,
+                            lc, &res[i].algo, ws, ws_bytes, stream);
     };
     bool ok = true;
     for (int w = 0; w < 3 && ok; ++w) ok = run() == CUBLAS_STATUS_SUCCESS;
