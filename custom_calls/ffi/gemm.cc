@@ -462,10 +462,12 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
     args.order.swizzle = swizzle;
     return LaunchSm90(variant, args, ws, ws_size, sms, s);
   };
-  // (The sm90 variants write a @ b.T alone: no residual.)
-  const gemm_autotune::Sm90Use sm90_use = blockwise && !has_residual
-                                              ? gemm_autotune::Sm90Setting(kHaveSm90)
-                                              : gemm_autotune::Sm90Use::kOff;
+  // The setting for blockwise problems; the sm90 variants write a @ b.T
+  // alone, so a residual leaves them out.
+  const gemm_autotune::Sm90Use sm90_setting =
+      blockwise ? gemm_autotune::Sm90Setting(kHaveSm90) : gemm_autotune::Sm90Use::kOff;
+  const gemm_autotune::Sm90Use sm90_use =
+      has_residual ? gemm_autotune::Sm90Use::kOff : sm90_setting;
 
   // Descriptors are cheap host objects: build them per call (the pointers
   // change every call) and cache only the heuristic's algorithm choice.
@@ -613,8 +615,7 @@ ffi::Error GemmImpl(cudaStream_t stream, ffi::AnyBuffer a, ffi::AnyBuffer b, ffi
       }
       if (sm90_use == gemm_autotune::Sm90Use::kOnly && sm90_cands.empty())
         note += "; TE_JAX_GEMM_SM90=only, but no sm90 variant takes the problem: cuBLASLt";
-      if (has_residual && blockwise &&
-          gemm_autotune::Sm90Setting(kHaveSm90) != gemm_autotune::Sm90Use::kOff)
+      if (has_residual && sm90_setting != gemm_autotune::Sm90Use::kOff)
         note += "; the sm90 variants add no residual: cuBLASLt alone";
       if (!sm90_rejected.empty()) note += "; " + sm90_rejected;
       if (gemm_autotune::LogEnabled()) log_selection(fused, cands, winner, note);
