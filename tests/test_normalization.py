@@ -176,6 +176,28 @@ def test_backward_dy_add_is_the_gradient_of_the_sum(dtype):
     assert not np.array_equal(np.asarray(got[0]), np.asarray(apart[0]))  # e is not dropped
 
 
+@pytest.mark.parametrize("dtype", [BF16, F32])
+def test_backward_dx_add_is_added_to_the_rounded_dx(dtype):
+  """norm_backward(dy, dx_add=r)'s dx is its dx without r, rounded to x's
+  dtype, plus r (an add of the two arrays, bit for bit: a residual
+  connection's cotangent); dgamma and dbeta are unchanged."""
+  x = _rand(4, (M, H), 2.0, 0.3, dtype)
+  dy, r = _rand(5, (M, H), dtype=dtype), _rand(7, (M, H), dtype=dtype)
+  for norm_type, zc in NORMS:
+    gamma, beta = _params(norm_type, zc, H)
+    _, mean, rstd = nrm.norm_forward_reference(x, gamma, beta, norm_type=norm_type,
+                                               epsilon=EPS, zero_centered_gamma=zc)
+    kw = dict(norm_type=norm_type, zero_centered_gamma=zc, impl="reference")
+    got = nrm.norm_backward(dy, x, gamma, mean, rstd, dx_add=r, **kw)
+    apart = nrm.norm_backward(dy, x, gamma, mean, rstd, **kw)
+    want = (apart[0] + r,) + tuple(apart[1:])
+    for g, w in zip(got, want):
+      assert (g is None) == (w is None)
+      if g is not None:
+        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+    assert not np.array_equal(np.asarray(got[0]), np.asarray(apart[0]))  # r is not dropped
+
+
 def test_norm_dense_hands_the_norm_outputs_gradient_to_the_norm_backward(gpu_host):  # pylint: disable=unused-argument
   """With return_norm_output (a query projection whose normalized input the
   keys and values also read), the CUDA program's norm backward takes that
@@ -192,7 +214,8 @@ def test_norm_dense_hands_the_norm_outputs_gradient_to_the_norm_backward(gpu_hos
   calls = [line for line in text.splitlines() if "custom_call @te_jax_norm_backward(" in line]
   assert len(calls) == 1, calls
   operands = re.findall(r"tensor<([^>]*)>", calls[0].rsplit(" : (", 1)[1].split(") -> (")[0])
-  assert operands[:3] == [f"{DM}x{DK}xbf16"] * 3, operands   # dy, dy_add, x
+  assert operands[:4] == [f"{DM}x{DK}xbf16"] * 2 + ["0x0xbf16", f"{DM}x{DK}xbf16"], \
+      operands   # dy, dy_add, no dx_add, x
 
 
 @pytest.mark.parametrize("h,expected", [(8, 1056), (1024, 1056), (1536, 660), (2048, 528),
@@ -411,6 +434,10 @@ def test_argument_errors():
     bwd(dy_add=x[:-1])
   with pytest.raises(ValueError, match="dy_add must have dy's shape .* and dtype"):
     bwd(dy_add=x.astype(F32))
+  with pytest.raises(ValueError, match="dx_add must have x's shape"):
+    bwd(dx_add=x[:-1])
+  with pytest.raises(ValueError, match="dx_add must have x's shape .* and dtype"):
+    bwd(dx_add=x.astype(F32))
   with pytest.raises(ValueError, match="mean must be float32"):
     bwd(mean=None)
   with pytest.raises(ValueError, match="mean must be None for norm_type='rmsnorm'"):
@@ -832,6 +859,34 @@ def test_gpu_norm_backward_dy_add_is_the_sum(dtype):
       if g is not None:
         np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8),
                                       err_msg=tag)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", _GPU_DTYPES)
+def test_gpu_norm_backward_dx_add_is_the_sum(dtype):
+  """The kernel adding dx_add (and dy_add) as it stores dx writes the bytes
+  of its dx without them plus XLA's add, for every norm and an odd width."""
+  for k, (norm_type, zc) in enumerate(NORMS):
+    shape = ((200, 1536), (130, 1000))[k % 2]
+    x, gamma, _ = _gpu_inputs(shape, dtype, norm_type, zc, seed=110 + k)
+    dy, e = _rand(120 + k, shape, 1.0, 0.0, dtype), _rand(125 + k, shape, 1.0, 0.0, dtype)
+    r = _rand(130 + k, shape, 1.0, 0.0, dtype)
+    mean, rstd = _on_cpu(lambda x: nrm.norm_stats_reference(
+        x, norm_type=norm_type, epsilon=EPS), x)
+    args = jax.device_put((dy, e, r, x, gamma, mean, rstd), jax.devices()[0])
+    kw = dict(norm_type=norm_type, zero_centered_gamma=zc, impl="cuda")
+    tag = f"{jnp.dtype(dtype).name} {norm_type} zc={zc}"
+    for dy_add in (False, True):
+      fused = jax.jit(lambda dy, e, r, *a: nrm.norm_backward(
+          dy, *a, dy_add=e if dy_add else None, dx_add=r, **kw))(*args)
+      apart = jax.jit(lambda dy, e, r, *a: nrm.norm_backward(
+          dy, *a, dy_add=e if dy_add else None, **kw))(*args)
+      want = (apart[0] + args[2],) + tuple(apart[1:])
+      for g, w in zip(fused, want):
+        assert (g is None) == (w is None), tag
+        if g is not None:
+          np.testing.assert_array_equal(np.asarray(g).view(np.uint8),
+                                        np.asarray(w).view(np.uint8), err_msg=f"{tag} {dy_add}")
 
 
 @pytest.mark.gpu

@@ -8,10 +8,11 @@
 //                                    statistics pass) -> the same
 //   te_jax_norm_quantize_blockwise:  1x128 + 128x1 tiles -> data, sinv, data_t,
 //                                    sinv_t (cuBLASLt layouts), mean, rstd
-//   te_jax_norm_backward:            dy, dy_add, x, gamma, mean, rstd -> dx,
-//                                    dgamma, dbeta, partial (scratch,
+//   te_jax_norm_backward:            dy, dy_add, dx_add, x, gamma, mean, rstd
+//                                    -> dx, dgamma, dbeta, partial (scratch,
 //                                    discarded); dy_add (M, H) of dy's dtype
-//                                    or (0, 0): the cotangent is dy + dy_add
+//                                    or (0, 0): the cotangent is dy + dy_add;
+//                                    dx_add likewise: dx comes back plus it
 //   te_jax_norm_stats:               x -> mean, rstd (the statistics pass
 //                                    alone: the forward of the norm without
 //                                    FP8, whose output XLA writes from them)
@@ -256,7 +257,7 @@ ffi::Error StatsImpl(cudaStream_t stream, ffi::AnyBuffer x, ffi::Result<ffi::Buf
 }
 
 ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer dy_add,
-                        ffi::AnyBuffer x,
+                        ffi::AnyBuffer dx_add, ffi::AnyBuffer x,
                         ffi::Buffer<ffi::F32> gamma, ffi::Buffer<ffi::F32> mean,
                         ffi::Buffer<ffi::F32> rstd, ffi::Result<ffi::AnyBuffer> dx,
                         ffi::Result<ffi::Buffer<ffi::F32>> dgamma,
@@ -275,6 +276,9 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer d
   const bool has_add = !HasDims(dy_add, 0, 0);
   if (has_add && (!HasDims(dy_add, M, H) || dy_add.element_type() != x.element_type()))
     return Bad("dy_add must be (M, H) of x's dtype, or (0, 0)");
+  const bool has_dx_add = !HasDims(dx_add, 0, 0);
+  if (has_dx_add && (!HasDims(dx_add, M, H) || dx_add.element_type() != x.element_type()))
+    return Bad("dx_add must be (M, H) of x's dtype, or (0, 0)");
   if (!HasDims(*dx, M, H) || dx->element_type() != x.element_type())
     return Bad("dx must be (M, H) of x's dtype");
   if (H > kNormBwdMaxHidden) return Bad("the backward kernel takes H <= 8192");
@@ -288,6 +292,7 @@ ffi::Error BackwardImpl(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer d
     return Bad("partial must be (P, blocks, H) with P = 1 (rmsnorm) or 2, 1 <= blocks <= 65535");
   a.dy = dy.untyped_data();
   a.dy_add = has_add ? dy_add.untyped_data() : nullptr;
+  a.dx_add = has_dx_add ? dx_add.untyped_data() : nullptr;
   a.x = x.untyped_data();
   a.M = M;
   a.H = H;
@@ -371,6 +376,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TeJaxNormBackward, BackwardImpl,
                                   .Ctx<ffi::PlatformStream<cudaStream_t>>()
                                   .Arg<ffi::AnyBuffer>()              // dy (M, H)
                                   .Arg<ffi::AnyBuffer>()              // dy_add (M, H) or (0, 0)
+                                  .Arg<ffi::AnyBuffer>()              // dx_add (M, H) or (0, 0)
                                   .Arg<ffi::AnyBuffer>()              // x (M, H), dy's dtype
                                   .Arg<ffi::Buffer<ffi::F32>>()       // gamma (H,)
                                   .Arg<ffi::Buffer<ffi::F32>>()       // mean (M,) or (0,)

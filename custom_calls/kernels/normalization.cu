@@ -283,7 +283,10 @@ __device__ __forceinline__ RawRow<InT> SumRounded(const RawRow<InT>& a, const Ra
 // loaded; its own instance, so that the kernel without it keeps its
 // registers (with it, the 16-bit kernels fit the 64 without spills and the
 // float32 one spills 8 / 20 bytes, against 8 / 8 without).
-template <typename InT, bool kAdd>
+// kDxAdd: dx_add is added to dx as it is stored (a residual branch's
+// cotangent), each row's load issued before the block reduction so that the
+// barrier hides its latency.
+template <typename InT, bool kAdd, bool kDxAdd>
 __global__ void __launch_bounds__(kBwdThreads, 1) NormBwdKernel(NormBwdArgs a) {
   // float32 rows take twice the registers: no prefetch there (not the hot path).
   constexpr bool kPrefetch = sizeof(InT) == 2;
@@ -348,6 +351,8 @@ __global__ void __launch_bounds__(kBwdThreads, 1) NormBwdKernel(NormBwdArgs a) {
         db[j] = __fadd_rn(db[j], dv);
       }
     }
+    RawRow<InT> res;   // the row of dx_add, in flight during the reduction
+    if constexpr (kDxAdd) res.Load(static_cast<const InT*>(a.dx_add), H, M, row, c, H);
     // Block sums of s1, s2; double-buffered by row parity, so one barrier
     // per row suffices (a thread writing buffer p again two rows later has
     // passed the barrier of the row between, which every thread reaches
@@ -377,6 +382,10 @@ __global__ void __launch_bounds__(kBwdThreads, 1) NormBwdKernel(NormBwdArgs a) {
         // u - xh * c2 as one fused multiply-add, as XLA contracts the
         // reference's expression.
         v[j] = __fmul_rn(__fmaf_rn(-xh, c2, u), rs);
+        // dx rounded to InT, then the sum rounded again: XLA's add of the
+        // norm's dx and the residual cotangent, bit for bit.
+        if constexpr (kDxAdd)
+          v[j] = __fadd_rn(static_cast<float>(FromFloat<InT>(v[j])), res[j]);
       }
       StoreEight(dx + row * H + c, v, H % (16 / sizeof(InT)) == 0 && c + kSub <= H, H - c);
     }
@@ -477,13 +486,18 @@ cudaError_t LaunchNormStats(const NormStatsArgs& a, cudaStream_t stream) {
 
 namespace {
 
-// NormBwdKernel's instance for a.dy_add (set or not).
+// NormBwdKernel's instance for a.dy_add and a.dx_add (each set or not).
 template <typename InT>
 void LaunchBwd(const NormBwdArgs& a, dim3 grid, int threads, cudaStream_t stream) {
-  if (a.dy_add != nullptr) {
-    NormBwdKernel<InT, true><<<grid, threads, 0, stream>>>(a);
+  const bool dy_add = a.dy_add != nullptr, dx_add = a.dx_add != nullptr;
+  if (dy_add && dx_add) {
+    NormBwdKernel<InT, true, true><<<grid, threads, 0, stream>>>(a);
+  } else if (dy_add) {
+    NormBwdKernel<InT, true, false><<<grid, threads, 0, stream>>>(a);
+  } else if (dx_add) {
+    NormBwdKernel<InT, false, true><<<grid, threads, 0, stream>>>(a);
   } else {
-    NormBwdKernel<InT, false><<<grid, threads, 0, stream>>>(a);
+    NormBwdKernel<InT, false, false><<<grid, threads, 0, stream>>>(a);
   }
 }
 

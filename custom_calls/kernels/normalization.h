@@ -54,6 +54,10 @@ struct NormBwdArgs {
   // two uses of a normalized input, e.g. a query projection's and the keys'
   // and values'), so the sum is never written.
   const void* dy_add = nullptr;
+  // (M, H) `in` or nullptr: added to dx (dx rounded to `in` first, then the
+  // sum: as an add of the two arrays would), e.g. the cotangent of a
+  // residual connection around the normalized branch.
+  const void* dx_add = nullptr;
   const void* x = nullptr;   // (M, H), element type `in`
   InType in = InType::kBF16;
   int64_t M = 0, H = 0;

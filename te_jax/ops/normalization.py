@@ -226,7 +226,7 @@ def norm_backward_reference(dy: jax.Array, x: jax.Array, gamma: jax.Array,
 
 
 def _check_backward_args(dy, x, gamma, mean, rstd, norm_type, zero_centered_gamma,
-                         dy_add=None):
+                         dy_add=None, dx_add=None):
   _check_options(norm_type, 0.0, zero_centered_gamma)
   check_norm_params(x, gamma, None, norm_type)
   quantize_op.check_input(dy, "dy", 2)
@@ -235,6 +235,9 @@ def _check_backward_args(dy, x, gamma, mean, rstd, norm_type, zero_centered_gamm
   if dy_add is not None and (dy_add.shape != dy.shape or dy_add.dtype != dy.dtype):
     raise ValueError(f"dy_add must have dy's shape {dy.shape} and dtype {dy.dtype}, got "
                      f"{dy_add.shape} {dy_add.dtype}: cast it, or add it to dy first.")
+  if dx_add is not None and (dx_add.shape != x.shape or dx_add.dtype != x.dtype):
+    raise ValueError(f"dx_add must have x's shape {x.shape} and dtype {x.dtype}, got "
+                     f"{dx_add.shape} {dx_add.dtype}: cast it, or add it to dx afterwards.")
   _check_stats(x, mean, rstd, norm_type)
 
 
@@ -436,8 +439,8 @@ def norm_quantize_with_stats(x: jax.Array, gamma: jax.Array, beta: Optional[jax.
 
 def norm_backward(dy: jax.Array, x: jax.Array, gamma: jax.Array, mean: Optional[jax.Array],
                   rstd: jax.Array, *, norm_type: str, zero_centered_gamma: bool,
-                  dy_add: Optional[jax.Array] = None, impl: str = "auto"
-                  ) -> Tuple[jax.Array, jax.Array, Optional[jax.Array]]:
+                  dy_add: Optional[jax.Array] = None, dx_add: Optional[jax.Array] = None,
+                  impl: str = "auto") -> Tuple[jax.Array, jax.Array, Optional[jax.Array]]:
   """Gradients of ``y = norm(x)`` from ``dy = dL/dy`` and the forward's statistics.
 
   Args:
@@ -451,18 +454,29 @@ def norm_backward(dy: jax.Array, x: jax.Array, gamma: jax.Array, mean: Optional[
       ``dy + dy_add`` (summed in dy's dtype), for a normalized output used
       twice; the CUDA kernel sums them as it reads them, where the sum
       would be a pass of its own.
+    dx_add: None, or (M, H) of x's dtype added to dx (dx rounded to x's
+      dtype first, then the sum: an add of the two arrays), for x that also
+      feeds a residual connection around the norm; the CUDA kernel adds it
+      as it writes dx.
     impl: "auto", "cuda" or "reference".
 
   Returns:
     (dx in x.dtype, dgamma in gamma.dtype, dbeta in gamma.dtype or None for
-    rmsnorm), as :func:`norm_backward_reference` of ``dy + dy_add``.
+    rmsnorm), as :func:`norm_backward_reference` of ``dy + dy_add`` (its dx
+    plus ``dx_add``).
   """
-  _check_backward_args(dy, x, gamma, mean, rstd, norm_type, zero_centered_gamma, dy_add)
+  _check_backward_args(dy, x, gamma, mean, rstd, norm_type, zero_centered_gamma, dy_add,
+                       dx_add)
 
   def cuda():
     _check_cuda_shape(*x.shape)
     return normalization_cuda.norm_backward(dy, x, gamma, mean, rstd,
-                                            bool(zero_centered_gamma), dy_add=dy_add)
-  return _native.dispatch(impl, cuda, lambda: norm_backward_reference(
-      dy if dy_add is None else dy + dy_add, x, gamma, mean, rstd, norm_type=norm_type,
-      zero_centered_gamma=zero_centered_gamma))
+                                            bool(zero_centered_gamma), dy_add=dy_add,
+                                            dx_add=dx_add)
+
+  def reference():
+    dx, dgamma, dbeta = norm_backward_reference(
+        dy if dy_add is None else dy + dy_add, x, gamma, mean, rstd, norm_type=norm_type,
+        zero_centered_gamma=zero_centered_gamma)
+    return (dx if dx_add is None else dx + dx_add), dgamma, dbeta
+  return _native.dispatch(impl, cuda, reference)

@@ -117,12 +117,13 @@ def norm_quantize(x, gamma, beta, rms: bool, epsilon: float, zero_centered: bool
 
 
 def norm_backward(dy, x, gamma, mean, rstd, zero_centered: bool, blocks: int | None = None,
-                  dy_add=None):
+                  dy_add=None, dx_add=None):
   """(dx in x.dtype, dgamma and dbeta in gamma.dtype, dbeta None for rmsnorm).
 
   ``blocks`` overrides :func:`backward_blocks` (benchmarks compare grids with it).
   ``dy_add`` (dy's shape and dtype, or None): the cotangent is ``dy + dy_add``,
-  which the kernel sums as it reads them.
+  which the kernel sums as it reads them. ``dx_add`` (x's shape and dtype, or
+  None): added to dx as the kernel stores it.
   """
   rms = mean is None
   m, h = x.shape
@@ -134,15 +135,22 @@ def norm_backward(dy, x, gamma, mean, rstd, zero_centered: bool, blocks: int | N
     # The kernel rounds the sum to the common type; the reference rounds it
     # to dy's. Mixed dtypes are not the fused path's case: XLA adds.
     dy, dy_add = dy + dy_add, None
+  late_add = None
+  if dx_add is not None and common != x.dtype:   # dx is rounded to x.dtype after the kernel
+    dx_add, late_add = None, dx_add
   if blocks is None:
     blocks = backward_blocks(m, h)
   elif isinstance(blocks, bool) or not isinstance(blocks, int) or not 1 <= blocks <= 65535:
     raise ValueError(f"blocks must be an int in [1, 65535] (the kernel's grid), got {blocks!r}.")
   outs = (_sds((m, h), common), _sds((h,), _F32), _sds((0,) if rms else (h,), _F32),
           _sds((1 if rms else 2, blocks, h), _F32))
-  add = jnp.zeros((0, 0), common) if dy_add is None else dy_add
+  none = jnp.zeros((0, 0), common)
   dx, dgamma, dbeta, _ = jax.ffi.ffi_call("te_jax_norm_backward", outs)(
-      dy.astype(common), add, x.astype(common), _f32(gamma), _f32(mean), rstd,
+      dy.astype(common), none if dy_add is None else dy_add,
+      none if dx_add is None else dx_add, x.astype(common), _f32(gamma), _f32(mean), rstd,
       rmsnorm=np.int64(rms), zero_centered_gamma=np.int64(zero_centered))
-  return (dx.astype(x.dtype), dgamma.astype(gamma.dtype),
+  dx = dx.astype(x.dtype)
+  if late_add is not None:
+    dx = dx + late_add
+  return (dx, dgamma.astype(gamma.dtype),
           None if rms else dbeta.astype(gamma.dtype))
