@@ -128,6 +128,7 @@ class _MlpConfig(NamedTuple):
   save_input: bool = True    # no FP8 copy of act(h) (nor of norm(x)) kept: made again
   save_kernel: bool = True   # no FP8 copies of the kernels kept: quantized again
   store_act_input_in_fp8: bool = False   # h kept as E4M3 in 1x128 tiles, not in dtype
+  add_input: bool = False    # y = x + block(x): x is the down-projection's C
 
 
 @functools.lru_cache(maxsize=None)
@@ -236,7 +237,7 @@ def _mlp_fwd(x, gamma, beta, wi, bi, wo, bo, states, cfg):
     qz, kept_h = qz
   qwo = mode.quantize(wo, "kernel", so, impl=impl)
   y = mode.gemm("fprop", qz.rowwise(), qwo.columnwise(), out_dtype=cfg.dtype, bias=bo,
-                impl=impl)
+                impl=impl, residual=x if cfg.add_input else None)
   new = (mode.update_state(si, {"x": qx.amax, "kernel": qwi.amax}),
          mode.update_state(so, {"x": qz.amax, "kernel": qwo.amax}))
   protos = tuple(jnp.zeros((0,), a.dtype) for a in (x, wi, wo))
@@ -338,10 +339,16 @@ def _mlp_bwd(cfg, res, g):
   if qz_t is None:   # kept from the forward
     qz_t = z_t
   dwo = mode.gemm("wgrad", qz_t, qg.columnwise(), out_dtype=wo_p.dtype, impl=impl)
+  # With add_input, x's second use (the residual connection) has the
+  # cotangent g: the norm's backward adds it as it writes dx.
+  residual_ct = g if cfg.add_input else None
   if norm_res is not None:   # dx is the gradient of norm(x) (compute dtype, as unfused)
     # Both uses of norm(x), summed in its dtype by the norm's backward.
-    dx_add = None if g_norm is None else g_norm.astype(cfg.dtype)
-    dx, dgamma, dbeta = norm_dense.norm_grads(cfg.norm, dx, *norm_res, impl, dx_add)
+    dy_add = None if g_norm is None else g_norm.astype(cfg.dtype)
+    dx, dgamma, dbeta = norm_dense.norm_grads(cfg.norm, dx, *norm_res, impl, dy_add,
+                                              residual_ct)
+  elif residual_ct is not None:
+    dx = dx + residual_ct
   if cfg.save_input and norm_res is not None:   # norm(x).T as the forward's; x_t its amax
     x_t = norm_dense.requantize_normalized(mode, cfg.norm, *norm_res, x_t, si_fwd, impl)
   dwi = mode.gemm("wgrad", x_t, qdh_t, out_dtype=wi_p.dtype, impl=impl)
@@ -362,7 +369,7 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
             impl: str = "auto", norm: Optional[norm_dense.NormParams] = None,
             dtype=None, return_norm_output: bool = False, backward_chunks: int = 1,
             save_original_input: bool = True, save_original_kernel: bool = True,
-            store_act_input_in_fp8: bool = False):
+            store_act_input_in_fp8: bool = False, add_input: bool = False):
   """``act(x @ wi + bi) @ wo + bo`` with FP8 GEMMs and fused activation-quantize.
 
   Args:
@@ -418,6 +425,13 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
       act(h) again for the wgrad of ``wo``. The forward's activation pass
       writes that copy; the output is unchanged, the gradients differ from the
       default by the rounding of h to E4M3 in 1x128 tiles. See "Memory".
+    add_input: return ``x + block(x)`` (a residual connection; N == K and
+      x in ``dtype``): x is the down-projection GEMM's C input, added in
+      float32 before the output's one rounding (a separate add would round
+      the block's output first), and in the backward the norm's kernel adds
+      x's second cotangent as it writes dx (bit for bit the separate add).
+      Saves the two passes over (M, K) that XLA's adds would take, which it
+      cannot fuse into these custom calls.
 
   Returns:
     (M, N) in ``dtype``, or ``(y, norm(x))`` with ``return_norm_output``.
@@ -431,8 +445,10 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
   acts = tuple(activations)
   mode = dense_lib.scaling_mode_of(recipe)
   check_backward_chunks(backward_chunks, recipe)
-  if not isinstance(store_act_input_in_fp8, bool):
-    raise TypeError(f"store_act_input_in_fp8 must be a bool, got {store_act_input_in_fp8!r}.")
+  for name, flag in (("store_act_input_in_fp8", store_act_input_in_fp8),
+                     ("add_input", add_input)):
+    if not isinstance(flag, bool):
+      raise TypeError(f"{name} must be a bool, got {flag!r}.")
   if x.ndim != 2 or wi.ndim != 2 or wo.ndim != 2:
     raise ValueError(f"x, wi, wo must be 2-D, got {x.shape}, {wi.shape}, {wo.shape}.")
   (m, k), (f, n) = x.shape, wo.shape
@@ -465,9 +481,13 @@ def fp8_mlp(x: jax.Array, wi: jax.Array, wo: jax.Array, bi: Optional[jax.Array] 
   except ValueError as e:  # the states of the two GEMMs: say which arguments
     raise ValueError(f"wi_state and wo_state: {e}") from None
   out_dtype = jnp.dtype(x.dtype if dtype is None else dtype)
+  if add_input and (n != k or x.dtype != out_dtype):
+    raise ValueError(f"add_input=True returns x + block(x): it needs N == K and x in the "
+                     f"output dtype; got x {x.shape} {x.dtype}, N={n}, dtype "
+                     f"{out_dtype.name}. Add the residual after the call instead.")
   cfg = _MlpConfig(mode, impl, acts, bi is not None, bo is not None, out_dtype, spec,
                    bool(return_norm_output), int(backward_chunks), bool(save_original_input),
-                   bool(save_original_kernel), store_act_input_in_fp8)
+                   bool(save_original_kernel), store_act_input_in_fp8, add_input)
   cast = lambda b: None if b is None else b.astype(out_dtype)
   # The weights are quantized in their own dtype (float32 parameters: one
   # pass, no convert to x.dtype first); their gradients come back in it.

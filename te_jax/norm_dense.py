@@ -153,14 +153,16 @@ def normalized(spec: NormSpec, x, gamma, beta, mean, rstd):
                                       zero_centered_gamma=spec.zero_centered_gamma)
 
 
-def norm_grads(spec: NormSpec, dy, x, gamma, beta, mean, rstd, impl: str, dy_add=None):
+def norm_grads(spec: NormSpec, dy, x, gamma, beta, mean, rstd, impl: str, dy_add=None,
+               dx_add=None):
   """(dx, dgamma, dbeta or None) of the norm from ``dy``, the gradient of its
   output (plus ``dy_add``, a second use's, in dy's dtype), in the dtypes of
-  x, gamma and beta."""
+  x, gamma and beta; ``dx_add`` (x's dtype: the cotangent of a residual
+  connection around the norm's branch) is added to dx as it is written."""
   dx, dgamma, dbeta = norm_op.norm_backward(dy, x, gamma, mean, rstd,
                                             norm_type=spec.norm_type,
                                             zero_centered_gamma=spec.zero_centered_gamma,
-                                            dy_add=dy_add, impl=impl)
+                                            dy_add=dy_add, dx_add=dx_add, impl=impl)
   return dx, dgamma, (None if beta is None else dbeta.astype(beta.dtype))
 
 

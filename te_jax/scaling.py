@@ -143,10 +143,13 @@ class ScalingMode(abc.ABC):
 
   def gemm(self, which: str, a: ScaledTensor, b: ScaledTensor, *, out_dtype,
            bias: Optional[jax.Array] = None, impl: str = "auto",
-           num_splits: int = 1, split_sizes: Optional[Sequence[int]] = None
+           num_splits: int = 1, split_sizes: Optional[Sequence[int]] = None,
+           residual: Optional[jax.Array] = None
            ) -> Union[jax.Array, Tuple[jax.Array, ...]]:
     """``a @ b.T`` (a (M, K), b (N, K)) as GEMM ``which`` ("fprop", "dgrad",
     "wgrad"), with this mode's accumulation setting for it; (M, N) ``out_dtype``.
+    ``residual``: an (M, N) ``out_dtype`` array added before the output's one
+    rounding (``ops.gemm``'s; one output only).
 
     With ``num_splits`` > 1 the output comes back as a tuple of that many
     column blocks (M, N / num_splits), one GEMM per row block of ``b``
@@ -159,6 +162,9 @@ class ScalingMode(abc.ABC):
     of these widths (summing to N, each boundary on a scale tile), e.g. the
     query, key and value blocks of grouped-query attention.
     """
+    if residual is not None and (split_sizes is not None or num_splits != 1):
+      raise ValueError("a residual is added to one output: pass it without num_splits or "
+                       "split_sizes.")
     if split_sizes is not None:
       sizes = check_split_sizes(split_sizes, b.shape[0])
       if num_splits != 1:
@@ -170,7 +176,7 @@ class ScalingMode(abc.ABC):
         raise ValueError(f"num_splits must be an int >= 1, got {num_splits!r}.")
       if num_splits == 1:
         return gemm_op.gemm(a, b, out_dtype=out_dtype, bias=bias,
-                            fast_accum=self.fast_accum(which), impl=impl)
+                            fast_accum=self.fast_accum(which), residual=residual, impl=impl)
       parts = b.row_blocks(num_splits)   # checks that the blocks keep whole tiles
     outs, start = [], 0
     for part in parts:

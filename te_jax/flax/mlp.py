@@ -142,8 +142,15 @@ class LayerNormMLP(nn.Module):
   impl: str = "auto"
 
   @nn.compact
-  def __call__(self, inputs: jax.Array, deterministic: bool = True):
-    """Applies the block; ``deterministic=False`` enables dropout."""
+  def __call__(self, inputs: jax.Array, deterministic: bool = True, *,
+               add_residual: bool = False):
+    """Applies the block; ``deterministic=False`` enables dropout.
+
+    ``add_residual=True`` returns ``inputs + y`` (a residual connection;
+    ``inputs`` in the compute dtype): in FP8 on the fused core with its norm
+    the add is part of the down projection's GEMM and its backward part of
+    the norm's kernel, two passes over (..., embed) fewer than an add after
+    the block (``te_jax.layers.mlp.layernorm_mlp``)."""
     acts = mlp_lib.check_activations(self.activations)
     checks.mlp_options(self.intermediate_dim, self.intermediate_dropout_rate)
     checks.check_input_rank("inputs", inputs)
@@ -160,7 +167,7 @@ class LayerNormMLP(nn.Module):
         fuse_activation_quantize=self.fuse_activation_quantize,
         fuse_norm_quantize=self.fuse_norm_quantize, backward_chunks=self.backward_chunks,
         dropout=dropout, dropout_active=dropout is not None and not deterministic,
-        return_norm_output=self.return_layernorm_output)
+        return_norm_output=self.return_layernorm_output, add_residual=add_residual)
 
   def _declare(self, embed: int, n_act: int):
     """Declares the parameters for inputs (..., embed): (norm, wi, wo, bi, bo)."""

@@ -236,6 +236,9 @@ class TransformerLayer(nn.Module):
               impl=self.impl, name="moe")(self._norm("pre_mlp_norm", compute)(x),
                                           token_mask=layer_lib.token_mask(segment_ids))
       return x + self._drop(h, deterministic)
+    # Without dropout on its output the block adds the residual itself:
+    # inside its GEMM and norm backward on the fused FP8 path.
+    fold = self.hidden_dropout == 0.0 or deterministic
     h = LayerNormMLP(
         intermediate_dim=self.mlp_hidden_size, activations=tuple(self.activations),
         intermediate_dropout_rate=self.intermediate_dropout,
@@ -244,5 +247,6 @@ class TransformerLayer(nn.Module):
         fuse_norm_quantize=self.fuse_norm_quantize, layernorm_type=self.layernorm_type, epsilon=self.epsilon,
         zero_centered_gamma=self.zero_centered_gamma, use_bias=self.use_bias,
         dtype=compute, param_dtype=self.param_dtype, kernel_init=self.kernel_init,
-        bias_init=self.bias_init, impl=self.impl, name="mlp")(x, deterministic=deterministic)
-    return x + self._drop(h, deterministic)
+        bias_init=self.bias_init, impl=self.impl, name="mlp")(x, deterministic=deterministic,
+                                                              add_residual=fold)
+    return h if fold else x + self._drop(h, deterministic)

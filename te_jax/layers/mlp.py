@@ -34,6 +34,7 @@ import math
 from typing import Callable, Optional, Sequence, Tuple
 
 import jax
+import jax.numpy as jnp
 
 from te_jax import fused_mlp
 from te_jax import norm_dense
@@ -108,7 +109,7 @@ def activate(h: jax.Array, acts: Sequence[str]) -> jax.Array:
 
 def fused_norm_mlp(x, wi, wo, bi, bo, *, norm: norm_dense.NormParams, settings: Settings,
                    states, activations, dtype, return_norm_output: bool,
-                   backward_chunks: int = 1):
+                   backward_chunks: int = 1, add_input: bool = False):
   """The whole block as one custom VJP (``te_jax.fused_mlp.fp8_mlp`` with its
   norm): the norm and the activation each computed and quantized in one
   pass, forward and backward.
@@ -116,8 +117,8 @@ def fused_norm_mlp(x, wi, wo, bi, bo, *, norm: norm_dense.NormParams, settings: 
   Shapes: ``x`` (..., E) -> (..., E), with ``return_norm_output`` also the
   norm output (..., E); ``wi`` (E, n_act, F), ``wo`` (F, E), ``bi`` (n_act,
   F) and ``bo`` (E,) or None, in the compute dtype. ``states``: the (wi, wo)
-  delayed-scaling states (None for the other recipes). ``backward_chunks``:
-  as ``te_jax.fused_mlp.fp8_mlp``'s.
+  delayed-scaling states (None for the other recipes). ``backward_chunks``
+  and ``add_input`` (``x + block(x)``): as ``te_jax.fused_mlp.fp8_mlp``'s.
   """
   lead, e = x.shape[:-1], x.shape[-1]
   out = fused_mlp.fp8_mlp(
@@ -125,7 +126,7 @@ def fused_norm_mlp(x, wi, wo, bi, bo, *, norm: norm_dense.NormParams, settings: 
       None if bi is None else bi.reshape(-1), bo, activations=activations,
       recipe=settings.recipe, wi_state=states[0], wo_state=states[1],
       impl=settings.impl, dtype=dtype, norm=norm, return_norm_output=return_norm_output,
-      backward_chunks=backward_chunks, **settings.mlp_residual_plan())
+      backward_chunks=backward_chunks, add_input=add_input, **settings.mlp_residual_plan())
   if return_norm_output:
     return out[0].reshape(*lead, e), out[1].reshape(x.shape)
   return out.reshape(*lead, e)
@@ -137,7 +138,8 @@ def layernorm_mlp(states: GemmStates, settings: Settings, x: jax.Array, *,
                   dtype, owner: str, kernel_axes: Tuple[Sequence, Sequence],
                   fuse_activation_quantize: bool = True, fuse_norm_quantize: bool = True,
                   backward_chunks: int = 1, dropout: Optional[Callable] = None,
-                  dropout_active: bool = False, return_norm_output: bool = False):
+                  dropout_active: bool = False, return_norm_output: bool = False,
+                  add_residual: bool = False):
   """``act(norm(x) @ wi + bi) @ wo + bo`` on the path the module docs describe.
 
   Args:
@@ -158,11 +160,19 @@ def layernorm_mlp(states: GemmStates, settings: Settings, x: jax.Array, *,
     dropout_active: whether ``dropout`` drops anything in this call (then
       the fused core, which has no dropout, is not taken).
     return_norm_output: also return the norm output.
+    add_residual: return ``x + y`` (x in ``dtype``): on the fused core with
+      its norm the add is the down projection's C input and its backward
+      part of the norm's kernel (``fp8_mlp(add_input=True)``), elsewhere an
+      add after the block.
 
   Returns:
     (..., E) in ``dtype``; with ``return_norm_output`` ``(y, norm output)``.
   """
   fused_mlp.check_backward_chunks(backward_chunks, settings.recipe)
+  if add_residual and jnp.dtype(x.dtype) != jnp.dtype(dtype):
+    raise ValueError(f"{owner}: add_residual=True adds the input to the output, so the input "
+                     f"must come in the compute dtype {jnp.dtype(dtype).name}; got "
+                     f"{x.dtype}. Cast it first.")
   lead, e, f = x.shape[:-1], x.shape[-1], wo.shape[0]
   m = math.prod(lead)
   bi = None if bi is None else bi.astype(dtype)
@@ -184,7 +194,7 @@ def layernorm_mlp(states: GemmStates, settings: Settings, x: jax.Array, *,
     return fused_norm_mlp(x, wi, wo, bi, bo, norm=norm, settings=settings, states=found,
                           activations=activations, dtype=dtype,
                           return_norm_output=return_norm_output,
-                          backward_chunks=backward_chunks)
+                          backward_chunks=backward_chunks, add_input=add_residual)
   ln_out = module_norm(owner, settings, x, norm, dtype, kernels=fuse_norm_quantize)
   if fused:   # both GEMMs in one custom VJP, the activation fused into quantization
     y = mlp_core(states, settings, ln_out.reshape(m, e), wi.reshape(e, -1), None if bi is None
@@ -197,4 +207,6 @@ def layernorm_mlp(states: GemmStates, settings: Settings, x: jax.Array, *,
       z = dropout(z)
     y = gemm(states, settings, z, wo, bo, name=FP8_GEMMS[1], kernel_axes=kernel_axes[1],
              track=False)
+  if add_residual:
+    y = x + y
   return (y, ln_out) if return_norm_output else y

@@ -110,8 +110,10 @@ class LayerNormMLP(nnx.Module):
         if self.intermediate_dropout_rate > 0.0 else None)
     st.add_fp8_state(self, mode)
 
-  def __call__(self, x: jax.Array, deterministic: Optional[bool] = None):
-    """Applies the block; ``deterministic`` (default the attribute) turns dropout off."""
+  def __call__(self, x: jax.Array, deterministic: Optional[bool] = None, *,
+               add_residual: bool = False):
+    """Applies the block; ``deterministic`` (default the attribute) turns dropout off;
+    ``add_residual=True`` returns ``x + y`` (see ``te_jax.flax.LayerNormMLP``)."""
     check_input_rank("x", x)
     check_biases_used(self, ("wi_bias", "wo_bias"))
     if x.shape[-1] != self.in_features:
@@ -134,4 +136,4 @@ class LayerNormMLP(nnx.Module):
         fuse_activation_quantize=self.fuse_activation_quantize,
         fuse_norm_quantize=self.fuse_norm_quantize, backward_chunks=self.backward_chunks,
         dropout=dropout, dropout_active=dropout is not None and not deterministic,
-        return_norm_output=self.return_layernorm_output)
+        return_norm_output=self.return_layernorm_output, add_residual=add_residual)

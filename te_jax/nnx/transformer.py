@@ -186,6 +186,8 @@ class TransformerLayer(nnx.Module):
     if self.mlp_type == "moe":
       h = self.moe(self.pre_mlp_norm(x), token_mask=layer_lib.token_mask(segment_ids),
                    deterministic=deterministic)
+    elif self.dropout is None or deterministic:   # the block adds the residual (Linen's note)
+      return self.mlp(x, deterministic=deterministic, add_residual=True)
     else:
       h = self.mlp(x, deterministic=deterministic)
     return x + self._drop(h, deterministic)
