@@ -57,6 +57,7 @@ class _Config(NamedTuple):
   splits: Tuple[int, ...] = ()   # the output as column blocks of these widths (a tuple)
   save_input: bool = False   # keep x, quantize its wgrad copy again in the backward
   save_kernel: bool = False  # keep the kernel, quantize its dgrad copy again there
+  has_residual: bool = False  # the output's C input, whose cotangent is g
 
 
 def after_cotangent(g, *arrays):
@@ -75,20 +76,21 @@ def after_cotangent(g, *arrays):
 
 # -------------------------------------------------------------- custom vjp --
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _dense_2d(x, kernel, bias, state, cfg):
-  y, _ = _dense_2d_fwd(x, kernel, bias, state, cfg)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _dense_2d(x, kernel, bias, residual, state, cfg):
+  y, _ = _dense_2d_fwd(x, kernel, bias, residual, state, cfg)
   return y
 
 
-def _dense_2d_fwd(x, kernel, bias, state, cfg):
+def _dense_2d_fwd(x, kernel, bias, residual, state, cfg):
   mode, impl = cfg.mode, cfg.impl
   # x.T is only needed by wgrad: with save_input the backward quantizes it.
   qx = mode.quantize(x, "x", state, impl=impl, columnwise=not cfg.save_input)
   qk = mode.quantize(kernel, "kernel", state, impl=impl)
   # splits: a tuple of blocks, each from its own GEMM (no slice copies).
+  # residual: the GEMM's C input, y = x @ kernel + bias + residual.
   y = mode.gemm("fprop", qx.rowwise(), qk.columnwise(), out_dtype=x.dtype, bias=bias,
-                impl=impl, split_sizes=cfg.splits or None)
+                impl=impl, split_sizes=cfg.splits or None, residual=residual)
   new_state = mode.update_state(state, {"x": qx.amax, "kernel": qk.amax})
   # The backward GEMMs read x.T (wgrad) and the kernel (dgrad) in FP8: kept
   # as those FP8 copies (1 byte per element), or as the tensors themselves
@@ -121,7 +123,8 @@ def _dense_2d_bwd(cfg, res, g):
     parts = tuple(g) if cfg.splits else (g,)
     dbias = jnp.concatenate([jnp.sum(p.astype(jnp.float32), axis=0).astype(p.dtype)
                              for p in parts])
-  return dx, dk, dbias, mode.update_state(new_state, {"grad": qg.amax})
+  dresidual = g if cfg.has_residual else None
+  return dx, dk, dbias, dresidual, mode.update_state(new_state, {"grad": qg.amax})
 
 
 _dense_2d.defvjp(_dense_2d_fwd, _dense_2d_bwd)
@@ -176,6 +179,9 @@ def _explicit_axes_boundary(fn):
   def wrapped(x, kernel, bias=None, *, fp8_state=None, **kw):
     if not explicit_lib.explicit_axes():
       return fn(x, kernel, bias, fp8_state=fp8_state, **kw)
+    if kw.get("residual") is not None:   # added to the output outside the Auto region
+      residual = kw.pop("residual")
+      return wrapped(x, kernel, bias, fp8_state=fp8_state, **kw) + residual
     spec = _explicit_output_spec(x, kernel, kw.get("contract_ndim", 1), kw.get("kernel_axes"),
                                  kw.get("mesh_resource"), kw.get("mesh"))
     if kw.get("split_sizes") is not None or kw.get("num_splits") is not None:
@@ -206,8 +212,9 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
               recipe: recipe_lib.Recipe, fp8_state=None, impl: str = "auto",
               kernel_axes=None, mesh_resource=None, mesh=None,
               save_original_input: bool = False,
-              save_original_kernel: bool = False) -> jax.Array:
-  """``x @ kernel + bias`` with every GEMM (fprop, dgrad, wgrad) in FP8.
+              save_original_kernel: bool = False,
+              residual: Optional[jax.Array] = None) -> jax.Array:
+  """``x @ kernel + bias (+ residual)`` with every GEMM (fprop, dgrad, wgrad) in FP8.
 
   Args:
     x: (..., K) float32/bfloat16/float16 input.
@@ -239,11 +246,19 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
     The two apply to the unsharded GEMMs whose operands need no padding (a
     padded copy would be a new array to keep); elsewhere the FP8 copies are
     kept and the ``te_jax`` logger says so once (INFO).
+    residual: optional (..., N) array of x's dtype added to the output (a
+      residual connection): unsharded and unpadded, the fprop GEMM's C
+      input, added before the output's one rounding (its cotangent passes
+      through); elsewhere an add after the dense.
 
   Returns:
     (..., N) array in ``x.dtype``.
   """
   mode = _check_dense_args(x, kernel, bias, recipe, fp8_state)
+  if residual is not None and (residual.shape != x.shape[:-1] + kernel.shape[1:]
+                               or residual.dtype != x.dtype):
+    raise ValueError(f"residual must have the output's shape {x.shape[:-1] + kernel.shape[1:]}"
+                     f" and x's dtype {x.dtype}; got {residual.shape} {residual.dtype}.")
   keep = (bool(save_original_input), bool(save_original_kernel))
   if kernel_axes is not None and mesh_resource is not None:
     y = sharded_dense.sharded_fp8_dense(
@@ -252,8 +267,9 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
     if y is not None:
       if any(keep):
         log_fp8_copies_kept("its GEMMs are sharded (te_jax.sharded_dense keeps FP8 shards)")
-      return remat.tag_fp8_gemm(y)
-  return _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, (), keep)[0]
+      y = remat.tag_fp8_gemm(y)
+      return y if residual is None else y + residual
+  return _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, (), keep, residual)[0]
 
 
 @functools.lru_cache(maxsize=None)
@@ -289,11 +305,12 @@ def scaling_mode_of(recipe) -> scaling.ScalingMode:
 
 
 def _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, splits=(),
-                         keep=(False, False)):
+                         keep=(False, False), residual=None):
   """The padded 2-D custom-VJP dense; a tuple of outputs (one, or the column
   blocks of widths ``splits``), named for ``te_jax.remat``'s policies.
   ``keep``: (save_original_input, save_original_kernel), each applied where
-  its operand needs no padding."""
+  its operand needs no padding; ``residual`` (one output) the GEMM's C where
+  the output needs none, else added after."""
   lead, k = x.shape[:-1], x.shape[-1]
   x2d = x.reshape(-1, k)
   m, n = x2d.shape[0], kernel.shape[1]
@@ -305,10 +322,12 @@ def _unsharded_fp8_dense(x, kernel, bias, mode, fp8_state, impl, splits=(),
   save_kernel = keep[1] and kp.shape == kernel.shape
   if (keep[0] and not save_input) or (keep[1] and not save_kernel):
     log_fp8_copies_kept(f"an operand is padded to multiples of {align}")
-  cfg = _Config(mode, impl, bias is not None, tuple(splits), save_input, save_kernel)
-  y = _dense_2d(xp, kp, bp, fp8_state, cfg)
+  in_gemm = residual is not None and (xp.shape[0], kp.shape[1]) == (m, n)
+  cfg = _Config(mode, impl, bias is not None, tuple(splits), save_input, save_kernel, in_gemm)
+  y = _dense_2d(xp, kp, bp, residual.reshape(m, n) if in_gemm else None, fp8_state, cfg)
   if not splits:
-    return (remat.tag_fp8_gemm(y[:m, :n].reshape(*lead, n)),)
+    y = remat.tag_fp8_gemm(y[:m, :n].reshape(*lead, n))
+    return (y if residual is None or in_gemm else y + residual,)
   # No column padding here: split_plan checked that every block is aligned.
   return tuple(remat.tag_fp8_gemm(part[:m].reshape(*lead, f)) for part, f in zip(y, splits))
 
@@ -409,23 +428,25 @@ def dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None, *,
           recipe: Optional[recipe_lib.Recipe] = None, fp8_state=None,
           impl: str = "auto", kernel_axes=None, mesh_resource=None,
           mesh=None, save_original_input: bool = False,
-          save_original_kernel: bool = False) -> jax.Array:
+          save_original_kernel: bool = False,
+          residual: Optional[jax.Array] = None) -> jax.Array:
   """``fp8_dense`` when ``recipe`` is given, else a plain dot in ``x.dtype``.
 
   ``kernel_axes``/``mesh_resource``/``mesh``, ``save_original_input`` /
-  ``save_original_kernel``: see ``fp8_dense`` (they only matter in FP8; the
-  plain dot is partitioned by XLA and keeps its operands for its backward).
+  ``save_original_kernel``, ``residual``: see ``fp8_dense`` (they only
+  matter in FP8; the plain dot is partitioned by XLA and keeps its operands
+  for its backward, and XLA fuses the residual's add).
   """
   if recipe is not None:
     return fp8_dense(x, kernel, bias, recipe=recipe, fp8_state=fp8_state, impl=impl,
                      kernel_axes=kernel_axes, mesh_resource=mesh_resource, mesh=mesh,
                      save_original_input=save_original_input,
-                     save_original_kernel=save_original_kernel)
+                     save_original_kernel=save_original_kernel, residual=residual)
   y = lax.dot_general(x, kernel.astype(x.dtype),
                       (((x.ndim - 1,), (0,)), ((), ())))
   if bias is not None:
     y = y + bias.astype(y.dtype)
-  return y
+  return y if residual is None else y + residual
 
 
 @_explicit_axes_boundary
@@ -433,7 +454,8 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = N
                   contract_ndim: int = 1, recipe: Optional[recipe_lib.Recipe] = None,
                   fp8_state=None, impl: str = "auto", kernel_axes=None,
                   mesh_resource=None, mesh=None, save_original_input: bool = False,
-                  save_original_kernel: bool = False) -> jax.Array:
+                  save_original_kernel: bool = False,
+                  residual: Optional[jax.Array] = None) -> jax.Array:
   """``dense`` over the last ``contract_ndim`` dims of ``x`` with an N-D kernel.
 
   ``x`` is (*lead, *in_dims) (contracting dims last), ``kernel`` is
@@ -446,7 +468,9 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = N
   mapped to mesh axes come first before the 2-D view is taken (a flattened
   dim is then sharded exactly as its major dims are: no resharding); the
   output is permuted back. Without sharding this is a plain reshape.
-  ``save_original_input`` / ``save_original_kernel``: as ``fp8_dense``'s.
+  ``save_original_input`` / ``save_original_kernel``: as ``fp8_dense``'s;
+  ``residual`` (*lead, *out_dims) too (added after where the dims are
+  reordered for sharding).
   """
   n_in = contract_ndim
   in_dims, out_dims = kernel.shape[:n_in], kernel.shape[n_in:]
@@ -469,10 +493,13 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = N
   xp = jnp.transpose(x, tuple(range(nl)) + tuple(nl + i for i in in_perm))
   xnd = xp.reshape(lead + (math.prod(in_dims),)) if lead else xp.reshape(1, -1)
   b = None if bias is None else jnp.transpose(bias, out_perm).reshape(-1)
+  inside = residual is not None and out_perm == tuple(range(len(out_dims))) and lead
   y = dense(xnd, k2d, b, recipe=recipe, fp8_state=fp8_state, impl=impl,
             kernel_axes=axes2d, mesh_resource=mesh_resource, mesh=mesh,
             save_original_input=save_original_input,
-            save_original_kernel=save_original_kernel)
+            save_original_kernel=save_original_kernel,
+            residual=residual.reshape(lead + (k2d.shape[1],)) if inside else None)
   y = y.reshape(lead + tuple(out_dims[i] for i in out_perm))
   inv = tuple(out_perm.index(i) for i in range(len(out_dims)))
-  return jnp.transpose(y, tuple(range(nl)) + tuple(nl + i for i in inv))
+  y = jnp.transpose(y, tuple(range(nl)) + tuple(nl + i for i in inv))
+  return y if residual is None or inside else y + residual

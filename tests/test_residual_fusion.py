@@ -194,7 +194,7 @@ def _layer_program(cls_kind, dropout, deterministic):
 def test_transformer_layer_folds_the_mlp_residual(gpu_host, cls_kind):  # pylint: disable=unused-argument,redefined-outer-name
   """In the CUDA program of a TransformerLayer's loss and gradient the MLP's norm
   backward takes the residual's cotangent (a dx_add operand, not (0, 0)) and
-  a GEMM takes the residual as its C input, also when the hidden dropout is
+  the two output GEMMs (attention, MLP) take the residual as their C input, also when the hidden dropout is
   off at this call; with hidden dropout active it does neither (the add
   follows the dropout)."""
   tokens = f"256x{K}xbf16"
@@ -207,8 +207,9 @@ def test_transformer_layer_folds_the_mlp_residual(gpu_host, cls_kind):  # pylint
     adds = [ops[2] for _, ops, _ in norms]   # dy, dy_add, dx_add, x, ...
     assert (tokens in adds) == folded, (dropout, adds)
     gemms = [ops for _, ops, _ in custom_calls(text, "te_jax_gemm")]
-    residual_gemms = [ops for ops in gemms if ops.count(tokens) >= 1 and ops[-1] == tokens]
-    assert bool(residual_gemms) == folded, (dropout, gemms)
+    residual_gemms = [ops for ops in gemms if ops[-1] == tokens]   # C: the last operand
+    # The attention's output projection and the MLP's down projection.
+    assert len(residual_gemms) == (2 if folded else 0), (dropout, gemms)
 
 
 @pytest.mark.gpu
@@ -229,3 +230,67 @@ def test_gpu_add_input(rname, norm_type):
   np.testing.assert_array_equal(_bits(g1[0]), _bits(g0[0] + jax.device_put(cot, gpu)))
   for a, b in zip(jax.tree.leaves(g1[1:]), jax.tree.leaves(g0[1:])):
     np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+@pytest.mark.parametrize("rname", sorted(RECIPES))
+@pytest.mark.parametrize("rows", [256, 200])   # 200: padded to the token block (an add after)
+def test_fp8_dense_residual(rname, rows):
+  """fp8_dense(residual=r) is y + r within one rounding; r's cotangent is g
+  and the other gradients are those without it, bit for bit."""
+  from te_jax import dense as dense_lib
+  r = RECIPES[rname]()
+  x, w = _rand(11, (rows, K), 1.0, BF16), _rand(12, (K, K), 0.09)
+  res, cot = _rand(13, (rows, K), 1.0, BF16), _rand(14, (rows, K), 1.0, BF16)
+  state = mlp_states(r)[0]
+
+  def run(with_residual):
+    def f(x, w, res):
+      return dense_lib.fp8_dense(x, w, recipe=r, fp8_state=state, impl="reference",
+                                 residual=res if with_residual else None)
+    y, vjp = jax.vjp(f, x, w, res)
+    return y, vjp(cot)
+  y1, g1 = jax.jit(lambda: run(True))()
+  y0, g0 = jax.jit(lambda: run(False))()
+  _assert_one_rounding_apart(y1, y0 + res, y0)
+  np.testing.assert_array_equal(_bits(g1[2]), _bits(cot))
+  for a, b in zip(g1[:2], g0[:2]):
+    np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_projection_residual_arguments():
+  x = _rand(6, (2, 128, K), 1.0, BF16)
+  m = tfx.DenseGeneral(features=K, dtype=BF16)
+  v = m.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="cannot be combined with input_norm"):
+    m.apply(v, x, residual=x, input_norm=norm_dense.NormParams(
+        jnp.ones(K), None, "rmsnorm", 1e-6, False))
+  with pytest.raises(TypeError, match="residual must be a jax.Array"):
+    m.apply(v, x, residual=np.zeros(x.shape))
+  attention = tfx.MultiHeadAttention(num_attention_heads=2, out_features=2 * K, dtype=BF16)
+  va = attention.init(jax.random.key(0), x)
+  with pytest.raises(ValueError, match="whose width 256 differs from the input's 128"):
+    attention.apply(va, x, add_residual=True)
+
+
+@pytest.mark.parametrize("rname", sorted(RECIPES) + [None])
+@pytest.mark.parametrize("kind", ["linen", "nnx"])
+def test_attention_add_residual(rname, kind):
+  """MultiHeadAttention(add_residual=True) is x + attention(x): within one
+  rounding in FP8 (the output GEMM's C input), bit for bit with FP8 off."""
+  r = None if rname is None else RECIPES[rname]()
+  x = _rand(15, (2, 128, K), 1.0, BF16)
+  with te_jax.fp8_autocast(r is not None, r):
+    if kind == "linen":
+      m = tfx.MultiHeadAttention(num_attention_heads=2, dtype=BF16, attention_impl="xla",
+                                 impl="reference")
+      v = m.init(jax.random.key(0), x)
+      y1 = m.apply(v, x, add_residual=True)
+      h = m.apply(v, x)
+    else:
+      m = tnx.MultiHeadAttention(2, K, dtype=BF16, attention_impl="xla", impl="reference",
+                                 rngs=nnx.Rngs(0))
+      y1, h = m(x, add_residual=True), m(x)
+  if r is None:
+    np.testing.assert_array_equal(_bits(y1), _bits(x + h))
+  else:
+    _assert_one_rounding_apart(y1, x + h, h)

@@ -141,7 +141,8 @@ class MultiHeadAttention(nn.Module):
                kv_segment_positions: Optional[jax.Array] = None,
                mask: Optional[jax.Array] = None,
                deterministic: bool = True,
-               input_norm: Optional[norm_dense.NormParams] = None) -> jax.Array:
+               input_norm: Optional[norm_dense.NormParams] = None,
+               add_residual: bool = False) -> jax.Array:
     """Attends from ``inputs_q`` to ``inputs_kv`` (itself when None).
 
     Args:
@@ -164,6 +165,9 @@ class MultiHeadAttention(nn.Module):
         of the projection's input where ``DenseGeneral`` can fuse it: Q/K/V
         in one pass for fused self attention, the query (whose normalized
         output then feeds the key/value projection) otherwise.
+      add_residual: return ``inputs_q + attention`` (a residual connection:
+        ``out_features`` equal to E, ``inputs_q`` in the compute dtype); in
+        FP8 the output projection's GEMM adds it (its C input).
 
     Returns:
       (B, Sq, out_features) in the compute dtype.
@@ -218,6 +222,9 @@ class MultiHeadAttention(nn.Module):
         attn_mask_type=self.attn_mask_type, enable_rotary_pos_emb=self.enable_rotary_pos_emb,
         rotary_base=self.rotary_base, max_segments_per_seq=self.max_segments_per_seq,
         max_document_length=self.max_document_length)
-    out = self._dense(self.out_features or embed, "out", ("heads", "kv", "embed"),
-                      axis=(-2, -1), dtype=compute)(out.astype(compute))
+    width = self.out_features or embed
+    if add_residual:
+      checks.check_add_residual("MultiHeadAttention", inputs_q, compute, width)
+    out = self._dense(width, "out", ("heads", "kv", "embed"), axis=(-2, -1), dtype=compute)(
+        out.astype(compute), residual=inputs_q if add_residual else None)
     return out if step is None else cache_lib.mark_overflow(out, step.valid)

@@ -33,6 +33,7 @@ from te_jax import norm_dense
 from te_jax.flax import fp8_module
 from te_jax.flax.norm import norm_params
 from te_jax.layers import dense as dense_core
+from te_jax.layers.dense import check_residual
 from te_jax.layers import init as init_lib
 from te_jax.layers.checks import check_input_rank, compute_dtype, to_tuple
 from te_jax.layers.gemm import canonicalize_axes, check_split_output
@@ -222,7 +223,7 @@ class DenseGeneral(nn.Module):
   @nn.compact
   def __call__(self, inputs: jax.Array, *,
                input_norm: Optional[norm_dense.NormParams] = None,
-               return_norm_output: bool = False):
+               return_norm_output: bool = False, residual: Optional[jax.Array] = None):
     """Applies the projection; see the class docstring for shapes.
 
     Args:
@@ -238,8 +239,13 @@ class DenseGeneral(nn.Module):
         in_dim >= 4096, or in XLA (narrower, or a mesh of several devices).
       return_norm_output: with ``input_norm``, also return the normalized
         input (..., in_dim) in the compute dtype: ``(y, norm_output)``.
+      residual: optional array of the output's shape added to it (a residual
+        connection; not with ``input_norm`` or ``split_output``). In FP8,
+        unsharded, it is the GEMM's C input, added before the output's one
+        rounding, with no pass of its own.
     """
     check_input_rank("inputs", inputs)
+    check_residual(residual, input_norm, self.split_output)
     settings = fp8_module.read_autocast(self.impl)
     states = fp8_module.LinenStates(self)
     compute = compute_dtype(self.dtype, inputs.dtype, self.param_dtype)
@@ -251,7 +257,7 @@ class DenseGeneral(nn.Module):
       kernel, bias, kernel_axes = self._declare(tuple(inputs.shape[a] for a in axis))
       return dense_core.project(states, settings, inputs, kernel, bias, axis=axis,
                                 dtype=compute, kernel_axes=kernel_axes,
-                                split_output=self.split_output)
+                                split_output=self.split_output, residual=residual)
     check_input_norm(input_norm, self.axis, inputs.ndim)
     kernel, bias, kernel_axes = self._declare(inputs.shape[-1:])
     return dense_core.norm_dense(states, settings, inputs, input_norm, kernel, bias,

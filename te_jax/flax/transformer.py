@@ -147,15 +147,27 @@ class TransformerLayer(nn.Module):
     return cls(epsilon=self.epsilon, zero_centered_gamma=self.zero_centered_gamma,
                dtype=dtype, param_dtype=self.param_dtype, name=name)
 
-  def _normed_attention(self, norm_name, attention, x, **kw):
-    """``attention(norm(x), **kw)``, the norm fused into the projection's
-    quantization (``fuse_norm_quantize``) or applied first."""
+  def _residual_attention(self, norm_name, attention, x, deterministic, **kw):
+    """``x + drop(attention(norm(x), **kw))``, the norm fused into the
+    projection's quantization (``fuse_norm_quantize``) or applied first.
+    With the norm fused and the hidden dropout inactive the attention adds x
+    itself (its output projection's C input in FP8)."""
     if not self.fuse_norm_quantize:
-      return attention(self._norm(norm_name, attention.dtype)(x), **kw)
+      h = attention(self._norm(norm_name, attention.dtype)(x), deterministic=deterministic,
+                    **kw)
+      return x + self._drop(h, deterministic)
     norm = NormParameters(norm_type=self.layernorm_type, epsilon=self.epsilon,
                           zero_centered_gamma=self.zero_centered_gamma,
                           param_dtype=self.param_dtype, name=norm_name)(x.shape[-1])
-    return attention(x, input_norm=norm, **kw)
+    if self._folds_residual(deterministic):
+      return attention(x, input_norm=norm, deterministic=deterministic, add_residual=True, **kw)
+    h = attention(x, input_norm=norm, deterministic=deterministic, **kw)
+    return x + self._drop(h, deterministic)
+
+  def _folds_residual(self, deterministic) -> bool:
+    """Whether the sublayers add their residuals themselves (no hidden
+    dropout between their output and the add)."""
+    return self.hidden_dropout == 0.0 or deterministic
 
   def _attention(self, name, mask_type, rotary, dtype, decode=False, max_document_length=None):
     return MultiHeadAttention(
@@ -217,18 +229,15 @@ class TransformerLayer(nn.Module):
     attention = self._attention("self_attention", mask_type, self.enable_rotary_pos_emb,
                                 compute, decode=self.decode,
                                 max_document_length=self.max_document_length)
-    h = self._normed_attention("pre_attention_norm", attention, x, segment_ids=segment_ids,
-                               segment_positions=segment_positions,
-                               deterministic=deterministic)
-    x = x + self._drop(h, deterministic)
+    x = self._residual_attention("pre_attention_norm", attention, x, deterministic,
+                                 segment_ids=segment_ids, segment_positions=segment_positions)
 
     if encoded is not None:
       attention = self._attention("cross_attention", "no_mask", False, compute)
-      h = self._normed_attention(
-          "pre_cross_attention_norm", attention, x, inputs_kv=encoded,
+      x = self._residual_attention(
+          "pre_cross_attention_norm", attention, x, deterministic, inputs_kv=encoded,
           segment_ids=segment_ids if encoder_segment_ids is not None else None,
-          kv_segment_ids=encoder_segment_ids, deterministic=deterministic)
-      x = x + self._drop(h, deterministic)
+          kv_segment_ids=encoder_segment_ids)
 
     if self.mlp_type == "moe":
       h = MoE(intermediate_dim=self.mlp_hidden_size, **dataclasses.asdict(self.moe),
@@ -238,7 +247,7 @@ class TransformerLayer(nn.Module):
       return x + self._drop(h, deterministic)
     # Without dropout on its output the block adds the residual itself:
     # inside its GEMM and norm backward on the fused FP8 path.
-    fold = self.hidden_dropout == 0.0 or deterministic
+    fold = self._folds_residual(deterministic)
     h = LayerNormMLP(
         intermediate_dim=self.mlp_hidden_size, activations=tuple(self.activations),
         intermediate_dropout_rate=self.intermediate_dropout,

@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 
 import jax.numpy as jnp
 
-__all__ = ["to_tuple", "compute_dtype", "check_rate", "positive_int", "optional_positive_int",
+__all__ = ["to_tuple", "compute_dtype", "check_add_residual", "check_rate", "positive_int", "optional_positive_int",
            "check_input_rank", "attention_options", "mlp_options", "transformer_options"]
 
 
@@ -73,6 +73,19 @@ def check_input_rank(name: str, x, min_ndim: int = 1) -> None:
   if len(x.shape) < min_ndim:
     raise ValueError(f"{name} must have at least {min_ndim} dim(s) (..., features), got "
                      f"shape {tuple(x.shape)}.")
+
+
+def check_add_residual(owner: str, x, dtype, out_width: int) -> None:
+  """A module's ``add_residual=True``: its output is ``x + y``, so x must
+  have the output's width and come in the compute dtype (ValueError naming
+  what differs)."""
+  if x.shape[-1] != out_width:
+    raise ValueError(f"{owner}: add_residual=True adds the input to the output, whose width "
+                     f"{out_width} differs from the input's {x.shape[-1]}.")
+  if jnp.dtype(x.dtype) != jnp.dtype(dtype):
+    raise ValueError(f"{owner}: add_residual=True adds the input to the output, so the input "
+                     f"must come in the compute dtype {jnp.dtype(dtype).name}; got "
+                     f"{x.dtype}. Cast it first.")
 
 
 def attention_options(num_attention_heads, num_gqa_groups=None, head_dim=None,

@@ -27,27 +27,44 @@ from te_jax.layers.norm import fused_norm_states, module_norm
 from te_jax.layers.settings import Settings
 from te_jax.layers.state import GemmStates
 
-__all__ = ["project", "norm_dense", "norm_project"]
+__all__ = ["project", "norm_dense", "norm_project", "check_residual"]
+
+
+def check_residual(residual, input_norm, split_output) -> None:
+  """A projection's ``residual`` argument: an array, not combined with an
+  ``input_norm`` or a ``split_output`` (ValueError naming the conflict)."""
+  if residual is None:
+    return
+  if input_norm is not None or split_output is not False:
+    raise ValueError("residual is added to one projected output: it cannot be combined "
+                     f"with {'input_norm' if input_norm is not None else 'split_output'}. "
+                     "Add it after the call instead.")
+  if not isinstance(residual, jax.Array):
+    raise TypeError(f"residual must be a jax.Array, got {type(residual).__name__}.")
 
 
 def project(states: GemmStates, settings: Settings, x: jax.Array, kernel: jax.Array,
             bias: Optional[jax.Array], *, axis: Tuple[int, ...], dtype,
             kernel_axes: Optional[Sequence[Optional[str]]] = None,
-            split_output: SplitOutput = False, name: str = FP8_META):
+            split_output: SplitOutput = False, name: str = FP8_META,
+            residual: Optional[jax.Array] = None):
   """``x`` contracted over its ``axis`` dims with ``kernel`` (*in_dims,
   *out_dims), plus ``bias`` (*out_dims): (..., *out_dims) in ``dtype``, the
   non-contracted axes in their order in front (a tuple of blocks with
   ``split_output``, as :func:`~te_jax.layers.gemm.gemm` splits it).
 
   ``axis``: canonical (non-negative) axes, in the order of the kernel's
-  in_dims; ``kernel`` in its parameter dtype, ``bias`` in any.
+  in_dims; ``kernel`` in its parameter dtype, ``bias`` in any; ``residual``
+  (..., *out_dims) added to the output (the GEMM's C input in FP8 where it
+  can be: :func:`~te_jax.layers.gemm.gemm`).
   """
   batch_axes = tuple(a for a in range(x.ndim) if a not in axis)
   if batch_axes + axis != tuple(range(x.ndim)):
     x = jnp.transpose(x, batch_axes + axis)
   return gemm(states, settings, x.astype(dtype), kernel,
               None if bias is None else bias.astype(dtype), name=name,
-              contract_ndim=len(axis), kernel_axes=kernel_axes, split_output=split_output)
+              contract_ndim=len(axis), kernel_axes=kernel_axes, split_output=split_output,
+              residual=None if residual is None else residual.astype(dtype))
 
 
 def norm_dense(states: GemmStates, settings: Settings, x: jax.Array,

@@ -56,8 +56,9 @@ def canonicalize_axes(axes, ndim: int) -> Tuple[int, ...]:
 def gemm(states: GemmStates, settings: Settings, x: jax.Array, kernel: jax.Array,
          bias: Optional[jax.Array] = None, *, name: str = FP8_META, contract_ndim: int = 1,
          kernel_axes: Optional[Sequence[Optional[str]]] = None,
-         split_output: SplitOutput = False, track: bool = True):
-  """``x @ kernel (+ bias)`` over the last ``contract_ndim`` dims of ``x``.
+         split_output: SplitOutput = False, track: bool = True,
+         residual: Optional[jax.Array] = None):
+  """``x @ kernel (+ bias) (+ residual)`` over the last ``contract_ndim`` dims of ``x``.
 
   Calls :func:`te_jax.dense.dense_general`, which keeps the leading dims of
   ``x`` (a (batch, seq) layout sharded for sequence parallelism reaches the
@@ -85,6 +86,9 @@ def gemm(states: GemmStates, settings: Settings, x: jax.Array, kernel: jax.Array
       one dot per part (:func:`plain_split_gemm`).
     track: report this GEMM to ``states.track_updates`` when it uses FP8
       state (one GEMM per module call does).
+    residual: optional (*lead, *out_dims) array in x's dtype added to the
+      output (``te_jax.dense.fp8_dense``'s: the GEMM's C input where it
+      can be); not with ``split_output``.
 
   Returns:
     (*lead, *out_dims) array in ``x.dtype``, or the tuple (``split_output``).
@@ -96,7 +100,7 @@ def gemm(states: GemmStates, settings: Settings, x: jax.Array, kernel: jax.Array
   if state is not None and track:
     states.track_updates(update_probe(param_kernel))
   y = gemm_output(x, kernel, bias, settings, state, contract_ndim=contract_ndim,
-                  kernel_axes=kernel_axes, split_output=split_output)
+                  kernel_axes=kernel_axes, split_output=split_output, residual=residual)
   return y if state is not None else states.keep_unused(y, (name,))
 
 
@@ -112,12 +116,14 @@ def update_probe(kernel: jax.Array) -> jax.Array:
 
 
 def gemm_output(x, kernel, bias, settings: Settings, state, *, contract_ndim: int,
-                kernel_axes=None, split_output: SplitOutput = False):
+                kernel_axes=None, split_output: SplitOutput = False, residual=None):
   """The GEMM of :func:`gemm` once the module has its kernel and state: a
   split output through :func:`split_gemm` (FP8, unsharded) or
   :func:`plain_split_gemm` (FP8 off), everything else through
   ``te_jax.dense.dense_general`` under the call's logical axis rules."""
   recipe = settings.recipe
+  if residual is not None and split_output is not False:
+    raise ValueError("a residual is added to one output, not to a split_output.")
   if split_output is not False and recipe is not None and settings.unsharded():
     return split_gemm(x, kernel, bias, settings, state, contract_ndim, split_output)
   if split_output is not False and recipe is None:
@@ -127,7 +133,8 @@ def gemm_output(x, kernel, bias, settings: Settings, state, *, contract_ndim: in
   with sharding_lib.use_axis_rules(settings.axis_rules):
     y = dense_lib.dense_general(x, kernel, bias, contract_ndim=contract_ndim, recipe=recipe,
                                 fp8_state=state, impl=settings.impl, kernel_axes=kernel_axes,
-                                mesh_resource=settings.mesh_resource, mesh=settings.mesh)
+                                mesh_resource=settings.mesh_resource, mesh=settings.mesh,
+                                residual=residual)
   blocks = output_blocks(split_output, kernel.shape[contract_ndim:])
   if blocks:   # sharded FP8: the blocks are slices of the one output
     lead = (slice(None),) * (x.ndim - contract_ndim)

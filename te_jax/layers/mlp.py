@@ -34,11 +34,11 @@ import math
 from typing import Callable, Optional, Sequence, Tuple
 
 import jax
-import jax.numpy as jnp
 
 from te_jax import fused_mlp
 from te_jax import norm_dense
 from te_jax.fused_mlp import warn_act_input_not_in_fp8
+from te_jax.layers.checks import check_add_residual
 from te_jax.layers.gemm import gemm, mlp_core
 from te_jax.layers.norm import fused_norm_states, module_norm
 from te_jax.layers.settings import Settings
@@ -169,10 +169,8 @@ def layernorm_mlp(states: GemmStates, settings: Settings, x: jax.Array, *,
     (..., E) in ``dtype``; with ``return_norm_output`` ``(y, norm output)``.
   """
   fused_mlp.check_backward_chunks(backward_chunks, settings.recipe)
-  if add_residual and jnp.dtype(x.dtype) != jnp.dtype(dtype):
-    raise ValueError(f"{owner}: add_residual=True adds the input to the output, so the input "
-                     f"must come in the compute dtype {jnp.dtype(dtype).name}; got "
-                     f"{x.dtype}. Cast it first.")
+  if add_residual:
+    check_add_residual(owner, x, dtype, wo.shape[-1])
   lead, e, f = x.shape[:-1], x.shape[-1], wo.shape[0]
   m = math.prod(lead)
   bi = None if bi is None else bi.astype(dtype)

@@ -18,7 +18,7 @@ from flax import nnx
 from te_jax import norm_dense
 from te_jax.layers import attention as attn
 from te_jax.layers import kv_cache
-from te_jax.layers.checks import attention_options, compute_dtype, to_tuple
+from te_jax.layers.checks import attention_options, check_add_residual, compute_dtype, to_tuple
 from te_jax.layers.init import default_kernel_init
 from te_jax.nnx.linear import Linear, zeros
 
@@ -204,7 +204,7 @@ class MultiHeadAttention(nnx.Module):
                deterministic: Optional[bool] = None,
                input_norm: Optional[norm_dense.NormParams] = None,
                is_causal: Optional[bool] = None,
-               decode: Optional[bool] = None) -> jax.Array:
+               decode: Optional[bool] = None, add_residual: bool = False) -> jax.Array:
     """Attends from ``inputs_q`` to ``inputs_kv`` (cross) or to itself (self).
 
     Arguments as ``te_jax.flax.MultiHeadAttention.__call__`` (``input_norm``:
@@ -213,7 +213,8 @@ class MultiHeadAttention(nnx.Module):
     defaults to the module attribute. ``mask`` (True = attend, broadcastable
     to (B, heads, Sq, Skv)) and ``is_causal`` as in
     ``nnx.MultiHeadAttention``: ``is_causal`` overrides the module's
-    ``attn_mask_type`` for this call (None: the module's). Returns (B, Sq,
+    ``attn_mask_type`` for this call (None: the module's); ``add_residual``
+    returns ``inputs_q + attention`` (as the Linen module's). Returns (B, Sq,
     out_features) in the compute dtype.
     """
     kv_cache.refuse_decode(decode, "te_jax.nnx.MultiHeadAttention", _NO_DECODE)
@@ -236,6 +237,8 @@ class MultiHeadAttention(nnx.Module):
         inputs_q, inputs_kv, segment_ids, segment_positions,
         kv_segment_ids, kv_segment_positions)
     compute = compute_dtype(self.dtype, inputs_q.dtype, self.param_dtype)
+    if add_residual:
+      check_add_residual("nnx.MultiHeadAttention", inputs_q, compute, self.out_features)
     if self.fused_qkv:
       attn.warn_if_heads_split(self.num_heads, self.num_gqa_groups)
       proj = dict(qkv=self.qkv)
@@ -255,4 +258,4 @@ class MultiHeadAttention(nnx.Module):
         enable_rotary_pos_emb=self.enable_rotary_pos_emb,
         rotary_base=self.rotary_base, max_segments_per_seq=self.max_segments_per_seq,
         max_document_length=self.max_document_length)
-    return self.out(out.astype(compute))
+    return self.out(out.astype(compute), residual=inputs_q if add_residual else None)

@@ -19,6 +19,7 @@ from flax.core import meta
 
 from te_jax import norm_dense
 from te_jax.layers import dense as dense_core
+from te_jax.layers.dense import check_residual
 from te_jax.layers import init as init_lib
 from te_jax.layers.checks import check_input_rank, compute_dtype, to_tuple
 from te_jax.layers.gemm import FP8_META, canonicalize_axes, check_split_output
@@ -264,13 +265,15 @@ class Linear(nnx.Module):
     st.add_fp8_state(self, mode)
 
   def __call__(self, x: jax.Array, *, input_norm: Optional[norm_dense.NormParams] = None,
-               return_norm_output: bool = False):
+               return_norm_output: bool = False, residual: Optional[jax.Array] = None):
     """Applies the projection; see the class docstring for shapes.
 
-    ``input_norm`` and ``return_norm_output``: as
+    ``input_norm``, ``return_norm_output`` and ``residual``: as
     ``te_jax.flax.DenseGeneral.__call__`` (the projection of ``norm(x)``, the
-    norm fused into the FP8 quantization of the GEMM input where it can be).
+    norm fused into the FP8 quantization of the GEMM input where it can be;
+    an array added to the output, the GEMM's C input where it can be).
     """
+    check_residual(residual, input_norm, self.split_output)
     if input_norm is not None:
       return self._normed(x, input_norm, return_norm_output)
     if return_norm_output:
@@ -283,7 +286,8 @@ class Linear(nnx.Module):
     return dense_core.project(st.NnxStates(self), settings, x, self.kernel[...], bias,
                               axis=axis, dtype=compute_dtype(self.dtype, x.dtype,
                                                              self.param_dtype),
-                              kernel_axes=self.kernel_axes, split_output=self.split_output)
+                              kernel_axes=self.kernel_axes, split_output=self.split_output,
+                              residual=residual)
 
   def _contracted(self, x):
     """The canonical ``axis`` of ``x``, whose dims must be ``in_features``."""

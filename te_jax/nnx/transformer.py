@@ -142,12 +142,17 @@ class TransformerLayer(nnx.Module):
     self.dropout = (nnx.Dropout(hidden_dropout, deterministic=deterministic, rngs=rngs)
                     if hidden_dropout > 0.0 else None)
 
-  def _normed_attention(self, norm, attention, x, **kw):
-    """``attention(norm(x), **kw)``, the norm fused into the projections'
-    quantization under ``fuse_norm_quantize`` (as the Linen layer)."""
-    if self.fuse_norm_quantize:
-      return attention(x, input_norm=norm.norm_params(), **kw)
-    return attention(norm(x), **kw)
+  def _residual_attention(self, norm, attention, x, deterministic, **kw):
+    """``x + drop(attention(norm(x), **kw))``, the attention adding x
+    itself where it can (as the Linen layer's)."""
+    if not self.fuse_norm_quantize:
+      return x + self._drop(attention(norm(x), deterministic=deterministic, **kw),
+                            deterministic)
+    if self.dropout is None or deterministic:
+      return attention(x, input_norm=norm.norm_params(), deterministic=deterministic,
+                       add_residual=True, **kw)
+    h = attention(x, input_norm=norm.norm_params(), deterministic=deterministic, **kw)
+    return x + self._drop(h, deterministic)
 
   def _drop(self, x, deterministic):
     return x if self.dropout is None else self.dropout(x, deterministic=deterministic)
@@ -171,17 +176,16 @@ class TransformerLayer(nnx.Module):
     compute = compute_dtype(self.dtype, inputs.dtype, self.param_dtype)
     x = inputs.astype(compute)
 
-    h = self._normed_attention(self.pre_attention_norm, self.self_attention, x,
-                               segment_ids=segment_ids, segment_positions=segment_positions,
-                               deterministic=deterministic)
-    x = x + self._drop(h, deterministic)
+    x = self._residual_attention(self.pre_attention_norm, self.self_attention, x,
+                                 deterministic, segment_ids=segment_ids,
+                                 segment_positions=segment_positions)
 
     if encoded is not None:
-      h = self._normed_attention(
-          self.pre_cross_attention_norm, self.cross_attention, x, inputs_kv=encoded,
+      x = self._residual_attention(
+          self.pre_cross_attention_norm, self.cross_attention, x, deterministic,
+          inputs_kv=encoded,
           segment_ids=segment_ids if encoder_segment_ids is not None else None,
-          kv_segment_ids=encoder_segment_ids, deterministic=deterministic)
-      x = x + self._drop(h, deterministic)
+          kv_segment_ids=encoder_segment_ids)
 
     if self.mlp_type == "moe":
       h = self.moe(self.pre_mlp_norm(x), token_mask=layer_lib.token_mask(segment_ids),
