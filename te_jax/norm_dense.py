@@ -176,6 +176,7 @@ class _Config(NamedTuple):
   splits: Tuple[int, ...] = ()   # the output as column blocks of these widths (a tuple)
   save_input: bool = True   # no FP8 copy of norm(x) kept: quantized again from x
   save_kernel: bool = True  # no FP8 copy of the kernel kept: quantized again
+  return_input: bool = False  # x passed through: its cotangent joins dx in the norm's kernel
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -204,13 +205,15 @@ def _norm_dense_fwd(x, gamma, beta, kernel, bias, state, cfg):
   x_t = qx.amax if cfg.save_input else qx.columnwise()
   res = (x_t, kernel if cfg.save_kernel else qk.rowwise(), x, gamma, beta, mean, rstd,
          state, new_state, jnp.zeros((0,), kernel.dtype))
-  return out, res
+  return ((out, x) if cfg.return_input else out), res
 
 
 def _norm_dense_bwd(cfg, res, g):
   mode, impl = cfg.mode, cfg.impl
   x_t, qk, x, gamma, beta, mean, rstd, state, new_state, k_proto = res
-  g_ln = None
+  g_ln = g_x = None
+  if cfg.return_input:   # the passed-through x's cotangent: added to dx by the norm kernel
+    g, g_x = g
   if cfg.return_norm_output:
     g, g_ln = g
   if cfg.splits:   # the gradients of the output blocks, never concatenated
@@ -232,7 +235,8 @@ def _norm_dense_bwd(cfg, res, g):
   else:
     qx_t = x_t
   dk = mode.gemm("wgrad", qx_t, qg.columnwise(), out_dtype=k_proto.dtype, impl=impl)
-  dx, dgamma, dbeta = norm_grads(cfg.norm, dln, x, gamma, beta, mean, rstd, impl, dln_add)
+  dx, dgamma, dbeta = norm_grads(cfg.norm, dln, x, gamma, beta, mean, rstd, impl, dln_add,
+                                 g_x)
   dbias = None
   if cfg.has_bias:
     parts = tuple(g) if cfg.splits else (g,)
@@ -251,7 +255,7 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
                    dtype=None, num_splits: int = 1,
                    split_sizes: Optional[Sequence[int]] = None,
                    save_original_input: bool = True,
-                   save_original_kernel: bool = True):
+                   save_original_kernel: bool = True, return_input: bool = False):
   """``norm(x) @ kernel + bias`` with every GEMM in FP8 and the norm fused into
   the quantization of its output.
 
@@ -297,10 +301,16 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
       it), what the FP8-off dot keeps when it is a cast copy. False keeps
       the FP8 copy (1 byte per element). Applies where the kernel needs no
       padding (N a multiple of the recipe's ``token_block``).
+    return_input: also return ``x`` itself, passed through this op: used as
+      the residual of a connection around the branch this projection starts
+      (e.g. an output projection's ``residual``), its cotangent comes back
+      here and the norm's backward kernel adds it to dx as it writes it (bit
+      for bit XLA's add of x's two cotangents, without that pass).
 
   Returns:
     (..., N) in ``dtype`` (a tuple of arrays (..., width), one per block,
-    when split), or ``(y, norm_output)`` with ``return_norm_output``.
+    when split), or ``(y, norm_output)`` with ``return_norm_output``; with
+    ``return_input`` x follows as the last element.
 
   Raises:
     ValueError: shapes :func:`supported` rejects, or inconsistent ones.
@@ -332,9 +342,12 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
   if save_original_kernel and not save_kernel:
     dense_lib.log_fp8_copies_kept(f"the kernel is padded to a multiple of {align}")
   cfg = _Config(mode, impl, spec, out_dtype, bias is not None, bool(return_norm_output),
-                sizes if fused_split else (), bool(save_original_input), save_kernel)
+                sizes if fused_split else (), bool(save_original_input), save_kernel,
+                bool(return_input))
   bp = None if bias is None else dense_lib.pad_to(bias.astype(out_dtype), 0, align)
   out = _norm_dense(x2d, gamma, beta, kp, bp, fp8_state, cfg)
+  if return_input:
+    out, x_passed = out
   y, ln = out if return_norm_output else (out, None)
   if fused_split:   # each block tagged for te_jax.remat's policies
     y = tuple(remat.tag_fp8_gemm(part.reshape(*lead, f)) for part, f in zip(y, sizes))
@@ -342,7 +355,10 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
     y = remat.tag_fp8_gemm(y[:, :n].reshape(*lead, n))
     if len(sizes) > 1:
       y = dense_lib.split_columns(y, sizes)
-  return (y, ln.reshape(x.shape)) if return_norm_output else y
+  out = (y, ln.reshape(x.shape)) if return_norm_output else (y,)
+  if return_input:
+    out += (x_passed.reshape(x.shape),)
+  return out if len(out) > 1 else y
 
 
 # ------------------------------------------------ the norm without FP8 ---

@@ -223,7 +223,8 @@ class DenseGeneral(nn.Module):
   @nn.compact
   def __call__(self, inputs: jax.Array, *,
                input_norm: Optional[norm_dense.NormParams] = None,
-               return_norm_output: bool = False, residual: Optional[jax.Array] = None):
+               return_norm_output: bool = False, residual: Optional[jax.Array] = None,
+               return_input: bool = False):
     """Applies the projection; see the class docstring for shapes.
 
     Args:
@@ -243,6 +244,11 @@ class DenseGeneral(nn.Module):
         connection; not with ``input_norm`` or ``split_output``). In FP8,
         unsharded, it is the GEMM's C input, added before the output's one
         rounding, with no pass of its own.
+      return_input: with ``input_norm``, also return ``inputs`` (last), as
+        passed through the fused norm's op where it is taken: given as the
+        ``residual`` of a connection around this projection's branch, its
+        cotangent is added to the input's gradient by the norm's backward
+        kernel (no add of its own).
     """
     check_input_rank("inputs", inputs)
     check_residual(residual, input_norm, self.split_output)
@@ -250,9 +256,9 @@ class DenseGeneral(nn.Module):
     states = fp8_module.LinenStates(self)
     compute = compute_dtype(self.dtype, inputs.dtype, self.param_dtype)
     if input_norm is None:
-      if return_norm_output:
-        raise ValueError("return_norm_output=True needs an input_norm to return the "
-                         "output of.")
+      if return_norm_output or return_input:
+        raise ValueError(f"{'return_norm_output' if return_norm_output else 'return_input'}"
+                         "=True needs an input_norm.")
       axis = canonicalize_axes(self.axis, inputs.ndim)
       kernel, bias, kernel_axes = self._declare(tuple(inputs.shape[a] for a in axis))
       return dense_core.project(states, settings, inputs, kernel, bias, axis=axis,
@@ -264,7 +270,7 @@ class DenseGeneral(nn.Module):
                                  dtype=compute, owner=type(self).__name__,
                                  kernel_axes=kernel_axes,
                                  return_norm_output=return_norm_output,
-                                 split_output=self.split_output)
+                                 split_output=self.split_output, return_input=return_input)
 
   def _declare(self, in_shape):
     """(kernel, bias or None, kernel_axes) for inputs whose contracted dims are ``in_shape``."""

@@ -453,7 +453,7 @@ def warn_if_heads_split(heads: int, groups: int) -> None:
 
 def project_qkv(inputs_q, inputs_kv, *, self_attn: bool, input_norm=None,
                 qkv: Optional[Callable] = None, query: Optional[Callable] = None,
-                kv: Optional[Callable] = None):
+                kv: Optional[Callable] = None, return_input: bool = False):
   """``(q, k, v)`` from the module's projections (see the module docs).
 
   Args:
@@ -466,19 +466,32 @@ def project_qkv(inputs_q, inputs_kv, *, self_attn: bool, input_norm=None,
     query: ``query(x, **norm) -> q`` (``return_norm_output=True`` also
       returns the normalized x) and
     kv: ``kv(x) -> (k, v)``.
+    return_input: with ``input_norm``, also return ``inputs_q`` as passed
+      through the projection's norm (its ``return_input``: the residual of
+      a connection around the attention, whose cotangent the norm's
+      backward then adds).
 
   Returns:
-    q (B, Sq, heads, head_dim) and k, v (B, Skv, groups, head_dim).
+    q (B, Sq, heads, head_dim) and k, v (B, Skv, groups, head_dim); with
+    ``return_input`` also the passed-through ``inputs_q``.
   """
   norm_kw = {} if input_norm is None else {"input_norm": input_norm}
+  if return_input:
+    if input_norm is None:
+      raise ValueError("return_input=True passes inputs_q through the input_norm's op: it "
+                       "needs an input_norm.")
+    norm_kw["return_input"] = True
   if qkv is not None:
-    return qkv(inputs_q, **norm_kw)
+    out = qkv(inputs_q, **norm_kw)
+    return (*out[0], out[1]) if return_input else out
+  passed = ()
   if input_norm is not None and self_attn:   # K and V read the query's norm output
-    q, inputs_kv = query(inputs_q, input_norm=input_norm, return_norm_output=True)
+    q, inputs_kv, *passed = query(inputs_q, return_norm_output=True, **norm_kw)
   else:
-    q = query(inputs_q, **norm_kw)
+    out = query(inputs_q, **norm_kw)
+    q, passed = (out[0], out[1:]) if return_input else (out, ())
   k, v = kv(inputs_kv)
-  return q, k, v
+  return (q, k, v, *passed)
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, *, step=None,

@@ -71,7 +71,7 @@ def norm_dense(states: GemmStates, settings: Settings, x: jax.Array,
                norm: norm_dense_lib.NormParams, kernel: jax.Array, bias: Optional[jax.Array],
                *, dtype, owner: str, kernel_axes: Optional[Sequence[Optional[str]]] = None,
                fuse_norm_quantize: bool = True, return_norm_output: bool = False,
-               split_output: SplitOutput = False):
+               split_output: SplitOutput = False, return_input: bool = False):
   """``norm(x) @ kernel + bias``: the norm over the last axis, fused into the
   FP8 quantization of the GEMM input where it can be (see the module docs).
 
@@ -89,10 +89,13 @@ def norm_dense(states: GemmStates, settings: Settings, x: jax.Array,
     split_output: a tuple of blocks of the first feature dim: True unstacks
       it ((..., *features[1:]) each), block sizes split it ((..., size,
       *features[1:]) each).
+    return_input: also return x, passed through the fused norm's op where
+      it is taken (``te_jax.norm_dense.fp8_norm_dense``'s ``return_input``:
+      the norm's backward then adds the cotangent of that x), else x itself.
 
   Returns:
     (..., *features) (or the tuple), and with ``return_norm_output`` the pair
-    (output, normalized x).
+    (output, normalized x); with ``return_input`` x follows last.
   """
   bias = None if bias is None else bias.astype(dtype)
   found = fused_norm_states(states, settings, x, (FP8_META,)) if fuse_norm_quantize else None
@@ -101,21 +104,23 @@ def norm_dense(states: GemmStates, settings: Settings, x: jax.Array,
       states.track_updates(kernel)
     return norm_project(x, norm, kernel, bias, settings, dtype, found[0],
                         features=kernel.shape[1:], return_norm_output=return_norm_output,
-                        split_output=split_output)
+                        split_output=split_output, return_input=return_input)
   ln_out = module_norm(owner, settings, x, norm, dtype, kernels=fuse_norm_quantize)
   y = gemm(states, settings, ln_out, kernel, bias, kernel_axes=kernel_axes,
            split_output=split_output)
-  return (y, ln_out) if return_norm_output else y
+  out = ((y, ln_out) if return_norm_output else (y,)) + ((x,) if return_input else ())
+  return out if len(out) > 1 else y
 
 
 def norm_project(x, norm: norm_dense_lib.NormParams, kernel, bias, settings: Settings, dtype,
                  state, *, features, return_norm_output: bool,
-                 split_output: SplitOutput = False):
+                 split_output: SplitOutput = False, return_input: bool = False):
   """``te_jax.norm_dense.fp8_norm_dense`` on the 2-D views of a module's input
   x (..., embed), kernel (embed, *features) in its parameter dtype and bias
   (*features,) or None, in the module's shapes: (..., *features), or the
   blocks of ``split_output`` (as :func:`~te_jax.layers.gemm.gemm` splits),
-  and with ``return_norm_output`` also the normalized x in ``dtype``."""
+  and with ``return_norm_output`` also the normalized x in ``dtype``, with
+  ``return_input`` x passed through last."""
   embed, lead = x.shape[-1], x.shape[:-1]
   blocks = output_blocks(split_output, tuple(features))
   rest = math.prod(features[1:])
@@ -128,7 +133,10 @@ def norm_project(x, norm: norm_dense_lib.NormParams, kernel, bias, settings: Set
       zero_centered_gamma=norm.zero_centered_gamma, recipe=settings.recipe,
       fp8_state=state, impl=settings.impl, return_norm_output=return_norm_output,
       dtype=dtype, split_sizes=sizes if len(sizes) > 1 else None,
-      **settings.residual_plan())
+      return_input=return_input, **settings.residual_plan())
+  passed = ()
+  if return_input:
+    out, passed = (out[:-1] if len(out) > 2 else out[0]), (out[-1],)
   y, ln_out = out if return_norm_output else (out, None)
   if len(sizes) > 1:
     y = tuple(p.reshape(lead + block_shape(b, features)) for p, b in zip(y, blocks))
@@ -136,4 +144,5 @@ def norm_project(x, norm: norm_dense_lib.NormParams, kernel, bias, settings: Set
     y = (y.reshape(lead + block_shape(blocks[0], features)),)
   else:
     y = y.reshape(lead + tuple(features))
-  return (y, ln_out.reshape(x.shape)) if return_norm_output else y
+  out = ((y, ln_out.reshape(x.shape)) if return_norm_output else (y,)) + passed
+  return out if len(out) > 1 else y

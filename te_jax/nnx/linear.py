@@ -265,17 +265,21 @@ class Linear(nnx.Module):
     st.add_fp8_state(self, mode)
 
   def __call__(self, x: jax.Array, *, input_norm: Optional[norm_dense.NormParams] = None,
-               return_norm_output: bool = False, residual: Optional[jax.Array] = None):
+               return_norm_output: bool = False, residual: Optional[jax.Array] = None,
+               return_input: bool = False):
     """Applies the projection; see the class docstring for shapes.
 
-    ``input_norm``, ``return_norm_output`` and ``residual``: as
+    ``input_norm``, ``return_norm_output``, ``residual`` and ``return_input``: as
     ``te_jax.flax.DenseGeneral.__call__`` (the projection of ``norm(x)``, the
     norm fused into the FP8 quantization of the GEMM input where it can be;
     an array added to the output, the GEMM's C input where it can be).
     """
     check_residual(residual, input_norm, self.split_output)
     if input_norm is not None:
-      return self._normed(x, input_norm, return_norm_output)
+      return self._normed(x, input_norm, return_norm_output, return_input)
+    if return_input:
+      raise ValueError("return_input=True passes the input through an input_norm's op: "
+                       "it needs an input_norm.")
     if return_norm_output:
       raise ValueError("return_norm_output=True needs an input_norm to return the "
                        "output of.")
@@ -298,7 +302,7 @@ class Linear(nnx.Module):
                        f"in_features {self.in_features}; got an input of shape {x.shape}.")
     return axis
 
-  def _normed(self, x, norm, return_norm_output):
+  def _normed(self, x, norm, return_norm_output, return_input=False):
     check_biases_used(self)
     check_input_norm(norm, self.axis, x.ndim)
     self._contracted(x)
@@ -307,7 +311,7 @@ class Linear(nnx.Module):
         st.NnxStates(self), st.read_autocast(self.impl), x, norm, self.kernel[...], bias,
         dtype=compute_dtype(self.dtype, x.dtype, self.param_dtype), owner="nnx.Linear",
         kernel_axes=self.kernel_axes, return_norm_output=return_norm_output,
-        split_output=self.split_output)
+        split_output=self.split_output, return_input=return_input)
 
 
 class LayerNormLinear(nnx.Module):
