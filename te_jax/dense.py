@@ -6,16 +6,15 @@ state, accumulation); this module holds the ``custom_vjp`` and the shapes and
 calls the protocol, with no knowledge of any particular recipe.
 
 Token counts (and K, N) that are not a multiple of the GEMM alignment (128 for
-blockwise, 16 per-tensor) are zero-padded here and the result sliced: zero
-rows add nothing to any product or amax, so padding never changes the result.
+blockwise, 16 per-tensor) are zero-padded here and the result sliced: zero rows
+add nothing to any product or amax.
 
 Under a mesh with ``Explicit`` axes (sharding in types) each public dense here
-runs with those axes switched to ``Auto``
-(``te_jax.explicit_axes.with_auto_axes``): the computation is the one an
-auto-axes mesh gets, and the output's type is the layout the sharded GEMM
-produces (``te_jax.sharded_dense.make_plan``'s ``y_spec``, FP8 on or off) or,
-without ``kernel_axes`` and a mesh resource, x's sharding on the leading dims
-and the kernel's on the output dims.
+runs with those axes switched to ``Auto`` (``te_jax.explicit_axes.with_auto_axes``):
+the computation is the one an auto-axes mesh gets, and the output's type is the
+layout the sharded GEMM produces (``te_jax.sharded_dense.make_plan``'s
+``y_spec``, FP8 on or off) or, without ``kernel_axes`` and a mesh resource, x's
+sharding on the leading dims and the kernel's on the output dims.
 
 >>> import jax.numpy as jnp
 >>> from te_jax import dense, recipe
@@ -57,19 +56,16 @@ class _Config(NamedTuple):
   splits: Tuple[int, ...] = ()   # the output as column blocks of these widths (a tuple)
   save_input: bool = False   # keep x, quantize its wgrad copy again in the backward
   save_kernel: bool = False  # keep the kernel, quantize its dgrad copy again there
-  has_residual: bool = False  # the output's C input, whose cotangent is g
+  has_residual: bool = False  # the fprop GEMM's C input
 
 
 def after_cotangent(g, *arrays):
   """``arrays`` passed through one optimization barrier with the cotangent ``g``.
 
-  For a backward pass that quantizes again what its forward quantized too
-  (an FP8 copy the forward did not keep): the two computations then read
-  different values, so XLA cannot merge them into one whose result it would
-  keep alive from the forward (common-subexpression elimination, which would
-  undo the saving), and the barrier's dependence on ``g`` keeps the second
-  one in the backward (a computation on parameters alone could otherwise be
-  scheduled anywhere). Returns the tuple of ``arrays``, same values.
+  For a backward that quantizes again what its forward quantized (an FP8 copy
+  not kept): XLA then cannot merge the two into one result kept alive from the
+  forward (CSE would undo the saving), and the dependence on ``g`` keeps the
+  second in the backward. Returns the tuple of ``arrays``, same values.
   """
   return lax.optimization_barrier((g, arrays))[1]
 
@@ -87,8 +83,8 @@ def _dense_2d_fwd(x, kernel, bias, residual, state, cfg):
   # x.T is only needed by wgrad: with save_input the backward quantizes it.
   qx = mode.quantize(x, "x", state, impl=impl, columnwise=not cfg.save_input)
   qk = mode.quantize(kernel, "kernel", state, impl=impl)
-  # splits: a tuple of blocks, each from its own GEMM (no slice copies).
-  # residual: the GEMM's C input, y = x @ kernel + bias + residual.
+  # splits: a tuple of blocks, each from its own GEMM (no slice copies);
+  # residual: the GEMM's C input (its cotangent is g).
   y = mode.gemm("fprop", qx.rowwise(), qk.columnwise(), out_dtype=x.dtype, bias=bias,
                 impl=impl, split_sizes=cfg.splits or None, residual=residual)
   new_state = mode.update_state(state, {"x": qx.amax, "kernel": qk.amax})
@@ -180,7 +176,7 @@ def _explicit_axes_boundary(fn):
     if not explicit_lib.explicit_axes():
       return fn(x, kernel, bias, fp8_state=fp8_state, **kw)
     if kw.get("residual") is not None:   # added to the output outside the Auto region
-      residual = kw.pop("residual")
+      residual, kw = kw["residual"], {**kw, "residual": None}
       return wrapped(x, kernel, bias, fp8_state=fp8_state, **kw) + residual
     spec = _explicit_output_spec(x, kernel, kw.get("contract_ndim", 1), kw.get("kernel_axes"),
                                  kw.get("mesh_resource"), kw.get("mesh"))
@@ -246,19 +242,18 @@ def fp8_dense(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = None,
     The two apply to the unsharded GEMMs whose operands need no padding (a
     padded copy would be a new array to keep); elsewhere the FP8 copies are
     kept and the ``te_jax`` logger says so once (INFO).
-    residual: optional (..., N) array of x's dtype added to the output (a
-      residual connection): unsharded and unpadded, the fprop GEMM's C
-      input, added before the output's one rounding (its cotangent passes
-      through); elsewhere an add after the dense.
+    residual: optional (..., N) array of x's dtype added to the output: the
+      fprop GEMM's C input (added before the output's one rounding) where
+      unsharded and unpadded, elsewhere an add after the dense.
 
   Returns:
     (..., N) array in ``x.dtype``.
   """
   mode = _check_dense_args(x, kernel, bias, recipe, fp8_state)
-  if residual is not None and (residual.shape != x.shape[:-1] + kernel.shape[1:]
-                               or residual.dtype != x.dtype):
-    raise ValueError(f"residual must have the output's shape {x.shape[:-1] + kernel.shape[1:]}"
-                     f" and x's dtype {x.dtype}; got {residual.shape} {residual.dtype}.")
+  out_shape = x.shape[:-1] + kernel.shape[1:]
+  if residual is not None and (residual.shape != out_shape or residual.dtype != x.dtype):
+    raise ValueError(f"residual must have the output's shape {out_shape} and x's dtype "
+                     f"{x.dtype}; got {residual.shape} {residual.dtype}.")
   keep = (bool(save_original_input), bool(save_original_kernel))
   if kernel_axes is not None and mesh_resource is not None:
     y = sharded_dense.sharded_fp8_dense(
@@ -468,9 +463,8 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = N
   mapped to mesh axes come first before the 2-D view is taken (a flattened
   dim is then sharded exactly as its major dims are: no resharding); the
   output is permuted back. Without sharding this is a plain reshape.
-  ``save_original_input`` / ``save_original_kernel``: as ``fp8_dense``'s;
-  ``residual`` (*lead, *out_dims) too (added after where the dims are
-  reordered for sharding).
+  ``save_original_input`` / ``save_original_kernel``, ``residual`` (*lead,
+  *out_dims): as ``fp8_dense``'s.
   """
   n_in = contract_ndim
   in_dims, out_dims = kernel.shape[:n_in], kernel.shape[n_in:]

@@ -209,10 +209,11 @@ def test_fused_gqa_under_tensor_parallelism_warns_once():
   none for multi-head attention, none without the split."""
   import warnings  # pylint: disable=import-outside-toplevel
   from te_jax import recipe, sharding  # pylint: disable=import-outside-toplevel
+  from te_jax.layers import qkv_projection  # pylint: disable=import-outside-toplevel
   mr = sharding.MeshResource(tp_resource="tp")
 
   def messages(heads, groups, tp):
-    attn_lib._warn_joined_heads.cache_clear()   # once per process: start afresh
+    qkv_projection._warn_joined_heads.cache_clear()   # once per process: start afresh
     with warnings.catch_warnings(record=True) as seen:
       warnings.simplefilter("always")
       with te_jax.fp8_autocast(True, recipe.Float8CurrentScaling(), mesh_resource=mr), \

@@ -257,7 +257,7 @@ def test_transformer_layer_puts_the_moe_in_place_of_the_mlp(name):
   assert "mlp" not in params and {"pre_mlp_norm", "moe"} <= set(params)
   assert set(variables[ROUTER_BIAS_COLLECTION]) == {"moe"}
   inter = state["intermediates"]
-  x1 = x + inter["self_attention"]["__call__"][0]
+  x1 = inter["self_attention"]["__call__"][0]   # the attention adds its residual x itself
   normed = inter["pre_mlp_norm"]["__call__"][0]
   moe_out = inter["moe"]["__call__"][0]
   (aux,) = inter["moe"][AUX_NAME]
