@@ -156,9 +156,13 @@ def test_backward_reference_dtypes():
 
 
 @pytest.mark.parametrize("dtype", [BF16, F32])
-def test_backward_dy_add_is_the_gradient_of_the_sum(dtype):
+@pytest.mark.parametrize("which", ["dy_add", "dx_add"])
+def test_backward_adds(dtype, which):
   """norm_backward(dy, dy_add=e) is norm_backward(dy + e) bit for bit, the
-  sum in dy's dtype (a normalized output with two uses: its gradients)."""
+  sum in dy's dtype (a normalized output with two uses: its gradients);
+  with dx_add=e its dx is the dx without e, rounded to x's dtype, plus e
+  (an add of the two arrays: a residual connection's cotangent), dgamma and
+  dbeta unchanged."""
   x = _rand(4, (M, H), 2.0, 0.3, dtype)
   dy, e = _rand(5, (M, H), dtype=dtype), _rand(6, (M, H), dtype=dtype)
   for norm_type, zc in NORMS:
@@ -166,36 +170,17 @@ def test_backward_dy_add_is_the_gradient_of_the_sum(dtype):
     _, mean, rstd = nrm.norm_forward_reference(x, gamma, beta, norm_type=norm_type,
                                                epsilon=EPS, zero_centered_gamma=zc)
     kw = dict(norm_type=norm_type, zero_centered_gamma=zc, impl="reference")
-    got = nrm.norm_backward(dy, x, gamma, mean, rstd, dy_add=e, **kw)
-    want = nrm.norm_backward(dy + e, x, gamma, mean, rstd, **kw)
+    got = nrm.norm_backward(dy, x, gamma, mean, rstd, **{which: e}, **kw)
     apart = nrm.norm_backward(dy, x, gamma, mean, rstd, **kw)
-    for g, w, a in zip(got, want, apart):
-      assert (g is None) == (w is None)
-      if g is not None:
-        np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
-    assert not np.array_equal(np.asarray(got[0]), np.asarray(apart[0]))  # e is not dropped
-
-
-@pytest.mark.parametrize("dtype", [BF16, F32])
-def test_backward_dx_add_is_added_to_the_rounded_dx(dtype):
-  """norm_backward(dy, dx_add=r)'s dx is its dx without r, rounded to x's
-  dtype, plus r (an add of the two arrays, bit for bit: a residual
-  connection's cotangent); dgamma and dbeta are unchanged."""
-  x = _rand(4, (M, H), 2.0, 0.3, dtype)
-  dy, r = _rand(5, (M, H), dtype=dtype), _rand(7, (M, H), dtype=dtype)
-  for norm_type, zc in NORMS:
-    gamma, beta = _params(norm_type, zc, H)
-    _, mean, rstd = nrm.norm_forward_reference(x, gamma, beta, norm_type=norm_type,
-                                               epsilon=EPS, zero_centered_gamma=zc)
-    kw = dict(norm_type=norm_type, zero_centered_gamma=zc, impl="reference")
-    got = nrm.norm_backward(dy, x, gamma, mean, rstd, dx_add=r, **kw)
-    apart = nrm.norm_backward(dy, x, gamma, mean, rstd, **kw)
-    want = (apart[0] + r,) + tuple(apart[1:])
+    if which == "dy_add":
+      want = nrm.norm_backward(dy + e, x, gamma, mean, rstd, **kw)
+    else:
+      want = (apart[0] + e,) + tuple(apart[1:])
     for g, w in zip(got, want):
       assert (g is None) == (w is None)
       if g is not None:
         np.testing.assert_array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
-    assert not np.array_equal(np.asarray(got[0]), np.asarray(apart[0]))  # r is not dropped
+    assert not np.array_equal(np.asarray(got[0]), np.asarray(apart[0]))  # e is not dropped
 
 
 def test_norm_dense_hands_the_norm_outputs_gradient_to_the_norm_backward(gpu_host):  # pylint: disable=unused-argument
@@ -842,7 +827,7 @@ def test_gpu_norm_quantize_matches_reference(shape, dtype):
 def test_gpu_norm_backward_dy_add_is_the_sum(dtype):
   """The kernel summing dy + dy_add as it reads them writes the bytes it
   writes given the sum (XLA's add), for every norm (the reference of the
-  sum: test_backward_dy_add_is_the_gradient_of_the_sum)."""
+  sum: test_backward_adds)."""
   shape = (200, 1536)
   for k, (norm_type, zc) in enumerate(NORMS):
     x, gamma, _ = _gpu_inputs(shape, dtype, norm_type, zc, seed=80 + k)
