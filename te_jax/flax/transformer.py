@@ -38,6 +38,13 @@ class TransformerLayer(nn.Module):
   Shapes: ``inputs`` (B, S, hidden_size) -> (B, S, hidden_size); ``encoded``
   (B, S_enc, E_enc).
 
+  While the hidden dropout is inactive (``hidden_dropout=0`` or
+  ``deterministic``) the attention (with its norm fused, see
+  ``fuse_norm_quantize``) and the MLP add their residuals themselves
+  (``add_residual=True``): in FP8 inside their output GEMMs and norm
+  backward kernels, which XLA cannot fuse a separate add into. The sum is
+  then rounded once, not twice (``docs/design.md``).
+
   Submodules (parameter names and logical axes as documented on each):
   ``pre_attention_norm`` (LayerNorm/RMSNorm, ("embed",)), ``self_attention``
   (MultiHeadAttention), ``pre_cross_attention_norm`` and ``cross_attention``
