@@ -352,11 +352,14 @@ def test_gemm_bias(out_dtype, bias_dtype, blocks):
 
 
 @pytest.mark.parametrize("out_dtype", [BF16, F32])
-@pytest.mark.parametrize("blocks", [None, ((1, 128), (128, 128)), ((1, 128), (1, 128))])
+@pytest.mark.parametrize("blocks,fast_accum", [(None, False), (None, True),
+                                               (((1, 128), (128, 128)), False),
+                                               (((1, 128), (1, 128)), False)])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gemm_residual(out_dtype, blocks, with_bias):
+def test_gemm_residual(out_dtype, blocks, fast_accum, with_bias):
   """A residual (cuBLASLt's C, beta 1) of the output's size and magnitude,
-  alone and beside a bias, against the reference that adds it in float32."""
+  alone and beside a bias, with fast accumulation where per-tensor recipes
+  ask for it, against the reference that adds it in float32."""
   m, n, k = 256, 384, 512
   ba, bb = blocks if blocks else (None, None)
   a, b = _operand((m, k), E4M3, ba, 12, False), _operand((n, k), E4M3, bb, 13, False)
@@ -364,7 +367,7 @@ def test_gemm_residual(out_dtype, blocks, with_bias):
   res = jnp.asarray(rng.standard_normal((m, n)) * 4, out_dtype)
   bias = jnp.asarray(rng.standard_normal(n), BF16) if with_bias else None
   got = jax.jit(lambda a, b, r: gemm_ops.gemm(a, b, out_dtype=out_dtype, bias=bias, residual=r,
-                                              impl="cuda"))(a, b, res)
+                                              fast_accum=fast_accum, impl="cuda"))(a, b, res)
   want = gemm_ops.gemm_reference(a, b, F32, bias, res)
   err = _rel_err(got, want)
   assert err < _TOL[out_dtype] * 2, f"relative error {err:.3g}"
