@@ -210,8 +210,9 @@ def test_transformer_layer_folds_the_residuals(gpu_host, cls_kind):  # pylint: d
   """In the CUDA program of a TransformerLayer's loss and gradient both norm
   backwards take the residual's cotangent (a dx_add operand, not (0, 0))
   and the two output GEMMs (attention, MLP) take the residual as their C
-  input, also when the hidden dropout is off at this call; with hidden
-  dropout active they do neither (the add follows the dropout)."""
+  input, so no XLA add over the residual stream is left, also when the
+  hidden dropout is off at this call; with hidden dropout active they do
+  neither (the add follows the dropout)."""
   tokens = f"256x{K}xbf16"
   cases = ((0.0, True, True), (0.1, True, True), (0.1, False, False))
   if cls_kind == "nnx":   # (a dropout RNG of NNX's does not cross jax.grad's trace here)
@@ -226,6 +227,11 @@ def test_transformer_layer_folds_the_residuals(gpu_host, cls_kind):  # pylint: d
     residual_gemms = [ops for ops in gemms if ops[-1] == tokens]   # C: the last operand
     # The attention's output projection and the MLP's down projection.
     assert len(residual_gemms) == (2 if folded else 0), (dropout, gemms)
+    # ... and no XLA add over the residual stream is left (two forward, two
+    # backward without the fold).
+    stream = f"tensor<2x128x{K}xbf16>"
+    adds = [l for l in text.splitlines() if "stablehlo.add " in l and stream in l]
+    assert (len(adds) == 0) if folded else (len(adds) >= 4), (dropout, adds)
 
 
 @pytest.mark.gpu
