@@ -487,7 +487,7 @@ def dense_general(x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array] = N
   xp = jnp.transpose(x, tuple(range(nl)) + tuple(nl + i for i in in_perm))
   xnd = xp.reshape(lead + (math.prod(in_dims),)) if lead else xp.reshape(1, -1)
   b = None if bias is None else jnp.transpose(bias, out_perm).reshape(-1)
-  inside = residual is not None and out_perm == tuple(range(len(out_dims))) and lead
+  inside = residual is not None and out_perm == tuple(range(len(out_dims))) and bool(lead)
   y = dense(xnd, k2d, b, recipe=recipe, fp8_state=fp8_state, impl=impl,
             kernel_axes=axes2d, mesh_resource=mesh_resource, mesh=mesh,
             save_original_input=save_original_input,

@@ -172,9 +172,7 @@ class TransformerLayer(nn.Module):
     return x + self._drop(h, deterministic)
 
   def _folds_residual(self, deterministic) -> bool:
-    """Whether the sublayers add their residuals themselves (no hidden
-    dropout between their output and the add)."""
-    return self.hidden_dropout == 0.0 or deterministic
+    return layer_lib.folds_residuals(self.hidden_dropout, deterministic)
 
   def _attention(self, name, mask_type, rotary, dtype, decode=False, max_document_length=None):
     return MultiHeadAttention(

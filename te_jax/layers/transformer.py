@@ -10,13 +10,21 @@ from typing import Optional
 
 from te_jax.layers.attention import check_input_3d, check_segment_arg
 
-__all__ = ["LAYER_TYPES", "MLP_TYPES", "check_layer_type", "check_mlp_type",
+__all__ = ["LAYER_TYPES", "MLP_TYPES", "folds_residuals", "check_layer_type", "check_mlp_type",
            "self_attn_mask_type", "check_layer_inputs", "token_mask"]
 
 LAYER_TYPES = ("encoder", "decoder")
 # "dense": the LayerNormMLP sublayer; "moe": a norm, then a mixture of experts
 # (te_jax.flax.MoE / te_jax.nnx.MoE) in its place.
 MLP_TYPES = ("dense", "moe")
+
+
+def folds_residuals(hidden_dropout: float, deterministic: bool) -> bool:
+  """Whether a TransformerLayer's sublayers add their residuals themselves
+  (``add_residual=True``: in FP8 inside their output GEMMs and norm
+  backward kernels): when no hidden dropout stands between a sublayer's
+  output and its residual add in this call."""
+  return hidden_dropout == 0.0 or bool(deterministic)
 
 
 def check_layer_type(layer_type: str) -> None:

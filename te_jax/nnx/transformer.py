@@ -148,11 +148,14 @@ class TransformerLayer(nnx.Module):
     if not self.fuse_norm_quantize:
       return x + self._drop(attention(norm(x), deterministic=deterministic, **kw),
                             deterministic)
-    if self.dropout is None or deterministic:
+    if layer_lib.folds_residuals(self._hidden_dropout(), deterministic):
       return attention(x, input_norm=norm.norm_params(), deterministic=deterministic,
                        add_residual=True, **kw)
     h = attention(x, input_norm=norm.norm_params(), deterministic=deterministic, **kw)
     return x + self._drop(h, deterministic)
+
+  def _hidden_dropout(self) -> float:
+    return 0.0 if self.dropout is None else self.dropout.rate
 
   def _drop(self, x, deterministic):
     return x if self.dropout is None else self.dropout(x, deterministic=deterministic)
@@ -190,7 +193,7 @@ class TransformerLayer(nnx.Module):
     if self.mlp_type == "moe":
       h = self.moe(self.pre_mlp_norm(x), token_mask=layer_lib.token_mask(segment_ids),
                    deterministic=deterministic)
-    elif self.dropout is None or deterministic:   # the block adds the residual (Linen's note)
+    elif layer_lib.folds_residuals(self._hidden_dropout(), deterministic):
       return self.mlp(x, deterministic=deterministic, add_residual=True)
     else:
       h = self.mlp(x, deterministic=deterministic)
