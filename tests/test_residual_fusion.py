@@ -288,6 +288,10 @@ def test_projection_residual_arguments():
         jnp.ones(K), None, "rmsnorm", 1e-6, False))
   with pytest.raises(TypeError, match="residual must be a jax.Array"):
     m.apply(v, x, residual=np.zeros(x.shape))
+  with pytest.raises(ValueError, match="return_input=True returns what the input_norm gives"):
+    m.apply(v, x, return_input=True)
+  with pytest.raises(ValueError, match="return_input=True returns what the input_norm gives"):
+    tnx.Linear(K, K, rngs=nnx.Rngs(0))(x, return_input=True)
   attention = tfx.MultiHeadAttention(num_attention_heads=2, out_features=2 * K, dtype=BF16)
   va = attention.init(jax.random.key(0), x)
   with pytest.raises(ValueError, match="whose width 256 differs from the input's 128"):

@@ -33,7 +33,7 @@ from te_jax import norm_dense
 from te_jax.flax import fp8_module
 from te_jax.flax.norm import norm_params
 from te_jax.layers import dense as dense_core
-from te_jax.layers.dense import check_residual
+from te_jax.layers.dense import check_call_options
 from te_jax.layers import init as init_lib
 from te_jax.layers.checks import check_input_rank, compute_dtype, to_tuple
 from te_jax.layers.gemm import canonicalize_axes, check_split_output
@@ -251,14 +251,12 @@ class DenseGeneral(nn.Module):
         kernel (no add of its own).
     """
     check_input_rank("inputs", inputs)
-    check_residual(residual, input_norm, self.split_output)
+    check_call_options(input_norm, self.split_output, residual=residual,
+                       return_norm_output=return_norm_output, return_input=return_input)
     settings = fp8_module.read_autocast(self.impl)
     states = fp8_module.LinenStates(self)
     compute = compute_dtype(self.dtype, inputs.dtype, self.param_dtype)
     if input_norm is None:
-      if return_norm_output or return_input:
-        raise ValueError(f"{'return_norm_output' if return_norm_output else 'return_input'}"
-                         "=True needs an input_norm.")
       axis = canonicalize_axes(self.axis, inputs.ndim)
       kernel, bias, kernel_axes = self._declare(tuple(inputs.shape[a] for a in axis))
       return dense_core.project(states, settings, inputs, kernel, bias, axis=axis,

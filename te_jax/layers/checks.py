@@ -21,7 +21,8 @@ from typing import Optional, Tuple
 import jax.numpy as jnp
 
 __all__ = ["to_tuple", "compute_dtype", "check_add_residual", "check_rate", "positive_int",
-           "optional_positive_int", "check_input_rank", "attention_options", "mlp_options", "transformer_options"]
+           "optional_positive_int", "check_input_rank", "attention_options", "mlp_options",
+           "transformer_options"]
 
 
 def to_tuple(name: str, value) -> Tuple[int, ...]:

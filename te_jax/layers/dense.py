@@ -27,12 +27,21 @@ from te_jax.layers.norm import fused_norm_states, module_norm
 from te_jax.layers.settings import Settings
 from te_jax.layers.state import GemmStates
 
-__all__ = ["project", "norm_dense", "norm_project", "check_residual"]
+__all__ = ["project", "norm_dense", "norm_project", "check_call_options"]
 
 
-def check_residual(residual, input_norm, split_output) -> None:
-  """A projection's ``residual`` argument: an array, not combined with an
-  ``input_norm`` or a ``split_output`` (ValueError naming the conflict)."""
+def check_call_options(input_norm, split_output, *, residual=None,
+                       return_norm_output: bool = False, return_input: bool = False) -> None:
+  """A projection call's options (DenseGeneral, nnx.Linear): the outputs of
+  an ``input_norm`` (``return_norm_output``, ``return_input``) need one, and
+  a ``residual`` is an array not combined with an ``input_norm`` or a
+  ``split_output`` (ValueError / TypeError naming the argument)."""
+  if input_norm is None:
+    for name, flag in (("return_norm_output", return_norm_output),
+                       ("return_input", return_input)):
+      if flag:
+        raise ValueError(f"{name}=True returns what the input_norm gives: it needs an "
+                         "input_norm.")
   if residual is None:
     return
   if input_norm is not None or split_output is not False:

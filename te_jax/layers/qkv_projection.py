@@ -121,10 +121,7 @@ def project_qkv(inputs_q, inputs_kv, *, self_attn: bool, input_norm=None,
     ``return_input`` also the passed-through ``inputs_q``.
   """
   norm_kw = {} if input_norm is None else {"input_norm": input_norm}
-  if return_input:
-    if input_norm is None:
-      raise ValueError("return_input=True passes inputs_q through the input_norm's op: it "
-                       "needs an input_norm.")
+  if return_input:   # (the projection checks that there is an input_norm)
     norm_kw["return_input"] = True
   if qkv is not None:
     out = qkv(inputs_q, **norm_kw)

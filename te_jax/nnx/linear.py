@@ -19,7 +19,7 @@ from flax.core import meta
 
 from te_jax import norm_dense
 from te_jax.layers import dense as dense_core
-from te_jax.layers.dense import check_residual
+from te_jax.layers.dense import check_call_options
 from te_jax.layers import init as init_lib
 from te_jax.layers.checks import check_input_rank, compute_dtype, to_tuple
 from te_jax.layers.gemm import FP8_META, canonicalize_axes, check_split_output
@@ -274,15 +274,10 @@ class Linear(nnx.Module):
     norm fused into the FP8 quantization of the GEMM input where it can be;
     an array added to the output, the GEMM's C input where it can be).
     """
-    check_residual(residual, input_norm, self.split_output)
+    check_call_options(input_norm, self.split_output, residual=residual,
+                       return_norm_output=return_norm_output, return_input=return_input)
     if input_norm is not None:
       return self._normed(x, input_norm, return_norm_output, return_input)
-    if return_input:
-      raise ValueError("return_input=True passes the input through an input_norm's op: "
-                       "it needs an input_norm.")
-    if return_norm_output:
-      raise ValueError("return_norm_output=True needs an input_norm to return the "
-                       "output of.")
     check_biases_used(self)
     settings = st.read_autocast(self.impl)
     axis = self._contracted(x)
