@@ -73,7 +73,8 @@ def keep_fp8_copies(enabled: bool = True):
   if "keep_fp8_copies" in inspect.signature(te_jax.fp8_autocast).parameters:
     ctx = autocast.get_fp8_context()
     with te_jax.fp8_autocast(enabled=ctx.enabled, fp8_recipe=ctx.recipe,
-                             mesh_resource=ctx.mesh_resource, keep_fp8_copies=True):
+                             mesh_resource=ctx.mesh_resource, keep_fp8_copies=True,
+                             store_act_input_in_fp8=ctx.store_act_input_in_fp8):
       yield
     return
   saved = [(m, n, getattr(m, n)) for m, n in ((fused_mlp, "fp8_mlp"),
@@ -200,7 +201,7 @@ def model_residuals(recipe: str, overrides: dict) -> List[Residual]:
   # The Config's residual choice reaches this autocast as the trainer's.
   store = {"store_act_input_in_fp8": True} if cfg.store_act_input_in_fp8 else {}
   with te_jax.fp8_autocast(enabled=rec is not None, fp8_recipe=rec, **store), \
-       keep_fp8_copies(keep):
+       keep_fp8_copies(keep or cfg.keep_fp8_copies):
     variables = nn.meta.unbox(jax.eval_shape(lambda: model.init(jax.random.key(0), *batch)))
     return saved_residuals(lambda v: train_gpt.loss_fn(model, v, batch)[0], variables)
 

@@ -167,16 +167,20 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                       help="keep the optimizer state (AdamW's moments) in host memory between "
                            "steps (te_jax.offload; the same losses, less device memory); "
                            "under FSDP each device's shard goes to its host")
-  parser.add_argument("--keep_fp8_copies", action="store_true",
+  parser.add_argument("--keep_fp8_copies", action=argparse.BooleanOptionalAction,
+                      default=None,
                       help="the fused norm and MLP blocks keep their FP8 copies of norm(x) and "
                            "the kernels for the backward instead of quantizing them again there "
                            "(te_jax.fp8_autocast(keep_fp8_copies=True): faster, one byte per "
-                           "element more device memory)")
-  parser.add_argument("--store_act_input_in_fp8", action="store_true",
+                           "element more device memory; default: on for --preset llama, off "
+                           "for the others)")
+  parser.add_argument("--store_act_input_in_fp8", action=argparse.BooleanOptionalAction,
+                      default=None,
                       help="the fused MLP blocks keep their activation's input h for the "
                            "backward in E4M3 (1x128 tiles) instead of the compute dtype "
                            "(te_jax.fp8_autocast(store_act_input_in_fp8=True): less device "
-                           "memory, one more quantize pass; see BENCHMARKS.md)")
+                           "memory, one more quantize pass; see BENCHMARKS.md; default: on "
+                           "for --preset llama, off for the others)")
   parser.add_argument("--out_dir", default="runs/train_gpt",
                       help="where loss_curve.png and metrics.json go")
   parser.add_argument("--sample_chars", type=int, default=80,

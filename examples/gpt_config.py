@@ -51,10 +51,12 @@ class Config:
   num_docs: Optional[int] = None
   remat: bool = False
   offload_optimizer: bool = False  # optimizer state in host memory (te_jax.offload)
-  keep_fp8_copies: bool = False    # fp8_autocast(keep_fp8_copies=): FP8 copies kept for the
-                                   # backward (faster, more memory)
-  store_act_input_in_fp8: bool = False  # fp8_autocast(store_act_input_in_fp8=): the MLP's
-                                   # activation input kept in E4M3 (less memory)
+  keep_fp8_copies: Optional[bool] = None  # fp8_autocast(keep_fp8_copies=): FP8 copies kept
+                                   # for the backward (faster, more memory); None: the
+                                   # preset's (on for llama)
+  store_act_input_in_fp8: Optional[bool] = None  # fp8_autocast(store_act_input_in_fp8=):
+                                   # the MLP's activation input kept in E4M3 (less memory);
+                                   # None: the preset's (on for llama)
   doc_window: Optional[bool] = None  # attention only over a band as wide as the longest
                                    # document; None: the preset's (on for llama)
   ckpt_dir: Optional[str] = None
@@ -81,6 +83,8 @@ class Config:
     base.setdefault("arch", "gpt")
     base.setdefault("doc_window", False)
     base.setdefault("experts", 0)
+    base.setdefault("keep_fp8_copies", False)
+    base.setdefault("store_act_input_in_fp8", False)
     cfg = dataclasses.replace(
         self, **{k: v for k, v in base.items() if getattr(self, k) is None})
     if cfg.arch not in ARCHS:

@@ -175,21 +175,26 @@ def test_fused_mlp_makes_each_fp8_copy_once(gpu_host, rname):  # pylint: disable
 
 
 # The guard: a small Llama-like model (every FP8 layer on its fused path:
-# dims multiples of 128) in bf16 and every recipe.
+# dims multiples of 128) in bf16 and every recipe, under the library's memory
+# plan (the autocast's defaults) and under the llama preset's (FP8 copies kept,
+# the activation's input in E4M3).
 _MODEL = dict(preset="llama", hidden=256, layers=2, heads=2, kv_groups=1, mlp=768,
               seq_len=256, batch=2, doc_window=False, num_docs=20)
+_PLANS = {"library": dict(keep_fp8_copies=False, store_act_input_in_fp8=False),
+          "llama preset": {}}
 
 
 @pytest.fixture(scope="module")
 def model_residuals():
-  return {name: model_memory.model_residuals(name, _MODEL)
-          for name in ("none", "delayed", "current", "blockwise")}
+  return {(plan, name): model_memory.model_residuals(name, dict(_MODEL, **_PLANS[plan]))
+          for plan in _PLANS for name in ("none", "delayed", "current", "blockwise")}
 
 
+@pytest.mark.parametrize("plan", list(_PLANS))
 @pytest.mark.parametrize("rname", ["delayed", "current", "blockwise"])
-def test_fp8_step_keeps_no_more_than_bf16_per_layer(model_residuals, rname):
-  base = model_memory.residual_bytes_by_layer(model_residuals["none"], depth=3)
-  fp8 = model_memory.residual_bytes_by_layer(model_residuals[rname], depth=3)
+def test_fp8_step_keeps_no_more_than_bf16_per_layer(model_residuals, rname, plan):
+  base = model_memory.residual_bytes_by_layer(model_residuals[plan, "none"], depth=3)
+  fp8 = model_memory.residual_bytes_by_layer(model_residuals[plan, rname], depth=3)
   assert {k for k in base if k.startswith("layer_")} == {
       k for k in fp8 if k.startswith("layer_")}
   over = {k: (fp8[k], base.get(k, 0)) for k in fp8 if fp8[k] > base.get(k, 0)}
@@ -203,7 +208,7 @@ def test_fused_norm_layers_keep_no_fp8_copies(model_residuals, rname):
   FP8; the output projection keeps its FP8 x.T and kernel (the modules'
   choice)."""
   fp8 = {}
-  for row in model_residuals[rname]:
+  for row in model_residuals["library", rname]:
     if row.dtype.startswith("float8") and not row.argument:
       layer = model_memory.layer_of(row.where)
       fp8[layer] = fp8.get(layer, 0) + row.nbytes
@@ -219,9 +224,11 @@ def test_compiled_fp8_step_needs_no_more_device_memory_than_bf16():
   recipe against bf16."""
   overrides = dict(hidden=512, layers=2, heads=4, kv_groups=2, mlp=1536, seq_len=1024,
                    doc_window=False, num_docs=200)
-  totals = {}
-  for name in ("none", "delayed", "current", "blockwise"):
-    stats = model_memory.memory_stats(model_memory.compile_step("llama", name, 8, overrides))
-    totals[name] = stats["argument"] + stats["temp"]
-  over = {k: v / totals["none"] for k, v in totals.items() if v > totals["none"]}
-  assert not over, f"arguments + temp above bf16's ({totals['none']} B): {over}"
+  for plan, options in _PLANS.items():
+    totals = {}
+    for name in ("none", "delayed", "current", "blockwise"):
+      stats = model_memory.memory_stats(
+          model_memory.compile_step("llama", name, 8, dict(overrides, **options)))
+      totals[name] = stats["argument"] + stats["temp"]
+    over = {k: v / totals["none"] for k, v in totals.items() if v > totals["none"]}
+    assert not over, f"{plan} plan: arguments + temp above bf16's ({totals['none']} B): {over}"

@@ -337,12 +337,13 @@ def test_warns_once_where_the_block_cannot_apply_it(caplog):
 def test_train_gpt_config_field_reaches_the_autocast():
   """``Config.store_act_input_in_fp8`` (``--set store_act_input_in_fp8=true``
   in bench_model / model_memory) is what the trainer's autocast carries; off
-  by default. The trainer is not built: its autocast reads only its config,
-  recipe and mesh resource."""
+  by default outside the llama preset. The trainer is not built: its
+  autocast reads only its config (resolved, as the trainer's), recipe and
+  mesh resource."""
   import train_gpt  # pylint: disable=import-error,import-outside-toplevel  (examples/ on the path)
   for fields, want in (({}, False), ({"store_act_input_in_fp8": True}, True)):
     trainer = train_gpt.Trainer.__new__(train_gpt.Trainer)
-    trainer.cfg = train_gpt.Config(preset="tiny", **fields)
+    trainer.cfg = train_gpt.Config(preset="tiny", **fields).resolved()
     trainer.recipe, trainer.mesh_resource = train_gpt.make_recipe("blockwise"), None
     with trainer.autocast() as ctx:
       assert ctx.enabled and ctx.store_act_input_in_fp8 is want

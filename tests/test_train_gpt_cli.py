@@ -423,18 +423,21 @@ def test_lr_schedule_note_says_what_the_extra_steps_get():
 
 @pytest.mark.parametrize("field", ["keep_fp8_copies", "store_act_input_in_fp8"])
 def test_memory_plan_flags_reach_the_autocast(field):
-  """``--keep_fp8_copies`` and ``--store_act_input_in_fp8`` set their Config
-  fields, and the trainer's autocast (what its steps trace under) carries
-  them; off by default. The trainer is not built: its autocast reads only
-  its config, recipe and mesh resource."""
-  for flags, want in (([], False), ([f"--{field}"], True)):
+  """``--keep_fp8_copies`` and ``--store_act_input_in_fp8`` (and their
+  ``--no-`` forms) set their Config fields, and the trainer's autocast (what
+  its steps trace under) carries them. Without the flag the preset decides:
+  on for llama, off for the others. The trainer is not built: its autocast
+  reads only its config, recipe and mesh resource."""
+  cases = (("tiny", [], False), ("tiny", [f"--{field}"], True),
+           ("llama", [], True), ("llama", [f"--no-{field}"], False))
+  for preset, flags, want in cases:
     args = gpt_cli.build_parser("x").parse_args(flags)
-    assert getattr(args, field) is want
+    assert getattr(args, field) is (None if not flags else not flags[0].startswith("--no-"))
     trainer = train_gpt.Trainer.__new__(train_gpt.Trainer)
-    trainer.cfg = train_gpt.Config(preset="tiny", **{field: getattr(args, field)})
+    trainer.cfg = train_gpt.Config(preset=preset, **{field: getattr(args, field)}).resolved()
     trainer.recipe, trainer.mesh_resource = train_gpt.make_recipe("delayed"), None
     with trainer.autocast() as ctx:
-      assert ctx.enabled and getattr(ctx, field) is want
+      assert ctx.enabled and getattr(ctx, field) is want, (preset, flags)
 
 
 def test_short_runs_report_a_final_loss_of_their_last_steps():

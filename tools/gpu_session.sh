@@ -46,7 +46,8 @@
 #             `cp -r .te/cN /tmp/te/.cN && mv /tmp/te/.cN /tmp/te/cN`); its
 #             build starts in the background once all six are there
 #   actfp8    ACTFP8_RECIPES (default bf16 and the three FP8 recipes) with
-#             --set store_act_input_in_fp8=true (not in the default list)
+#             --set keep_fp8_copies=false,store_act_input_in_fp8=true (not in
+#             the default list; the model stage runs the preset's plan, both on)
 #   moe       bench_moe.py rows (MOE_PARTS, default layer,model; the layer at
 #             each of MOE_LAYER_SIZES, default "full wide"; MOE_RECIPES;
 #             MOE_TIMEOUT seconds each), each layer row with its 12 largest kernels
@@ -227,8 +228,11 @@ if want suite; then
      > "$OUT/suite.log" 2>&1) &
   s1=$!
   tables=" ${MEMORY_TABLES:-offload live actfp8} "
+  # The tables keep the library's residual plan (the llama preset keeps the
+  # FP8 copies and h in E4M3; the model stage measures that).
+  library_plan=keep_fp8_copies=false,store_act_input_in_fp8=false
   [[ "$tables" == *" offload "* ]] && \
-    memory_table memory_offload "offload: " 300 --offload_optimizer
+    memory_table memory_offload "offload: " 300 --offload_optimizer --set "$library_plan"
   # Without offload, at batch 4 and 8: the buffers live at the peak, and how
   # many copies XLA's rematerialization made to fit the device.
   # (Each table's rows join stages.log only when it ran: a log left by an
@@ -236,12 +240,14 @@ if want suite; then
   if [[ "$tables" == *" live "* ]]; then
     (cd /tmp && timeout 300 python3 "$REPO/benchmarks/model_memory.py" --preset llama \
        --batches 4,8 --recipes none,delayed --jobs 4 --dump /tmp/gpu_session_dump --top 15 \
+       --set "$library_plan" \
        > "$OUT/memory_live.log" 2>&1)
     grep -E "^\| [48] \| (none|delayed) " "$OUT/memory_live.log" >> "$LOG"
   fi
   # FP8 with the MLP activation's input kept in FP8 (store_act_input_in_fp8).
   if [[ "$tables" == *" actfp8 "* ]]; then
-    memory_table memory_act_fp8 "act input in FP8: " 300 --set store_act_input_in_fp8=true
+    memory_table memory_act_fp8 "act input in FP8: " 300 \
+      --set keep_fp8_copies=false,store_act_input_in_fp8=true
   fi
   wait $s1
   tail -qn 1 "$OUT"/suite/pytest_gpu*.log >> "$LOG"
@@ -376,7 +382,7 @@ fi
 if want actfp8; then   # the model with the MLP activation's input kept in FP8
   st "actfp8"
   model_rows actfp8 "act input in FP8: " 560 --recipes "${ACTFP8_RECIPES:-none,delayed,current,blockwise}" \
-    --set store_act_input_in_fp8=true --timeout 180
+    --set keep_fp8_copies=false,store_act_input_in_fp8=true --timeout 180
 fi
 if want moe; then
   st "moe"
