@@ -69,7 +69,7 @@ from te_jax.ops import normalization as norm_op
 
 __all__ = ["NormParams", "NormSpec", "MAX_HIDDEN", "fp8_norm_dense", "supported",
            "norm_spec", "quantize_normalized", "requantize_normalized", "normalized",
-           "norm_grads", "normalize"]
+           "norm_grads", "normalize", "optional_outputs", "split_optional_outputs"]
 
 # The largest normalized dim the CUDA kernels take (the backward's limit).
 MAX_HIDDEN = norm_op.MAX_CUDA_HIDDEN
@@ -177,6 +177,23 @@ class _Config(NamedTuple):
   save_input: bool = True   # no FP8 copy of norm(x) kept: quantized again from x
   save_kernel: bool = True  # no FP8 copy of the kernel kept: quantized again
   return_input: bool = False  # x passed through: its cotangent joins dx in the norm's kernel
+
+
+def optional_outputs(y, norm_output=None, passed_input=None):
+  """The norm + GEMM functions' return convention (``return_norm_output``,
+  ``return_input``): ``y`` alone, or the tuple of ``y`` and those of
+  ``norm_output`` and ``passed_input`` that are given, in that order."""
+  extra = tuple(a for a in (norm_output, passed_input) if a is not None)
+  return (y,) + extra if extra else y
+
+
+def split_optional_outputs(out, norm_output: bool, passed_input: bool):
+  """``(y, norm_output, passed_input)`` of what :func:`optional_outputs`
+  made, None for an output not requested."""
+  if not (norm_output or passed_input):
+    return out, None, None
+  y, *rest = out
+  return y, (rest.pop(0) if norm_output else None), (rest.pop(0) if passed_input else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
@@ -346,8 +363,7 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
                 bool(return_input))
   bp = None if bias is None else dense_lib.pad_to(bias.astype(out_dtype), 0, align)
   out = _norm_dense(x2d, gamma, beta, kp, bp, fp8_state, cfg)
-  if return_input:
-    out, x_passed = out
+  out, x_passed = out if return_input else (out, None)
   y, ln = out if return_norm_output else (out, None)
   if fused_split:   # each block tagged for te_jax.remat's policies
     y = tuple(remat.tag_fp8_gemm(part.reshape(*lead, f)) for part, f in zip(y, sizes))
@@ -355,10 +371,8 @@ def fp8_norm_dense(x: jax.Array, gamma: jax.Array, beta: Optional[jax.Array],
     y = remat.tag_fp8_gemm(y[:, :n].reshape(*lead, n))
     if len(sizes) > 1:
       y = dense_lib.split_columns(y, sizes)
-  out = (y, ln.reshape(x.shape)) if return_norm_output else (y,)
-  if return_input:
-    out += (x_passed.reshape(x.shape),)
-  return out if len(out) > 1 else y
+  return optional_outputs(y, ln.reshape(x.shape) if return_norm_output else None,
+                          x_passed.reshape(x.shape) if return_input else None)
 
 
 # ------------------------------------------------ the norm without FP8 ---

@@ -201,11 +201,11 @@ class MultiHeadAttention(nn.Module):
       proj = dict(query=self._dense((h, d), "query", ("embed", "heads", "kv"), dtype=compute),
                   kv=lambda x: self._dense((2, g, d), "kv", ("embed", "qkv", "heads", "kv"),
                                            dtype=compute, split=True)(x))
-    # With a fused norm the residual is inputs_q as passed through it, so
+    # The residual: inputs_q as passed through the projection's norm, so
     # that its cotangent is added in the norm's backward kernel.
-    q, k, v, *passed = attn.project_qkv(
-        inputs_q, inputs_kv, self_attn=self_attn, input_norm=input_norm,
-        return_input=add_residual and input_norm is not None, **proj)
+    q, k, v, *residual = attn.project_qkv(inputs_q, inputs_kv, self_attn=self_attn,
+                                          input_norm=input_norm, return_input=add_residual,
+                                          **proj)
 
     step = None
     if not self.decode:
@@ -229,5 +229,5 @@ class MultiHeadAttention(nn.Module):
     if add_residual:
       checks.check_add_residual("MultiHeadAttention", inputs_q, compute, width)
     out = self._dense(width, "out", ("heads", "kv", "embed"), axis=(-2, -1), dtype=compute)(
-        out.astype(compute), residual=(passed or [inputs_q])[0] if add_residual else None)
+        out.astype(compute), residual=residual[0] if residual else None)
     return out if step is None else cache_lib.mark_overflow(out, step.valid)

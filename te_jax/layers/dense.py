@@ -117,8 +117,8 @@ def norm_dense(states: GemmStates, settings: Settings, x: jax.Array,
   ln_out = module_norm(owner, settings, x, norm, dtype, kernels=fuse_norm_quantize)
   y = gemm(states, settings, ln_out, kernel, bias, kernel_axes=kernel_axes,
            split_output=split_output)
-  out = ((y, ln_out) if return_norm_output else (y,)) + ((x,) if return_input else ())
-  return out if len(out) > 1 else y
+  return norm_dense_lib.optional_outputs(y, ln_out if return_norm_output else None,
+                                         x if return_input else None)
 
 
 def norm_project(x, norm: norm_dense_lib.NormParams, kernel, bias, settings: Settings, dtype,
@@ -143,15 +143,13 @@ def norm_project(x, norm: norm_dense_lib.NormParams, kernel, bias, settings: Set
       fp8_state=state, impl=settings.impl, return_norm_output=return_norm_output,
       dtype=dtype, split_sizes=sizes if len(sizes) > 1 else None,
       return_input=return_input, **settings.residual_plan())
-  passed = ()
-  if return_input:
-    out, passed = (out[:-1] if len(out) > 2 else out[0]), (out[-1],)
-  y, ln_out = out if return_norm_output else (out, None)
+  y, ln_out, passed = norm_dense_lib.split_optional_outputs(out, return_norm_output,
+                                                            return_input)
   if len(sizes) > 1:
     y = tuple(p.reshape(lead + block_shape(b, features)) for p, b in zip(y, blocks))
   elif blocks:   # one block: the output as it is, in a tuple
     y = (y.reshape(lead + block_shape(blocks[0], features)),)
   else:
     y = y.reshape(lead + tuple(features))
-  out = ((y, ln_out.reshape(x.shape)) if return_norm_output else (y,)) + passed
-  return out if len(out) > 1 else y
+  return norm_dense_lib.optional_outputs(
+      y, ln_out.reshape(x.shape) if return_norm_output else None, passed)

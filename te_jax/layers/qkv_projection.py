@@ -111,26 +111,28 @@ def project_qkv(inputs_q, inputs_kv, *, self_attn: bool, input_norm=None,
     query: ``query(x, **norm) -> q`` (``return_norm_output=True`` also
       returns the normalized x) and
     kv: ``kv(x) -> (k, v)``.
-    return_input: with ``input_norm``, also return ``inputs_q`` as passed
-      through the projection's norm (its ``return_input``: the residual of
-      a connection around the attention, whose cotangent the norm's
-      backward then adds).
+    return_input: also return the residual of a connection around the
+      attention: ``inputs_q`` as passed through the projection's norm where
+      there is an ``input_norm`` (the projection's ``return_input``: the
+      norm's backward then adds its cotangent), else ``inputs_q`` itself.
 
   Returns:
     q (B, Sq, heads, head_dim) and k, v (B, Skv, groups, head_dim); with
-    ``return_input`` also the passed-through ``inputs_q``.
+    ``return_input`` also that residual (B, Sq, E).
   """
   norm_kw = {} if input_norm is None else {"input_norm": input_norm}
-  if return_input:   # (the projection checks that there is an input_norm)
+  through_norm = return_input and input_norm is not None
+  if through_norm:
     norm_kw["return_input"] = True
+  itself = (inputs_q,) if return_input and not through_norm else ()
   if qkv is not None:
     out = qkv(inputs_q, **norm_kw)
-    return (*out[0], out[1]) if return_input else out
+    return (*out[0], out[1]) if through_norm else (*out, *itself)
   passed = ()
   if input_norm is not None and self_attn:   # K and V read the query's norm output
     q, inputs_kv, *passed = query(inputs_q, return_norm_output=True, **norm_kw)
   else:
     out = query(inputs_q, **norm_kw)
-    q, passed = (out[0], out[1:]) if return_input else (out, ())
+    q, passed = (out[0], out[1:]) if through_norm else (out, ())
   k, v = kv(inputs_kv)
-  return (q, k, v, *passed)
+  return (q, k, v, *passed, *itself)

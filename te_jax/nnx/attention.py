@@ -244,9 +244,9 @@ class MultiHeadAttention(nnx.Module):
       proj = dict(qkv=self.qkv)
     else:   # the Linen module's kv projection computes in its dtype=compute
       proj = dict(query=self.query, kv=lambda x: self.kv(x.astype(compute)))
-    q, k, v, *passed = attn.project_qkv(   # (the Linen module's note on the residual)
+    q, k, v, *residual = attn.project_qkv(   # (the Linen module's note on the residual)
         inputs_q, inputs_kv, self_attn=self_attn, input_norm=input_norm,
-        return_input=add_residual and input_norm is not None, **proj)
+        return_input=add_residual, **proj)
     deterministic = self.deterministic if deterministic is None else deterministic
     dropout = self.attention_dropout > 0.0 and not deterministic
     out = attn.attention(
@@ -259,5 +259,4 @@ class MultiHeadAttention(nnx.Module):
         enable_rotary_pos_emb=self.enable_rotary_pos_emb,
         rotary_base=self.rotary_base, max_segments_per_seq=self.max_segments_per_seq,
         max_document_length=self.max_document_length)
-    return self.out(out.astype(compute),
-                    residual=(passed or [inputs_q])[0] if add_residual else None)
+    return self.out(out.astype(compute), residual=residual[0] if residual else None)
