@@ -278,7 +278,10 @@ def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype, act_t):
   dxs, cols, col_scales, amaxes, dbis, zs = [], [], [], [], [], []
   for r0, r1 in chunk_bounds(h.shape[0], cfg.backward_chunks, mode.token_block):
     h_rows = _act_input_rows(h, r0, r1)   # an FP8 h: the kernel dequantizes as it reads
-    dz = mode.gemm("dgrad", qg.rowwise().rows(r0, r1), qwo, out_dtype=cfg.dtype, impl=impl)
+    g_rows = qg.rowwise().rows(r0, r1)
+    if dxs:   # after the last chunk's dgrad, so one rowwise dh is alive (XLA put dgrads last)
+      g_rows = jax.lax.optimization_barrier((dxs[-1], g_rows))[1]
+    dz = mode.gemm("dgrad", g_rows, qwo, out_dtype=cfg.dtype, impl=impl)
     # dh = dz * act'(h) quantized in the pass that reads dz and h. Delayed
     # scaling quantizes with the state's scale and blockwise per tile, so a
     # chunk's FP8 values are those of the whole tensor (act(h)'s copy too:
