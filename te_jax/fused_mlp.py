@@ -16,17 +16,17 @@ Compared with two ``fp8_dense`` calls and an XLA activation this saves a
 write and a read of ``z`` (forward) and of ``dh`` (backward) -- each
 ``tokens x mlp`` bf16 -- and the backward's peak memory holds no bf16 ``dh``.
 Residuals: ``h`` in bf16 (the activation's backward needs it, as it does
-unfused; in FP8 with ``store_act_input_in_fp8``, see "Memory"), ``x.T`` in
-FP8 (with a norm: ``x`` itself and its row statistics, which the norm's
-backward reads), the amaxes of ``z`` and ``norm(x)`` and the kernels as
-given. The FP8 ``z.T`` and ``norm(x).T``
-that the wgrad GEMMs read are made in the backward from ``h`` (in the
-activation backward's pass, see above) and from ``x`` and its statistics
-(a columnwise-only quantize pass, ``norm_dense.requantize_normalized``)
-with the forward's scales: the same bytes. The FP8 kernels are quantized
-again too, so that no FP8 copy of an activation that is kept anyway stays
-alive between the passes (``save_original_input`` /
-``save_original_kernel`` = False write and keep them instead).
+unfused; in FP8 with ``store_act_input_in_fp8``, see "Memory"), ``x.T`` in FP8
+(with a norm: ``x`` itself and its row statistics, which the norm's backward
+reads), the amaxes of ``z`` and ``norm(x)`` and the kernels as given. The FP8
+``z.T`` and ``norm(x).T`` that the wgrad GEMMs read are made in the backward
+from ``h`` (in the activation backward's pass, see above) and from ``x`` and
+its statistics (a columnwise-only quantize pass,
+``norm_dense.requantize_normalized``) with the forward's scales: the same
+bytes. The FP8 kernels are quantized again too, so that no FP8 copy of an
+activation that is kept anyway stays alive between the passes
+(``save_original_input`` / ``save_original_kernel`` = False write and keep them
+instead).
 
 Numerics: ``z`` and ``dh`` are computed in float32 from the bf16 ``h`` and
 quantized directly (the unfused path rounds them to bf16 first), so results
@@ -46,21 +46,18 @@ the quantization of the first GEMM's input and its backward is one kernel
 (``te_jax.norm_dense``; ``te_jax.flax.LayerNormMLP`` uses it), so the
 normalized input is never written in 16 or 32 bits either.
 
-Memory. The backward's peak holds ``h``, ``g @ wo.T`` (both ``tokens x mlp``
-in bf16), both FP8 copies of ``dh`` and (with ``save_original_input``) the
-FP8 ``z.T`` written beside them at once: one byte per ``tokens x mlp``
-element more than a backward that quantized ``z`` again in a pass of its
-own, whose ``z.T`` was consumed before ``dh`` existed. ``backward_chunks=n`` runs
-that half of the backward (the dgrad GEMM, the activation backward, the
-dgrad GEMM of ``wi``) on n row chunks, so only a chunk of ``g @ wo.T`` and
-of the rowwise ``dh`` is live at once; the chunks' columnwise ``dh`` (kept)
-and dgrads are then concatenated for the wgrad and the norm backward. The
-slices and concatenations copy, and the GEMMs are smaller, so it costs
-step time for memory (``benchmarks/bench_peers.py --backward-chunks``
-measures both; the figures are in BENCHMARKS.md). In a TransformerLayer more
-chunks stop paying once the backward's chunk loop is no longer the peak: h
-stays whole until the last chunk, and the forward's activation quantize is
-then as high.
+Memory. The backward's peak holds ``h``, ``g @ wo.T`` (both ``tokens x mlp`` in
+bf16), both FP8 copies of ``dh`` and (with ``save_original_input``) the FP8
+``z.T`` written beside them at once: one byte per ``tokens x mlp`` element more
+than a backward that quantized ``z`` again in a pass of its own, whose ``z.T``
+was consumed before ``dh`` existed. ``backward_chunks=n`` runs that half of the
+backward (the two dgrad GEMMs and the activation backward between them) on n
+row chunks, so only a chunk of ``g @ wo.T`` and of the rowwise ``dh`` is live
+at once, each chunk after the last one's dgrad; the forward keeps ``h`` as one
+piece per chunk, each freed when its chunk is done. The chunks' columnwise
+``dh`` (kept) and dgrads are then concatenated for the wgrad and the norm
+backward. The slices of ``h``, the concatenations and the smaller GEMMs cost
+step time for memory (``bench_peers.py --backward-chunks``; BENCHMARKS.md).
 Results equal the unchunked ones bit for bit in the reference, except float
 sums over the tokens (the bias and norm parameter gradients, in another
 order); on the GPU the chunks' GEMMs may pick other algorithms.
@@ -142,21 +139,24 @@ def warn_act_input_not_in_fp8(owner: str, reason: str):
       "fp8_autocast(store_act_input_in_fp8=True) asks: %s", owner, reason)
 
 
-# The format h is kept in with store_act_input_in_fp8 (act_op.H_COPY_*, the
-# copy that the forward's act_quantize(..., h_copy=True) writes). A storage
-# format, not a GEMM operand, so the same under every recipe: E4M3 (h is a forward
-# activation) with one float32 scale per 1x128 tile along the features, as
-# DeepSeek-V3 keeps its SwiGLU inputs. The scales are rounded down to powers
-# of two: an E4M3 value times a power of two is exact in bf16, so the
-# dequantized h is the same in float32 and in the compute dtype (no second
-# rounding), and E4M3 keeps 3 mantissa bits in every binade: only where
-# values fall to subnormals (about 2**-15 of the tile's max) moves, by one binade.
+# h's storage format with store_act_input_in_fp8 (act_op.H_COPY_*), a format and
+# not a GEMM operand, so the same under every recipe (see "Memory" above). Its
+# tile scales are powers of two: an E4M3 value times one is exact in bf16, so the
+# dequantized h is the same in float32 and in the compute dtype, and only values
+# falling to subnormals (about 2**-15 of the tile's max) move, by one binade.
 
 
 def _act_input_rows(h, r0: int, r1: int):
-  """Rows [r0, r1) of the kept h: a slice of h, or of its FP8 copy (data
-  and tile scales), which the dact kernel reads as it is."""
+  """Rows [r0, r1) of h, or of its FP8 copy (data and tile scales)."""
   return h.rows(r0, r1) if isinstance(h, ScaledTensor) else h[r0:r1]
+
+
+def _h_pieces(h, cfg) -> tuple:
+  """The kept h as one piece per backward chunk, each freed once its chunk is done.
+  Made in the forward, behind a barrier (else XLA slices the whole h in the backward)."""
+  bounds = chunk_bounds(h.shape[0], cfg.backward_chunks, cfg.mode.token_block)
+  return (h,) if len(bounds) == 1 else jax.lax.optimization_barrier(
+      tuple(_act_input_rows(h, r0, r1) for r0, r1 in bounds))
 
 
 def _in_dtype(h_rows, dtype) -> jax.Array:
@@ -235,6 +235,7 @@ def _mlp_fwd(x, gamma, beta, wi, bi, wo, bo, states, cfg):
   kept_h = h
   if cfg.store_act_input_in_fp8:
     qz, kept_h = qz
+  kept_h = _h_pieces(kept_h, cfg)
   qwo = mode.quantize(wo, "kernel", so, impl=impl)
   y = mode.gemm("fprop", qz.rowwise(), qwo.columnwise(), out_dtype=cfg.dtype, bias=bo,
                 impl=impl, residual=x if cfg.add_input else None)
@@ -265,19 +266,18 @@ def chunk_bounds(m: int, chunks: int, token_block: int) -> Tuple[Tuple[int, int]
   return tuple((cuts[i], cuts[i + 1]) for i in range(n))
 
 
-def _dact_chunks(cfg, qg, qwo, qwi, h, si, dx_dtype, act_t):
+def _dact_chunks(cfg, qg, qwo, qwi, h_pieces, si, dx_dtype, act_t):
   """dh = (g @ wo.T) * act'(h), quantized, and its dgrad ``dh @ wi.T``, one
-  row chunk at a time (``cfg.backward_chunks``): only a chunk of the bf16
-  ``g @ wo.T`` and of the rowwise FP8 ``dh`` is live at once (an FP8 h is
-  read as it is; only the bias gradient dequantizes its rows). With
-  ``act_t`` (an ``ActColumnwise``) the same passes write act(h)'s
-  columnwise copy. Returns the dgrad (M, K) in ``dx_dtype``, dh's
+  row chunk (``h_pieces``, :func:`_h_pieces`) after the other: only a chunk of
+  ``g @ wo.T`` and of the rowwise ``dh`` is live at once. With ``act_t`` (an
+  ``ActColumnwise``) the same passes write act(h)'s columnwise copy.
+  Returns the dgrad (M, K) in ``dx_dtype``, dh's
   columnwise operand for the wgrad, its amax (None for blockwise), the bias
   gradient of wi (or None) and act(h)'s columnwise operand (or None)."""
   mode, impl = cfg.mode, cfg.impl
   dxs, cols, col_scales, amaxes, dbis, zs = [], [], [], [], [], []
-  for r0, r1 in chunk_bounds(h.shape[0], cfg.backward_chunks, mode.token_block):
-    h_rows = _act_input_rows(h, r0, r1)   # an FP8 h: the kernel dequantizes as it reads
+  bounds = chunk_bounds(qg.rowwise().shape[0], cfg.backward_chunks, mode.token_block)
+  for (r0, r1), h_rows in zip(bounds, h_pieces):   # an FP8 h: dequantized as it is read
     g_rows = qg.rowwise().rows(r0, r1)
     if dxs:   # after the last chunk's dgrad, so one rowwise dh is alive (XLA put dgrads last)
       g_rows = jax.lax.optimization_barrier((dxs[-1], g_rows))[1]

@@ -223,7 +223,8 @@ def _kept_h_and_output(rname, save_input, impl, device):
     run = lambda x, wi, wo, states: fused_mlp._mlp_fwd(  # pylint: disable=protected-access
         x, None, None, wi, None, wo, None, states, cfg)
     y, res = jax.jit(run)(*args)
-    return y, res[2]   # res[2]: what the forward keeps of h
+    (kept,) = res[2]   # res[2]: what the forward keeps of h, a piece per backward chunk
+    return y, kept
   return fwd(True), fwd(False)
 
 

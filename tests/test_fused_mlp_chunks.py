@@ -95,11 +95,13 @@ def _barrier_operand_shapes(jaxpr):
 
 
 @pytest.mark.parametrize("rname", CHUNKABLE)
-def test_each_chunk_starts_after_the_previous_chunks_dgrad(rname):
+def test_chunks_run_in_order_each_with_its_own_piece_of_h(rname):
   # Only one chunk's rowwise dh is to be alive: a chunk's g @ wo.T reads its
   # rows of g through a barrier with the previous chunk's dgrad (M_c, K).
   # Without it XLA's GPU scheduler ran every dgrad after the last activation
   # pass: the MLP step held 32 MiB more on an H100, the layer 128 more with jax 0.12.
+  # And h is kept as one piece per chunk, made behind a barrier in the forward
+  # (else XLA slices the whole h in the backward and keeps it to the last chunk).
   r = RECIPES[rname]()
   chunks = 3
   x = _rand(0, (M, K))
@@ -114,6 +116,7 @@ def test_each_chunk_starts_after_the_previous_chunks_dgrad(rname):
   ties = [s for s in shapes if len(s) == 3 and s[0][1:] == (K,) and s[1][1:] == (N,)]
   assert [t[0] for t in ties] == [(r1 - r0, K) for r0, r1 in bounds[:-1]]
   assert [t[1] for t in ties] == [(r1 - r0, N) for r0, r1 in bounds[1:]]
+  assert [(r1 - r0, F) for r0, r1 in bounds] in [list(s) for s in shapes]
 
 
 @pytest.mark.parametrize("rname", CHUNKABLE)

@@ -77,12 +77,16 @@ def _rounded_h_vjp(r, acts, *, norm, bias, chunks, states, cot):
       gamma = beta = None
     y, res = fused_mlp._mlp_fwd(  # pylint: disable=protected-access
         x, gamma, beta, wi, bi, wo, bo, states, cfg)
-    h = res[2]   # the activation's input, (M, n_act * F) in the compute dtype
+    # the activation's input, (M, n_act * F) in the compute dtype, kept as
+    # one piece of rows per backward chunk
+    bounds = fused_mlp.chunk_bounds(M, chunks, cfg.mode.token_block)
+    assert [p.shape[0] for p in res[2]] == [r1 - r0 for r0, r1 in bounds]
+    h = jnp.concatenate(res[2])
     assert h.shape == (M, len(acts) * F) and h.dtype == jnp.bfloat16
     data, scale_inv = q.quantize_blockwise(h, (1, 128), jnp.float8_e4m3fn, power_2_scale=True,
                                            impl="reference")
     h_rounded = q.dequantize_blockwise(data, scale_inv, (1, 128), dtype=h.dtype)
-    res = res[:2] + (h_rounded,) + res[3:]
+    res = res[:2] + (tuple(h_rounded[r0:r1] for r0, r1 in bounds),) + res[3:]
     return y, fused_mlp._mlp_bwd(cfg, res, cot)  # pylint: disable=protected-access
   return jax.jit(step)
 
