@@ -139,8 +139,8 @@ def warn_act_input_not_in_fp8(owner: str, reason: str):
       "fp8_autocast(store_act_input_in_fp8=True) asks: %s", owner, reason)
 
 
-# h's storage format with store_act_input_in_fp8 (act_op.H_COPY_*), a format and
-# not a GEMM operand, so the same under every recipe (see "Memory" above). Its
+# h's storage format with store_act_input_in_fp8 (act_op.H_COPY_*; the module doc
+# says which), not a GEMM operand, so the same under every recipe. Its
 # tile scales are powers of two: an E4M3 value times one is exact in bf16, so the
 # dequantized h is the same in float32 and in the compute dtype, and only values
 # falling to subnormals (about 2**-15 of the tile's max) move, by one binade.
