@@ -267,17 +267,17 @@ def chunk_bounds(m: int, chunks: int, token_block: int) -> Tuple[Tuple[int, int]
 
 
 def _dact_chunks(cfg, qg, qwo, qwi, h_pieces, si, dx_dtype, act_t):
-  """dh = (g @ wo.T) * act'(h), quantized, and its dgrad ``dh @ wi.T``, one
-  row chunk (``h_pieces``, :func:`_h_pieces`) after the other: only a chunk of
-  ``g @ wo.T`` and of the rowwise ``dh`` is live at once. With ``act_t`` (an
-  ``ActColumnwise``) the same passes write act(h)'s columnwise copy.
-  Returns the dgrad (M, K) in ``dx_dtype``, dh's
-  columnwise operand for the wgrad, its amax (None for blockwise), the bias
-  gradient of wi (or None) and act(h)'s columnwise operand (or None)."""
+  """dh = (g @ wo.T) * act'(h), quantized, and its dgrad ``dh @ wi.T``, one chunk of
+  rows (those of ``h_pieces``, :func:`_h_pieces`) after the other: only a chunk of
+  ``g @ wo.T`` and of the rowwise ``dh`` is live at once; with ``act_t`` (an
+  ``ActColumnwise``) the same passes write act(h)'s columnwise copy. Returns the dgrad
+  (M, K) in ``dx_dtype``, dh's columnwise operand for the wgrad, its amax (None for
+  blockwise), wi's bias gradient (or None) and act(h)'s columnwise operand (or None)."""
   mode, impl = cfg.mode, cfg.impl
   dxs, cols, col_scales, amaxes, dbis, zs = [], [], [], [], [], []
-  bounds = chunk_bounds(qg.rowwise().shape[0], cfg.backward_chunks, mode.token_block)
-  for (r0, r1), h_rows in zip(bounds, h_pieces):   # an FP8 h: dequantized as it is read
+  r1 = 0
+  for h_rows in h_pieces:   # an FP8 h: dequantized as it is read
+    r0, r1 = r1, r1 + h_rows.shape[0]
     g_rows = qg.rowwise().rows(r0, r1)
     if dxs:   # after the last chunk's dgrad, so one rowwise dh is alive (XLA put dgrads last)
       g_rows = jax.lax.optimization_barrier((dxs[-1], g_rows))[1]
